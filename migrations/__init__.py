@@ -1,0 +1,1 @@
+"""Alembic migrations: the only code that creates or changes symgate's schema."""

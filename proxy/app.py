@@ -1,0 +1,95 @@
+"""Assembles the aiohttp application from a Config: components, background jobs, routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from . import __version__, migrate
+from .cache import ArtifactCache
+from .config import Config
+from .db import Repository, create_engine
+from .http import add_routes
+from .metrics import ProxyMetrics
+from .negative import NegativeCache
+from .service import ArtifactService
+from .state import STATE, AppState
+from .storage import DiskStore
+from .upstream import Upstream
+
+log = logging.getLogger(__name__)
+ACCESS_FLUSH_S = 5.0
+NEGATIVE_SWEEP_S = 300.0
+
+
+def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
+    app = web.Application()
+    add_routes(app)
+    app.cleanup_ctx.append(_lifecycle(config, registry or CollectorRegistry()))
+    return app
+
+
+def _lifecycle(
+    config: Config, registry: CollectorRegistry
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        if config.database.migrate_on_start:
+            await asyncio.to_thread(migrate.upgrade, config.database_url)
+        metrics = ProxyMetrics(registry)
+        repo = Repository(create_engine(config.database_url))
+        cache = ArtifactCache(DiskStore(config.cache_dir), repo, metrics, config.cache.max_bytes)
+        await cache.load()
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=config.cache.max_concurrent_fetches * 2,
+                                           ttl_dns_cache=300),
+            # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual.
+            trust_env=True,
+            headers={"User-Agent": f"symgate/{__version__}"},
+        )
+        upstreams = [Upstream(u, session, metrics) for u in config.upstreams]
+        service = ArtifactService(
+            cache=cache, negatives=NegativeCache(repo, config.negative), upstreams=upstreams,
+            policy=config.fetch.policy,
+            max_concurrent_fetches=config.cache.max_concurrent_fetches, metrics=metrics,
+        )
+        app[STATE] = AppState(config, registry, metrics, repo, session, service)
+        jobs = [
+            asyncio.create_task(_every(ACCESS_FLUSH_S, cache.flush_access)),
+            asyncio.create_task(_every(NEGATIVE_SWEEP_S, service.negatives.expire)),
+        ]
+        log.info("symgate %s: cache %s, database %s, upstreams %s", __version__,
+                 config.cache_dir, _safe_url(config.database_url),
+                 " ".join(u.url for u in config.upstreams))
+        try:
+            yield
+        finally:
+            for job in jobs:
+                job.cancel()
+            await service.cancel_all()
+            with contextlib.suppress(Exception):
+                await cache.flush_access()
+            await session.close()
+            await repo.close()
+
+    return lifecycle
+
+
+async def _every(seconds: float, job: Callable[[], Awaitable[object]]) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await job()
+        except Exception:  # a failed background job is logged and tried again next time
+            log.exception("background job %s failed", getattr(job, "__qualname__", job))
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

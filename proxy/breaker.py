@@ -1,0 +1,67 @@
+"""Circuit breaker: stop asking an upstream that keeps failing, then try it again later."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .metrics import BreakerState
+
+
+class CircuitBreaker:
+    """Opens after `threshold` consecutive failures; after `cooldown_s` one trial is let through.
+
+    Only transport failures (connect errors, resets, timeouts, 5xx) count: a 404 is an answer.
+    """
+
+    def __init__(
+        self,
+        threshold: int,
+        cooldown_s: float,
+        on_change: Callable[[BreakerState], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._threshold = threshold
+        self._cooldown_s = cooldown_s
+        self._on_change = on_change
+        self._clock = clock
+        self._failures = 0
+        self._opened_at = 0.0
+        self._trial_in_flight = False
+        self.state = BreakerState.CLOSED
+        on_change(self.state)
+
+    def _set(self, state: BreakerState) -> None:
+        if state is not self.state:
+            self.state = state
+            self._on_change(state)
+
+    def allow(self) -> bool:
+        if self._threshold == 0 or self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN:
+            if self._clock() - self._opened_at < self._cooldown_s:
+                return False
+            self._set(BreakerState.HALF_OPEN)
+        if self._trial_in_flight:
+            return False
+        self._trial_in_flight = True
+        return True
+
+    def success(self) -> None:
+        self._failures = 0
+        self._trial_in_flight = False
+        self._set(BreakerState.CLOSED)
+
+    def failure(self) -> bool:
+        """Record a failure; True when this one opened the breaker."""
+        self._trial_in_flight = False
+        self._failures += 1
+        if self._threshold and (
+            self.state is BreakerState.HALF_OPEN or self._failures >= self._threshold
+        ):
+            self._opened_at = self._clock()
+            opened = self.state is not BreakerState.OPEN
+            self._set(BreakerState.OPEN)
+            return opened
+        return False

@@ -1,0 +1,190 @@
+"""The index of cached artifacts: an in-memory LRU backed by SQL, under a size budget.
+
+Hits are answered from memory so that serving never waits on SQL; hit counts and access
+times are written back in batches. SQL stays the record across restarts and replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from .db import ArtifactRecord, Repository
+from .keys import ArtifactKey
+from .metrics import ProxyMetrics
+from .storage import DiskStore
+
+log = logging.getLogger(__name__)
+
+
+def key_hash(key: ArtifactKey) -> str:
+    return hashlib.sha256(key.id.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class CachedArtifact:
+    record: ArtifactRecord
+    path: Path
+
+
+class ArtifactCache:
+    def __init__(
+        self, store: DiskStore, repo: Repository, metrics: ProxyMetrics, max_bytes: int
+    ) -> None:
+        self.store = store
+        self._repo = repo
+        self._metrics = metrics
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, ArtifactRecord] = OrderedDict()
+        self._bytes = 0
+        self._leases: dict[str, int] = {}
+        self._pending_access: dict[str, tuple[int, datetime]] = {}
+        self._evict_lock = asyncio.Lock()
+        metrics.cache_max.set(max_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def load(self) -> None:
+        """Rebuild the index from SQL, keeping only rows whose file is there and whole."""
+        self.store.clear_temp()
+        on_disk = set(self.store.stored_names())
+        stale: list[str] = []
+        for rec in await self._repo.all_artifacts():
+            name = ArtifactKey.parse(*_split_key(rec)).storage_name
+            path = self.store.objects / name
+            if name in on_disk and _size(path) == rec.size:
+                self._add(rec)
+                on_disk.discard(name)
+            else:
+                stale.append(rec.key_hash)
+        await self._repo.delete_artifacts(stale)
+        for orphan in on_disk:  # renamed into place but its row never written: a crash
+            self.store.remove_name(orphan)
+        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files)",
+                 len(self._entries), self._bytes, len(stale), len(on_disk))
+        await self.evict()
+
+    def _add(self, rec: ArtifactRecord) -> None:
+        old = self._entries.pop(rec.key_hash, None)
+        if old is not None:
+            self._bytes -= old.size
+        self._entries[rec.key_hash] = rec
+        self._bytes += rec.size
+        self._publish()
+
+    def _drop(self, kh: str) -> ArtifactRecord | None:
+        rec = self._entries.pop(kh, None)
+        if rec is not None:
+            self._bytes -= rec.size
+            self._pending_access.pop(kh, None)
+            self._publish()
+        return rec
+
+    def _publish(self) -> None:
+        self._metrics.cache_size.set(self._bytes)
+        self._metrics.cache_entries.set(len(self._entries))
+
+    def peek(self, key: ArtifactKey) -> CachedArtifact | None:
+        rec = self._entries.get(key_hash(key))
+        return CachedArtifact(rec, self.store.path_of(key)) if rec else None
+
+    async def get(self, key: ArtifactKey) -> CachedArtifact | None:
+        """A hit from memory; on a memory miss, a row another replica wrote, if its file is here."""
+        kh = key_hash(key)
+        rec = self._entries.get(kh)
+        if rec is None:
+            rec = await self._repo.get_artifact(kh)
+            if rec is None or _size(self.store.path_of(key)) != rec.size:
+                return None
+            self._add(rec)
+        self._entries.move_to_end(kh)
+        hits, _ = self._pending_access.get(kh, (0, rec.last_access))
+        self._pending_access[kh] = (hits + 1, datetime.now(UTC))
+        return CachedArtifact(rec, self.store.path_of(key))
+
+    @contextlib.contextmanager
+    def lease(self, key: ArtifactKey) -> Iterator[None]:
+        """Hold while a file is being sent, so eviction passes it over."""
+        kh = key_hash(key)
+        self._leases[kh] = self._leases.get(kh, 0) + 1
+        try:
+            yield
+        finally:
+            if self._leases[kh] == 1:
+                del self._leases[kh]
+            else:
+                self._leases[kh] -= 1
+
+    async def add(self, rec: ArtifactRecord) -> None:
+        await self._repo.put_artifact(rec)
+        self._add(rec)
+        await self.evict()
+
+    async def remove(self, key: ArtifactKey) -> bool:
+        kh = key_hash(key)
+        if self._drop(kh) is None:
+            return False
+        await self._repo.delete_artifacts([kh])
+        self.store.remove(key)
+        return True
+
+    async def evict(self) -> None:
+        """Drop least recently used artifacts until the cache fits its budget."""
+        async with self._evict_lock:
+            if self._bytes <= self.max_bytes:
+                return
+            victims: list[ArtifactRecord] = []
+            over = self._bytes - self.max_bytes
+            for kh, rec in self._entries.items():
+                if over <= 0:
+                    break
+                if kh in self._leases:
+                    continue
+                victims.append(rec)
+                over -= rec.size
+            for rec in victims:
+                self._drop(rec.key_hash)
+                self.store.remove(ArtifactKey.parse(*_split_key(rec)))
+                self._metrics.evictions.inc()
+                self._metrics.evicted_bytes.inc(rec.size)
+            await self._repo.delete_artifacts(r.key_hash for r in victims)
+            if victims:
+                log.info("evicted %d artifacts (%d bytes)", len(victims),
+                         sum(r.size for r in victims))
+
+    async def flush_access(self) -> None:
+        batch, self._pending_access = self._pending_access, {}
+        if batch:
+            await self._repo.record_access(batch)
+            for kh, (hits, when) in batch.items():
+                if (rec := self._entries.get(kh)) is not None:
+                    self._entries[kh] = replace(rec, hits=rec.hits + hits, last_access=when)
+
+
+def _split_key(rec: ArtifactRecord) -> tuple[str, str, str]:
+    """Back from a record to ArtifactKey.parse arguments."""
+    rest = rec.key[len(rec.build_id) + 1:]
+    if rec.kind == "source":
+        return rec.build_id, "source", rest[len("source"):]
+    if rec.kind == "section":
+        return rec.build_id, "section", rest[len("section/"):]
+    return rec.build_id, rec.kind, ""
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None

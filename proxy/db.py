@@ -1,0 +1,168 @@
+"""The SQL engine and the queries symgate runs: one repository class, no SQL elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, event, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+from .models import Artifact, Negative
+
+
+def create_engine(url: str) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url)
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets the admin CLI read while the server writes; NORMAL is durable enough
+            # for a cache whose every row can be re-derived from upstream.
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA busy_timeout=10000")
+            cur.close()
+
+        return engine
+    return create_async_engine(url, pool_pre_ping=True)
+
+
+def aware(dt: datetime) -> datetime:
+    """SQLite hands back naive datetimes; everything here is UTC."""
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRecord:
+    key_hash: str
+    key: str
+    build_id: str
+    kind: str
+    size: int
+    sha256: str
+    upstream: str
+    filename: str
+    archive: str | None
+    fetched_at: datetime
+    last_access: datetime
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class NegativeRecord:
+    upstream: str
+    status: int
+    misses: int
+    expires_at: datetime
+
+
+def _record(row: Artifact) -> ArtifactRecord:
+    return ArtifactRecord(
+        row.key_hash, row.key, row.build_id, row.kind, row.size, row.sha256, row.upstream,
+        row.filename, row.archive, aware(row.fetched_at), aware(row.last_access), row.hits,
+    )
+
+
+class Repository:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._session = async_sessionmaker(engine, expire_on_commit=False)
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    # -- artifacts ---------------------------------------------------------------------------
+    async def get_artifact(self, key_hash: str) -> ArtifactRecord | None:
+        async with self._session() as s:
+            row = await s.get(Artifact, key_hash)
+            return _record(row) if row else None
+
+    async def all_artifacts(self) -> Sequence[ArtifactRecord]:
+        """Least recently used first: the order eviction works in."""
+        async with self._session() as s:
+            rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
+            return [_record(r) for r in rows]
+
+    async def put_artifact(self, rec: ArtifactRecord) -> None:
+        values = {
+            "key_hash": rec.key_hash, "key": rec.key, "build_id": rec.build_id,
+            "kind": rec.kind, "size": rec.size, "sha256": rec.sha256,
+            "upstream": rec.upstream, "filename": rec.filename, "archive": rec.archive,
+            "fetched_at": rec.fetched_at, "last_access": rec.last_access, "hits": rec.hits,
+        }
+        stmt = self._insert(Artifact).values(**values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["key_hash"],
+            set_={k: v for k, v in values.items() if k != "key_hash"},
+        )
+        async with self._session.begin() as s:
+            await s.execute(stmt)
+            # Having the file now makes any remembered miss for it wrong.
+            await s.execute(delete(Negative).where(Negative.key_hash == rec.key_hash))
+
+    async def delete_artifacts(self, key_hashes: Iterable[str]) -> None:
+        hashes = list(key_hashes)
+        if not hashes:
+            return
+        async with self._session.begin() as s:
+            await s.execute(delete(Artifact).where(Artifact.key_hash.in_(hashes)))
+
+    async def record_access(self, batch: Mapping[str, tuple[int, datetime]]) -> None:
+        """Apply hit counts and last-access times gathered since the last flush."""
+        if not batch:
+            return
+        async with self._session.begin() as s:
+            for key_hash, (hits, when) in batch.items():
+                await s.execute(
+                    update(Artifact)
+                    .where(Artifact.key_hash == key_hash)
+                    .values(hits=Artifact.hits + hits, last_access=when)
+                )
+
+    # -- negatives ---------------------------------------------------------------------------
+    async def get_negatives(self, key_hash: str) -> Sequence[NegativeRecord]:
+        async with self._session() as s:
+            rows = (await s.scalars(select(Negative).where(Negative.key_hash == key_hash))).all()
+            return [
+                NegativeRecord(r.upstream, r.status, r.misses, aware(r.expires_at)) for r in rows
+            ]
+
+    async def put_negative(
+        self, *, key_hash: str, key: str, build_id: str, upstream: str, status: int,
+        misses: int, first_seen: datetime, expires_at: datetime,
+    ) -> None:
+        stmt = self._insert(Negative).values(
+            key_hash=key_hash, upstream=upstream, key=key, build_id=build_id, status=status,
+            misses=misses, first_seen=first_seen, expires_at=expires_at,
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["key_hash", "upstream"],
+            set_={"status": status, "misses": misses, "expires_at": expires_at},
+        )
+        async with self._session.begin() as s:
+            await s.execute(stmt)
+
+    async def delete_expired_negatives(self, before: datetime, keep_misses_s: float) -> int:
+        """Drop negatives expired for longer than keep_misses_s.
+
+        A recently expired row is kept so the next miss can grow its TTL from the count.
+        """
+        cutoff = before.timestamp() - keep_misses_s
+        async with self._session.begin() as s:
+            result = await s.execute(
+                delete(Negative).where(
+                    Negative.expires_at < datetime.fromtimestamp(cutoff, UTC)
+                )
+            )
+            return int(result.rowcount or 0)  # type: ignore[attr-defined]

@@ -1,0 +1,35 @@
+"""The few failures a request can end in. proxy.http maps each to one HTTP status."""
+
+from __future__ import annotations
+
+
+class SymgateError(Exception):
+    """Base of every failure that is answered to a client rather than crashing."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class InvalidRequest(SymgateError):
+    """The client's request is malformed: a bad build ID, a bad source path, a bad header."""
+
+
+class NotFound(SymgateError):
+    """No upstream has the artifact (possibly remembered from an earlier miss)."""
+
+
+class TooLarge(SymgateError):
+    """The artifact is larger than the client's X-DEBUGINFOD-MAXSIZE."""
+
+
+class UpstreamUnavailable(SymgateError):
+    """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker."""
+
+
+class UpstreamTimeout(UpstreamUnavailable):
+    """An upstream did not answer, or stopped sending, within its time limits."""
+
+
+class VerificationFailed(SymgateError):
+    """An upstream sent bytes that are not what was asked for (wrong build ID, truncated)."""

@@ -1,0 +1,134 @@
+"""One upstream download shared by every client that wants the same artifact.
+
+The download is written to a temp file; each client reads that file with pread(2) on its own
+duplicated descriptor, as far as has been written. Memory stays flat whatever the size.
+
+The last byte is held back from readers until the file has been verified and committed: a
+client never receives a complete-looking body that the cache then rejects. If the download
+fails, readers raise FlightFailed and cut their response off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from enum import Enum
+
+from .errors import SymgateError
+from .upstream import ArtifactMeta
+
+READ_CHUNK = 256 * 1024
+
+
+class FlightFailed(Exception):
+    def __init__(self, error: SymgateError) -> None:
+        super().__init__(error.reason)
+        self.error = error
+
+
+class _State(Enum):
+    RUNNING = 1
+    DONE = 2
+    FAILED = 3
+
+
+class Flight:
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._fd_open = True
+        self.written = 0
+        self._state = _State.RUNNING
+        self.error: SymgateError | None = None
+        self.meta: asyncio.Future[ArtifactMeta] = asyncio.get_running_loop().create_future()
+        self._progress = asyncio.Event()
+        self._finished = asyncio.Event()
+
+    # -- writer side (the fetch task) -----------------------------------------------------------
+    def started(self, meta: ArtifactMeta) -> None:
+        if not self.meta.done():
+            self.meta.set_result(meta)
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        self._wake()
+
+    def succeed(self) -> None:
+        self._state = _State.DONE
+        self._end()
+
+    def fail(self, error: SymgateError) -> None:
+        self._state = _State.FAILED
+        self.error = error
+        if not self.meta.done():
+            self.meta.set_exception(error)
+            self.meta.exception()  # retrieved: nobody may be waiting for it
+        self._end()
+
+    @property
+    def writer_fd(self) -> int:
+        return self._fd
+
+    def close_fd(self) -> None:
+        """The writer's descriptor; readers hold duplicates and close their own."""
+        if self._fd_open:
+            os.close(self._fd)
+            self._fd_open = False
+
+    def _wake(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _end(self) -> None:
+        self._finished.set()
+        self._wake()
+
+    # -- reader side (each client) -------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._state is not _State.RUNNING
+
+    @property
+    def succeeded(self) -> bool:
+        return self._state is _State.DONE
+
+    async def wait_finished(self) -> None:
+        await self._finished.wait()
+
+    def reader(self) -> FlightReader:
+        if not self._fd_open:
+            raise RuntimeError("flight already closed")
+        return FlightReader(self, os.dup(self._fd))
+
+
+class FlightReader:
+    """One client's view of a flight: yields the bytes in order as they become safe to send."""
+
+    def __init__(self, flight: Flight, fd: int) -> None:
+        self._flight = flight
+        self._fd = fd
+        self.pos = 0
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        flight = self._flight
+        while True:
+            if flight._state is _State.FAILED:
+                assert flight.error is not None
+                raise FlightFailed(flight.error)
+            # Hold one byte back until the file is committed (see the module docstring).
+            limit = flight.written if flight.succeeded else flight.written - 1
+            if self.pos < limit:
+                data = os.pread(self._fd, min(READ_CHUNK, limit - self.pos), self.pos)
+                if not data:  # cannot happen while the writer owns the file; never spin
+                    raise FlightFailed(SymgateError("cache file shrank while being read"))
+                self.pos += len(data)
+                yield data
+            elif flight.succeeded:
+                return
+            else:
+                await flight._progress.wait()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

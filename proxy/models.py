@@ -1,0 +1,48 @@
+"""SQL schema. Tables are created only by the alembic migrations in migrations/."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, DateTime, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Artifact(Base):
+    """A file in the on-disk cache: one row per artifact key."""
+
+    __tablename__ = "artifacts"
+
+    # sha256 of the key text: source paths can be 4 KiB, longer than a btree index allows.
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(Text)
+    build_id: Mapped[str] = mapped_column(String(128), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    upstream: Mapped[str] = mapped_column(Text)
+    filename: Mapped[str] = mapped_column(Text)
+    archive: Mapped[str | None] = mapped_column(Text, nullable=True)
+    fetched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Negative(Base):
+    """An upstream answered 404 for a key; remembered until expires_at."""
+
+    __tablename__ = "negatives"
+
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    upstream: Mapped[str] = mapped_column(Text, primary_key=True)
+    key: Mapped[str] = mapped_column(Text)
+    build_id: Mapped[str] = mapped_column(String(128), index=True)
+    status: Mapped[int] = mapped_column(Integer)
+    # Consecutive misses: each one doubles the next TTL, up to the configured maximum.
+    misses: Mapped[int] = mapped_column(Integer, default=1)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

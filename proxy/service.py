@@ -1,0 +1,228 @@
+"""The artifact service: cache hit, join a fetch under way, remembered miss, or a new fetch.
+
+Knows nothing of HTTP requests: proxy.http turns its results and exceptions into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from symbolize.elf import build_id_of_file
+
+from .cache import ArtifactCache, CachedArtifact, key_hash
+from .config import FetchPolicy
+from .db import ArtifactRecord
+from .errors import NotFound, SymgateError, UpstreamUnavailable, VerificationFailed
+from .flight import Flight, FlightReader
+from .keys import ArtifactKey
+from .metrics import ProxyMetrics
+from .negative import NegativeCache
+from .upstream import ArtifactMeta, Upstream, UpstreamBody
+from .upstreams import ask
+
+log = logging.getLogger(__name__)
+
+
+class RememberedNotFound(NotFound):
+    """A 404 answered from the negative cache, without asking any upstream."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    artifact: CachedArtifact
+
+
+@dataclass(frozen=True, slots=True)
+class Streaming:
+    """A fetch under way; the caller must close `reader`."""
+
+    flight: Flight
+    reader: FlightReader
+    meta: ArtifactMeta
+
+
+class ArtifactService:
+    def __init__(
+        self,
+        *,
+        cache: ArtifactCache,
+        negatives: NegativeCache,
+        upstreams: Sequence[Upstream],
+        policy: FetchPolicy,
+        max_concurrent_fetches: int,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.cache = cache
+        self.negatives = negatives
+        self.upstreams = tuple(upstreams)
+        self._policy = policy
+        self._slots = asyncio.Semaphore(max_concurrent_fetches)
+        self._metrics = metrics
+        self._flights: dict[str, Flight] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._flights)
+
+    async def find(
+        self,
+        key: ArtifactKey,
+        forwarded_for: str,
+        *,
+        may_fetch: bool = True,
+        upstreams: Sequence[Upstream] | None = None,
+    ) -> Hit | Streaming:
+        """Raises NotFound, UpstreamUnavailable (or UpstreamTimeout), VerificationFailed.
+
+        With may_fetch false (a request past the forwarding hop limit) only the cache answers.
+        """
+        ups = self.upstreams if upstreams is None else tuple(upstreams)
+        names = [u.name for u in ups]
+        kh = key_hash(key)
+        if (hit := self.cache.peek(key)) is not None:
+            return Hit(await self.cache.get(key) or hit)
+        if not may_fetch:
+            raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
+        if (flight := self._flights.get(kh)) is not None:
+            self._metrics.singleflight_joins.inc()
+            return await _join(flight)
+        if self.negatives.memo_covers(key, names):
+            raise RememberedNotFound("not found (remembered miss)")
+        if (shared := await self.cache.get(key)) is not None:
+            return Hit(shared)
+        known_missing = await self.negatives.live(key)
+        if known_missing.issuperset(names):
+            raise RememberedNotFound("not found (remembered miss)")
+        # Another request may have started the same fetch while this one awaited SQL.
+        if (flight := self._flights.get(kh)) is not None:
+            self._metrics.singleflight_joins.inc()
+            return await _join(flight)
+        path, fd = self.cache.store.new_temp()
+        flight = Flight(fd)
+        self._flights[kh] = flight
+        task = asyncio.create_task(
+            self._fetch(key, flight, path, [u for u in ups if u.name not in known_missing],
+                        forwarded_for)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await _join(flight)
+
+    async def _fetch(
+        self, key: ArtifactKey, flight: Flight, temp: Path, ups: list[Upstream],
+        forwarded_for: str,
+    ) -> None:
+        """Runs detached from any client: a disconnect does not stop the download."""
+        self._metrics.inflight_fetches.inc()
+        try:
+            async with self._slots:
+                result = await ask(ups, key, forwarded_for, self._policy)
+                if result.not_found:
+                    await self.negatives.record(key, result.not_found)
+                    for name in result.not_found:
+                        self._metrics.negative_entries_written.labels(name).inc()
+                if result.body is None:
+                    flight.fail(result.failure() if result.failures else NotFound("not found"))
+                    return
+                try:
+                    await self._download(key, flight, temp, result.body)
+                finally:
+                    result.body.close()
+        except SymgateError as e:
+            flight.fail(e)
+        except Exception:
+            log.exception("fetch of %s failed", key.id)
+            flight.fail(SymgateError("internal error while fetching"))
+        finally:
+            if not flight.finished:  # cancelled: server shutting down
+                flight.fail(UpstreamUnavailable("server shutting down"))
+            if self._flights.get(key_hash(key)) is flight:
+                del self._flights[key_hash(key)]
+            flight.close_fd()
+            if not flight.succeeded:
+                temp.unlink(missing_ok=True)
+            self._metrics.inflight_fetches.dec()
+
+    async def _download(
+        self, key: ArtifactKey, flight: Flight, temp: Path, body: UpstreamBody
+    ) -> None:
+        meta = body.meta
+        flight.started(meta)
+        digest = hashlib.sha256()
+        fd = flight.writer_fd
+        async for chunk in body.chunks():
+            _write_all(fd, chunk)
+            digest.update(chunk)
+            flight.wrote(len(chunk))
+        if meta.size is not None and flight.written != meta.size:
+            self._reject(key, "truncated")
+            raise VerificationFailed(
+                f"{meta.upstream} sent {flight.written} of {meta.size} bytes"
+            )
+        if key.kind.is_elf:
+            found = await asyncio.to_thread(build_id_of_file, temp)
+            if found != key.build_id:
+                self._reject(key, "not_elf" if found is None else "build_id_mismatch")
+                raise VerificationFailed(
+                    f"{meta.upstream} sent a file with build ID {found or 'none'},"
+                    f" not {key.build_id}"
+                )
+        final = await asyncio.to_thread(self.cache.store.commit, temp, fd, key)
+        if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
+            os.utime(final, (when.timestamp(), when.timestamp()))
+        now = datetime.now(UTC)
+        await self.cache.add(ArtifactRecord(
+            key_hash=key_hash(key), key=key.id, build_id=key.build_id, kind=str(key.kind),
+            size=flight.written, sha256=digest.hexdigest(), upstream=meta.upstream,
+            filename=meta.filename or key.default_filename, archive=meta.archive,
+            fetched_at=now, last_access=now, hits=0,
+        ))
+        self.negatives.forget(key)
+        flight.succeed()
+
+    def _reject(self, key: ArtifactKey, reason: str) -> None:
+        self._metrics.verification_failures.labels(str(key.kind), reason).inc()
+
+    async def wait_idle(self) -> None:
+        """Until no fetch is under way (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.wait_idle()
+
+
+async def _join(flight: Flight) -> Streaming:
+    # The descriptor is duplicated now, while the flight certainly holds it open.
+    reader = flight.reader()
+    try:
+        # shield: a client that goes away must not cancel the future the other waiters share.
+        meta = await asyncio.shield(flight.meta)
+    except BaseException:
+        reader.close()
+        raise
+    return Streaming(flight, reader, meta)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _http_date(value: str) -> datetime | None:
+    try:
+        return email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,32 @@
+"""Everything a running server holds, built once from the Config and stored on the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from sqlalchemy import text
+
+from .config import Config
+from .db import Repository
+from .metrics import ProxyMetrics
+from .service import ArtifactService
+
+
+@dataclass
+class AppState:
+    config: Config
+    registry: CollectorRegistry
+    metrics: ProxyMetrics
+    repo: Repository
+    session: aiohttp.ClientSession
+    service: ArtifactService
+
+    async def ping_database(self) -> None:
+        async with self.repo.engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+
+STATE = web.AppKey("state", AppState)

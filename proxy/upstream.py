@@ -1,0 +1,187 @@
+"""One debuginfod upstream over HTTP: timeouts, retries with backoff, redirects, breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from . import __version__
+from .breaker import CircuitBreaker
+from .config import UpstreamConfig
+from .errors import UpstreamTimeout, UpstreamUnavailable
+from .keys import ArtifactKey
+from .metrics import ProxyMetrics, UpstreamResult
+
+USER_AGENT = f"symgate/{__version__}"
+CHUNK = 256 * 1024
+_NOT_FOUND = frozenset({404, 410})
+_TRANSIENT_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactMeta:
+    """What the upstream told us about the file in its response headers."""
+
+    upstream: str
+    size: int | None  # uncompressed; None when the upstream streamed it without saying
+    filename: str | None
+    archive: str | None
+    last_modified: str | None
+
+
+class UpstreamBody:
+    """A 200 response whose body has not been read yet."""
+
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+        self.upstream = upstream
+        self._response = response
+        h = response.headers
+        size: int | None = None
+        for header in ("X-DEBUGINFOD-SIZE", "Content-Length"):
+            if header == "Content-Length" and h.get("Content-Encoding", "identity") != "identity":
+                continue  # the compressed length says nothing of what we will write
+            if (v := h.get(header, "")).isdigit():
+                size = int(v)
+                break
+        self.meta = ArtifactMeta(
+            upstream=upstream.name,
+            size=size,
+            filename=h.get("X-DEBUGINFOD-FILE"),
+            archive=h.get("X-DEBUGINFOD-ARCHIVE"),
+            last_modified=h.get("Last-Modified"),
+        )
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body, raising UpstreamTimeout / UpstreamUnavailable when it stops short."""
+        name = self.upstream.name
+        try:
+            async for chunk in self._response.content.iter_chunked(CHUNK):
+                self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
+                yield chunk
+        except TimeoutError as e:
+            self.upstream.body_failed(UpstreamResult.TIMEOUT)
+            raise UpstreamTimeout(f"{name}: stopped sending the body") from e
+        except (aiohttp.ClientError, OSError) as e:
+            self.upstream.body_failed(UpstreamResult.ERROR)
+            raise UpstreamUnavailable(f"{name}: body cut off ({type(e).__name__})") from e
+
+    def close(self) -> None:
+        self._response.close()
+
+
+class Upstream:
+    def __init__(
+        self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.url
+        self.base = cfg.url.rstrip("/")
+        self.metrics = metrics
+        self._session = session
+        self.breaker = CircuitBreaker(
+            cfg.breaker_failures, cfg.breaker_cooldown_s,
+            lambda state: metrics.set_breaker(self.name, state),
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=cfg.total_timeout_s or None,
+            sock_connect=cfg.connect_timeout_s or None,
+            sock_read=cfg.read_timeout_s or None,
+        )
+
+    def count(self, result: UpstreamResult, *, failed: bool = False) -> None:
+        """Count one request's result; any answer at all closes the breaker again."""
+        self.metrics.upstream_requests.labels(self.name, result).inc()
+        if not failed:
+            self.breaker.success()
+        elif self.breaker.failure():
+            self.metrics.breaker_trips.labels(self.name).inc()
+
+    def body_failed(self, result: UpstreamResult) -> None:
+        self.metrics.upstream_body_failures.labels(self.name, result).inc()
+        if self.breaker.failure():
+            self.metrics.breaker_trips.labels(self.name).inc()
+
+    async def open(self, key: ArtifactKey, forwarded_for: str) -> UpstreamBody | None:
+        """The upstream's 200 response, or None for its 404.
+
+        Transient failures are retried with exponential backoff before any body byte is read;
+        what remains after the retries is raised as UpstreamTimeout or UpstreamUnavailable.
+        """
+        last: UpstreamUnavailable | None = None
+        for attempt in range(self.cfg.retries + 1):
+            if not self.breaker.allow():
+                raise last or UpstreamUnavailable(f"{self.name}: circuit breaker open")
+            if attempt:
+                delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
+                            self.cfg.retry_backoff_max_s)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            try:
+                return await self._attempt(key, forwarded_for)
+            except _Permanent as e:
+                raise e.error from None
+            except UpstreamUnavailable as e:
+                last = e
+        assert last is not None
+        raise last
+
+    async def _attempt(self, key: ArtifactKey, forwarded_for: str) -> UpstreamBody | None:
+        headers = {"User-Agent": USER_AGENT, "X-Forwarded-For": forwarded_for,
+                   **self.cfg.headers}
+        started = time.perf_counter()
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
+                response = await self._session.get(
+                    self.base + key.upstream_path, headers=headers, timeout=self._timeout,
+                    max_redirects=self.cfg.max_redirects,
+                )
+        except TimeoutError as e:
+            self.count(UpstreamResult.TIMEOUT, failed=True)
+            raise UpstreamTimeout(f"{self.name}: no response in time") from e
+        except aiohttp.TooManyRedirects as e:
+            self.count(UpstreamResult.ERROR)
+            raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects")) from e
+        except (aiohttp.InvalidURL, aiohttp.InvalidUrlRedirectClientError) as e:
+            self.count(UpstreamResult.ERROR)
+            raise _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect ({e})")) from e
+        except (aiohttp.ClientError, OSError) as e:
+            self.count(UpstreamResult.ERROR, failed=True)
+            raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}") from e
+        finally:
+            self.metrics.upstream_latency.labels(self.name).observe(
+                time.perf_counter() - started
+            )
+        status = response.status
+        if status == 200:
+            self.count(UpstreamResult.OK)
+            return UpstreamBody(self, response)
+        response.release()
+        if status in _NOT_FOUND:
+            self.count(UpstreamResult.NOT_FOUND)
+            return None
+        if status in _TRANSIENT_STATUS:
+            self.count(UpstreamResult.ERROR, failed=True)
+            raise UpstreamUnavailable(f"{self.name}: answered {status}")
+        # 401/403 and the like: a misconfiguration, not a miss, and not worth retrying.
+        self.count(UpstreamResult.ERROR)
+        raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
+
+
+class _Permanent(Exception):
+    """Carries an upstream failure that retrying would not cure."""
+
+    def __init__(self, error: UpstreamUnavailable) -> None:
+        super().__init__(error.reason)
+        self.error = error
+
+
+def close_quietly(body: UpstreamBody | None) -> None:
+    if body is not None:
+        with contextlib.suppress(Exception):
+            body.close()

@@ -1,0 +1,77 @@
+"""The ordered upstream list and the policy that asks it: in order, or all at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .config import FetchPolicy
+from .errors import UpstreamTimeout, UpstreamUnavailable
+from .keys import ArtifactKey
+from .upstream import Upstream, UpstreamBody, close_quietly
+
+
+@dataclass
+class AskResult:
+    """What asking the upstreams gave: a body to stream, and who said 404 or failed."""
+
+    body: UpstreamBody | None = None
+    not_found: list[str] = field(default_factory=list)
+    failures: list[UpstreamUnavailable] = field(default_factory=list)
+
+    def failure(self) -> UpstreamUnavailable:
+        """The error to answer with when nobody had the file and not everybody said 404."""
+        reasons = "; ".join(f.reason for f in self.failures)
+        if any(isinstance(f, UpstreamTimeout) for f in self.failures):
+            return UpstreamTimeout(reasons)
+        return UpstreamUnavailable(reasons)
+
+
+async def ask(
+    upstreams: Sequence[Upstream], key: ArtifactKey, forwarded_for: str, policy: FetchPolicy
+) -> AskResult:
+    if policy == "race":
+        return await _race(upstreams, key, forwarded_for)
+    result = AskResult()
+    for upstream in upstreams:
+        try:
+            body = await upstream.open(key, forwarded_for)
+        except UpstreamUnavailable as e:
+            result.failures.append(e)
+            continue
+        if body is not None:
+            result.body = body
+            return result
+        result.not_found.append(upstream.name)
+    return result
+
+
+async def _race(upstreams: Sequence[Upstream], key: ArtifactKey, forwarded_for: str) -> AskResult:
+    """First 200 wins; the others are cancelled, and a 200 that lost the race is closed."""
+    result = AskResult()
+    tasks = {asyncio.ensure_future(u.open(key, forwarded_for)): u for u in upstreams}
+    pending = set(tasks)
+    try:
+        while pending and result.body is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if isinstance(error, UpstreamUnavailable):
+                    result.failures.append(error)
+                elif error is not None:
+                    raise error
+                elif (body := task.result()) is None:
+                    result.not_found.append(tasks[task].name)
+                elif result.body is None:
+                    result.body = body
+                else:
+                    close_quietly(body)  # two 200s in the same instant: keep one
+        return result
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(BaseException):
+                close_quietly(await task)

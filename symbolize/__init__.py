@@ -1,0 +1,1 @@
+"""ELF and DWARF symbol tables, and pprof rewriting. Never imports `proxy`."""
