@@ -95,6 +95,15 @@ class Flight:
     async def wait_finished(self) -> None:
         await self._finished.wait()
 
+    async def wait_streamable(self, threshold: int) -> None:
+        """Until the download has ended or `threshold` bytes are in.
+
+        Answering only then lets a small file's failure (most sources, small debug files) reach
+        the client as a proper status line instead of a cut-off body.
+        """
+        while not self.finished and self.written < threshold:
+            await self._progress.wait()
+
     def reader(self) -> FlightReader:
         if not self._fd_open:
             raise RuntimeError("flight already closed")

@@ -29,6 +29,8 @@ from .service import Hit, RememberedNotFound, Streaming
 from .state import STATE, AppState
 
 log = logging.getLogger(__name__)
+# Bytes a fetch must have received before its response starts (see Flight.wait_streamable).
+STREAM_AFTER_BYTES = 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -157,9 +159,11 @@ async def _send_streaming(
     size = meta.size
     if request.method == "HEAD" and size is None:
         await flight.wait_finished()  # HEAD must tell the real size: wait for the whole file
-        if not flight.succeeded:
-            assert flight.error is not None
-            raise flight.error
+    else:
+        await flight.wait_streamable(STREAM_AFTER_BYTES)
+    if flight.error is not None:
+        raise flight.error
+    if size is None and flight.succeeded:
         size = flight.written
     headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive)
     if meta.last_modified:

@@ -1,0 +1,181 @@
+"""The debuginfod protocol through symgate, in front of a real elfutils debuginfod."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+
+def debuginfod_find(server: str, cache: Path, *args: str, ua_timeout: int = 20
+                    ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DEBUGINFOD_URLS": server, "DEBUGINFOD_CACHE_PATH": str(cache),
+           "DEBUGINFOD_TIMEOUT": str(ua_timeout)}
+    return subprocess.run(["debuginfod-find", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+async def test_debuginfod_find_gets_the_same_bytes_as_from_upstream(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    prog = elfs.prog
+    for attempt in ("cold", "warm"):
+        for what, expected in (("debuginfo", prog.debug), ("executable", prog.executable)):
+            cache = tmp_path / f"client-{attempt}-{what}"
+            direct = await asyncio.to_thread(
+                debuginfod_find, debuginfod.url, tmp_path / f"direct-{attempt}-{what}", what,
+                prog.build_id)
+            via = await asyncio.to_thread(debuginfod_find, sg.url, cache, what, prog.build_id)
+            assert via.returncode == 0, via.stderr
+            assert Path(via.stdout.strip()).read_bytes() == expected.read_bytes()
+            assert Path(via.stdout.strip()).read_bytes() == Path(direct.stdout.strip()).read_bytes()
+    source = str(prog.sources[1])  # util.c, as DWARF names it
+    via = await asyncio.to_thread(debuginfod_find, sg.url, tmp_path / "src", "source",
+                                  prog.build_id, source)
+    assert via.returncode == 0, via.stderr
+    assert Path(via.stdout.strip()).read_bytes() == prog.sources[1].read_bytes()
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="hit") == 1
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="miss") == 1
+
+
+async def test_head_answers_with_upstream_headers_though_upstream_refuses_head(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+        async with s.head(debuginfod.url + path) as r:
+            assert r.status == 400  # elfutils 0.188 cannot answer HEAD: symgate must
+        async with s.get(debuginfod.url + path) as r:
+            upstream = r.headers
+            await r.read()
+    for attempt in ("cold", "warm"):
+        status, headers = await sg.head(path)
+        assert status == 200, attempt
+        for name in ("Content-Length", "X-DEBUGINFOD-SIZE", "X-DEBUGINFOD-FILE", "Content-Type"):
+            assert headers[name] == upstream[name], (attempt, name)
+        assert int(headers["Content-Length"]) == elfs.prog.debug.stat().st_size
+
+
+async def test_section_is_passed_through(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    path = f"/buildid/{elfs.prog.build_id}/section/.debug_line"
+    async with aiohttp.ClientSession() as s, s.get(debuginfod.url + path) as r:
+        expected = await r.read()
+    status, headers, body = await sg.get(path)
+    assert status == 200 and body == expected and len(body) > 0
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == expected
+
+
+@pytest.mark.parametrize("bad", ["zz", "abc", "0" * 130, "12345g", "a"])
+async def test_malformed_build_ids_are_400_and_never_go_upstream(
+    start_symgate: SymgateFactory, faults: FaultUpstream, bad: str
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    for kind in ("debuginfo", "executable", "source/usr/src/a.c", "section/.debug_info"):
+        status, _, body = await sg.get(f"/buildid/{bad}/{kind}")
+        assert status == 400, (kind, body)
+        assert body.startswith(b"invalid build ID")
+        status, _ = await sg.head(f"/buildid/{bad}/{kind}")
+        assert status == 400
+    assert faults.count("ok") == 0
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="invalid",
+                           outcome="bad_request") == 0  # kind is known; only the ID was bad
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="bad_request") == 2
+
+
+async def test_build_id_case_is_normalised(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id.upper()}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200
+    assert faults.count("ok") == 1  # one artifact, whatever the case it was asked in
+
+
+@pytest.mark.parametrize("path", [
+    "/source/../../../../etc/passwd",
+    "/source/%2e%2e/%2e%2e/etc/passwd",
+    "/source/usr/../../../etc/passwd",
+])
+async def test_source_paths_cannot_climb_out(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, path: str
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    async with aiohttp.ClientSession() as s:
+        url = aiohttp.client.URL(f"{sg.url}/buildid/{elfs.prog.build_id}{path}", encoded=True)
+        async with s.get(url) as r:
+            assert r.status in (400, 404)
+            assert b"root:" not in await r.read()
+    # Whatever reached the upstream stayed under its /buildid/ID/source tree.
+    for seen in faults.paths:
+        assert seen.startswith(f"/ok/buildid/{elfs.prog.build_id}/source/"), seen
+        assert ".." not in seen and "%2e" not in seen.lower(), seen
+
+
+async def test_relative_and_control_character_source_paths_are_400(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/source/a%00b.c")
+    assert status == 400 and b"control characters" in body
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/section/..%2F..%2Fx")
+    assert status == 400
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/symbols")
+    assert status == 400
+    assert faults.count("ok") == 0
+
+
+async def test_range_requests_on_cached_artifacts(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await sg.get(path)
+    status, headers, body = await sg.get(path, headers={"Range": "bytes=16-47"})
+    assert status == 206
+    assert body == elfs.prog.debug.read_bytes()[16:48]
+    assert headers["Content-Range"] == f"bytes 16-47/{elfs.prog.debug.stat().st_size}"
+
+
+async def test_maxsize_is_406_cold_and_warm(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    size = elfs.prog.debug.stat().st_size
+    for _ in range(2):
+        status, _, _ = await sg.get(path, headers={"X-DEBUGINFOD-MAXSIZE": str(size - 1)})
+        assert status == 406
+    status, _, body = await sg.get(path, headers={"X-DEBUGINFOD-MAXSIZE": str(size)})
+    assert status == 200 and len(body) == size
+    status, _, _ = await sg.get(path, headers={"X-DEBUGINFOD-MAXSIZE": "lots"})
+    assert status == 400
+
+
+async def test_metrics_and_healthz(start_symgate: SymgateFactory, faults: FaultUpstream) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    status, headers, body = await sg.get("/healthz")
+    assert status == 200 and body == b"ok\n"
+    status, headers, body = await sg.get("/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in (b"symgate_requests_total", b"symgate_cache_size_bytes",
+                 b"symgate_inflight_fetches", b"symgate_upstream_breaker_state"):
+        assert name in body
