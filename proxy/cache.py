@@ -47,6 +47,7 @@ class ArtifactCache:
         self._leases: dict[str, int] = {}
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         self._evict_lock = asyncio.Lock()
+        self._deferred: asyncio.Task[None] | None = None
         metrics.cache_max.set(max_bytes)
 
     @property
@@ -124,13 +125,16 @@ class ArtifactCache:
         finally:
             if self._leases[kh] == 1:
                 del self._leases[kh]
+                if self._bytes > self.max_bytes:
+                    # Eviction passed this file over while it was being sent: try again now.
+                    self._deferred = asyncio.get_running_loop().create_task(self.evict())
             else:
                 self._leases[kh] -= 1
 
     async def add(self, rec: ArtifactRecord) -> None:
         await self._repo.put_artifact(rec)
         self._add(rec)
-        await self.evict()
+        await self.evict(keep=rec.key_hash)
 
     async def remove(self, key: ArtifactKey) -> bool:
         kh = key_hash(key)
@@ -140,8 +144,12 @@ class ArtifactCache:
         self.store.remove(key)
         return True
 
-    async def evict(self) -> None:
-        """Drop least recently used artifacts until the cache fits its budget."""
+    async def evict(self, keep: str | None = None) -> None:
+        """Drop least recently used artifacts until the cache fits its budget.
+
+        Files being sent, and `keep` (what was just fetched), are passed over: the cache may
+        stay over budget until their leases end.
+        """
         async with self._evict_lock:
             if self._bytes <= self.max_bytes:
                 return
@@ -150,7 +158,7 @@ class ArtifactCache:
             for kh, rec in self._entries.items():
                 if over <= 0:
                     break
-                if kh in self._leases:
+                if kh in self._leases or kh == keep:
                     continue
                 victims.append(rec)
                 over -= rec.size

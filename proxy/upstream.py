@@ -139,7 +139,8 @@ class Upstream:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
                 response = await self._session.get(
                     self.base + key.upstream_path, headers=headers, timeout=self._timeout,
-                    max_redirects=self.cfg.max_redirects,
+                    # aiohttp counts redirect responses, not hops followed: one more.
+                    max_redirects=self.cfg.max_redirects + 1,
                 )
         except TimeoutError as e:
             self.count(UpstreamResult.TIMEOUT, failed=True)
@@ -147,7 +148,8 @@ class Upstream:
         except aiohttp.TooManyRedirects as e:
             self.count(UpstreamResult.ERROR)
             raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects")) from e
-        except (aiohttp.InvalidURL, aiohttp.InvalidUrlRedirectClientError) as e:
+        except (aiohttp.InvalidURL, aiohttp.InvalidUrlRedirectClientError,
+                aiohttp.NonHttpUrlRedirectClientError) as e:
             self.count(UpstreamResult.ERROR)
             raise _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect ({e})")) from e
         except (aiohttp.ClientError, OSError) as e:

@@ -95,16 +95,16 @@ class FaultUpstream:
             await asyncio.sleep(self.first_byte_delay)
         if mode == "wrong-bytes":
             bid = self.elfs.other.build_id
+        if mode == "wrong-big":
+            bid = self.elfs.big.build_id
         path = self._file(bid, kind, rest)
         if path is None:
             return web.Response(status=404, text="not found")
         data = path.read_bytes()
         response = web.StreamResponse(headers={
-            "Content-Type": "application/octet-stream",
-            "X-DEBUGINFOD-FILE": path.name,
-            "X-DEBUGINFOD-SIZE": str(len(data)),
-        })
-        if mode != "chunked":
+            "Content-Type": "application/octet-stream", "X-DEBUGINFOD-FILE": path.name})
+        if mode != "chunked":  # chunked: an upstream that does not say how big the file is
+            response.headers["X-DEBUGINFOD-SIZE"] = str(len(data))
             response.content_length = len(data)
         await response.prepare(request)
         if mode in ("hang-mid-body", "reset-mid-body", "truncated"):
@@ -120,8 +120,9 @@ class FaultUpstream:
             return response
         if mode == "slow-body":
             for i in range(0, len(data), self.chunk_size):
+                if i:
+                    await asyncio.sleep(self.chunk_delay)
                 await response.write(data[i:i + self.chunk_size])
-                await asyncio.sleep(self.chunk_delay)
             self.body_done[request.path] = asyncio.get_running_loop().time()
         else:
             await response.write(data)

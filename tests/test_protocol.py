@@ -75,7 +75,7 @@ async def test_section_is_passed_through(
     path = f"/buildid/{elfs.prog.build_id}/section/.debug_line"
     async with aiohttp.ClientSession() as s, s.get(debuginfod.url + path) as r:
         expected = await r.read()
-    status, headers, body = await sg.get(path)
+    status, _headers, body = await sg.get(path)
     assert status == 200 and body == expected and len(body) > 0
     status, _, body = await sg.get(path)
     assert status == 200 and body == expected

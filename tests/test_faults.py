@@ -1,0 +1,228 @@
+"""Upstreams that misbehave: what the client sees, what the metrics say, that nothing bad is
+cached (the next request goes upstream again)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.conftest import SymgateFactory, fast_upstream
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+
+async def _read_broken(url: str) -> tuple[int, int, bool]:
+    """(status, bytes received, whether the body was cut off)."""
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        got = 0
+        try:
+            async for chunk in r.content.iter_chunked(65536):
+                got += len(chunk)
+        except aiohttp.ClientPayloadError:
+            return r.status, got, True
+        return r.status, got, False
+
+
+async def test_slow_first_byte_is_504_or_406_for_elfutils_and_not_cached(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.first_byte_delay = 3
+    sg = await start_symgate([fast_upstream(faults.url_for("slow-first-byte"),
+                                            first_byte_timeout_s=0.5, retries=0)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, headers, body = await sg.get(path)
+    assert status == 504 and headers["Retry-After"] == "30"
+    assert b"no response in time" in body
+    status, _, _ = await sg.get(path, headers={"User-Agent": "elfutils/0.188,Linux/x86_64"})
+    assert status == 406  # elfutils' client would cache any other error as a miss
+    assert faults.count("slow-first-byte") == 2  # nothing remembered: each asked again
+    up = faults.url_for("slow-first-byte")
+    assert await sg.metric("symgate_upstream_requests_total", upstream=up, result="timeout") == 2
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="error") == 2
+
+
+@pytest.mark.parametrize("mode", ["hang-mid-body", "reset-mid-body", "truncated"])
+async def test_body_cut_off_mid_stream_breaks_the_response_and_is_not_cached(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, mode: str
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for(mode), read_timeout_s=0.5)])
+    size = elfs.big.debug.stat().st_size
+    url = f"{sg.url}/buildid/{elfs.big.build_id}/debuginfo"
+    status, got, broken = await _read_broken(url)
+    # Big enough to be streamed before the failure: the status line was 200, the body broken.
+    assert status == 200 and broken and got < size
+    assert await sg.metric("symgate_aborted_responses_total") == 1
+    failures = await sg.metric("symgate_upstream_body_failures_total",
+                               upstream=faults.url_for(mode),
+                               result="timeout" if mode == "hang-mid-body" else "error")
+    assert failures == 1
+    assert await sg.metric("symgate_cache_entries") == 0
+    assert not any((sg.config.cache_dir / "objects").rglob("*"))
+    assert not any((sg.config.cache_dir / "tmp").iterdir())
+    status, got, broken = await _read_broken(url)
+    assert broken and faults.count(mode) == 2
+
+
+async def test_small_file_cut_off_gets_a_status_not_a_short_body(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for("truncated"), retries=0)])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 502 and b"body cut off" in body
+
+
+async def test_wrong_build_id_is_502_counted_and_not_cached(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("wrong-bytes")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, _, body = await sg.get(path)
+    assert status == 502
+    assert f"build ID {elfs.other.build_id}, not {elfs.prog.build_id}".encode() in body
+    assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                           reason="build_id_mismatch") == 1
+    status, _, _ = await sg.get(path)
+    assert status == 502 and faults.count("wrong-bytes") == 2
+    assert await sg.metric("symgate_cache_entries") == 0
+
+
+async def test_wrong_build_id_of_a_streamed_file_breaks_the_response(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("wrong-big")])
+    status, got, broken = await _read_broken(
+        f"{sg.url}/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and broken
+    assert got == elfs.big.debug.stat().st_size - 1  # all but the held-back last byte
+    assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                           reason="build_id_mismatch") == 1
+    assert await sg.metric("symgate_cache_entries") == 0
+
+
+async def test_not_elf_is_rejected(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    # The upstream's "executable" for this ID is a C source file: 200, but not ELF at all.
+    faults.by_id[elfs.prog.build_id] = type(elfs.prog)(
+        "fake", elfs.prog.build_id, elfs.prog.sources[0], elfs.prog.sources[0], ())
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/executable")
+    assert status == 502 and b"build ID none" in body
+    assert await sg.metric("symgate_verification_failures_total", kind="executable",
+                           reason="not_elf") == 1
+
+
+async def test_500s_are_retried_then_502_and_not_remembered(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for("status500"), retries=2)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, headers, body = await sg.get(path)
+    assert status == 502 and "Retry-After" in headers and b"answered 500" in body
+    assert faults.count("status500") == 3
+    status, _, _ = await sg.get(path)
+    assert status == 502 and faults.count("status500") == 6
+    assert await sg.metric("symgate_upstream_requests_total",
+                           upstream=faults.url_for("status500"), result="error") == 6
+
+
+async def test_flaky_upstream_succeeds_after_a_retry(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.flaky_failures = 1
+    sg = await start_symgate([fast_upstream(faults.url_for("flaky"), retries=1)])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("flaky") == 2
+
+
+async def test_circuit_breaker_opens_skips_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    up = faults.url_for("gate")
+    sg = await start_symgate([fast_upstream(up, retries=0, breaker_failures=2,
+                                            breaker_cooldown_s=0.5)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    for _ in range(2):
+        assert (await sg.get(path))[0] == 502
+    assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 2
+    assert await sg.metric("symgate_upstream_breaker_trips_total", upstream=up) == 1
+    status, _, body = await sg.get(path)
+    assert status == 502 and b"circuit breaker open" in body
+    assert faults.count("gate") == 2  # the open breaker kept the third request local
+    faults.gate_open = True
+    await asyncio.sleep(0.6)
+    status, _, _ = await sg.get(path)
+    assert status == 200 and faults.count("gate") == 3
+    assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
+
+
+async def test_redirects_are_followed_but_not_to_other_schemes_or_forever(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("redirect")])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    for mode, reason in (("redirect-file", b"bad redirect"),
+                         ("redirect-loop", b"too many redirects")):
+        sg = await start_symgate([faults.url_for(mode)], data_dir=sg.config.server.data_dir
+                                 .with_name(mode))
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+        assert status == 502 and reason in body, body
+    assert faults.count("redirect-loop") == 4  # the first request and 3 hops, then it stops
+
+
+async def test_upstream_credentials_are_sent(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for("auth"), retries=0)])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 502 and b"answered 401" in body
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for("auth"), headers={"Authorization": "Bearer sesame"})],
+        data_dir=sg.config.server.data_dir.with_name("with-auth"))
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200
+
+
+async def test_user_agent_and_forwarded_for_go_upstream(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
+                 headers={"X-Forwarded-For": "10.1.2.3"})
+    sent = faults.headers[-1]
+    assert sent["User-Agent"].startswith("symgate/")
+    assert sent["X-Forwarded-For"] == "10.1.2.3, 127.0.0.1"
+
+
+async def test_forwarding_loop_stops_at_the_hop_limit(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    hops = ", ".join(f"10.0.0.{i}" for i in range(8))
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
+                                   headers={"X-Forwarded-For": hops})
+    assert status == 404 and b"forwarded-ttl-limit" in body
+    assert faults.count("ok") == 0
+    # Below the limit it goes upstream; once cached, even a long chain gets the hit.
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
+                                headers={"X-Forwarded-For": hops})
+    assert status == 200 and faults.count("ok") == 1
+
+
+async def test_chunked_upstream_without_length_is_cached_and_head_waits_for_size(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("chunked")])
+    status, headers = await sg.head(f"/buildid/{elfs.big.build_id}/debuginfo")
+    size = elfs.big.debug.stat().st_size
+    assert status == 200 and int(headers["Content-Length"]) == size
+    status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert status == 200 and body == elfs.big.debug.read_bytes()
+    assert faults.count("chunked") == 1
