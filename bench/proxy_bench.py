@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -251,11 +252,9 @@ http {{ access_log off; sendfile on; tcp_nopush on;
         urllib.request.urlopen(federating + hit).read()  # warm the federating peer's cache
         results["hit_rps_federating_debuginfod"] = wrk(federating + hit, secs)
         miss = "/buildid/00aabbccddeeff00/debuginfo"
-        for server in (symgate, federating):
-            try:
+        for server in (symgate, federating):  # the first miss asks upstream; then remembered
+            with contextlib.suppress(urllib.error.HTTPError):
                 urllib.request.urlopen(server + miss)
-            except urllib.error.HTTPError:
-                pass
         results["negative_rps_symgate"] = wrk(symgate + miss, secs)
         results["negative_rps_federating_debuginfod"] = wrk(federating + miss, secs)
         results["hit_ratio_vs_nginx"] = (
