@@ -11,21 +11,33 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from . import __version__, migrate
+from . import __version__, http, migrate
 from .cache import ArtifactCache
-from .config import Config
+from .config import Config, UpstreamConfig
 from .db import Repository, create_engine
-from .http import add_routes
-from .metrics import ProxyMetrics
+from .metrics import ProxyMetrics, SymbolizeMetrics
 from .negative import NegativeCache
 from .service import ArtifactService
 from .state import STATE, AppState
 from .storage import DiskStore
+from .symbolize_api import symbolize
+from .symbols import SymbolService
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 ACCESS_FLUSH_S = 5.0
 NEGATIVE_SWEEP_S = 300.0
+
+
+def add_routes(app: web.Application) -> None:
+    for method in ("GET", "HEAD"):
+        app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}",
+                             http.buildid)
+        app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}", http.buildid)
+        app.router.add_route(method, "/buildid/{build_id}/{kind}", http.buildid)
+    app.router.add_post("/symbolize", symbolize)
+    app.router.add_get("/metrics", http.metrics)
+    app.router.add_get("/healthz", http.healthz)
 
 
 def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
@@ -53,12 +65,25 @@ def _lifecycle(
             headers={"User-Agent": f"symgate/{__version__}"},
         )
         upstreams = [Upstream(u, session, metrics) for u in config.upstreams]
+        by_url = {u.name: u for u in upstreams}
+        tenant_upstreams = {
+            name: [by_url.get(url) or Upstream(UpstreamConfig(url=url), session, metrics)
+                   for url in tenant.upstreams]
+            for name, tenant in config.tenants.items() if tenant.upstreams
+        }
         service = ArtifactService(
             cache=cache, negatives=NegativeCache(repo, config.negative), upstreams=upstreams,
             policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches, metrics=metrics,
         )
-        app[STATE] = AppState(config, registry, metrics, repo, session, service)
+        symbolize_metrics = SymbolizeMetrics(registry)
+        symbols = SymbolService(
+            artifacts=service, repo=repo, root=config.server.data_dir / "symtabs",
+            debug_dirs=config.symbolize.debug_dirs, workers=config.symbolize.build_workers,
+            metrics=symbolize_metrics,
+        )
+        app[STATE] = AppState(config, registry, metrics, repo, session, service, symbols,
+                              symbolize_metrics, tenant_upstreams)
         jobs = [
             asyncio.create_task(_every(ACCESS_FLUSH_S, cache.flush_access)),
             asyncio.create_task(_every(NEGATIVE_SWEEP_S, service.negatives.expire)),
@@ -72,6 +97,7 @@ def _lifecycle(
             for job in jobs:
                 job.cancel()
             await service.cancel_all()
+            await symbols.close()
             with contextlib.suppress(Exception):
                 await cache.flush_access()
             await session.close()

@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +48,8 @@ class ArtifactCache:
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         self._evict_lock = asyncio.Lock()
         self._deferred: asyncio.Task[None] | None = None
+        # Awaited with each artifact's key after it left the cache (evicted or removed).
+        self.evicted: list[Callable[[ArtifactKey], Awaitable[None]]] = []
         metrics.cache_max.set(max_bytes)
 
     @property
@@ -142,7 +144,16 @@ class ArtifactCache:
             return False
         await self._repo.delete_artifacts([kh])
         self.store.remove(key)
+        await self._notify_evicted([key])
         return True
+
+    async def _notify_evicted(self, keys: list[ArtifactKey]) -> None:
+        for key in keys:
+            for listener in self.evicted:
+                try:
+                    await listener(key)
+                except Exception:  # a listener's failure must not stop eviction
+                    log.exception("eviction listener failed for %s", key.id)
 
     async def evict(self, keep: str | None = None) -> None:
         """Drop least recently used artifacts until the cache fits its budget.
@@ -162,12 +173,15 @@ class ArtifactCache:
                     continue
                 victims.append(rec)
                 over -= rec.size
+            keys = []
             for rec in victims:
                 self._drop(rec.key_hash)
-                self.store.remove(ArtifactKey.parse(*_split_key(rec)))
+                keys.append(ArtifactKey.parse(*_split_key(rec)))
+                self.store.remove(keys[-1])
                 self._metrics.evictions.inc()
                 self._metrics.evicted_bytes.inc(rec.size)
             await self._repo.delete_artifacts(r.key_hash for r in victims)
+            await self._notify_evicted(keys)
             if victims:
                 log.info("evicted %d artifacts (%d bytes)", len(victims),
                          sum(r.size for r in victims))

@@ -86,13 +86,41 @@ class FetchConfig:
 
 
 @dataclass(frozen=True)
+class SymbolizeConfig:
+    enabled: bool = True
+    # Trees laid out like /usr/lib/debug: .build-id/xx/rest.debug (and .build-id/xx/rest for the
+    # executable), searched before the upstreams: a site's own binaries.
+    debug_dirs: tuple[Path, ...] = ()
+    max_request_bytes: int = 32 * 1024**2
+    # A gzip bomb is refused once it inflates past this, not after.
+    max_decompressed_bytes: int = 256 * 1024**2
+    # Distinct build IDs one request may make symgate fetch or build; more is a 422.
+    max_mappings: int = 256
+    # Past this, the profile is answered with what is symbolized so far; fetches go on.
+    deadline_s: float = 30.0
+    # Worker processes that build symbol tables.
+    build_workers: int = 2
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """Per X-Scope-OrgID settings; a tenant not listed gets the defaults."""
+
+    symbolize: bool = True
+    # Upstream URLs for this tenant's symbolization, instead of the global list.
+    upstreams: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     negative: NegativeConfig = field(default_factory=NegativeConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    symbolize: SymbolizeConfig = field(default_factory=SymbolizeConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(url=DEFAULT_UPSTREAM),)
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
 
     @property
     def cache_dir(self) -> Path:
@@ -188,6 +216,12 @@ def _coerce(value: object, annotation: str, key: str) -> Any:
         if value not in ("in_order", "race"):
             raise ConfigError(f"{key}: expected \"in_order\" or \"race\", got {value!r}")
         return value
+    if annotation in ("tuple[Path, ...]", "tuple[str, ...]"):
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{key}: expected an array of strings")
+        if annotation == "tuple[Path, ...]":
+            return tuple(Path(v).expanduser() for v in value)
+        return tuple(_check_url(v, key) for v in value)
     if annotation == "Mapping[str, str]":
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
@@ -197,7 +231,7 @@ def _coerce(value: object, annotation: str, key: str) -> Any:
     raise AssertionError(f"no coercion for {annotation}")  # a new field needs a case above
 
 
-_SIZE_KEYS = {"max_bytes"}
+_SIZE_KEYS = {"max_bytes", "max_request_bytes", "max_decompressed_bytes"}
 
 
 def _build(cls: type[T], table: object, prefix: str, **fixed: Any) -> T:
@@ -242,10 +276,10 @@ def load_config(
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
     sections: dict[str, type[Any]] = {
         "server": ServerConfig, "cache": CacheConfig, "database": DatabaseConfig,
-        "negative": NegativeConfig, "fetch": FetchConfig,
+        "negative": NegativeConfig, "fetch": FetchConfig, "symbolize": SymbolizeConfig,
     }
     for name in raw:
-        if name not in sections and name != "upstreams":
+        if name not in sections and name not in ("upstreams", "tenants"):
             raise ConfigError(f"{name}: unknown key")
     built = {name: _build(cls, raw.get(name, {}), name) for name, cls in sections.items()}
     if "upstreams" in raw:
@@ -262,4 +296,11 @@ def load_config(
         raise ConfigError("negative.not_found_initial_ttl_s: must not exceed not_found_ttl_s")
     if built["cache"].max_concurrent_fetches < 1:
         raise ConfigError("cache.max_concurrent_fetches: must be at least 1")
-    return Config(upstreams=upstreams, **built)
+    if built["symbolize"].build_workers < 1:
+        raise ConfigError("symbolize.build_workers: must be at least 1")
+    tenants_raw = raw.get("tenants", {})
+    if not isinstance(tenants_raw, dict):
+        raise ConfigError("tenants: expected a table of [tenants.NAME] tables")
+    tenants = {name: _build(TenantConfig, t, f"tenants.{name}")
+               for name, t in tenants_raw.items()}
+    return Config(upstreams=upstreams, tenants=tenants, **built)

@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from .models import Artifact, Negative
+from .models import Artifact, Negative, SymbolTableRow
 
 
 def create_engine(url: str) -> AsyncEngine:
@@ -56,6 +56,23 @@ class ArtifactRecord:
     fetched_at: datetime
     last_access: datetime
     hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class SymbolTableRecord:
+    build_id: str
+    status: str
+    format: str
+    source_key: str
+    size: int
+    load_address: int
+    code_ranges: str
+    has_lines: bool
+    file_layout: str | None
+    error: str | None
+    built_at: datetime
+    build_seconds: float
+    retry_after: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +183,39 @@ class Repository:
                 )
             )
             return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+    # -- symbol tables -----------------------------------------------------------------------
+    async def get_symbol_table(self, build_id: str) -> SymbolTableRecord | None:
+        async with self._session() as s:
+            row = await s.get(SymbolTableRow, build_id)
+            if row is None:
+                return None
+            return SymbolTableRecord(
+                row.build_id, row.status, row.format, row.source_key, row.size,
+                row.load_address, row.code_ranges, row.has_lines, row.file_layout, row.error,
+                aware(row.built_at), row.build_seconds,
+                aware(row.retry_after) if row.retry_after else None,
+            )
+
+    async def put_symbol_table(self, rec: SymbolTableRecord) -> None:
+        values = {f: getattr(rec, f) for f in SymbolTableRecord.__slots__}
+        stmt = self._insert(SymbolTableRow).values(**values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["build_id"],
+            set_={k: v for k, v in values.items() if k != "build_id"},
+        )
+        async with self._session.begin() as s:
+            await s.execute(stmt)
+
+    async def set_file_layout(self, build_id: str, layout: str) -> None:
+        async with self._session.begin() as s:
+            await s.execute(
+                update(SymbolTableRow).where(SymbolTableRow.build_id == build_id)
+                .values(file_layout=layout)
+            )
+
+    async def delete_symbol_tables(self, build_ids: Iterable[str]) -> None:
+        ids = list(build_ids)
+        if ids:
+            async with self._session.begin() as s:
+                await s.execute(delete(SymbolTableRow).where(SymbolTableRow.build_id.in_(ids)))

@@ -23,6 +23,14 @@ class TooLarge(SymgateError):
     """The artifact is larger than the client's X-DEBUGINFOD-MAXSIZE."""
 
 
+class PayloadTooLarge(SymgateError):
+    """A request body is larger than allowed, before or after decompression."""
+
+
+class OverLimit(SymgateError):
+    """A well-formed request asks for more work than one request may (e.g. too many mappings)."""
+
+
 class UpstreamUnavailable(SymgateError):
     """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker."""
 

@@ -16,6 +16,8 @@ from .cache import CachedArtifact
 from .errors import (
     InvalidRequest,
     NotFound,
+    OverLimit,
+    PayloadTooLarge,
     SymgateError,
     TooLarge,
     UpstreamTimeout,
@@ -46,6 +48,10 @@ def error_response(
         status = 404
     elif isinstance(error, TooLarge):
         status = 406
+    elif isinstance(error, PayloadTooLarge):
+        status = 413
+    elif isinstance(error, OverLimit):
+        status = 422
     elif transient and user_agent.startswith("elfutils/"):
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
         # upstream outage must not blind gdb and perf users for that long.
@@ -207,12 +213,3 @@ async def healthz(request: web.Request) -> web.Response:
     except Exception as e:  # any failure to reach SQL is "unhealthy", whatever its type
         return web.Response(status=503, text=f"database unreachable: {type(e).__name__}\n")
     return web.Response(text="ok\n")
-
-
-def add_routes(app: web.Application) -> None:
-    for method in ("GET", "HEAD"):
-        app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}", buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}", buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind}", buildid)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from urllib.parse import quote
 
+from symbolize import buildid as symbolize_buildid
+
 from .errors import InvalidRequest
 
-# elfutils' client refuses build IDs longer than 128 hex characters; GNU build IDs are 20 bytes.
-MAX_BUILD_ID_HEX = 128
 MAX_SOURCE_PATH = 4096
-_HEX = re.compile(r"^[0-9a-f]+$")
 _SECTION = re.compile(r"^[A-Za-z0-9._$@-]{1,255}$")
 
 
@@ -35,14 +34,10 @@ class Kind(StrEnum):
 
 
 def normalize_build_id(raw: str) -> str:
-    bid = raw.lower()
-    if len(bid) < 2 or len(bid) % 2:
-        raise InvalidRequest("invalid build ID: need an even number of hex digits, at least 2")
-    if len(bid) > MAX_BUILD_ID_HEX:
-        raise InvalidRequest(f"invalid build ID: longer than {MAX_BUILD_ID_HEX} hex digits")
-    if not _HEX.match(bid):
-        raise InvalidRequest("invalid build ID: not hexadecimal")
-    return bid
+    try:
+        return symbolize_buildid.normalize_build_id(raw)
+    except symbolize_buildid.InvalidBuildId as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def normalize_source_path(raw: str) -> str:

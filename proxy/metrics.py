@@ -118,3 +118,41 @@ class ProxyMetrics:
 
     def set_breaker(self, upstream: str, state: BreakerState) -> None:
         self.breaker_state.labels(upstream).set(_BREAKER_VALUE[state])
+
+
+class SymbolizeMetrics:
+    def __init__(self, registry: CollectorRegistry, prefix: str = "symgate") -> None:
+        p = prefix
+        self.profiles = Counter(
+            f"{p}_symbolize_profiles", "Profiles posted to /symbolize, by outcome",
+            ["outcome"], registry=registry,
+        )
+        self.mappings = Counter(
+            f"{p}_symbolize_mappings", "Mappings seen by /symbolize: symbolized, or why not",
+            ["result"], registry=registry,
+        )
+        self.locations = Counter(
+            f"{p}_symbolize_locations", "Locations of candidate mappings: symbolized, or why not",
+            ["result"], registry=registry,
+        )
+        self.symtab_builds = Counter(
+            f"{p}_symtab_builds", "Symbol-table builds, by outcome", ["result"],
+            registry=registry,
+        )
+        self.symtab_build_seconds = Histogram(
+            f"{p}_symtab_build_seconds", "Time to build one symbol table", registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.symtab_cache = Counter(
+            f"{p}_symtab_cache", "Symbol-table lookups: hit (built) or miss (to build)",
+            ["result"], registry=registry,
+        )
+        self.layout_guesses = Counter(
+            f"{p}_symtab_layout_guesses",
+            "Address translations that had to guess program headers (no executable found)",
+            registry=registry,
+        )
+        self.duration = Histogram(
+            f"{p}_symbolize_request_seconds", "Time to answer one /symbolize request",
+            registry=registry, buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )

@@ -46,3 +46,27 @@ class Negative(Base):
     misses: Mapped[int] = mapped_column(Integer, default=1)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class SymbolTableRow(Base):
+    """A symbol table built for a build ID, or why none could be (with a retry time)."""
+
+    __tablename__ = "symbol_tables"
+
+    build_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # ok | no_symbols | malformed: the typed outcome of the last build
+    status: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str] = mapped_column(String(32))
+    # The artifact it was built from: evicting that artifact drops the table.
+    source_key: Mapped[str] = mapped_column(Text)
+    size: Mapped[int] = mapped_column(BigInteger, default=0)
+    load_address: Mapped[int] = mapped_column(BigInteger, default=0)
+    code_ranges: Mapped[str] = mapped_column(Text, default="[]")  # JSON [[start, end], ...]
+    has_lines: Mapped[bool] = mapped_column(default=False)
+    # JSON program headers with real file offsets (from the executable), once known.
+    file_layout: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    built_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    build_seconds: Mapped[float] = mapped_column(default=0.0)
+    # For failed builds: when trying again is worth it.
+    retry_after: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

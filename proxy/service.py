@@ -10,7 +10,7 @@ import email.utils
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,6 +68,8 @@ class ArtifactService:
         self._metrics = metrics
         self._flights: dict[str, Flight] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Called with each artifact's key once it is committed to the cache.
+        self.committed: list[Callable[[ArtifactKey], None]] = []
 
     @property
     def inflight(self) -> int:
@@ -188,6 +190,8 @@ class ArtifactService:
         ))
         self.negatives.forget(key)
         flight.succeed()
+        for listener in self.committed:
+            listener(key)
 
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()

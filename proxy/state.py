@@ -11,8 +11,10 @@ from sqlalchemy import text
 
 from .config import Config
 from .db import Repository
-from .metrics import ProxyMetrics
+from .metrics import ProxyMetrics, SymbolizeMetrics
 from .service import ArtifactService
+from .symbols import SymbolService
+from .upstream import Upstream
 
 
 @dataclass
@@ -23,6 +25,10 @@ class AppState:
     repo: Repository
     session: aiohttp.ClientSession
     service: ArtifactService
+    symbols: SymbolService
+    symbolize_metrics: SymbolizeMetrics
+    # X-Scope-OrgID -> that tenant's own upstream list, where configured.
+    tenant_upstreams: dict[str, list[Upstream]]
 
     async def ping_database(self) -> None:
         async with self.repo.engine.connect() as conn:

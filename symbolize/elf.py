@@ -6,6 +6,7 @@ never with ELFFile.load_from_path, which follows .gnu_debuglink names from the f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -13,6 +14,7 @@ from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
 
 NT_GNU_BUILD_ID = "NT_GNU_BUILD_ID"
+PF_X = 0x1
 
 
 def _build_id_from_notes(notes: object) -> str | None:
@@ -54,3 +56,55 @@ def build_id_of_stream(stream: BinaryIO) -> str | None:
 def build_id_of_file(path: Path) -> str | None:
     with path.open("rb") as f:
         return build_id_of_stream(f)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSegment:
+    """A PT_LOAD program header."""
+
+    offset: int
+    vaddr: int
+    filesz: int
+    memsz: int
+    executable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ElfLayout:
+    build_id: str | None
+    elf_type: str  # "ET_EXEC", "ET_DYN", ...
+    segments: tuple[LoadSegment, ...]
+
+    @property
+    def load_address(self) -> int:
+        """The lowest PT_LOAD address: what symbol-table addresses are relative to."""
+        return min((s.vaddr for s in self.segments), default=0)
+
+    @property
+    def has_file_layout(self) -> bool:
+        """Whether p_offset/p_filesz are real. objcopy --only-keep-debug zeroes them."""
+        return any(s.executable and s.filesz > 0 for s in self.segments)
+
+    def in_code(self, vaddr: int) -> bool:
+        return any(s.executable and s.vaddr <= vaddr < s.vaddr + s.memsz for s in self.segments)
+
+
+def layout_of_file(path: Path) -> ElfLayout | None:
+    """Program headers and build ID of an ELF file, or None if it is not a usable ELF file."""
+    with path.open("rb") as f:
+        try:
+            elf = ELFFile(f)
+            segments = tuple(
+                LoadSegment(
+                    offset=seg["p_offset"], vaddr=seg["p_vaddr"], filesz=seg["p_filesz"],
+                    memsz=seg["p_memsz"], executable=bool(seg["p_flags"] & PF_X),
+                )
+                for seg in elf.iter_segments()
+                if seg["p_type"] == "PT_LOAD"
+            )
+            elf_type = str(elf["e_type"])
+        except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError,
+                AssertionError):
+            return None
+        f.seek(0)
+        return ElfLayout(build_id_of_stream(f), elf_type, segments)

@@ -225,3 +225,12 @@ async def start_symgate(
 
 async def gather_bounded(n: int, make: Callable[[int], Awaitable[Any]]) -> list[Any]:
     return list(await asyncio.gather(*(make(i) for i in range(n))))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    """Wait until `check` holds: for effects of background work (builds, deferred eviction)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.05)

@@ -20,7 +20,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.migrate import upgrade
 from proxy.models import Negative
 from proxy.storage import DiskStore
-from tests.conftest import Debuginfod, SymgateFactory, fast_upstream
+from tests.conftest import Debuginfod, SymgateFactory, eventually, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.test_protocol import debuginfod_find
@@ -165,6 +165,11 @@ async def test_lru_eviction_keeps_the_budget(
     await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
     await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")  # prog is now the most recent
+
+    async def built() -> bool:  # symbol tables are built from each debuginfo as it is cached
+        return await sg.metric("symgate_symtab_builds_total", result="ok") == 2
+
+    await eventually(built)  # so no build holds a lease that eviction would pass over
     await sg.get(f"/buildid/{elfs.prog.build_id}/executable")  # over budget: evict `other`
     assert await sg.metric("symgate_cache_evictions_total") == 1
     assert await sg.metric("symgate_cache_size_bytes") == sizes["prog"] + exe

@@ -1,0 +1,75 @@
+"""Reading and writing pprof profiles: gzip or raw protobuf, with bounded decompression."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from .profile_pb2 import Profile
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class ProfileError(ValueError):
+    """The body is not a usable pprof profile; the message says why."""
+
+
+class ProfileTooLarge(ProfileError):
+    """The profile decompresses to more than the allowed size (a gzip bomb, or just huge)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    profile: Profile
+    gzipped: bool
+    raw: bytes  # the uncompressed protobuf bytes
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ProfileError(f"not valid gzip: {e}") from e
+    if len(out) > limit:
+        raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
+    if not inflater.eof:
+        raise ProfileError("truncated gzip stream")
+    return out
+
+
+def decode(body: bytes, max_decompressed: int) -> Decoded:
+    if not body:
+        raise ProfileError("empty body")
+    gzipped = body[:2] == GZIP_MAGIC
+    raw = _gunzip(body, max_decompressed) if gzipped else body
+    if len(raw) > max_decompressed:
+        raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
+    try:
+        profile = Profile.FromString(raw)
+    except DecodeError as e:
+        raise ProfileError(f"not a pprof profile: {e}") from e
+    _check(profile)
+    return Decoded(profile, gzipped, raw)
+
+
+def _check(profile: Profile) -> None:
+    strings = len(profile.string_table)
+    if strings and profile.string_table[0] != "":
+        raise ProfileError("not a pprof profile: string_table[0] must be empty")
+    for m in profile.mapping:
+        if not (0 <= m.filename < max(strings, 1) and 0 <= m.build_id < max(strings, 1)):
+            raise ProfileError(f"mapping {m.id}: string index out of range")
+    for f in profile.function:
+        for index in (f.name, f.system_name, f.filename):
+            if not 0 <= index < max(strings, 1):
+                raise ProfileError(f"function {f.id}: string index out of range")
+
+
+def encode(profile: Profile, gzipped: bool) -> bytes:
+    raw = profile.SerializeToString()
+    # mtime=0: the same profile always encodes to the same bytes.
+    return gzip.compress(raw, compresslevel=6, mtime=0) if gzipped else raw
