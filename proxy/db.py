@@ -67,6 +67,7 @@ class SymbolTableRecord:
     size: int
     load_address: int
     code_ranges: str
+    cold_ranges: str
     has_lines: bool
     file_layout: str | None
     error: str | None
@@ -192,7 +193,8 @@ class Repository:
                 return None
             return SymbolTableRecord(
                 row.build_id, row.status, row.format, row.source_key, row.size,
-                row.load_address, row.code_ranges, row.has_lines, row.file_layout, row.error,
+                row.load_address, row.code_ranges, row.cold_ranges, row.has_lines,
+                row.file_layout, row.error,
                 aware(row.built_at), row.build_seconds,
                 aware(row.retry_after) if row.retry_after else None,
             )

@@ -62,6 +62,7 @@ class SymbolTableRow(Base):
     size: Mapped[int] = mapped_column(BigInteger, default=0)
     load_address: Mapped[int] = mapped_column(BigInteger, default=0)
     code_ranges: Mapped[str] = mapped_column(Text, default="[]")  # JSON [[start, end], ...]
+    cold_ranges: Mapped[str] = mapped_column(Text, default="[]")  # JSON [[start, end], ...]
     has_lines: Mapped[bool] = mapped_column(default=False)
     # JSON program headers with real file offsets (from the executable), once known.
     file_layout: Mapped[str | None] = mapped_column(Text, nullable=True)

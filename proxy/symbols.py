@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from symbolize.debugdirs import find_debug_file, find_executable
 from symbolize.elf import ElfLayout, LoadSegment, layout_of_file
@@ -69,6 +70,10 @@ def _layout_from_json(text: str) -> tuple[LoadSegment, ...]:
                  for o, v, f, m, x in json.loads(text))
 
 
+def _ranges(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in json.loads(text))
+
+
 def _guessed_layout(table: SymbolTable) -> tuple[LoadSegment, ...]:
     """Without the executable: code at file offset vaddr - load address.
 
@@ -94,6 +99,7 @@ class SymbolService:
             max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self._resolving: dict[str, asyncio.Future[Outcome]] = {}
+        self._layouts: dict[str, asyncio.Future[None]] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
@@ -101,7 +107,8 @@ class SymbolService:
         return self.root / build_id[:2] / f"{build_id}.symc"
 
     async def close(self) -> None:
-        pending = list(self._resolving.values())
+        pending: list[asyncio.Future[Any]] = [*self._resolving.values(),
+                                              *self._layouts.values()]
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -112,13 +119,23 @@ class SymbolService:
         self, build_id: str, *, needs_layout: bool, forwarded_for: str = "",
         upstreams: Sequence[Upstream] | None = None,
     ) -> Outcome:
-        """The symbols of `build_id`; fetching and building them if need be (shared)."""
+        """The symbols of `build_id`; fetching and building them if need be (shared).
+
+        Shielded as a whole: a request that gives up at its deadline leaves the table and the
+        program headers to be found anyway, for the next profile.
+        """
+        return await asyncio.shield(
+            self._symbols_for(build_id, needs_layout, forwarded_for, upstreams))
+
+    async def _symbols_for(
+        self, build_id: str, needs_layout: bool, forwarded_for: str,
+        upstreams: Sequence[Upstream] | None,
+    ) -> Outcome:
         opened = self._open.get(build_id)
         if opened is None:
             future = self._resolving.get(build_id) or self._track(
                 build_id, self._resolve(build_id, forwarded_for, upstreams))
-            # shield: a request past its deadline must not cancel a build others wait for.
-            outcome = await asyncio.shield(future)
+            outcome = await future
             if outcome.symbols is None:
                 return outcome
             opened = self._open[build_id]
@@ -126,8 +143,13 @@ class SymbolService:
             self._open.move_to_end(build_id)
             self._metrics.symtab_cache.labels("hit").inc()
         if needs_layout and opened.segments is None:
-            opened.segments = await self._file_layout(build_id, opened.table, forwarded_for,
-                                                      upstreams)
+            layout = self._layouts.get(build_id)
+            if layout is None:
+                layout = asyncio.ensure_future(
+                    self._file_layout(build_id, opened, forwarded_for, upstreams))
+                self._layouts[build_id] = layout
+                layout.add_done_callback(lambda _f: self._layouts.pop(build_id, None))
+            await layout
         return Outcome(MappingSymbols(opened.table, opened.segments or ()))
 
     def _track(
@@ -177,8 +199,7 @@ class SymbolService:
 
     def _remember(self, build_id: str, rec: SymbolTableRecord) -> Outcome:
         table = SymbolTable(self.path_for(build_id), rec.load_address,
-                            tuple(tuple(r) for r in json.loads(rec.code_ranges)),
-                            rec.has_lines)
+                            _ranges(rec.code_ranges), _ranges(rec.cold_ranges), rec.has_lines)
         segments = _layout_from_json(rec.file_layout) if rec.file_layout else None
         self._open[build_id] = _Open(table, segments)
         self._open.move_to_end(build_id)
@@ -234,14 +255,14 @@ class SymbolService:
                 status, error = "no_symbols", str(e)
             except MalformedObject as e:
                 status, error = "malformed", str(e)
-        self._metrics.symtab_builds.labels(status).inc()
-        if result is not None:
-            self._metrics.symtab_build_seconds.observe(result.seconds)
         rec = self._record(build_id, status, source_key, result, error, source)
         await self._repo.put_symbol_table(rec)
+        # Counted once recorded and open, so the metric never runs ahead of the table.
+        self._metrics.symtab_builds.labels(status).inc()
         if result is None:
             log.info("symbol table for %s: %s (%s)", build_id, status, error)
             return Outcome(None, status)
+        self._metrics.symtab_build_seconds.observe(result.seconds)
         log.info("symbol table for %s built from %s in %.3fs (%d bytes)", build_id,
                  source_key, result.seconds, result.size)
         return self._remember(build_id, rec)
@@ -259,12 +280,21 @@ class SymbolService:
             size=result.size if result else 0,
             load_address=result.load_address if result else 0,
             code_ranges=json.dumps(result.code_ranges if result else []),
+            cold_ranges=json.dumps(result.cold_ranges if result else []),
             has_lines=result.has_lines if result else False, file_layout=file_layout,
             error=error, built_at=now, build_seconds=result.seconds if result else 0.0,
             retry_after=now + _RETRY[status] if status in _RETRY else None,
         )
 
     async def _file_layout(
+        self, build_id: str, opened: _Open, forwarded_for: str,
+        upstreams: Sequence[Upstream] | None,
+    ) -> None:
+        """Set `opened.segments` to program headers with real file offsets."""
+        opened.segments = await self._find_file_layout(build_id, opened.table, forwarded_for,
+                                                       upstreams)
+
+    async def _find_file_layout(
         self, build_id: str, table: SymbolTable, forwarded_for: str,
         upstreams: Sequence[Upstream] | None,
     ) -> tuple[LoadSegment, ...]:

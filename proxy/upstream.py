@@ -60,8 +60,16 @@ class UpstreamBody:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body, raising UpstreamTimeout / UpstreamUnavailable when it stops short."""
         name = self.upstream.name
+        idle = self.upstream.cfg.read_timeout_s or None
+        content = self._response.content
         try:
-            async for chunk in self._response.content.iter_chunked(CHUNK):
+            while True:
+                # The idle limit is timed here rather than as aiohttp's sock_read, which would
+                # also cut short the wait for the headers that first_byte_timeout_s allows.
+                async with asyncio.timeout(idle):
+                    chunk = await content.read(CHUNK)
+                if not chunk:
+                    return
                 self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
                 yield chunk
         except TimeoutError as e:
@@ -91,7 +99,6 @@ class Upstream:
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.total_timeout_s or None,
             sock_connect=cfg.connect_timeout_s or None,
-            sock_read=cfg.read_timeout_s or None,
         )
 
     def count(self, result: UpstreamResult, *, failed: bool = False) -> None:

@@ -6,6 +6,7 @@ never with ELFFile.load_from_path, which follows .gnu_debuglink names from the f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -108,3 +109,28 @@ def layout_of_file(path: Path) -> ElfLayout | None:
             return None
         f.seek(0)
         return ElfLayout(build_id_of_stream(f), elf_type, segments)
+
+
+_COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")
+
+
+def cold_part(name: str) -> str | None:
+    """`main` for `main.cold` or `main.cold.3` (GCC's split-off unlikely code), else None."""
+    return _COLD_SUFFIX.sub("", name) if _COLD_SUFFIX.search(name) else None
+
+
+def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
+    """[start, end) of every `*.cold` function symbol in .symtab."""
+    with path.open("rb") as f:
+        try:
+            symtab = ELFFile(f).get_section_by_name(".symtab")
+            if symtab is None or not hasattr(symtab, "iter_symbols"):
+                return ()
+            return tuple(sorted(
+                (sym["st_value"], sym["st_value"] + sym["st_size"])
+                for sym in symtab.iter_symbols()
+                if sym["st_info"]["type"] == "STT_FUNC" and sym["st_size"]
+                and cold_part(sym.name) is not None
+            ))
+        except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError):
+            return ()

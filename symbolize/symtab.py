@@ -8,6 +8,7 @@ worker process.
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
 from .demangle import demangle
-from .elf import layout_of_file
+from .elf import cold_part, cold_ranges_of_file, layout_of_file
 
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
 # symbolic marks the address of an inlined frame as unknown with this value.
@@ -37,6 +38,7 @@ class MalformedObject(Exception):
 class BuildResult:
     load_address: int
     code_ranges: tuple[tuple[int, int], ...]  # [start, end) virtual addresses of code
+    cold_ranges: tuple[tuple[int, int], ...]  # [start, end) of GCC's *.cold function parts
     has_lines: bool
     seconds: float
     size: int
@@ -78,6 +80,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     return BuildResult(
         load_address=layout.load_address,
         code_ranges=tuple((s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable),
+        cold_ranges=cold_ranges_of_file(elf_path),
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
@@ -89,12 +92,18 @@ class SymbolTable:
 
     def __init__(
         self, path: Path, load_address: int, code_ranges: tuple[tuple[int, int], ...],
-        has_lines: bool,
+        cold_ranges: tuple[tuple[int, int], ...], has_lines: bool,
     ) -> None:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
         self.load_address = load_address
         self.code_ranges = code_ranges
+        self._cold_starts = [start for start, _end in cold_ranges]
+        self._cold_ranges = cold_ranges
         self.has_lines = has_lines
+
+    def _in_cold_part(self, vaddr: int) -> bool:
+        i = bisect.bisect_right(self._cold_starts, vaddr) - 1
+        return i >= 0 and vaddr < self._cold_ranges[i][1]
 
     def lookup(self, vaddr: int) -> list[Frame]:
         """Frames innermost (inlined callee) first, the function the code is in last.
@@ -105,9 +114,16 @@ class SymbolTable:
         if not any(start <= vaddr < end for start, end in self.code_ranges):
             return []
         found = self._cache.lookup(vaddr - self.load_address)
-        return [
+        frames = [
             Frame(system_name=loc.symbol, name=demangle(loc.symbol, loc.lang or ""),
                   filename=loc.full_path or "", line=int(loc.line or 0))
             for loc in found
             if loc.symbol
         ]
+        if frames and (hot := cold_part(frames[-1].system_name)) is not None \
+                and not self._in_cold_part(vaddr):
+            # symbolic names a function split by GCC after the symbol at its lowest address,
+            # the .cold part; the hot body is the function itself (as llvm-symbolizer says).
+            last = frames[-1]
+            frames[-1] = Frame(hot, demangle(hot), last.filename, last.line)
+        return frames

@@ -75,12 +75,13 @@ def debuginfod(elfs: ElfSet, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     deadline = time.monotonic() + 60
     import urllib.request
 
-    probe = f"{url}/buildid/{elfs.prog.build_id}/debuginfo"
-    while True:
+    pending = [f"{url}/buildid/{e.build_id}/debuginfo" for e in elfs.all]
+    while pending:
         try:
-            with urllib.request.urlopen(probe, timeout=2) as r:
+            with urllib.request.urlopen(pending[0], timeout=2) as r:
                 if r.status == 200:
-                    break
+                    pending.pop(0)
+                    continue
         except Exception:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -144,6 +145,11 @@ class Symgate:
 
     async def get(self, path: str, **kw: Any) -> tuple[int, dict[str, str], bytes]:
         async with self.session.get(self.url + path, **kw) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def request(self, method: str, path: str, **kw: Any
+                      ) -> tuple[int, dict[str, str], bytes]:
+        async with self.session.request(method, self.url + path, **kw) as r:
             return r.status, dict(r.headers), await r.read()
 
     async def head(self, path: str, **kw: Any) -> tuple[int, dict[str, str]]:

@@ -48,12 +48,37 @@ class Elf:
     sources: tuple[Path, ...]
 
 
+CPP_SRC = r"""
+#include <cstdio>
+#include <vector>
+namespace shapes {
+template <typename T> struct Acc {
+    std::vector<T> v;
+    T __attribute__((noinline)) total(T k) const { T s = 0; for (T x : v) s += x * k; return s; }
+};
+}
+int main(int argc, char **) {
+    shapes::Acc<long> acc;
+    for (int i = 0; i < argc * 1000; i++) acc.v.push_back(i);
+    std::printf("%ld\n", acc.total(argc));
+    return 0;
+}
+"""
+
+
 @dataclass(frozen=True)
 class ElfSet:
     upstream_dir: Path
-    prog: Elf
+    prog: Elf  # PIE
     other: Elf
     big: Elf
+    nopie: Elf  # ET_EXEC
+    shlib: Elf  # ET_DYN shared library
+    cpp: Elf  # C++, for demangling
+
+    @property
+    def all(self) -> tuple[Elf, ...]:
+        return (self.prog, self.other, self.big, self.nopie, self.shlib, self.cpp)
 
 
 def _run(*cmd: str | Path) -> None:
@@ -61,8 +86,10 @@ def _run(*cmd: str | Path) -> None:
 
 
 def build_program(src_dir: Path, out_dir: Path, name: str, seed: int,
-                  pad_bytes: int = 0, extra_flags: tuple[str, ...] = ()) -> Elf:
-    """Compile a two-file -O2 program, split its debug info off and strip it.
+                  pad_bytes: int = 0, extra_flags: tuple[str, ...] = (),
+                  shape: str = "exe") -> Elf:
+    """Compile an -O2 program (`shape` exe, or shlib for a shared library of util.c, or cpp),
+    split its debug info off and strip it.
 
     `seed` makes each program's code, and so its build ID, different; `pad_bytes` adds a
     section of that size to the debug file, for artifacts large enough to stream.
@@ -72,10 +99,19 @@ def build_program(src_dir: Path, out_dir: Path, name: str, seed: int,
     (src / "main.c").write_text(MAIN_C)
     (src / "util.h").write_text(UTIL_H % seed)
     (src / "util.c").write_text(UTIL_C)
+    (src / "main.cpp").write_text(CPP_SRC)
     exe = out_dir / name
     debug = out_dir / f"{name}.debug"
-    _run("gcc", "-g", "-O2", "-Wl,--build-id", *extra_flags, "-o", exe,
-         src / "main.c", src / "util.c")
+    sources: tuple[Path, ...] = (src / "main.c", src / "util.c", src / "util.h")
+    if shape == "shlib":
+        _run("gcc", "-g", "-O2", "-fPIC", "-shared", "-Wl,--build-id", *extra_flags,
+             "-o", exe, src / "util.c")
+    elif shape == "cpp":
+        _run("g++", "-g", "-O2", "-Wl,--build-id", *extra_flags, "-o", exe, src / "main.cpp")
+        sources = (src / "main.cpp",)
+    else:
+        _run("gcc", "-g", "-O2", "-Wl,--build-id", *extra_flags, "-o", exe,
+             src / "main.c", src / "util.c")
     _run("objcopy", "--only-keep-debug", exe, debug)
     if pad_bytes:
         pad = src / "pad.bin"
@@ -87,7 +123,7 @@ def build_program(src_dir: Path, out_dir: Path, name: str, seed: int,
     _run("objcopy", "--strip-debug", f"--add-gnu-debuglink={debug}", exe)
     build_id = build_id_of_file(exe)
     assert build_id and build_id == build_id_of_file(debug)
-    return Elf(name, build_id, exe, debug, (src / "main.c", src / "util.c", src / "util.h"))
+    return Elf(name, build_id, exe, debug, sources)
 
 
 def build_elf_set(root: Path) -> ElfSet:
@@ -99,4 +135,7 @@ def build_elf_set(root: Path) -> ElfSet:
         prog=build_program(src, upstream_dir, "prog", 1),
         other=build_program(src, upstream_dir, "other", 2),
         big=build_program(src, upstream_dir, "big", 3, pad_bytes=24 * 1024 * 1024),
+        nopie=build_program(src, upstream_dir, "nopie", 4, extra_flags=("-no-pie", "-fno-pie")),
+        shlib=build_program(src, upstream_dir, "libmix.so", 5, shape="shlib"),
+        cpp=build_program(src, upstream_dir, "cpp", 6, shape="cpp"),
     )

@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("size", sa.BigInteger(), nullable=False),
         sa.Column("load_address", sa.BigInteger(), nullable=False),
         sa.Column("code_ranges", sa.Text(), nullable=False),
+        sa.Column("cold_ranges", sa.Text(), nullable=False),
         sa.Column("has_lines", sa.Boolean(), nullable=False),
         sa.Column("file_layout", sa.Text(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),

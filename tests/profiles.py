@@ -1,0 +1,134 @@
+"""pprof profiles over real ELF files placed at realistic load addresses, and what
+llvm-symbolizer says those addresses are."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from symbolize.elf import LoadSegment, layout_of_file
+from symbolize.pprof.profile_pb2 import Location, Mapping, Profile, Sample, ValueType
+from tests.elfs import Elf
+
+PAGE = 0x1000
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The executable mapping of an ELF file in a process, as /proc/PID/maps would show it."""
+
+    build_id: str
+    filename: str
+    memory_start: int
+    memory_limit: int
+    file_offset: int
+    text: LoadSegment
+    base: int  # what the loader added to every vaddr
+
+    def runtime(self, vaddr: int) -> int:
+        return self.base + vaddr
+
+
+def place(elf: Elf, base: int) -> Placed:
+    layout = layout_of_file(elf.executable)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    start = base + (text.vaddr & ~(PAGE - 1))
+    limit = base + ((text.vaddr + text.memsz + PAGE - 1) & ~(PAGE - 1))
+    return Placed(elf.build_id, str(elf.executable), start, limit, text.offset & ~(PAGE - 1),
+                  text, base)
+
+
+def code_addresses(elf: Elf) -> list[int]:
+    """The address of every instruction in .text, from objdump."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text",
+                          str(elf.executable)], capture_output=True, text=True, check=True).stdout
+    return [int(m.group(1), 16) for m in re.finditer(r"^\s+([0-9a-f]+):", out, re.M)]
+
+
+def make_profile(placed: list[tuple[Placed, list[int]]], *, has_functions: bool = False,
+                 runtime: bool = True) -> Profile:
+    """One mapping per Placed, one location and sample per address (vaddrs).
+
+    With runtime=False, addresses are ELF-relative and the mapping range is left at zero, as the
+    OpenTelemetry eBPF profiler sends them.
+    """
+    p = Profile()
+    p.string_table.extend(["", "cpu", "nanoseconds", "thread", "main", "a comment"])
+    p.sample_type.append(ValueType(type=1, unit=2))
+    p.comment.append(5)
+    loc_id = 0
+    for mid, (pl, vaddrs) in enumerate(placed, start=1):
+        p.string_table.extend([pl.filename, pl.build_id])
+        n = len(p.string_table)
+        if runtime:
+            p.mapping.append(Mapping(id=mid, memory_start=pl.memory_start,
+                                     memory_limit=pl.memory_limit, file_offset=pl.file_offset,
+                                     filename=n - 2, build_id=n - 1,
+                                     has_functions=has_functions))
+        else:
+            p.mapping.append(Mapping(id=mid, filename=n - 2, build_id=n - 1,
+                                     has_functions=has_functions))
+        for v in vaddrs:
+            loc_id += 1
+            p.location.append(Location(id=loc_id, mapping_id=mid,
+                                       address=pl.runtime(v) if runtime else v))
+            sample = Sample(location_id=[loc_id], value=[loc_id * 10])
+            sample.label.add(key=3, str=4)
+            p.sample.append(sample)
+    return p
+
+
+@dataclass(frozen=True)
+class Expected:
+    function: str
+    system_name: str
+    file: str
+    line: int
+
+
+def llvm_symbolize(debug: Path, vaddrs: list[int]) -> dict[int, list[Expected]]:
+    """llvm-symbolizer's frames per address (innermost first); unresolved addresses left out."""
+    def run(demangle: bool) -> list[dict[str, object]]:
+        cmd = ["llvm-symbolizer", f"--obj={debug}", "--inlining", "--output-style=JSON",
+               "--demangle" if demangle else "--no-demangle"]
+        out = subprocess.run(cmd, input="\n".join(hex(v) for v in vaddrs), capture_output=True,
+                             text=True, check=True).stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    result: dict[int, list[Expected]] = {}
+    for named, raw in zip(run(True), run(False), strict=True):
+        frames = [
+            Expected(str(a["FunctionName"]), str(b["FunctionName"]), str(a["FileName"]),
+                     int(a["Line"]))  # type: ignore[call-overload]
+            for a, b in zip(named["Symbol"], raw["Symbol"], strict=True)  # type: ignore[call-overload]
+        ]
+        if frames and frames[0].function not in ("??", ""):
+            result[int(str(named["Address"]), 16)] = frames
+    return result
+
+
+def frames_of(profile: Profile, location: Location) -> list[Expected]:
+    s = profile.string_table
+    functions = {f.id: f for f in profile.function}
+    return [Expected(s[functions[ln.function_id].name], s[functions[ln.function_id].system_name],
+                     s[functions[ln.function_id].filename], ln.line) for ln in location.line]
+
+
+def symbol_aliases(elf_file: Path) -> dict[str, set[str]]:
+    """Every .symtab name -> all names defined at the same address (weak aliases and the like)."""
+    out = subprocess.run(["nm", "--defined-only", str(elf_file)], capture_output=True,
+                         text=True, check=True).stdout
+    by_address: dict[int, set[str]] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            by_address.setdefault(int(parts[0], 16), set()).add(parts[2])
+    aliases: dict[str, set[str]] = {}
+    for names in by_address.values():
+        for name in names:
+            aliases.setdefault(name, set()).update(names)
+    return aliases
