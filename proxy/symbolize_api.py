@@ -26,10 +26,15 @@ ACCEPTED_TYPES = ("application/octet-stream", "application/x-protobuf",
 async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
-        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-    return body
+    # read(n) returns what is buffered, not n bytes: read to the end, stopping past the limit.
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _headers(report: Report, state: str) -> dict[str, str]:

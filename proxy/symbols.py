@@ -31,6 +31,7 @@ from symbolize.symtab import (
     NoSymbols,
     SymbolTable,
     build_symbol_table,
+    warm_up,
 )
 
 from .db import Repository, SymbolTableRecord
@@ -95,6 +96,7 @@ class SymbolService:
         self._debug_dirs = tuple(debug_dirs)
         self._metrics = metrics
         # forkserver: never fork a process that runs an event loop and threads.
+        self._workers = workers
         self._executor = ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
         self._open: OrderedDict[str, _Open] = OrderedDict()
@@ -102,6 +104,11 @@ class SymbolService:
         self._layouts: dict[str, asyncio.Future[None]] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
+
+    def start_workers(self) -> None:
+        """Start the worker processes now, not on the first cold profile."""
+        for _ in range(self._workers):
+            self._executor.submit(warm_up)
 
     def path_for(self, build_id: str) -> Path:
         return self.root / build_id[:2] / f"{build_id}.symc"

@@ -7,6 +7,7 @@ never with ELFFile.load_from_path, which follows .gnu_debuglink names from the f
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -16,6 +17,7 @@ from elftools.elf.elffile import ELFFile
 
 NT_GNU_BUILD_ID = "NT_GNU_BUILD_ID"
 PF_X = 0x1
+STT_FUNC = 2
 
 
 def _build_id_from_notes(notes: object) -> str | None:
@@ -120,17 +122,34 @@ def cold_part(name: str) -> str | None:
 
 
 def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
-    """[start, end) of every `*.cold` function symbol in .symtab."""
+    """[start, end) of every `*.cold` function symbol in .symtab.
+
+    pyelftools locates the sections; the symbol array is read with struct, because building a
+    pyelftools object per symbol costs 0.2 s for libc's 9,000 symbols.
+    """
     with path.open("rb") as f:
         try:
-            symtab = ELFFile(f).get_section_by_name(".symtab")
-            if symtab is None or not hasattr(symtab, "iter_symbols"):
+            elf = ELFFile(f)
+            symtab = elf.get_section_by_name(".symtab")
+            if symtab is None or symtab["sh_type"] != "SHT_SYMTAB":
                 return ()
-            return tuple(sorted(
-                (sym["st_value"], sym["st_value"] + sym["st_size"])
-                for sym in symtab.iter_symbols()
-                if sym["st_info"]["type"] == "STT_FUNC" and sym["st_size"]
-                and cold_part(sym.name) is not None
-            ))
+            strtab = elf.get_section(symtab["sh_link"]).data()
+            data = symtab.data()
+            little = elf.little_endian
         except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError):
             return ()
+    order = "<" if little else ">"
+    if elf.elfclass == 64:  # st_name, st_info, st_other, st_shndx, st_value, st_size
+        fmt, name_i, info_i, value_i, size_i = order + "IBBHQQ", 0, 1, 4, 5
+    else:  # st_name, st_value, st_size, st_info, st_other, st_shndx
+        fmt, name_i, info_i, value_i, size_i = order + "IIIBBH", 0, 3, 1, 2
+    entry = struct.calcsize(fmt)
+    found = []
+    for sym in struct.iter_unpack(fmt, data[: len(data) - len(data) % entry]):
+        if sym[info_i] & 0xF != STT_FUNC or not sym[size_i]:
+            continue
+        start = sym[name_i]
+        name = strtab[start: strtab.find(b"\0", start)]
+        if b".cold" in name and cold_part(name.decode(errors="replace")) is not None:
+            found.append((sym[value_i], sym[value_i] + sym[size_i]))
+    return tuple(sorted(found))

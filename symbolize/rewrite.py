@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from .buildid import InvalidBuildId, normalize_build_id
 from .elf import LoadSegment
-from .pprof.profile_pb2 import Function, Line, Profile
-from .symtab import SymbolTable
+from .pprof.profile_pb2 import Function, Profile
+from .symtab import Frame, SymbolTable
 from .translate import to_vaddr
 
 
@@ -72,6 +72,7 @@ class _Tables:
         for i, s in enumerate(profile.string_table):
             self._strings.setdefault(s, i)
         self._functions: dict[tuple[int, int, int, int], int] = {}
+        self._by_frame: dict[Frame, int] = {}
         self._next_id = 1
         for f in profile.function:
             self._functions.setdefault((f.name, f.system_name, f.filename, f.start_line), f.id)
@@ -84,6 +85,14 @@ class _Tables:
             self._profile.string_table.append(s)
             self._strings[s] = index
         return index
+
+    def function_of(self, frame: Frame) -> int:
+        """The Function id for a frame, interned (one dict lookup for a known frame)."""
+        fid = self._by_frame.get(frame)
+        if fid is None:
+            fid = self._by_frame[frame] = self.function(frame.name, frame.system_name,
+                                                        frame.filename)
+        return fid
 
     def function(self, name: str, system_name: str, filename: str) -> int:
         key = (self.string(name), self.string(system_name), self.string(filename), 0)
@@ -126,9 +135,9 @@ def rewrite(
         if not frames:
             report.locations_unresolved["no_symbol"] += 1
             continue
+        out = loc.line
         for frame in frames:
-            fid = tables.function(frame.name, frame.system_name, frame.filename)
-            loc.line.append(Line(function_id=fid, line=frame.line))
+            out.add(function_id=tables.function_of(frame), line=frame.line)
         flags = filled[loc.mapping_id]
         flags[0] = True
         flags[1] = flags[1] or any(f.filename for f in frames)

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
@@ -22,8 +23,9 @@ from .demangle import demangle
 from .elf import cold_part, cold_ranges_of_file, layout_of_file
 
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
-# symbolic marks the address of an inlined frame as unknown with this value.
-_UNKNOWN = 0xFFFFFFFF
+# Addresses whose frames a table remembers: continuous profilers send the same hot addresses
+# in every profile. About 200 bytes an entry.
+_MEMO_MAX = 500_000
 
 
 class NoSymbols(Exception):
@@ -44,12 +46,17 @@ class BuildResult:
     size: int
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
+    """A NamedTuple rather than a dataclass: it is hashed and compared per location."""
+
     system_name: str  # as in the symbol table or DWARF linkage name (mangled)
     name: str  # demangled
     filename: str
     line: int
+
+
+def warm_up() -> None:
+    """Run once in each fresh worker: importing this module loaded symbolic already."""
 
 
 def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildResult:
@@ -100,19 +107,26 @@ class SymbolTable:
         self._cold_starts = [start for start, _end in cold_ranges]
         self._cold_ranges = cold_ranges
         self.has_lines = has_lines
+        self._memo: dict[int, tuple[Frame, ...]] = {}
 
     def _in_cold_part(self, vaddr: int) -> bool:
         i = bisect.bisect_right(self._cold_starts, vaddr) - 1
         return i >= 0 and vaddr < self._cold_ranges[i][1]
 
-    def lookup(self, vaddr: int) -> list[Frame]:
+    def lookup(self, vaddr: int) -> tuple[Frame, ...]:
         """Frames innermost (inlined callee) first, the function the code is in last.
 
         Addresses outside the code segments get no frames: symbolic would otherwise answer
         with the nearest preceding symbol.
         """
-        if not any(start <= vaddr < end for start, end in self.code_ranges):
-            return []
+        memo = self._memo.get(vaddr)
+        if memo is not None:
+            return memo
+        for start, end in self.code_ranges:
+            if start <= vaddr < end:
+                break
+        else:
+            return ()
         found = self._cache.lookup(vaddr - self.load_address)
         frames = [
             Frame(system_name=loc.symbol, name=demangle(loc.symbol, loc.lang or ""),
@@ -120,10 +134,14 @@ class SymbolTable:
             for loc in found
             if loc.symbol
         ]
-        if frames and (hot := cold_part(frames[-1].system_name)) is not None \
+        if frames and ".cold" in frames[-1].system_name \
+                and (hot := cold_part(frames[-1].system_name)) is not None \
                 and not self._in_cold_part(vaddr):
             # symbolic names a function split by GCC after the symbol at its lowest address,
             # the .cold part; the hot body is the function itself (as llvm-symbolizer says).
             last = frames[-1]
             frames[-1] = Frame(hot, demangle(hot), last.filename, last.line)
-        return frames
+        if len(self._memo) >= _MEMO_MAX:
+            self._memo.clear()  # cheap and rare; an LRU would cost on every hit
+        result = self._memo[vaddr] = tuple(frames)
+        return result

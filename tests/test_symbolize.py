@@ -438,3 +438,17 @@ def test_cli_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
                              "--debug-dir", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 1 and "gzip" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+async def test_a_profile_over_a_mebibyte_is_read_whole(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Bodies arrive in many reads; a short read once made big profiles look corrupt."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elfs.prog, BASES["prog"])
+    vaddrs = code_addresses(elfs.prog) * 400  # ~60k locations, 1.4 MB of raw protobuf
+    raw = make_profile([(placed, vaddrs)]).SerializeToString()
+    assert len(raw) > 1024 * 1024  # far more than one read returns
+    status, headers, body = await post(sg, raw)
+    assert status == 200, body[:200]
+    assert int(headers["X-Symgate-Locations-Symbolized"]) >= len(vaddrs) * 0.9

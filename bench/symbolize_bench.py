@@ -1,0 +1,158 @@
+"""Symbolization benchmark: symgate warm and cold against llvm-symbolizer, in one run.
+
+  python bench/symbolize_bench.py [--sizes 1000,100000]
+
+The same N addresses inside the system libc's code (Debian's libc6-dbg debug file) are
+symbolized, with inline frames, by:
+  * llvm-symbolizer --obj=DEBUG --inlining, one batch on stdin (its cold run: it parses DWARF);
+  * symgate cold: a fresh server whose symbol table for libc is not built yet;
+  * symgate warm: the same server again, the table built (a second, identical request).
+symgate runs as `symgate serve` and is sent a pprof profile with one location per address, at
+the runtime addresses of a real process's libc mapping. Prints times, per-address costs and
+ratios; writes bench/results/symbolize.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from symbolize.elf import layout_of_file  # noqa: E402
+from symbolize.pprof.profile_pb2 import Profile  # noqa: E402
+
+LIBC_ID = "93ac61ec5a8eb1396f9fbd350e3169a558528a40"
+LIBC_DEBUG = Path(f"/usr/lib/debug/.build-id/{LIBC_ID[:2]}/{LIBC_ID[2:]}.debug")
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+BASE = 0x7F0000000000  # where the loader put libc (any page-aligned address)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def addresses(n: int) -> list[int]:
+    layout = layout_of_file(LIBC)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    rng = random.Random(n)
+    return rng.sample(range(text.vaddr, text.vaddr + text.filesz), n)
+
+
+def profile_for(vaddrs: list[int]) -> bytes:
+    layout = layout_of_file(LIBC)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    p = Profile()
+    p.string_table.extend(["", str(LIBC), LIBC_ID, "cpu", "nanoseconds"])
+    p.sample_type.add(type=3, unit=4)
+    p.mapping.add(id=1, memory_start=BASE + text.vaddr, memory_limit=BASE + text.vaddr
+                  + text.memsz, file_offset=text.offset, filename=1, build_id=2)
+    for i, v in enumerate(vaddrs, start=1):
+        p.location.add(id=i, mapping_id=1, address=BASE + v)
+        p.sample.add(location_id=[i], value=[1])
+    return p.SerializeToString()
+
+
+def llvm(vaddrs: list[int]) -> float:
+    started = time.perf_counter()
+    out = subprocess.run(["llvm-symbolizer", f"--obj={LIBC_DEBUG}", "--inlining"],
+                         input="\n".join(hex(v) for v in vaddrs), capture_output=True,
+                         text=True, check=True).stdout
+    elapsed = time.perf_counter() - started
+    assert out.count("\n\n") >= len(vaddrs) - 1
+    return elapsed
+
+
+def post(url: str, body: bytes) -> tuple[float, dict[str, str]]:
+    req = urllib.request.Request(url + "/symbolize", data=body, method="POST",
+                                 headers={"Content-Type": "application/octet-stream"})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+            headers = dict(r.headers)
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"symgate answered {e.code}: {e.read().decode()}") from e
+    return time.perf_counter() - started, headers
+
+
+def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    tree = work / "debug" / ".build-id" / LIBC_ID[:2]
+    tree.mkdir(parents=True)
+    (tree / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
+    (tree / LIBC_ID[2:]).symlink_to(LIBC)
+    port = free_port()
+    (work / "symgate.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n'
+        f'access_log = false\n[symbolize]\ndebug_dirs = ["{work / "debug"}"]\n'
+        f'max_request_bytes = "512MiB"\nmax_decompressed_bytes = "1GiB"\ndeadline_s = 600\n')
+    proc = subprocess.Popen(["symgate", "serve", "--config", str(work / "symgate.toml")],
+                            stdout=(work / "log").open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "DEBUGINFOD_URLS": "http://127.0.0.1:9/"})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/healthz", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    time.sleep(1.0)  # let the build workers start, as a long-running server has them
+    return proc, url
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1000,100000")
+    args = ap.parse_args()
+    if not LIBC_DEBUG.exists() or not shutil.which("llvm-symbolizer"):
+        sys.exit("needs Debian's libc6-dbg and llvm (llvm-symbolizer)")
+    results: dict[str, dict[str, float]] = {}
+    for n in (int(x) for x in args.sizes.split(",")):
+        vaddrs = addresses(n)
+        body = profile_for(vaddrs)
+        work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
+        proc, url = serve(work)
+        try:
+            llvm_s = llvm(vaddrs)
+            cold_s, cold_h = post(url, body)
+            warm_s = min(post(url, body)[0] for _ in range(3))
+            _, warm_h = post(url, body)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            shutil.rmtree(work, ignore_errors=True)
+        assert cold_h["X-Symgate-Mappings-Symbolized"] == "1", cold_h
+        assert warm_h["X-Symgate-Locations-Symbolized"] == cold_h["X-Symgate-Locations-Symbolized"]
+        results[str(n)] = {
+            "llvm_symbolizer_s": llvm_s, "symgate_cold_s": cold_s, "symgate_warm_s": warm_s,
+            "llvm_us_per_address": llvm_s / n * 1e6, "warm_us_per_address": warm_s / n * 1e6,
+            "warm_speedup_vs_llvm": llvm_s / warm_s, "cold_speedup_vs_llvm": llvm_s / cold_s,
+            "locations_symbolized": float(cold_h["X-Symgate-Locations-Symbolized"]),
+        }
+    for n, r in results.items():
+        print(f"N = {n}")
+        for k, v in r.items():
+            print(f"  {k:<24} {v:10.4f}")
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "symbolize.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
