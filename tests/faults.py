@@ -93,6 +93,8 @@ class FaultUpstream:
             raise web.HTTPFound("file:///etc/passwd")
         if mode == "slow-first-byte":
             await asyncio.sleep(self.first_byte_delay)
+        if mode == "late":  # a prompt upstream, but not instant
+            await asyncio.sleep(0.3)
         if mode == "wrong-bytes":
             bid = self.elfs.other.build_id
         if mode == "wrong-big":

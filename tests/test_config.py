@@ -12,6 +12,7 @@ from proxy.config import (
     DEFAULT_UPSTREAM,
     Config,
     ConfigError,
+    TenantConfig,
     UpstreamConfig,
     load_config,
     parse_size,
@@ -49,15 +50,18 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     defaults = Config()
     assert cfg.cache == defaults.cache and cfg.negative == defaults.negative
     assert cfg.fetch == defaults.fetch and cfg.database == defaults.database
+    assert cfg.symbolize == defaults.symbolize
     assert cfg.upstreams == defaults.upstreams
     text = example.read_text()
     raw = tomllib.loads(text)
-    for section in ("server", "cache", "database", "negative", "fetch"):
+    for section in ("server", "cache", "database", "negative", "fetch", "symbolize"):
         cls = type(getattr(defaults, section))
         for f in dataclasses.fields(cls):
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, (section, f.name)
     for f in dataclasses.fields(UpstreamConfig):
         assert f.name in raw["upstreams"][0], f.name
+    for f in dataclasses.fields(TenantConfig):
+        assert f"# {f.name} =" in text, f.name
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -76,6 +80,10 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[[upstreams]]\nurl = 'http://x'\ntimeout = 3\n", "upstreams[0].timeout: unknown key"),
     ("[[upstreams]]\nurl = 'http://x'\nheaders = { A = 1 }\n", "upstreams[0].headers: expected"),
     ("upstreams = 'http://x'\n", "upstreams: expected an array"),
+    ("[symbolize]\ndebug_dirs = '/usr/lib/debug'\n", "symbolize.debug_dirs: expected an array"),
+    ("[tenants.a]\nsymbolise = false\n", "tenants.a.symbolise: unknown key"),
+    ("[tenants.a]\nupstreams = ['ftp://x']\n", "tenants.a.upstreams: expected an http"),
+    ("tenants = 3\n", "tenants: expected a table"),
     ("[server\n", "not valid TOML"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, text: str, message: str) -> None:
