@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from .models import Artifact, Negative, SymbolTableRow
+from .models import Artifact, Base, Negative, SymbolTableRow
 
 
 def create_engine(url: str) -> AsyncEngine:
@@ -84,6 +84,11 @@ class NegativeRecord:
     expires_at: datetime
 
 
+def _columns(rec: ArtifactRecord | SymbolTableRecord) -> dict[str, Any]:
+    """A record's fields are named after its table's columns."""
+    return {name: getattr(rec, name) for name in rec.__slots__}
+
+
 def _record(row: Artifact) -> ArtifactRecord:
     return ArtifactRecord(
         row.key_hash, row.key, row.build_id, row.kind, row.size, row.sha256, row.upstream,
@@ -112,18 +117,17 @@ class Repository:
             rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
             return [_record(r) for r in rows]
 
+    def _upsert(
+        self, model: type[Base], values: Mapping[str, Any], keys: Sequence[str],
+        update_only: Sequence[str] | None = None,
+    ) -> Any:
+        """INSERT ... ON CONFLICT (keys) DO UPDATE: the same on SQLite and PostgreSQL."""
+        columns = update_only if update_only is not None else [k for k in values if k not in keys]
+        return self._insert(model).values(**values).on_conflict_do_update(
+            index_elements=list(keys), set_={c: values[c] for c in columns})
+
     async def put_artifact(self, rec: ArtifactRecord) -> None:
-        values = {
-            "key_hash": rec.key_hash, "key": rec.key, "build_id": rec.build_id,
-            "kind": rec.kind, "size": rec.size, "sha256": rec.sha256,
-            "upstream": rec.upstream, "filename": rec.filename, "archive": rec.archive,
-            "fetched_at": rec.fetched_at, "last_access": rec.last_access, "hits": rec.hits,
-        }
-        stmt = self._insert(Artifact).values(**values)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["key_hash"],
-            set_={k: v for k, v in values.items() if k != "key_hash"},
-        )
+        stmt = self._upsert(Artifact, _columns(rec), ["key_hash"])
         async with self._session.begin() as s:
             await s.execute(stmt)
             # Having the file now makes any remembered miss for it wrong.
@@ -160,14 +164,12 @@ class Repository:
         self, *, key_hash: str, key: str, build_id: str, upstream: str, status: int,
         misses: int, first_seen: datetime, expires_at: datetime,
     ) -> None:
-        stmt = self._insert(Negative).values(
-            key_hash=key_hash, upstream=upstream, key=key, build_id=build_id, status=status,
-            misses=misses, first_seen=first_seen, expires_at=expires_at,
-        )
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["key_hash", "upstream"],
-            set_={"status": status, "misses": misses, "expires_at": expires_at},
-        )
+        values = {"key_hash": key_hash, "upstream": upstream, "key": key, "build_id": build_id,
+                  "status": status, "misses": misses, "first_seen": first_seen,
+                  "expires_at": expires_at}
+        # first_seen stays what it was: it tells how long a build ID has been missing.
+        stmt = self._upsert(Negative, values, ["key_hash", "upstream"],
+                            update_only=["status", "misses", "expires_at"])
         async with self._session.begin() as s:
             await s.execute(stmt)
 
@@ -200,12 +202,7 @@ class Repository:
             )
 
     async def put_symbol_table(self, rec: SymbolTableRecord) -> None:
-        values = {f: getattr(rec, f) for f in SymbolTableRecord.__slots__}
-        stmt = self._insert(SymbolTableRow).values(**values)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["build_id"],
-            set_={k: v for k, v in values.items() if k != "build_id"},
-        )
+        stmt = self._upsert(SymbolTableRow, _columns(rec), ["build_id"])
         async with self._session.begin() as s:
             await s.execute(stmt)
 
