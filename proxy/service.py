@@ -91,7 +91,11 @@ class ArtifactService:
         names = [u.name for u in ups]
         kh = key_hash(key)
         if (hit := self.cache.peek(key)) is not None:
-            return Hit(await self.cache.get(key) or hit)
+            if hit.path.is_file():
+                return Hit(await self.cache.get(key) or hit)
+            # Deleted behind our back (an operator, a disk cleaner): forget it and fetch again.
+            log.warning("cached %s vanished from disk; fetching it again", key.id)
+            await self.cache.remove(key)
         if not may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if (flight := self._flights.get(kh)) is not None:
