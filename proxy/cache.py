@@ -65,7 +65,7 @@ class ArtifactCache:
         on_disk = set(self.store.stored_names())
         stale: list[str] = []
         for rec in await self._repo.all_artifacts():
-            name = ArtifactKey.parse(*_split_key(rec)).storage_name
+            name = ArtifactKey.from_id(rec.key).storage_name
             path = self.store.objects / name
             if name in on_disk and _size(path) == rec.size:
                 self._add(rec)
@@ -176,7 +176,7 @@ class ArtifactCache:
             keys = []
             for rec in victims:
                 self._drop(rec.key_hash)
-                keys.append(ArtifactKey.parse(*_split_key(rec)))
+                keys.append(ArtifactKey.from_id(rec.key))
                 self.store.remove(keys[-1])
                 self._metrics.evictions.inc()
                 self._metrics.evicted_bytes.inc(rec.size)
@@ -193,16 +193,6 @@ class ArtifactCache:
             for kh, (hits, when) in batch.items():
                 if (rec := self._entries.get(kh)) is not None:
                     self._entries[kh] = replace(rec, hits=rec.hits + hits, last_access=when)
-
-
-def _split_key(rec: ArtifactRecord) -> tuple[str, str, str]:
-    """Back from a record to ArtifactKey.parse arguments."""
-    rest = rec.key[len(rec.build_id) + 1:]
-    if rec.kind == "source":
-        return rec.build_id, "source", rest[len("source"):]
-    if rec.kind == "section":
-        return rec.build_id, "section", rest[len("section/"):]
-    return rec.build_id, rec.kind, ""
 
 
 def _size(path: Path) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -87,6 +88,82 @@ def _symbolize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [header, *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True))
+                     .rstrip() for line in lines)
+
+
+def _admin(args: argparse.Namespace) -> int:
+    import json
+
+    from .admin import Admin
+    from .errors import InvalidRequest
+
+    admin = Admin(_config(args))
+    target: str | None = getattr(args, "build_id", None)
+    if args.action in ("purge", "clear") and target is None and not args.all:
+        print(f"symgate: {args.command} {args.action} needs a BUILD_ID, or --all",
+              file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        try:
+            if args.command == "cache":
+                return await _cache(admin, args, target)
+            return await _negative(admin, args, target)
+        finally:
+            await admin.close()
+
+    async def _cache(admin: Admin, args: argparse.Namespace, target: str | None) -> int:
+        if args.action == "stats":
+            st = await admin.stats()
+            if args.json:
+                print(json.dumps(st.__dict__))
+            else:
+                print(f"entries {st.entries}, {st.bytes} bytes of {st.max_bytes} "
+                      f"({100 * st.bytes / max(st.max_bytes, 1):.1f}%), {st.hits} hits, "
+                      f"{st.symbol_tables} symbol tables")
+                for kind, (n, size) in st.by_kind.items():
+                    print(f"  {kind:<11} {n:>7} entries {size:>14} bytes")
+            return 0
+        rows = await (admin.purge(target) if args.action == "purge" else admin.artifacts(target))
+        if args.json:
+            print(json.dumps([{"key": r.key, "size": r.size, "upstream": r.upstream,
+                               "hits": r.hits, "fetched_at": r.fetched_at.isoformat(),
+                               "last_access": r.last_access.isoformat()} for r in rows]))
+        elif args.action == "purge":
+            print(f"purged {len(rows)} artifacts ({sum(r.size for r in rows)} bytes)")
+        else:
+            print(_table([[r.key, str(r.size), str(r.hits), r.last_access.strftime("%F %T"),
+                           r.upstream] for r in rows],
+                         ["KEY", "SIZE", "HITS", "LAST ACCESS (UTC)", "UPSTREAM"]))
+        return 0
+
+    async def _negative(admin: Admin, args: argparse.Namespace, target: str | None) -> int:
+        if args.action == "clear":
+            n = await admin.clear_negatives(target)
+            print(f"cleared {n} remembered misses: the next request asks the upstreams again")
+            return 0
+        rows = await admin.negatives(target)
+        if args.json:
+            print(json.dumps([{"key": r.key, "upstream": r.upstream, "misses": r.misses,
+                               "live": r.live, "first_seen": r.first_seen.isoformat(),
+                               "expires_at": r.expires_at.isoformat()} for r in rows]))
+        else:
+            print(_table([[r.key, r.upstream, str(r.misses), r.expires_at.strftime("%F %T"),
+                           "yes" if r.live else "expired"] for r in rows],
+                         ["KEY", "UPSTREAM", "MISSES", "EXPIRES (UTC)", "LIVE"]))
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except InvalidRequest as e:
+        print(f"symgate: {e.reason}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="symgate", description=__doc__)
     parser.add_argument("--version", action="version", version=f"symgate {__version__}")
@@ -114,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--tenant", help="X-Scope-OrgID to send with --server")
     sym.add_argument("--timeout", type=float, default=120.0, help="seconds, with --server")
     sym.set_defaults(func=_symbolize)
+
+    for name, actions, help_text in (
+        ("cache", ("ls", "stats", "purge"), "see and purge cached artifacts"),
+        ("negative", ("ls", "clear"), "see and clear remembered misses"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        common(p)
+        p.add_argument("action", choices=actions)
+        p.add_argument("build_id", nargs="?", help="only this build ID")
+        p.add_argument("--all", action="store_true", help="with purge/clear: everything")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=_admin)
 
     db = sub.add_parser("db", help="database schema")
     common(db)

@@ -77,7 +77,7 @@ class NegativeConfig:
     not_found_ttl_s: float = 600.0
     # How long this process trusts its in-memory copy of a SQL negative before asking SQL
     # again; bounds how stale a negative cleared by another replica can be.
-    memo_s: float = 5.0
+    memo_s: float = 1.0
 
 
 @dataclass(frozen=True)

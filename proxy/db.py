@@ -111,6 +111,14 @@ class Repository:
             row = await s.get(Artifact, key_hash)
             return _record(row) if row else None
 
+    async def artifacts_of(self, build_id: str | None) -> Sequence[ArtifactRecord]:
+        """All artifacts, or those of one build ID; most recently used first."""
+        query = select(Artifact).order_by(Artifact.last_access.desc())
+        if build_id is not None:
+            query = query.where(Artifact.build_id == build_id)
+        async with self._session() as s:
+            return [_record(r) for r in (await s.scalars(query)).all()]
+
     async def all_artifacts(self) -> Sequence[ArtifactRecord]:
         """Least recently used first: the order eviction works in."""
         async with self._session() as s:
@@ -172,6 +180,21 @@ class Repository:
                             update_only=["status", "misses", "expires_at"])
         async with self._session.begin() as s:
             await s.execute(stmt)
+
+    async def negatives_of(self, build_id: str | None) -> Sequence[Negative]:
+        query = select(Negative).order_by(Negative.expires_at.desc())
+        if build_id is not None:
+            query = query.where(Negative.build_id == build_id)
+        async with self._session() as s:
+            return list((await s.scalars(query)).all())
+
+    async def delete_negatives(self, build_id: str | None) -> int:
+        """Forget remembered misses (of one build ID, or all): the next request asks again."""
+        stmt = delete(Negative)
+        if build_id is not None:
+            stmt = stmt.where(Negative.build_id == build_id)
+        async with self._session.begin() as s:
+            return int((await s.execute(stmt)).rowcount or 0)  # type: ignore[attr-defined]
 
     async def delete_expired_negatives(self, before: datetime, keep_misses_s: float) -> int:
         """Drop negatives expired for longer than keep_misses_s.

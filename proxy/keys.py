@@ -84,6 +84,16 @@ class ArtifactKey:
             raise InvalidRequest(f"{kind} takes no path")
         return cls(bid, k)
 
+    @classmethod
+    def from_id(cls, key_id: str) -> ArtifactKey:
+        """The inverse of `id`: back from what SQL and logs hold."""
+        build_id, _, rest = key_id.partition("/")
+        if rest.startswith("source/"):
+            return cls.parse(build_id, "source", rest[len("source"):])
+        if rest.startswith("section/"):
+            return cls.parse(build_id, "section", rest[len("section/"):])
+        return cls.parse(build_id, rest)
+
     @property
     def id(self) -> str:
         """The primary key in SQL; also what logs and the admin CLI show."""

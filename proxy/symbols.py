@@ -250,7 +250,7 @@ class SymbolService:
     async def _build(self, build_id: str, source: Path, source_key: str, cached: bool
                      ) -> Outcome:
         loop = asyncio.get_running_loop()
-        lease = (self._artifacts.cache.lease(ArtifactKey.parse(*source_key.split("/", 1)))
+        lease = (self._artifacts.cache.lease(ArtifactKey.from_id(source_key))
                  if cached else contextlib.nullcontext())
         status, error, result = "ok", None, None
         with lease:

@@ -1,0 +1,87 @@
+"""What `symgate cache ...` and `symgate negative ...` do: look at and edit the cache and the
+remembered misses, in SQL and on disk, with the server running or not.
+
+A running server notices a purged file at its next request for it (and fetches it again);
+it trusts its in-memory copy of a cleared miss for at most `negative.memo_s` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from .config import Config
+from .db import ArtifactRecord, Repository, aware, create_engine
+from .keys import ArtifactKey, normalize_build_id
+from .storage import DiskStore
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    by_kind: dict[str, tuple[int, int]]  # kind -> (entries, bytes)
+    hits: int
+    symbol_tables: int
+
+
+@dataclass(frozen=True)
+class NegativeRow:
+    key: str
+    upstream: str
+    misses: int
+    first_seen: datetime
+    expires_at: datetime
+
+    @property
+    def live(self) -> bool:
+        return self.expires_at > datetime.now(UTC)
+
+
+class Admin:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.repo = Repository(create_engine(config.database_url))
+        self.store = DiskStore(config.cache_dir)
+
+    async def close(self) -> None:
+        await self.repo.close()
+
+    async def artifacts(self, build_id: str | None = None) -> list[ArtifactRecord]:
+        bid = normalize_build_id(build_id) if build_id else None
+        return list(await self.repo.artifacts_of(bid))
+
+    async def stats(self) -> CacheStats:
+        rows = await self.repo.artifacts_of(None)
+        counts: Counter[str] = Counter()
+        sizes: Counter[str] = Counter()
+        for r in rows:
+            counts[r.kind] += 1
+            sizes[r.kind] += r.size
+        tables = sum(1 for _ in (self.config.server.data_dir / "symtabs").rglob("*.symc"))
+        return CacheStats(len(rows), sum(r.size for r in rows), self.config.cache.max_bytes,
+                          {k: (counts[k], sizes[k]) for k in sorted(counts)},
+                          sum(r.hits for r in rows), tables)
+
+    async def purge(self, build_id: str | None) -> list[ArtifactRecord]:
+        """Delete cached artifacts (of one build ID, or all) and their symbol tables."""
+        rows = await self.artifacts(build_id)
+        for rec in rows:
+            self.store.remove(ArtifactKey.from_id(rec.key))
+        await self.repo.delete_artifacts(r.key_hash for r in rows)
+        build_ids = {r.build_id for r in rows}
+        for bid in build_ids:
+            (self.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc").unlink(
+                missing_ok=True)
+        await self.repo.delete_symbol_tables(build_ids)
+        return rows
+
+    async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:
+        bid = normalize_build_id(build_id) if build_id else None
+        return [NegativeRow(n.key, n.upstream, n.misses, aware(n.first_seen),
+                            aware(n.expires_at)) for n in await self.repo.negatives_of(bid)]
+
+    async def clear_negatives(self, build_id: str | None) -> int:
+        return await self.repo.delete_negatives(normalize_build_id(build_id) if build_id else None)
