@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
     web.run_app(app, host=host, port=port, print=None,
                 access_log=logging.getLogger("symgate.access") if cfg.server.access_log
                 else None,
-                shutdown_timeout=30.0)
+                shutdown_timeout=cfg.server.shutdown_grace_s)
     return 0
 
 

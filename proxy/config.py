@@ -53,6 +53,8 @@ class ServerConfig:
     forwarded_ttl_limit: int = 8
     access_log: bool = True
     retry_after_s: int = 30
+    # On SIGTERM: stop accepting, let responses under way finish for this long, then stop.
+    shutdown_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)

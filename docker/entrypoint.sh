@@ -1,0 +1,31 @@
+#!/bin/sh
+# The image's entrypoint.
+#   serve [FLAGS]   symgate serve on the image's defaults: listen on $SYMGATE_LISTEN, data in
+#                   $SYMGATE_DATA_DIR, config from $SYMGATE_CONFIG if set; FLAGS override them.
+#   healthcheck     exit 0 when /healthz answers 200 (the image's HEALTHCHECK).
+#   anything else   passed to symgate as it is (symgate cache stats, symgate db upgrade, ...).
+set -eu
+
+listen="${SYMGATE_LISTEN:-0.0.0.0:8002}"
+data_dir="${SYMGATE_DATA_DIR:-/data}"
+
+case "${1:-serve}" in
+serve)
+    [ "$#" -gt 0 ] && shift
+    if [ -n "${SYMGATE_CONFIG:-}" ]; then
+        set -- --config "$SYMGATE_CONFIG" "$@"
+    fi
+    exec symgate serve --listen "$listen" --data-dir "$data_dir" "$@"
+    ;;
+healthcheck)
+    port="${listen##*:}"
+    exec python3 -c "import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$port/healthz', timeout=4).status == 200 else 1)
+except OSError:
+    sys.exit(1)"
+    ;;
+*)
+    exec symgate "$@"
+    ;;
+esac
