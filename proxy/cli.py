@@ -10,7 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import __version__, migrate
+from . import __version__, logs, migrate
 from .app import create_app
 from .config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
 
@@ -27,11 +27,15 @@ def _serve(args: argparse.Namespace) -> int:
 
         cfg = replace(cfg, database=replace(cfg.database, migrate_on_start=False))
     host, port = parse_listen(cfg.server.listen, "server.listen")
+    json_logs = cfg.server.log_format == "json"
+    logs.configure(json_logs)
     app = create_app(cfg)
-    print(f"symgate {__version__} listening on http://{cfg.server.listen}/", flush=True)
+    logging.getLogger("symgate").info("symgate %s listening on http://%s/", __version__,
+                                      cfg.server.listen)
     web.run_app(app, host=host, port=port, print=None,
                 access_log=logging.getLogger("symgate.access") if cfg.server.access_log
                 else None,
+                access_log_class=logs.JsonAccessLogger if json_logs else logs.AccessLogger,
                 shutdown_timeout=cfg.server.shutdown_grace_s)
     return 0
 
@@ -213,9 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(json_lines=False)
     try:
         return int(args.func(args))
     except ConfigError as e:

@@ -19,6 +19,7 @@ DEFAULT_UPSTREAM = "https://debuginfod.elfutils.org/"
 DEFAULT_LISTEN = "127.0.0.1:8002"
 
 FetchPolicy = Literal["in_order", "race"]
+LogFormat = Literal["text", "json"]
 T = TypeVar("T")
 
 
@@ -52,6 +53,8 @@ class ServerConfig:
     # answered locally, like elfutils' --forwarded-ttl-limit, so a loop cannot amplify.
     forwarded_ttl_limit: int = 8
     access_log: bool = True
+    # "text" for people, "json" for one JSON object a line (access and event logs alike).
+    log_format: LogFormat = "text"
     retry_after_s: int = 30
     # On SIGTERM: stop accepting, let responses under way finish for this long, then stop.
     shutdown_grace_s: float = 30.0
@@ -214,6 +217,10 @@ def _coerce(value: object, annotation: str, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value or None
+    if annotation == "LogFormat":
+        if value not in ("text", "json"):
+            raise ConfigError(f"{key}: expected \"text\" or \"json\", got {value!r}")
+        return value
     if annotation == "FetchPolicy":
         if value not in ("in_order", "race"):
             raise ConfigError(f"{key}: expected \"in_order\" or \"race\", got {value!r}")

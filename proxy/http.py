@@ -26,6 +26,7 @@ from .errors import (
 )
 from .flight import FlightFailed
 from .keys import ArtifactKey, Kind
+from .logs import annotate
 from .metrics import Outcome
 from .service import Hit, RememberedNotFound, Streaming
 from .state import STATE, AppState
@@ -122,15 +123,20 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         if isinstance(result, Hit):
             _check_size(result.artifact.record.size, max_size)
             state.metrics.requests.labels("buildid", kind, Outcome.HIT).inc()
+            annotate(request, kind=kind, outcome=Outcome.HIT.value,
+                     upstream=result.artifact.record.upstream)
             return _LeasedFileResponse(state, key, result.artifact)
         try:
             _check_size(result.meta.size, max_size)
             state.metrics.requests.labels("buildid", kind, Outcome.MISS).inc()
+            annotate(request, kind=kind, outcome=Outcome.MISS.value,
+                     upstream=result.meta.upstream)
             return await _send_streaming(request, state, key, result)
         finally:
             result.reader.close()
     except SymgateError as e:
         state.metrics.requests.labels("buildid", kind, _outcome(e)).inc()
+        annotate(request, kind=kind, outcome=_outcome(e).value, error=e.reason)
         return error_response(e, request.headers.get("User-Agent", ""),
                               state.config.server.retry_after_s)
 
@@ -188,6 +194,7 @@ async def _send_streaming(
             sent += len(chunk)
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
+        annotate(request, outcome="aborted", error=e.error.reason)
         log.warning("cutting off %s after %d bytes: %s", request.path, sent, e)
         # The status line is gone already; the only honest signal left is a broken
         # connection, never a short body that a client could take for the whole file.

@@ -16,6 +16,7 @@ from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
 
 from .errors import InvalidRequest, OverLimit, PayloadTooLarge, SymgateError
 from .http import error_response
+from .logs import annotate
 from .state import STATE, AppState
 from .symbols import Outcome
 
@@ -57,6 +58,7 @@ async def symbolize(request: web.Request) -> web.StreamResponse:
         response = await _symbolize(request, state)
     except SymgateError as e:
         state.symbolize_metrics.profiles.labels("rejected").inc()
+        annotate(request, outcome="rejected", error=e.reason)
         return error_response(e, "", state.config.server.retry_after_s)
     finally:
         state.symbolize_metrics.duration.observe(time.perf_counter() - started)
@@ -75,6 +77,7 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
     metrics = state.symbolize_metrics
     if not cfg.enabled or (tenant is not None and not tenant.symbolize):
         metrics.profiles.labels("disabled").inc()
+        annotate(request, outcome="disabled", tenant=tenant_id)
         return web.Response(body=body, content_type="application/octet-stream",
                             headers={"X-Symgate-Symbolize": "disabled"})
     try:
@@ -123,6 +126,10 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
     if wanted_with_symbols:
         await asyncio.to_thread(rewrite, profile, wanted_with_symbols, symbols, report)
     _count(state, report)
+    annotate(request, outcome="symbolized" if report.changed else "unchanged",
+             mappings_symbolized=report.mappings_symbolized,
+             locations_symbolized=report.locations_symbolized,
+             tenant=tenant_id or None)
     if not report.changed:
         # Nothing filled in: the client gets its own bytes back, untouched.
         metrics.profiles.labels("unchanged").inc()
