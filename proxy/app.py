@@ -15,9 +15,11 @@ from . import __version__, http, migrate
 from .cache import ArtifactCache
 from .config import Config, UpstreamConfig
 from .db import Repository, create_engine
+from .localdir import LocalDirectory
 from .metrics import ProxyMetrics, SymbolizeMetrics
 from .negative import NegativeCache
 from .service import ArtifactService
+from .source import Source
 from .state import STATE, AppState
 from .storage import DiskStore
 from .symbolize_api import symbolize
@@ -64,9 +66,16 @@ def _lifecycle(
             trust_env=True,
             headers={"User-Agent": f"symgate/{__version__}"},
         )
-        upstreams = [Upstream(u, session, metrics) for u in config.upstreams]
+        upstreams: list[Source] = [
+            LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
+            else Upstream(u, session, metrics)
+            for u in config.upstreams
+        ]
+        local_dirs = [u for u in upstreams if isinstance(u, LocalDirectory)]
+        for local in local_dirs:
+            await local.start()
         by_url = {u.name: u for u in upstreams}
-        tenant_upstreams = {
+        tenant_upstreams: dict[str, list[Source]] = {
             name: [by_url.get(url) or Upstream(UpstreamConfig(url=url), session, metrics)
                    for url in tenant.upstreams]
             for name, tenant in config.tenants.items() if tenant.upstreams
@@ -99,6 +108,8 @@ def _lifecycle(
                 job.cancel()
             await service.cancel_all()
             await symbols.close()
+            for local in local_dirs:
+                await local.stop()
             with contextlib.suppress(Exception):
                 await cache.flush_access()
             await session.close()

@@ -29,7 +29,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class UpstreamConfig:
-    url: str
+    # Exactly one of url (a debuginfod server) and path (a local directory of debug files).
+    url: str = ""
+    path: Path | None = None
+    # For a path: seconds between re-indexing walks of the directory (0: only at start).
+    rescan_s: float = 60.0
     connect_timeout_s: float = 5.0
     # Until the response headers arrive: a server that accepts but never answers.
     first_byte_timeout_s: float = 30.0
@@ -261,8 +265,10 @@ def _build(cls: type[T], table: object, prefix: str, **fixed: Any) -> T:
 
 def _upstream(table: object, index: int) -> UpstreamConfig:
     prefix = f"upstreams[{index}]"
-    if not isinstance(table, dict) or "url" not in table:
-        raise ConfigError(f"{prefix}.url: required")
+    if not isinstance(table, dict) or ("url" in table) == ("path" in table):
+        raise ConfigError(f"{prefix}.url: required (or path, for a local directory; not both)")
+    if "path" in table:
+        return _build(UpstreamConfig, table, prefix)
     rest = {k: v for k, v in table.items() if k != "url"}
     return _build(UpstreamConfig, rest, prefix, url=_check_url(table["url"], f"{prefix}.url"))
 

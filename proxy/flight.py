@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from enum import Enum
 
 from .errors import SymgateError
-from .upstream import ArtifactMeta
+from .source import ArtifactMeta
 
 READ_CHUNK = 256 * 1024
 

@@ -11,10 +11,11 @@ import logging
 import time
 from typing import Any
 
+from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
-LOG_FIELDS = "symgate.log"
+LOG_FIELDS: web.RequestKey[dict[str, Any]] = web.RequestKey("symgate.log", dict)
 
 
 def annotate(request: BaseRequest, **fields: Any) -> None:

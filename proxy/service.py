@@ -25,7 +25,7 @@ from .flight import Flight, FlightReader
 from .keys import ArtifactKey
 from .metrics import ProxyMetrics
 from .negative import NegativeCache
-from .upstream import ArtifactMeta, Upstream, UpstreamBody
+from .source import ArtifactMeta, Body, Source
 from .upstreams import ask
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ArtifactService:
         *,
         cache: ArtifactCache,
         negatives: NegativeCache,
-        upstreams: Sequence[Upstream],
+        upstreams: Sequence[Source],
         policy: FetchPolicy,
         max_concurrent_fetches: int,
         metrics: ProxyMetrics,
@@ -81,14 +81,17 @@ class ArtifactService:
         forwarded_for: str,
         *,
         may_fetch: bool = True,
-        upstreams: Sequence[Upstream] | None = None,
+        upstreams: Sequence[Source] | None = None,
     ) -> Hit | Streaming:
         """Raises NotFound, UpstreamUnavailable (or UpstreamTimeout), VerificationFailed.
 
         With may_fetch false (a request past the forwarding hop limit) only the cache answers.
         """
         ups = self.upstreams if upstreams is None else tuple(upstreams)
-        names = [u.name for u in ups]
+        # Only sources whose misses are remembered can make a request a negative hit; one that
+        # can tell at once that it has the key (a local directory) overrides any remembered miss.
+        names = [u.name for u in ups if u.remembers_misses]
+        local_has = any(u.has(key) for u in ups if not u.remembers_misses)
         kh = key_hash(key)
         if (hit := self.cache.peek(key)) is not None:
             if hit.path.is_file():
@@ -101,13 +104,16 @@ class ArtifactService:
         if (flight := self._flights.get(kh)) is not None:
             self._metrics.singleflight_joins.inc()
             return await _join(flight)
-        if self.negatives.memo_covers(key, names):
+        if not local_has and self.negatives.memo_covers(key, names):
             raise RememberedNotFound("not found (remembered miss)")
         if (shared := await self.cache.get(key)) is not None:
             return Hit(shared)
         known_missing = await self.negatives.live(key)
-        if known_missing.issuperset(names):
-            raise RememberedNotFound("not found (remembered miss)")
+        if not local_has and known_missing.issuperset(names):
+            # No local source has it, and every remote one is remembered as not having it.
+            if names:
+                raise RememberedNotFound("not found (remembered miss)")
+            raise NotFound("not found" if ups else "not found (no upstreams configured)")
         # Another request may have started the same fetch while this one awaited SQL.
         if (flight := self._flights.get(kh)) is not None:
             self._metrics.singleflight_joins.inc()
@@ -124,7 +130,7 @@ class ArtifactService:
         return await _join(flight)
 
     async def _fetch(
-        self, key: ArtifactKey, flight: Flight, temp: Path, ups: list[Upstream],
+        self, key: ArtifactKey, flight: Flight, temp: Path, ups: list[Source],
         forwarded_for: str,
     ) -> None:
         """Runs detached from any client: a disconnect does not stop the download."""
@@ -132,9 +138,11 @@ class ArtifactService:
         try:
             async with self._slots:
                 result = await ask(ups, key, forwarded_for, self._policy)
-                if result.not_found:
-                    await self.negatives.record(key, result.not_found)
-                    for name in result.not_found:
+                remembering = {u.name for u in ups if u.remembers_misses}
+                misses = [name for name in result.not_found if name in remembering]
+                if misses:
+                    await self.negatives.record(key, misses)
+                    for name in misses:
                         self._metrics.negative_entries_written.labels(name).inc()
                 if result.body is None:
                     flight.fail(result.failure() if result.failures else NotFound("not found"))
@@ -159,7 +167,7 @@ class ArtifactService:
             self._metrics.inflight_fetches.dec()
 
     async def _download(
-        self, key: ArtifactKey, flight: Flight, temp: Path, body: UpstreamBody
+        self, key: ArtifactKey, flight: Flight, temp: Path, body: Body
     ) -> None:
         meta = body.meta
         flight.started(meta)

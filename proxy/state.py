@@ -13,8 +13,8 @@ from .config import Config
 from .db import Repository
 from .metrics import ProxyMetrics, SymbolizeMetrics
 from .service import ArtifactService
+from .source import Source
 from .symbols import SymbolService
-from .upstream import Upstream
 
 
 @dataclass
@@ -28,7 +28,7 @@ class AppState:
     symbols: SymbolService
     symbolize_metrics: SymbolizeMetrics
     # X-Scope-OrgID -> that tenant's own upstream list, where configured.
-    tenant_upstreams: dict[str, list[Upstream]]
+    tenant_upstreams: dict[str, list[Source]]
 
     async def ping_database(self) -> None:
         async with self.repo.engine.connect() as conn:

@@ -39,7 +39,7 @@ from .errors import NotFound, SymgateError
 from .keys import ArtifactKey, Kind
 from .metrics import SymbolizeMetrics
 from .service import ArtifactService, Streaming
-from .upstream import Upstream
+from .source import Source
 
 log = logging.getLogger(__name__)
 _OPEN_TABLES = 512
@@ -124,7 +124,7 @@ class SymbolService:
     # -- lookups -------------------------------------------------------------------------------
     async def symbols_for(
         self, build_id: str, *, needs_layout: bool, forwarded_for: str = "",
-        upstreams: Sequence[Upstream] | None = None,
+        upstreams: Sequence[Source] | None = None,
     ) -> Outcome:
         """The symbols of `build_id`; fetching and building them if need be (shared).
 
@@ -136,7 +136,7 @@ class SymbolService:
 
     async def _symbols_for(
         self, build_id: str, needs_layout: bool, forwarded_for: str,
-        upstreams: Sequence[Upstream] | None,
+        upstreams: Sequence[Source] | None,
     ) -> Outcome:
         opened = self._open.get(build_id)
         if opened is None:
@@ -182,7 +182,7 @@ class SymbolService:
         return future
 
     async def _resolve(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Upstream] | None
+        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None
     ) -> Outcome:
         try:
             rec = await self._repo.get_symbol_table(build_id)
@@ -215,7 +215,7 @@ class SymbolService:
         return Outcome(MappingSymbols(table, segments or ()))
 
     async def _find_source(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Upstream] | None
+        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None
     ) -> tuple[Path, str, bool] | None:
         """(ELF file, key it came from, whether it is a cached artifact) of the best source."""
         local = find_debug_file(self._debug_dirs, build_id)
@@ -232,7 +232,7 @@ class SymbolService:
         return (local_exe, f"local:{local_exe}", False) if local_exe else None
 
     async def _artifact_path(
-        self, key: ArtifactKey, forwarded_for: str, upstreams: Sequence[Upstream] | None
+        self, key: ArtifactKey, forwarded_for: str, upstreams: Sequence[Source] | None
     ) -> Path:
         result = await self._artifacts.find(key, forwarded_for, upstreams=upstreams)
         if isinstance(result, Streaming):
@@ -295,7 +295,7 @@ class SymbolService:
 
     async def _file_layout(
         self, build_id: str, opened: _Open, forwarded_for: str,
-        upstreams: Sequence[Upstream] | None,
+        upstreams: Sequence[Source] | None,
     ) -> None:
         """Set `opened.segments` to program headers with real file offsets."""
         opened.segments = await self._find_file_layout(build_id, opened.table, forwarded_for,
@@ -303,7 +303,7 @@ class SymbolService:
 
     async def _find_file_layout(
         self, build_id: str, table: SymbolTable, forwarded_for: str,
-        upstreams: Sequence[Upstream] | None,
+        upstreams: Sequence[Source] | None,
     ) -> tuple[LoadSegment, ...]:
         """Program headers with real file offsets: from the executable, else a guess."""
         layout: ElfLayout | None = None

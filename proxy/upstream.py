@@ -7,7 +7,6 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import aiohttp
 
@@ -17,22 +16,12 @@ from .config import UpstreamConfig
 from .errors import UpstreamTimeout, UpstreamUnavailable
 from .keys import ArtifactKey
 from .metrics import ProxyMetrics, UpstreamResult
+from .source import ArtifactMeta, Body
 
 USER_AGENT = f"symgate/{__version__}"
 CHUNK = 256 * 1024
 _NOT_FOUND = frozenset({404, 410})
 _TRANSIENT_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
-
-
-@dataclass(frozen=True, slots=True)
-class ArtifactMeta:
-    """What the upstream told us about the file in its response headers."""
-
-    upstream: str
-    size: int | None  # uncompressed; None when the upstream streamed it without saying
-    filename: str | None
-    archive: str | None
-    last_modified: str | None
 
 
 class UpstreamBody:
@@ -84,6 +73,10 @@ class UpstreamBody:
 
 
 class Upstream:
+    """A debuginfod server over HTTP(S)."""
+
+    remembers_misses = True
+
     def __init__(
         self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics
     ) -> None:
@@ -100,6 +93,9 @@ class Upstream:
             total=cfg.total_timeout_s or None,
             sock_connect=cfg.connect_timeout_s or None,
         )
+
+    def has(self, key: ArtifactKey) -> bool | None:
+        return None  # only a request can tell
 
     def count(self, result: UpstreamResult, *, failed: bool = False) -> None:
         """Count one request's result; any answer at all closes the breaker again."""
@@ -190,7 +186,7 @@ class _Permanent(Exception):
         self.error = error
 
 
-def close_quietly(body: UpstreamBody | None) -> None:
+def close_quietly(body: Body | None) -> None:
     if body is not None:
         with contextlib.suppress(Exception):
             body.close()

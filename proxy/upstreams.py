@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from .config import FetchPolicy
 from .errors import UpstreamTimeout, UpstreamUnavailable
 from .keys import ArtifactKey
-from .upstream import Upstream, UpstreamBody, close_quietly
+from .source import Body, Source
+from .upstream import close_quietly
 
 
 @dataclass
 class AskResult:
     """What asking the upstreams gave: a body to stream, and who said 404 or failed."""
 
-    body: UpstreamBody | None = None
+    body: Body | None = None
     not_found: list[str] = field(default_factory=list)
     failures: list[UpstreamUnavailable] = field(default_factory=list)
 
@@ -30,7 +31,7 @@ class AskResult:
 
 
 async def ask(
-    upstreams: Sequence[Upstream], key: ArtifactKey, forwarded_for: str, policy: FetchPolicy
+    upstreams: Sequence[Source], key: ArtifactKey, forwarded_for: str, policy: FetchPolicy
 ) -> AskResult:
     if policy == "race":
         return await _race(upstreams, key, forwarded_for)
@@ -48,7 +49,7 @@ async def ask(
     return result
 
 
-async def _race(upstreams: Sequence[Upstream], key: ArtifactKey, forwarded_for: str) -> AskResult:
+async def _race(upstreams: Sequence[Source], key: ArtifactKey, forwarded_for: str) -> AskResult:
     """First 200 wins; the others are cancelled, and a 200 that lost the race is closed."""
     result = AskResult()
     tasks = {asyncio.ensure_future(u.open(key, forwarded_for)): u for u in upstreams}

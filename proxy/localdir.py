@@ -1,0 +1,206 @@
+"""A directory of debug files served as if it were an upstream: for sites without internet, or
+a site's own binaries.
+
+Two layouts are indexed, in the same tree or apart: the /usr/lib/debug one
+(.build-id/xx/rest.debug for the debug file, .build-id/xx/rest for the executable) and plain
+directories of ELF files, known by their build-ID notes. The tree is walked again every
+`rescan_s` seconds; only new or changed files are opened again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from email.utils import formatdate
+from pathlib import Path
+
+from elftools.common.exceptions import ELFError, ELFParseError
+from elftools.elf.elffile import ELFFile
+
+from symbolize.elf import build_id_of_stream
+
+from .errors import UpstreamUnavailable
+from .keys import ArtifactKey, Kind
+from .metrics import ProxyMetrics, UpstreamResult
+from .source import ArtifactMeta
+
+log = logging.getLogger(__name__)
+CHUNK = 256 * 1024
+_BUILD_ID_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2,126})(\.debug)?$")
+_ELF_MAGIC = b"\x7fELF"
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What a file was found to be, at this mtime and size."""
+
+    mtime_ns: int
+    size: int
+    build_id: str | None
+    kinds: tuple[Kind, ...]
+
+
+def _classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
+    """(build ID, what it can serve as) of a plain ELF file; (None, ()) for anything else."""
+    try:
+        with path.open("rb") as f:
+            if f.read(4) != _ELF_MAGIC:
+                return None, ()
+            f.seek(0)
+            elf = ELFFile(f)
+            text = elf.get_section_by_name(".text")
+            has_code = text is not None and text["sh_type"] != "SHT_NOBITS"
+            has_dwarf = any(s.name == ".debug_info" and s["sh_type"] != "SHT_NOBITS"
+                            for s in elf.iter_sections())
+            f.seek(0)
+            build_id = build_id_of_stream(f)
+    except (OSError, ELFError, ELFParseError, ValueError, KeyError, EOFError):
+        return None, ()
+    if build_id is None:
+        return None, ()
+    kinds: list[Kind] = []
+    if has_code:
+        kinds.append(Kind.EXECUTABLE)
+    if has_dwarf:  # a debug file, or an unstripped binary that is its own debug file
+        kinds.append(Kind.DEBUGINFO)
+    return build_id, tuple(kinds)
+
+
+class LocalDirectory:
+    remembers_misses = False
+
+    def __init__(self, root: Path, rescan_s: float, metrics: ProxyMetrics) -> None:
+        self.root = root
+        self.name = f"dir:{root}"
+        self._rescan_s = rescan_s
+        self._metrics = metrics
+        self._seen: dict[Path, _Seen] = {}
+        self._index: dict[tuple[str, Kind], Path] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.rescan()
+        if self._rescan_s:
+            self._task = asyncio.create_task(self._rescan_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _rescan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._rescan_s)
+            try:
+                await self.rescan()
+            except Exception:  # a transient disk problem must not end the rescans
+                log.exception("rescanning %s failed", self.root)
+
+    async def rescan(self) -> None:
+        self._index = await asyncio.to_thread(self._scan)
+
+    def _scan(self) -> dict[tuple[str, Kind], Path]:
+        index: dict[tuple[str, Kind], Path] = {}
+        seen: dict[Path, _Seen] = {}
+        for dirpath, _dirs, files in os.walk(self.root):
+            here = Path(dirpath)
+            for name in files:
+                path = here / name
+                rel = path.relative_to(self.root).as_posix()
+                if "/.build-id/" in f"/{rel}":
+                    m = _BUILD_ID_NAME.match(rel.split(".build-id/", 1)[1])
+                    if m:  # the layout names the build ID; the fetch verifies the bytes
+                        kind = Kind.DEBUGINFO if m.group(3) else Kind.EXECUTABLE
+                        index[(m.group(1) + m.group(2), kind)] = path
+                    continue
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                prev = self._seen.get(path)
+                if prev is None or (prev.mtime_ns, prev.size) != (st.st_mtime_ns, st.st_size):
+                    prev = _Seen(st.st_mtime_ns, st.st_size, *_classify(path))
+                seen[path] = prev
+                if prev.build_id is not None:
+                    for kind in prev.kinds:
+                        # The .build-id layout, where present, wins over a plain file.
+                        index.setdefault((prev.build_id, kind), path)
+        self._seen = seen
+        return index
+
+    def has(self, key: ArtifactKey) -> bool:
+        if key.kind is Kind.SECTION:
+            return any((key.build_id, k) in self._index for k in (Kind.DEBUGINFO, Kind.EXECUTABLE))
+        return (key.build_id, key.kind) in self._index
+
+    async def open(self, key: ArtifactKey, forwarded_for: str) -> FileBody | SectionBody | None:
+        body: FileBody | SectionBody | None
+        if key.kind is Kind.SECTION:
+            body = await self._section(key)
+        else:
+            path = self._index.get((key.build_id, key.kind))
+            body = FileBody(self.name, path) if path is not None and path.exists() else None
+        result = UpstreamResult.OK if body is not None else UpstreamResult.NOT_FOUND
+        self._metrics.upstream_requests.labels(self.name, result).inc()
+        return body
+
+    async def _section(self, key: ArtifactKey) -> SectionBody | None:
+        for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
+            path = self._index.get((key.build_id, kind))
+            if path is None:
+                continue
+            data = await asyncio.to_thread(_section_bytes, path, key.detail)
+            if data is not None:
+                return SectionBody(self.name, path, data)
+        return None
+
+
+def _section_bytes(path: Path, name: str) -> bytes | None:
+    try:
+        with path.open("rb") as f:
+            section = ELFFile(f).get_section_by_name(name)
+            if section is None or section["sh_type"] == "SHT_NOBITS":
+                return None
+            return bytes(section.data())
+    except (OSError, ELFError, ELFParseError, ValueError, KeyError, EOFError):
+        return None
+
+
+class FileBody:
+    def __init__(self, source: str, path: Path) -> None:
+        self._path = path
+        st = path.stat()
+        self.meta = ArtifactMeta(upstream=source, size=st.st_size, filename=path.name,
+                                 archive=None, last_modified=formatdate(st.st_mtime, usegmt=True))
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            with self._path.open("rb") as f:
+                while chunk := await asyncio.to_thread(f.read, CHUNK):
+                    yield chunk
+        except OSError as e:
+            raise UpstreamUnavailable(f"{self.meta.upstream}: cannot read {self._path.name}: "
+                                      f"{e.strerror}") from e
+
+    def close(self) -> None:
+        pass
+
+
+class SectionBody:
+    def __init__(self, source: str, path: Path, data: bytes) -> None:
+        self._data = data
+        self.meta = ArtifactMeta(upstream=source, size=len(data), filename=path.name,
+                                 archive=None, last_modified=None)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for i in range(0, len(self._data), CHUNK):
+            yield self._data[i:i + CHUNK]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,48 @@
+"""What every source of artifacts offers the fetch path: an upstream debuginfod over HTTP
+(proxy.upstream) or a local directory (proxy.localdir). A new kind of source is a new module."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from .keys import ArtifactKey
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactMeta:
+    """What the source said about the file before its bytes (response headers, for HTTP)."""
+
+    upstream: str
+    size: int | None  # uncompressed; None when the upstream streamed it without saying
+    filename: str | None
+    archive: str | None
+    last_modified: str | None
+
+
+class Body(Protocol):
+    """An artifact found, its bytes not yet read."""
+
+    meta: ArtifactMeta
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The bytes in order; UpstreamTimeout / UpstreamUnavailable when they stop short."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    name: str
+    # Whether this source's 404s are worth remembering in SQL (a remote round trip saved);
+    # a local directory is asked again every time, so a file added to it is found at once.
+    remembers_misses: bool
+
+    async def open(self, key: ArtifactKey, forwarded_for: str) -> Body | None:
+        """The artifact, or None when this source does not have it."""
+        ...
+
+    def has(self, key: ArtifactKey) -> bool | None:
+        """Whether the source has the key, if it can tell without a round trip (else None)."""
+        ...

@@ -1,0 +1,102 @@
+"""A local directory of debug files as a source: both layouts, re-indexing, ordering."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import aiohttp
+
+from proxy.config import UpstreamConfig
+from tests.conftest import Debuginfod, SymgateFactory, eventually
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.test_protocol import debuginfod_find
+
+
+def make_tree(root: Path, elfs: ElfSet) -> Path:
+    """prog in the .build-id layout; other, and an unstripped binary, as plain files."""
+    links = root / ".build-id" / elfs.prog.build_id[:2]
+    links.mkdir(parents=True)
+    (links / (elfs.prog.build_id[2:] + ".debug")).symlink_to(elfs.prog.debug)
+    (links / elfs.prog.build_id[2:]).symlink_to(elfs.prog.executable)
+    plain = root / "opt" / "app"
+    plain.mkdir(parents=True)
+    shutil.copy(elfs.other.executable, plain / "other")
+    shutil.copy(elfs.other.debug, plain / "other.debug")
+    (plain / "README").write_text("not an ELF file")
+    src = root.parent / "unstripped.c"
+    src.write_text("int main(void) { return 42; }\n")
+    subprocess.run(["gcc", "-g", "-O1", "-Wl,--build-id", "-o", str(plain / "unstripped"),
+                    str(src)], check=True)
+    return root
+
+
+def build_id(path: Path) -> str:
+    from symbolize.elf import build_id_of_file
+
+    found = build_id_of_file(path)
+    assert found
+    return found
+
+
+async def test_both_layouts_are_served_like_an_upstream(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    tree = make_tree(tmp_path / "debug", elfs)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0)])
+    for elf in (elfs.prog, elfs.other):
+        for kind, expected in (("debuginfo", elf.debug), ("executable", elf.executable)):
+            got = await asyncio.to_thread(debuginfod_find, sg.url, tmp_path / f"c-{elf.name}",
+                                          kind, elf.build_id)
+            assert got.returncode == 0, got.stderr
+            assert Path(got.stdout.strip()).read_bytes() == expected.read_bytes()
+    unstripped = tree / "opt" / "app" / "unstripped"
+    for kind in ("debuginfo", "executable"):  # an unstripped binary is its own debug file
+        status, _, body = await sg.get(f"/buildid/{build_id(unstripped)}/{kind}")
+        assert status == 200 and body == unstripped.read_bytes()
+    section = f"/buildid/{elfs.prog.build_id}/section/.debug_line"
+    async with aiohttp.ClientSession() as s, s.get(debuginfod.url + section) as r:
+        expected_section = await r.read()
+    status, _, body = await sg.get(section)
+    assert status == 200 and body == expected_section  # the same bytes elfutils extracts
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/source{elfs.prog.sources[1]}"))[0] == 404
+
+
+async def test_misses_are_not_remembered_and_new_files_are_found(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    tree = make_tree(tmp_path / "debug", elfs)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0.2)])
+    path = f"/buildid/{elfs.nopie.build_id}/debuginfo"
+    for _ in range(2):
+        assert (await sg.get(path))[0] == 404
+    # Looked up each time (a dict lookup), never answered as a remembered miss.
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="not_found") == 2
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="negative_hit") == 0
+    shutil.copy(elfs.nopie.debug, tree / "opt" / "app" / "nopie.debug")
+
+    async def served() -> bool:
+        return (await sg.get(path))[0] == 200
+
+    await eventually(served, timeout=10)  # picked up by the next walk, no restart
+
+
+async def test_a_local_directory_before_a_remote_upstream(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    tree = make_tree(tmp_path / "debug", elfs)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0), faults.url_for("ok")])
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and faults.count("ok") == 0  # the local copy came first
+    status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/executable")
+    assert status == 200 and body == elfs.big.executable.read_bytes()
+    assert faults.count("ok") == 1  # not local: the next upstream was asked
+    # A remembered remote miss does not hide a file that the local directory has.
+    assert (await sg.get("/buildid/abcdef01/debuginfo"))[0] == 404
+    assert (await sg.get("/buildid/abcdef01/debuginfo"))[0] == 404
+    assert faults.count("ok") == 2  # the second miss was remembered for the remote upstream
