@@ -13,6 +13,7 @@ from aiohttp import web
 from . import __version__, logs, migrate
 from .app import create_app
 from .config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
+from .tables import render_table
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -92,11 +93,23 @@ def _symbolize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
-    lines = [header, *rows]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True))
-                     .rstrip() for line in lines)
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from symbolize.pprof.codec import ProfileError
+
+    from .inspect import inspect_profile, render, to_json
+
+    cfg = _config(args)
+    try:
+        rows = asyncio.run(inspect_profile(
+            args.profile.read_bytes(), cfg, server=args.server, timeout_s=args.timeout,
+            max_decompressed=cfg.symbolize.max_decompressed_bytes))
+    except (OSError, ProfileError) as e:
+        print(f"symgate: {args.profile}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(to_json(rows), indent=2) if args.json else render(rows), end="")
+    return 0
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -140,7 +153,7 @@ def _admin(args: argparse.Namespace) -> int:
         elif args.action == "purge":
             print(f"purged {len(rows)} artifacts ({sum(r.size for r in rows)} bytes)")
         else:
-            print(_table([[r.key, str(r.size), str(r.hits), r.last_access.strftime("%F %T"),
+            print(render_table([[r.key, str(r.size), str(r.hits), r.last_access.strftime("%F %T"),
                            r.upstream] for r in rows],
                          ["KEY", "SIZE", "HITS", "LAST ACCESS (UTC)", "UPSTREAM"]))
         return 0
@@ -156,7 +169,7 @@ def _admin(args: argparse.Namespace) -> int:
                                "live": r.live, "first_seen": r.first_seen.isoformat(),
                                "expires_at": r.expires_at.isoformat()} for r in rows]))
         else:
-            print(_table([[r.key, r.upstream, str(r.misses), r.expires_at.strftime("%F %T"),
+            print(render_table([[r.key, r.upstream, str(r.misses), r.expires_at.strftime("%F %T"),
                            "yes" if r.live else "expired"] for r in rows],
                          ["KEY", "UPSTREAM", "MISSES", "EXPIRES (UTC)", "LIVE"]))
         return 0
@@ -195,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--tenant", help="X-Scope-OrgID to send with --server")
     sym.add_argument("--timeout", type=float, default=120.0, help="seconds, with --server")
     sym.set_defaults(func=_symbolize)
+
+    insp = sub.add_parser("inspect", help="why a profile's frames are or are not symbolized")
+    common(insp)
+    insp.add_argument("profile", type=Path, help="pprof profile (gzip or raw)")
+    insp.add_argument("--server", help="a symgate URL, to check its cache too")
+    insp.add_argument("--timeout", type=float, default=10.0, help="seconds per check")
+    insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.set_defaults(func=_inspect)
 
     for name, actions, help_text in (
         ("cache", ("ls", "stats", "purge"), "see and purge cached artifacts"),

@@ -41,3 +41,7 @@ class UpstreamTimeout(UpstreamUnavailable):
 
 class VerificationFailed(SymgateError):
     """An upstream sent bytes that are not what was asked for (wrong build ID, truncated)."""
+
+
+class NotCached(SymgateError):
+    """Cache-Control: only-if-cached asked for an artifact that is not in the cache."""

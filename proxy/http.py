@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .cache import CachedArtifact
 from .errors import (
     InvalidRequest,
+    NotCached,
     NotFound,
     OverLimit,
     PayloadTooLarge,
@@ -49,6 +50,8 @@ def error_response(
         status = 404
     elif isinstance(error, TooLarge):
         status = 406
+    elif isinstance(error, NotCached):
+        status = 504  # what RFC 9111 prescribes for only-if-cached; nothing is retried
     elif isinstance(error, PayloadTooLarge):
         status = 413
     elif isinstance(error, OverLimit):
@@ -63,7 +66,7 @@ def error_response(
         status = 502
     else:
         status = 500
-    if status in (502, 503, 504):
+    if status in (502, 503, 504) and not isinstance(error, NotCached):
         headers["Retry-After"] = str(retry_after_s)
     return web.Response(status=status, text=error.reason + "\n", headers=headers)
 
@@ -75,6 +78,8 @@ def _outcome(error: SymgateError) -> Outcome:
         return Outcome.NOT_FOUND
     if isinstance(error, InvalidRequest):
         return Outcome.BAD_REQUEST
+    if isinstance(error, NotCached):
+        return Outcome.NOT_CACHED
     return Outcome.ERROR
 
 
@@ -119,7 +124,9 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
         max_size = _max_size(request)
         chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
-        result = await state.service.find(key, chain, may_fetch=may_fetch)
+        only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
+        result = await state.service.find(key, chain, may_fetch=may_fetch,
+                                          cache_only=only_if_cached)
         if isinstance(result, Hit):
             _check_size(result.artifact.record.size, max_size)
             state.metrics.requests.labels("buildid", kind, Outcome.HIT).inc()

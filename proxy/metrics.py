@@ -17,6 +17,7 @@ class Outcome(StrEnum):
     MISS = "miss"  # fetched from an upstream (or joined a fetch under way)
     NEGATIVE_HIT = "negative_hit"  # answered 404 from a remembered miss
     NOT_FOUND = "not_found"  # asked the upstreams, none had it
+    NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
     BAD_REQUEST = "bad_request"
     ERROR = "error"
 

@@ -20,7 +20,13 @@ from symbolize.elf import build_id_of_file
 from .cache import ArtifactCache, CachedArtifact, key_hash
 from .config import FetchPolicy
 from .db import ArtifactRecord
-from .errors import NotFound, SymgateError, UpstreamUnavailable, VerificationFailed
+from .errors import (
+    NotCached,
+    NotFound,
+    SymgateError,
+    UpstreamUnavailable,
+    VerificationFailed,
+)
 from .flight import Flight, FlightReader
 from .keys import ArtifactKey
 from .metrics import ProxyMetrics
@@ -81,11 +87,13 @@ class ArtifactService:
         forwarded_for: str,
         *,
         may_fetch: bool = True,
+        cache_only: bool = False,
         upstreams: Sequence[Source] | None = None,
     ) -> Hit | Streaming:
         """Raises NotFound, UpstreamUnavailable (or UpstreamTimeout), VerificationFailed.
 
-        With may_fetch false (a request past the forwarding hop limit) only the cache answers.
+        With may_fetch false (a request past the forwarding hop limit) only the cache answers;
+        with cache_only, a miss raises NotCached instead of fetching.
         """
         ups = self.upstreams if upstreams is None else tuple(upstreams)
         # Only sources whose misses are remembered can make a request a negative hit; one that
@@ -101,6 +109,8 @@ class ArtifactService:
             await self.cache.remove(key)
         if not may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
+        if cache_only:
+            raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
         if (flight := self._flights.get(kh)) is not None:
             self._metrics.singleflight_joins.inc()
             return await _join(flight)

@@ -1,0 +1,168 @@
+"""`symgate inspect PROFILE`: why a profile's native frames are (or are not) symbolized.
+
+One row per mapping: its file, address range and build ID, whether /symbolize would touch it,
+whether each configured upstream and symgate's own cache has its debug info, and a verdict with
+the fix, in the words of the common causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from symbolize.buildid import InvalidBuildId, normalize_build_id
+from symbolize.pprof.codec import decode
+
+from . import __version__
+from .config import Config
+from .keys import ArtifactKey, Kind
+from .localdir import LocalDirectory
+from .metrics import ProxyMetrics
+from .tables import render_table
+
+USER_AGENT = f"symgate-inspect/{__version__}"
+
+
+@dataclass
+class Check:
+    where: str  # an upstream URL, a local directory, or "symgate cache"
+    status: str  # "200", "404", "timeout", "error: ...", "504" (not cached)
+    size: int | None = None
+
+
+@dataclass
+class Row:
+    mapping_id: int
+    file: str
+    memory_start: int
+    memory_limit: int
+    build_id: str | None
+    has_functions: bool
+    would_symbolize: bool
+    checks: list[Check] = field(default_factory=list)
+    verdict: str = ""
+
+    @property
+    def range(self) -> str:
+        return f"{self.memory_start:#x}-{self.memory_limit:#x}"
+
+
+async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
+                      timeout_s: float, headers: dict[str, str] | None = None) -> Check:
+    url = f"{base.rstrip('/')}{ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path}"
+    try:
+        # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
+        async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as r:
+            size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
+            return Check(base, str(r.status), int(size) if size and size.isdigit() else None)
+    except TimeoutError:
+        return Check(base, "timeout")
+    except aiohttp.ClientConnectorError:
+        return Check(base, "unreachable")
+    except (aiohttp.ClientError, OSError) as e:
+        return Check(base, f"error: {type(e).__name__}")
+
+
+def _verdict(row: Row) -> str:
+    if row.build_id is None:
+        if row.file.startswith("["):
+            return (f"{row.file} is not a file on disk (kernel, vdso, anonymous memory): "
+                    "there is no debug info to look up")
+        return ("no build ID: the profiler did not record one. Link with -Wl,--build-id "
+                "(gcc and clang do by default on most distributions) and check that the "
+                "profiler reads build IDs")
+    if row.has_functions:
+        return ("HasFunctions is already true: the profiler symbolized this mapping itself, "
+                "so /symbolize leaves it alone")
+    found = [c for c in row.checks if c.status == "200"]
+    if found:
+        c = found[0]
+        size = f" ({c.size} bytes)" if c.size is not None else ""
+        return f"debug info available from {c.where}{size}: /symbolize will fill this mapping in"
+    failing = [c for c in row.checks if c.status not in ("404", "504")]
+    if failing:
+        names = ", ".join(f"{c.where} ({c.status})" for c in failing)
+        return (f"upstream unreachable: {names}. Check the network path, proxy and credentials "
+                "(headers = { Authorization = ... }) of those upstreams")
+    return ("debug info not on any upstream: install the package's -dbg/-debuginfo files, "
+            "upload the .debug file to your debuginfod, or put it under a local directory "
+            "source (.build-id/xx/rest.debug)")
+
+
+async def inspect_profile(
+    body: bytes, config: Config, *, server: str | None, timeout_s: float,
+    max_decompressed: int,
+) -> list[Row]:
+    profile = decode(body, max_decompressed).profile
+    strings = profile.string_table
+    rows: list[Row] = []
+    for m in profile.mapping:
+        raw = strings[m.build_id] if m.build_id < len(strings) else ""
+        try:
+            bid = normalize_build_id(raw) if raw else None
+        except InvalidBuildId:
+            bid = None
+        rows.append(Row(m.id, strings[m.filename] if m.filename < len(strings) else "",
+                        m.memory_start, m.memory_limit, bid, m.has_functions,
+                        bid is not None and not m.has_functions))
+    metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
+    locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
+    for local in locals_:
+        await local.rescan()
+    remote = [u.url for u in config.upstreams if u.url]
+    async with aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
+        async def checks(bid: str) -> list[Check]:
+            key = ArtifactKey(bid, Kind.DEBUGINFO)
+            found = [Check(local.name, "200" if local.has(key) else "404") for local in locals_]
+            tasks = [_http_check(session, url, bid, timeout_s) for url in remote]
+            if server:
+                tasks.append(_http_check(session, server, bid, timeout_s,
+                                         {"Cache-Control": "only-if-cached"}))
+            found.extend(await asyncio.gather(*tasks))
+            if server:
+                found[-1].where = "symgate cache"
+            return found
+
+        wanted = sorted({r.build_id for r in rows if r.would_symbolize and r.build_id})
+        results = dict(zip(wanted, await asyncio.gather(*(checks(b) for b in wanted)),
+                           strict=True))
+    for row in rows:
+        if row.would_symbolize and row.build_id:
+            row.checks = results[row.build_id]
+        row.verdict = _verdict(row)
+    return rows
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    value = float(n)
+    for unit in ("B", "KB", "MB"):
+        if value < 1000:
+            return f" {value:.0f}{unit}" if unit == "B" else f" {value:.1f}{unit}"
+        value /= 1000
+    return f" {value:.1f}GB"
+
+
+def render(rows: Sequence[Row]) -> str:
+    """A table, one row a mapping, a column per place asked; then a verdict per mapping."""
+    sources = next((r.checks for r in rows if r.checks), [])
+    names = [f"[{i}]" for i in range(1, len(sources) + 1)]
+    table = render_table(
+        [[str(r.mapping_id), r.file or "-", r.range, r.build_id or "none",
+          str(r.has_functions).lower(), "yes" if r.would_symbolize else "no",
+          *([c.status + _size(c.size) for c in r.checks] or ["-"] * len(names))]
+         for r in rows],
+        ["ID", "FILE", "RANGE", "BUILD ID", "HAS_FUNCTIONS", "SYMBOLIZE", *names])
+    legend = "\n".join(f"{n} {c.where}" for n, c in zip(names, sources, strict=True))
+    verdicts = "\n".join(f"{r.mapping_id:>3}  {r.verdict}" for r in rows)
+    return f"{table}\n\n{legend}\n\nverdicts:\n{verdicts}\n" if legend else \
+        f"{table}\n\nverdicts:\n{verdicts}\n"
+
+
+def to_json(rows: Sequence[Row]) -> list[dict[str, object]]:
+    return [{**asdict(r), "range": r.range} for r in rows]

@@ -1,0 +1,94 @@
+"""`symgate inspect`: the troubleshooting table, checked against real upstreams and a server."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import subprocess
+from pathlib import Path
+
+from symbolize.pprof.profile_pb2 import Profile
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+UNKNOWN = "feedface" * 5
+
+
+def profile(elfs: ElfSet) -> bytes:
+    p = Profile()
+    p.string_table.extend(["", "/usr/bin/prog", elfs.prog.build_id, "[vdso]", "/usr/bin/app",
+                           "/usr/lib/libdone.so", elfs.other.build_id, "/opt/mystery", UNKNOWN])
+    p.mapping.add(id=1, memory_start=0x555500001000, memory_limit=0x555500002000,
+                  filename=1, build_id=2)
+    p.mapping.add(id=2, memory_start=0x7FFF00000000, memory_limit=0x7FFF00002000, filename=3)
+    p.mapping.add(id=3, memory_start=0x400000, memory_limit=0x401000, filename=4)
+    p.mapping.add(id=4, memory_start=0x7F0000000000, memory_limit=0x7F0000010000, filename=5,
+                  build_id=6, has_functions=True)
+    p.mapping.add(id=5, memory_start=0x7F1000000000, memory_limit=0x7F1000010000, filename=7,
+                  build_id=8)
+    return gzip.compress(p.SerializeToString())
+
+
+async def inspect(tmp_path: Path, upstreams: list[str], server: str, *flags: str
+                  ) -> subprocess.CompletedProcess[str]:
+    source = tmp_path / "profile.pb.gz"
+    config = tmp_path / "inspect.toml"
+    config.write_text("".join(f'[[upstreams]]\nurl = "{u}"\n' for u in upstreams))
+    return await asyncio.to_thread(
+        subprocess.run, ["symgate", "inspect", str(source), "--config", str(config),
+                         "--server", server, "--timeout", "1", *flags],
+        capture_output=True, text=True, timeout=60)
+
+
+async def test_inspect_explains_every_mapping(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200  # now cached
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    result = await inspect(tmp_path, [debuginfod.url], sg.url, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
+    size = elfs.prog.debug.stat().st_size
+    assert [(c["where"], c["status"], c["size"]) for c in rows[1]["checks"]] == [
+        (debuginfod.url, "200", size), ("symgate cache", "200", size)]
+    assert rows[1]["would_symbolize"] and "debug info available" in rows[1]["verdict"]
+    assert rows[2]["build_id"] is None and "[vdso] is not a file" in rows[2]["verdict"]
+    assert "no build ID" in rows[3]["verdict"] and not rows[3]["would_symbolize"]
+    assert "HasFunctions is already true" in rows[4]["verdict"]
+    assert [c["status"] for c in rows[5]["checks"]] == ["404", "504"]  # 504: not cached
+    assert "not on any upstream" in rows[5]["verdict"]
+    # Nothing was fetched by the cache check (only-if-cached).
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="not_cached") == 1
+    assert await sg.metric("symgate_cache_entries") == 1
+
+
+async def test_inspect_names_an_unreachable_upstream_in_a_table(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    faults.first_byte_delay = 5
+    sg = await start_symgate([debuginfod.url])
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    slow = faults.url_for("slow-first-byte")
+    result = await inspect(tmp_path, [debuginfod.url, slow], sg.url)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    header = out.splitlines()[0].split()
+    assert header[:6] == ["ID", "FILE", "RANGE", "BUILD", "ID", "HAS_FUNCTIONS"]
+    assert f"[2] {slow}" in out and "[3] symgate cache" in out
+    line5 = next(ln for ln in out.splitlines() if ln.startswith("5 "))
+    assert UNKNOWN in line5 and "timeout" in line5
+    assert f"upstream unreachable: {slow} (timeout)" in out
+    assert "0x555500001000-0x555500002000" in out
+
+
+def test_inspect_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pb"
+    bad.write_bytes(b"definitely not protobuf")
+    result = subprocess.run(["symgate", "inspect", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 1 and "not a pprof profile" in result.stderr
