@@ -112,6 +112,43 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefetch(args: argparse.Namespace) -> int:
+    import json
+
+    from symbolize.pprof.codec import ProfileError
+
+    from .prefetch import Summary, build_ids_from, prefetch, terminal_progress
+
+    summary = Summary()
+    try:
+        ids = build_ids_from(args.build_ids, args.file or [], args.profile or [],
+                             SymbolizeConfig().max_decompressed_bytes, summary)
+    except (OSError, ProfileError) as e:
+        print(f"symgate: {e}", file=sys.stderr)
+        return 1
+    for bad in summary.invalid:
+        print(f"symgate: skipping {bad[:80]!r}: not a build ID", file=sys.stderr)
+    if not ids:
+        print("symgate: no build IDs to prefetch", file=sys.stderr)
+        return 2
+    asyncio.run(prefetch(args.server, ids, args.kind, args.concurrency, summary,
+                         terminal_progress))
+    counts = summary.counts()
+    failed = sum(n for status, n in counts.items() if status not in ("200", "404"))
+    if args.json:
+        print(json.dumps({"results": summary.results, "bytes": summary.bytes,
+                          "invalid": summary.invalid}))
+    else:
+        print(f"{len(ids)} build IDs, {len(ids) * len(args.kind)} artifacts: "
+              f"{counts['200']} cached, {counts['404']} not found upstream, {failed} failed; "
+              f"{summary.bytes} bytes")
+        for bid, kinds in summary.results.items():
+            short = {k: v for k, v in kinds.items() if v != "200"}
+            if short:
+                print(f"  {bid}: " + ", ".join(f"{k} {v}" for k, v in sorted(short.items())))
+    return 1 if failed else 0
+
+
 def _admin(args: argparse.Namespace) -> int:
     import json
 
@@ -217,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_inspect)
 
+    pre = sub.add_parser("prefetch", help="warm a symgate's cache and symbol tables")
+    pre.add_argument("build_ids", nargs="*", help="build IDs")
+    pre.add_argument("--file", type=Path, action="append",
+                     help="a file of build IDs, whitespace-separated, # comments; repeatable")
+    pre.add_argument("--profile", type=Path, action="append",
+                     help="a pprof profile: its mappings without functions; repeatable")
+    pre.add_argument("--server", default="http://127.0.0.1:8002", help="the symgate to warm")
+    pre.add_argument("--kind", action="append", choices=["debuginfo", "executable"],
+                     help="artifacts to fetch (default: debuginfo and executable)")
+    pre.add_argument("--concurrency", type=int, default=8)
+    pre.add_argument("--json", action="store_true", help="machine-readable summary")
+    pre.set_defaults(func=_prefetch)
+
     for name, actions, help_text in (
         ("cache", ("ls", "stats", "purge"), "see and purge cached artifacts"),
         ("negative", ("ls", "clear"), "see and clear remembered misses"),
@@ -238,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.func is _prefetch and not args.kind:
+        args.kind = ["debuginfo", "executable"]
     logs.configure(json_lines=False)
     try:
         return int(args.func(args))

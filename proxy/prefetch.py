@@ -1,0 +1,90 @@
+"""`symgate prefetch`: warm a symgate's cache (and so its symbol tables) for build IDs given as
+arguments, in a file, or found in a pprof profile."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from symbolize.buildid import InvalidBuildId, normalize_build_id
+from symbolize.pprof.codec import decode
+
+from . import __version__
+
+
+@dataclass
+class Summary:
+    results: dict[str, dict[str, str]] = field(default_factory=dict)  # id -> kind -> status
+    bytes: int = 0
+    invalid: list[str] = field(default_factory=list)
+
+    def counts(self) -> Counter[str]:
+        return Counter(status for kinds in self.results.values() for status in kinds.values())
+
+
+def build_ids_from(args: Iterable[str], files: Iterable[Path], profiles: Iterable[Path],
+                   max_decompressed: int, summary: Summary) -> list[str]:
+    """Normalised, de-duplicated build IDs in the order given; invalid ones go to summary."""
+    raw: list[str] = list(args)
+    for f in files:
+        raw.extend(w for line in f.read_text().splitlines()
+                   for w in line.split("#", 1)[0].split())
+    for p in profiles:
+        prof = decode(p.read_bytes(), max_decompressed).profile
+        raw.extend(prof.string_table[m.build_id] for m in prof.mapping
+                   if m.build_id and not m.has_functions)
+    seen: dict[str, None] = {}
+    for r in raw:
+        try:
+            seen.setdefault(normalize_build_id(r), None)
+        except InvalidBuildId:
+            summary.invalid.append(r)
+    return list(seen)
+
+
+async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], concurrency: int,
+                   summary: Summary, progress: Callable[[int, int, Summary], None]) -> None:
+    todo = [(b, k) for b in build_ids for k in kinds]
+    done = 0
+    limit = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    async with aiohttp.ClientSession(headers={"User-Agent": f"symgate-prefetch/{__version__}"},
+                                     timeout=timeout) as session:
+        async def one(build_id: str, kind: str) -> None:
+            nonlocal done
+            async with limit:
+                status = "error"
+                try:
+                    async with session.get(f"{server.rstrip('/')}/buildid/{build_id}/{kind}") as r:
+                        # Reading the body to the end is what makes the download complete.
+                        async for chunk in r.content.iter_chunked(1 << 20):
+                            summary.bytes += len(chunk)
+                        status = str(r.status)
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    status = f"error: {type(e).__name__}"
+            summary.results.setdefault(build_id, {})[kind] = status
+            done += 1
+            progress(done, len(todo), summary)
+
+        await asyncio.gather(*(one(b, k) for b, k in todo))
+
+
+def terminal_progress(done: int, total: int, summary: Summary) -> None:
+    """A one-line progress bar, redrawn in place; only on a terminal."""
+    if not sys.stderr.isatty():
+        return
+    width = 30
+    filled = width * done // max(total, 1)
+    c = summary.counts()
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  "
+                     f"ok={c['200']} missing={c['404']} "
+                     f"failed={done - c['200'] - c['404']}  {summary.bytes / 1e6:.1f} MB")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

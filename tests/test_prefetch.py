@@ -1,0 +1,54 @@
+"""`symgate prefetch` warms a running symgate: its cache, then its symbol tables."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import subprocess
+from pathlib import Path
+
+from symbolize.pprof.profile_pb2 import Profile
+from tests.conftest import Debuginfod, SymgateFactory, eventually
+from tests.elfs import ElfSet
+
+
+async def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(subprocess.run, ["symgate", "prefetch", *args],
+                                   capture_output=True, text=True, timeout=120)
+
+
+async def test_prefetch_from_arguments_a_file_and_a_profile(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    ids = tmp_path / "ids.txt"
+    ids.write_text(f"# from the release pipeline\n{elfs.other.build_id}\n{'ab' * 20}  # gone\n")
+    prof = Profile()
+    prof.string_table.extend(["", "/usr/bin/nopie", elfs.nopie.build_id.upper()])
+    prof.mapping.add(id=1, filename=1, build_id=2)
+    (tmp_path / "p.pb.gz").write_bytes(gzip.compress(prof.SerializeToString()))
+    result = await run(elfs.prog.build_id, "not-a-build-id", "--file", str(ids),
+                       "--profile", str(tmp_path / "p.pb.gz"), "--server", sg.url,
+                       "--kind", "debuginfo", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "skipping 'not-a-build-id'" in result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["results"] == {
+        elfs.prog.build_id: {"debuginfo": "200"}, elfs.other.build_id: {"debuginfo": "200"},
+        "ab" * 20: {"debuginfo": "404"}, elfs.nopie.build_id: {"debuginfo": "200"}}
+    assert await sg.metric("symgate_cache_entries") == 3
+
+    async def tables_built() -> bool:  # the symbol tables follow the cached debug files
+        return await sg.metric("symgate_symtab_builds_total", result="ok") == 3
+
+    await eventually(tables_built)
+    text = await run(elfs.prog.build_id, "--server", sg.url)  # warm already: both kinds
+    assert text.returncode == 0
+    assert "1 build IDs, 2 artifacts: 2 cached, 0 not found upstream, 0 failed" in text.stdout
+
+
+async def test_prefetch_reports_an_unreachable_server(tmp_path: Path, elfs: ElfSet) -> None:
+    result = await run(elfs.prog.build_id, "--server", "http://127.0.0.1:9")
+    assert result.returncode == 1 and "2 failed" in result.stdout
+    assert (await run("--server", "http://127.0.0.1:9")).returncode == 2  # nothing to do
