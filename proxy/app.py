@@ -40,6 +40,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/symbolize", symbolize)
     app.router.add_get("/metrics", http.metrics)
     app.router.add_get("/healthz", http.healthz)
+    app.router.add_get("/", http.status_page)
 
 
 def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:

@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import status
 from .cache import CachedArtifact
 from .errors import (
     InvalidRequest,
@@ -142,8 +143,12 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         finally:
             result.reader.close()
     except SymgateError as e:
-        state.metrics.requests.labels("buildid", kind, _outcome(e)).inc()
-        annotate(request, kind=kind, outcome=_outcome(e).value, error=e.reason)
+        outcome = _outcome(e)
+        state.metrics.requests.labels("buildid", kind, outcome).inc()
+        annotate(request, kind=kind, outcome=outcome.value, error=e.reason)
+        if outcome is not Outcome.BAD_REQUEST:
+            state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome.value,
+                                    e.reason)
         return error_response(e, request.headers.get("User-Agent", ""),
                               state.config.server.retry_after_s)
 
@@ -218,6 +223,15 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = generate_latest(state.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def status_page(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    html = status.render(registry=state.registry,
+                         upstreams=[u.name for u in state.service.upstreams],
+                         started=state.started, recent=state.recent_misses,
+                         max_bytes=state.config.cache.max_bytes)
+    return web.Response(text=html, content_type="text/html")
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -14,6 +15,7 @@ from .db import Repository
 from .metrics import ProxyMetrics, SymbolizeMetrics
 from .service import ArtifactService
 from .source import Source
+from .status import RecentMisses
 from .symbols import SymbolService
 
 
@@ -29,6 +31,8 @@ class AppState:
     symbolize_metrics: SymbolizeMetrics
     # X-Scope-OrgID -> that tenant's own upstream list, where configured.
     tenant_upstreams: dict[str, list[Source]]
+    recent_misses: RecentMisses = field(default_factory=RecentMisses)
+    started: float = field(default_factory=time.time)
 
     async def ping_database(self) -> None:
         async with self.repo.engine.connect() as conn:
