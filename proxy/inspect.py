@@ -58,7 +58,8 @@ async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
         # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
         async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as r:
             size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
-            return Check(base, str(r.status), int(size) if size and size.isdigit() else None)
+            known = r.status == 200 and size is not None and size.isdigit()
+            return Check(base, str(r.status), int(size) if known and size else None)
     except TimeoutError:
         return Check(base, "timeout")
     except aiohttp.ClientConnectorError:
@@ -158,10 +159,11 @@ def render(rows: Sequence[Row]) -> str:
           *([c.status + _size(c.size) for c in r.checks] or ["-"] * len(names))]
          for r in rows],
         ["ID", "FILE", "RANGE", "BUILD ID", "HAS_FUNCTIONS", "SYMBOLIZE", *names])
-    legend = "\n".join(f"{n} {c.where}" for n, c in zip(names, sources, strict=True))
-    verdicts = "\n".join(f"{r.mapping_id:>3}  {r.verdict}" for r in rows)
-    return f"{table}\n\n{legend}\n\nverdicts:\n{verdicts}\n" if legend else \
-        f"{table}\n\nverdicts:\n{verdicts}\n"
+    parts = [table]
+    if names:
+        parts.append("\n".join(f"{n} {c.where}" for n, c in zip(names, sources, strict=True)))
+    parts.append("verdicts:\n" + "\n".join(f"{r.mapping_id:>3}  {r.verdict}" for r in rows))
+    return "\n\n".join(parts) + "\n"
 
 
 def to_json(rows: Sequence[Row]) -> list[dict[str, object]]:

@@ -121,10 +121,12 @@ def rewrite(
     usable = {mid: symbols[bid] for mid, bid in mapping_ids.items() if bid in symbols}
     tables = _Tables(profile)
     filled: dict[int, list[bool]] = {mid: [False, False, False, False] for mid in usable}
+    tried: set[int] = set()
     for loc in profile.location:
         sym = usable.get(loc.mapping_id)
         if sym is None or loc.line:
             continue
+        tried.add(loc.mapping_id)
         m = by_id[loc.mapping_id]
         vaddr = to_vaddr(loc.address, memory_start=m.memory_start, memory_limit=m.memory_limit,
                          file_offset=m.file_offset, segments=sym.segments)
@@ -150,5 +152,5 @@ def rewrite(
             report.mappings_symbolized += 1
             m.has_functions, m.has_filenames = True, filenames
             m.has_line_numbers, m.has_inline_frames = lines, inline
-        else:
-            report.mappings_skipped["no_symbols"] += 1
+        else:  # symbols were there; either no location asked for them or none resolved
+            report.mappings_skipped["no_symbols" if mid in tried else "no_locations"] += 1

@@ -37,7 +37,7 @@ async def test_status_page_in_a_browser(
     for _ in range(3):  # one miss, then two hits: 2 of 3 requests answered from the cache
         assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
     assert (await sg.get("/buildid/0123abcd/debuginfo"))[0] == 502  # one upstream failing
-    status, headers, body = await sg.get("/")
+    status, headers, _ = await sg.get("/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     dom = await chromium(tmp_path, "--dump-dom", sg.url + "/")
     assert dom.returncode == 0, dom.stderr[-2000:]
