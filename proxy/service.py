@@ -77,10 +77,6 @@ class ArtifactService:
         # Called with each artifact's key once it is committed to the cache.
         self.committed: list[Callable[[ArtifactKey], None]] = []
 
-    @property
-    def inflight(self) -> int:
-        return len(self._flights)
-
     async def find(
         self,
         key: ArtifactKey,

@@ -262,7 +262,7 @@ class SymbolService:
                 status, error = "no_symbols", str(e)
             except MalformedObject as e:
                 status, error = "malformed", str(e)
-        rec = self._record(build_id, status, source_key, result, error, source)
+        rec = self._record(build_id, status, source_key, result, error)
         await self._repo.put_symbol_table(rec)
         # Counted once recorded and open, so the metric never runs ahead of the table.
         self._metrics.symtab_builds.labels(status).inc()
@@ -276,12 +276,11 @@ class SymbolService:
 
     def _record(
         self, build_id: str, status: str, source_key: str, result: BuildResult | None,
-        error: str | None, source: Path,
+        error: str | None,
     ) -> SymbolTableRecord:
         now = datetime.now(UTC)
-        layout = layout_of_file(source) if result is not None else None
-        file_layout = (_layout_json(layout.segments)
-                       if layout is not None and layout.has_file_layout else None)
+        file_layout = (_layout_json(result.file_layout)
+                       if result is not None and result.file_layout is not None else None)
         return SymbolTableRecord(
             build_id=build_id, status=status, format=FORMAT, source_key=source_key,
             size=result.size if result else 0,

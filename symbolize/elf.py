@@ -88,9 +88,6 @@ class ElfLayout:
         """Whether p_offset/p_filesz are real. objcopy --only-keep-debug zeroes them."""
         return any(s.executable and s.filesz > 0 for s in self.segments)
 
-    def in_code(self, vaddr: int) -> bool:
-        return any(s.executable and s.vaddr <= vaddr < s.vaddr + s.memsz for s in self.segments)
-
 
 def layout_of_file(path: Path) -> ElfLayout | None:
     """Program headers and build ID of an ELF file, or None if it is not a usable ELF file."""

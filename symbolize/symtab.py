@@ -20,7 +20,7 @@ from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
 from .demangle import demangle
-from .elf import cold_part, cold_ranges_of_file, layout_of_file
+from .elf import LoadSegment, cold_part, cold_ranges_of_file, layout_of_file
 
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
 # Addresses whose frames a table remembers: continuous profilers send the same hot addresses
@@ -44,6 +44,9 @@ class BuildResult:
     has_lines: bool
     seconds: float
     size: int
+    # The source's program headers when their file offsets are real (an executable, or an
+    # unstripped binary); None for a detached debug file, whose offsets objcopy zeroed.
+    file_layout: tuple[LoadSegment, ...] | None
 
 
 class Frame(NamedTuple):
@@ -91,6 +94,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
+        file_layout=layout.segments if layout.has_file_layout else None,
     )
 
 
