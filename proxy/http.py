@@ -6,13 +6,11 @@ Every failure becomes a response in one place, `error_response`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import status
 from .cache import CachedArtifact
 from .errors import (
     InvalidRequest,
@@ -32,11 +30,11 @@ from .logs import annotate
 from .metrics import Outcome
 from .service import Hit, RememberedNotFound, Streaming
 from .state import STATE, AppState
+from .status import render as render_status
 
 log = logging.getLogger(__name__)
 # Bytes a fetch must have received before its response starts (see Flight.wait_streamable).
 STREAM_AFTER_BYTES = 1024 * 1024
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(
@@ -227,7 +225,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def status_page(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    html = status.render(registry=state.registry,
+    html = render_status(registry=state.registry,
                          upstreams=[u.name for u in state.service.upstreams],
                          started=state.started, recent=state.recent_misses,
                          max_bytes=state.config.cache.max_bytes)

@@ -114,6 +114,9 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
             task.cancel()  # the shared build goes on (shielded) and warms the next request
             reasons[bid] = "deadline"
             continue
+        if task.exception() is not None:  # logged where it happened; one mapping, not all
+            reasons[bid] = "error"
+            continue
         outcome: Outcome = task.result()
         if outcome.symbols is not None:
             symbols[bid] = outcome.symbols

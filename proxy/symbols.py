@@ -143,9 +143,9 @@ class SymbolService:
             future = self._resolving.get(build_id) or self._track(
                 build_id, self._resolve(build_id, forwarded_for, upstreams))
             outcome = await future
-            if outcome.symbols is None:
+            # Absent when the LRU of open tables let it go while others were being opened.
+            if outcome.symbols is None or (opened := self._open.get(build_id)) is None:
                 return outcome
-            opened = self._open[build_id]
         else:
             self._open.move_to_end(build_id)
             self._metrics.symtab_cache.labels("hit").inc()
@@ -297,8 +297,12 @@ class SymbolService:
         upstreams: Sequence[Source] | None,
     ) -> None:
         """Set `opened.segments` to program headers with real file offsets."""
-        opened.segments = await self._find_file_layout(build_id, opened.table, forwarded_for,
-                                                       upstreams)
+        try:
+            opened.segments = await self._find_file_layout(build_id, opened.table,
+                                                           forwarded_for, upstreams)
+        except Exception:  # a failure here must not fail the profile: guess, as without one
+            log.exception("program headers for %s", build_id)
+            opened.segments = _guessed_layout(opened.table)
 
     async def _find_file_layout(
         self, build_id: str, table: SymbolTable, forwarded_for: str,
