@@ -75,16 +75,6 @@ def _ranges(text: str) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in json.loads(text))
 
 
-def _guessed_layout(table: SymbolTable) -> tuple[LoadSegment, ...]:
-    """Without the executable: code at file offset vaddr - load address.
-
-    This is how GNU ld lays out the text segment of executables and shared libraries alike;
-    used only when no executable with real program headers can be had.
-    """
-    return tuple(LoadSegment(start - table.load_address, start, end - start, end - start, True)
-                 for start, end in table.code_ranges)
-
-
 class SymbolService:
     def __init__(
         self, *, artifacts: ArtifactService, repo: Repository, root: Path,
@@ -302,7 +292,7 @@ class SymbolService:
                                                            forwarded_for, upstreams)
         except Exception:  # a failure here must not fail the profile: guess, as without one
             log.exception("program headers for %s", build_id)
-            opened.segments = _guessed_layout(opened.table)
+            opened.segments = opened.table.guessed_layout()
 
     async def _find_file_layout(
         self, build_id: str, table: SymbolTable, forwarded_for: str,
@@ -319,7 +309,7 @@ class SymbolService:
             layout = await asyncio.to_thread(layout_of_file, exe)
         if layout is None or not layout.has_file_layout or layout.build_id != build_id:
             self._metrics.layout_guesses.inc()
-            return _guessed_layout(table)
+            return table.guessed_layout()
         await self._repo.set_file_layout(build_id, _layout_json(layout.segments))
         return layout.segments
 

@@ -18,9 +18,7 @@ def _segments(dirs: Sequence[Path], build_id: str, table: SymbolTable) -> tuple[
     layout = layout_of_file(exe) if exe else None
     if layout is not None and layout.has_file_layout and layout.build_id == build_id:
         return layout.segments
-    # As the server does without an executable: GNU ld's text layout, offset = vaddr - base.
-    return tuple(LoadSegment(a - table.load_address, a, b - a, b - a, True)
-                 for a, b in table.code_ranges)
+    return table.guessed_layout()
 
 
 def symbolize_bytes(body: bytes, dirs: Sequence[Path], max_decompressed: int

@@ -113,6 +113,14 @@ class SymbolTable:
         self.has_lines = has_lines
         self._memo: dict[int, tuple[Frame, ...]] = {}
 
+    def guessed_layout(self) -> tuple[LoadSegment, ...]:
+        """Program headers when no executable can be had: code at file offset vaddr - base.
+
+        This is how GNU ld lays out the text segment of executables and shared libraries alike.
+        """
+        return tuple(LoadSegment(start - self.load_address, start, end - start, end - start, True)
+                     for start, end in self.code_ranges)
+
     def _in_cold_part(self, vaddr: int) -> bool:
         i = bisect.bisect_right(self._cold_starts, vaddr) - 1
         return i >= 0 and vaddr < self._cold_ranges[i][1]
