@@ -1,4 +1,8 @@
-"""Reading and writing pprof profiles: gzip or raw protobuf, with bounded decompression."""
+"""Reading and writing pprof profiles: gzip or raw protobuf, with bounded decompression.
+
+Profiles are read as RawProfile: samples and locations stay encoded until the rewrite reads the
+locations it symbolizes, and go back out as they came.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from .profile_pb2 import Profile
+from .profile_raw_pb2 import RawProfile
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -23,7 +27,7 @@ class ProfileTooLarge(ProfileError):
 
 @dataclass(frozen=True, slots=True)
 class Decoded:
-    profile: Profile
+    profile: RawProfile
     gzipped: bool
     raw: bytes  # the uncompressed protobuf bytes
 
@@ -49,14 +53,14 @@ def decode(body: bytes, max_decompressed: int) -> Decoded:
     if len(raw) > max_decompressed:
         raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
     try:
-        profile = Profile.FromString(raw)
+        profile = RawProfile.FromString(raw)
     except DecodeError as e:
         raise ProfileError(f"not a pprof profile: {e}") from e
     _check(profile)
     return Decoded(profile, gzipped, raw)
 
 
-def _check(profile: Profile) -> None:
+def _check(profile: RawProfile) -> None:
     strings = len(profile.string_table)
     if strings and profile.string_table[0] != "":
         raise ProfileError("not a pprof profile: string_table[0] must be empty")
@@ -69,7 +73,7 @@ def _check(profile: Profile) -> None:
                 raise ProfileError(f"function {f.id}: string index out of range")
 
 
-def encode(profile: Profile, gzipped: bool) -> bytes:
+def encode(profile: RawProfile, gzipped: bool) -> bytes:
     raw = profile.SerializeToString()
     # mtime=0: the same profile always encodes to the same bytes.
     return gzip.compress(raw, compresslevel=6, mtime=0) if gzipped else raw
