@@ -127,7 +127,11 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
             report.mappings_skipped[reasons[bid]] += 1
     wanted_with_symbols = {mid: bid for mid, bid in wanted.items() if bid in symbols}
     if wanted_with_symbols:
-        await asyncio.to_thread(rewrite, profile, wanted_with_symbols, symbols, report)
+        try:
+            await asyncio.to_thread(rewrite, profile, wanted_with_symbols, symbols,
+                                    state.symbols.function_ids, report)
+        except ProfileError as e:  # a location that is not a Location message
+            raise InvalidRequest(str(e)) from None
     _count(state, report)
     annotate(request, outcome="symbolized" if report.changed else "unchanged",
              mappings_symbolized=report.mappings_symbolized,

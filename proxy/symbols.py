@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from symbolize.chains import FunctionIds
 from symbolize.debugdirs import find_debug_file, find_executable
 from symbolize.elf import ElfLayout, LoadSegment, layout_of_file
 from symbolize.rewrite import MappingSymbols
@@ -90,6 +91,7 @@ class SymbolService:
         self._executor = ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
         self._open: OrderedDict[str, _Open] = OrderedDict()
+        self.function_ids = FunctionIds()  # shared by every open table and every rewrite
         self._resolving: dict[str, asyncio.Future[Outcome]] = {}
         self._layouts: dict[str, asyncio.Future[None]] = {}
         artifacts.committed.append(self._on_committed)
@@ -196,7 +198,8 @@ class SymbolService:
 
     def _remember(self, build_id: str, rec: SymbolTableRecord) -> Outcome:
         table = SymbolTable(self.path_for(build_id), rec.load_address,
-                            _ranges(rec.code_ranges), _ranges(rec.cold_ranges), rec.has_lines)
+                            _ranges(rec.code_ranges), _ranges(rec.cold_ranges), rec.has_lines,
+                            self.function_ids)
         segments = _layout_from_json(rec.file_layout) if rec.file_layout else None
         self._open[build_id] = _Open(table, segments)
         self._open.move_to_end(build_id)

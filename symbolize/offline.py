@@ -6,6 +6,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from .chains import FunctionIds
 from .debugdirs import find_debug_file, find_executable
 from .elf import LoadSegment, layout_of_file
 from .pprof.codec import decode, encode
@@ -28,6 +29,7 @@ def symbolize_bytes(body: bytes, dirs: Sequence[Path], max_decompressed: int
     report = Report()
     wanted = candidates(decoded.profile, report)
     symbols: dict[str, MappingSymbols] = {}
+    ids = FunctionIds()
     with tempfile.TemporaryDirectory(prefix="symgate-") as tmp:
         for build_id in sorted(set(wanted.values())):
             source = find_debug_file(dirs, build_id) or find_executable(dirs, build_id)
@@ -39,13 +41,13 @@ def symbolize_bytes(body: bytes, dirs: Sequence[Path], max_decompressed: int
             except (NoSymbols, MalformedObject):
                 continue
             table = SymbolTable(out, built.load_address, built.code_ranges, built.cold_ranges,
-                                built.has_lines)
+                                built.has_lines, ids)
             symbols[build_id] = MappingSymbols(table, _segments(dirs, build_id, table))
         for _mid, bid in wanted.items():
             if bid not in symbols:
                 report.mappings_skipped["not_found"] += 1
         rewrite(decoded.profile, {m: b for m, b in wanted.items() if b in symbols}, symbols,
-                report)
+                ids, report)
     if not report.changed:
         return body, report
     return encode(decoded.profile, decoded.gzipped), report

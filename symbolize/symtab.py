@@ -19,13 +19,11 @@ from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
+from .chains import Chains, ChainStore, FunctionIds
 from .demangle import demangle
 from .elf import LoadSegment, cold_part, cold_ranges_of_file, layout_of_file
 
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
-# Addresses whose frames a table remembers: continuous profilers send the same hot addresses
-# in every profile. About 200 bytes an entry.
-_MEMO_MAX = 500_000
 
 
 class NoSymbols(Exception):
@@ -103,7 +101,7 @@ class SymbolTable:
 
     def __init__(
         self, path: Path, load_address: int, code_ranges: tuple[tuple[int, int], ...],
-        cold_ranges: tuple[tuple[int, int], ...], has_lines: bool,
+        cold_ranges: tuple[tuple[int, int], ...], has_lines: bool, ids: FunctionIds,
     ) -> None:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
         self.load_address = load_address
@@ -111,7 +109,7 @@ class SymbolTable:
         self._cold_starts = [start for start, _end in cold_ranges]
         self._cold_ranges = cold_ranges
         self.has_lines = has_lines
-        self._memo: dict[int, tuple[Frame, ...]] = {}
+        self._chains = ChainStore(ids)
 
     def guessed_layout(self) -> tuple[LoadSegment, ...]:
         """Program headers when no executable can be had: code at file offset vaddr - base.
@@ -125,15 +123,16 @@ class SymbolTable:
         i = bisect.bisect_right(self._cold_starts, vaddr) - 1
         return i >= 0 and vaddr < self._cold_ranges[i][1]
 
+    def chains(self, vaddrs: list[int]) -> Chains:
+        """The chains of the addresses, remembered; inside a FunctionIds session."""
+        return self._chains.chains(vaddrs, self.lookup)
+
     def lookup(self, vaddr: int) -> tuple[Frame, ...]:
         """Frames innermost (inlined callee) first, the function the code is in last.
 
         Addresses outside the code segments get no frames: symbolic would otherwise answer
         with the nearest preceding symbol.
         """
-        memo = self._memo.get(vaddr)
-        if memo is not None:
-            return memo
         for start, end in self.code_ranges:
             if start <= vaddr < end:
                 break
@@ -153,7 +152,4 @@ class SymbolTable:
             # the .cold part; the hot body is the function itself (as llvm-symbolizer says).
             last = frames[-1]
             frames[-1] = Frame(hot, demangle(hot), last.filename, last.line)
-        if len(self._memo) >= _MEMO_MAX:
-            self._memo.clear()  # cheap and rare; an LRU would cost on every hit
-        result = self._memo[vaddr] = tuple(frames)
-        return result
+        return tuple(frames)

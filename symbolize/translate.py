@@ -21,7 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from .elf import LoadSegment
+
+_U64_MAX = (1 << 64) - 1
 
 
 def to_vaddr(
@@ -42,3 +47,42 @@ def to_vaddr(
         if seg.offset <= offset < seg.offset + seg.filesz:
             return offset - seg.offset + seg.vaddr
     return None
+
+
+def to_vaddrs(
+    addresses: npt.NDArray[np.uint64],
+    *,
+    memory_start: int,
+    memory_limit: int,
+    file_offset: int,
+    segments: Sequence[LoadSegment],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.bool_]]:
+    """`to_vaddr` of many addresses at once: the vaddrs, and which addresses have one.
+
+    In uint64 arithmetic, with the wrap-arounds that Python's integers do not have ruled out.
+    """
+    a = addresses
+    ok = np.ones(len(a), dtype=np.bool_)
+    if memory_limit:
+        ok &= (a >= np.uint64(memory_start)) & (a < np.uint64(memory_limit))
+    if memory_start == 0 and file_offset == 0:
+        return a, ok
+    if memory_start >= file_offset:
+        shift = np.uint64(memory_start - file_offset)
+        ok &= a >= shift
+        offset = a - shift
+    else:
+        shift = np.uint64(file_offset - memory_start)
+        ok &= a <= np.uint64(_U64_MAX) - shift
+        offset = a + shift
+    vaddrs = np.zeros(len(a), dtype=np.uint64)
+    found = np.zeros(len(a), dtype=np.bool_)
+    for seg in segments:  # the first segment that holds the offset, as to_vaddr takes
+        inside = (~found & (offset >= np.uint64(seg.offset))
+                  & (offset < np.uint64(min(seg.offset + seg.filesz, _U64_MAX))))
+        if seg.vaddr >= seg.offset:
+            vaddrs[inside] = offset[inside] + np.uint64(seg.vaddr - seg.offset)
+        else:
+            vaddrs[inside] = offset[inside] - np.uint64(seg.offset - seg.vaddr)
+        found |= inside
+    return vaddrs, ok & found
