@@ -88,8 +88,11 @@ class _Functions:
         for i, s in enumerate(profile.string_table):
             self._strings.setdefault(s, i)
         self._own: dict[tuple[int, int, int, int], int] = {}
-        for f in profile.function:
-            self._own.setdefault((f.name, f.system_name, f.filename, f.start_line), f.id)
+        table = profile.string_table
+        for f in profile.function:  # by the strings, in case the table has one twice
+            key = (self._strings[table[f.name]], self._strings[table[f.system_name]],
+                   self._strings[table[f.filename]], f.start_line)
+            self._own.setdefault(key, f.id)
         self._own_ids = {f.id for f in profile.function}
 
     def add(self, used: set[int]) -> dict[int, int]:
