@@ -58,9 +58,6 @@ class FunctionIds:
         self._users = 0
         self.generation = 0
 
-    def __len__(self) -> int:
-        return len(self._keys)
-
     def id_of(self, key: FunctionKey) -> int:
         fid = self._ids.get(key)
         if fid is None:
@@ -210,7 +207,7 @@ class Chains:
         nonzero: I64 = used[used != 0]
         return nonzero
 
-    @property
+    @cached_property
     def unresolved(self) -> int:
         return int(np.count_nonzero(self.numbers == 0))
 
