@@ -58,3 +58,14 @@ def test_to_vaddrs_is_to_vaddr_for_every_address() -> None:
             want = to_vaddr(a, memory_start=start, memory_limit=limit, file_offset=offset,
                             segments=segments)
             assert (v if k else None) == want, (hex(a), start, limit, offset)
+
+
+def test_six_varints_a_location_that_are_not_all_canonical() -> None:
+    """As many varint ends as six per location, yet one location has five and one seven: the
+    table-shaped fast read must not take them for canonical ones."""
+    encoded = [b"\x08\x01\x10\x02\x18\x03", b"\x10\x02\x18\x83\x01",
+               b"\x08\x01\x10\x02\x18\x03\x28\x01", b"\x08\x05\x10\x06\x18\x07"]
+    cols = location_columns(encoded)
+    assert cols.mapping_id.tolist() == [2, 2, 2, 6]
+    assert cols.address.tolist() == [3, 131, 3, 7]
+    assert cols.length.tolist() == [len(e) for e in encoded]

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
+from . import varint
 from .codec import ProfileError
 from .profile_pb2 import Location
 
@@ -41,6 +42,7 @@ class LocationColumns:
     mapping_id: U64
     address: U64
     has_lines: npt.NDArray[np.bool_]
+    length: I64  # of the encoding
 
 
 def location_columns(encoded: Sequence[bytes]) -> LocationColumns:
@@ -55,45 +57,72 @@ def location_columns(encoded: Sequence[bytes]) -> LocationColumns:
     buf = np.frombuffer(b"".join(encoded), dtype=np.uint8)
     rest = np.flatnonzero(lengths > 0)
     if len(rest):
-        # next_end[i]: the first byte at or after i that ends a varint (len(buf) if none).
-        index = np.int32 if len(buf) < 2**31 else np.int64
-        next_end = np.where(buf < 0x80, np.arange(len(buf), dtype=index), len(buf))
-        next_end = np.minimum.accumulate(next_end[::-1])[::-1]
-        rest = _read_canonical(buf, next_end, rest, starts, ends, mapping_id, address)
-        rest = _read_simple(buf, next_end, rest, starts, ends, mapping_id, address)
+        # Where varints end: every byte below 0x80, one-byte tags included, in order.
+        stops = _Stops(np.flatnonzero(buf < 0x80), len(buf))
+        rest = _read_canonical(buf, stops, rest, starts, ends, mapping_id, address)
+        rest = _read_simple(buf, stops, rest, starts, ends, mapping_id, address)
     for i in rest.tolist():
         try:
             loc = Location.FromString(encoded[i])
         except DecodeError as e:
             raise MalformedLocation(f"location {i}: {e}") from None
         mapping_id[i], address[i], has_lines[i] = loc.mapping_id, loc.address, bool(loc.line)
-    return LocationColumns(mapping_id, address, has_lines)
+    return LocationColumns(mapping_id, address, has_lines, lengths)
 
 
-def _read_canonical(buf: npt.NDArray[np.uint8], next_end: npt.NDArray[np.integer],
-                    which: I64, starts: I64, ends: I64, mapping_id: U64, address: U64) -> I64:
+class _Stops:
+    """The positions of the bytes below 0x80 in a buffer: where its varints end."""
+
+    def __init__(self, positions: I64, size: int) -> None:
+        # A sentinel past the end: "no varint ends here" without a bounds check.
+        self.positions = np.append(positions, size)
+        self.size = size
+
+    def index_from(self, at: I64) -> I64:
+        """The index in `positions` of the first stop at or after each of `at`."""
+        found: I64 = np.searchsorted(self.positions[:-1], at)
+        return found
+
+    def first_from(self, at: I64) -> I64:
+        """The first stop at or after each of `at` (the buffer's size where there is none)."""
+        found: I64 = self.positions[self.index_from(at)]
+        return found
+
+
+def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, starts: I64,
+                    ends: I64, mapping_id: U64, address: U64) -> I64:
     """Read the locations that are id, mapping_id, address in that order, as encoders write
-    them when all three are set; return the others."""
-    last = len(buf) - 1
+    them when all three are set; return the others.
+
+    Such a location is six varint ends in a row: a tag, its value, a tag, its value, a tag
+    and the value that ends the location.
+    """
     at = starts[which]
-    end = ends[which]
-    spans = []
-    ok = np.ones(len(which), dtype=np.bool_)
-    for tag in (0x08, _MAPPING_ID, _ADDRESS):
-        value = np.minimum(at + 1, last)
-        value_end = next_end[value].astype(np.int64)
-        ok &= (buf[np.minimum(at, last)] == tag) & (value_end < end) \
-            & (value_end - at <= _MAX_VARINT)
-        spans.append((value, value_end - at))
-        at = value_end + 1
-    ok &= at == end
-    for (first, width), column in zip(spans[1:], (mapping_id, address), strict=True):
-        column[which[ok]] = _varint_values(buf, first[ok], width[ok])
+    stop = stops.positions
+    last = len(stop) - 1  # the sentinel
+    run: list[I64] | I64
+    if 6 * len(which) == last:
+        # As many stops as if every location were canonical: their six stops are rows of a
+        # table (the checks below catch any location for which that is not so).
+        run = stop[:-1].reshape(-1, 6).T
+    else:
+        k = stops.index_from(at)
+        run = [stop[np.minimum(k + j, last)] for j in range(6)]
+    ok: npt.NDArray[np.bool_] = run[0] == at
+    for j, tag in ((0, 0x08), (2, _MAPPING_ID), (4, _ADDRESS)):
+        if j:
+            ok &= run[j] == run[j - 1] + 1
+        ok &= buf[np.minimum(run[j], len(buf) - 1)] == tag
+        ok &= run[j + 1] - run[j] <= _MAX_VARINT
+    ok &= run[5] == ends[which] - 1
+    for j, column in ((2, mapping_id), (4, address)):
+        first = run[j][ok] + 1
+        column[which[ok]] = varint.get(buf, first, run[j + 1][ok] - first + 1)
     return which[~ok]
 
 
-def _read_simple(buf: npt.NDArray[np.uint8], next_end: npt.NDArray[np.integer], which: I64,
-                 starts: I64, ends: I64, mapping_id: U64, address: U64) -> I64:
+def _read_simple(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, starts: I64,
+                 ends: I64, mapping_id: U64, address: U64) -> I64:
     """Read the other simple locations (fields left out, repeated or in another order, or
     is_folded); return those that are not simple.
 
@@ -114,7 +143,7 @@ def _read_simple(buf: npt.NDArray[np.uint8], next_end: npt.NDArray[np.integer], 
         at = pos[walking]
         end = end_of[walking]
         tag = buf[np.minimum(at, last)]
-        value_end = next_end[np.minimum(at + 1, last)].astype(np.int64)
+        value_end = stops.first_from(at + 1)
         ok = (_SIMPLE_TAG[tag] & (at + 1 < end) & (value_end < end)
               & (value_end - at <= _MAX_VARINT))
         other[walking[~ok]] = True
@@ -128,15 +157,5 @@ def _read_simple(buf: npt.NDArray[np.uint8], next_end: npt.NDArray[np.integer], 
     other[walking] = True  # more fields than a simple location has
     for field, column in ((_MAPPING_ID, mapping_id), (_ADDRESS, address)):
         first, width = spans[field]
-        column[which] = _varint_values(buf, first, width)
+        column[which] = varint.get(buf, first, width)
     return which[other]
-
-
-def _varint_values(buf: npt.NDArray[np.uint8], first: I64, width: I64) -> U64:
-    """The varints of `width` bytes at `first` (0 where width is 0); bits past 64 dropped."""
-    values = np.zeros(len(first), dtype=np.uint64)
-    for k in range(int(width.max(initial=0))):
-        part = np.flatnonzero(width > k)
-        byte = (buf[first[part] + k] & 0x7F).astype(np.uint64)
-        values[part] |= byte << np.uint64(7 * k)
-    return values
