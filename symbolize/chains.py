@@ -1,8 +1,10 @@
 """What a symbolized address becomes in a pprof profile: its Line entries, encoded once.
 
-A symbol table remembers, per address, a numbered chain: the encoded `Location.line` entries of
-its frames (innermost first). A warm rewrite then looks up numbers and copies bytes, in bulk
-with numpy, instead of building protobuf messages.
+A symbol table names the chain of frames of each address by a key (an int: which source
+location, see symtab.py) and remembers, per key, a numbered chain: the encoded `Location.line`
+entries of its frames (innermost first). A warm rewrite then looks up numbers and copies bytes,
+in bulk with numpy, instead of building protobuf messages; a cold one encodes the new chains
+together, also with numpy.
 
 The entries name functions by ids that stay the same across profiles: `FunctionIds` gives
 every (name, system name, file) one, from FIRST_ID up, for all tables alike, so a function two
@@ -19,27 +21,27 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .pprof.profile_pb2 import Line, Location
-
-if TYPE_CHECKING:
-    from .symtab import Frame
+from .pprof import varint
 
 # Above the ids of any profile's own functions (they count from 1), and a three-byte varint up
 # to 2**21: the ids cost a byte more per line than small ones would.
 FIRST_ID = 1 << 20
 # Functions remembered before the ids start over: about 200 bytes each, 50 MiB in all.
 _MAX_FUNCTIONS = 1 << 18
-# Addresses a table remembers: continuous profilers send the same hot addresses in every
-# profile. About 100 bytes an address, and as much again for each distinct chain.
-_MAX_ADDRESSES = 500_000
+# Chains a table remembers before it starts over: about 100 bytes each. Continuous profilers
+# send the same hot addresses in every profile, so a table rarely gets near it.
+_MAX_CHAINS = 1_000_000
+
+_LOCATION_LINE = 0x22  # field 4, length-delimited
 
 FunctionKey = tuple[str, str, str]  # name, system_name, filename
 I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
 
 
@@ -71,6 +73,9 @@ class FunctionIds:
     def key_of(self, fid: int) -> FunctionKey:
         return self._keys[fid - FIRST_ID]
 
+    def __len__(self) -> int:
+        return len(self._keys)
+
     @contextmanager
     def session(self) -> Iterator[None]:
         """Ids stay valid inside; the reset of a full registry happens between sessions."""
@@ -87,110 +92,153 @@ class FunctionIds:
                 self._users -= 1
 
 
-def encode_lines(function_ids: Sequence[int], lines: Sequence[int]) -> bytes:
-    """Line entries as they follow a Location's other fields in its encoding."""
-    return Location(line=[Line(function_id=f, line=n)
-                          for f, n in zip(function_ids, lines, strict=True)]).SerializeToString()
+@dataclass(frozen=True, slots=True)
+class FrameColumns:
+    """The frames of several chains, as a symbol table resolves them, in columns.
+
+    Frames are in order of their chain (`owner`, 0 to chains - 1), innermost first within it.
+    """
+
+    chains: int
+    owner: I64
+    function: I64  # index into `functions`
+    line: U64  # 0: unknown
+    functions: Sequence[FunctionKey]
+
+
+def encode_lines(owner: I64, function_ids: U64, lines: U64, chains: int) -> list[bytes]:
+    """Per chain, its Line entries as they follow a Location's other fields in its encoding.
+
+    Byte for byte what protobuf writes for `Location(line=[Line(function_id=f, line=n)])`:
+    each Line is field 4 of the Location, holding its fields 1 and 2.
+    """
+    out, end = varint.messages(_LOCATION_LINE, [(1, function_ids), (2, lines)])
+    bounds = np.concatenate(([0], end))[np.searchsorted(owner, np.arange(chains + 1))].tolist()
+    blob = out.tobytes()
+    return [blob[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class _Growing:
-    """A numpy array appended to one element at a time, doubling its capacity as it fills."""
+    """A numpy array appended to, doubling its capacity as it fills."""
 
     def __init__(self, dtype: type[np.generic]) -> None:
         self.data: npt.NDArray[Any] = np.zeros(1024, dtype=dtype)
         self.size = 0
 
-    def append(self, value: Any) -> None:
-        if self.size == len(self.data):
-            grown = np.zeros(2 * len(self.data), dtype=self.data.dtype)
-            grown[: self.size] = self.data
+    def extend(self, values: npt.NDArray[Any]) -> None:
+        count = len(values)
+        if self.size + count > len(self.data):
+            grown = np.zeros(max(2 * len(self.data), self.size + count), dtype=self.data.dtype)
+            grown[: self.size] = self.data[: self.size]
             self.data = grown  # an earlier snapshot keeps the old array, still valid
-        self.data[self.size] = value
-        self.size += 1
+        self.data[self.size: self.size + count] = values
+        self.size += count
 
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """Per chain number: its encoding, where its function ids are, its flags."""
+    """Per chain number: its encoding, where its function ids and lines are, its flags."""
 
     encoded: ObjectArray
+    length: I64  # of the encoding
     first_id: I64
     id_count: I64
-    function_ids: npt.NDArray[np.uint64]
+    function_ids: U64
+    lines: U64
     has_filenames: npt.NDArray[np.bool_]
     has_line_numbers: npt.NDArray[np.bool_]
-    lines: list[tuple[int, ...]]
 
 
 class ChainStore:
-    """The chains of one symbol table: numbered from 1 (0 is no symbol), per address."""
+    """The chains of one symbol table: numbered from 1 (0 is no symbol), per key.
 
-    def __init__(self, ids: FunctionIds, limit: int = _MAX_ADDRESSES) -> None:
+    Keys run from 0 (no symbol) to `keys` - 1; the table that owns the store hands them out.
+    """
+
+    def __init__(self, ids: FunctionIds, keys: int, limit: int = _MAX_CHAINS) -> None:
         self._ids = ids
+        self._keys = keys
         self._limit = limit
         self._lock = threading.Lock()
         self._start_over()
 
     def _start_over(self) -> None:
         self._generation = self._ids.generation
-        self._numbers: dict[int, int] = {}  # address -> chain number
+        # Zeroed pages cost no memory until touched: a key's number is found by indexing.
+        self._numbers = np.zeros(self._keys, dtype=np.int32)
         self._by_encoding: dict[bytes, int] = {b"": 0}
         self._encoded = _Growing(np.object_)
+        self._length = _Growing(np.int64)
         self._first_id = _Growing(np.int64)
         self._id_count = _Growing(np.int64)
         self._function_ids = _Growing(np.uint64)
+        self._lines = _Growing(np.uint64)
         self._has_filenames = _Growing(np.bool_)
         self._has_line_numbers = _Growing(np.bool_)
-        self._lines: list[tuple[int, ...]] = []
-        self._add(b"", (), (), False, False)
+        self._append([b""], np.zeros(1, np.int64), np.zeros(0, np.uint64),
+                     np.zeros(0, np.uint64), np.zeros(1, np.bool_), np.zeros(1, np.bool_))
 
-    def chains(self, vaddrs: list[int], frames_of: Callable[[int], Sequence[Frame]]) -> Chains:
-        """The chain of each address; `frames_of` resolves an address not seen before."""
+    def chains(self, keys: I64, resolve: Callable[[I64], FrameColumns]) -> Chains:
+        """The chain of each key; `resolve` gives the frames of keys not seen before."""
         with self._lock:
             if (self._generation != self._ids.generation
-                    or len(self._numbers) + len(vaddrs) > self._limit):
+                    or self._encoded.size + len(keys) > self._limit):
                 self._start_over()
-            numbers = np.fromiter(map(self._numbers.get, vaddrs, itertools.repeat(-1)),
-                                  dtype=np.int64, count=len(vaddrs))
-            for i in np.flatnonzero(numbers < 0).tolist():
-                vaddr = vaddrs[i]
-                number = self._numbers.get(vaddr)
-                if number is None:
-                    number = self._numbers[vaddr] = self._number_of(frames_of(vaddr))
-                numbers[i] = number
+            numbers = self._numbers[keys].astype(np.int64)
+            missing = (numbers == 0) & (keys != 0)
+            if missing.any():
+                fresh = np.unique(keys[missing])
+                self._numbers[fresh] = self._number(resolve(fresh))
+                numbers = self._numbers[keys].astype(np.int64)
             return Chains(numbers, self._snapshot(), self._ids)
 
-    def _number_of(self, frames: Sequence[Frame]) -> int:
-        function_ids = tuple(self._ids.id_of((f.name, f.system_name, f.filename))
-                             for f in frames)
-        lines = tuple(f.line for f in frames)
-        encoded = encode_lines(function_ids, lines)
-        number = self._by_encoding.get(encoded)
-        if number is None:
-            number = self._by_encoding[encoded] = self._add(
-                encoded, function_ids, lines, any(f.filename for f in frames),
-                any(f.line for f in frames))
-        return number
+    def _number(self, frames: FrameColumns) -> I64:
+        """Number the chains of `frames`: chains encoded alike share a number."""
+        ids = np.array([self._ids.id_of(k) for k in frames.functions], dtype=np.uint64)
+        function_ids = ids[frames.function] if len(ids) else np.zeros(0, np.uint64)
+        encoded = encode_lines(frames.owner, function_ids, frames.line, frames.chains)
+        numbers = np.zeros(frames.chains, dtype=np.int64)
+        new: list[int] = []
+        next_number = self._encoded.size
+        for chain, enc in enumerate(encoded):
+            number = self._by_encoding.get(enc)
+            if number is None:
+                number = self._by_encoding[enc] = next_number + len(new)
+                new.append(chain)
+            numbers[chain] = number
+        if new:
+            chosen = np.isin(frames.owner, new)
+            with_file = np.array([bool(k[2]) for k in frames.functions], dtype=np.bool_)
+            owner = frames.owner[chosen]
+            counts = np.bincount(owner, minlength=frames.chains)[new]
+            files = np.bincount(owner, weights=with_file[frames.function[chosen]],
+                                minlength=frames.chains)[new] > 0
+            lines = np.bincount(owner, weights=frames.line[chosen] > 0,
+                                minlength=frames.chains)[new] > 0
+            self._append([encoded[c] for c in new], counts, function_ids[chosen],
+                         frames.line[chosen], files, lines)
+        return numbers
 
-    def _add(self, encoded: bytes, function_ids: tuple[int, ...], lines: tuple[int, ...],
-             has_filenames: bool, has_line_numbers: bool) -> int:
-        number = self._encoded.size
-        self._encoded.append(encoded)
-        self._first_id.append(self._function_ids.size)
-        self._id_count.append(len(function_ids))
-        for fid in function_ids:
-            self._function_ids.append(fid)
-        self._has_filenames.append(has_filenames)
-        self._has_line_numbers.append(has_line_numbers)
-        self._lines.append(lines)
-        return number
+    def _append(self, encoded: list[bytes], id_count: I64, function_ids: U64, lines: U64,
+                has_filenames: npt.NDArray[np.bool_],
+                has_line_numbers: npt.NDArray[np.bool_]) -> None:
+        self._first_id.extend(self._function_ids.size + np.cumsum(id_count) - id_count)
+        self._id_count.extend(id_count)
+        self._function_ids.extend(function_ids)
+        self._lines.extend(lines)
+        self._has_filenames.extend(has_filenames)
+        self._has_line_numbers.extend(has_line_numbers)
+        objects = np.empty(len(encoded), dtype=object)
+        objects[:] = encoded
+        self._encoded.extend(objects)
+        self._length.extend(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
 
     def _snapshot(self) -> _Columns:
         # Arrays only grow, and a grown one is a new array: these stay true for the numbers
         # handed out so far, whatever later lookups add.
-        return _Columns(self._encoded.data, self._first_id.data, self._id_count.data,
-                        self._function_ids.data, self._has_filenames.data,
-                        self._has_line_numbers.data, self._lines)
+        return _Columns(self._encoded.data, self._length.data, self._first_id.data,
+                        self._id_count.data, self._function_ids.data, self._lines.data,
+                        self._has_filenames.data, self._has_line_numbers.data)
 
 
 class Chains:
@@ -203,9 +251,12 @@ class Chains:
 
     @cached_property
     def _used(self) -> I64:
-        used: I64 = np.unique(self.numbers)
-        nonzero: I64 = used[used != 0]
-        return nonzero
+        """The chain numbers used, sorted, without 0 (a mask: faster than np.unique)."""
+        seen = np.zeros(len(self._c.id_count), dtype=np.bool_)
+        seen[self.numbers] = True
+        seen[0] = False
+        used: I64 = np.flatnonzero(seen)
+        return used
 
     @cached_property
     def unresolved(self) -> int:
@@ -227,31 +278,49 @@ class Chains:
     def has_inline_frames(self) -> bool:
         return bool((self._c.id_count[self._used] > 1).any())
 
-    def _ids_of(self, chains: I64) -> tuple[npt.NDArray[np.uint64], I64]:
-        """The function ids of `chains`, and the chain each is of."""
+    def _frames_of(self, chains: I64) -> tuple[I64, I64]:
+        """Where the function ids and lines of `chains` are, and the chain (0 to len - 1) each
+        is of."""
         counts = self._c.id_count[chains]
         before = np.cumsum(counts) - counts
         at = np.repeat(self._c.first_id[chains] - before, counts) + np.arange(counts.sum())
-        owners: I64 = np.repeat(chains, counts)
-        return self._c.function_ids[at], owners
+        owners: I64 = np.repeat(np.arange(len(chains)), counts)
+        return at, owners
 
-    def function_ids(self) -> set[int]:
-        return set(np.unique(self._ids_of(self._used)[0]).tolist())
+    def function_ids(self) -> U64:
+        """The function ids the chains use, sorted."""
+        at, _owners = self._frames_of(self._used)
+        ids = self._c.function_ids[at]
+        # Ids are dense from FIRST_ID: a mask finds the distinct ones faster than np.unique.
+        seen = np.zeros(len(self._ids) + 1, dtype=np.bool_)
+        seen[(ids - np.uint64(FIRST_ID)).astype(np.int64)] = True
+        used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
+        return used
 
-    def encoded(self, remap: dict[int, int]) -> ObjectArray:
-        """Per address, its Line entries (b"" for none), with function ids as `remap` says."""
+    def encoded(self, remap: dict[int, int]) -> tuple[ObjectArray, I64]:
+        """Per address, its Line entries (b"" for none), with function ids as `remap` says,
+        and their lengths."""
         out: ObjectArray = self._c.encoded[self.numbers]
+        length: I64 = self._c.length[self.numbers]
         if not remap:
-            return out
-        ids, owners = self._ids_of(self._used)
-        touched = np.unique(owners[np.isin(ids, np.array(list(remap), dtype=np.uint64))])
-        reencoded: dict[int, bytes] = {}
-        for number in touched.tolist():
-            start, count = self._c.first_id[number], self._c.id_count[number]
-            moved = [remap.get(f, f) for f in self._c.function_ids[start:start + count].tolist()]
-            reencoded[number] = encode_lines(moved, self._c.lines[number])
-        where = np.isin(self.numbers, touched)
-        replacement = np.empty(int(where.sum()), dtype=object)
-        replacement[:] = [reencoded[n] for n in self.numbers[where].tolist()]
-        out[where] = replacement
-        return out
+            return out, length
+        at, owners = self._frames_of(self._used)
+        ids = self._c.function_ids[at]
+        old = np.array(sorted(remap), dtype=np.uint64)
+        new = np.array([remap[k] for k in old.tolist()], dtype=np.uint64)
+        moved = np.isin(ids, old)
+        touched = np.unique(owners[moved])  # positions in self._used
+        if not len(touched):
+            return out, length
+        ids[moved] = new[np.searchsorted(old, ids[moved])]
+        keep = np.isin(owners, touched)
+        renumbered = np.searchsorted(touched, owners[keep])
+        reencoded = np.empty(len(touched), dtype=object)
+        reencoded[:] = encode_lines(renumbered, ids[keep], self._c.lines[at[keep]],
+                                    len(touched))
+        chains = self._used[touched]
+        where = np.isin(self.numbers, chains)
+        replaced = reencoded[np.searchsorted(chains, self.numbers[where])]
+        out[where] = replaced
+        length[where] = np.fromiter(map(len, replaced), dtype=np.int64, count=len(replaced))
+        return out, length

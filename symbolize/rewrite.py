@@ -12,6 +12,7 @@ objects cost about a microsecond each to touch from Python: the locations are re
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping as MappingT
 from collections.abc import Sequence
@@ -23,11 +24,20 @@ import numpy.typing as npt
 from .buildid import InvalidBuildId, normalize_build_id
 from .chains import Chains, FunctionIds
 from .elf import LoadSegment
+from .pprof import varint
 from .pprof.columns import location_columns
-from .pprof.profile_pb2 import Function
 from .pprof.profile_raw_pb2 import RawProfile
 from .symtab import SymbolTable
 from .translate import to_vaddrs
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+ObjectArray = npt.NDArray[np.object_]
+_PROFILE_LOCATION = b"\x22"  # field 4, length-delimited
+_PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
+# The tag and length of a location of each size up to 16 KiB (two-byte lengths).
+_LOCATION_HEADERS = np.array([_PROFILE_LOCATION + varint.encode_one(n) for n in range(1 << 14)],
+                             dtype=object)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,37 +105,41 @@ class _Functions:
             self._own.setdefault(key, f.id)
         self._own_ids = {f.id for f in profile.function}
 
-    def add(self, used: set[int]) -> dict[int, int]:
-        """Add a Function for each id; return the ids that must be written as others."""
-        remap: dict[int, int] = {}
+    def add(self, used: U64) -> dict[int, int]:
+        """Add a Function for each id (sorted); return the ids that must be written as others.
+        """
+        keys = [self._ids.key_of(fid) for fid in used.tolist()]
         table = self._profile.string_table
-        new_strings: list[str] = []
         strings = self._strings
-
-        def string(s: str) -> int:
-            index = strings.get(s)
-            if index is None:
-                index = strings[s] = len(table) + len(new_strings)
-                new_strings.append(s)
-            return index
-
-        new_functions: list[Function] = []
-        next_free = max(self._own_ids | used, default=0) + 1
-        for fid in sorted(used):
-            name, system_name, filename = self._ids.key_of(fid)
-            key = (string(name), string(system_name), string(filename), 0)
-            own = self._own.get(key)
-            if own is None:
-                own = fid
-                if fid in self._own_ids:
-                    own, next_free = next_free, next_free + 1
-                new_functions.append(Function(id=own, name=key[0], system_name=key[1],
-                                              filename=key[2]))
-                self._own[key] = own
-            if own != fid:
-                remap[fid] = own
+        new_strings: list[str] = []
+        for text in dict.fromkeys(itertools.chain.from_iterable(keys)):  # in order of first use
+            if text not in strings:
+                strings[text] = len(table) + len(new_strings)
+                new_strings.append(text)
+        indices = np.array([[strings[text] for text in key] for key in keys],
+                           dtype=np.uint64).reshape(-1, 3)
+        written = used.copy()
+        new = np.ones(len(used), dtype=np.bool_)
+        remap: dict[int, int] = {}
+        if self._own_ids:
+            next_free = max(max(self._own_ids), int(used.max(initial=0))) + 1
+            for i, (fid, row) in enumerate(zip(used.tolist(), indices.tolist(), strict=True)):
+                key = (row[0], row[1], row[2], 0)
+                own = self._own.get(key)
+                if own is None:
+                    own = fid
+                    if fid in self._own_ids:
+                        own, next_free = next_free, next_free + 1
+                    self._own[key] = own
+                else:
+                    new[i] = False
+                if own != fid:
+                    remap[fid] = own
+                    written[i] = own
         table.extend(new_strings)
-        self._profile.function.extend(new_functions)
+        functions, _ends = varint.messages(_PROFILE_FUNCTION, [
+            (1, written[new]), (2, indices[new, 0]), (3, indices[new, 1]), (4, indices[new, 2])])
+        self._profile.MergeFromString(functions.tobytes())  # appends them
         return remap
 
 
@@ -151,7 +165,8 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     usable = {mid: symbols[bid] for mid, bid in mapping_ids.items() if bid in symbols}
     if not usable:
         return
-    columns = location_columns(profile.location)
+    encoded = list(profile.location)
+    columns = location_columns(encoded)
     wanted = ~columns.has_lines
     found: dict[int, tuple[npt.NDArray[np.intp], Chains]] = {}  # mapping id -> where, chains
     for mid, sym in usable.items():
@@ -165,18 +180,18 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                                segments=sym.segments)
         if outside := int(len(ok) - ok.sum()):
             report.locations_unresolved["outside_mapping"] += outside
-        found[mid] = (where[ok], sym.table.chains(vaddrs[ok].tolist()))
+        found[mid] = (where[ok], sym.table.chains(vaddrs[ok]))
 
-    used: set[int] = set()
-    for _where, chains in found.values():
-        used |= chains.function_ids()
+    used = np.unique(np.concatenate([c.function_ids() for _w, c in found.values()]
+                                    or [np.zeros(0, np.uint64)]))
     remap = _Functions(profile, ids).add(used)
 
-    # An object array: the new bytes of the symbolized locations are made in numpy's loop.
-    locations = np.empty(len(profile.location), dtype=object)
-    locations[:] = list(profile.location)
+    # Each location comes out as its own bytes and then its chain's Line entries.
+    tails = np.full(len(encoded), b"", dtype=object)
+    length = columns.length.copy()
     for mid, (where, chains) in found.items():
-        locations[where] += chains.encoded(remap)
+        tails[where], tail_length = chains.encoded(remap)
+        length[where] += tail_length
         report.locations_symbolized += chains.symbolized
         if chains.unresolved:
             report.locations_unresolved["no_symbol"] += chains.unresolved
@@ -189,5 +204,25 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
             m.has_inline_frames = chains.has_inline_frames
         else:
             report.mappings_skipped["no_symbols"] += 1
+    _replace_locations(profile, encoded, tails, length)
+
+
+def _replace_locations(profile: RawProfile, heads: list[bytes], tails: ObjectArray,
+                       length: I64) -> None:
+    """Make location i `heads[i] + tails[i]`, `length[i]` bytes long, in one parse.
+
+    The new locations are written as the profile's field 4 and merged in: joining bytes and
+    one parse in C costs less than 100,000 concatenations and a list protobuf copies.
+    """
+    short = length < len(_LOCATION_HEADERS)
+    if short.all():
+        headers = _LOCATION_HEADERS[length].tolist()
+    else:
+        headers = [_LOCATION_HEADERS[n] if ok else _PROFILE_LOCATION + varint.encode_one(n)
+                   for n, ok in zip(length.tolist(), short.tolist(), strict=True)]
+    pieces: list[bytes] = [b""] * (3 * len(heads))
+    pieces[0::3] = headers
+    pieces[1::3] = heads
+    pieces[2::3] = tails.tolist()
     del profile.location[:]
-    profile.location.extend(locations.tolist())
+    profile.MergeFromString(b"".join(pieces))

@@ -4,24 +4,29 @@ A SymCache holds functions, inline chains, files and lines from DWARF, or, when 
 DWARF, function names from .symtab/.dynsym (symbolic reads both), so lookups never parse ELF
 or DWARF again. Building is blocking, CPU-heavy work: callers run `build_symbol_table` in a
 worker process.
+
+Lookups read the SymCache's arrays with numpy (symcache_columns.py), a profile at a time; the
+names of functions and files are symbolic's answers, asked once per function and file.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
 from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
-from .chains import Chains, ChainStore, FunctionIds
+from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
 from .elf import LoadSegment, cold_part, cold_ranges_of_file, layout_of_file
+from .range_index import RangeIndex
+from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
 
@@ -47,13 +52,10 @@ class BuildResult:
     file_layout: tuple[LoadSegment, ...] | None
 
 
-class Frame(NamedTuple):
-    """A NamedTuple rather than a dataclass: it is hashed and compared per location."""
-
-    system_name: str  # as in the symbol table or DWARF linkage name (mangled)
-    name: str  # demangled
-    filename: str
-    line: int
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+# Inline frames followed out from an address at most; symbolic's own walks stop at 255.
+_MAX_DEPTH = 255
 
 
 def warm_up() -> None:
@@ -82,8 +84,13 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         raise MalformedObject(f"{elf_path.name}: {e}") from e
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(f".{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        cache.dump_into(f)  # type: ignore[no-untyped-call]
+    try:
+        with tmp.open("wb") as f:
+            cache.dump_into(f)  # type: ignore[no-untyped-call]
+        read_columns(tmp)  # a symbolic that writes another layout fails here, not per lookup
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, out_path)
     return BuildResult(
         load_address=layout.load_address,
@@ -97,19 +104,30 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
 
 
 class SymbolTable:
-    """Lookups in a built SymCache, by ELF virtual address."""
+    """Lookups in a built SymCache, by ELF virtual address, many at a time.
+
+    An address's frames are named by a key: 0 for none; 1 + the index of its innermost source
+    location for the frames as symbolic gives them, which are those of an address inside a
+    GCC `.cold` part; that plus the number of locations for any other address, whose outermost
+    frame, when symbolic names it after a `.cold` part, is renamed to the function itself.
+    """
 
     def __init__(
         self, path: Path, load_address: int, code_ranges: tuple[tuple[int, int], ...],
         cold_ranges: tuple[tuple[int, int], ...], has_lines: bool, ids: FunctionIds,
     ) -> None:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
+        self._columns = read_columns(path)
+        self._ranges = RangeIndex(self._columns.range_starts)
         self.load_address = load_address
         self.code_ranges = code_ranges
-        self._cold_starts = [start for start, _end in cold_ranges]
-        self._cold_ranges = cold_ranges
+        self._cold = np.array(cold_ranges, dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
-        self._chains = ChainStore(ids)
+        self._locations = len(self._columns.file)
+        # symbolic's names: function index -> (system name, demangled); file index -> path.
+        self._function_names: dict[int, tuple[str, str]] = {NONE: ("", "")}
+        self._paths: dict[int, str] = {NONE: ""}
+        self._chains = ChainStore(ids, keys=2 * self._locations + 1)
 
     def guessed_layout(self) -> tuple[LoadSegment, ...]:
         """Program headers when no executable can be had: code at file offset vaddr - base.
@@ -119,37 +137,118 @@ class SymbolTable:
         return tuple(LoadSegment(start - self.load_address, start, end - start, end - start, True)
                      for start, end in self.code_ranges)
 
-    def _in_cold_part(self, vaddr: int) -> bool:
-        i = bisect.bisect_right(self._cold_starts, vaddr) - 1
-        return i >= 0 and vaddr < self._cold_ranges[i][1]
-
-    def chains(self, vaddrs: list[int]) -> Chains:
+    def chains(self, vaddrs: U64) -> Chains:
         """The chains of the addresses, remembered; inside a FunctionIds session."""
-        return self._chains.chains(vaddrs, self.lookup)
+        return self._chains.chains(self.keys(vaddrs), self._frames)
 
-    def lookup(self, vaddr: int) -> tuple[Frame, ...]:
-        """Frames innermost (inlined callee) first, the function the code is in last.
+    def keys(self, vaddrs: U64) -> I64:
+        """The key of each address's frames (see the class).
 
-        Addresses outside the code segments get no frames: symbolic would otherwise answer
-        with the nearest preceding symbol.
+        Addresses outside the code segments get none: symbolic would otherwise answer with
+        the nearest preceding symbol.
         """
+        c = self._columns
+        inside = np.zeros(len(vaddrs), dtype=np.bool_)
         for start, end in self.code_ranges:
-            if start <= vaddr < end:
+            inside |= (vaddrs >= np.uint64(start)) & (vaddrs < np.uint64(end))
+        # Code segments lie at or above the load address, so this does not wrap where it counts.
+        relative = vaddrs - np.uint64(self.load_address)
+        inside &= relative <= np.uint64(NONE)
+        ranges = self._ranges.find(np.where(inside, relative, 0).astype(np.uint32))
+        inside &= ranges >= 0
+        location = c.first_range_location + np.maximum(ranges, 0)
+        # symbolic ends the last range with a location that is all NONE: no code there.
+        inside &= ~((c.function[location] == NONE) & (c.file[location] == NONE)
+                    & (c.line[location] == NONE) & (c.inlined_into[location] == NONE))
+        keys = location + 1
+        keys[~self._in_cold_part(vaddrs)] += self._locations
+        keys[~inside] = 0
+        return keys
+
+    def _in_cold_part(self, vaddrs: U64) -> npt.NDArray[np.bool_]:
+        i = np.searchsorted(self._cold[:, 0], vaddrs, side="right") - 1
+        return (i >= 0) & (vaddrs < self._cold[np.maximum(i, 0), 1]) if len(self._cold) \
+            else np.zeros(len(vaddrs), dtype=np.bool_)
+
+    def _frames(self, keys: I64) -> FrameColumns:
+        """The frames of the keys' chains: innermost (inlined callee) first, the function the
+        code is in last."""
+        c = self._columns
+        renamed = keys > self._locations
+        leaf = keys - 1 - np.where(renamed, self._locations, 0)
+        owner, location = self._walk(leaf)
+        function = c.function[location].astype(np.int64)
+        file = c.file[location].astype(np.int64)
+        line = c.line[location].astype(np.uint64)
+        line[line == NONE] = 0
+        self._learn_names(leaf, owner, location, function, file)
+        outermost = np.append(owner[1:] != owner[:-1], True)
+        # One FunctionKey per (function, file, renamed), and frames without a name dropped.
+        triple = (function * (c.files + 1) + np.minimum(file, c.files)) * 2 \
+            + (outermost & renamed[owner])
+        unique, first, inverse = np.unique(triple, return_index=True, return_inverse=True)
+        functions: list[FunctionKey] = []
+        named = np.ones(len(unique), dtype=np.bool_)
+        for u, at in enumerate(first.tolist()):
+            system_name, name = self._function_names[int(function[at])]
+            if not system_name:
+                named[u] = False
+            elif unique[u] & 1 and (hot := cold_part(system_name)) is not None:
+                # symbolic names a function split by GCC after the symbol at its lowest
+                # address, the .cold part; the hot body is the function itself (as
+                # llvm-symbolizer says).
+                system_name, name = hot, demangle(hot)
+            functions.append((name, system_name, self._paths[int(file[at])]))
+        index = np.cumsum(named) - 1
+        keep = named[inverse]
+        return FrameColumns(chains=len(keys), owner=owner[keep], function=index[inverse][keep],
+                            line=line[keep], functions=functions)
+
+    def _walk(self, leaf: I64) -> tuple[I64, I64]:
+        """(chain, source location) of every frame of the chains from `leaf`: chains in order,
+        innermost first within each."""
+        inlined_into = self._columns.inlined_into
+        owners, locations = [], []
+        owner, location = np.arange(len(leaf)), leaf
+        for _depth in range(_MAX_DEPTH):
+            if not len(location):
                 break
-        else:
-            return ()
-        found = self._cache.lookup(vaddr - self.load_address)
-        frames = [
-            Frame(system_name=loc.symbol, name=demangle(loc.symbol, loc.lang or ""),
-                  filename=loc.full_path or "", line=int(loc.line or 0))
-            for loc in found
-            if loc.symbol
-        ]
-        if frames and ".cold" in frames[-1].system_name \
-                and (hot := cold_part(frames[-1].system_name)) is not None \
-                and not self._in_cold_part(vaddr):
-            # symbolic names a function split by GCC after the symbol at its lowest address,
-            # the .cold part; the hot body is the function itself (as llvm-symbolizer says).
-            last = frames[-1]
-            frames[-1] = Frame(hot, demangle(hot), last.filename, last.line)
-        return tuple(frames)
+            owners.append(owner)
+            locations.append(location)
+            up = inlined_into[location]
+            more = up != NONE
+            owner, location = owner[more], up[more].astype(np.int64)
+        all_owners = np.concatenate(owners)
+        order = np.argsort(all_owners, kind="stable")  # stable: depth order within a chain
+        return all_owners[order], np.concatenate(locations)[order]
+
+    def _learn_names(self, leaf: I64, owner: I64, location: I64, function: I64,
+                     file: I64) -> None:
+        """Ask symbolic the names of the functions and files not named yet.
+
+        One lookup at the start of a chain's range names every frame of that chain. Its
+        answer must have the frames and lines the arrays have, or they were misread.
+        """
+        c = self._columns
+        unknown = []
+        for column, known in ((function, self._function_names), (file, self._paths)):
+            values, first = np.unique(column, return_index=True)
+            unknown += [i for v, i in zip(values.tolist(), first.tolist(), strict=True)
+                        if v not in known]
+        bounds = np.searchsorted(owner, np.arange(len(leaf) + 1)).tolist()
+        for i in unknown:
+            if int(function[i]) in self._function_names and int(file[i]) in self._paths:
+                continue
+            chain = int(owner[i])
+            start, end = bounds[chain], bounds[chain + 1]
+            leaf_range = int(leaf[chain]) - c.first_range_location
+            found = self._cache.lookup(int(c.range_starts[leaf_range]))
+            lines = [int(n) if n != NONE else 0 for n in c.line[location[start:end]].tolist()]
+            if len(found) != end - start or [int(f.line or 0) for f in found] != lines:
+                raise UnreadableSymCache(
+                    f"symbolic answers {len(found)} frames where the arrays have {end - start}")
+            for f, x, loc in zip(function[start:end].tolist(), file[start:end].tolist(), found,
+                                 strict=True):
+                symbol = loc.symbol or ""
+                self._function_names.setdefault(f, (symbol, demangle(symbol, loc.lang or "")))
+                self._paths.setdefault(x, loc.full_path or "")

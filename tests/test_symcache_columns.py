@@ -1,0 +1,165 @@
+"""The bulk reading of SymCaches agrees with symbolic's own lookups, address for address."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from symbolic.symcache import SymCache
+
+from symbolize.chains import FunctionIds
+from symbolize.demangle import demangle
+from symbolize.elf import cold_part, layout_of_file
+from symbolize.pprof.codec import decode, encode
+from symbolize.pprof.profile_pb2 import Profile
+from symbolize.range_index import RangeIndex
+from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
+from symbolize.symcache_columns import UnreadableSymCache, read_columns
+from symbolize.symtab import BuildResult, SymbolTable, build_symbol_table
+from tests.elfs import ElfSet
+from tests.profiles import Expected
+
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+
+Built = tuple[Path, BuildResult]
+
+
+def _build(tmp: Path, source: Path, build_id: str) -> Built:
+    out = tmp / f"{build_id}.symc"
+    return out, build_symbol_table(source, out, build_id)
+
+
+@pytest.fixture(scope="module")
+def libc(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    layout = layout_of_file(LIBC)
+    assert layout is not None and layout.build_id
+    debug = Path(f"/usr/lib/debug/.build-id/{layout.build_id[:2]}/{layout.build_id[2:]}.debug")
+    if not debug.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    return _build(tmp_path_factory.mktemp("libc"), debug, layout.build_id)
+
+
+def symbolic_frames(cache: SymCache, built: BuildResult, vaddr: int) -> list[Expected]:
+    """What one symbolic lookup says of an address, as symgate must report it: nothing outside
+    the code, frames without a name left out, and a `.cold`-named outermost frame named after
+    the function itself where the address is not in the cold part."""
+    if not any(start <= vaddr < end for start, end in built.code_ranges):
+        return []
+    found = [loc for loc in cache.lookup(vaddr - built.load_address) if loc.symbol]
+    frames = [Expected(demangle(loc.symbol, loc.lang or ""), loc.symbol, loc.full_path or "",
+                       int(loc.line or 0)) for loc in found]
+    in_cold = any(start <= vaddr < end for start, end in built.cold_ranges)
+    if frames and not in_cold and (hot := cold_part(frames[-1].system_name)) is not None:
+        frames[-1] = Expected(demangle(hot), hot, frames[-1].file, frames[-1].line)
+    return frames
+
+
+def symbolize_elf_relative(built: Built, build_id: str, vaddrs: list[int]) -> Profile:
+    """Rewrite a profile of ELF-relative addresses in one mapping of `build_id`."""
+    path, result = built
+    p = Profile()
+    p.string_table.extend(["", "binary", build_id])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    for i, v in enumerate(vaddrs, start=1):
+        p.location.add(id=i, mapping_id=1, address=v)
+    ids = FunctionIds()
+    table = SymbolTable(path, result.load_address, result.code_ranges, result.cold_ranges,
+                        result.has_lines, ids)
+    decoded = decode(p.SerializeToString(), 1 << 30)
+    report = Report()
+    rewrite(decoded.profile, candidates(decoded.profile, report),
+            {build_id: MappingSymbols(table, ())}, ids, report)
+    return Profile.FromString(encode(decoded.profile, False))
+
+
+def probe_addresses(path: Path, built: BuildResult, rng: random.Random, n: int) -> list[int]:
+    """Range starts, the bytes just before them, and addresses anywhere in and around code."""
+    starts = read_columns(path).range_starts.astype(np.int64) + built.load_address
+    picked = rng.sample(starts.tolist(), min(n, len(starts)))
+    low = min(s for s, _e in built.code_ranges)
+    high = max(e for _s, e in built.code_ranges)
+    return sorted({*picked, *(s - 1 for s in picked),
+                   *(rng.randrange(max(low - 64, 0), high + 64) for _ in range(n)), 0})
+
+
+def assert_same_as_symbolic(built: Built, build_id: str, vaddrs: list[int]) -> None:
+    cache = SymCache.open(str(built[0]))  # type: ignore[no-untyped-call]
+    out = symbolize_elf_relative(built, build_id, vaddrs)
+    functions = {f.id: f for f in out.function}
+    s = out.string_table
+    mismatches = []
+    for loc in out.location:
+        want = symbolic_frames(cache, built[1], loc.address)
+        got = [Expected(s[functions[ln.function_id].name],
+                        s[functions[ln.function_id].system_name],
+                        s[functions[ln.function_id].filename], ln.line) for ln in loc.line]
+        if got != want:
+            mismatches.append((hex(loc.address), got, want))
+    assert not mismatches, (len(mismatches), mismatches[:3])
+    assert sum(bool(loc.line) for loc in out.location) > len(vaddrs) // 4
+
+
+def test_libc_frames_are_symbolics_at_range_starts_and_anywhere(libc: Built) -> None:
+    layout = layout_of_file(LIBC)
+    assert layout is not None and layout.build_id
+    assert libc[1].cold_ranges  # libc has GCC-split functions: the renaming is exercised
+    vaddrs = probe_addresses(libc[0], libc[1], random.Random(11), 40_000)
+    assert_same_as_symbolic(libc, layout.build_id, vaddrs)
+
+
+def test_gcc_built_frames_are_symbolics(elfs: ElfSet, tmp_path: Path) -> None:
+    for elf in elfs.all:
+        built = _build(tmp_path, elf.debug, elf.build_id)
+        vaddrs = probe_addresses(built[0], built[1], random.Random(5), 2_000)
+        assert_same_as_symbolic(built, elf.build_id, vaddrs)
+
+
+def test_range_index_is_searchsorted() -> None:
+    rng = np.random.default_rng(3)
+    cases = [np.zeros(0, np.uint32), np.array([5], np.uint32),
+             np.array([0, 0, 0, 7, 7, 2**32 - 1], np.uint32),
+             np.sort(rng.integers(0, 2**32, 5000, dtype=np.uint64)).astype(np.uint32),
+             np.sort(rng.integers(4096, 200_000, 50_000)).astype(np.uint32)]
+    for starts in cases:
+        queries = (np.concatenate([rng.integers(0, 2**32, 2000), rng.integers(0, 210_000, 2000),
+                                   starts, starts.astype(np.int64) - 1, [0, 2**32 - 1]])
+                   % 2**32).astype(np.uint32)
+        assert np.array_equal(RangeIndex(starts).find(queries),
+                              np.searchsorted(starts, queries, side="right") - 1)
+
+
+def _patched(src: Path, dst: Path, offset: int, value: bytes) -> Path:
+    shutil.copyfile(src, dst)
+    with dst.open("r+b") as f:
+        f.seek(offset)
+        f.write(value)
+    return dst
+
+
+def test_files_it_cannot_read_are_refused(libc: Built, tmp_path: Path) -> None:
+    good = libc[0]
+    size = good.stat().st_size
+    bad = {
+        "not a little-endian SymCache": _patched(good, tmp_path / "magic", 0, b"CMYS"),
+        "SymCache version 99": _patched(good, tmp_path / "version", 4, struct.pack("<I", 99)),
+        # The source location count (header field 4) made larger than the file holds.
+        "do not fit": _patched(good, tmp_path / "counts", 8 + 32 + 12,
+                               struct.pack("<I", size)),
+    }
+    truncated = tmp_path / "short"
+    truncated.write_bytes(good.read_bytes()[:40])
+    bad["too short"] = truncated
+    # Range 0's source location inlined into a location that does not exist. The locations
+    # follow the header (80 bytes), the files (24 bytes each) and the functions (16 each).
+    files, functions = struct.unpack_from("<II", good.read_bytes()[:80], 8 + 32 + 4)
+    locations = (((80 + files * 24 + 7) & ~7) + functions * 16 + 7) & ~7
+    inlined_into = locations + read_columns(good).first_range_location * 16 + 12
+    bad["inlined-into index is out of range"] = _patched(
+        good, tmp_path / "index", inlined_into, struct.pack("<I", 10**9))
+    for reason, path in bad.items():
+        with pytest.raises(UnreadableSymCache, match=reason):
+            read_columns(path)

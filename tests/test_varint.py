@@ -1,0 +1,51 @@
+"""Bulk varints and messages are byte for byte what protobuf writes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from symbolize.chains import encode_lines
+from symbolize.pprof import varint
+from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile
+
+EDGES = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**35, 2**63, 2**64 - 1]
+
+
+def test_put_and_get_are_protobufs_varints() -> None:
+    values = np.array([*EDGES, *(random.Random(1).getrandbits(64) for _ in range(500))],
+                      dtype=np.uint64)
+    width = varint.widths(values)
+    at = np.cumsum(width) - width
+    out = np.zeros(int(width.sum()), dtype=np.uint8)
+    varint.put(out, at, values, width)
+    # Location.id is a uint64: its encoding is the tag 0x08 and the varint (none for 0).
+    assert out.tobytes() == b"".join(Location(id=v).SerializeToString()[1:] or b"\0"
+                                     for v in values.tolist())
+    assert out.tobytes() == b"".join(varint.encode_one(v) for v in values.tolist())
+    assert varint.get(out, at, width).tolist() == values.tolist()
+
+
+def test_messages_are_protobufs_functions() -> None:
+    rng = random.Random(2)
+    rows = [[rng.choice([*EDGES[:9], rng.getrandbits(30)]) for _ in range(4)] for _ in range(400)]
+    cols = np.array(rows, dtype=np.uint64)
+    out, end = varint.messages(0x2A, [(k + 1, cols[:, k]) for k in range(4)])
+    want = Profile(function=[Function(id=a, name=b, system_name=c, filename=d)
+                             for a, b, c, d in rows]).SerializeToString()
+    assert out.tobytes() == want
+    assert end[-1] == len(want)
+
+
+def test_encode_lines_is_protobufs_line_entries() -> None:
+    rng = random.Random(3)
+    chains = [[(rng.choice([1, 300, 2**20 + rng.randrange(1000)]), rng.choice([0, 7, 99999]))
+               for _ in range(rng.randrange(4))] for _ in range(300)]
+    owner = np.array([c for c, frames in enumerate(chains) for _ in frames], dtype=np.int64)
+    fids = np.array([f for frames in chains for f, _ in frames], dtype=np.uint64)
+    lines = np.array([n for frames in chains for _, n in frames], dtype=np.uint64)
+    got = encode_lines(owner, fids, lines, len(chains))
+    want = [Location(line=[Line(function_id=f, line=n) for f, n in frames]).SerializeToString()
+            for frames in chains]
+    assert got == want
