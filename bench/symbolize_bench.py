@@ -1,6 +1,6 @@
 """Symbolization benchmark: symgate warm and cold against llvm-symbolizer, in one run.
 
-  python bench/symbolize_bench.py [--sizes 1000,100000]
+  python bench/symbolize_bench.py [--sizes 1000,100000] [--repeat 3]
 
 The same N addresses inside the system libc's code (Debian's libc6-dbg debug file) are
 symbolized, with inline frames, by:
@@ -9,7 +9,7 @@ symbolized, with inline frames, by:
   * symgate warm: the same server again, the table built (a second, identical request).
 symgate runs as `symgate serve` and is sent a pprof profile with one location per address, at
 the runtime addresses of a real process's libc mapping. Prints times, per-address costs and
-ratios; writes bench/results/symbolize.json.
+ratios of the medians over --repeat fresh servers; writes bench/results/symbolize.json.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,17 +80,17 @@ def llvm(vaddrs: list[int]) -> float:
     return elapsed
 
 
-def post(url: str, body: bytes) -> tuple[float, dict[str, str]]:
+def post(url: str, body: bytes) -> tuple[float, dict[str, str], bytes]:
     req = urllib.request.Request(url + "/symbolize", data=body, method="POST",
                                  headers={"Content-Type": "application/octet-stream"})
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
-            r.read()
+            answer = r.read()
             headers = dict(r.headers)
     except urllib.error.HTTPError as e:
         raise SystemExit(f"symgate answered {e.code}: {e.read().decode()}") from e
-    return time.perf_counter() - started, headers
+    return time.perf_counter() - started, headers, answer
 
 
 def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -119,6 +120,8 @@ def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,100000")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="fresh servers (and llvm-symbolizer runs) per size; medians reported")
     args = ap.parse_args()
     if not LIBC_DEBUG.exists() or not shutil.which("llvm-symbolizer"):
         sys.exit("needs Debian's libc6-dbg and llvm (llvm-symbolizer)")
@@ -126,33 +129,41 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         vaddrs = addresses(n)
         body = profile_for(vaddrs)
-        work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
-        proc, url = serve(work)
-        try:
-            llvm_s = llvm(vaddrs)
-            cold_s, cold_h = post(url, body)
-            warm_s = min(post(url, body)[0] for _ in range(3))
-            _, warm_h = post(url, body)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-            shutil.rmtree(work, ignore_errors=True)
-        assert cold_h["X-Symgate-Mappings-Symbolized"] == "1", cold_h
-        assert warm_h["X-Symgate-Locations-Symbolized"] == cold_h["X-Symgate-Locations-Symbolized"]
+        runs: dict[str, list[float]] = {"llvm": [], "cold": [], "warm": []}
+        symbolized = 0
+        for _ in range(args.repeat):
+            work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
+            proc, url = serve(work)
+            try:
+                # Interleaved, so that a noisy moment on the machine hits both sides alike.
+                runs["llvm"].append(llvm(vaddrs))
+                cold_s, cold_h, cold_body = post(url, body)
+                warm = [post(url, body) for _ in range(3)]
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+                shutil.rmtree(work, ignore_errors=True)
+            assert cold_h["X-Symgate-Mappings-Symbolized"] == "1", cold_h
+            assert all(w[2] == cold_body for w in warm), "warm and cold answers differ"
+            runs["cold"].append(cold_s)
+            runs["warm"].append(min(w[0] for w in warm))
+            symbolized = int(cold_h["X-Symgate-Locations-Symbolized"])
+        llvm_s, cold_s, warm_s = (statistics.median(runs[k]) for k in ("llvm", "cold", "warm"))
         results[str(n)] = {
             "llvm_symbolizer_s": llvm_s, "symgate_cold_s": cold_s, "symgate_warm_s": warm_s,
             "llvm_us_per_address": llvm_s / n * 1e6, "warm_us_per_address": warm_s / n * 1e6,
             "warm_speedup_vs_llvm": llvm_s / warm_s, "cold_speedup_vs_llvm": llvm_s / cold_s,
-            "locations_symbolized": float(cold_h["X-Symgate-Locations-Symbolized"]),
+            "locations_symbolized": float(symbolized),
         }
+        print(f"N = {n}: " + ", ".join(f"{k} " + " ".join(f"{v:.4f}" for v in vs)
+                                      for k, vs in runs.items()), flush=True)
     for n, r in results.items():
-        print(f"N = {n}")
+        print(f"N = {n} (medians of {args.repeat})")
         for k, v in r.items():
             print(f"  {k:<24} {v:10.4f}")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "symbolize.json").write_text(json.dumps(results, indent=2))
-
 
 if __name__ == "__main__":
     main()
