@@ -92,7 +92,7 @@ def _lifecycle(
             debug_dirs=config.symbolize.debug_dirs, workers=config.symbolize.build_workers,
             metrics=symbolize_metrics,
         )
-        symbols.start_workers()
+        await symbols.start()
         app[STATE] = AppState(config, registry, metrics, repo, session, service, symbols,
                               symbolize_metrics, tenant_upstreams)
         jobs = [

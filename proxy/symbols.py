@@ -93,14 +93,16 @@ class SymbolService:
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self.function_ids = FunctionIds()  # shared by every open table and every rewrite
         self._resolving: dict[str, asyncio.Future[Outcome]] = {}
-        self._layouts: dict[str, asyncio.Future[None]] = {}
+        self._layouts: dict[str, asyncio.Future[tuple[LoadSegment, ...] | None]] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
-    def start_workers(self) -> None:
-        """Start the worker processes now, not on the first cold profile."""
+    async def start(self) -> None:
+        """Start the worker processes, and have SQLAlchemy compile the symbol-table query,
+        now rather than on the first cold profile (about 10 ms)."""
         for _ in range(self._workers):
             self._executor.submit(warm_up)
+        await self._repo.get_symbol_table("")
 
     def path_for(self, build_id: str) -> Path:
         return self.root / build_id[:2] / f"{build_id}.symc"
@@ -131,7 +133,10 @@ class SymbolService:
         upstreams: Sequence[Source] | None,
     ) -> Outcome:
         opened = self._open.get(build_id)
+        layout: asyncio.Future[tuple[LoadSegment, ...] | None] | None = None
         if opened is None:
+            if needs_layout:  # looked for while the table is built, not after
+                layout = self._executable_layout(build_id, forwarded_for, upstreams)
             future = self._resolving.get(build_id) or self._track(
                 build_id, self._resolve(build_id, forwarded_for, upstreams))
             outcome = await future
@@ -142,13 +147,11 @@ class SymbolService:
             self._open.move_to_end(build_id)
             self._metrics.symtab_cache.labels("hit").inc()
         if needs_layout and opened.segments is None:
-            layout = self._layouts.get(build_id)
-            if layout is None:
-                layout = asyncio.ensure_future(
-                    self._file_layout(build_id, opened, forwarded_for, upstreams))
-                self._layouts[build_id] = layout
-                layout.add_done_callback(lambda _f: self._layouts.pop(build_id, None))
-            await layout
+            found = await (layout or self._executable_layout(build_id, forwarded_for, upstreams))
+            if opened.segments is None:
+                if found is None:
+                    self._metrics.layout_guesses.inc()
+                opened.segments = found or opened.table.guessed_layout()
         return Outcome(MappingSymbols(opened.table, opened.segments or ()))
 
     def _track(
@@ -285,36 +288,39 @@ class SymbolService:
             retry_after=now + _RETRY[status] if status in _RETRY else None,
         )
 
-    async def _file_layout(
-        self, build_id: str, opened: _Open, forwarded_for: str,
-        upstreams: Sequence[Source] | None,
-    ) -> None:
-        """Set `opened.segments` to program headers with real file offsets."""
+    def _executable_layout(
+        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None,
+    ) -> asyncio.Future[tuple[LoadSegment, ...] | None]:
+        """The one search for the executable's program headers of `build_id` under way."""
+        layout = self._layouts.get(build_id)
+        if layout is None:
+            layout = asyncio.ensure_future(
+                self._find_executable_layout(build_id, forwarded_for, upstreams))
+            self._layouts[build_id] = layout
+            layout.add_done_callback(lambda _f: self._layouts.pop(build_id, None))
+        return layout
+
+    async def _find_executable_layout(
+        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None,
+    ) -> tuple[LoadSegment, ...] | None:
+        """Program headers with real file offsets, from the executable; None if there are
+        none to be had (the caller then guesses)."""
         try:
-            opened.segments = await self._find_file_layout(build_id, opened.table,
-                                                           forwarded_for, upstreams)
+            layout: ElfLayout | None = None
+            exe = find_executable(self._debug_dirs, build_id)
+            if exe is None:
+                with contextlib.suppress(SymgateError):
+                    exe = await self._artifact_path(ArtifactKey(build_id, Kind.EXECUTABLE),
+                                                    forwarded_for, upstreams)
+            if exe is not None:
+                layout = await asyncio.to_thread(layout_of_file, exe)
+            if layout is None or not layout.has_file_layout or layout.build_id != build_id:
+                return None
+            await self._repo.set_file_layout(build_id, _layout_json(layout.segments))
+            return layout.segments
         except Exception:  # a failure here must not fail the profile: guess, as without one
             log.exception("program headers for %s", build_id)
-            opened.segments = opened.table.guessed_layout()
-
-    async def _find_file_layout(
-        self, build_id: str, table: SymbolTable, forwarded_for: str,
-        upstreams: Sequence[Source] | None,
-    ) -> tuple[LoadSegment, ...]:
-        """Program headers with real file offsets: from the executable, else a guess."""
-        layout: ElfLayout | None = None
-        exe = find_executable(self._debug_dirs, build_id)
-        if exe is None:
-            with contextlib.suppress(SymgateError):
-                exe = await self._artifact_path(ArtifactKey(build_id, Kind.EXECUTABLE),
-                                                forwarded_for, upstreams)
-        if exe is not None:
-            layout = await asyncio.to_thread(layout_of_file, exe)
-        if layout is None or not layout.has_file_layout or layout.build_id != build_id:
-            self._metrics.layout_guesses.inc()
-            return table.guessed_layout()
-        await self._repo.set_file_layout(build_id, _layout_json(layout.segments))
-        return layout.segments
+            return None
 
     # -- cache events --------------------------------------------------------------------------
     def _on_committed(self, key: ArtifactKey) -> None:
