@@ -197,13 +197,15 @@ class ChainStore:
         ids = np.array([self._ids.id_of(k) for k in frames.functions], dtype=np.uint64)
         function_ids = ids[frames.function] if len(ids) else np.zeros(0, np.uint64)
         encoded = encode_lines(frames.owner, function_ids, frames.line, frames.chains)
-        numbers = np.zeros(frames.chains, dtype=np.int64)
+        known = self._by_encoding
+        numbers = [known.get(enc, -1) for enc in encoded]
         new: list[int] = []
         next_number = self._encoded.size
-        for chain, enc in enumerate(encoded):
-            number = self._by_encoding.get(enc)
-            if number is None:
-                number = self._by_encoding[enc] = next_number + len(new)
+        for chain in [c for c, n in enumerate(numbers) if n < 0]:
+            enc = encoded[chain]
+            number = known.get(enc)
+            if number is None:  # not a chain of this batch encoded alike either
+                number = known[enc] = next_number + len(new)
                 new.append(chain)
             numbers[chain] = number
         if new:
@@ -217,7 +219,7 @@ class ChainStore:
                                 minlength=frames.chains)[new] > 0
             self._append([encoded[c] for c in new], counts, function_ids[chosen],
                          frames.line[chosen], files, lines)
-        return numbers
+        return np.array(numbers, dtype=np.int64)
 
     def _append(self, encoded: list[bytes], id_count: I64, function_ids: U64, lines: U64,
                 has_filenames: npt.NDArray[np.bool_],

@@ -24,9 +24,9 @@ class RangeIndex:
         span = int(starts[-1]) + 1 if count else 1
         self._shift = max(0, (span // max(count, 1)).bit_length() - 1)
         buckets = (span - 1 >> self._shift) + 1
-        edges = (np.arange(buckets + 1, dtype=np.uint64) << np.uint64(self._shift))
         # first[b]: how many ranges start before bucket b.
-        self._first = np.searchsorted(starts, edges, side="left").astype(np.int32)
+        counts = np.bincount(starts >> np.uint32(self._shift), minlength=buckets)
+        self._first = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         widest = int(np.diff(self._first).max(initial=0))
         self._steps = widest.bit_length()
 

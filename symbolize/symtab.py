@@ -181,7 +181,7 @@ class SymbolTable:
         file = c.file[location].astype(np.int64)
         line = c.line[location].astype(np.uint64)
         line[line == NONE] = 0
-        self._learn_names(leaf, owner, location, function, file)
+        self._learn_names(leaf, owner, function, file, line)
         outermost = np.append(owner[1:] != owner[:-1], True)
         # One FunctionKey per (function, file, renamed), and frames without a name dropped.
         triple = (function * (c.files + 1) + np.minimum(file, c.files)) * 2 \
@@ -222,33 +222,35 @@ class SymbolTable:
         order = np.argsort(all_owners, kind="stable")  # stable: depth order within a chain
         return all_owners[order], np.concatenate(locations)[order]
 
-    def _learn_names(self, leaf: I64, owner: I64, location: I64, function: I64,
-                     file: I64) -> None:
+    def _learn_names(self, leaf: I64, owner: I64, function: I64, file: I64,
+                     line: U64) -> None:
         """Ask symbolic the names of the functions and files not named yet.
 
         One lookup at the start of a chain's range names every frame of that chain. Its
         answer must have the frames and lines the arrays have, or they were misread.
         """
         c = self._columns
+        names, paths = self._function_names, self._paths
         unknown = []
-        for column, known in ((function, self._function_names), (file, self._paths)):
+        for column, known in ((function, names), (file, paths)):
             values, first = np.unique(column, return_index=True)
             unknown += [i for v, i in zip(values.tolist(), first.tolist(), strict=True)
                         if v not in known]
+        if not unknown:
+            return
         bounds = np.searchsorted(owner, np.arange(len(leaf) + 1)).tolist()
+        functions, files, lines = function.tolist(), file.tolist(), line.tolist()
+        owners, leaves = owner.tolist(), leaf.tolist()
         for i in unknown:
-            if int(function[i]) in self._function_names and int(file[i]) in self._paths:
+            if functions[i] in names and files[i] in paths:
                 continue
-            chain = int(owner[i])
+            chain = owners[i]
             start, end = bounds[chain], bounds[chain + 1]
-            leaf_range = int(leaf[chain]) - c.first_range_location
-            found = self._cache.lookup(int(c.range_starts[leaf_range]))
-            lines = [int(n) if n != NONE else 0 for n in c.line[location[start:end]].tolist()]
-            if len(found) != end - start or [int(f.line or 0) for f in found] != lines:
+            found = self._cache.lookup(int(c.range_starts[leaves[chain] - c.first_range_location]))
+            if len(found) != end - start or [int(f.line or 0) for f in found] != lines[start:end]:
                 raise UnreadableSymCache(
                     f"symbolic answers {len(found)} frames where the arrays have {end - start}")
-            for f, x, loc in zip(function[start:end].tolist(), file[start:end].tolist(), found,
-                                 strict=True):
+            for f, x, loc in zip(functions[start:end], files[start:end], found, strict=True):
                 symbol = loc.symbol or ""
-                self._function_names.setdefault(f, (symbol, demangle(symbol, loc.lang or "")))
-                self._paths.setdefault(x, loc.full_path or "")
+                names.setdefault(f, (symbol, demangle(symbol, loc.lang or "")))
+                paths.setdefault(x, loc.full_path or "")
