@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,15 +74,18 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         raise MalformedObject(f"{elf_path.name}: not an ELF file")
     if layout.build_id != build_id:
         raise MalformedObject(f"{elf_path.name}: build ID {layout.build_id}, not {build_id}")
-    try:
-        archive = Archive.open(str(elf_path))
-        obj = next(iter(archive.iter_objects()))
-        features = set(obj.features)
-        if not features & {"debug", "symtab"}:
-            raise NoSymbols(f"{elf_path.name}: no DWARF and no symbol table")
-        cache = obj.make_symcache()
-    except (SymbolicError, StopIteration) as e:
-        raise MalformedObject(f"{elf_path.name}: {e}") from e
+    # symbolic's build releases the GIL: the .symtab scan for cold parts runs beside it.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        cold_ranges = beside.submit(cold_ranges_of_file, elf_path)
+        try:
+            archive = Archive.open(str(elf_path))
+            obj = next(iter(archive.iter_objects()))
+            features = set(obj.features)
+            if not features & {"debug", "symtab"}:
+                raise NoSymbols(f"{elf_path.name}: no DWARF and no symbol table")
+            cache = obj.make_symcache()
+        except (SymbolicError, StopIteration) as e:
+            raise MalformedObject(f"{elf_path.name}: {e}") from e
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(f".{os.getpid()}.tmp")
     try:
@@ -95,7 +99,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     return BuildResult(
         load_address=layout.load_address,
         code_ranges=tuple((s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable),
-        cold_ranges=cold_ranges_of_file(elf_path),
+        cold_ranges=cold_ranges.result(),
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
