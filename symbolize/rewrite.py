@@ -13,6 +13,7 @@ objects cost about a microsecond each to touch from Python: the locations are re
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Mapping as MappingT
 from collections.abc import Sequence
@@ -27,9 +28,11 @@ from .elf import LoadSegment
 from .pprof import varint
 from .pprof.columns import location_columns
 from .pprof.profile_raw_pb2 import RawProfile
+from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
 from .translate import to_vaddrs
 
+log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
@@ -180,7 +183,11 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                                segments=sym.segments)
         if outside := int(len(ok) - ok.sum()):
             report.locations_unresolved["outside_mapping"] += outside
-        found[mid] = (where[ok], sym.table.chains(vaddrs[ok]))
+        try:
+            found[mid] = (where[ok], sym.table.chains(vaddrs[ok]))
+        except UnreadableSymCache:  # one table's fault must not fail the whole profile
+            log.exception("symbol table of mapping %d", mid)
+            report.mappings_skipped["malformed"] += 1
 
     used = np.unique(np.concatenate([c.function_ids() for _w, c in found.values()]
                                     or [np.zeros(0, np.uint64)]))

@@ -222,6 +222,8 @@ class SymbolTable:
             up = inlined_into[location]
             more = up != NONE
             owner, location = owner[more], up[more].astype(np.int64)
+        if len(location):  # symbolic's own walk of these links would never end
+            raise UnreadableSymCache(f"inlined-into links loop or nest over {_MAX_DEPTH} deep")
         all_owners = np.concatenate(owners)
         order = np.argsort(all_owners, kind="stable")  # stable: depth order within a chain
         return all_owners[order], np.concatenate(locations)[order]
@@ -251,7 +253,9 @@ class SymbolTable:
             chain = owners[i]
             start, end = bounds[chain], bounds[chain + 1]
             found = self._cache.lookup(int(c.range_starts[leaves[chain] - c.first_range_location]))
-            if len(found) != end - start or [int(f.line or 0) for f in found] != lines[start:end]:
+            answered = [int(f.line or 0) for f in found]
+            if len(found) != end - start or [n if n != NONE else 0 for n in answered] \
+                    != lines[start:end]:
                 raise UnreadableSymCache(
                     f"symbolic answers {len(found)} frames where the arrays have {end - start}")
             for f, x, loc in zip(functions[start:end], files[start:end], found, strict=True):

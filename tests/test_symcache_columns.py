@@ -163,3 +163,41 @@ def test_files_it_cannot_read_are_refused(libc: Built, tmp_path: Path) -> None:
     for reason, path in bad.items():
         with pytest.raises(UnreadableSymCache, match=reason):
             read_columns(path)
+
+
+def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path: Path) -> None:
+    good_elf, bad_elf = elfs.prog, elfs.shlib
+    good = _build(tmp_path, good_elf.debug, good_elf.build_id)
+    bad_path, bad = _build(tmp_path, bad_elf.debug, bad_elf.build_id)
+    columns = read_columns(bad_path)
+    # Every range's innermost location made inlined into itself.
+    files, functions = struct.unpack_from("<II", bad_path.read_bytes()[:80], 8 + 32 + 4)
+    locations = (((80 + files * 24 + 7) & ~7) + functions * 16 + 7) & ~7
+    data = bytearray(bad_path.read_bytes())
+    for i in range(columns.first_range_location, len(columns.file)):
+        struct.pack_into("<I", data, locations + i * 16 + 12, i)
+    looped = tmp_path / "looped.symc"
+    looped.write_bytes(bytes(data))
+
+    ids = FunctionIds()
+    p = Profile()
+    p.string_table.extend(["", "good", good_elf.build_id, "bad", bad_elf.build_id])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    p.mapping.add(id=2, filename=3, build_id=4)
+    for mid, (_path, built) in ((1, good), (2, (looped, bad))):
+        start, end = built.code_ranges[0]
+        for v in range(start, min(end, start + 200)):
+            p.location.add(id=len(p.location) + 1, mapping_id=mid, address=v)
+    tables = {
+        elf.build_id: MappingSymbols(SymbolTable(path, b.load_address, b.code_ranges,
+                                                 b.cold_ranges, b.has_lines, ids), ())
+        for elf, (path, b) in ((good_elf, good), (bad_elf, (looped, bad)))}
+    decoded = decode(p.SerializeToString(), 1 << 30)
+    report = Report()
+    rewrite(decoded.profile, candidates(decoded.profile, report), tables, ids, report)
+    out = Profile.FromString(encode(decoded.profile, False))
+    assert report.mappings_symbolized == 1
+    assert report.mappings_skipped["malformed"] == 1
+    assert [m.has_functions for m in out.mapping] == [True, False]
+    assert all(not loc.line for loc in out.location if loc.mapping_id == 2)
+    assert any(loc.line for loc in out.location if loc.mapping_id == 1)
