@@ -132,6 +132,15 @@ def test_range_index_is_searchsorted() -> None:
                               np.searchsorted(starts, queries, side="right") - 1)
 
 
+def _inlined_into_offset(path: Path, location: int) -> int:
+    """Where a source location's inlined-into index is in a version 9 SymCache file: the
+    locations follow the header (80 bytes), the files (24 bytes each) and the functions (16
+    each), each part aligned to 8; the index is a location's fourth u32."""
+    files, functions = struct.unpack_from("<II", path.read_bytes()[:80], 8 + 32 + 4)
+    locations = (((80 + files * 24 + 7) & ~7) + functions * 16 + 7) & ~7
+    return locations + location * 16 + 12
+
+
 def _patched(src: Path, dst: Path, offset: int, value: bytes) -> Path:
     shutil.copyfile(src, dst)
     with dst.open("r+b") as f:
@@ -153,11 +162,8 @@ def test_files_it_cannot_read_are_refused(libc: Built, tmp_path: Path) -> None:
     truncated = tmp_path / "short"
     truncated.write_bytes(good.read_bytes()[:40])
     bad["too short"] = truncated
-    # Range 0's source location inlined into a location that does not exist. The locations
-    # follow the header (80 bytes), the files (24 bytes each) and the functions (16 each).
-    files, functions = struct.unpack_from("<II", good.read_bytes()[:80], 8 + 32 + 4)
-    locations = (((80 + files * 24 + 7) & ~7) + functions * 16 + 7) & ~7
-    inlined_into = locations + read_columns(good).first_range_location * 16 + 12
+    # Range 0's source location inlined into a location that does not exist.
+    inlined_into = _inlined_into_offset(good, read_columns(good).first_range_location)
     bad["inlined-into index is out of range"] = _patched(
         good, tmp_path / "index", inlined_into, struct.pack("<I", 10**9))
     for reason, path in bad.items():
@@ -171,11 +177,10 @@ def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path
     bad_path, bad = _build(tmp_path, bad_elf.debug, bad_elf.build_id)
     columns = read_columns(bad_path)
     # Every range's innermost location made inlined into itself.
-    files, functions = struct.unpack_from("<II", bad_path.read_bytes()[:80], 8 + 32 + 4)
-    locations = (((80 + files * 24 + 7) & ~7) + functions * 16 + 7) & ~7
     data = bytearray(bad_path.read_bytes())
+    first = _inlined_into_offset(bad_path, 0)
     for i in range(columns.first_range_location, len(columns.file)):
-        struct.pack_into("<I", data, locations + i * 16 + 12, i)
+        struct.pack_into("<I", data, first + i * 16, i)
     looped = tmp_path / "looped.symc"
     looped.write_bytes(bytes(data))
 
