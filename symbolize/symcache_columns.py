@@ -10,7 +10,8 @@ is a few flat arrays (symbolic-symcache's format, version 9), in this order, eac
 
 and the last `len(ranges)` source locations belong to the ranges, one each: the innermost
 frame of every address in that range, whose inlined-into links lead out to the function the
-code is in. So a profile's lookups are one `searchsorted`, and its frames a walk of links.
+code is in. So a profile's lookups are one bulk search of the range starts (range_index.py),
+and its frames a walk of links.
 Names and paths are left to symbolic (symtab.py asks it once per function and file), so what
 is read here is structure only, and every walk is checked against symbolic's own answer
 there.

@@ -76,7 +76,6 @@ class _Stops:
     def __init__(self, positions: I64, size: int) -> None:
         # A sentinel past the end: "no varint ends here" without a bounds check.
         self.positions = np.append(positions, size)
-        self.size = size
 
     def index_from(self, at: I64) -> I64:
         """The index in `positions` of the first stop at or after each of `at`."""
