@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+# numpy.ma: np.unique imports it on its first call (about 12 ms); at start-up, then, not
+# inside the first profile a server symbolizes.
 import numpy as np
+import numpy.ma
 import numpy.typing as npt
 
 from .pprof import varint
