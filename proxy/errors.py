@@ -27,6 +27,10 @@ class PayloadTooLarge(SymgateError):
     """A request body is larger than allowed, before or after decompression."""
 
 
+class UnsupportedMediaType(SymgateError):
+    """A request body of a type the endpoint does not read (not a pprof profile's)."""
+
+
 class OverLimit(SymgateError):
     """A well-formed request asks for more work than one request may (e.g. too many mappings)."""
 

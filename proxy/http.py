@@ -20,6 +20,7 @@ from .errors import (
     PayloadTooLarge,
     SymgateError,
     TooLarge,
+    UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
@@ -53,6 +54,8 @@ def error_response(
         status = 504  # what RFC 9111 prescribes for only-if-cached; nothing is retried
     elif isinstance(error, PayloadTooLarge):
         status = 413
+    elif isinstance(error, UnsupportedMediaType):
+        status = 415
     elif isinstance(error, OverLimit):
         status = 422
     elif transient and user_agent.startswith("elfutils/"):

@@ -14,7 +14,13 @@ from aiohttp import web
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
 from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
 
-from .errors import InvalidRequest, OverLimit, PayloadTooLarge, SymgateError
+from .errors import (
+    InvalidRequest,
+    OverLimit,
+    PayloadTooLarge,
+    SymgateError,
+    UnsupportedMediaType,
+)
 from .http import error_response
 from .logs import annotate
 from .state import STATE, AppState
@@ -69,7 +75,7 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
     cfg = state.config.symbolize
     ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
     if ctype not in ACCEPTED_TYPES:
-        raise InvalidRequest(f"unsupported Content-Type {ctype!r}: send a pprof profile as "
+        raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile as "
                              "application/octet-stream or application/x-protobuf")
     body = await _read_body(request, cfg.max_request_bytes)
     tenant_id = request.headers.get("X-Scope-OrgID", "")

@@ -201,6 +201,20 @@ async def test_bad_bodies_get_a_clear_4xx_and_the_server_survives(
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
 
 
+@pytest.mark.parametrize("ctype", ["text/plain", "application/json; charset=utf-8"])
+async def test_a_body_that_is_not_a_profile_by_its_type_is_415(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, ctype: str
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, _, text = await post(sg, profile.SerializeToString(), **{"Content-Type": ctype})
+    assert status == 415 and b"unsupported Content-Type" in text, text
+    status, _, _ = await post(sg, profile.SerializeToString(),
+                              **{"Content-Type": "application/x-protobuf"})
+    assert status == 200
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
 async def test_gzip_bomb_and_oversized_bodies_are_413(
     start_symgate: SymgateFactory, debuginfod: Debuginfod
 ) -> None:
