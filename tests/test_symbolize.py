@@ -241,6 +241,31 @@ async def test_a_2000_character_build_id_is_reported_not_fetched(
     assert faults.count("ok") == 0
 
 
+@pytest.mark.parametrize("mode", ["wrong-bytes", "reset-mid-body", "truncated"])
+async def test_an_upstream_that_lies_or_dies_mid_body_costs_its_mapping_only(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream, elfs: ElfSet,
+    mode: str,
+) -> None:
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for(mode))], symbolize=symbolize_config(),
+        tenants={"good": TenantConfig(upstreams=(debuginfod.url,))})
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    raw = profile.SerializeToString()
+    status, headers, body = await post(sg, raw)
+    assert status == 200 and body == raw, headers
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "upstream_error=1"
+    assert faults.count(mode) >= 1
+    # Nothing of the bad bytes stayed: no artifact, no table, no remembered failure.
+    state = sg.runner.app[STATE]
+    assert state.service.cache.peek(ArtifactKey.parse(elfs.prog.build_id, "debuginfo")) is None
+    assert await state.repo.get_symbol_table(elfs.prog.build_id) is None
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
+    # The same server, asked through a sound upstream, symbolizes the same profile.
+    status, headers, body = await post(sg, raw, **{"X-Scope-OrgID": "good"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert parse(body).mapping[0].has_functions
+
+
 async def test_too_many_build_ids_is_422(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
