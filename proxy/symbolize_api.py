@@ -75,8 +75,8 @@ async def _symbolize(request: web.Request, state: AppState) -> web.Response:
     cfg = state.config.symbolize
     ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
     if ctype not in ACCEPTED_TYPES:
-        raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile as "
-                             "application/octet-stream or application/x-protobuf")
+        raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile "
+                                   "as application/octet-stream or application/x-protobuf")
     body = await _read_body(request, cfg.max_request_bytes)
     tenant_id = request.headers.get("X-Scope-OrgID", "")
     tenant = state.config.tenants.get(tenant_id)

@@ -259,6 +259,8 @@ async def test_an_upstream_that_lies_or_dies_mid_body_costs_its_mapping_only(
     state = sg.runner.app[STATE]
     assert state.service.cache.peek(ArtifactKey.parse(elfs.prog.build_id, "debuginfo")) is None
     assert await state.repo.get_symbol_table(elfs.prog.build_id) is None
+    assert await state.repo.artifacts_of(elfs.prog.build_id) == []
+    assert await state.repo.negatives_of(elfs.prog.build_id) == []
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
     # The same server, asked through a sound upstream, symbolizes the same profile.
     status, headers, body = await post(sg, raw, **{"X-Scope-OrgID": "good"})
