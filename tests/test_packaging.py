@@ -24,7 +24,8 @@ def tracked_files() -> list[str]:
 def test_the_wheel_holds_every_module_and_data_file_of_the_packages(tmp_path: Path) -> None:
     # Built from a copy of the tracked files, so a stale build/ directory cannot fill gaps.
     src = tmp_path / "src"
-    for name in tracked_files():
+    tracked = tracked_files()
+    for name in tracked:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
@@ -35,7 +36,7 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_packages(tmp_path: Pa
         names = z.namelist()
         entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
     packaged = {n for n in names if not n.split("/")[0].endswith(".dist-info")}
-    wanted = {name for name in tracked_files()
+    wanted = {name for name in tracked
               if name.split("/")[0] in PACKAGES
               and (name.endswith((".py", ".pyi")) or name == "migrations/script.py.mako")}
     assert wanted, "no package files found"
