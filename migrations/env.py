@@ -7,8 +7,8 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from proxy.db import create_engine
-from proxy.models import Base
+from proxy.store.models import Base
+from proxy.store.repository import create_engine
 
 config = context.config
 target_metadata = Base.metadata

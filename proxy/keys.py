@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from urllib.parse import quote
 
+from proxy.errors import InvalidRequest
 from symbolize import buildid as symbolize_buildid
-
-from .errors import InvalidRequest
 
 MAX_SOURCE_PATH = 4096
 _SECTION = re.compile(r"^[A-Za-z0-9._$@-]{1,255}$")

@@ -21,7 +21,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app
 from proxy.config import (
     CacheConfig,
     Config,
@@ -30,6 +29,7 @@ from proxy.config import (
     ServerConfig,
     UpstreamConfig,
 )
+from proxy.web.app import create_app
 from tests.elfs import ElfSet, build_elf_set
 from tests.faults import FaultUpstream
 

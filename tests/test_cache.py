@@ -12,14 +12,14 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 
-from proxy.cache import ArtifactCache, key_hash
+from proxy.artifacts.index import ArtifactCache, key_hash
 from proxy.config import NegativeConfig
-from proxy.db import Repository, create_engine
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
-from proxy.migrate import upgrade
-from proxy.models import Negative
-from proxy.storage import DiskStore
+from proxy.store.disk import DiskStore
+from proxy.store.migrate import upgrade
+from proxy.store.models import Negative
+from proxy.store.repository import Repository, create_engine
 from tests.conftest import Debuginfod, SymgateFactory, eventually, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -194,7 +194,7 @@ async def test_eviction_passes_over_a_file_being_served(
     from datetime import UTC, datetime
 
     def record(key: ArtifactKey, size: int):  # type: ignore[no-untyped-def]
-        from proxy.db import ArtifactRecord
+        from proxy.store.repository import ArtifactRecord
 
         path = store.path_of(key)
         path.parent.mkdir(parents=True, exist_ok=True)

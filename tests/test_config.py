@@ -109,7 +109,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 
 
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.cli import main
+    from proxy.tools.cli import main
 
     rc = main(["serve", "--config", str(write(tmp_path, "[cache]\nmax_bytes = 'x'\n"))])
     assert rc == 2

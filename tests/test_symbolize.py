@@ -16,7 +16,7 @@ import pytest
 
 from proxy.config import SymbolizeConfig, TenantConfig
 from proxy.keys import ArtifactKey
-from proxy.state import STATE
+from proxy.web.state import STATE
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Mapping, Profile
 from tests.conftest import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream

@@ -13,10 +13,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
-from .cache import key_hash
-from .config import NegativeConfig
-from .db import Repository
-from .keys import ArtifactKey
+from proxy.artifacts.index import key_hash
+from proxy.config import NegativeConfig
+from proxy.keys import ArtifactKey
+from proxy.store.repository import Repository
 
 _MEMO_MAX = 100_000
 

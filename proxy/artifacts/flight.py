@@ -15,8 +15,8 @@ import os
 from collections.abc import AsyncIterator
 from enum import Enum
 
-from .errors import SymgateError
-from .source import ArtifactMeta
+from proxy.errors import SymgateError
+from proxy.sources.base import ArtifactMeta
 
 READ_CHUNK = 256 * 1024
 

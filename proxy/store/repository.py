@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from .models import Artifact, Base, Negative, SymbolTableRow
+from proxy.store.models import Artifact, Base, Negative, SymbolTableRow
 
 
 def create_engine(url: str) -> AsyncEngine:

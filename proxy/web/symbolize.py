@@ -11,20 +11,19 @@ from collections import Counter
 
 from aiohttp import web
 
-from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
-from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
-
-from .errors import (
+from proxy.errors import (
     InvalidRequest,
     OverLimit,
     PayloadTooLarge,
     SymgateError,
     UnsupportedMediaType,
 )
-from .http import error_response
-from .logs import annotate
-from .state import STATE, AppState
-from .symbols import Outcome
+from proxy.symbols.resolver import Outcome
+from proxy.web.errors import error_response
+from proxy.web.logs import annotate
+from proxy.web.state import STATE, AppState
+from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
+from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
 
 ACCEPTED_TYPES = ("application/octet-stream", "application/x-protobuf",
                   "application/vnd.google.protobuf", "")

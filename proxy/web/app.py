@@ -11,20 +11,22 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from . import __version__, http, migrate
-from .cache import ArtifactCache
-from .config import Config, UpstreamConfig
-from .db import Repository, create_engine
-from .localdir import LocalDirectory
-from .metrics import ProxyMetrics, SymbolizeMetrics
-from .negative import NegativeCache
-from .service import ArtifactService
-from .source import Source
-from .state import STATE, AppState
-from .storage import DiskStore
-from .symbolize_api import symbolize
-from .symbols import SymbolService
-from .upstream import Upstream
+from proxy import __version__
+from proxy.artifacts.index import ArtifactCache
+from proxy.artifacts.misses import NegativeCache
+from proxy.artifacts.service import ArtifactService
+from proxy.config import Config, UpstreamConfig
+from proxy.metrics import ProxyMetrics, SymbolizeMetrics
+from proxy.sources.base import Source
+from proxy.sources.debuginfod import Upstream
+from proxy.sources.localdir import LocalDirectory
+from proxy.store import migrate
+from proxy.store.disk import DiskStore
+from proxy.store.repository import Repository, create_engine
+from proxy.symbols.resolver import SymbolService
+from proxy.web import artifacts, ops
+from proxy.web.state import STATE, AppState
+from proxy.web.symbolize import symbolize
 
 log = logging.getLogger(__name__)
 ACCESS_FLUSH_S = 5.0
@@ -34,13 +36,14 @@ NEGATIVE_SWEEP_S = 300.0
 def add_routes(app: web.Application) -> None:
     for method in ("GET", "HEAD"):
         app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}",
-                             http.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}", http.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind}", http.buildid)
+                             artifacts.buildid)
+        app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
+                             artifacts.buildid)
+        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
     app.router.add_post("/symbolize", symbolize)
-    app.router.add_get("/metrics", http.metrics)
-    app.router.add_get("/healthz", http.healthz)
-    app.router.add_get("/", http.status_page)
+    app.router.add_get("/metrics", ops.metrics)
+    app.router.add_get("/healthz", ops.healthz)
+    app.router.add_get("/", ops.status_page)
 
 
 def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:

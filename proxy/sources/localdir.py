@@ -22,12 +22,11 @@ from pathlib import Path
 from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
 
+from proxy.errors import UpstreamUnavailable
+from proxy.keys import ArtifactKey, Kind
+from proxy.metrics import ProxyMetrics, UpstreamResult
+from proxy.sources.base import ArtifactMeta
 from symbolize.elf import build_id_of_stream
-
-from .errors import UpstreamUnavailable
-from .keys import ArtifactKey, Kind
-from .metrics import ProxyMetrics, UpstreamResult
-from .source import ArtifactMeta
 
 log = logging.getLogger(__name__)
 CHUNK = 256 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .metrics import BreakerState
+from proxy.metrics import BreakerState
 
 
 class CircuitBreaker:

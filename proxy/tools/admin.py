@@ -11,10 +11,10 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from .config import Config
-from .db import ArtifactRecord, Repository, aware, create_engine
-from .keys import ArtifactKey, normalize_build_id
-from .storage import DiskStore
+from proxy.config import Config
+from proxy.keys import ArtifactKey, normalize_build_id
+from proxy.store.disk import DiskStore
+from proxy.store.repository import ArtifactRecord, Repository, aware, create_engine
 
 
 @dataclass(frozen=True)

@@ -15,24 +15,23 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from symbolize.elf import build_id_of_file
-
-from .cache import ArtifactCache, CachedArtifact, key_hash
-from .config import FetchPolicy
-from .db import ArtifactRecord
-from .errors import (
+from proxy.artifacts.flight import Flight, FlightReader
+from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
+from proxy.artifacts.misses import NegativeCache
+from proxy.config import FetchPolicy
+from proxy.errors import (
     NotCached,
     NotFound,
     SymgateError,
     UpstreamUnavailable,
     VerificationFailed,
 )
-from .flight import Flight, FlightReader
-from .keys import ArtifactKey
-from .metrics import ProxyMetrics
-from .negative import NegativeCache
-from .source import ArtifactMeta, Body, Source
-from .upstreams import ask
+from proxy.keys import ArtifactKey
+from proxy.metrics import ProxyMetrics
+from proxy.sources.base import ArtifactMeta, Body, Source
+from proxy.sources.policy import ask
+from proxy.store.repository import ArtifactRecord
+from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from .keys import ArtifactKey
+from proxy.keys import ArtifactKey
 
 
 @dataclass(frozen=True, slots=True)

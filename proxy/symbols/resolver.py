@@ -21,6 +21,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from proxy.artifacts.service import ArtifactService, Streaming
+from proxy.errors import NotFound, SymgateError
+from proxy.keys import ArtifactKey, Kind
+from proxy.metrics import SymbolizeMetrics
+from proxy.sources.base import Source
+from proxy.store.repository import Repository, SymbolTableRecord
 from symbolize.chains import FunctionIds
 from symbolize.debugdirs import find_debug_file, find_executable
 from symbolize.elf import ElfLayout, LoadSegment, layout_of_file
@@ -34,13 +40,6 @@ from symbolize.symtab import (
     build_symbol_table,
     warm_up,
 )
-
-from .db import Repository, SymbolTableRecord
-from .errors import NotFound, SymgateError
-from .keys import ArtifactKey, Kind
-from .metrics import SymbolizeMetrics
-from .service import ArtifactService, Streaming
-from .source import Source
 
 log = logging.getLogger(__name__)
 _OPEN_TABLES = 512

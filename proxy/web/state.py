@@ -10,13 +10,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
-from .config import Config
-from .db import Repository
-from .metrics import ProxyMetrics, SymbolizeMetrics
-from .service import ArtifactService
-from .source import Source
-from .status import RecentMisses
-from .symbols import SymbolService
+from proxy.artifacts.service import ArtifactService
+from proxy.config import Config
+from proxy.metrics import ProxyMetrics, SymbolizeMetrics
+from proxy.sources.base import Source
+from proxy.store.repository import Repository
+from proxy.symbols.resolver import SymbolService
+from proxy.web.status_page import RecentMisses
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .db import ArtifactRecord, Repository
-from .keys import ArtifactKey
-from .metrics import ProxyMetrics
-from .storage import DiskStore
+from proxy.keys import ArtifactKey
+from proxy.metrics import ProxyMetrics
+from proxy.store.disk import DiskStore
+from proxy.store.repository import ArtifactRecord, Repository
 
 log = logging.getLogger(__name__)
 

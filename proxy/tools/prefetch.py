@@ -12,10 +12,9 @@ from pathlib import Path
 
 import aiohttp
 
+from proxy import __version__
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
-
-from . import __version__
 
 
 @dataclass

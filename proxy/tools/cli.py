@@ -10,10 +10,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import __version__, logs, migrate
-from .app import create_app
-from .config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
-from .tables import render_table
+from proxy import __version__
+from proxy.config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
+from proxy.store import migrate
+from proxy.tools.text_table import render_table
+from proxy.web import logs
+from proxy.web.app import create_app
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -96,9 +98,8 @@ def _symbolize(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
+    from proxy.tools.inspect_profile import inspect_profile, render, to_json
     from symbolize.pprof.codec import ProfileError
-
-    from .inspect import inspect_profile, render, to_json
 
     cfg = _config(args)
     try:
@@ -115,9 +116,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _prefetch(args: argparse.Namespace) -> int:
     import json
 
+    from proxy.tools.prefetch import Summary, build_ids_from, prefetch, terminal_progress
     from symbolize.pprof.codec import ProfileError
-
-    from .prefetch import Summary, build_ids_from, prefetch, terminal_progress
 
     summary = Summary()
     try:
@@ -152,8 +152,8 @@ def _prefetch(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     import json
 
-    from .admin import Admin
-    from .errors import InvalidRequest
+    from proxy.errors import InvalidRequest
+    from proxy.tools.admin import Admin
 
     admin = Admin(_config(args))
     target: str | None = getattr(args, "build_id", None)

@@ -10,7 +10,7 @@ from html import escape
 
 from prometheus_client import CollectorRegistry
 
-from . import __version__
+from proxy import __version__
 
 RECENT = 25
 

@@ -9,68 +9,26 @@ import logging
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .cache import CachedArtifact
-from .errors import (
+from proxy.artifacts.flight import FlightFailed
+from proxy.artifacts.index import CachedArtifact
+from proxy.artifacts.service import Hit, RememberedNotFound, Streaming
+from proxy.errors import (
     InvalidRequest,
     NotCached,
     NotFound,
-    OverLimit,
-    PayloadTooLarge,
     SymgateError,
     TooLarge,
-    UnsupportedMediaType,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-    VerificationFailed,
 )
-from .flight import FlightFailed
-from .keys import ArtifactKey, Kind
-from .logs import annotate
-from .metrics import Outcome
-from .service import Hit, RememberedNotFound, Streaming
-from .state import STATE, AppState
-from .status import render as render_status
+from proxy.keys import ArtifactKey, Kind
+from proxy.metrics import Outcome
+from proxy.web.errors import error_response
+from proxy.web.logs import annotate
+from proxy.web.state import STATE, AppState
 
 log = logging.getLogger(__name__)
 # Bytes a fetch must have received before its response starts (see Flight.wait_streamable).
 STREAM_AFTER_BYTES = 1024 * 1024
-
-
-def error_response(
-    error: SymgateError, user_agent: str, retry_after_s: int
-) -> web.Response:
-    """The one mapping from failures to HTTP statuses."""
-    headers: dict[str, str] = {}
-    transient = isinstance(error, UpstreamUnavailable | VerificationFailed)
-    if isinstance(error, InvalidRequest):
-        status = 400
-    elif isinstance(error, NotFound):
-        status = 404
-    elif isinstance(error, TooLarge):
-        status = 406
-    elif isinstance(error, NotCached):
-        status = 504  # what RFC 9111 prescribes for only-if-cached; nothing is retried
-    elif isinstance(error, PayloadTooLarge):
-        status = 413
-    elif isinstance(error, UnsupportedMediaType):
-        status = 415
-    elif isinstance(error, OverLimit):
-        status = 422
-    elif transient and user_agent.startswith("elfutils/"):
-        # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
-        # upstream outage must not blind gdb and perf users for that long.
-        status = 406
-    elif isinstance(error, UpstreamTimeout):
-        status = 504
-    elif transient:
-        status = 502
-    else:
-        status = 500
-    if status in (502, 503, 504) and not isinstance(error, NotCached):
-        headers["Retry-After"] = str(retry_after_s)
-    return web.Response(status=status, text=error.reason + "\n", headers=headers)
 
 
 def _outcome(error: SymgateError) -> Outcome:
@@ -218,27 +176,3 @@ async def _send_streaming(
         state.metrics.served_bytes.labels("upstream").inc(sent)
     await response.write_eof()
     return response
-
-
-async def metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    body = generate_latest(state.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def status_page(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    html = render_status(registry=state.registry,
-                         upstreams=[u.name for u in state.service.upstreams],
-                         started=state.started, recent=state.recent_misses,
-                         max_bytes=state.config.cache.max_bytes)
-    return web.Response(text=html, content_type="text/html")
-
-
-async def healthz(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        await state.ping_database()
-    except Exception as e:  # any failure to reach SQL is "unhealthy", whatever its type
-        return web.Response(status=503, text=f"database unreachable: {type(e).__name__}\n")
-    return web.Response(text="ok\n")

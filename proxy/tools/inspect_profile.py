@@ -14,15 +14,14 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from proxy import __version__
+from proxy.config import Config
+from proxy.keys import ArtifactKey, Kind
+from proxy.metrics import ProxyMetrics
+from proxy.sources.localdir import LocalDirectory
+from proxy.tools.text_table import render_table
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
-
-from . import __version__
-from .config import Config
-from .keys import ArtifactKey, Kind
-from .localdir import LocalDirectory
-from .metrics import ProxyMetrics
-from .tables import render_table
 
 USER_AGENT = f"symgate-inspect/{__version__}"
 

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .keys import ArtifactKey
+from proxy.keys import ArtifactKey
 
 
 class DiskStore:

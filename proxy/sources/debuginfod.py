@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from . import __version__
-from .breaker import CircuitBreaker
-from .config import UpstreamConfig
-from .errors import UpstreamTimeout, UpstreamUnavailable
-from .keys import ArtifactKey
-from .metrics import ProxyMetrics, UpstreamResult
-from .source import ArtifactMeta, Body
+from proxy import __version__
+from proxy.config import UpstreamConfig
+from proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.keys import ArtifactKey
+from proxy.metrics import ProxyMetrics, UpstreamResult
+from proxy.sources.base import ArtifactMeta, Body
+from proxy.sources.breaker import CircuitBreaker
 
 USER_AGENT = f"symgate/{__version__}"
 CHUNK = 256 * 1024

@@ -7,11 +7,11 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .config import FetchPolicy
-from .errors import UpstreamTimeout, UpstreamUnavailable
-from .keys import ArtifactKey
-from .source import Body, Source
-from .upstream import close_quietly
+from proxy.config import FetchPolicy
+from proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.keys import ArtifactKey
+from proxy.sources.base import Body, Source
+from proxy.sources.debuginfod import close_quietly
 
 
 @dataclass

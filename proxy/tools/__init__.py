@@ -1,0 +1,1 @@
+"""The command line: serve, symbolize, inspect, prefetch, and the cache/negative/db admin."""

@@ -1,0 +1,1 @@
+"""The HTTP edge: app assembly, one module per endpoint group, the one error middleware."""
