@@ -3,6 +3,9 @@
 Every key has a default, so an empty file (or no file) is a complete configuration.
 Unknown keys and bad values raise ConfigError naming the offending key, because a typo in a
 cache budget or a TTL should stop the server at start, not silently use a default.
+
+pydantic does the checking; this module says what a good value is, and turns pydantic's first
+error into one "key: reason" line.
 """
 
 from __future__ import annotations
@@ -11,116 +14,267 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import field, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import ErrorDetails
 
 DEFAULT_UPSTREAM = "https://debuginfod.elfutils.org/"
 DEFAULT_LISTEN = "127.0.0.1:8002"
 
 FetchPolicy = Literal["in_order", "race"]
 LogFormat = Literal["text", "json"]
-T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown or has a value that cannot be used."""
 
 
-@dataclass(frozen=True)
+class _Invalid(ValueError):
+    """A check across keys runs on the table above the key it blames; `loc` leads down to it."""
+
+    def __init__(self, loc: tuple[str | int, ...], reason: str) -> None:
+        super().__init__(reason)
+        self.loc = loc
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    raise ValueError(f"expected a size such as 20GiB, got {value!r}")
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _listen(value: object) -> object:
+    if isinstance(value, str):
+        _host_port(value)
+    return value
+
+
+def _none_if_empty(value: str | None) -> str | None:
+    return value or None
+
+
+def _url(value: object) -> str:
+    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
+        raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
+
+
+def _path(value: object) -> Path:
+    if isinstance(value, Path) or (isinstance(value, str) and value):
+        return Path(value).expanduser()
+    raise ValueError(f"expected a path, got {value!r}")
+
+
+def _headers(value: object) -> object:
+    # Checked here, not by pydantic, which would blame headers.NAME (that reads like a key) and
+    # echo a misplaced credential string back into the log.
+    if not isinstance(value, Mapping):
+        raise ValueError("expected a table of strings")
+    for name, v in value.items():
+        if not isinstance(v, str):
+            raise ValueError(f"expected a table of strings, {name} is {v!r}")
+    return value
+
+
+def _tokens(value: object) -> object:
+    # Tokens are secrets: errors give their position and length, never the token.
+    if isinstance(value, list | tuple):
+        for i, token in enumerate(value):
+            if not isinstance(token, str) or len(token) < 16:
+                got = f"{len(token)} characters" if isinstance(token, str) else repr(token)
+                raise ValueError(f"expected strings of at least 16 characters, token {i} is {got}")
+    return value
+
+
+def _servers(value: object) -> object:
+    # A bare URL is short for a table with only url, and errs at the array, as it always has.
+    if not isinstance(value, list | tuple):
+        return value
+    return [UpstreamConfig(url=_url(u)) if isinstance(u, str) else u for u in value]
+
+
+# Scalars are strict (true is not 1, "yes" is not true); containers are not, so TOML arrays
+# can become tuples and tables dataclasses.
+Flag = Annotated[bool, Strict()]
+Text = Annotated[str, Strict()]
+Count = Annotated[int, Strict(), Field(ge=0)]
+AtLeastOne = Annotated[int, Strict(), Field(ge=1)]
+Seconds = Annotated[float, Strict(), Field(ge=0)]
+# A period of a background loop: 0 would make it spin.
+Period = Annotated[float, Strict(), Field(gt=0)]
+Size = Annotated[int, BeforeValidator(_size)]
+Url = Annotated[str, BeforeValidator(_url)]
+DirPath = Annotated[Path, BeforeValidator(_path)]
+Listen = Annotated[str, Strict(), BeforeValidator(_listen)]
+
+# No inf or nan: 0 already means "no limit" where there is one, and a timedelta of inf fails.
+_SECTION = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+@dataclass(frozen=True, config=_SECTION)
 class UpstreamConfig:
     # Exactly one of url (a debuginfod server) and path (a local directory of debug files).
-    url: str = ""
-    path: Path | None = None
+    url: Url = ""
+    path: DirPath | None = None
     # For a path: seconds between re-indexing walks of the directory (0: only at start).
-    rescan_s: float = 60.0
-    connect_timeout_s: float = 5.0
+    rescan_s: Seconds = 60.0
+    connect_timeout_s: Seconds = 5.0
     # Until the response headers arrive: a server that accepts but never answers.
-    first_byte_timeout_s: float = 30.0
+    first_byte_timeout_s: Seconds = 30.0
     # Longest silence between two body chunks: a server that hangs mid-body.
-    read_timeout_s: float = 30.0
-    total_timeout_s: float = 900.0
-    retries: int = 2
-    retry_backoff_s: float = 0.25
-    retry_backoff_max_s: float = 4.0
-    max_redirects: int = 3
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 30.0
-    headers: Mapping[str, str] = field(default_factory=dict)
+    read_timeout_s: Seconds = 30.0
+    total_timeout_s: Seconds = 900.0
+    retries: Count = 2
+    retry_backoff_s: Seconds = 0.25
+    retry_backoff_max_s: Seconds = 4.0
+    max_redirects: Count = 3
+    breaker_failures: Count = 5
+    breaker_cooldown_s: Seconds = 30.0
+    headers: Annotated[Mapping[str, str], BeforeValidator(_headers)] = field(
+        default_factory=dict)
+
+    @model_validator(mode="after")
+    def _url_or_path(self) -> UpstreamConfig:
+        if (self.url == "") == (self.path is None):
+            raise _Invalid(("url",), "required (or path, for a local directory; not both)")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class ServerConfig:
-    listen: str = DEFAULT_LISTEN
-    data_dir: Path = field(default_factory=lambda: default_data_dir())
+    listen: Listen = DEFAULT_LISTEN
+    data_dir: DirPath = field(default_factory=lambda: default_data_dir())
     # Chained caches append themselves to X-Forwarded-For; past this many hops a request is
     # answered locally, like elfutils' --forwarded-ttl-limit, so a loop cannot amplify.
-    forwarded_ttl_limit: int = 8
-    access_log: bool = True
+    forwarded_ttl_limit: Count = 8
+    access_log: Flag = True
     # "text" for people, "json" for one JSON object a line (access and event logs alike).
     log_format: LogFormat = "text"
-    retry_after_s: int = 30
+    retry_after_s: Count = 30
     # On SIGTERM: stop accepting, let responses under way finish for this long, then stop.
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: Seconds = 30.0
+    # Hit counts and access times are batched in memory so that a hit never waits on SQL;
+    # this is how much of them a crash can lose.
+    access_flush_s: Period = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class CacheConfig:
-    dir: Path | None = None
-    max_bytes: int = 20 * 1024**3
+    dir: DirPath | None = None
+    max_bytes: Size = 20 * 1024**3
     # In-flight fetches at once across all clients; further misses wait for a slot.
-    max_concurrent_fetches: int = 32
+    max_concurrent_fetches: AtLeastOne = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class DatabaseConfig:
-    url: str | None = None
-    migrate_on_start: bool = True
+    url: Annotated[Text | None, AfterValidator(_none_if_empty)] = None
+    migrate_on_start: Flag = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class NegativeConfig:
     # The first 404 is remembered briefly (some upstreams publish minutes after a first miss);
     # each repeated miss doubles the TTL up to not_found_ttl_s, elfutils' cache_miss_s default.
-    not_found_initial_ttl_s: float = 60.0
-    not_found_ttl_s: float = 600.0
+    not_found_initial_ttl_s: Seconds = 60.0
+    not_found_ttl_s: Seconds = 600.0
     # How long this process trusts its in-memory copy of a SQL negative before asking SQL
     # again; bounds how stale a negative cleared by another replica can be.
-    memo_s: float = 1.0
+    memo_s: Seconds = 1.0
+    # Expired misses are kept until a sweep, not deleted on every lookup that finds one.
+    sweep_s: Period = 300.0
+    # Bounds the memory a flood of distinct missing build IDs can take.
+    memo_entries: AtLeastOne = 100_000
+
+    @model_validator(mode="after")
+    def _initial_within_max(self) -> NegativeConfig:
+        if self.not_found_initial_ttl_s > self.not_found_ttl_s:
+            raise _Invalid(("not_found_initial_ttl_s",), "must not exceed not_found_ttl_s")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class FetchConfig:
     policy: FetchPolicy = "in_order"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class SymbolizeConfig:
-    enabled: bool = True
+    enabled: Flag = True
     # Trees laid out like /usr/lib/debug: .build-id/xx/rest.debug (and .build-id/xx/rest for the
     # executable), searched before the upstreams: a site's own binaries.
-    debug_dirs: tuple[Path, ...] = ()
-    max_request_bytes: int = 32 * 1024**2
+    debug_dirs: tuple[DirPath, ...] = ()
+    max_request_bytes: Size = 32 * 1024**2
     # A gzip bomb is refused once it inflates past this, not after.
-    max_decompressed_bytes: int = 256 * 1024**2
+    max_decompressed_bytes: Size = 256 * 1024**2
     # Distinct build IDs one request may make symgate fetch or build; more is a 422.
-    max_mappings: int = 256
+    max_mappings: Count = 256
     # Past this, the profile is answered with what is symbolized so far; fetches go on.
-    deadline_s: float = 30.0
+    deadline_s: Seconds = 30.0
     # Worker processes that build symbol tables.
-    build_workers: int = 2
+    build_workers: AtLeastOne = 2
+    # Each open table holds a file descriptor and its mapped pages.
+    open_tables: AtLeastOne = 512
+    # How long a failed build is believed: a file without symbols may be replaced upstream by
+    # one with them (like a 404, retried); a malformed one rarely is, so symbolicator waits a day.
+    no_symbols_retry_s: Seconds = 600.0
+    malformed_retry_s: Seconds = 86400.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class TenantConfig:
     """Per X-Scope-OrgID settings; a tenant not listed gets the defaults."""
 
-    symbolize: bool = True
-    # Upstream URLs for this tenant's symbolization, instead of the global list.
-    upstreams: tuple[str, ...] = ()
+    symbolize: Flag = True
+    # Upstreams for this tenant's symbolization, instead of the global list.
+    upstreams: Annotated[tuple[UpstreamConfig, ...], BeforeValidator(_servers)] = ()
+    # Bearer tokens that name this tenant, for sites without a gateway that sets the header.
+    tokens: Annotated[tuple[Text, ...], BeforeValidator(_tokens)] = field(
+        default=(), repr=False)
+
+    @model_validator(mode="after")
+    def _servers_only(self) -> TenantConfig:
+        # A local directory needs starting and stopping with the app; only [[upstreams]] get it.
+        for i, u in enumerate(self.upstreams):
+            if u.path is not None:
+                raise _Invalid(("upstreams", i, "path"),
+                               "a tenant's upstreams are servers (url); put directories in "
+                               "[[upstreams]]")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_SECTION)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -130,6 +284,17 @@ class Config:
     symbolize: SymbolizeConfig = field(default_factory=SymbolizeConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(url=DEFAULT_UPSTREAM),)
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_tenant_per_token(self) -> Config:
+        owner: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            for token in tenant.tokens:
+                if (first := owner.setdefault(token, name)) != name:
+                    raise _Invalid(("tenants", name, "tokens"),
+                                   f"a token of tenant {first!r} is listed here too; "
+                                   "a token may belong to one tenant only")
+        return self
 
     @property
     def cache_dir(self) -> Path:
@@ -158,119 +323,65 @@ def default_data_dir() -> Path:
     return Path(base) / "symgate"
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(value: object, key: str) -> int:
     """Bytes from an int or a string such as "20GiB" or "500 MB"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: must not be negative")
-        return value
-    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        unit = (m.group(2) or "b").lower()
-        return int(float(m.group(1)) * _SIZE_UNITS[unit])
-    raise ConfigError(f"{key}: expected a size such as 20GiB, got {value!r}")
+    try:
+        return _size(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def parse_listen(value: str, key: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return _host_port(value)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def upstreams_from_env(value: str) -> tuple[UpstreamConfig, ...]:
     """DEBUGINFOD_URLS is a space-separated list, as elfutils' client reads it."""
-    return tuple(UpstreamConfig(url=_check_url(u, "DEBUGINFOD_URLS")) for u in value.split())
+    try:
+        return tuple(UpstreamConfig(url=_url(u)) for u in value.split())
+    except ValueError as e:
+        raise ConfigError(f"DEBUGINFOD_URLS: {e}") from None
 
 
-def _check_url(url: object, key: str) -> str:
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-        raise ConfigError(f"{key}: expected an http:// or https:// URL, got {url!r}")
-    return url
+_REASONS = {
+    "unexpected_keyword_argument": "unknown key",
+    "extra_forbidden": "unknown key",
+    "bool_type": "expected true or false, got {input!r}",
+    "int_type": "expected a non-negative integer, got {input!r}",
+    "float_type": "expected a non-negative number, got {input!r}",
+    "finite_number": "expected a finite number, got {input!r}",
+    "string_type": "expected a string, got {input!r}",
+    "tuple_type": "expected an array, got {input!r}",
+    "dataclass_type": "expected a table, got {input!r}",
+    "dict_type": "expected a table, got {input!r}",
+    "mapping_type": "expected a table, got {input!r}",
+}
 
 
-def _coerce(value: object, annotation: str, key: str) -> Any:
-    """Check one scalar against its dataclass annotation (annotations are strings here)."""
-    if annotation == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if annotation == "int":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{key}: expected a non-negative integer, got {value!r}")
-        return value
-    if annotation == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{key}: expected a non-negative number, got {value!r}")
-        return float(value)
-    if annotation == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    if annotation in ("Path", "Path | None"):
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{key}: expected a path, got {value!r}")
-        return Path(value).expanduser()
-    if annotation == "str | None":
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value or None
-    if annotation == "LogFormat":
-        if value not in ("text", "json"):
-            raise ConfigError(f"{key}: expected \"text\" or \"json\", got {value!r}")
-        return value
-    if annotation == "FetchPolicy":
-        if value not in ("in_order", "race"):
-            raise ConfigError(f"{key}: expected \"in_order\" or \"race\", got {value!r}")
-        return value
-    if annotation in ("tuple[Path, ...]", "tuple[str, ...]"):
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{key}: expected an array of strings")
-        if annotation == "tuple[Path, ...]":
-            return tuple(Path(v).expanduser() for v in value)
-        return tuple(_check_url(v, key) for v in value)
-    if annotation == "Mapping[str, str]":
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            raise ConfigError(f"{key}: expected a table of string values")
-        return dict(value)
-    raise AssertionError(f"no coercion for {annotation}")  # a new field needs a case above
+def _one_line(error: ErrorDetails) -> str:
+    loc, kind, ctx = error["loc"], error["type"], error.get("ctx", {})
+    if kind == "value_error":
+        reason = str(ctx["error"])
+        loc += getattr(ctx["error"], "loc", ())
+    elif kind == "greater_than_equal":
+        reason = "must not be negative" if ctx["ge"] == 0 else f"must be at least {ctx['ge']:g}"
+    elif kind == "greater_than":
+        reason = f"must be more than {ctx['gt']:g}"
+    elif kind == "literal_error":
+        expected = ctx["expected"].replace("'", '"')  # TOML's quotes, as the file has them
+        reason = f"expected {expected}, got {error['input']!r}"
+    elif kind in _REASONS:
+        reason = _REASONS[kind].format(input=error["input"])
+    else:
+        reason = error["msg"]
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return f"{key}: {reason}"
 
 
-_SIZE_KEYS = {"max_bytes", "max_request_bytes", "max_decompressed_bytes"}
-
-
-def _build(cls: type[T], table: object, prefix: str, **fixed: Any) -> T:
-    if not isinstance(table, dict):
-        raise ConfigError(f"{prefix}: expected a table")
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = dict(fixed)
-    for name, value in table.items():
-        key = f"{prefix}.{name}"
-        if name not in known or name in fixed:
-            raise ConfigError(f"{key}: unknown key")
-        if name in _SIZE_KEYS:
-            kwargs[name] = parse_size(value, key)
-        else:
-            kwargs[name] = _coerce(value, str(known[name].type), key)
-    return cls(**kwargs)
-
-
-def _upstream(table: object, index: int) -> UpstreamConfig:
-    prefix = f"upstreams[{index}]"
-    if not isinstance(table, dict) or ("url" in table) == ("path" in table):
-        raise ConfigError(f"{prefix}.url: required (or path, for a local directory; not both)")
-    if "path" in table:
-        return _build(UpstreamConfig, table, prefix)
-    rest = {k: v for k, v in table.items() if k != "url"}
-    return _build(UpstreamConfig, rest, prefix, url=_check_url(table["url"], f"{prefix}.url"))
+_CONFIG = TypeAdapter(Config)
 
 
 def load_config(
@@ -289,33 +400,9 @@ def load_config(
             raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    sections: dict[str, type[Any]] = {
-        "server": ServerConfig, "cache": CacheConfig, "database": DatabaseConfig,
-        "negative": NegativeConfig, "fetch": FetchConfig, "symbolize": SymbolizeConfig,
-    }
-    for name in raw:
-        if name not in sections and name not in ("upstreams", "tenants"):
-            raise ConfigError(f"{name}: unknown key")
-    built = {name: _build(cls, raw.get(name, {}), name) for name, cls in sections.items()}
-    if "upstreams" in raw:
-        if not isinstance(raw["upstreams"], list):
-            raise ConfigError("upstreams: expected an array of tables ([[upstreams]])")
-        upstreams = tuple(_upstream(t, i) for i, t in enumerate(raw["upstreams"]))
-    elif env.get("DEBUGINFOD_URLS", "").strip():
-        upstreams = upstreams_from_env(env["DEBUGINFOD_URLS"])
-    else:
-        upstreams = Config().upstreams
-    parse_listen(built["server"].listen, "server.listen")
-    negative: NegativeConfig = built["negative"]
-    if negative.not_found_initial_ttl_s > negative.not_found_ttl_s:
-        raise ConfigError("negative.not_found_initial_ttl_s: must not exceed not_found_ttl_s")
-    if built["cache"].max_concurrent_fetches < 1:
-        raise ConfigError("cache.max_concurrent_fetches: must be at least 1")
-    if built["symbolize"].build_workers < 1:
-        raise ConfigError("symbolize.build_workers: must be at least 1")
-    tenants_raw = raw.get("tenants", {})
-    if not isinstance(tenants_raw, dict):
-        raise ConfigError("tenants: expected a table of [tenants.NAME] tables")
-    tenants = {name: _build(TenantConfig, t, f"tenants.{name}")
-               for name, t in tenants_raw.items()}
-    return Config(upstreams=upstreams, tenants=tenants, **built)
+    if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
+        raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
+    try:
+        return _CONFIG.validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e.errors()[0])) from None

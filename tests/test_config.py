@@ -86,11 +86,117 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[tenants.a]\nsymbolise = false\n", "tenants.a.symbolise: unknown key"),
     ("[tenants.a]\nupstreams = ['ftp://x']\n", "tenants.a.upstreams: expected an http"),
     ("tenants = 3\n", "tenants: expected a table"),
+    ("[server]\naccess_flush_s = 0\n", "server.access_flush_s: must be more than 0"),
+    ("[server]\naccess_flush_s = 'soon'\n", "server.access_flush_s: expected a non-negative"),
+    ("[negative]\nsweep_s = 0\n", "negative.sweep_s: must be more than 0"),
+    ("[negative]\nmemo_entries = 0\n", "negative.memo_entries: must be at least 1"),
+    ("[negative]\nmemo_entries = 1.5\n", "negative.memo_entries: expected a non-negative integer"),
+    ("[negative]\nmemo_s = nan\n", "negative.memo_s: expected a finite number"),
+    ("[symbolize]\nopen_tables = 0\n", "symbolize.open_tables: must be at least 1"),
+    ("[symbolize]\nno_symbols_retry_s = -1\n", "symbolize.no_symbols_retry_s: must not be neg"),
+    ("[symbolize]\nmalformed_retry_s = true\n", "symbolize.malformed_retry_s: expected a non-neg"),
+    ("[tenants.a]\ntokens = 'abcdefghijklmnopq'\n", "tenants.a.tokens: expected an array"),
+    ("[tenants.a]\ntokens = ['']\n", "tenants.a.tokens: expected strings of at least 16"),
+    ("[tenants.a]\ntokens = ['short']\n", "tenants.a.tokens: .* token 0 is 5 characters"),
+    ("[tenants.a]\ntokens = [16]\n", "tenants.a.tokens: expected strings"),
+    ("[tenants.a]\nupstreams = 'http://x'\n", "tenants.a.upstreams: expected an array"),
+    ("[tenants.a]\nupstreams = [3]\n", "tenants.a.upstreams[0]: expected a table"),
+    ("[[tenants.a.upstreams]]\nurl = 'http://x'\ntimeout = 3\n",
+     "tenants.a.upstreams[0].timeout: unknown key"),
+    ("[[tenants.a.upstreams]]\nurl = 'ftp://x'\n", "tenants.a.upstreams[0].url: expected an http"),
+    ("[[tenants.a.upstreams]]\nretries = 1\n", "tenants.a.upstreams[0].url: required"),
+    ("[[tenants.a.upstreams]]\npath = '/srv'\n", "tenants.a.upstreams[0].path: a tenant's"),
     ("[server\n", "not valid TOML"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(write(tmp_path, text), environ={})
+
+
+def test_new_keys_default_to_the_constants_they_replace() -> None:
+    cfg = load_config(None, environ={})
+    assert cfg.server.access_flush_s == 5.0
+    assert cfg.negative.sweep_s == 300.0 and cfg.negative.memo_entries == 100_000
+    assert cfg.symbolize.open_tables == 512
+    assert cfg.symbolize.no_symbols_retry_s == 600.0
+    assert cfg.symbolize.malformed_retry_s == 86400.0
+    assert TenantConfig().tokens == () and TenantConfig().upstreams == ()
+
+
+def test_new_keys_take_values(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+[server]
+access_flush_s = 1
+[negative]
+sweep_s = 60.5
+memo_entries = 1
+[symbolize]
+open_tables = 1
+no_symbols_retry_s = 0
+malformed_retry_s = 3600
+"""), environ={})
+    assert cfg.server.access_flush_s == 1.0 and isinstance(cfg.server.access_flush_s, float)
+    assert (cfg.negative.sweep_s, cfg.negative.memo_entries) == (60.5, 1)
+    assert cfg.symbolize.open_tables == 1
+    assert (cfg.symbolize.no_symbols_retry_s, cfg.symbolize.malformed_retry_s) == (0.0, 3600.0)
+
+
+def test_tenant_upstreams_are_urls_or_tables(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+[tenants.plain]
+upstreams = ["https://a.example/", { url = "http://b.example", retries = 0 }]
+[tenants.acme]
+symbolize = true
+[[tenants.acme.upstreams]]
+url = "https://debuginfod.acme.internal"
+headers = { Authorization = "Bearer sesame" }
+"""), environ={})
+    plain, acme = cfg.tenants["plain"].upstreams, cfg.tenants["acme"].upstreams
+    assert plain == (UpstreamConfig(url="https://a.example/"),
+                     UpstreamConfig(url="http://b.example", retries=0))
+    assert acme == (UpstreamConfig(url="https://debuginfod.acme.internal",
+                                   headers={"Authorization": "Bearer sesame"}),)
+    # Built in code, a bare URL still stands for an upstream with only that url.
+    built = TenantConfig(upstreams=("https://a.example/",))  # type: ignore[arg-type]
+    assert built.upstreams == plain[:1]
+
+
+def test_tokens_name_one_tenant_each(tmp_path: Path) -> None:
+    token, other, third = "t" * 16, "u" * 40, "v" * 20
+    cfg = load_config(write(tmp_path, f"""
+[tenants.a]
+tokens = ["{token}", "{other}"]
+[tenants.b]
+tokens = ["{third}"]
+"""), environ={})
+    assert cfg.tenants["a"].tokens == (token, other)
+    assert token not in repr(cfg)  # a logged config does not give the secrets away
+    shared = f'[tenants.a]\ntokens = ["{token}"]\n[tenants.b]\ntokens = ["{other}", "{token}"]\n'
+    with pytest.raises(ConfigError, match=r"^tenants\.b\.tokens: a token of tenant 'a'") as e:
+        load_config(write(tmp_path, shared), environ={})
+    assert token not in str(e.value)
+    with pytest.raises(ValueError, match="a token of tenant 'a'"):  # built in code, too
+        Config(tenants={"a": TenantConfig(tokens=(token,)), "b": TenantConfig(tokens=(token,))})
+
+
+def test_the_tenant_examples_parse(tmp_path: Path) -> None:
+    text = (ROOT / "config.example.toml").read_text()
+    section = text[text.index("# Per-tenant settings"):text.index("# Upstream debuginfod")]
+    toml = "\n".join(line[2:] for line in section.splitlines()
+                     if line.startswith(("# [", "# tokens", "# upstreams", "# symbolize",
+                                          "# url", "# headers")))
+    cfg = load_config(write(tmp_path, toml), environ={})
+    assert set(cfg.tenants) == {"team-a", "team-b", "acme"}
+    assert cfg.tenants["acme"].upstreams[0].headers == {"Authorization": "Bearer TOKEN"}
+    assert len(cfg.tenants["team-b"].tokens) == 1
+
+
+def test_constructed_sections_stay_dataclasses() -> None:
+    up = UpstreamConfig(url="http://x", connect_timeout_s=2)
+    assert dataclasses.replace(up, retries=0).retries == 0
+    assert [f.name for f in dataclasses.fields(up)][:2] == ["url", "path"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        up.retries = 9  # type: ignore[misc]
 
 
 def test_sizes() -> None:

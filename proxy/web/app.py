@@ -15,7 +15,7 @@ from proxy import __version__
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import NegativeCache
 from proxy.artifacts.service import ArtifactService
-from proxy.config import Config, UpstreamConfig
+from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Upstream
@@ -80,8 +80,7 @@ def _lifecycle(
             await local.start()
         by_url = {u.name: u for u in upstreams}
         tenant_upstreams: dict[str, list[Source]] = {
-            name: [by_url.get(url) or Upstream(UpstreamConfig(url=url), session, metrics)
-                   for url in tenant.upstreams]
+            name: [by_url.get(u.url) or Upstream(u, session, metrics) for u in tenant.upstreams]
             for name, tenant in config.tenants.items() if tenant.upstreams
         }
         service = ArtifactService(
