@@ -1,10 +1,19 @@
-"""The few failures a request can end in. proxy.http maps each to one HTTP status."""
+"""The few failures a request can end in, each with its outcome.
+
+proxy/web/errors.py maps each to one HTTP status; nothing else chooses a status.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+from symbolize.outcome import Outcome
 
 
 class SymgateError(Exception):
     """Base of every failure that is answered to a client rather than crashing."""
+
+    outcome: ClassVar[Outcome] = Outcome.INTERNAL
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -14,38 +23,68 @@ class SymgateError(Exception):
 class InvalidRequest(SymgateError):
     """The client's request is malformed: a bad build ID, a bad source path, a bad header."""
 
+    outcome = Outcome.REJECTED
+
+
+class Unauthorized(SymgateError):
+    """The request names a tenant that has tokens, without one of them."""
+
+    outcome = Outcome.REJECTED
+
 
 class NotFound(SymgateError):
-    """No upstream has the artifact (possibly remembered from an earlier miss)."""
+    """No source has the artifact."""
+
+    outcome = Outcome.NOT_FOUND
+
+
+class RememberedNotFound(NotFound):
+    """A 404 answered from the remembered misses, without asking any upstream."""
 
 
 class TooLarge(SymgateError):
     """The artifact is larger than the client's X-DEBUGINFOD-MAXSIZE."""
 
+    outcome = Outcome.REJECTED
+
 
 class PayloadTooLarge(SymgateError):
     """A request body is larger than allowed, before or after decompression."""
+
+    outcome = Outcome.REJECTED
 
 
 class UnsupportedMediaType(SymgateError):
     """A request body of a type the endpoint does not read (not a pprof profile's)."""
 
+    outcome = Outcome.REJECTED
+
 
 class OverLimit(SymgateError):
     """A well-formed request asks for more work than one request may (e.g. too many mappings)."""
+
+    outcome = Outcome.REJECTED
 
 
 class UpstreamUnavailable(SymgateError):
     """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker."""
 
+    outcome = Outcome.UPSTREAM_ERROR
+
 
 class UpstreamTimeout(UpstreamUnavailable):
     """An upstream did not answer, or stopped sending, within its time limits."""
+
+    outcome = Outcome.TIMEOUT
 
 
 class VerificationFailed(SymgateError):
     """An upstream sent bytes that are not what was asked for (wrong build ID, truncated)."""
 
+    outcome = Outcome.MALFORMED
+
 
 class NotCached(SymgateError):
     """Cache-Control: only-if-cached asked for an artifact that is not in the cache."""
+
+    outcome = Outcome.NOT_CACHED

@@ -11,22 +11,31 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from symbolize.outcome import Outcome
 
-class Outcome(StrEnum):
+
+class Served(StrEnum):
+    """How a /buildid request that was answered from symgate itself was answered."""
+
     HIT = "hit"
     MISS = "miss"  # fetched from an upstream (or joined a fetch under way)
     NEGATIVE_HIT = "negative_hit"  # answered 404 from a remembered miss
-    NOT_FOUND = "not_found"  # asked the upstreams, none had it
-    NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
-    BAD_REQUEST = "bad_request"
-    ERROR = "error"
 
 
-class UpstreamResult(StrEnum):
-    OK = "ok"
-    NOT_FOUND = "not_found"
-    TIMEOUT = "timeout"
-    ERROR = "error"
+# The outcome label of symgate_requests_total: how it was served, or the typed failure.
+REQUEST_OUTCOMES: tuple[str, ...] = (
+    *Served, Outcome.NOT_FOUND, Outcome.NOT_CACHED, Outcome.REJECTED, Outcome.TIMEOUT,
+    Outcome.UPSTREAM_ERROR, Outcome.MALFORMED, Outcome.INTERNAL,
+)
+ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")
+UPSTREAM_RESULTS = (Outcome.OK, Outcome.NOT_FOUND, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)
+VERIFICATION_REASONS = ("truncated", "not_elf", "build_id_mismatch")
+PROFILE_OUTCOMES = ("symbolized", "unchanged", "disabled", Outcome.REJECTED, Outcome.INTERNAL)
+MAPPING_RESULTS = ("symbolized", "has_functions", "no_build_id", "invalid_build_id",
+                   "no_locations", Outcome.NOT_FOUND, Outcome.NO_SYMBOLS, Outcome.MALFORMED,
+                   Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE, Outcome.INTERNAL)
+LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol")
+BUILD_RESULTS = (Outcome.OK, Outcome.NO_SYMBOLS, Outcome.MALFORMED)
 
 
 class BreakerState(StrEnum):
@@ -117,6 +126,26 @@ class ProxyMetrics:
             registry=registry,
         )
 
+        for kind in ARTIFACT_KINDS:
+            for outcome in REQUEST_OUTCOMES:
+                self.requests.labels("buildid", kind, outcome)
+        for source in ("cache", "upstream"):
+            self.served_bytes.labels(source)
+        for kind in ("debuginfo", "executable"):
+            for reason in VERIFICATION_REASONS:
+                self.verification_failures.labels(kind, reason)
+
+    def add_upstream(self, name: str) -> None:
+        """Make every series of one upstream exist at 0, so dashboards show 0, not no data."""
+        for result in UPSTREAM_RESULTS:
+            self.upstream_requests.labels(name, result)
+        for result in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR):
+            self.upstream_body_failures.labels(name, result)
+        self.upstream_latency.labels(name)
+        self.upstream_bytes.labels(name)
+        self.negative_entries_written.labels(name)
+        self.breaker_trips.labels(name)
+
     def set_breaker(self, upstream: str, state: BreakerState) -> None:
         self.breaker_state.labels(upstream).set(_BREAKER_VALUE[state])
 
@@ -157,3 +186,14 @@ class SymbolizeMetrics:
             f"{p}_symbolize_request_seconds", "Time to answer one /symbolize request",
             registry=registry, buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        # Every series of a fixed label set exists from start at 0 (Prometheus' advice).
+        for outcome in PROFILE_OUTCOMES:
+            self.profiles.labels(outcome)
+        for result in MAPPING_RESULTS:
+            self.mappings.labels(result)
+        for result in LOCATION_RESULTS:
+            self.locations.labels(result)
+        for result in BUILD_RESULTS:
+            self.symtab_builds.labels(result)
+        for result in ("hit", "miss"):
+            self.symtab_cache.labels(result)

@@ -113,6 +113,15 @@ def layout_of_file(path: Path) -> ElfLayout | None:
 _COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")
 
 
+def executable_segments(path: Path | None, build_id: str) -> tuple[LoadSegment, ...] | None:
+    """The program headers of the file at `path` when it is an executable (real file offsets)
+    with the right build ID, else None; blocking."""
+    layout = layout_of_file(path) if path is not None else None
+    if layout is None or not layout.has_file_layout or layout.build_id != build_id:
+        return None
+    return layout.segments
+
+
 def cold_part(name: str) -> str | None:
     """`main` for `main.cold` or `main.cold.3` (GCC's split-off unlikely code), else None."""
     return _COLD_SUFFIX.sub("", name) if _COLD_SUFFIX.search(name) else None

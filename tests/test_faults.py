@@ -41,7 +41,7 @@ async def test_slow_first_byte_is_504_or_406_for_elfutils_and_not_cached(
     up = faults.url_for("slow-first-byte")
     assert await sg.metric("symgate_upstream_requests_total", upstream=up, result="timeout") == 2
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
-                           outcome="error") == 2
+                           outcome="timeout") == 2
 
 
 @pytest.mark.parametrize("mode", ["hang-mid-body", "reset-mid-body", "truncated"])
@@ -57,7 +57,7 @@ async def test_body_cut_off_mid_stream_breaks_the_response_and_is_not_cached(
     assert await sg.metric("symgate_aborted_responses_total") == 1
     failures = await sg.metric("symgate_upstream_body_failures_total",
                                upstream=faults.url_for(mode),
-                               result="timeout" if mode == "hang-mid-body" else "error")
+                               result="timeout" if mode == "hang-mid-body" else "upstream_error")
     assert failures == 1
     assert await sg.metric("symgate_cache_entries") == 0
     assert not any((sg.config.cache_dir / "objects").rglob("*"))
@@ -126,7 +126,7 @@ async def test_500s_are_retried_then_502_and_not_remembered(
     status, _, _ = await sg.get(path)
     assert status == 502 and faults.count("status500") == 6
     assert await sg.metric("symgate_upstream_requests_total",
-                           upstream=faults.url_for("status500"), result="error") == 6
+                           upstream=faults.url_for("status500"), result="upstream_error") == 6
 
 
 async def test_flaky_upstream_succeeds_after_a_retry(

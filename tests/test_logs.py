@@ -60,7 +60,7 @@ async def test_json_lines_carry_outcome_upstream_bytes_and_duration(
     access = [r["access"] for r in records if "access" in r and
               r["access"]["path"].startswith("/buildid/")]
     assert [(a["outcome"], a["status"]) for a in access] == [
-        ("miss", 200), ("hit", 200), ("not_found", 404), ("bad_request", 400)]
+        ("miss", 200), ("hit", 200), ("not_found", 404), ("rejected", 400)]
     size = elfs.prog.debug.stat().st_size
     for a in access[:2]:
         assert a["upstream"] == faults.url_for("ok") and a["bytes"] == size

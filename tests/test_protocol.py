@@ -94,9 +94,9 @@ async def test_malformed_build_ids_are_400_and_never_go_upstream(
         assert status == 400
     assert faults.count("ok") == 0
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="invalid",
-                           outcome="bad_request") == 0  # kind is known; only the ID was bad
+                           outcome="rejected") == 0  # kind is known; only the ID was bad
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
-                           outcome="bad_request") == 2
+                           outcome="rejected") == 2
 
 
 async def test_build_id_case_is_normalised(

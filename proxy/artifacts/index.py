@@ -11,21 +11,23 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
-from proxy.store.disk import DiskStore
+from proxy.store.disk import Store
 from proxy.store.repository import ArtifactRecord, Repository
 
 log = logging.getLogger(__name__)
 
 
-def key_hash(key: ArtifactKey) -> str:
-    return hashlib.sha256(key.id.encode()).hexdigest()
+def key_hash(scope: str, key: ArtifactKey) -> str:
+    """The key's name in SQL and in memory; a shared key's is what it was before scopes."""
+    text = f"{scope}\0{key.id}" if scope else key.id
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +35,14 @@ class CachedArtifact:
     record: ArtifactRecord
     path: Path
 
+    @property
+    def scope(self) -> str:
+        return self.record.scope
+
 
 class ArtifactCache:
     def __init__(
-        self, store: DiskStore, repo: Repository, metrics: ProxyMetrics, max_bytes: int
+        self, store: Store, repo: Repository, metrics: ProxyMetrics, max_bytes: int
     ) -> None:
         self.store = store
         self._repo = repo
@@ -48,8 +54,8 @@ class ArtifactCache:
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         self._evict_lock = asyncio.Lock()
         self._deferred: asyncio.Task[None] | None = None
-        # Awaited with each artifact's key after it left the cache (evicted or removed).
-        self.evicted: list[Callable[[ArtifactKey], Awaitable[None]]] = []
+        # Awaited with each artifact's scope and key after it left the cache.
+        self.evicted: list[Callable[[str, ArtifactKey], Awaitable[None]]] = []
         metrics.cache_max.set(max_bytes)
 
     @property
@@ -65,9 +71,9 @@ class ArtifactCache:
         on_disk = set(self.store.stored_names())
         stale: list[str] = []
         for rec in await self._repo.all_artifacts():
-            name = ArtifactKey.from_id(rec.key).storage_name
-            path = self.store.objects / name
-            if name in on_disk and _size(path) == rec.size:
+            key = ArtifactKey.from_id(rec.key)
+            name = self.store.artifact_name(rec.scope, key)
+            if name in on_disk and _size(self.store.artifact_path(rec.scope, key)) == rec.size:
                 self._add(rec)
                 on_disk.discard(name)
             else:
@@ -99,28 +105,33 @@ class ArtifactCache:
         self._metrics.cache_size.set(self._bytes)
         self._metrics.cache_entries.set(len(self._entries))
 
-    def peek(self, key: ArtifactKey) -> CachedArtifact | None:
-        rec = self._entries.get(key_hash(key))
-        return CachedArtifact(rec, self.store.path_of(key)) if rec else None
+    def peek(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
+        rec = self._entries.get(key_hash(scope, key))
+        return CachedArtifact(rec, self.store.artifact_path(scope, key)) if rec else None
 
-    async def get(self, key: ArtifactKey) -> CachedArtifact | None:
+    def peek_any(self, scopes: Iterable[str], key: ArtifactKey) -> CachedArtifact | None:
+        """The first of `scopes` that has the key in memory."""
+        return next((hit for s in scopes if (hit := self.peek(s, key)) is not None), None)
+
+    async def get(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
         """A hit from memory; on a memory miss, a row another replica wrote, if its file is here."""
-        kh = key_hash(key)
+        kh = key_hash(scope, key)
+        path = self.store.artifact_path(scope, key)
         rec = self._entries.get(kh)
         if rec is None:
             rec = await self._repo.get_artifact(kh)
-            if rec is None or _size(self.store.path_of(key)) != rec.size:
+            if rec is None or _size(path) != rec.size:
                 return None
             self._add(rec)
         self._entries.move_to_end(kh)
         hits, _ = self._pending_access.get(kh, (0, rec.last_access))
         self._pending_access[kh] = (hits + 1, datetime.now(UTC))
-        return CachedArtifact(rec, self.store.path_of(key))
+        return CachedArtifact(rec, path)
 
     @contextlib.contextmanager
-    def lease(self, key: ArtifactKey) -> Iterator[None]:
-        """Hold while a file is being sent, so eviction passes it over."""
-        kh = key_hash(key)
+    def lease(self, scope: str, key: ArtifactKey) -> Iterator[None]:
+        """Hold while a file is being sent or read, so eviction passes it over."""
+        kh = key_hash(scope, key)
         self._leases[kh] = self._leases.get(kh, 0) + 1
         try:
             yield
@@ -138,20 +149,20 @@ class ArtifactCache:
         self._add(rec)
         await self.evict(keep=rec.key_hash)
 
-    async def remove(self, key: ArtifactKey) -> bool:
-        kh = key_hash(key)
+    async def remove(self, scope: str, key: ArtifactKey) -> bool:
+        kh = key_hash(scope, key)
         if self._drop(kh) is None:
             return False
         await self._repo.delete_artifacts([kh])
-        self.store.remove(key)
-        await self._notify_evicted([key])
+        self.store.remove_artifact(scope, key)
+        await self._notify_evicted([(scope, key)])
         return True
 
-    async def _notify_evicted(self, keys: list[ArtifactKey]) -> None:
-        for key in keys:
+    async def _notify_evicted(self, keys: list[tuple[str, ArtifactKey]]) -> None:
+        for scope, key in keys:
             for listener in self.evicted:
                 try:
-                    await listener(key)
+                    await listener(scope, key)
                 except Exception:  # a listener's failure must not stop eviction
                     log.exception("eviction listener failed for %s", key.id)
 
@@ -173,11 +184,11 @@ class ArtifactCache:
                     continue
                 victims.append(rec)
                 over -= rec.size
-            keys = []
+            keys: list[tuple[str, ArtifactKey]] = []
             for rec in victims:
                 self._drop(rec.key_hash)
-                keys.append(ArtifactKey.from_id(rec.key))
-                self.store.remove(keys[-1])
+                keys.append((rec.scope, ArtifactKey.from_id(rec.key)))
+                self.store.remove_artifact(*keys[-1])
                 self._metrics.evictions.inc()
                 self._metrics.evicted_bytes.inc(rec.size)
             await self._repo.delete_artifacts(r.key_hash for r in victims)

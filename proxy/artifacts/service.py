@@ -10,18 +10,20 @@ import email.utils
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
-from proxy.artifacts.misses import NegativeCache
+from proxy.artifacts.misses import RememberedMisses
+from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
     NotCached,
     NotFound,
+    RememberedNotFound,
     SymgateError,
     UpstreamUnavailable,
     VerificationFailed,
@@ -34,10 +36,6 @@ from proxy.store.repository import ArtifactRecord
 from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
-
-
-class RememberedNotFound(NotFound):
-    """A 404 answered from the negative cache, without asking any upstream."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,61 +57,55 @@ class ArtifactService:
         self,
         *,
         cache: ArtifactCache,
-        negatives: NegativeCache,
-        upstreams: Sequence[Source],
+        misses: RememberedMisses,
         policy: FetchPolicy,
         max_concurrent_fetches: int,
         metrics: ProxyMetrics,
     ) -> None:
         self.cache = cache
-        self.negatives = negatives
-        self.upstreams = tuple(upstreams)
+        self.misses = misses
         self._policy = policy
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
         self._metrics = metrics
-        self._flights: dict[str, Flight] = {}
+        self._flights: dict[str, Flight] = {}  # keyed by key_hash(request scope, key)
         self._tasks: set[asyncio.Task[None]] = set()
-        # Called with each artifact's key once it is committed to the cache.
-        self.committed: list[Callable[[ArtifactKey], None]] = []
+        # Called with each artifact's scope and key once it is committed to the cache.
+        self.committed: list[Callable[[str, ArtifactKey], None]] = []
 
-    async def find(
-        self,
-        key: ArtifactKey,
-        forwarded_for: str,
-        *,
-        may_fetch: bool = True,
-        cache_only: bool = False,
-        upstreams: Sequence[Source] | None = None,
-    ) -> Hit | Streaming:
+    async def find(self, key: ArtifactKey, req: RequestScope, *, cache_only: bool = False
+                   ) -> Hit | Streaming:
         """Raises NotFound, UpstreamUnavailable (or UpstreamTimeout), VerificationFailed.
 
-        With may_fetch false (a request past the forwarding hop limit) only the cache answers;
+        Only the scopes the request may see answer it, and only its own sources are asked.
+        With req.may_fetch false (past the forwarding hop limit) only the cache answers;
         with cache_only, a miss raises NotCached instead of fetching.
         """
-        ups = self.upstreams if upstreams is None else tuple(upstreams)
+        ups = req.sources
+        scope = req.scope
         # Only sources whose misses are remembered can make a request a negative hit; one that
         # can tell at once that it has the key (a local directory) overrides any remembered miss.
         names = [u.name for u in ups if u.remembers_misses]
         local_has = any(u.has(key) for u in ups if not u.remembers_misses)
-        kh = key_hash(key)
-        if (hit := self.cache.peek(key)) is not None:
+        kh = key_hash(scope, key)
+        if (hit := self.cache.peek_any(req.visible, key)) is not None:
             if hit.path.is_file():
-                return Hit(await self.cache.get(key) or hit)
+                return Hit(await self.cache.get(hit.scope, key) or hit)
             # Deleted behind our back (an operator, a disk cleaner): forget it and fetch again.
             log.warning("cached %s vanished from disk; fetching it again", key.id)
-            await self.cache.remove(key)
-        if not may_fetch:
+            await self.cache.remove(hit.scope, key)
+        if not req.may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if cache_only:
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
         if (flight := self._flights.get(kh)) is not None:
             self._metrics.singleflight_joins.inc()
             return await _join(flight)
-        if not local_has and self.negatives.memo_covers(key, names):
+        if not local_has and self.misses.memo_covers(scope, key, names):
             raise RememberedNotFound("not found (remembered miss)")
-        if (shared := await self.cache.get(key)) is not None:
-            return Hit(shared)
-        known_missing = await self.negatives.live(key)
+        for visible in req.visible:
+            if (shared := await self.cache.get(visible, key)) is not None:
+                return Hit(shared)
+        known_missing = await self.misses.live(scope, key)
         if not local_has and known_missing.issuperset(names):
             # No local source has it, and every remote one is remembered as not having it.
             if names:
@@ -127,15 +119,15 @@ class ArtifactService:
         flight = Flight(fd)
         self._flights[kh] = flight
         task = asyncio.create_task(
-            self._fetch(key, flight, path, [u for u in ups if u.name not in known_missing],
-                        forwarded_for)
+            self._fetch(key, scope, flight, path,
+                        [u for u in ups if u.name not in known_missing], req.forwarded_for)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await _join(flight)
 
     async def _fetch(
-        self, key: ArtifactKey, flight: Flight, temp: Path, ups: list[Source],
+        self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, ups: list[Source],
         forwarded_for: str,
     ) -> None:
         """Runs detached from any client: a disconnect does not stop the download."""
@@ -146,14 +138,17 @@ class ArtifactService:
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
                 if misses:
-                    await self.negatives.record(key, misses)
+                    await self.misses.record(scope, key, misses)
                     for name in misses:
                         self._metrics.negative_entries_written.labels(name).inc()
                 if result.body is None:
                     flight.fail(result.failure() if result.failures else NotFound("not found"))
                     return
+                # What a source of the request's tenant gave stays the tenant's.
+                owner = next((u.scope for u in ups if u.name == result.body.meta.upstream),
+                             SHARED)
                 try:
-                    await self._download(key, flight, temp, result.body)
+                    await self._download(key, owner, flight, temp, result.body)
                 finally:
                     result.body.close()
         except SymgateError as e:
@@ -164,15 +159,15 @@ class ArtifactService:
         finally:
             if not flight.finished:  # cancelled: server shutting down
                 flight.fail(UpstreamUnavailable("server shutting down"))
-            if self._flights.get(key_hash(key)) is flight:
-                del self._flights[key_hash(key)]
+            if self._flights.get(key_hash(scope, key)) is flight:
+                del self._flights[key_hash(scope, key)]
             flight.close_fd()
             if not flight.succeeded:
                 temp.unlink(missing_ok=True)
             self._metrics.inflight_fetches.dec()
 
     async def _download(
-        self, key: ArtifactKey, flight: Flight, temp: Path, body: Body
+        self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body
     ) -> None:
         meta = body.meta
         flight.started(meta)
@@ -195,20 +190,21 @@ class ArtifactService:
                     f"{meta.upstream} sent a file with build ID {found or 'none'},"
                     f" not {key.build_id}"
                 )
-        final = await asyncio.to_thread(self.cache.store.commit, temp, fd, key)
+        final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
         now = datetime.now(UTC)
         await self.cache.add(ArtifactRecord(
-            key_hash=key_hash(key), key=key.id, build_id=key.build_id, kind=str(key.kind),
+            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
+            kind=str(key.kind),
             size=flight.written, sha256=digest.hexdigest(), upstream=meta.upstream,
             filename=meta.filename or key.default_filename, archive=meta.archive,
             fetched_at=now, last_access=now, hits=0,
         ))
-        self.negatives.forget(key)
+        self.misses.forget(scope, key)
         flight.succeed()
         for listener in self.committed:
-            listener(key)
+            listener(scope, key)
 
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()

@@ -35,6 +35,9 @@ class Body(Protocol):
 
 class Source(Protocol):
     name: str
+    # "" for a global source, whose artifacts every client may see; a tenant's name for one of
+    # that tenant's own sources, whose artifacts only that tenant's requests see.
+    scope: str
     # Whether this source's 404s are worth remembering in SQL (a remote round trip saved);
     # a local directory is asked again every time, so a file added to it is found at once.
     remembers_misses: bool

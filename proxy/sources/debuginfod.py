@@ -14,9 +14,10 @@ from proxy import __version__
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import ArtifactKey
-from proxy.metrics import ProxyMetrics, UpstreamResult
+from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body
 from proxy.sources.breaker import CircuitBreaker
+from symbolize.outcome import Outcome
 
 USER_AGENT = f"symgate/{__version__}"
 CHUNK = 256 * 1024
@@ -62,10 +63,10 @@ class UpstreamBody:
                 self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
                 yield chunk
         except TimeoutError as e:
-            self.upstream.body_failed(UpstreamResult.TIMEOUT)
+            self.upstream.body_failed(Outcome.TIMEOUT)
             raise UpstreamTimeout(f"{name}: stopped sending the body") from e
         except (aiohttp.ClientError, OSError) as e:
-            self.upstream.body_failed(UpstreamResult.ERROR)
+            self.upstream.body_failed(Outcome.UPSTREAM_ERROR)
             raise UpstreamUnavailable(f"{name}: body cut off ({type(e).__name__})") from e
 
     def close(self) -> None:
@@ -78,10 +79,12 @@ class Upstream:
     remembers_misses = True
 
     def __init__(
-        self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics
+        self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics,
+        scope: str = "",
     ) -> None:
         self.cfg = cfg
-        self.name = cfg.url
+        self.name = cfg.url if not scope else f"{cfg.url} [{scope}]"
+        self.scope = scope
         self.base = cfg.url.rstrip("/")
         self.metrics = metrics
         self._session = session
@@ -89,6 +92,7 @@ class Upstream:
             cfg.breaker_failures, cfg.breaker_cooldown_s,
             lambda state: metrics.set_breaker(self.name, state),
         )
+        metrics.add_upstream(self.name)
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.total_timeout_s or None,
             sock_connect=cfg.connect_timeout_s or None,
@@ -97,7 +101,7 @@ class Upstream:
     def has(self, key: ArtifactKey) -> bool | None:
         return None  # only a request can tell
 
-    def count(self, result: UpstreamResult, *, failed: bool = False) -> None:
+    def count(self, result: Outcome, *, failed: bool = False) -> None:
         """Count one request's result; any answer at all closes the breaker again."""
         self.metrics.upstream_requests.labels(self.name, result).inc()
         if not failed:
@@ -105,7 +109,7 @@ class Upstream:
         elif self.breaker.failure():
             self.metrics.breaker_trips.labels(self.name).inc()
 
-    def body_failed(self, result: UpstreamResult) -> None:
+    def body_failed(self, result: Outcome) -> None:
         self.metrics.upstream_body_failures.labels(self.name, result).inc()
         if self.breaker.failure():
             self.metrics.breaker_trips.labels(self.name).inc()
@@ -146,17 +150,17 @@ class Upstream:
                     max_redirects=self.cfg.max_redirects + 1,
                 )
         except TimeoutError as e:
-            self.count(UpstreamResult.TIMEOUT, failed=True)
+            self.count(Outcome.TIMEOUT, failed=True)
             raise UpstreamTimeout(f"{self.name}: no response in time") from e
         except aiohttp.TooManyRedirects as e:
-            self.count(UpstreamResult.ERROR)
+            self.count(Outcome.UPSTREAM_ERROR)
             raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects")) from e
         except (aiohttp.InvalidURL, aiohttp.InvalidUrlRedirectClientError,
                 aiohttp.NonHttpUrlRedirectClientError) as e:
-            self.count(UpstreamResult.ERROR)
+            self.count(Outcome.UPSTREAM_ERROR)
             raise _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect ({e})")) from e
         except (aiohttp.ClientError, OSError) as e:
-            self.count(UpstreamResult.ERROR, failed=True)
+            self.count(Outcome.UPSTREAM_ERROR, failed=True)
             raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}") from e
         finally:
             self.metrics.upstream_latency.labels(self.name).observe(
@@ -164,17 +168,17 @@ class Upstream:
             )
         status = response.status
         if status == 200:
-            self.count(UpstreamResult.OK)
+            self.count(Outcome.OK)
             return UpstreamBody(self, response)
         response.release()
         if status in _NOT_FOUND:
-            self.count(UpstreamResult.NOT_FOUND)
+            self.count(Outcome.NOT_FOUND)
             return None
         if status in _TRANSIENT_STATUS:
-            self.count(UpstreamResult.ERROR, failed=True)
+            self.count(Outcome.UPSTREAM_ERROR, failed=True)
             raise UpstreamUnavailable(f"{self.name}: answered {status}")
         # 401/403 and the like: a misconfiguration, not a miss, and not worth retrying.
-        self.count(UpstreamResult.ERROR)
+        self.count(Outcome.UPSTREAM_ERROR)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
 
 

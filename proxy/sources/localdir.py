@@ -24,9 +24,10 @@ from elftools.elf.elffile import ELFFile
 
 from proxy.errors import UpstreamUnavailable
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import ProxyMetrics, UpstreamResult
+from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta
 from symbolize.elf import build_id_of_stream
+from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
@@ -76,6 +77,8 @@ class LocalDirectory:
     def __init__(self, root: Path, rescan_s: float, metrics: ProxyMetrics) -> None:
         self.root = root
         self.name = f"dir:{root}"
+        self.scope = ""
+        metrics.add_upstream(self.name)
         self._rescan_s = rescan_s
         self._metrics = metrics
         self._seen: dict[Path, _Seen] = {}
@@ -145,7 +148,7 @@ class LocalDirectory:
         else:
             path = self._index.get((key.build_id, key.kind))
             body = FileBody(self.name, path) if path is not None and path.exists() else None
-        result = UpstreamResult.OK if body is not None else UpstreamResult.NOT_FOUND
+        result = Outcome.OK if body is not None else Outcome.NOT_FOUND
         self._metrics.upstream_requests.labels(self.name, result).inc()
         return body
 

@@ -17,8 +17,11 @@ class Artifact(Base):
 
     __tablename__ = "artifacts"
 
-    # sha256 of the key text: source paths can be 4 KiB, longer than a btree index allows.
+    # sha256 of the scope and key text: source paths can be 4 KiB, longer than a btree index
+    # allows (see proxy.artifacts.index.key_hash).
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # "" for what every client may see; a tenant's name for what came from its own sources.
+    scope: Mapped[str] = mapped_column(String(255), default="")
     key: Mapped[str] = mapped_column(Text)
     build_id: Mapped[str] = mapped_column(String(128), index=True)
     kind: Mapped[str] = mapped_column(String(16))
@@ -33,15 +36,17 @@ class Artifact(Base):
 
 
 class Negative(Base):
-    """An upstream answered 404 for a key; remembered until expires_at."""
+    """An upstream's answer for a key that is worth remembering; believed until expires_at."""
 
     __tablename__ = "negatives"
 
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     upstream: Mapped[str] = mapped_column(Text, primary_key=True)
+    scope: Mapped[str] = mapped_column(String(255), default="")
     key: Mapped[str] = mapped_column(Text)
     build_id: Mapped[str] = mapped_column(String(128), index=True)
-    status: Mapped[int] = mapped_column(Integer)
+    # A symbolize.outcome.Outcome value: not_found today.
+    outcome: Mapped[str] = mapped_column(String(16))
     # Consecutive misses: each one doubles the next TTL, up to the configured maximum.
     misses: Mapped[int] = mapped_column(Integer, default=1)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -49,13 +54,15 @@ class Negative(Base):
 
 
 class SymbolTableRow(Base):
-    """A symbol table built for a build ID, or why none could be (with a retry time)."""
+    """A symbol table built for a build ID in a scope, or why none could be (until when)."""
 
     __tablename__ = "symbol_tables"
 
+    # The scope of the artifact it was built from: "" for shared ones, else a tenant's name.
+    scope: Mapped[str] = mapped_column(String(255), primary_key=True)
     build_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # ok | no_symbols | malformed: the typed outcome of the last build
-    status: Mapped[str] = mapped_column(String(16))
+    # ok | no_symbols | malformed: a symbolize.outcome.Outcome value
+    outcome: Mapped[str] = mapped_column(String(16))
     format: Mapped[str] = mapped_column(String(32))
     # The artifact it was built from: evicting that artifact drops the table.
     source_key: Mapped[str] = mapped_column(Text)
@@ -69,5 +76,5 @@ class SymbolTableRow(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     built_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     build_seconds: Mapped[float] = mapped_column(default=0.0)
-    # For failed builds: when trying again is worth it.
-    retry_after: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # For failed builds: until when the outcome is believed (then a build is tried again).
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

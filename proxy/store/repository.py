@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, select, update
+from sqlalchemy import delete, event, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
@@ -45,6 +45,7 @@ def aware(dt: datetime) -> datetime:
 @dataclass(frozen=True, slots=True)
 class ArtifactRecord:
     key_hash: str
+    scope: str
     key: str
     build_id: str
     kind: str
@@ -60,8 +61,9 @@ class ArtifactRecord:
 
 @dataclass(frozen=True, slots=True)
 class SymbolTableRecord:
+    scope: str
     build_id: str
-    status: str
+    outcome: str
     format: str
     source_key: str
     size: int
@@ -73,13 +75,13 @@ class SymbolTableRecord:
     error: str | None
     built_at: datetime
     build_seconds: float
-    retry_after: datetime | None
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
 class NegativeRecord:
     upstream: str
-    status: int
+    outcome: str
     misses: int
     expires_at: datetime
 
@@ -91,8 +93,9 @@ def _columns(rec: ArtifactRecord | SymbolTableRecord) -> dict[str, Any]:
 
 def _record(row: Artifact) -> ArtifactRecord:
     return ArtifactRecord(
-        row.key_hash, row.key, row.build_id, row.kind, row.size, row.sha256, row.upstream,
-        row.filename, row.archive, aware(row.fetched_at), aware(row.last_access), row.hits,
+        row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
+        row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
+        row.hits,
     )
 
 
@@ -165,19 +168,19 @@ class Repository:
         async with self._session() as s:
             rows = (await s.scalars(select(Negative).where(Negative.key_hash == key_hash))).all()
             return [
-                NegativeRecord(r.upstream, r.status, r.misses, aware(r.expires_at)) for r in rows
+                NegativeRecord(r.upstream, r.outcome, r.misses, aware(r.expires_at)) for r in rows
             ]
 
     async def put_negative(
-        self, *, key_hash: str, key: str, build_id: str, upstream: str, status: int,
-        misses: int, first_seen: datetime, expires_at: datetime,
+        self, *, key_hash: str, scope: str, key: str, build_id: str, upstream: str,
+        outcome: str, misses: int, first_seen: datetime, expires_at: datetime,
     ) -> None:
-        values = {"key_hash": key_hash, "upstream": upstream, "key": key, "build_id": build_id,
-                  "status": status, "misses": misses, "first_seen": first_seen,
-                  "expires_at": expires_at}
+        values = {"key_hash": key_hash, "upstream": upstream, "scope": scope, "key": key,
+                  "build_id": build_id, "outcome": outcome, "misses": misses,
+                  "first_seen": first_seen, "expires_at": expires_at}
         # first_seen stays what it was: it tells how long a build ID has been missing.
         stmt = self._upsert(Negative, values, ["key_hash", "upstream"],
-                            update_only=["status", "misses", "expires_at"])
+                            update_only=["outcome", "misses", "expires_at"])
         async with self._session.begin() as s:
             await s.execute(stmt)
 
@@ -211,33 +214,36 @@ class Repository:
             return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
     # -- symbol tables -----------------------------------------------------------------------
-    async def get_symbol_table(self, build_id: str) -> SymbolTableRecord | None:
+    async def get_symbol_table(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         async with self._session() as s:
-            row = await s.get(SymbolTableRow, build_id)
+            row = await s.get(SymbolTableRow, (scope, build_id))
             if row is None:
                 return None
             return SymbolTableRecord(
-                row.build_id, row.status, row.format, row.source_key, row.size,
+                row.scope, row.build_id, row.outcome, row.format, row.source_key, row.size,
                 row.load_address, row.code_ranges, row.cold_ranges, row.has_lines,
                 row.file_layout, row.error,
                 aware(row.built_at), row.build_seconds,
-                aware(row.retry_after) if row.retry_after else None,
+                aware(row.expires_at) if row.expires_at else None,
             )
 
     async def put_symbol_table(self, rec: SymbolTableRecord) -> None:
-        stmt = self._upsert(SymbolTableRow, _columns(rec), ["build_id"])
+        stmt = self._upsert(SymbolTableRow, _columns(rec), ["scope", "build_id"])
         async with self._session.begin() as s:
             await s.execute(stmt)
 
-    async def set_file_layout(self, build_id: str, layout: str) -> None:
+    async def set_file_layout(self, scope: str, build_id: str, layout: str) -> None:
         async with self._session.begin() as s:
             await s.execute(
-                update(SymbolTableRow).where(SymbolTableRow.build_id == build_id)
+                update(SymbolTableRow)
+                .where(SymbolTableRow.scope == scope, SymbolTableRow.build_id == build_id)
                 .values(file_layout=layout)
             )
 
-    async def delete_symbol_tables(self, build_ids: Iterable[str]) -> None:
-        ids = list(build_ids)
-        if ids:
+    async def delete_symbol_tables(self, tables: Iterable[tuple[str, str]]) -> None:
+        """Forget the tables of these (scope, build ID) pairs."""
+        pairs = list(tables)
+        if pairs:
             async with self._session.begin() as s:
-                await s.execute(delete(SymbolTableRow).where(SymbolTableRow.build_id.in_(ids)))
+                await s.execute(delete(SymbolTableRow).where(
+                    tuple_(SymbolTableRow.scope, SymbolTableRow.build_id).in_(pairs)))

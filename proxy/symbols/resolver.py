@@ -1,110 +1,78 @@
-"""Symbol tables per build ID: found, built in worker processes, tracked in SQL, kept open.
+"""Symbol tables per (scope, build ID): found, built, opened, and shared by every request.
 
 A table is built from the best ELF file there is for the build ID: a debug file from the
-configured local debug directories or from symgate's cache and upstreams, else the executable
-(its .symtab/.dynsym). Builds start in the background as soon as a debuginfo or executable is
-cached, and a table is dropped when the artifact it was built from is evicted.
+configured local debug directories or from symgate's cache and the request's sources, else the
+executable (its .symtab/.dynsym). It is kept under the scope of the file it was built from, so
+a table built from a tenant's private file answers that tenant only. Builds start in the
+background as soon as a debuginfo or executable is cached, and a table is dropped when the
+artifact it was built from is evicted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import multiprocessing
-from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
 from proxy.errors import NotFound, SymgateError
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
-from proxy.sources.base import Source
-from proxy.store.repository import Repository, SymbolTableRecord
+from proxy.store.repository import SymbolTableRecord
+from proxy.symbols.build_pool import BuildPool
+from proxy.symbols.open_tables import OpenTable, OpenTables
+from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
 from symbolize.chains import FunctionIds
 from symbolize.debugdirs import find_debug_file, find_executable
-from symbolize.elf import ElfLayout, LoadSegment, layout_of_file
-from symbolize.rewrite import MappingSymbols
-from symbolize.symtab import (
-    FORMAT,
-    BuildResult,
-    MalformedObject,
-    NoSymbols,
-    SymbolTable,
-    build_symbol_table,
-    warm_up,
-)
+from symbolize.elf import LoadSegment, executable_segments, layout_of_file
+from symbolize.outcome import Outcome
+from symbolize.pipeline import Resolved, SymbolProvider
+from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, SymbolTable
 
 log = logging.getLogger(__name__)
-_OPEN_TABLES = 512
-# How long a failed build is believed: a file without symbols may be replaced upstream by one
-# with them (like a 404, retried); a malformed file is retried after a day, as symbolicator does.
-_RETRY = {"no_symbols": timedelta(minutes=10), "malformed": timedelta(days=1)}
+# What a shared resolution ends in: the table, opened under its scope, or why there is none.
+_Found = tuple[str, OpenTable] | Outcome
+Segments = tuple[LoadSegment, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """Symbols for a build ID, or the reason there are none (a Report reason)."""
+class _Source:
+    """The ELF file a table is built from, and the cached artifact it is (to lease), if any."""
 
-    symbols: MappingSymbols | None
-    reason: str = "ok"
-
-
-@dataclass(slots=True)
-class _Open:
-    table: SymbolTable
-    segments: tuple[LoadSegment, ...] | None  # None until an executable's layout is known
+    def __init__(self, path: Path, source_key: str, scope: str,
+                 artifact: tuple[str, ArtifactKey] | None) -> None:
+        self.path = path
+        self.source_key = source_key
+        self.scope = scope
+        self.artifact = artifact
 
 
-def _layout_json(segments: Sequence[LoadSegment]) -> str:
-    return json.dumps([[s.offset, s.vaddr, s.filesz, s.memsz, s.executable] for s in segments])
-
-
-def _layout_from_json(text: str) -> tuple[LoadSegment, ...]:
-    return tuple(LoadSegment(int(o), int(v), int(f), int(m), bool(x))
-                 for o, v, f, m, x in json.loads(text))
-
-
-def _ranges(text: str) -> tuple[tuple[int, int], ...]:
-    return tuple((int(a), int(b)) for a, b in json.loads(text))
-
-
-class SymbolService:
+class SymbolResolver:
     def __init__(
-        self, *, artifacts: ArtifactService, repo: Repository, root: Path,
-        debug_dirs: Sequence[Path], workers: int, metrics: SymbolizeMetrics,
+        self, *, artifacts: ArtifactService, tables: TableStore, open_tables: OpenTables,
+        pool: BuildPool, debug_dirs: Sequence[Path], metrics: SymbolizeMetrics,
     ) -> None:
         self._artifacts = artifacts
-        self._repo = repo
-        self.root = root
+        self._tables = tables
+        self._open = open_tables
+        self._pool = pool
         self._debug_dirs = tuple(debug_dirs)
         self._metrics = metrics
-        # forkserver: never fork a process that runs an event loop and threads.
-        self._workers = workers
-        self._executor = ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("forkserver"))
-        self._open: OrderedDict[str, _Open] = OrderedDict()
         self.function_ids = FunctionIds()  # shared by every open table and every rewrite
-        self._resolving: dict[str, asyncio.Future[Outcome]] = {}
-        self._layouts: dict[str, asyncio.Future[tuple[LoadSegment, ...] | None]] = {}
+        # Keyed by (the request's scope, build ID): one resolution and one layout search each.
+        self._resolving: dict[tuple[str, str], asyncio.Future[_Found]] = {}
+        self._layouts: dict[tuple[str, str], asyncio.Future[Segments | None]] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
     async def start(self) -> None:
-        """Start the worker processes, and have SQLAlchemy compile the symbol-table query,
-        now rather than on the first cold profile (about 10 ms)."""
-        for _ in range(self._workers):
-            self._executor.submit(warm_up)
-        await self._repo.get_symbol_table("")
-
-    def path_for(self, build_id: str) -> Path:
-        return self.root / build_id[:2] / f"{build_id}.symc"
+        """Start the workers, and have SQLAlchemy compile the symbol-table query, now rather
+        than on the first cold profile (about 10 ms)."""
+        self._pool.start()
+        await self._tables.get(SHARED, "")
 
     async def close(self) -> None:
         pending: list[asyncio.Future[Any]] = [*self._resolving.values(),
@@ -112,124 +80,118 @@ class SymbolService:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
+
+    def provider(self, req: RequestScope) -> SymbolProvider:
+        """What the symbolization pipeline asks, for one request."""
+        return _ScopedProvider(self, req)
 
     # -- lookups -------------------------------------------------------------------------------
-    async def symbols_for(
-        self, build_id: str, *, needs_layout: bool, forwarded_for: str = "",
-        upstreams: Sequence[Source] | None = None,
-    ) -> Outcome:
-        """The symbols of `build_id`; fetching and building them if need be (shared).
+    async def resolve(self, req: RequestScope, build_id: str, needs_layout: bool) -> Resolved:
+        """The symbols of `build_id` for this request; fetching and building them if need be.
 
         Shielded as a whole: a request that gives up at its deadline leaves the table and the
         program headers to be found anyway, for the next profile.
         """
-        return await asyncio.shield(
-            self._symbols_for(build_id, needs_layout, forwarded_for, upstreams))
+        return await asyncio.shield(self._resolve(req, build_id, needs_layout))
 
-    async def _symbols_for(
-        self, build_id: str, needs_layout: bool, forwarded_for: str,
-        upstreams: Sequence[Source] | None,
-    ) -> Outcome:
-        opened = self._open.get(build_id)
-        layout: asyncio.Future[tuple[LoadSegment, ...] | None] | None = None
-        if opened is None:
+    def _open_for(self, req: RequestScope, build_id: str) -> tuple[str, OpenTable] | None:
+        for scope in req.visible:
+            if (opened := self._open.get(scope, build_id)) is not None:
+                return scope, opened
+        return None
+
+    async def _resolve(self, req: RequestScope, build_id: str, needs_layout: bool) -> Resolved:
+        found = self._open_for(req, build_id)
+        layout: asyncio.Future[Segments | None] | None = None
+        if found is None:
             if needs_layout:  # looked for while the table is built, not after
-                layout = self._executable_layout(build_id, forwarded_for, upstreams)
-            future = self._resolving.get(build_id) or self._track(
-                build_id, self._resolve(build_id, forwarded_for, upstreams))
-            outcome = await future
-            # Absent when the LRU of open tables let it go while others were being opened.
-            if outcome.symbols is None or (opened := self._open.get(build_id)) is None:
-                return outcome
+                layout = self._executable_layout(req, build_id)
+            key = (req.scope, build_id)
+            shared = await (self._resolving.get(key)
+                            or self._track(key, self._load_or_build(req, build_id)))
+            if isinstance(shared, Outcome):
+                return Resolved(None, outcome=shared)
+            found = shared
         else:
-            self._open.move_to_end(build_id)
             self._metrics.symtab_cache.labels("hit").inc()
-        if needs_layout and opened.segments is None:
-            found = await (layout or self._executable_layout(build_id, forwarded_for, upstreams))
-            if opened.segments is None:
-                if found is None:
-                    self._metrics.layout_guesses.inc()
-                opened.segments = found or opened.table.guessed_layout()
-        return Outcome(MappingSymbols(opened.table, opened.segments or ()))
+        scope, opened = found
+        if needs_layout and not opened.layout_searched:
+            segments = await (layout or self._executable_layout(req, build_id))
+            if not opened.layout_searched:
+                opened.layout_searched = True
+                if segments is not None:
+                    opened.segments = segments
+                    await self._tables.set_layout(scope, build_id, segments)
+        return Resolved(opened.table, opened.segments)
 
-    def _track(
-        self, build_id: str, work: Coroutine[object, object, Outcome]
-    ) -> asyncio.Future[Outcome]:
-        """Run `work` as the one resolution of `build_id` that every caller shares."""
+    def _track(self, key: tuple[str, str], work: Coroutine[object, object, _Found]
+               ) -> asyncio.Future[_Found]:
+        """Run `work` as the one resolution of `key` that every caller shares."""
 
-        async def guarded() -> Outcome:
+        async def guarded() -> _Found:
             try:
                 return await work
             except Exception:  # one build ID's failure must not fail a whole profile
-                log.exception("symbol table for %s failed", build_id)
-                return Outcome(None, "error")
+                log.exception("symbol table for %s failed", key[1])
+                return Outcome.INTERNAL
 
         future = asyncio.ensure_future(guarded())
-        self._resolving[build_id] = future
+        self._resolving[key] = future
 
-        def done(f: asyncio.Future[Outcome]) -> None:
-            if self._resolving.get(build_id) is f:
-                del self._resolving[build_id]
+        def done(f: asyncio.Future[_Found]) -> None:
+            if self._resolving.get(key) is f:
+                del self._resolving[key]
 
         future.add_done_callback(done)
         return future
 
-    async def _resolve(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None
-    ) -> Outcome:
+    async def _load_or_build(self, req: RequestScope, build_id: str) -> _Found:
+        for scope in req.visible:
+            rec = await self._tables.usable(scope, build_id)
+            if rec is not None and rec.outcome == Outcome.OK:
+                self._metrics.symtab_cache.labels("hit").inc()
+                return scope, self._remember(rec)
+            # A failure is believed only for the request's own scope: a tenant's sources may
+            # have a file where the shared ones had a useless one.
+            if rec is not None and scope == req.scope:
+                return Outcome(rec.outcome)
+        self._metrics.symtab_cache.labels("miss").inc()
         try:
-            rec = await self._repo.get_symbol_table(build_id)
-            now = datetime.now(UTC)
-            if rec is not None and rec.format == FORMAT:
-                if rec.status == "ok" and self.path_for(build_id).exists():
-                    self._metrics.symtab_cache.labels("hit").inc()
-                    return self._remember(build_id, rec)
-                if rec.status != "ok" and rec.retry_after and rec.retry_after > now:
-                    return Outcome(None, rec.status)
-            self._metrics.symtab_cache.labels("miss").inc()
-            source = await self._find_source(build_id, forwarded_for, upstreams)
-            if source is None:
-                return Outcome(None, "not_found")
-            return await self._build(build_id, *source)
-        except NotFound:
-            return Outcome(None, "not_found")
+            source = await self._find_source(req, build_id)
         except SymgateError as e:
             log.info("no symbols for %s: %s", build_id, e.reason)
-            return Outcome(None, "upstream_error")
+            return e.outcome
+        if source is None:
+            return Outcome.NOT_FOUND
+        return await self._build(build_id, source)
 
-    def _remember(self, build_id: str, rec: SymbolTableRecord) -> Outcome:
-        table = SymbolTable(self.path_for(build_id), rec.load_address,
-                            _ranges(rec.code_ranges), _ranges(rec.cold_ranges), rec.has_lines,
-                            self.function_ids)
-        segments = _layout_from_json(rec.file_layout) if rec.file_layout else None
-        self._open[build_id] = _Open(table, segments)
-        self._open.move_to_end(build_id)
-        while len(self._open) > _OPEN_TABLES:
-            self._open.popitem(last=False)
-        return Outcome(MappingSymbols(table, segments or ()))
+    def _remember(self, rec: SymbolTableRecord) -> OpenTable:
+        table = SymbolTable(self._tables.path(rec.scope, rec.build_id), rec.load_address,
+                            ranges_from_json(rec.code_ranges), ranges_from_json(rec.cold_ranges),
+                            rec.has_lines, self.function_ids)
+        segments = layout_from_json(rec.file_layout) if rec.file_layout else None
+        opened = OpenTable(table, segments, layout_searched=segments is not None)
+        self._open.put(rec.scope, rec.build_id, opened)
+        return opened
 
-    async def _find_source(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None
-    ) -> tuple[Path, str, bool] | None:
-        """(ELF file, key it came from, whether it is a cached artifact) of the best source."""
+    async def _find_source(self, req: RequestScope, build_id: str) -> _Source | None:
         local = find_debug_file(self._debug_dirs, build_id)
         if local is not None:
-            return local, f"local:{local}", False
+            return _Source(local, f"local:{local}", SHARED, None)
         for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
             key = ArtifactKey(build_id, kind)
             try:
-                path = await self._artifact_path(key, forwarded_for, upstreams)
+                scope, path = await self._artifact_path(key, req)
             except NotFound:
                 continue
-            return path, key.id, True
+            return _Source(path, key.id, scope, (scope, key))
         local_exe = find_executable(self._debug_dirs, build_id)
-        return (local_exe, f"local:{local_exe}", False) if local_exe else None
+        return _Source(local_exe, f"local:{local_exe}", SHARED, None) if local_exe else None
 
-    async def _artifact_path(
-        self, key: ArtifactKey, forwarded_for: str, upstreams: Sequence[Source] | None
-    ) -> Path:
-        result = await self._artifacts.find(key, forwarded_for, upstreams=upstreams)
+    async def _artifact_path(self, key: ArtifactKey, req: RequestScope) -> tuple[str, Path]:
+        """(scope, path) of the cached artifact, fetched through the request's sources."""
+        result = await self._artifacts.find(key, req)
         if isinstance(result, Streaming):
             try:
                 await result.flight.wait_finished()
@@ -237,120 +199,111 @@ class SymbolService:
                 result.reader.close()
             if result.flight.error is not None:
                 raise result.flight.error
-        cached = self._artifacts.cache.peek(key)
+        cached = self._artifacts.cache.peek_any(req.visible, key)
         if cached is None:
             raise NotFound(f"{key.id} left the cache before it could be read")
-        return cached.path
+        return cached.scope, cached.path
 
-    async def _build(self, build_id: str, source: Path, source_key: str, cached: bool
-                     ) -> Outcome:
-        loop = asyncio.get_running_loop()
-        lease = (self._artifacts.cache.lease(ArtifactKey.from_id(source_key))
-                 if cached else contextlib.nullcontext())
-        status, error, result = "ok", None, None
-        with lease:
+    @contextlib.contextmanager
+    def _leased(self, source: _Source) -> Iterator[None]:
+        if source.artifact is None:
+            yield
+        else:
+            with self._artifacts.cache.lease(*source.artifact):
+                yield
+
+    async def _build(self, build_id: str, source: _Source) -> _Found:
+        scope = source.scope
+        outcome, error, result = Outcome.OK, None, None
+        with self._leased(source):
             try:
-                result = await loop.run_in_executor(
-                    self._executor, build_symbol_table, source, self.path_for(build_id),
-                    build_id)
+                result = await self._pool.build(source.path, self._tables.path(scope, build_id),
+                                                build_id)
             except NoSymbols as e:
-                status, error = "no_symbols", str(e)
+                outcome, error = Outcome.NO_SYMBOLS, str(e)
             except MalformedObject as e:
-                status, error = "malformed", str(e)
-        rec = self._record(build_id, status, source_key, result, error)
-        await self._repo.put_symbol_table(rec)
+                outcome, error = Outcome.MALFORMED, str(e)
+        rec = await self._tables.record(scope, build_id, outcome, source.source_key, result,
+                                        error)
         # Counted once recorded and open, so the metric never runs ahead of the table.
-        self._metrics.symtab_builds.labels(status).inc()
+        self._metrics.symtab_builds.labels(outcome).inc()
         if result is None:
-            log.info("symbol table for %s: %s (%s)", build_id, status, error)
-            return Outcome(None, status)
+            log.info("symbol table for %s: %s (%s)", build_id, outcome, error)
+            return outcome
         self._metrics.symtab_build_seconds.observe(result.seconds)
         log.info("symbol table for %s built from %s in %.3fs (%d bytes)", build_id,
-                 source_key, result.seconds, result.size)
-        return self._remember(build_id, rec)
+                 source.source_key, result.seconds, result.size)
+        return scope, self._remember(rec)
 
-    def _record(
-        self, build_id: str, status: str, source_key: str, result: BuildResult | None,
-        error: str | None,
-    ) -> SymbolTableRecord:
-        now = datetime.now(UTC)
-        file_layout = (_layout_json(result.file_layout)
-                       if result is not None and result.file_layout is not None else None)
-        return SymbolTableRecord(
-            build_id=build_id, status=status, format=FORMAT, source_key=source_key,
-            size=result.size if result else 0,
-            load_address=result.load_address if result else 0,
-            code_ranges=json.dumps(result.code_ranges if result else []),
-            cold_ranges=json.dumps(result.cold_ranges if result else []),
-            has_lines=result.has_lines if result else False, file_layout=file_layout,
-            error=error, built_at=now, build_seconds=result.seconds if result else 0.0,
-            retry_after=now + _RETRY[status] if status in _RETRY else None,
-        )
-
-    def _executable_layout(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None,
-    ) -> asyncio.Future[tuple[LoadSegment, ...] | None]:
+    def _executable_layout(self, req: RequestScope, build_id: str
+                           ) -> asyncio.Future[Segments | None]:
         """The one search for the executable's program headers of `build_id` under way."""
-        layout = self._layouts.get(build_id)
+        key = (req.scope, build_id)
+        layout = self._layouts.get(key)
         if layout is None:
-            layout = asyncio.ensure_future(
-                self._find_executable_layout(build_id, forwarded_for, upstreams))
-            self._layouts[build_id] = layout
-            layout.add_done_callback(lambda _f: self._layouts.pop(build_id, None))
+            layout = asyncio.ensure_future(self._find_executable_layout(req, build_id))
+            self._layouts[key] = layout
+            layout.add_done_callback(lambda _f: self._layouts.pop(key, None))
         return layout
 
-    async def _find_executable_layout(
-        self, build_id: str, forwarded_for: str, upstreams: Sequence[Source] | None,
-    ) -> tuple[LoadSegment, ...] | None:
+    async def _find_executable_layout(self, req: RequestScope, build_id: str
+                                      ) -> Segments | None:
         """Program headers with real file offsets, from the executable; None if there are
-        none to be had (the caller then guesses)."""
+        none to be had (the pipeline then guesses)."""
         try:
-            layout: ElfLayout | None = None
             exe = find_executable(self._debug_dirs, build_id)
             if exe is None:
                 with contextlib.suppress(SymgateError):
-                    exe = await self._artifact_path(ArtifactKey(build_id, Kind.EXECUTABLE),
-                                                    forwarded_for, upstreams)
-            if exe is not None:
-                layout = await asyncio.to_thread(layout_of_file, exe)
-            if layout is None or not layout.has_file_layout or layout.build_id != build_id:
-                return None
-            await self._repo.set_file_layout(build_id, _layout_json(layout.segments))
-            return layout.segments
+                    _scope, exe = await self._artifact_path(
+                        ArtifactKey(build_id, Kind.EXECUTABLE), req)
+            return await asyncio.to_thread(executable_segments, exe, build_id)
         except Exception:  # a failure here must not fail the profile: guess, as without one
             log.exception("program headers for %s", build_id)
             return None
 
     # -- cache events --------------------------------------------------------------------------
-    def _on_committed(self, key: ArtifactKey) -> None:
+    def _on_committed(self, scope: str, key: ArtifactKey) -> None:
         """Pre-extract as soon as an ELF artifact is cached, off the request path."""
-        if key.kind.is_elf and key.build_id not in self._resolving:
-            self._track(key.build_id, self._prebuild(key))
+        if key.kind.is_elf and (scope, key.build_id) not in self._resolving:
+            self._track((scope, key.build_id), self._prebuild(scope, key))
 
-    async def _prebuild(self, key: ArtifactKey) -> Outcome:
-        rec = await self._repo.get_symbol_table(key.build_id)
-        cached = self._artifacts.cache.peek(key)
+    async def _prebuild(self, scope: str, key: ArtifactKey) -> _Found:
+        bid = key.build_id
+        rec = await self._tables.get(scope, bid)
+        cached = self._artifacts.cache.peek(scope, key)
         if cached is None:
-            return Outcome(None, "not_found")
+            return Outcome.NOT_FOUND
         from_executable = rec is not None and rec.source_key.endswith("/executable")
-        if (rec is None or rec.format != FORMAT or rec.status != "ok"
+        if (rec is None or rec.format != FORMAT or rec.outcome != Outcome.OK
                 or (key.kind is Kind.DEBUGINFO and from_executable)):
-            self._open.pop(key.build_id, None)
-            return await self._build(key.build_id, cached.path, key.id, True)
+            self._open.drop(scope, bid)
+            return await self._build(bid, _Source(cached.path, key.id, scope, (scope, key)))
+        opened = self._open.get(scope, bid) or self._remember(rec)
         if key.kind is Kind.EXECUTABLE and rec.file_layout is None:
             layout = await asyncio.to_thread(layout_of_file, cached.path)
             if layout is not None and layout.has_file_layout:
-                await self._repo.set_file_layout(key.build_id, _layout_json(layout.segments))
-                if (opened := self._open.get(key.build_id)) is not None:
-                    opened.segments = layout.segments
-        if key.build_id in self._open:
-            opened = self._open[key.build_id]
-            return Outcome(MappingSymbols(opened.table, opened.segments or ()))
-        return self._remember(key.build_id, rec)
+                await self._tables.set_layout(scope, bid, layout.segments)
+                opened.segments = layout.segments
+                opened.layout_searched = True
+        return scope, opened
 
-    async def _on_evicted(self, key: ArtifactKey) -> None:
-        rec = await self._repo.get_symbol_table(key.build_id)
+    async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
+        rec = await self._tables.get(scope, key.build_id)
         if rec is not None and rec.source_key == key.id:
-            self._open.pop(key.build_id, None)
-            self.path_for(key.build_id).unlink(missing_ok=True)
-            await self._repo.delete_symbol_tables([key.build_id])
+            self._open.drop(scope, key.build_id)
+            await self._tables.drop(scope, key.build_id)
+
+
+class _ScopedProvider:
+    """The resolver seen by one request: symbolize.pipeline.SymbolProvider."""
+
+    def __init__(self, resolver: SymbolResolver, req: RequestScope) -> None:
+        self._resolver = resolver
+        self._req = req
+
+    @property
+    def function_ids(self) -> FunctionIds:
+        return self._resolver.function_ids
+
+    async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
+        return await self._resolver.resolve(self._req, build_id, needs_layout)

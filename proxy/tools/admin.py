@@ -44,7 +44,7 @@ class Admin:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.repo = Repository(create_engine(config.database_url))
-        self.store = DiskStore(config.cache_dir)
+        self.store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
 
     async def close(self) -> None:
         await self.repo.close()
@@ -60,7 +60,7 @@ class Admin:
         for r in rows:
             counts[r.kind] += 1
             sizes[r.kind] += r.size
-        tables = sum(1 for _ in (self.config.server.data_dir / "symtabs").rglob("*.symc"))
+        tables = self.store.count_symtabs()
         return CacheStats(len(rows), sum(r.size for r in rows), self.config.cache.max_bytes,
                           {k: (counts[k], sizes[k]) for k in sorted(counts)},
                           sum(r.hits for r in rows), tables)
@@ -69,13 +69,12 @@ class Admin:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables."""
         rows = await self.artifacts(build_id)
         for rec in rows:
-            self.store.remove(ArtifactKey.from_id(rec.key))
+            self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
         await self.repo.delete_artifacts(r.key_hash for r in rows)
-        build_ids = {r.build_id for r in rows}
-        for bid in build_ids:
-            (self.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc").unlink(
-                missing_ok=True)
-        await self.repo.delete_symbol_tables(build_ids)
+        tables = {(r.scope, r.build_id) for r in rows}
+        for scope, bid in tables:
+            self.store.remove_symtab(scope, bid)
+        await self.repo.delete_symbol_tables(tables)
         return rows
 
     async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:

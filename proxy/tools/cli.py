@@ -73,11 +73,14 @@ def _symbolize(args: argparse.Namespace) -> int:
         summary = {k: v for k, v in headers.items() if k.startswith("X-Symgate-")}
     else:
         from symbolize.offline import symbolize_bytes
+        from symbolize.pipeline import Limits
         from symbolize.pprof.codec import ProfileError
 
+        # Offline, the user's own machine does the work: no limit on build IDs or time.
+        limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
         try:
             out, report = symbolize_bytes(body, args.debug_dir or [Path("/usr/lib/debug")],
-                                          SymbolizeConfig().max_decompressed_bytes)
+                                          limits)
         except ProfileError as e:
             print(f"symgate: {args.input}: {e}", file=sys.stderr)
             return 1

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy import __version__
 from proxy.artifacts.index import ArtifactCache
-from proxy.artifacts.misses import NegativeCache
+from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.service import ArtifactService
 from proxy.config import Config
+from proxy.expiry import Expiry
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Upstream
@@ -23,14 +24,17 @@ from proxy.sources.localdir import LocalDirectory
 from proxy.store import migrate
 from proxy.store.disk import DiskStore
 from proxy.store.repository import Repository, create_engine
-from proxy.symbols.resolver import SymbolService
+from proxy.symbols.build_pool import BuildPool
+from proxy.symbols.open_tables import OpenTables
+from proxy.symbols.resolver import SymbolResolver
+from proxy.symbols.table_store import TableStore
 from proxy.web import artifacts, ops
+from proxy.web.errors import error_edge
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
+from proxy.web.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-ACCESS_FLUSH_S = 5.0
-NEGATIVE_SWEEP_S = 300.0
 
 
 def add_routes(app: web.Application) -> None:
@@ -47,10 +51,29 @@ def add_routes(app: web.Application) -> None:
 
 
 def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[error_edge])
     add_routes(app)
     app.cleanup_ctx.append(_lifecycle(config, registry or CollectorRegistry()))
     return app
+
+
+def _sources(
+    config: Config, session: aiohttp.ClientSession, metrics: ProxyMetrics
+) -> tuple[list[Source], dict[str, list[Source]]]:
+    """The global sources, and each tenant's own (a global one where the URL is the same)."""
+    shared: list[Source] = [
+        LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
+        else Upstream(u, session, metrics)
+        for u in config.upstreams
+    ]
+    by_name = {u.name: u for u in shared}
+    private: dict[str, list[Source]] = {}
+    for name, tenant in config.tenants.items():
+        if tenant.upstreams:
+            # The config allows servers only here: a tenant's directory would be a shared one.
+            private[name] = [by_name.get(u.url) or Upstream(u, session, metrics, scope=name)
+                             for u in tenant.upstreams]
+    return shared, private
 
 
 def _lifecycle(
@@ -61,7 +84,8 @@ def _lifecycle(
             await asyncio.to_thread(migrate.upgrade, config.database_url)
         metrics = ProxyMetrics(registry)
         repo = Repository(create_engine(config.database_url))
-        cache = ArtifactCache(DiskStore(config.cache_dir), repo, metrics, config.cache.max_bytes)
+        store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
+        cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes)
         await cache.load()
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=config.cache.max_concurrent_fetches * 2,
@@ -70,40 +94,34 @@ def _lifecycle(
             trust_env=True,
             headers={"User-Agent": f"symgate/{__version__}"},
         )
-        upstreams: list[Source] = [
-            LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
-            else Upstream(u, session, metrics)
-            for u in config.upstreams
-        ]
-        local_dirs = [u for u in upstreams if isinstance(u, LocalDirectory)]
+        shared, private = _sources(config, session, metrics)
+        local_dirs = [s for s in shared if isinstance(s, LocalDirectory)]
         for local in local_dirs:
             await local.start()
-        by_url = {u.name: u for u in upstreams}
-        tenant_upstreams: dict[str, list[Source]] = {
-            name: [by_url.get(u.url) or Upstream(u, session, metrics) for u in tenant.upstreams]
-            for name, tenant in config.tenants.items() if tenant.upstreams
-        }
+        expiry = Expiry.from_config(config)
+        misses = RememberedMisses(repo, expiry, memo_s=config.negative.memo_s,
+                                  memo_entries=config.negative.memo_entries)
         service = ArtifactService(
-            cache=cache, negatives=NegativeCache(repo, config.negative), upstreams=upstreams,
-            policy=config.fetch.policy,
+            cache=cache, misses=misses, policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches, metrics=metrics,
         )
         symbolize_metrics = SymbolizeMetrics(registry)
-        symbols = SymbolService(
-            artifacts=service, repo=repo, root=config.server.data_dir / "symtabs",
-            debug_dirs=config.symbolize.debug_dirs, workers=config.symbolize.build_workers,
-            metrics=symbolize_metrics,
+        symbols = SymbolResolver(
+            artifacts=service, tables=TableStore(repo, store, expiry),
+            open_tables=OpenTables(config.symbolize.open_tables),
+            pool=BuildPool(config.symbolize.build_workers),
+            debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
         )
         await symbols.start()
         app[STATE] = AppState(config, registry, metrics, repo, session, service, symbols,
-                              symbolize_metrics, tenant_upstreams)
+                              symbolize_metrics, Tenancy(config, shared, private))
         jobs = [
-            asyncio.create_task(_every(ACCESS_FLUSH_S, cache.flush_access)),
-            asyncio.create_task(_every(NEGATIVE_SWEEP_S, service.negatives.expire)),
+            asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
+            asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
         ]
         log.info("symgate %s: cache %s, database %s, upstreams %s", __version__,
                  config.cache_dir, _safe_url(config.database_url),
-                 " ".join(u.url for u in config.upstreams))
+                 " ".join(u.name for u in shared))
         try:
             yield
         finally:

@@ -1,6 +1,7 @@
-"""aiohttp handlers: parse the request, call the service, turn the result into a response.
+"""GET and HEAD /buildid/...: parse the request, ask the artifact service, send the file.
 
-Every failure becomes a response in one place, `error_response`.
+A hit is sent with sendfile from the cache; a miss is streamed from the download under way.
+Failures are raised: the error edge (proxy/web/errors.py) answers them.
 """
 
 from __future__ import annotations
@@ -12,35 +13,16 @@ from aiohttp.abc import AbstractStreamWriter
 
 from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
-from proxy.artifacts.service import Hit, RememberedNotFound, Streaming
-from proxy.errors import (
-    InvalidRequest,
-    NotCached,
-    NotFound,
-    SymgateError,
-    TooLarge,
-)
+from proxy.artifacts.service import Hit, Streaming
+from proxy.errors import InvalidRequest, TooLarge
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import Outcome
-from proxy.web.errors import error_response
+from proxy.metrics import Served
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 
 log = logging.getLogger(__name__)
 # Bytes a fetch must have received before its response starts (see Flight.wait_streamable).
 STREAM_AFTER_BYTES = 1024 * 1024
-
-
-def _outcome(error: SymgateError) -> Outcome:
-    if isinstance(error, RememberedNotFound):
-        return Outcome.NEGATIVE_HIT
-    if isinstance(error, NotFound):
-        return Outcome.NOT_FOUND
-    if isinstance(error, InvalidRequest):
-        return Outcome.BAD_REQUEST
-    if isinstance(error, NotCached):
-        return Outcome.NOT_CACHED
-    return Outcome.ERROR
 
 
 def _artifact_headers(
@@ -80,36 +62,26 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     m = request.match_info
     kind = m["kind"] if m["kind"] in Kind.__members__.values() else "invalid"
+    annotate(request, endpoint="buildid", kind=kind)
+    key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
+    max_size = _max_size(request)
+    chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
+    tenant = state.tenancy.tenant_of(request)
+    req = state.tenancy.scope(tenant, chain, may_fetch)
+    only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
+    result = await state.service.find(key, req, cache_only=only_if_cached)
+    if isinstance(result, Hit):
+        _check_size(result.artifact.record.size, max_size)
+        annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream,
+                 tenant=tenant or None)
+        return _LeasedFileResponse(state, key, result.artifact)
     try:
-        key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
-        max_size = _max_size(request)
-        chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
-        only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
-        result = await state.service.find(key, chain, may_fetch=may_fetch,
-                                          cache_only=only_if_cached)
-        if isinstance(result, Hit):
-            _check_size(result.artifact.record.size, max_size)
-            state.metrics.requests.labels("buildid", kind, Outcome.HIT).inc()
-            annotate(request, kind=kind, outcome=Outcome.HIT.value,
-                     upstream=result.artifact.record.upstream)
-            return _LeasedFileResponse(state, key, result.artifact)
-        try:
-            _check_size(result.meta.size, max_size)
-            state.metrics.requests.labels("buildid", kind, Outcome.MISS).inc()
-            annotate(request, kind=kind, outcome=Outcome.MISS.value,
-                     upstream=result.meta.upstream)
-            return await _send_streaming(request, state, key, result)
-        finally:
-            result.reader.close()
-    except SymgateError as e:
-        outcome = _outcome(e)
-        state.metrics.requests.labels("buildid", kind, outcome).inc()
-        annotate(request, kind=kind, outcome=outcome.value, error=e.reason)
-        if outcome is not Outcome.BAD_REQUEST:
-            state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome.value,
-                                    e.reason)
-        return error_response(e, request.headers.get("User-Agent", ""),
-                              state.config.server.retry_after_s)
+        _check_size(result.meta.size, max_size)
+        annotate(request, outcome=Served.MISS, upstream=result.meta.upstream,
+                 tenant=tenant or None)
+        return await _send_streaming(request, state, key, result)
+    finally:
+        result.reader.close()
 
 
 class _LeasedFileResponse(web.FileResponse):
@@ -125,9 +97,10 @@ class _LeasedFileResponse(web.FileResponse):
                          headers=_artifact_headers(rec.size, rec.filename, rec.archive))
         self._symgate = state
         self._key = key
+        self._scope = artifact.scope
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        with self._symgate.service.cache.lease(self._key):
+        with self._symgate.service.cache.lease(self._scope, self._key):
             writer = await super().prepare(request)
         if request.method != "HEAD":
             self._symgate.metrics.served_bytes.labels("cache").inc(self.content_length or 0)

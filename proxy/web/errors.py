@@ -1,6 +1,13 @@
-"""The one mapping from failures to HTTP statuses."""
+"""The error edge: the one mapping from failures to HTTP statuses, and the middleware that
+turns every exception a handler raises into that status, the access-log fields, the metrics
+and the status page's recent misses. Handlers parse, call and respond; they do not catch.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -10,45 +17,114 @@ from proxy.errors import (
     NotFound,
     OverLimit,
     PayloadTooLarge,
+    RememberedNotFound,
     SymgateError,
     TooLarge,
+    Unauthorized,
     UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
 )
+from proxy.metrics import Served
+from proxy.web.logs import LOG_FIELDS, annotate
+from proxy.web.state import STATE
+from symbolize.outcome import Outcome
+from symbolize.pipeline import TooManyBuildIds
+from symbolize.pprof.codec import ProfileError, ProfileTooLarge
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Most specific first: the first class an error is an instance of gives its status.
+STATUS: tuple[tuple[type[SymgateError], int], ...] = (
+    (InvalidRequest, 400),
+    (Unauthorized, 401),
+    (NotFound, 404),
+    (TooLarge, 406),
+    (PayloadTooLarge, 413),
+    (UnsupportedMediaType, 415),
+    (OverLimit, 422),
+    (NotCached, 504),  # what RFC 9111 prescribes for only-if-cached; nothing is retried
+    (UpstreamTimeout, 504),
+    (UpstreamUnavailable, 502),
+    (VerificationFailed, 502),
+    (SymgateError, 500),
+)
 
 
-def error_response(
-    error: SymgateError, user_agent: str, retry_after_s: int
-) -> web.Response:
-    """The one mapping from failures to HTTP statuses."""
-    headers: dict[str, str] = {}
-    transient = isinstance(error, UpstreamUnavailable | VerificationFailed)
-    if isinstance(error, InvalidRequest):
-        status = 400
-    elif isinstance(error, NotFound):
-        status = 404
-    elif isinstance(error, TooLarge):
-        status = 406
-    elif isinstance(error, NotCached):
-        status = 504  # what RFC 9111 prescribes for only-if-cached; nothing is retried
-    elif isinstance(error, PayloadTooLarge):
-        status = 413
-    elif isinstance(error, UnsupportedMediaType):
-        status = 415
-    elif isinstance(error, OverLimit):
-        status = 422
-    elif transient and user_agent.startswith("elfutils/"):
+def as_symgate_error(error: Exception) -> SymgateError:
+    """The symbolization pipeline's own failures, in the server's words."""
+    if isinstance(error, SymgateError):
+        return error
+    if isinstance(error, ProfileTooLarge):
+        return PayloadTooLarge(str(error))
+    if isinstance(error, TooManyBuildIds):
+        return OverLimit(str(error))
+    if isinstance(error, ProfileError):
+        return InvalidRequest(str(error))
+    return SymgateError("internal error")
+
+
+def status_of(error: SymgateError, user_agent: str = "") -> int:
+    if (error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
+            and user_agent.startswith("elfutils/")):
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
         # upstream outage must not blind gdb and perf users for that long.
-        status = 406
-    elif isinstance(error, UpstreamTimeout):
-        status = 504
-    elif transient:
-        status = 502
-    else:
-        status = 500
+        return 406
+    return next(status for cls, status in STATUS if isinstance(error, cls))
+
+
+def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
+    status = status_of(error, user_agent)
+    headers: dict[str, str] = {}
     if status in (502, 503, 504) and not isinstance(error, NotCached):
         headers["Retry-After"] = str(retry_after_s)
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="symgate"'
     return web.Response(status=status, text=error.reason + "\n", headers=headers)
+
+
+def outcome_label(error: SymgateError) -> str:
+    """The `outcome` a failed request is counted and logged under."""
+    return Served.NEGATIVE_HIT if isinstance(error, RememberedNotFound) else error.outcome
+
+
+@web.middleware
+async def error_edge(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except web.HTTPException:  # aiohttp's own answers (no such route, wrong method)
+        raise
+    except Exception as e:
+        error = as_symgate_error(e)
+        if type(error) is SymgateError:
+            log.exception("%s %s failed", request.method, request.path)
+        state = request.app[STATE]
+        outcome = outcome_label(error)
+        annotate(request, outcome=outcome, error=error.reason)
+        if _fields(request).get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED:
+            state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
+        response = error_response(error, request.headers.get("User-Agent", ""),
+                                  state.config.server.retry_after_s)
+    _count(request, time.perf_counter() - started)
+    return response
+
+
+def _fields(request: web.Request) -> dict[str, object]:
+    fields: dict[str, object] = request.get(LOG_FIELDS, {})
+    return fields
+
+
+def _count(request: web.Request, seconds: float) -> None:
+    """One count per request, by what its handler annotated and how it ended."""
+    fields = _fields(request)
+    endpoint, outcome = fields.get("endpoint"), str(fields.get("outcome", ""))
+    state = request.app[STATE]
+    if endpoint == "buildid":
+        state.metrics.requests.labels("buildid", str(fields.get("kind", "invalid")),
+                                      outcome).inc()
+    elif endpoint == "symbolize":
+        state.symbolize_metrics.profiles.labels(outcome).inc()
+        state.symbolize_metrics.duration.observe(seconds)

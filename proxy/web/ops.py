@@ -18,7 +18,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def status_page(request: web.Request) -> web.Response:
     state = request.app[STATE]
     html = render_status(registry=state.registry,
-                         upstreams=[u.name for u in state.service.upstreams],
+                         upstreams=[u.name for u in state.tenancy.shared_sources],
                          started=state.started, recent=state.recent_misses,
                          max_bytes=state.config.cache.max_bytes)
     return web.Response(text=html, content_type="text/html")

@@ -13,10 +13,10 @@ from sqlalchemy import text
 from proxy.artifacts.service import ArtifactService
 from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
-from proxy.sources.base import Source
 from proxy.store.repository import Repository
-from proxy.symbols.resolver import SymbolService
+from proxy.symbols.resolver import SymbolResolver
 from proxy.web.status_page import RecentMisses
+from proxy.web.tenancy import Tenancy
 
 
 @dataclass
@@ -27,10 +27,9 @@ class AppState:
     repo: Repository
     session: aiohttp.ClientSession
     service: ArtifactService
-    symbols: SymbolService
+    symbols: SymbolResolver
     symbolize_metrics: SymbolizeMetrics
-    # X-Scope-OrgID -> that tenant's own upstream list, where configured.
-    tenant_upstreams: dict[str, list[Source]]
+    tenancy: Tenancy
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     started: float = field(default_factory=time.time)
 

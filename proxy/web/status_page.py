@@ -11,6 +11,7 @@ from html import escape
 from prometheus_client import CollectorRegistry
 
 from proxy import __version__
+from proxy.metrics import ARTIFACT_KINDS, REQUEST_OUTCOMES, UPSTREAM_RESULTS
 
 RECENT = 25
 
@@ -70,13 +71,11 @@ def render(*, registry: CollectorRegistry, upstreams: list[str], started: float,
            recent: RecentMisses, max_bytes: int) -> str:
     total = sum(_value(registry, "symgate_requests_total", endpoint="buildid", kind=k,
                        outcome=o)
-                for k in ("debuginfo", "executable", "source", "section", "invalid")
-                for o in ("hit", "miss", "negative_hit", "not_found", "not_cached",
-                          "bad_request", "error"))
+                for k in ARTIFACT_KINDS for o in REQUEST_OUTCOMES)
 
     def outcome(o: str) -> float:
         return sum(_value(registry, "symgate_requests_total", endpoint="buildid", kind=k,
-                          outcome=o) for k in ("debuginfo", "executable", "source", "section"))
+                          outcome=o) for k in ARTIFACT_KINDS)
 
     hits, negative = outcome("hit"), outcome("negative_hit")
     ratio = f"{100 * hits / total:.1f}%" if total else "no requests yet"
@@ -86,7 +85,7 @@ def render(*, registry: CollectorRegistry, upstreams: list[str], started: float,
         label, css = _BREAKER.get(_value(registry, "symgate_upstream_breaker_state",
                                          upstream=name), ("closed", "ok"))
         counts = [_value(registry, "symgate_upstream_requests_total", upstream=name, result=r)
-                  for r in ("ok", "not_found", "timeout", "error")]
+                  for r in UPSTREAM_RESULTS]
         rows.append(f"<tr><td><code>{escape(name)}</code></td><td class='{css}'>{label}</td>"
                     + "".join(f"<td class='num'>{int(c)}</td>" for c in counts) + "</tr>")
     misses = [f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(m.at))}</td>"

@@ -1,0 +1,40 @@
+"""Who a request is for, and so what it may see and fetch: one object per request, handed
+from the web layer to the artifact and symbol services instead of loose parameters.
+
+The trust model: X-Scope-OrgID names the tenant, as in Grafana's stack, and is set by a
+trusted gateway in front of symgate; a tenant configured with tokens must also present one of
+them as a bearer token, for sites without such a gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from proxy.sources.base import Source
+
+# The scope of what every client may see: artifacts from the global sources and local debug
+# directories, and the symbol tables built from them.
+SHARED = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestScope:
+    tenant: str  # X-Scope-OrgID, "" for none
+    # What this request's misses are keyed and its fetches are shared under: the tenant's name
+    # when the tenant has sources of its own, else SHARED.
+    scope: str
+    sources: tuple[Source, ...]
+    # What an upstream is told (X-Forwarded-For), and whether this hop may still go upstream.
+    forwarded_for: str = ""
+    may_fetch: bool = True
+
+    @classmethod
+    def shared(cls, sources: Sequence[Source], forwarded_for: str = "",
+               may_fetch: bool = True) -> RequestScope:
+        return cls("", SHARED, tuple(sources), forwarded_for, may_fetch)
+
+    @property
+    def visible(self) -> tuple[str, ...]:
+        """The scopes whose cached artifacts and tables answer this request, own first."""
+        return (self.scope,) if self.scope == SHARED else (self.scope, SHARED)

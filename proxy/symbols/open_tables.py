@@ -1,0 +1,42 @@
+"""Symbol tables kept open (mmapped), least recently used dropped first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from symbolize.elf import LoadSegment
+from symbolize.symtab import SymbolTable
+
+
+@dataclass(slots=True)
+class OpenTable:
+    table: SymbolTable
+    segments: tuple[LoadSegment, ...] | None  # None until an executable's layout is known
+    # Whether the executable was looked for: a table without one is not searched again.
+    layout_searched: bool = False
+
+
+class OpenTables:
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._tables: OrderedDict[tuple[str, str], OpenTable] = OrderedDict()
+
+    def get(self, scope: str, build_id: str) -> OpenTable | None:
+        """A hit makes the table the most recently used."""
+        opened = self._tables.get((scope, build_id))
+        if opened is not None:
+            self._tables.move_to_end((scope, build_id))
+        return opened
+
+    def put(self, scope: str, build_id: str, opened: OpenTable) -> None:
+        self._tables[(scope, build_id)] = opened
+        self._tables.move_to_end((scope, build_id))
+        while len(self._tables) > self._capacity:
+            self._tables.popitem(last=False)
+
+    def drop(self, scope: str, build_id: str) -> None:
+        self._tables.pop((scope, build_id), None)
+
+    def __len__(self) -> int:
+        return len(self._tables)

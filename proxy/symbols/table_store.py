@@ -1,0 +1,82 @@
+"""Symbol tables at rest: their SQL rows (what was built, from what, with which outcome, until
+when) and their files, which the Store places. No other module reads or writes either."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from proxy.expiry import Expiry
+from proxy.store.disk import Store
+from proxy.store.repository import Repository, SymbolTableRecord
+from symbolize.elf import LoadSegment
+from symbolize.outcome import Outcome
+from symbolize.symtab import FORMAT, BuildResult
+
+
+def layout_to_json(segments: Sequence[LoadSegment]) -> str:
+    return json.dumps([[s.offset, s.vaddr, s.filesz, s.memsz, s.executable] for s in segments])
+
+
+def layout_from_json(text: str) -> tuple[LoadSegment, ...]:
+    return tuple(LoadSegment(int(o), int(v), int(f), int(m), bool(x))
+                 for o, v, f, m, x in json.loads(text))
+
+
+def ranges_from_json(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in json.loads(text))
+
+
+class TableStore:
+    def __init__(self, repo: Repository, store: Store, expiry: Expiry) -> None:
+        self._repo = repo
+        self._store = store
+        self._expiry = expiry
+
+    def path(self, scope: str, build_id: str) -> Path:
+        return self._store.symtab_path(scope, build_id)
+
+    async def usable(self, scope: str, build_id: str) -> SymbolTableRecord | None:
+        """The row of a built table in this format, or of an outcome still believed; None when
+        a build is worth trying."""
+        rec = await self._repo.get_symbol_table(scope, build_id)
+        if rec is None or rec.format != FORMAT:
+            return None
+        if rec.outcome == Outcome.OK:
+            return rec if self.path(scope, build_id).exists() else None
+        if rec.expires_at is not None and rec.expires_at > datetime.now(UTC):
+            return rec
+        return None
+
+    async def get(self, scope: str, build_id: str) -> SymbolTableRecord | None:
+        return await self._repo.get_symbol_table(scope, build_id)
+
+    async def record(self, scope: str, build_id: str, outcome: Outcome, source_key: str,
+                     result: BuildResult | None, error: str | None) -> SymbolTableRecord:
+        """Write a build's outcome, believed for as long as the expiry policy says."""
+        now = datetime.now(UTC)
+        keep = self._expiry.seconds(outcome)
+        rec = SymbolTableRecord(
+            scope=scope, build_id=build_id, outcome=outcome, format=FORMAT,
+            source_key=source_key, size=result.size if result else 0,
+            load_address=result.load_address if result else 0,
+            code_ranges=json.dumps(result.code_ranges if result else []),
+            cold_ranges=json.dumps(result.cold_ranges if result else []),
+            has_lines=result.has_lines if result else False,
+            file_layout=(layout_to_json(result.file_layout)
+                         if result is not None and result.file_layout is not None else None),
+            error=error, built_at=now, build_seconds=result.seconds if result else 0.0,
+            expires_at=now + timedelta(seconds=keep) if keep is not None else None,
+        )
+        await self._repo.put_symbol_table(rec)
+        return rec
+
+    async def set_layout(self, scope: str, build_id: str,
+                         segments: Sequence[LoadSegment]) -> None:
+        await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
+
+    async def drop(self, scope: str, build_id: str) -> None:
+        self._store.remove_symtab(scope, build_id)
+        await self._repo.delete_symbol_tables([(scope, build_id)])

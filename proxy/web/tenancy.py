@@ -1,0 +1,73 @@
+"""Who a request is for: X-Scope-OrgID, checked against bearer tokens where a tenant has them,
+and the RequestScope that follows (its scope and sources).
+
+X-Scope-OrgID is trusted as a gateway set it, as in Grafana's stack. A site without such a
+gateway gives its tenants tokens; a request then proves its tenant with `Authorization: Bearer
+TOKEN`, and a tenant with tokens cannot be named without one.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping, Sequence
+
+from aiohttp import web
+
+from proxy.artifacts.scope import SHARED, RequestScope
+from proxy.config import Config, TenantConfig
+from proxy.errors import InvalidRequest, Unauthorized
+from proxy.sources.base import Source
+
+MAX_TENANT = 255  # the scope column's width
+
+
+class Tenancy:
+    def __init__(self, config: Config, shared: Sequence[Source],
+                 private: Mapping[str, Sequence[Source]]) -> None:
+        self._tenants = config.tenants
+        self._shared = tuple(shared)
+        self._private = {name: tuple(sources) for name, sources in private.items()}
+        self._tokens = [(token.encode(), name) for name, t in config.tenants.items()
+                        for token in t.tokens]
+        self._needs_token = {name for name, t in config.tenants.items() if t.tokens}
+
+    @property
+    def shared_sources(self) -> tuple[Source, ...]:
+        return self._shared
+
+    def settings(self, tenant: str) -> TenantConfig | None:
+        return self._tenants.get(tenant)
+
+    def tenant_of(self, request: web.BaseRequest) -> str:
+        """The tenant the request is for, "" for none; Unauthorized, InvalidRequest."""
+        claimed = request.headers.get("X-Scope-OrgID", "").strip()
+        if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed):
+            raise InvalidRequest("invalid X-Scope-OrgID")
+        if self._tokens:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                owner = self._owner_of(token.strip())
+                if owner is None:
+                    raise Unauthorized("unknown bearer token")
+                if claimed and claimed != owner:
+                    raise Unauthorized("the bearer token is not X-Scope-OrgID's")
+                return owner
+        if claimed in self._needs_token:
+            raise Unauthorized(f"tenant {claimed!r} needs its bearer token")
+        return claimed
+
+    def _owner_of(self, token: str) -> str | None:
+        """Compared with every token, in constant time: a mismatch tells nothing of where."""
+        given = token.encode()
+        owner: str | None = None
+        for candidate, name in self._tokens:
+            if hmac.compare_digest(given, candidate):
+                owner = name
+        return owner
+
+    def scope(self, tenant: str, forwarded_for: str = "", may_fetch: bool = True
+              ) -> RequestScope:
+        own = self._private.get(tenant)
+        if own is None:
+            return RequestScope(tenant, SHARED, self._shared, forwarded_for, may_fetch)
+        return RequestScope(tenant, tenant, own, forwarded_for, may_fetch)

@@ -1,0 +1,28 @@
+"""What became of asking for one thing: an artifact, a symbol table, a mapping's symbols.
+
+One vocabulary for every place that records or reports a result: the remembered-miss rows,
+the symbol-table rows, /symbolize's per-mapping reasons and the metric labels. It lives here,
+not in proxy/, because the symbolization pipeline reports it and must not import the server.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    NOT_FOUND = "not_found"  # no source has it
+    NO_SYMBOLS = "no_symbols"  # an ELF file with neither DWARF nor a symbol table
+    MALFORMED = "malformed"  # bytes that are not what was asked for, or cannot be read
+    TIMEOUT = "timeout"  # a source did not answer, or stopped sending, in time
+    UPSTREAM_ERROR = "upstream_error"  # a source failed: connect error, reset, 5xx, breaker
+    REJECTED = "rejected"  # the client's request was refused (bad input, over a limit)
+    NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
+    DEADLINE = "deadline"  # the request's own time ran out first; the work goes on
+    INTERNAL = "internal"  # a bug or an unexpected failure: never remembered
+
+    @property
+    def is_failure_of_a_source(self) -> bool:
+        """Transient: worth trying again soon, never worth remembering long."""
+        return self in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)

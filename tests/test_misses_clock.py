@@ -1,0 +1,111 @@
+"""Remembered misses against a real SQLite database, with the clocks injected: TTL doubling,
+the memo's lifetime, scopes and expiry, without sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from proxy.artifacts.index import key_hash
+from proxy.artifacts.misses import RememberedMisses
+from proxy.expiry import Expiry
+from proxy.keys import ArtifactKey, Kind
+from proxy.store.migrate import upgrade
+from proxy.store.repository import Repository, create_engine
+from symbolize.outcome import Outcome
+
+KEY = ArtifactKey("ab" * 20, Kind.DEBUGINFO)
+EXPIRY = Expiry(not_found_initial_s=60, not_found_max_s=600, no_symbols_s=600,
+                malformed_s=86400)
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.mono = 1000.0
+        self.wall = datetime(2026, 12, 1, tzinfo=UTC)
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.wall += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+async def repo(tmp_path: Path) -> AsyncIterator[Repository]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'm.sqlite'}"
+    await asyncio.to_thread(upgrade, url)
+    r = Repository(create_engine(url))
+    yield r
+    await r.close()
+
+
+def misses(repo: Repository, clocks: Clocks, memo_s: float = 1.0) -> RememberedMisses:
+    return RememberedMisses(repo, EXPIRY, memo_s=memo_s, memo_entries=100,
+                            monotonic=lambda: clocks.mono, wall=lambda: clocks.wall)
+
+
+def test_expiry_doubles_a_repeated_miss_up_to_its_ceiling() -> None:
+    assert [EXPIRY.seconds(Outcome.NOT_FOUND, n) for n in (1, 2, 3, 4, 5, 9)] == [
+        60, 120, 240, 480, 600, 600]
+    assert EXPIRY.seconds(Outcome.MALFORMED) == 86400
+    assert EXPIRY.seconds(Outcome.NO_SYMBOLS) == 600
+    for never in (Outcome.INTERNAL, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
+                  Outcome.REJECTED, Outcome.OK):
+        assert EXPIRY.seconds(never) is None
+
+
+async def test_a_repeated_miss_is_remembered_longer(repo: Repository) -> None:
+    clocks = Clocks()
+    m = misses(repo, clocks)
+    assert await m.record("", KEY, ["u"]) == 60
+    assert await m.live("", KEY) == {"u"}
+    clocks.advance(59)
+    assert await m.live("", KEY) == {"u"}
+    clocks.advance(2)
+    assert await m.live("", KEY) == frozenset()
+    assert await m.record("", KEY, ["u"]) == 120  # the second miss in a row
+    clocks.advance(119)
+    assert await m.live("", KEY) == {"u"}
+    [row] = await repo.get_negatives(key_hash("", KEY))
+    assert (row.outcome, row.misses) == ("not_found", 2)
+
+
+async def test_the_memo_answers_without_sql_only_for_memo_s(repo: Repository) -> None:
+    clocks = Clocks()
+    m = misses(repo, clocks, memo_s=1.0)
+    await m.record("", KEY, ["u", "v"])
+    assert m.memo_covers("", KEY, ["u", "v"])
+    assert not m.memo_covers("", KEY, ["u", "w"])  # an upstream never asked
+    clocks.advance(1.5)
+    assert not m.memo_covers("", KEY, ["u"])  # SQL is asked again, as another replica might
+    assert await m.live("", KEY) == {"u", "v"}  # ... and it still says so
+    assert m.memo_covers("", KEY, ["u"])
+
+
+async def test_scopes_do_not_share_misses(repo: Repository) -> None:
+    clocks = Clocks()
+    m = misses(repo, clocks)
+    await m.record("tenant", KEY, ["u"])
+    assert await m.live("tenant", KEY) == {"u"}
+    assert await m.live("", KEY) == frozenset()
+    assert not m.memo_covers("", KEY, ["u"])
+
+
+async def test_failures_of_a_source_are_never_remembered(repo: Repository) -> None:
+    m = misses(repo, Clocks())
+    assert await m.record("", KEY, ["u"], Outcome.TIMEOUT) is None
+    assert await m.record("", KEY, ["u"], Outcome.INTERNAL) is None
+    assert await m.live("", KEY) == frozenset()
+
+
+async def test_long_expired_rows_are_swept(repo: Repository) -> None:
+    clocks = Clocks()
+    m = misses(repo, clocks)
+    await m.record("", KEY, ["u"])
+    clocks.advance(60 + 4 * 600 - 1)
+    assert await m.expire() == 0  # kept a while, so a repeat can grow its time
+    clocks.advance(2)
+    assert await m.expire() == 1

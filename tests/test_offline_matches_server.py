@@ -1,0 +1,55 @@
+"""Offline and server symbolization are one pipeline: the same profile and the same debug
+files give the same bytes, whether they come from a local tree or through symgate's cache."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import sys
+from pathlib import Path
+
+from proxy.config import SymbolizeConfig
+from symbolize.offline import symbolize_bytes
+from symbolize.pipeline import Limits
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import Elf, ElfSet
+from tests.profiles import code_addresses, make_profile, place
+
+BASES = {"prog": 0x5555_5555_4000, "shlib": 0x7F00_0000_0000, "nopie": 0}
+
+
+def build_id_tree(root: Path, elves: list[Elf]) -> Path:
+    for elf in elves:
+        d = root / ".build-id" / elf.build_id[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)
+        (d / elf.build_id[2:]).symlink_to(elf.executable)
+    return root
+
+
+def profile(elfs: ElfSet) -> bytes:
+    placed = [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)),
+              (place(elfs.shlib, BASES["shlib"]), code_addresses(elfs.shlib)[::3]),
+              (place(elfs.nopie, BASES["nopie"]), code_addresses(elfs.nopie)[::5])]
+    return gzip.compress(make_profile(placed).SerializeToString(), mtime=0)
+
+
+async def test_offline_and_server_give_the_same_bytes(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    body = profile(elfs)
+    elves = [elfs.prog, elfs.shlib, elfs.nopie]
+    tree = build_id_tree(tmp_path / "debug", elves)
+    limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+    offline, report = await asyncio.to_thread(symbolize_bytes, body, [tree], limits)
+    assert report.mappings_symbolized == 3 and offline != body
+
+    # The server, once from the same local tree, once from elfutils' debuginfod through its
+    # cache (debug file and executable fetched, as a Pyroscope-style deployment does).
+    for upstreams, dirs in (([], (tree,)), ([debuginfod.url], ())):
+        sg = await start_symgate(upstreams, data_dir=tmp_path / f"data-{len(upstreams)}",
+                                 symbolize=SymbolizeConfig(build_workers=1, debug_dirs=dirs))
+        status, headers, served = await sg.request(
+            "POST", "/symbolize", data=body, headers={"Content-Type": "application/octet-stream"})
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "3", upstreams
+        assert served == offline, upstreams

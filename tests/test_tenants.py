@@ -1,0 +1,136 @@
+"""Tenant scope: what came through a tenant's own sources is that tenant's alone.
+
+An artifact or symbol table fetched through `[tenants.X] upstreams` (typically a private
+server with credentials) is cached under X's scope; /buildid and /symbolize answer it to X's
+requests only. What came from the global sources stays shared. Tenants with tokens must prove
+who they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.config import SymbolizeConfig, TenantConfig, UpstreamConfig
+from tests.conftest import SymgateFactory, fast_upstream
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.profiles import code_addresses, make_profile, place
+
+BASE = 0x5555_5555_4000
+TOKEN_A = "a-token-long-enough-1234"
+
+
+def private(faults: FaultUpstream) -> UpstreamConfig:
+    """A server that answers only with its credentials: 'Bearer sesame'."""
+    return replace(fast_upstream(faults.url_for("auth")),
+                   headers={"Authorization": "Bearer sesame"})
+
+
+def profile_of(elfs: ElfSet) -> bytes:
+    return make_profile([(place(elfs.prog, BASE), code_addresses(elfs.prog)[:20])]
+                        ).SerializeToString()
+
+
+async def test_a_tenants_private_artifacts_and_tables_reach_that_tenant_only(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        symbolize=SymbolizeConfig(build_workers=1),
+        tenants={"a": TenantConfig(upstreams=(private(faults),)), "b": TenantConfig()})
+    bid = elfs.prog.build_id
+    path = f"/buildid/{bid}/debuginfo"
+    raw = profile_of(elfs)
+
+    # Tenant A fetches through its private server, and symbolizes with it.
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, headers, _ = await sg.request(
+        "POST", "/symbolize", data=raw,
+        headers={"Content-Type": "application/octet-stream", "X-Scope-OrgID": "a"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    # Nobody else sees either: not without a tenant, not as tenant B, not by HEAD.
+    for headers_ in ({}, {"X-Scope-OrgID": "b"}, {"X-Scope-OrgID": "c"}):
+        status, _, _ = await sg.get(path, headers=headers_)
+        assert status == 404, headers_
+        status, _ = await sg.head(path, headers=headers_)
+        assert status == 404, headers_
+        status, _, _ = await sg.get(path, headers={**headers_, "Cache-Control": "only-if-cached"})
+        assert status == 504, headers_
+        status, headers, body = await sg.request(
+            "POST", "/symbolize", data=raw,
+            headers={"Content-Type": "application/octet-stream", **headers_})
+        assert status == 200 and body == raw, headers_
+        assert headers["X-Symgate-Mappings-Unsymbolized"] == "not_found=1", headers_
+    assert faults.count("auth") >= 1
+
+    # Tenant A still gets its own, from the cache now.
+    before = faults.count("auth")
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("auth") == before
+
+
+async def test_the_shared_cache_answers_every_tenant(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A tenant with its own sources still sees what the global sources gave everyone."""
+    sg = await start_symgate(
+        [faults.url_for("ok")], tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    before = faults.count("auth")
+    assert (await sg.get(path, headers={"X-Scope-OrgID": "a"}))[0] == 200
+    assert faults.count("auth") == before and faults.count("ok") == 1
+
+
+async def test_a_tenants_misses_are_its_own(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A 404 remembered for one scope does not answer another scope's request."""
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    path = f"/buildid/{elfs.prog.build_id}/executable"
+    assert (await sg.get(path))[0] == 404
+    assert (await sg.get(path))[0] == 404
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="executable",
+                           outcome="negative_hit") == 1
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 200 and body == elfs.prog.executable.read_bytes()
+
+
+async def test_tokens_prove_the_tenant(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        tenants={"a": TenantConfig(upstreams=(private(faults),), tokens=(TOKEN_A,))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    bearer = {"Authorization": f"Bearer {TOKEN_A}"}
+    # Naming a tenant that has tokens is not enough; a wrong token is refused.
+    status, headers, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
+    assert b"needs its bearer token" in body
+    status, _, _ = await sg.get(path, headers={"Authorization": "Bearer " + "x" * 24})
+    assert status == 401
+    status, _, _ = await sg.get(path, headers={"X-Scope-OrgID": "b", **bearer})
+    assert status == 401
+    # The token alone names the tenant (gdb can send a header, not always two).
+    status, _, body = await sg.get(path, headers=bearer)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, _ = await sg.get(path, headers={"X-Scope-OrgID": "a", **bearer})
+    assert status == 200
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="rejected") == 3
+    # Still nothing for the shared scope, and the server keeps serving.
+    assert (await sg.get(path))[0] == 404
+    assert (await sg.get("/healthz"))[0] == 200
+
+
+async def test_a_malformed_tenant_header_is_400(start_symgate: SymgateFactory) -> None:
+    sg = await start_symgate([])
+    path = "/buildid/" + "ab" * 20 + "/debuginfo"
+    assert (await sg.get(path, headers={"X-Scope-OrgID": "x" * 256}))[0] == 400
+    assert (await sg.get(path, headers={"X-Scope-OrgID": "a\tb"}))[0] == 400
