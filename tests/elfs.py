@@ -80,6 +80,19 @@ class ElfSet:
     def all(self) -> tuple[Elf, ...]:
         return (self.prog, self.other, self.big, self.nopie, self.shlib, self.cpp)
 
+    def named(self, name: str) -> Elf:
+        return next(e for e in self.all if e.name == name)
+
+
+def build_id_tree(root: Path, build_id: str, debug: Path, executable: Path) -> Path:
+    """A /usr/lib/debug-style tree at `root` for one program, as Fedora's trees have it:
+    .build-id/xx/rest.debug links to its debug file, .build-id/xx/rest to the program."""
+    d = root / ".build-id" / build_id[:2]
+    d.mkdir(parents=True)
+    (d / (build_id[2:] + ".debug")).symlink_to(debug)
+    (d / build_id[2:]).symlink_to(executable)
+    return root
+
 
 def _run(*cmd: str | Path) -> None:
     subprocess.run([str(c) for c in cmd], check=True, capture_output=True)

@@ -12,6 +12,7 @@ from proxy.keys import ArtifactKey
 from tests.conftest import Symgate, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.processes import run_in_thread
 
 MISSING = "00112233445566778899aabbccddeeff00112233"
 
@@ -24,9 +25,7 @@ def config_file(sg: Symgate, tmp_path: Path) -> Path:
 
 
 async def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(
-        subprocess.run, ["symgate", *args, "--config", str(config)], capture_output=True,
-        text=True, timeout=60)
+    return await run_in_thread(["symgate", *args, "--config", str(config)], timeout=60)
 
 
 async def test_cache_ls_stats_and_purge(

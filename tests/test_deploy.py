@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import Debuginfod, free_port
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.processes import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -57,21 +58,8 @@ async def _start(env: dict[str, str], *args: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         str(ENTRYPOINT), *args, env=env, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
-    url = f"http://{env['SYMGATE_LISTEN']}/healthz"
-    async with aiohttp.ClientSession() as s:
-        for _ in range(300):
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return proc
-            except aiohttp.ClientError:
-                pass
-            if proc.returncode is not None:
-                break
-            await asyncio.sleep(0.1)
-    proc.kill()
-    out = await proc.stdout.read() if proc.stdout else b""
-    raise AssertionError(f"symgate did not come up: {out.decode()}")
+    await wait_until_serving(f"http://{env['SYMGATE_LISTEN']}", proc)
+    return proc
 
 
 async def _healthcheck(env: dict[str, str]) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import subprocess
@@ -12,6 +11,7 @@ from symbolize.pprof.profile_pb2 import Profile
 from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.processes import run_in_thread
 
 UNKNOWN = "feedface" * 5
 
@@ -36,10 +36,8 @@ async def inspect(tmp_path: Path, upstreams: list[str], server: str, *flags: str
     source = tmp_path / "profile.pb.gz"
     config = tmp_path / "inspect.toml"
     config.write_text("".join(f'[[upstreams]]\nurl = "{u}"\n' for u in upstreams))
-    return await asyncio.to_thread(
-        subprocess.run, ["symgate", "inspect", str(source), "--config", str(config),
-                         "--server", server, "--timeout", "1", *flags],
-        capture_output=True, text=True, timeout=60)
+    return await run_in_thread(["symgate", "inspect", str(source), "--config", str(config),
+                                "--server", server, "--timeout", "1", *flags], timeout=60)
 
 
 async def test_inspect_explains_every_mapping(

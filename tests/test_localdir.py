@@ -11,17 +11,14 @@ import aiohttp
 
 from proxy.config import UpstreamConfig
 from tests.conftest import Debuginfod, SymgateFactory, eventually
-from tests.elfs import ElfSet
+from tests.elfs import ElfSet, build_id_tree
 from tests.faults import FaultUpstream
-from tests.test_protocol import debuginfod_find
+from tests.processes import debuginfod_find
 
 
 def make_tree(root: Path, elfs: ElfSet) -> Path:
     """prog in the .build-id layout; other, and an unstripped binary, as plain files."""
-    links = root / ".build-id" / elfs.prog.build_id[:2]
-    links.mkdir(parents=True)
-    (links / (elfs.prog.build_id[2:] + ".debug")).symlink_to(elfs.prog.debug)
-    (links / elfs.prog.build_id[2:]).symlink_to(elfs.prog.executable)
+    build_id_tree(root, elfs.prog.build_id, elfs.prog.debug, elfs.prog.executable)
     plain = root / "opt" / "app"
     plain.mkdir(parents=True)
     shutil.copy(elfs.other.executable, plain / "other")

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import free_port
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.processes import wait_until_serving
 
 
 async def _serve_and_ask(tmp_path: Path, log_format: str, upstream: str,
@@ -26,13 +27,8 @@ async def _serve_and_ask(tmp_path: Path, log_format: str, upstream: str,
         "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
     base = f"http://127.0.0.1:{port}"
+    await wait_until_serving(base, proc)
     async with aiohttp.ClientSession() as s:
-        for _ in range(300):
-            try:
-                async with s.get(base + "/healthz"):
-                    break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
         for path in paths:
             async with s.get(base + path, headers={"User-Agent": "log-test/1"}) as r:
                 await r.read()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import subprocess
@@ -11,11 +10,11 @@ from pathlib import Path
 from symbolize.pprof.profile_pb2 import Profile
 from tests.conftest import Debuginfod, SymgateFactory, eventually
 from tests.elfs import ElfSet
+from tests.processes import run_in_thread
 
 
 async def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(subprocess.run, ["symgate", "prefetch", *args],
-                                   capture_output=True, text=True, timeout=120)
+    return await run_in_thread(["symgate", "prefetch", *args], timeout=120)
 
 
 async def test_prefetch_from_arguments_a_file_and_a_profile(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 from pathlib import Path
 
 import aiohttp
@@ -13,14 +11,7 @@ import pytest
 from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-
-
-def debuginfod_find(server: str, cache: Path, *args: str, ua_timeout: int = 20
-                    ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DEBUGINFOD_URLS": server, "DEBUGINFOD_CACHE_PATH": str(cache),
-           "DEBUGINFOD_TIMEOUT": str(ua_timeout)}
-    return subprocess.run(["debuginfod-find", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
+from tests.processes import debuginfod_find
 
 
 async def test_debuginfod_find_gets_the_same_bytes_as_from_upstream(

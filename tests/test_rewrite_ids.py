@@ -3,33 +3,29 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from symbolize.chains import FIRST_ID, FunctionIds
 from symbolize.elf import layout_of_file
-from symbolize.pprof.codec import decode, encode
 from symbolize.pprof.profile_pb2 import Profile
-from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
+from symbolize.rewrite import MappingSymbols
 from symbolize.symtab import SymbolTable, build_symbol_table
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
+from tests.rewriting import open_table, run_rewrite
 
-LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 BASE = 0x7F0000000000
 
 
 @pytest.fixture(scope="module")
 def libc(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, SymbolTable, FunctionIds]:
-    layout = layout_of_file(LIBC)
-    assert layout is not None
-    debug = Path(f"/usr/lib/debug/.build-id/{layout.build_id[:2]}/{layout.build_id[2:]}.debug")
-    if not debug.exists():
+    assert LIBC_ID
+    if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
     out = tmp_path_factory.mktemp("symtab") / "libc.symc"
-    built = build_symbol_table(debug, out, layout.build_id)
+    built = build_symbol_table(LIBC_DEBUG, out, LIBC_ID)
     ids = FunctionIds()
-    return layout.build_id, SymbolTable(out, built.load_address, built.code_ranges,
-                                        built.cold_ranges, built.has_lines, ids), ids
+    return LIBC_ID, open_table(out, built, ids), ids
 
 
 def _profile(build_id: str) -> Profile:
@@ -48,12 +44,9 @@ def _profile(build_id: str) -> Profile:
 
 def _run(body: bytes, libc: tuple[str, SymbolTable, FunctionIds]) -> Profile:
     build_id, table, ids = libc
-    decoded = decode(body, 1 << 30)
-    report = Report()
-    wanted = candidates(decoded.profile, report)
-    rewrite(decoded.profile, wanted, {build_id: MappingSymbols(table, layout_of_file(LIBC)
-                                                               .segments)}, ids, report)
-    return Profile.FromString(encode(decoded.profile, False))
+    layout = layout_of_file(LIBC)
+    assert layout is not None
+    return run_rewrite(body, {build_id: MappingSymbols(table, layout.segments)}, ids)[0]
 
 
 def _frames(p: Profile) -> list[list[tuple[str, str, int]]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import struct
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.processes import run_in_thread
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # As this machine's notes advise: no sandbox as root, and nothing that reaches the network.
@@ -24,9 +24,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 async def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     if CHROMIUM is None:
         pytest.fail("chromium is not installed (apt-get install chromium)")
-    return await asyncio.to_thread(
-        subprocess.run, [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
-        capture_output=True, text=True, timeout=120)
+    return await run_in_thread(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args], timeout=120)
 
 
 async def test_status_page_in_a_browser(

@@ -13,17 +13,16 @@ from symbolic.symcache import SymCache
 
 from symbolize.chains import FunctionIds
 from symbolize.demangle import demangle
-from symbolize.elf import cold_part, layout_of_file
-from symbolize.pprof.codec import decode, encode
+from symbolize.elf import cold_part
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.range_index import RangeIndex
-from symbolize.rewrite import MappingSymbols, Report, candidates, rewrite
+from symbolize.rewrite import MappingSymbols
 from symbolize.symcache_columns import UnreadableSymCache, read_columns
-from symbolize.symtab import BuildResult, SymbolTable, build_symbol_table
+from symbolize.symtab import BuildResult, build_symbol_table
 from tests.elfs import ElfSet
+from tests.libc import LIBC_DEBUG, LIBC_ID
 from tests.profiles import Expected
-
-LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+from tests.rewriting import open_table, run_rewrite
 
 Built = tuple[Path, BuildResult]
 
@@ -35,12 +34,10 @@ def _build(tmp: Path, source: Path, build_id: str) -> Built:
 
 @pytest.fixture(scope="module")
 def libc(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    layout = layout_of_file(LIBC)
-    assert layout is not None and layout.build_id
-    debug = Path(f"/usr/lib/debug/.build-id/{layout.build_id[:2]}/{layout.build_id[2:]}.debug")
-    if not debug.exists():
+    assert LIBC_ID
+    if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
-    return _build(tmp_path_factory.mktemp("libc"), debug, layout.build_id)
+    return _build(tmp_path_factory.mktemp("libc"), LIBC_DEBUG, LIBC_ID)
 
 
 def symbolic_frames(cache: SymCache, built: BuildResult, vaddr: int) -> list[Expected]:
@@ -67,13 +64,8 @@ def symbolize_elf_relative(built: Built, build_id: str, vaddrs: list[int]) -> Pr
     for i, v in enumerate(vaddrs, start=1):
         p.location.add(id=i, mapping_id=1, address=v)
     ids = FunctionIds()
-    table = SymbolTable(path, result.load_address, result.code_ranges, result.cold_ranges,
-                        result.has_lines, ids)
-    decoded = decode(p.SerializeToString(), 1 << 30)
-    report = Report()
-    rewrite(decoded.profile, candidates(decoded.profile, report),
-            {build_id: MappingSymbols(table, ())}, ids, report)
-    return Profile.FromString(encode(decoded.profile, False))
+    table = open_table(path, result, ids)
+    return run_rewrite(p.SerializeToString(), {build_id: MappingSymbols(table, ())}, ids)[0]
 
 
 def probe_addresses(path: Path, built: BuildResult, rng: random.Random, n: int) -> list[int]:
@@ -104,11 +96,9 @@ def assert_same_as_symbolic(built: Built, build_id: str, vaddrs: list[int]) -> N
 
 
 def test_libc_frames_are_symbolics_at_range_starts_and_anywhere(libc: Built) -> None:
-    layout = layout_of_file(LIBC)
-    assert layout is not None and layout.build_id
     assert libc[1].cold_ranges  # libc has GCC-split functions: the renaming is exercised
     vaddrs = probe_addresses(libc[0], libc[1], random.Random(11), 40_000)
-    assert_same_as_symbolic(libc, layout.build_id, vaddrs)
+    assert_same_as_symbolic(libc, LIBC_ID, vaddrs)
 
 
 def test_gcc_built_frames_are_symbolics(elfs: ElfSet, tmp_path: Path) -> None:
@@ -193,14 +183,9 @@ def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path
         start, end = built.code_ranges[0]
         for v in range(start, min(end, start + 200)):
             p.location.add(id=len(p.location) + 1, mapping_id=mid, address=v)
-    tables = {
-        elf.build_id: MappingSymbols(SymbolTable(path, b.load_address, b.code_ranges,
-                                                 b.cold_ranges, b.has_lines, ids), ())
-        for elf, (path, b) in ((good_elf, good), (bad_elf, (looped, bad)))}
-    decoded = decode(p.SerializeToString(), 1 << 30)
-    report = Report()
-    rewrite(decoded.profile, candidates(decoded.profile, report), tables, ids, report)
-    out = Profile.FromString(encode(decoded.profile, False))
+    tables = {elf.build_id: MappingSymbols(open_table(path, b, ids), ())
+              for elf, (path, b) in ((good_elf, good), (bad_elf, (looped, bad)))}
+    out, report = run_rewrite(p.SerializeToString(), tables, ids)
     assert report.mappings_symbolized == 1
     assert report.mappings_skipped["malformed"] == 1
     assert [m.has_functions for m in out.mapping] == [True, False]

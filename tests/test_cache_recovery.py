@@ -1,0 +1,67 @@
+"""The cache index and the files on disk agree: a restart keeps every hit and clears what a
+crash left behind, and a cached file that is gone or short, found at start-up or while
+serving, is fetched again rather than served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy.keys import ArtifactKey
+from tests.conftest import SymgateFactory
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+
+async def test_restart_keeps_hits_and_cleans_crash_leftovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.stop()
+    cache_dir = sg.config.cache_dir
+    (cache_dir / "tmp" / "deadbeef.part").write_bytes(b"half a download")
+    orphan = cache_dir / "objects" / "cc" / "dd" / "debuginfo"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"renamed into place, row never written")
+    sg2 = await start_symgate(config=sg.config)
+    status, _, body = await sg2.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("ok") == 1
+    assert await sg2.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                            outcome="hit") == 1
+    assert not any((cache_dir / "tmp").iterdir()) and not orphan.exists()
+
+
+async def test_restart_drops_rows_whose_file_is_gone_or_short(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    for e in (elfs.prog, elfs.other):
+        await sg.get(f"/buildid/{e.build_id}/debuginfo")
+    await sg.stop()
+    objects = sg.config.cache_dir / "objects"
+    (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name).unlink()
+    short = objects / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
+    short.write_bytes(short.read_bytes()[:100])
+    sg2 = await start_symgate(config=sg.config)
+    assert await sg2.metric("symgate_cache_entries") == 0
+    for e in (elfs.prog, elfs.other):
+        status, _, body = await sg2.get(f"/buildid/{e.build_id}/debuginfo")
+        assert status == 200 and body == e.debug.read_bytes()
+    assert faults.count("ok") == 4
+
+
+async def test_a_cached_file_deleted_behind_the_servers_back_is_fetched_again(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
+        elfs.prog.build_id, "debuginfo").storage_name
+    stored.unlink()
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("ok") == 2 and stored.exists()
+    assert await sg.metric("symgate_cache_entries") == 1

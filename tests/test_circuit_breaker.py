@@ -1,0 +1,136 @@
+"""An upstream that keeps failing is left alone for a while: the circuit breaker opens after
+`threshold` consecutive failures, refuses everything during the cool-down, then lets exactly
+one trial through, which closes it on success and opens it again on failure. A threshold of 0
+turns it off. Every change of state, and only a change, is reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.metrics import BreakerState
+from proxy.sources.breaker import CircuitBreaker
+
+CLOSED, HALF_OPEN, OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def changes() -> list[BreakerState]:
+    return []
+
+
+def breaker(clock: Clock, changes: list[BreakerState], threshold: int = 3,
+            cooldown_s: float = 10.0) -> CircuitBreaker:
+    return CircuitBreaker(threshold, cooldown_s, changes.append, clock=clock)
+
+
+def test_starts_closed_and_says_so(clock: Clock, changes: list[BreakerState]) -> None:
+    b = breaker(clock, changes)
+    assert b.state is CLOSED and changes == [CLOSED]
+    assert all(b.allow() for _ in range(100))  # closed: no limit on concurrent requests
+
+
+def test_opens_on_the_thresholdth_consecutive_failure(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=3)
+    assert b.failure() is False and b.failure() is False
+    assert b.state is CLOSED and b.allow()
+    assert b.failure() is True  # this one opened it
+    assert b.state is OPEN and changes == [CLOSED, OPEN]
+    assert not b.allow()
+
+
+def test_a_success_in_between_starts_the_count_again(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=3)
+    for _ in range(5):
+        b.failure()
+        b.failure()
+        b.success()
+    assert b.state is CLOSED and changes == [CLOSED]
+
+
+def test_open_refuses_everything_until_the_cool_down_is_over(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=1, cooldown_s=10)
+    b.failure()
+    clock.now += 9.99
+    assert not b.allow() and b.state is OPEN
+    clock.now += 0.01
+    assert b.allow()  # cool-down over: a trial
+    assert b.state is HALF_OPEN and changes == [CLOSED, OPEN, HALF_OPEN]
+
+
+def test_half_open_lets_exactly_one_trial_through(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=1, cooldown_s=10)
+    b.failure()
+    clock.now += 60
+    assert b.allow()
+    clock.now += 60  # however long the trial takes
+    assert [b.allow() for _ in range(10)] == [False] * 10
+    assert b.state is HALF_OPEN
+
+
+def test_a_successful_trial_closes_it(clock: Clock, changes: list[BreakerState]) -> None:
+    b = breaker(clock, changes, threshold=2, cooldown_s=10)
+    b.failure()
+    b.failure()
+    clock.now += 10
+    assert b.allow()
+    b.success()
+    assert b.state is CLOSED and changes == [CLOSED, OPEN, HALF_OPEN, CLOSED]
+    assert all(b.allow() for _ in range(10))
+    assert b.failure() is False  # a full run of failures is needed to open it again
+    assert b.state is CLOSED
+    assert b.failure() is True and b.state is OPEN
+
+
+def test_a_failed_trial_opens_it_again_for_a_new_cool_down(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=3, cooldown_s=10)
+    for _ in range(3):
+        b.failure()
+    clock.now += 10
+    assert b.allow()
+    clock.now += 5
+    assert b.failure() is True  # one failed trial is enough, whatever the threshold
+    assert b.state is OPEN and changes == [CLOSED, OPEN, HALF_OPEN, OPEN]
+    clock.now += 9.99  # the cool-down counts from the failed trial
+    assert not b.allow()
+    clock.now += 0.01
+    assert b.allow() and b.state is HALF_OPEN
+
+
+def test_a_late_failure_while_open_neither_reopens_nor_reports(
+    clock: Clock, changes: list[BreakerState]
+) -> None:
+    b = breaker(clock, changes, threshold=1)
+    assert b.failure() is True
+    assert b.failure() is False  # a request let through before it opened, failing late
+    assert b.state is OPEN and changes == [CLOSED, OPEN]
+
+
+def test_threshold_zero_never_opens(clock: Clock, changes: list[BreakerState]) -> None:
+    b = breaker(clock, changes, threshold=0)
+    for _ in range(1000):
+        assert b.allow()
+        assert b.failure() is False
+    assert b.state is CLOSED and changes == [CLOSED]

@@ -1,0 +1,72 @@
+"""One upstream fetch per artifact, however many clients ask for it at once: each of them is
+streamed the bytes as they arrive, and the fetch runs to its end even when the client that
+started it hangs up, so the next request is a hit."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import aiohttp
+
+from tests.conftest import SymgateFactory
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+
+async def test_single_flight_50_clients_one_upstream_request_streamed(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.chunk_size, faults.chunk_delay = 1024 * 1024, 0.05  # ~1.3 s for the 24 MiB file
+    sg = await start_symgate([faults.url_for("slow-body")])
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = hashlib.sha256(elfs.big.debug.read_bytes()).hexdigest()
+    loop = asyncio.get_running_loop()
+    first_bytes: list[float] = []
+
+    async def client(session: aiohttp.ClientSession) -> str:
+        digest = hashlib.sha256()
+        first = True
+        async with session.get(sg.url + path) as r:
+            assert r.status == 200
+            async for chunk in r.content.iter_chunked(1 << 16):
+                if first:
+                    first_bytes.append(loop.time())
+                    first = False
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        digests = await asyncio.gather(*(client(session) for _ in range(50)))
+    assert digests == [expected] * 50
+    assert faults.count("slow-body") == 1
+    upstream_done = faults.body_done[f"/slow-body{path}"]
+    # Every client had its first bytes before the upstream had sent its last one.
+    assert len(first_bytes) == 50 and max(first_bytes) < upstream_done
+    assert await sg.metric("symgate_singleflight_joins_total") == 49
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="miss") == 50
+    status, _, body = await sg.get(path)
+    assert status == 200 and hashlib.sha256(body).hexdigest() == expected
+    assert faults.count("slow-body") == 1
+
+
+async def test_fetch_goes_on_when_the_client_that_started_it_leaves(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.chunk_size, faults.chunk_delay = 1024 * 1024, 0.03
+    sg = await start_symgate([faults.url_for("slow-body")])
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(sg.url + path) as r:
+        assert r.status == 200
+        await r.content.read(1 << 16)
+        r.close()  # hang up with most of the file still to come
+    for _ in range(100):
+        if await sg.metric("symgate_cache_entries") == 1:
+            break
+        await asyncio.sleep(0.1)
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.big.debug.read_bytes()
+    assert faults.count("slow-body") == 1
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="hit") == 1

@@ -1,0 +1,36 @@
+"""A symbol table is built in the background as soon as its debug file is cached, serves
+every later profile without being built again, and is deleted, file and row, when that debug
+file leaves the cache."""
+
+from __future__ import annotations
+
+from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
+from tests.conftest import Debuginfod, SymgateFactory, eventually
+from tests.elfs import ElfSet
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+
+async def test_symbol_tables_are_built_when_cached_and_evicted_with_their_artifact(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+
+    async def built() -> bool:
+        return await sg.metric("symgate_symtab_builds_total", result="ok") == 1
+
+    await eventually(built)  # pre-extracted in the background, before any profile asked
+    table = sg.config.server.data_dir / "symtabs" / elfs.prog.build_id[:2] / (
+        elfs.prog.build_id + ".symc")
+    assert table.exists()
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    _status, headers, _ = await post(sg, profile.SerializeToString())
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1  # not rebuilt
+    assert await sg.metric("symgate_symtab_cache_total", result="hit") >= 1
+    state = sg.runner.app[STATE]
+    assert await state.service.cache.remove(ArtifactKey.parse(elfs.prog.build_id, "debuginfo"))
+    assert not table.exists()
+    assert await state.repo.get_symbol_table(elfs.prog.build_id) is None

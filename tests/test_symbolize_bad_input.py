@@ -1,0 +1,101 @@
+"""What /symbolize refuses, and how: a body that is not a profile, of the wrong type, too
+large or a gzip bomb, or one naming more build IDs than a request may, gets a 4xx that says
+why, before anything is fetched, and the server goes on serving; a build ID no debuginfod could
+have is reported, not fetched; and a large body that is sound is read whole, not mistaken for
+a bad one."""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+
+@pytest.mark.parametrize(("body", "status", "reason"), [
+    (b"", 400, b"empty body"),
+    (b"this is not a profile at all", 400, b"not a pprof profile"),
+    (gzip.compress(b"x" * 1000)[:20], 400, b"truncated gzip"),
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20, 400, b"not valid gzip"),
+], ids=["empty", "not-a-profile", "truncated-gzip", "bad-deflate"])
+async def test_bad_bodies_get_a_clear_4xx_and_the_server_survives(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, body: bytes, status: int,
+    reason: bytes,
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    got, _, text = await post(sg, body)
+    assert got == status and reason in text, text
+    assert (await sg.get("/healthz"))[0] == 200
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/json; charset=utf-8"])
+async def test_a_body_that_is_not_a_profile_by_its_type_is_415(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, ctype: str
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, _, text = await post(sg, profile.SerializeToString(), **{"Content-Type": ctype})
+    assert status == 415 and b"unsupported Content-Type" in text, text
+    status, _, _ = await post(sg, profile.SerializeToString(),
+                              **{"Content-Type": "application/x-protobuf"})
+    assert status == 200
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
+async def test_gzip_bomb_and_oversized_bodies_are_413(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(
+        max_request_bytes=1024 * 1024, max_decompressed_bytes=8 * 1024 * 1024))
+    bomb = gzip.compress(b"\0" * (64 * 1024 * 1024))  # 64 MiB of zeros in ~64 KiB
+    assert len(bomb) < 1024 * 1024
+    status, _, text = await post(sg, bomb)
+    assert status == 413 and b"decompresses to more than" in text
+    status, _, text = await post(sg, os.urandom(2 * 1024 * 1024))
+    assert status == 413 and b"larger than" in text
+    assert (await sg.get("/healthz"))[0] == 200
+
+
+async def test_too_many_build_ids_is_422(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config(max_mappings=2))
+    placed = [(replace(place(elfs.prog, BASES["prog"]), build_id=f"{i:02x}" * 20), [0x1100])
+              for i in range(3)]
+    status, _, text = await post(sg, make_profile(placed).SerializeToString())
+    assert status == 422 and b"3 build IDs" in text
+    assert faults.count("ok") == 0
+
+
+async def test_a_2000_character_build_id_is_reported_not_fetched(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
+    placed = replace(place(elfs.prog, BASES["prog"]), build_id="ab" * 1000)
+    profile = make_profile([(placed, code_addresses(elfs.prog)[:5])])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200 and body == profile.SerializeToString()
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "invalid_build_id=1"
+    assert faults.count("ok") == 0
+
+
+async def test_a_profile_over_a_mebibyte_is_read_whole(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Bodies arrive in many reads; a short read once made big profiles look corrupt."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elfs.prog, BASES["prog"])
+    vaddrs = code_addresses(elfs.prog) * 400  # ~60k locations, 1.4 MB of raw protobuf
+    raw = make_profile([(placed, vaddrs)]).SerializeToString()
+    assert len(raw) > 1024 * 1024  # far more than one read returns
+    status, headers, body = await post(sg, raw)
+    assert status == 200, body[:200]
+    assert int(headers["X-Symgate-Locations-Symbolized"]) >= len(vaddrs) * 0.9

@@ -1,0 +1,49 @@
+"""`symgate symbolize` gives the same frames as llvm-symbolizer from a local debug directory
+and through a symgate server, and refuses a file that is not a profile, writing nothing."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import subprocess
+from pathlib import Path
+
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import ElfSet, build_id_tree
+from tests.processes import run_in_thread
+from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+from tests.symbolize_helpers import BASES, parse, same_frames, symbolize_config
+
+
+async def test_cli_symbolizes_offline_and_through_a_server(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    placed = place(elfs.prog, BASES["prog"])
+    vaddrs = code_addresses(elfs.prog)
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile([(placed, vaddrs)]).SerializeToString()))
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
+                         elfs.prog.executable)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    outputs = {}
+    for mode, flags in (("offline", ["--debug-dir", str(tree)]), ("server", ["--server", sg.url])):
+        out = tmp_path / f"{mode}.pb.gz"
+        result = await run_in_thread(
+            ["symgate", "symbolize", str(source), "-o", str(out), *flags], timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert re.search(r"(?i)mappings[ -]symbolized: 1", result.stderr), result.stderr
+        outputs[mode] = parse(out.read_bytes())
+    expected = llvm_symbolize(elfs.prog.debug, vaddrs)
+    for mode, profile in outputs.items():
+        by_address = {loc.address: loc for loc in profile.location}
+        for vaddr, frames in expected.items():
+            assert same_frames(frames_of(profile, by_address[placed.runtime(vaddr)]), frames), mode
+
+
+def test_cli_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pprof"
+    bad.write_bytes(b"\x1f\x8b\x08\x00truncated")
+    result = subprocess.run(["symgate", "symbolize", str(bad), "-o", str(tmp_path / "o"),
+                             "--debug-dir", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 1 and "gzip" in result.stderr
+    assert not (tmp_path / "o").exists()

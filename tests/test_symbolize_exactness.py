@@ -1,0 +1,114 @@
+"""/symbolize names every address as llvm-symbolizer does: each instruction of gcc-built PIE,
+ET_EXEC, shared-library and C++ programs, in runtime or ELF-relative addresses, and functions
+across a live process's libc, from Debian's debug files with or without the binary beside
+them."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from symbolize.elf import layout_of_file
+from symbolize.pprof.profile_pb2 import Profile
+from tests.conftest import Debuginfod, SymgateFactory
+from tests.elfs import ElfSet, build_id_tree
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions, libc_placement
+from tests.profiles import (
+    code_addresses,
+    frames_of,
+    llvm_symbolize,
+    make_profile,
+    place,
+    symbol_aliases,
+)
+from tests.symbolize_helpers import BASES, parse, post, same_frames, symbolize_config
+
+
+@pytest.mark.parametrize("name", ["prog", "nopie", "libmix.so", "cpp"])
+@pytest.mark.parametrize("runtime", [True, False], ids=["runtime-addresses", "elf-relative"])
+async def test_every_instruction_matches_llvm_symbolizer(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, name: str,
+    runtime: bool,
+) -> None:
+    elf = elfs.named(name)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elf, BASES[name])
+    vaddrs = code_addresses(elf)
+    expected = llvm_symbolize(elf.debug, vaddrs)
+    assert len(expected) > 20
+    profile = make_profile([(placed, vaddrs)], runtime=runtime)
+    status, headers, body = await post(sg, gzip.compress(profile.SerializeToString()))
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert body[:2] == b"\x1f\x8b"  # gzip in, gzip out
+    out = parse(body)
+    by_address = {loc.address: loc for loc in out.location}
+    mismatches = []
+    for vaddr, frames in expected.items():
+        loc = by_address[placed.runtime(vaddr) if runtime else vaddr]
+        got = frames_of(out, loc)
+        if not same_frames(got, frames):
+            mismatches.append((hex(vaddr), got, frames))
+    assert not mismatches, mismatches[:5]
+    m = out.mapping[0]
+    assert (m.has_functions, m.has_filenames, m.has_line_numbers) == (True, True, True)
+    assert m.has_inline_frames  # -O2 inlined square() and twist(), or std::vector's helpers
+    assert int(headers["X-Symgate-Locations-Symbolized"]) >= len(expected)
+    if name == "cpp":
+        names = {out.string_table[f.name] for f in out.function}
+        systems = {out.string_table[f.system_name] for f in out.function}
+        assert "shapes::Acc<long>::total(long) const" in names
+        assert "_ZNK6shapes3AccIlE5totalEl" in systems
+
+
+@pytest.mark.skipif(not LIBC_DEBUG.exists(), reason="needs Debian's libc6-dbg")
+@pytest.mark.parametrize("with_executable", [True, False])
+async def test_real_libc_of_a_running_process(
+    start_symgate: SymgateFactory, tmp_path: Path, with_executable: bool
+) -> None:
+    """A profile of a live process's libc mapping, symbolized from /usr/lib/debug."""
+    debug_dirs = [Path("/usr/lib/debug")]
+    if with_executable:  # a tree where .build-id/xx/rest links to the binary, as Fedora's does
+        debug_dirs = [build_id_tree(tmp_path / "debug", LIBC_ID, LIBC_DEBUG, LIBC)]
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=tuple(debug_dirs)))
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        start, end, offset = libc_placement(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    layout = layout_of_file(LIBC)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    assert offset == text.offset & ~0xFFF  # the text segment, at a non-zero file offset
+    vaddrs = libc_functions(600)
+    runtime = {v: start + (v - text.vaddr + text.offset - offset) for v in vaddrs}
+    profile = Profile()
+    profile.string_table.extend(["", str(LIBC), LIBC_ID])
+    profile.mapping.add(id=1, memory_start=start, memory_limit=end, file_offset=offset,
+                        filename=1, build_id=2)
+    for i, v in enumerate(vaddrs, start=1):
+        profile.location.add(id=i, mapping_id=1, address=runtime[v])
+        profile.sample.add(location_id=[i], value=[1])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    out = parse(body)
+    expected = llvm_symbolize(LIBC_DEBUG, vaddrs)
+    assert len(expected) > 500
+    by_address = {loc.address: loc for loc in out.location}
+    # glibc defines many functions under several names (__gnu_get_libc_release and
+    # gnu_get_libc_release); symbolic names the outer frame from .symtab, llvm from DWARF.
+    aliases = symbol_aliases(LIBC_DEBUG)
+    wrong = []
+    for v, want in expected.items():
+        got = [f.function for f in frames_of(out, by_address[runtime[v]])]
+        names = [f.function for f in want]
+        if got[:-1] != names[:-1] or not got or (
+                got[-1] != names[-1] and got[-1] not in aliases.get(names[-1], set())):
+            wrong.append((hex(v), got, names))
+    assert not wrong, wrong[:5]
+    guesses = await sg.metric("symgate_symtab_layout_guesses_total")
+    assert guesses == (0 if with_executable else 1)

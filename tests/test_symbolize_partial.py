@@ -1,0 +1,89 @@
+"""A mapping that cannot be symbolized costs that mapping alone: with no debug info anywhere,
+an upstream that lies or dies mid-body, or the deadline passed, the other mappings are still
+symbolized, the headers say why the rest were not, nothing of a bad upstream's bytes is kept,
+and work cut off by the deadline goes on to serve the next request."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from proxy.config import TenantConfig
+from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
+from tests.conftest import Debuginfod, SymgateFactory, eventually, fast_upstream
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
+
+
+async def test_missing_debug_info_for_one_mapping_does_not_fail_the_others(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    good = place(elfs.prog, BASES["prog"])
+    unknown = replace(place(elfs.shlib, BASES["libmix.so"]), build_id="ab" * 20)
+    profile = make_profile([(good, code_addresses(elfs.prog)[:40]),
+                            (unknown, code_addresses(elfs.shlib)[:40])])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "not_found=1"
+    out = parse(body)
+    assert out.mapping[0].has_functions and not out.mapping[1].has_functions
+    assert all(not loc.line for loc in out.location if loc.mapping_id == 2)
+    assert await sg.metric("symgate_symbolize_mappings_total", result="not_found") == 1
+
+
+@pytest.mark.parametrize("mode", ["wrong-bytes", "reset-mid-body", "truncated"])
+async def test_an_upstream_that_lies_or_dies_mid_body_costs_its_mapping_only(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream, elfs: ElfSet,
+    mode: str,
+) -> None:
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for(mode))], symbolize=symbolize_config(),
+        tenants={"good": TenantConfig(upstreams=(debuginfod.url,))})
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    raw = profile.SerializeToString()
+    status, headers, body = await post(sg, raw)
+    assert status == 200 and body == raw, headers
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "upstream_error=1"
+    assert faults.count(mode) >= 1
+    # Nothing of the bad bytes stayed: no artifact, no table, no remembered failure.
+    state = sg.runner.app[STATE]
+    assert state.service.cache.peek(ArtifactKey.parse(elfs.prog.build_id, "debuginfo")) is None
+    assert await state.repo.get_symbol_table(elfs.prog.build_id) is None
+    assert await state.repo.artifacts_of(elfs.prog.build_id) == []
+    assert await state.repo.negatives_of(elfs.prog.build_id) == []
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
+    # The same server, asked through a sound upstream, symbolizes the same profile.
+    status, headers, body = await post(sg, raw, **{"X-Scope-OrgID": "good"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert parse(body).mapping[0].has_functions
+
+
+async def test_deadline_answers_with_what_is_ready(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.first_byte_delay = 3
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for("slow-first-byte"), first_byte_timeout_s=10)],
+        symbolize=symbolize_config(deadline_s=0.5))
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and loop.time() - started < 2.5
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "deadline=1"
+
+    async def warmed() -> bool:  # fetches and build went on after the answer
+        return (await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
+                and await sg.metric("symgate_cache_entries") == 2)  # debuginfo, executable
+
+    await eventually(warmed)
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", (
+        headers["X-Symgate-Mappings-Unsymbolized"])

@@ -1,0 +1,37 @@
+"""Which upstreams are asked, and when: `in_order` asks the next one only after a 404; `race`
+asks them all at once, answers with the first 200 and cancels the rest."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy.config import FetchConfig
+from tests.conftest import SymgateFactory, fast_upstream
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+
+
+async def test_in_order_asks_the_next_upstream_after_a_404(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("notfound"), faults.url_for("ok")])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert (faults.count("notfound"), faults.count("ok")) == (1, 1)
+
+
+async def test_race_takes_the_first_200_and_cancels_the_rest(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.first_byte_delay = 5
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for("slow-first-byte"), first_byte_timeout_s=10),
+         faults.url_for("notfound"), faults.url_for("late")],
+        fetch=FetchConfig(policy="race"))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    status, _headers, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert loop.time() - started < 4  # did not wait for the slow one
+    # All three were asked at once: the slow one had its request before the 0.3 s winner.
+    assert [faults.count(m) for m in ("slow-first-byte", "notfound", "late")] == [1, 1, 1]
