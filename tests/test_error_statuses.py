@@ -15,8 +15,10 @@ from proxy.errors import (
     NotFound,
     OverLimit,
     PayloadTooLarge,
+    RememberedNotFound,
     SymgateError,
     TooLarge,
+    Unauthorized,
     UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -26,7 +28,9 @@ from proxy.web.errors import error_response
 
 STATUS = {
     InvalidRequest: 400,
+    Unauthorized: 401,
     NotFound: 404,
+    RememberedNotFound: 404,
     TooLarge: 406,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
@@ -54,6 +58,8 @@ def test_status_and_body(error: type[SymgateError], status: int) -> None:
     r = error_response(error("what went wrong"), CURL, 30)
     assert r.status == status
     assert r.text == "what went wrong\n"
+    # RFC 9110: a 401 says how to authenticate.
+    assert ("WWW-Authenticate" in r.headers) == (status == 401)
 
 
 @pytest.mark.parametrize("error", STATUS, ids=lambda c: c.__name__)

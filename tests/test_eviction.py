@@ -54,27 +54,28 @@ async def test_eviction_passes_over_a_file_being_served(
 ) -> None:
     await asyncio.to_thread(upgrade, database_url)
     repo = Repository(create_engine(database_url))
-    store = DiskStore(tmp_path / "cache")
+    store = DiskStore(tmp_path / "cache", tmp_path / "symtabs")
     cache = ArtifactCache(store, repo, ProxyMetrics(CollectorRegistry()), max_bytes=100)
 
     def record(key: ArtifactKey, size: int) -> ArtifactRecord:
-        path = store.path_of(key)
+        path = store.artifact_path("", key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * size)
         now = datetime.now(UTC)
-        return ArtifactRecord(key_hash(key), key.id, key.build_id, str(key.kind), size, "0",
+        return ArtifactRecord(key_hash("", key), "", key.id, key.build_id, str(key.kind), size, "0",
                               "u", "f", None, now, now, 0)
 
     old = ArtifactKey.parse("aa" * 20, "debuginfo")
     new = ArtifactKey.parse("bb" * 20, "debuginfo")
     await cache.add(record(old, 80))
-    with cache.lease(old):
+    with cache.lease("", old):
         await cache.add(record(new, 80))  # over budget, but `old` is being sent
-        assert store.path_of(old).exists() and len(cache) == 2
+        assert store.artifact_path("", old).exists() and len(cache) == 2
     for _ in range(50):  # the end of the lease starts an eviction in the background
-        if not store.path_of(old).exists():
+        if not store.artifact_path("", old).exists():
             break
         await asyncio.sleep(0.02)
-    assert not store.path_of(old).exists() and store.path_of(new).exists()
+    assert not store.artifact_path("", old).exists()
+    assert store.artifact_path("", new).exists()
     assert cache.total_bytes == 80
     await repo.close()

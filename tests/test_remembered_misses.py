@@ -70,7 +70,7 @@ async def test_elfutils_client_does_not_cache_a_transient_failure(
                                     elfs.prog.build_id)
     assert first.returncode != 0
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
-                           outcome="error") == 1
+                           outcome="upstream_error") == 1
     faults.gate_open = True
     second = await asyncio.to_thread(debuginfod_find, sg.url, client_cache, "debuginfo",
                                      elfs.prog.build_id)

@@ -31,6 +31,7 @@ async def test_symbol_tables_are_built_when_cached_and_evicted_with_their_artifa
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1  # not rebuilt
     assert await sg.metric("symgate_symtab_cache_total", result="hit") >= 1
     state = sg.runner.app[STATE]
-    assert await state.service.cache.remove(ArtifactKey.parse(elfs.prog.build_id, "debuginfo"))
+    key = ArtifactKey.parse(elfs.prog.build_id, "debuginfo")
+    assert await state.service.cache.remove("", key)
     assert not table.exists()
-    assert await state.repo.get_symbol_table(elfs.prog.build_id) is None
+    assert await state.repo.get_symbol_table("", elfs.prog.build_id) is None

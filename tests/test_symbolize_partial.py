@@ -50,12 +50,15 @@ async def test_an_upstream_that_lies_or_dies_mid_body_costs_its_mapping_only(
     raw = profile.SerializeToString()
     status, headers, body = await post(sg, raw)
     assert status == 200 and body == raw, headers
-    assert headers["X-Symgate-Mappings-Unsymbolized"] == "upstream_error=1"
+    # Wrong bytes are the upstream lying (malformed); a body cut short is its failure.
+    reason = "malformed" if mode == "wrong-bytes" else "upstream_error"
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == f"{reason}=1"
     assert faults.count(mode) >= 1
     # Nothing of the bad bytes stayed: no artifact, no table, no remembered failure.
     state = sg.runner.app[STATE]
-    assert state.service.cache.peek(ArtifactKey.parse(elfs.prog.build_id, "debuginfo")) is None
-    assert await state.repo.get_symbol_table(elfs.prog.build_id) is None
+    key = ArtifactKey.parse(elfs.prog.build_id, "debuginfo")
+    assert state.service.cache.peek("", key) is None
+    assert await state.repo.get_symbol_table("", elfs.prog.build_id) is None
     assert await state.repo.artifacts_of(elfs.prog.build_id) == []
     assert await state.repo.negatives_of(elfs.prog.build_id) == []
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
