@@ -17,7 +17,7 @@ from proxy.errors import InvalidRequest
 from symbolize import buildid as symbolize_buildid
 
 MAX_SOURCE_PATH = 4096
-_SECTION = re.compile(r"^[A-Za-z0-9._$@-]{1,255}$")
+_SECTION = re.compile(r"[A-Za-z0-9._$@-]{1,255}")
 
 
 class Kind(StrEnum):
@@ -56,7 +56,9 @@ def normalize_source_path(raw: str) -> str:
 
 
 def normalize_section(raw: str) -> str:
-    if not _SECTION.match(raw):
+    # fullmatch: `$` would let a final newline through into SQL keys and log lines. "." and
+    # ".." would be resolved away by HTTP clients, asking upstream for another path.
+    if not _SECTION.fullmatch(raw) or raw in (".", ".."):
         raise InvalidRequest("invalid section name")
     return raw
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from proxy.config import SymbolizeConfig
 from symbolize.pprof.profile_pb2 import Profile
-from tests.conftest import Symgate
+from tests.harness import Symgate
 from tests.profiles import Expected
 
 # Where a loader would put each kind of file: PIE and shared libraries anywhere, ET_EXEC at 0.

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from proxy.config import NegativeConfig
 from proxy.keys import ArtifactKey
-from tests.conftest import Symgate, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Symgate, SymgateFactory
 from tests.processes import run_in_thread
 
 MISSING = "00112233445566778899aabbccddeeff00112233"

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from proxy.keys import ArtifactKey
-from tests.conftest import SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory
 
 
 async def test_restart_keeps_hits_and_cleans_crash_leftovers(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import debuginfod_find
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SymgateFactory
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "symgate.json"
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")

@@ -13,9 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import Debuginfod, free_port
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, free_port
 from tests.processes import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent

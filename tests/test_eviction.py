@@ -16,9 +16,9 @@ from proxy.metrics import ProxyMetrics
 from proxy.store.disk import DiskStore
 from proxy.store.migrate import upgrade
 from proxy.store.repository import ArtifactRecord, Repository, create_engine
-from tests.conftest import SymgateFactory, eventually
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, eventually
 
 
 async def test_lru_eviction_keeps_the_budget(

@@ -8,9 +8,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
 
 
 async def _read_broken(url: str) -> tuple[int, int, bool]:

@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 from symbolize.pprof.profile_pb2 import Profile
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
 
 UNKNOWN = "feedface" * 5

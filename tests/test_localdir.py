@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 
 from proxy.config import UpstreamConfig
-from tests.conftest import Debuginfod, SymgateFactory, eventually
 from tests.elfs import ElfSet, build_id_tree
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.processes import debuginfod_find
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import free_port
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import free_port
 from tests.processes import wait_until_serving
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from proxy.config import SymbolizeConfig
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import Elf, ElfSet
+from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 
 BASES = {"prog": 0x5555_5555_4000, "shlib": 0x7F00_0000_0000, "nopie": 0}

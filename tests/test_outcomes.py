@@ -17,8 +17,8 @@ from proxy.store.migrate import upgrade
 from proxy.store.repository import Repository, create_engine
 from proxy.web.errors import STATUS, status_of
 from symbolize.outcome import Outcome
-from tests.conftest import SymgateFactory
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "symgate.json"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config

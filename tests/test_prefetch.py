@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 from symbolize.pprof.profile_pb2 import Profile
-from tests.conftest import Debuginfod, SymgateFactory, eventually
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.processes import run_in_thread
 
 

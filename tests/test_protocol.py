@@ -8,9 +8,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import debuginfod_find
 
 

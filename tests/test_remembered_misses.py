@@ -12,9 +12,9 @@ from sqlalchemy import select
 from proxy.config import NegativeConfig
 from proxy.store.models import Negative
 from proxy.store.repository import create_engine
-from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
 from tests.processes import debuginfod_find
 
 

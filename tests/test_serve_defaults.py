@@ -9,8 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import Debuginfod, free_port
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, free_port
 
 
 def test_serve_on_embedded_defaults(elfs: ElfSet, debuginfod: Debuginfod, tmp_path: Path) -> None:

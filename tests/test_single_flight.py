@@ -9,9 +9,9 @@ import hashlib
 
 import aiohttp
 
-from tests.conftest import SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory
 
 
 async def test_single_flight_50_clients_one_upstream_request_streamed(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
 from tests.processes import run_in_thread
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -22,9 +22,3 @@ def test_mypy_strict_on_proxy_and_symbolize() -> None:
 def test_ruff() -> None:
     result = run("ruff", "check", ".")
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_symbolize_never_imports_proxy() -> None:
-    for path in (ROOT / "symbolize").rglob("*.py"):
-        text = path.read_text()
-        assert "import proxy" not in text and "from proxy" not in text, path

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from tests.conftest import Debuginfod, SymgateFactory, eventually
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 

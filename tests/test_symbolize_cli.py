@@ -8,8 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet, build_id_tree
+from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, parse, same_frames, symbolize_config

@@ -13,8 +13,8 @@ import pytest
 
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet, build_id_tree
+from tests.harness import Debuginfod, SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions, libc_placement
 from tests.profiles import (
     code_addresses,

@@ -13,9 +13,9 @@ import pytest
 from proxy.config import TenantConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from tests.conftest import Debuginfod, SymgateFactory, eventually, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 

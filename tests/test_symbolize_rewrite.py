@@ -8,8 +8,8 @@ from __future__ import annotations
 import gzip
 
 from symbolize.pprof.profile_pb2 import Mapping
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 

@@ -4,9 +4,9 @@ own in place of the global ones."""
 from __future__ import annotations
 
 from proxy.config import TenantConfig
-from tests.conftest import Debuginfod, SymgateFactory
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from proxy.config import SymbolizeConfig, TenantConfig, UpstreamConfig
-from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
 from tests.profiles import code_addresses, make_profile, place
 
 BASE = 0x5555_5555_4000

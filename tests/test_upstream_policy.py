@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from proxy.config import FetchConfig
-from tests.conftest import SymgateFactory, fast_upstream
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
 
 
 async def test_in_order_asks_the_next_upstream_after_a_404(

@@ -1,0 +1,118 @@
+"""What tests share besides fixtures: the running symgate's handle, config builders, and
+waiting for background work. Fixtures live in conftest.py and build on these."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.config import (
+    CacheConfig,
+    Config,
+    DatabaseConfig,
+    NegativeConfig,
+    ServerConfig,
+    UpstreamConfig,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Debuginfod:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class Symgate:
+    """A symgate server running in this process on a real loopback port."""
+
+    url: str
+    config: Config
+    runner: web.AppRunner
+    registry: CollectorRegistry
+    session: aiohttp.ClientSession = field(repr=False)
+
+    async def get(self, path: str, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        async with self.session.get(self.url + path, **kw) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def request(self, method: str, path: str, **kw: Any
+                      ) -> tuple[int, dict[str, str], bytes]:
+        async with self.session.request(method, self.url + path, **kw) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def head(self, path: str, **kw: Any) -> tuple[int, dict[str, str]]:
+        async with self.session.head(self.url + path, **kw) as r:
+            return r.status, dict(r.headers)
+
+    async def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics, keyed by (name, sorted labels)."""
+        async with self.session.get(self.url + "/metrics") as r:
+            text = await r.text()
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    async def metric(self, name: str, **labels: str) -> float:
+        return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+SymgateFactory = Callable[..., Awaitable[Symgate]]
+
+
+def make_config(
+    data_dir: Path, database_url: str, upstreams: list[str] | list[UpstreamConfig],
+    **sections: Any,
+) -> Config:
+    ups = tuple(u if isinstance(u, UpstreamConfig) else fast_upstream(u) for u in upstreams)
+    cfg = Config(
+        server=ServerConfig(listen="127.0.0.1:0", data_dir=data_dir, access_log=False),
+        database=DatabaseConfig(url=database_url),
+        negative=NegativeConfig(not_found_initial_ttl_s=60, not_found_ttl_s=600),
+        cache=CacheConfig(),
+        upstreams=ups,
+    )
+    return replace(cfg, **sections)
+
+
+def fast_upstream(url: str, **kw: Any) -> UpstreamConfig:
+    """Short limits, so fault tests end in seconds."""
+    defaults: dict[str, Any] = dict(connect_timeout_s=2, first_byte_timeout_s=2,
+                                    read_timeout_s=2, total_timeout_s=30, retries=1,
+                                    retry_backoff_s=0.05, breaker_failures=0)
+    defaults.update(kw)
+    return UpstreamConfig(url=url, **defaults)
+
+
+async def gather_bounded(n: int, make: Callable[[int], Awaitable[Any]]) -> list[Any]:
+    return list(await asyncio.gather(*(make(i) for i in range(n))))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    """Wait until `check` holds: for effects of background work (builds, deferred eviction)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.05)
