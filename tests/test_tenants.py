@@ -8,6 +8,7 @@ who they are.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from proxy.config import SymbolizeConfig, TenantConfig, UpstreamConfig
@@ -134,3 +135,26 @@ async def test_a_malformed_tenant_header_is_400(start_symgate: SymgateFactory) -
     path = "/buildid/" + "ab" * 20 + "/debuginfo"
     assert (await sg.get(path, headers={"X-Scope-OrgID": "x" * 256}))[0] == 400
     assert (await sg.get(path, headers={"X-Scope-OrgID": "a\tb"}))[0] == 400
+
+
+async def test_many_clients_of_two_scopes_at_once(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """20 clients of tenant A and 20 of nobody, at once and staggered, for one build ID that
+    only A's server has: A's get it from one fetch, nobody else gets it at all."""
+    sg = await start_symgate(
+        [faults.url_for("notfound")], tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+
+    async def one(i: int) -> tuple[str, int, bool]:
+        await asyncio.sleep(0.005 * (i % 5))  # staggered: some join a fetch under way
+        tenant = "a" if i % 2 else ""
+        headers = {"X-Scope-OrgID": tenant} if tenant else {}
+        status, _, body = await sg.get(path, headers=headers)
+        return tenant, status, body == want
+
+    results = await asyncio.gather(*(one(i) for i in range(40)))
+    assert {(t, s, ok) for t, s, ok in results} == {("a", 200, True), ("", 404, False)}
+    assert faults.count("auth") == 1  # one fetch for A's twenty clients
+    assert faults.count("notfound") == 1  # and one upstream question for the others
