@@ -187,8 +187,9 @@ def _admin(args: argparse.Namespace) -> int:
             return 0
         rows = await (admin.purge(target) if args.action == "purge" else admin.artifacts(target))
         if args.json:
-            print(json.dumps([{"key": r.key, "size": r.size, "upstream": r.upstream,
-                               "hits": r.hits, "fetched_at": r.fetched_at.isoformat(),
+            print(json.dumps([{"key": r.key, "scope": r.scope, "size": r.size,
+                               "upstream": r.upstream, "hits": r.hits,
+                               "fetched_at": r.fetched_at.isoformat(),
                                "last_access": r.last_access.isoformat()} for r in rows]))
         elif args.action == "purge":
             print(f"purged {len(rows)} artifacts ({sum(r.size for r in rows)} bytes)")
