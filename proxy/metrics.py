@@ -22,9 +22,11 @@ class Served(StrEnum):
     NEGATIVE_HIT = "negative_hit"  # answered 404 from a remembered miss
 
 
+# A response cut off after its status line: the download it streamed failed, or the client left.
+ABORTED = "aborted"
 # The outcome label of symgate_requests_total: how it was served, or the typed failure.
 REQUEST_OUTCOMES: tuple[str, ...] = (
-    *Served, Outcome.NOT_FOUND, Outcome.NOT_CACHED, Outcome.REJECTED, Outcome.TIMEOUT,
+    *Served, ABORTED, Outcome.NOT_FOUND, Outcome.NOT_CACHED, Outcome.REJECTED, Outcome.TIMEOUT,
     Outcome.UPSTREAM_ERROR, Outcome.MALFORMED, Outcome.INTERNAL,
 )
 ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")

@@ -79,6 +79,12 @@ async def test_the_migration_converts_existing_rows(database_url: str) -> None:
         async with repo.engine.connect() as conn:
             scopes = (await conn.execute(text("SELECT scope FROM negatives"))).scalars().all()
         assert scopes == [""]
+        if repo.engine.dialect.name == "postgresql":  # named as a later migration expects
+            async with repo.engine.connect() as conn:
+                names = (await conn.execute(text(
+                    "SELECT conname FROM pg_constraint WHERE contype = 'p' "
+                    "AND conrelid = 'symbol_tables'::regclass"))).scalars().all()
+            assert names == ["symbol_tables_pkey"]
     finally:
         await repo.close()
 

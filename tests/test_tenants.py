@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+from multidict import CIMultiDict
 
 from proxy.config import SymbolizeConfig, TenantConfig, UpstreamConfig
+from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, fast_upstream
+from tests.harness import SymgateFactory, eventually, fast_upstream
 from tests.profiles import code_addresses, make_profile, place
 
 BASE = 0x5555_5555_4000
@@ -158,3 +163,88 @@ async def test_many_clients_of_two_scopes_at_once(
     assert {(t, s, ok) for t, s, ok in results} == {("a", 200, True), ("", 404, False)}
     assert faults.count("auth") == 1  # one fetch for A's twenty clients
     assert faults.count("notfound") == 1  # and one upstream question for the others
+
+
+async def test_a_tenants_executable_never_marks_a_shared_table(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """The shared table comes from a local debug file; only tenant A's server has the
+    executable. A's profile is translated with it, but the shared table keeps no layout of
+    A's file, and shared requests go on looking for their own."""
+    tree = tmp_path / "debug" / ".build-id" / elfs.prog.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elfs.prog.build_id[2:] + ".debug")).symlink_to(elfs.prog.debug)
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        symbolize=SymbolizeConfig(build_workers=1, debug_dirs=(tmp_path / "debug",)),
+        tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    raw = profile_of(elfs)
+    status, headers, _ = await sg.request(
+        "POST", "/symbolize", data=raw,
+        headers={"Content-Type": "application/octet-stream", "X-Scope-OrgID": "a"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == 0  # A's exe was used
+    state = sg.runner.app[STATE]
+    row = await state.repo.get_symbol_table("", elfs.prog.build_id)
+    assert row is not None and row.file_layout is None
+    status, headers, _ = await sg.request(
+        "POST", "/symbolize", data=raw, headers={"Content-Type": "application/octet-stream"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == 1  # guessed, not A's
+
+
+async def test_the_same_url_with_a_tenants_credentials_is_the_tenants_own(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for("auth"))],
+                             tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 502  # the shared source has no credentials: 401 upstream
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert (await sg.get(path))[0] == 502  # and what A fetched stays A's
+
+
+async def test_a_tenant_of_global_sources_shares_their_fetches(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A tenant whose list is global sources only is in the shared scope: one fetch for all."""
+    shared = fast_upstream(faults.url_for("slow-body"))
+    sg = await start_symgate([shared], tenants={"t": TenantConfig(upstreams=(shared,)),
+                                                "u": TenantConfig(upstreams=(shared,))})
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    results = await asyncio.gather(*(
+        sg.get(path, headers={"X-Scope-OrgID": t} if t else {}) for t in ("", "t", "u") * 4))
+    assert {(s, b == elfs.big.debug.read_bytes()) for s, _, b in results} == {(200, True)}
+    assert faults.count("slow-body") == 1
+
+
+async def test_two_tenant_headers_are_refused(start_symgate: SymgateFactory) -> None:
+    """A gateway that appends its header instead of replacing the client's: trust neither."""
+    sg = await start_symgate([])
+    headers = CIMultiDict([("X-Scope-OrgID", "a"), ("X-Scope-OrgID", "b")])
+    status, _, body = await sg.get("/buildid/" + "ab" * 20 + "/debuginfo", headers=headers)
+    assert status == 400 and b"more than one X-Scope-OrgID" in body
+
+
+async def test_a_client_that_leaves_mid_stream_is_counted_aborted_not_internal(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([fast_upstream(faults.url_for("slow-body"))])
+    faults.chunk_size = 256 * 1024
+    faults.chunk_delay = 0.1
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{sg.url}/buildid/{elfs.big.build_id}/debuginfo") as r:
+        assert r.status == 200
+        await r.content.readexactly(1024)
+    # The client is gone; the download goes on and is cached, the request counted aborted.
+
+    async def settled() -> bool:
+        return await sg.metric("symgate_requests_total", endpoint="buildid",
+                               kind="debuginfo", outcome="aborted") == 1
+
+    await eventually(settled)
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="internal") == 0
+    status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert status == 200 and body == elfs.big.debug.read_bytes()

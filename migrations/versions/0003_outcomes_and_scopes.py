@@ -48,6 +48,14 @@ def _symbol_tables(name: str, pk: tuple[str, ...], outcome: str, expiry: str) ->
     )
 
 
+def _name_primary_key(temporary: str) -> None:
+    """PostgreSQL keeps a constraint's name through a table rename: give it back the name a
+    later migration will expect. SQLite's primary keys have no name to fix."""
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"ALTER TABLE symbol_tables RENAME CONSTRAINT {temporary} "
+                   "TO symbol_tables_pkey")
+
+
 def upgrade() -> None:
     with op.batch_alter_table("artifacts") as batch:
         batch.add_column(sa.Column("scope", sa.String(255), nullable=False, server_default=""))
@@ -69,6 +77,7 @@ def upgrade() -> None:
                f"SELECT '', build_id, status, {columns}, retry_after FROM symbol_tables")
     op.drop_table("symbol_tables")
     op.rename_table("symbol_tables_new", "symbol_tables")
+    _name_primary_key("symbol_tables_new_pkey")
 
 
 def downgrade() -> None:
@@ -80,6 +89,7 @@ def downgrade() -> None:
                f"WHERE scope = ''")
     op.drop_table("symbol_tables")
     op.rename_table("symbol_tables_old", "symbol_tables")
+    _name_primary_key("symbol_tables_old_pkey")
     with op.batch_alter_table("negatives") as batch:
         batch.add_column(sa.Column("status", sa.Integer(), nullable=False, server_default="404"))
     op.execute("DELETE FROM negatives WHERE scope <> ''")

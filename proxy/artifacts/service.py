@@ -18,7 +18,7 @@ from pathlib import Path
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
-from proxy.artifacts.scope import SHARED, RequestScope
+from proxy.artifacts.scope import RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
     NotCached,
@@ -146,7 +146,7 @@ class ArtifactService:
                     return
                 # What a source of the request's tenant gave stays the tenant's.
                 owner = next((u.scope for u in ups if u.name == result.body.meta.upstream),
-                             SHARED)
+                             scope)
                 try:
                     await self._download(key, owner, flight, temp, result.body)
                 finally:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
 _Found = tuple[str, OpenTable] | Outcome
 Segments = tuple[LoadSegment, ...]
+# An executable's program headers and the scope of the file they came from, or None.
+_Layout = tuple[str, Segments] | None
 
 
 class _Source:
@@ -64,7 +66,9 @@ class SymbolResolver:
         self.function_ids = FunctionIds()  # shared by every open table and every rewrite
         # Keyed by (the request's scope, build ID): one resolution and one layout search each.
         self._resolving: dict[tuple[str, str], asyncio.Future[_Found]] = {}
-        self._layouts: dict[tuple[str, str], asyncio.Future[Segments | None]] = {}
+        self._layouts: dict[tuple[str, str], asyncio.Future[_Layout]] = {}
+        # Keyed by (the source's scope, build ID): one build of each table file at a time.
+        self._building: dict[tuple[str, str], asyncio.Future[_Found]] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
@@ -103,7 +107,7 @@ class SymbolResolver:
 
     async def _resolve(self, req: RequestScope, build_id: str, needs_layout: bool) -> Resolved:
         found = self._open_for(req, build_id)
-        layout: asyncio.Future[Segments | None] | None = None
+        layout: asyncio.Future[_Layout] | None = None
         if found is None:
             if needs_layout:  # looked for while the table is built, not after
                 layout = self._executable_layout(req, build_id)
@@ -117,12 +121,16 @@ class SymbolResolver:
             self._metrics.symtab_cache.labels("hit").inc()
         scope, opened = found
         if needs_layout and not opened.layout_searched:
-            segments = await (layout or self._executable_layout(req, build_id))
-            if not opened.layout_searched:
+            searched = await (layout or self._executable_layout(req, build_id))
+            if searched is not None and searched[0] not in (SHARED, scope):
+                # A tenant's own executable translates for that tenant's request alone: the
+                # table it would otherwise mark is seen by others.
+                return Resolved(opened.table, searched[1])
+            if not opened.layout_searched and (searched is not None or req.scope == scope):
                 opened.layout_searched = True
-                if segments is not None:
-                    opened.segments = segments
-                    await self._tables.set_layout(scope, build_id, segments)
+                if searched is not None:
+                    opened.segments = searched[1]
+                    await self._tables.set_layout(scope, build_id, searched[1])
         return Resolved(opened.table, opened.segments)
 
     def _track(self, key: tuple[str, str], work: Coroutine[object, object, _Found]
@@ -152,9 +160,9 @@ class SymbolResolver:
             if rec is not None and rec.outcome == Outcome.OK:
                 self._metrics.symtab_cache.labels("hit").inc()
                 return scope, self._remember(rec)
-            # A failure is believed only for the request's own scope: a tenant's sources may
-            # have a file where the shared ones had a useless one.
-            if rec is not None and scope == req.scope:
+            # A failure still believed is believed in any scope the request sees: looking again
+            # would find the same file and build the same nothing.
+            if rec is not None:
                 return Outcome(rec.outcome)
         self._metrics.symtab_cache.labels("miss").inc()
         try:
@@ -213,6 +221,22 @@ class SymbolResolver:
                 yield
 
     async def _build(self, build_id: str, source: _Source) -> _Found:
+        """Build one table file at a time: a request of a tenant and the prebuild that a
+        shared commit starts must not both write the same file."""
+        key = (source.scope, build_id)
+        running = self._building.get(key)
+        if running is None:
+            running = asyncio.ensure_future(self._build_now(build_id, source))
+            self._building[key] = running
+
+            def done(f: asyncio.Future[_Found]) -> None:
+                if self._building.get(key) is f:
+                    del self._building[key]
+
+            running.add_done_callback(done)
+        return await asyncio.shield(running)
+
+    async def _build_now(self, build_id: str, source: _Source) -> _Found:
         scope = source.scope
         outcome, error, result = Outcome.OK, None, None
         with self._leased(source):
@@ -236,7 +260,7 @@ class SymbolResolver:
         return scope, self._remember(rec)
 
     def _executable_layout(self, req: RequestScope, build_id: str
-                           ) -> asyncio.Future[Segments | None]:
+                           ) -> asyncio.Future[_Layout]:
         """The one search for the executable's program headers of `build_id` under way."""
         key = (req.scope, build_id)
         layout = self._layouts.get(key)
@@ -246,17 +270,17 @@ class SymbolResolver:
             layout.add_done_callback(lambda _f: self._layouts.pop(key, None))
         return layout
 
-    async def _find_executable_layout(self, req: RequestScope, build_id: str
-                                      ) -> Segments | None:
-        """Program headers with real file offsets, from the executable; None if there are
-        none to be had (the pipeline then guesses)."""
+    async def _find_executable_layout(self, req: RequestScope, build_id: str) -> _Layout:
+        """Program headers with real file offsets, from the executable, and the scope of the
+        file; None if there are none to be had (the pipeline then guesses)."""
         try:
-            exe = find_executable(self._debug_dirs, build_id)
+            scope, exe = SHARED, find_executable(self._debug_dirs, build_id)
             if exe is None:
                 with contextlib.suppress(SymgateError):
-                    _scope, exe = await self._artifact_path(
+                    scope, exe = await self._artifact_path(
                         ArtifactKey(build_id, Kind.EXECUTABLE), req)
-            return await asyncio.to_thread(executable_segments, exe, build_id)
+            segments = await asyncio.to_thread(executable_segments, exe, build_id)
+            return (scope, segments) if segments is not None else None
         except Exception:  # a failure here must not fail the profile: guess, as without one
             log.exception("program headers for %s", build_id)
             return None
@@ -269,6 +293,14 @@ class SymbolResolver:
 
     async def _prebuild(self, scope: str, key: ArtifactKey) -> _Found:
         bid = key.build_id
+        if (running := self._building.get((scope, bid))) is not None:
+            await asyncio.wait([running])  # then judge what it built, below
+        if scope != SHARED:
+            # A tenant's file adds nothing where a shared table with lines exists already.
+            shared = await self._tables.usable(SHARED, bid)
+            if (shared is not None and shared.outcome == Outcome.OK
+                    and not shared.source_key.endswith("/executable")):
+                return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
         rec = await self._tables.get(scope, bid)
         cached = self._artifacts.cache.peek(scope, key)
         if cached is None:

@@ -66,13 +66,17 @@ def _sources(
         else Upstream(u, session, metrics)
         for u in config.upstreams
     ]
-    by_name = {u.name: u for u in shared}
+    # A tenant's upstream is the global one only when configured the same in every respect:
+    # the same URL with the tenant's own credentials is the tenant's own, private source.
+    configured = list(zip(config.upstreams, shared, strict=True))
     private: dict[str, list[Source]] = {}
     for name, tenant in config.tenants.items():
         if tenant.upstreams:
             # The config allows servers only here: a tenant's directory would be a shared one.
-            private[name] = [by_name.get(u.url) or Upstream(u, session, metrics, scope=name)
-                             for u in tenant.upstreams]
+            private[name] = [
+                next((s for cfg, s in configured if cfg == u), None)
+                or Upstream(u, session, metrics, scope=name)
+                for u in tenant.upstreams]
     return shared, private
 
 

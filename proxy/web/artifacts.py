@@ -16,7 +16,7 @@ from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, TooLarge
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import Served
+from proxy.metrics import ABORTED, Served
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 
@@ -68,17 +68,16 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
     tenant = state.tenancy.tenant_of(request)
     req = state.tenancy.scope(tenant, chain, may_fetch)
+    annotate(request, tenant=tenant or None, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
     result = await state.service.find(key, req, cache_only=only_if_cached)
     if isinstance(result, Hit):
         _check_size(result.artifact.record.size, max_size)
-        annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream,
-                 tenant=tenant or None)
+        annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         return _LeasedFileResponse(state, key, result.artifact)
     try:
         _check_size(result.meta.size, max_size)
-        annotate(request, outcome=Served.MISS, upstream=result.meta.upstream,
-                 tenant=tenant or None)
+        annotate(request, outcome=Served.MISS, upstream=result.meta.upstream)
         return await _send_streaming(request, state, key, result)
     finally:
         result.reader.close()
@@ -138,7 +137,7 @@ async def _send_streaming(
             sent += len(chunk)
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
-        annotate(request, outcome="aborted", error=e.error.reason)
+        annotate(request, outcome=ABORTED, error=e.error.reason)
         log.warning("cutting off %s after %d bytes: %s", request.path, sent, e)
         # The status line is gone already; the only honest signal left is a broken
         # connection, never a short body that a client could take for the whole file.

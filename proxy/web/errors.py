@@ -26,7 +26,7 @@ from proxy.errors import (
     UpstreamUnavailable,
     VerificationFailed,
 )
-from proxy.metrics import Served
+from proxy.metrics import ABORTED, Served
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.outcome import Outcome
@@ -98,18 +98,36 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
     except web.HTTPException:  # aiohttp's own answers (no such route, wrong method)
         raise
     except Exception as e:
+        if request.writer is not None and request.writer.output_size > 0:
+            _cut_off(request, e, time.perf_counter() - started)
+            raise
         error = as_symgate_error(e)
         if type(error) is SymgateError:
             log.exception("%s %s failed", request.method, request.path)
         state = request.app[STATE]
         outcome = outcome_label(error)
         annotate(request, outcome=outcome, error=error.reason)
-        if _fields(request).get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED:
+        fields = _fields(request)
+        # A tenant's misses name its private build IDs and servers: the page at / is public.
+        if (fields.get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED
+                and not fields.get("scope")):
             state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
         response = error_response(error, request.headers.get("User-Agent", ""),
                                   state.config.server.retry_after_s)
     _count(request, time.perf_counter() - started)
     return response
+
+
+def _cut_off(request: web.Request, error: Exception, seconds: float) -> None:
+    """A failure after the status line went out: no second response can be written into the
+    body, so the connection is cut and the client sees a broken transfer, never a short body
+    that looks whole."""
+    if not isinstance(error, ConnectionError):  # a client that left is not our failure
+        log.exception("%s %s failed mid-response", request.method, request.path)
+    annotate(request, outcome=ABORTED, error=str(error) or type(error).__name__)
+    if request.transport is not None:
+        request.transport.abort()
+    _count(request, seconds)
 
 
 def _fields(request: web.Request) -> dict[str, object]:

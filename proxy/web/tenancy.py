@@ -40,7 +40,10 @@ class Tenancy:
 
     def tenant_of(self, request: web.BaseRequest) -> str:
         """The tenant the request is for, "" for none; Unauthorized, InvalidRequest."""
-        claimed = request.headers.get("X-Scope-OrgID", "").strip()
+        given = request.headers.getall("X-Scope-OrgID", [])
+        if len(given) > 1:  # a gateway that appends rather than replaces: trust neither
+            raise InvalidRequest("more than one X-Scope-OrgID")
+        claimed = given[0].strip() if given else ""
         if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed):
             raise InvalidRequest("invalid X-Scope-OrgID")
         if self._tokens:
@@ -70,4 +73,6 @@ class Tenancy:
         own = self._private.get(tenant)
         if own is None:
             return RequestScope(tenant, SHARED, self._shared, forwarded_for, may_fetch)
-        return RequestScope(tenant, tenant, own, forwarded_for, may_fetch)
+        # A list of global sources only keeps the shared scope: one fetch serves everyone.
+        scope = tenant if any(s.scope == tenant for s in own) else SHARED
+        return RequestScope(tenant, scope, own, forwarded_for, may_fetch)
