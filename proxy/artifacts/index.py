@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from proxy.store.repository import ArtifactRecord, Repository
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=16384)  # asked three times per request: keep hot keys' hashes
 def key_hash(scope: str, key: ArtifactKey) -> str:
     """The key's name in SQL and in memory; a shared key's is what it was before scopes."""
     text = f"{scope}\0{key.id}" if scope else key.id

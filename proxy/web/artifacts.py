@@ -68,7 +68,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
     tenant = state.tenancy.tenant_of(request)
     req = state.tenancy.scope(tenant, chain, may_fetch)
-    annotate(request, tenant=tenant or None, scope=req.scope or None)
+    if tenant:
+        annotate(request, tenant=tenant, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
     result = await state.service.find(key, req, cache_only=only_if_cached)
     if isinstance(result, Hit):

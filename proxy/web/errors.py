@@ -53,6 +53,9 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
 )
 
 
+_STATUS_OF_TYPE = dict(STATUS)
+
+
 def as_symgate_error(error: Exception) -> SymgateError:
     """The symbolization pipeline's own failures, in the server's words."""
     if isinstance(error, SymgateError):
@@ -72,7 +75,8 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
         # upstream outage must not blind gdb and perf users for that long.
         return 406
-    return next(status for cls, status in STATUS if isinstance(error, cls))
+    return _STATUS_OF_TYPE.get(type(error)) or next(
+        status for cls, status in STATUS if isinstance(error, cls))
 
 
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
@@ -141,8 +145,7 @@ def _count(request: web.Request, seconds: float) -> None:
     endpoint, outcome = fields.get("endpoint"), str(fields.get("outcome", ""))
     state = request.app[STATE]
     if endpoint == "buildid":
-        state.metrics.requests.labels("buildid", str(fields.get("kind", "invalid")),
-                                      outcome).inc()
+        state.metrics.count_buildid(str(fields.get("kind", "invalid")), outcome)
     elif endpoint == "symbolize":
         state.symbolize_metrics.profiles.labels(outcome).inc()
         state.symbolize_metrics.duration.observe(seconds)
