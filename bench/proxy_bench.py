@@ -220,7 +220,7 @@ http {{ access_log off; sendfile on; tcp_nopush on;
         asyncio.run(many(f"{symgate}/buildid/{LIBC_ID}/debuginfo", 30))
         results["singleflight_30_cold_upstream_requests"] = (
             metric(symgate, "symgate_upstream_requests_total") - before)
-        for result in ("ok", "not_found", "timeout", "error"):
+        for result in ("ok", "not_found", "timeout", "upstream_error"):
             results[f"singleflight_upstream_{result}"] = metric(
                 symgate, "symgate_upstream_requests_total", result=result)
         before = metric(symgate, "symgate_upstream_requests_total")
