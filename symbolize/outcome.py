@@ -21,8 +21,3 @@ class Outcome(StrEnum):
     NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
     DEADLINE = "deadline"  # the request's own time ran out first; the work goes on
     INTERNAL = "internal"  # a bug or an unexpected failure: never remembered
-
-    @property
-    def is_failure_of_a_source(self) -> bool:
-        """Transient: worth trying again soon, never worth remembering long."""
-        return self in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)

@@ -8,7 +8,6 @@ them as a bearer token, for sites without such a gateway.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.sources.base import Source
@@ -28,11 +27,6 @@ class RequestScope:
     # What an upstream is told (X-Forwarded-For), and whether this hop may still go upstream.
     forwarded_for: str = ""
     may_fetch: bool = True
-
-    @classmethod
-    def shared(cls, sources: Sequence[Source], forwarded_for: str = "",
-               may_fetch: bool = True) -> RequestScope:
-        return cls("", SHARED, tuple(sources), forwarded_for, may_fetch)
 
     @property
     def visible(self) -> tuple[str, ...]:

@@ -37,6 +37,3 @@ class OpenTables:
 
     def drop(self, scope: str, build_id: str) -> None:
         self._tables.pop((scope, build_id), None)
-
-    def __len__(self) -> int:
-        return len(self._tables)

@@ -112,11 +112,11 @@ class SymbolResolver:
             if needs_layout:  # looked for while the table is built, not after
                 layout = self._executable_layout(req, build_id)
             key = (req.scope, build_id)
-            shared = await (self._resolving.get(key)
-                            or self._track(key, self._load_or_build(req, build_id)))
-            if isinstance(shared, Outcome):
-                return Resolved(None, outcome=shared)
-            found = shared
+            resolved = await (self._resolving.get(key)
+                              or self._track(key, self._load_or_build(req, build_id)))
+            if isinstance(resolved, Outcome):
+                return Resolved(None, outcome=resolved)
+            found = resolved
         else:
             self._metrics.symtab_cache.labels("hit").inc()
         scope, opened = found
