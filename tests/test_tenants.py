@@ -184,6 +184,11 @@ async def test_a_tenants_executable_never_marks_a_shared_table(
         headers={"Content-Type": "application/octet-stream", "X-Scope-OrgID": "a"})
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await sg.metric("symgate_symtab_layout_guesses_total") == 0  # A's exe was used
+    status, headers, again = await sg.request(
+        "POST", "/symbolize", data=raw,
+        headers={"Content-Type": "application/octet-stream", "X-Scope-OrgID": "a"})
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == 0  # and kept for A
     state = sg.runner.app[STATE]
     row = await state.repo.get_symbol_table("", elfs.prog.build_id)
     assert row is not None and row.file_layout is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from symbolize.elf import LoadSegment
 from symbolize.symtab import SymbolTable
@@ -15,6 +15,8 @@ class OpenTable:
     segments: tuple[LoadSegment, ...] | None  # None until an executable's layout is known
     # Whether the executable was looked for: a table without one is not searched again.
     layout_searched: bool = False
+    # Program headers from a tenant's own executable, for that tenant's requests only.
+    scoped_segments: dict[str, tuple[LoadSegment, ...]] = field(default_factory=dict)
 
 
 class OpenTables:

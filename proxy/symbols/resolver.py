@@ -120,11 +120,14 @@ class SymbolResolver:
         else:
             self._metrics.symtab_cache.labels("hit").inc()
         scope, opened = found
+        if needs_layout and (own := opened.scoped_segments.get(req.scope)) is not None:
+            return Resolved(opened.table, own)
         if needs_layout and not opened.layout_searched:
             searched = await (layout or self._executable_layout(req, build_id))
             if searched is not None and searched[0] not in (SHARED, scope):
-                # A tenant's own executable translates for that tenant's request alone: the
-                # table it would otherwise mark is seen by others.
+                # A tenant's own executable translates for that tenant's requests alone: the
+                # table it would otherwise mark is seen by others. Kept beside the table.
+                opened.scoped_segments[searched[0]] = searched[1]
                 return Resolved(opened.table, searched[1])
             if not opened.layout_searched and (searched is not None or req.scope == scope):
                 opened.layout_searched = True
