@@ -13,6 +13,7 @@ import aiohttp
 from proxy import __version__
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.headers import decimal, printable
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body
@@ -36,15 +37,16 @@ class UpstreamBody:
         for header in ("X-DEBUGINFOD-SIZE", "Content-Length"):
             if header == "Content-Length" and h.get("Content-Encoding", "identity") != "identity":
                 continue  # the compressed length says nothing of what we will write
-            if (v := h.get(header, "")).isdigit():
-                size = int(v)
+            if (size := decimal(h.get(header))) is not None:
                 break
+        # What an upstream says is stored in SQL and sent to every client: a value that could
+        # not be (control characters, undecodable bytes) is dropped, never the artifact.
         self.meta = ArtifactMeta(
             upstream=upstream.name,
             size=size,
-            filename=h.get("X-DEBUGINFOD-FILE"),
-            archive=h.get("X-DEBUGINFOD-ARCHIVE"),
-            last_modified=h.get("Last-Modified"),
+            filename=printable(h.get("X-DEBUGINFOD-FILE"), 4096),
+            archive=printable(h.get("X-DEBUGINFOD-ARCHIVE"), 4096),
+            last_modified=printable(h.get("Last-Modified"), 64),
         )
 
     async def chunks(self) -> AsyncIterator[bytes]:

@@ -15,6 +15,7 @@ from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, TooLarge
+from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.web.logs import annotate
@@ -41,9 +42,9 @@ def _max_size(request: web.Request) -> int | None:
     raw = request.headers.get("X-DEBUGINFOD-MAXSIZE")
     if raw is None:
         return None
-    if not raw.strip().isdigit():
+    if (limit := decimal(raw)) is None:
         raise InvalidRequest("invalid X-DEBUGINFOD-MAXSIZE: not a number")
-    return int(raw)
+    return limit
 
 
 def _check_size(size: int | None, max_size: int | None) -> None:
