@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 
 import aiohttp
 
@@ -70,3 +71,31 @@ async def test_fetch_goes_on_when_the_client_that_started_it_leaves(
     assert faults.count("slow-body") == 1
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                            outcome="hit") == 1
+
+
+async def test_staggered_clients_over_many_keys_cost_one_request_per_key(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Requests that arrive while a fetch is finishing (the window between its commit, or its
+    remembered 404, and its unregistering) must not start a second one. 300 clients, spread
+    over 12 keys (found and not found) and over time, cost exactly 12 upstream requests."""
+    sg = await start_symgate([faults.url_for("ok")])
+    found = [f"/buildid/{e.build_id}/{kind}" for e in (elfs.prog, elfs.other, elfs.big)
+             for kind in ("debuginfo", "executable")]
+    missing = [f"/buildid/{i:02x}{'cd' * 19}/debuginfo" for i in range(6)]
+    paths = found + missing
+    rng = random.Random(11)
+    # Two thirds at once (their SQL lookups queue behind each other while fast fetches end),
+    # the rest spread over the time those fetches take.
+    delays = [0.0 if i % 3 else rng.uniform(0, 0.2) for i in range(300)]
+
+    async def one(i: int) -> tuple[str, int]:
+        await asyncio.sleep(delays[i])
+        path = paths[i % len(paths)]
+        status, _, _ = await sg.get(path)
+        return path, status
+
+    results = await asyncio.gather(*(one(i) for i in range(300)))
+    assert {p for p, s in results if s == 200} == set(found)
+    assert {p for p, s in results if s == 404} == set(missing)
+    assert faults.count("ok") == len(paths)

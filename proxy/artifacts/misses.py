@@ -59,6 +59,9 @@ class RememberedMisses:
             return entry[0]
         wall = self._wall()
         rows = await self._repo.get_negatives(kh)
+        if (newer := self._memo.get(kh)) is not entry and newer is not None:
+            # A miss was recorded while SQL was read: the read is older than the memo.
+            return newer[0]
         live = [r for r in rows if r.expires_at > wall]
         names = frozenset(r.upstream for r in live)
         if names:

@@ -111,10 +111,15 @@ class ArtifactService:
             if names:
                 raise RememberedNotFound("not found (remembered miss)")
             raise NotFound("not found" if ups else "not found (no upstreams configured)")
-        # Another request may have started the same fetch while this one awaited SQL.
+        # While this request awaited SQL, another may have started the same fetch, or finished
+        # it: committed (the index has it) or remembered (the memo has it), and unregistered.
         if (flight := self._flights.get(kh)) is not None:
             self._metrics.singleflight_joins.inc()
             return await _join(flight)
+        if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
+            return Hit(hit)
+        if not local_has and self.misses.memo_covers(scope, key, names):
+            raise RememberedNotFound("not found (remembered miss)")
         path, fd = self.cache.store.new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
