@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from proxy.web.app import create_app
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory
+from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port, make_config
 from tests.processes import debuginfod_find
 
 
@@ -24,3 +28,28 @@ async def test_two_symgates_in_a_chain(
                                  kind="executable", outcome="miss") == 1
     status, _, _ = await site.get("/buildid/0badc0de/debuginfo")
     assert status == 404  # a miss upstream of the chain is a plain 404 at the site
+
+
+async def test_two_symgates_that_are_each_others_upstream_answer_404_not_a_timeout(
+    start_symgate: SymgateFactory, database_url: str, tmp_path: Path
+) -> None:
+    """A misconfigured tier: A asks B, B asks A. The request that comes back to A (its own
+    name in Via) is answered from A's cache alone, so it never joins A's own fetch and waits
+    on itself: the client gets a plain 404, as two looped elfutils debuginfods give."""
+    port_b = free_port()
+    a = await start_symgate([fast_upstream(f"http://127.0.0.1:{port_b}")],
+                            data_dir=tmp_path / "a")
+    b_config = make_config(tmp_path / "b", database_url.replace("symgate.sqlite", "b.sqlite"),
+                           [fast_upstream(a.url)])
+    b_runner = web.AppRunner(create_app(b_config, CollectorRegistry()), access_log=None)
+    await b_runner.setup()
+    await web.TCPSite(b_runner, "127.0.0.1", port_b).start()
+    try:
+        status, _, body = await a.get("/buildid/" + "ee" * 20 + "/debuginfo")
+        assert status == 404, body
+        assert await a.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                              outcome="not_found") == 2  # the client's, and the loop's
+        assert await a.metric("symgate_upstream_requests_total",
+                              upstream=f"http://127.0.0.1:{port_b}", result="not_found") == 1
+    finally:
+        await b_runner.cleanup()

@@ -197,6 +197,7 @@ async def test_user_agent_and_forwarded_for_go_upstream(
     sent = faults.headers[-1]
     assert sent["User-Agent"].startswith("symgate/")
     assert sent["X-Forwarded-For"] == "10.1.2.3, 127.0.0.1"
+    assert sent["Via"].startswith("1.1 symgate-")  # how a loop of caches is recognised
 
 
 async def test_forwarding_loop_stops_at_the_hop_limit(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.sources.base import Source
+from proxy.sources.base import Hop, Source
 
 # The scope of what every client may see: artifacts from the global sources and local debug
 # directories, and the symbol tables built from them.
@@ -24,8 +24,8 @@ class RequestScope:
     # when the tenant has sources of its own, else SHARED.
     scope: str
     sources: tuple[Source, ...]
-    # What an upstream is told (X-Forwarded-For), and whether this hop may still go upstream.
-    forwarded_for: str = ""
+    # What an upstream is told of the way the request came, and whether it may go upstream.
+    hop: Hop
     may_fetch: bool = True
 
     @property

@@ -30,7 +30,7 @@ from proxy.errors import (
 )
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
-from proxy.sources.base import ArtifactMeta, Body, Source
+from proxy.sources.base import ArtifactMeta, Body, Hop, Source
 from proxy.sources.policy import ask
 from proxy.store.repository import ArtifactRecord
 from symbolize.elf import build_id_of_file
@@ -125,7 +125,7 @@ class ArtifactService:
         self._flights[kh] = flight
         task = asyncio.create_task(
             self._fetch(key, scope, flight, path,
-                        [u for u in ups if u.name not in known_missing], req.forwarded_for)
+                        [u for u in ups if u.name not in known_missing], req.hop)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -133,13 +133,13 @@ class ArtifactService:
 
     async def _fetch(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, ups: list[Source],
-        forwarded_for: str,
+        hop: Hop,
     ) -> None:
         """Runs detached from any client: a disconnect does not stop the download."""
         self._metrics.inflight_fetches.inc()
         try:
             async with self._slots:
-                result = await ask(ups, key, forwarded_for, self._policy)
+                result = await ask(ups, key, hop, self._policy)
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
                 if misses:

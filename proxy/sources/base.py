@@ -21,6 +21,22 @@ class ArtifactMeta:
     last_modified: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """What an upstream is told of the way a request came: the clients (X-Forwarded-For, as
+    elfutils sends it) and the proxies it passed (Via, RFC 9110), so a loop of caches can be
+    seen by the cache it comes back to."""
+
+    forwarded_for: str = ""
+    via: str = ""
+
+    def headers(self) -> dict[str, str]:
+        out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
+        if self.via:
+            out["Via"] = self.via
+        return out
+
+
 class Body(Protocol):
     """An artifact found, its bytes not yet read."""
 
@@ -42,7 +58,7 @@ class Source(Protocol):
     # a local directory is asked again every time, so a file added to it is found at once.
     remembers_misses: bool
 
-    async def open(self, key: ArtifactKey, forwarded_for: str) -> Body | None:
+    async def open(self, key: ArtifactKey, hop: Hop) -> Body | None:
         """The artifact, or None when this source does not have it."""
         ...
 

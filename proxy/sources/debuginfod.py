@@ -16,7 +16,7 @@ from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, printable
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
-from proxy.sources.base import ArtifactMeta, Body
+from proxy.sources.base import ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
 from symbolize.outcome import Outcome
 
@@ -116,7 +116,7 @@ class Upstream:
         if self.breaker.failure():
             self.metrics.breaker_trips.labels(self.name).inc()
 
-    async def open(self, key: ArtifactKey, forwarded_for: str) -> UpstreamBody | None:
+    async def open(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         """The upstream's 200 response, or None for its 404.
 
         Transient failures are retried with exponential backoff before any body byte is read;
@@ -131,7 +131,7 @@ class Upstream:
                             self.cfg.retry_backoff_max_s)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             try:
-                return await self._attempt(key, forwarded_for)
+                return await self._attempt(key, hop)
             except _Permanent as e:
                 raise e.error from None
             except UpstreamUnavailable as e:
@@ -139,8 +139,8 @@ class Upstream:
         assert last is not None
         raise last
 
-    async def _attempt(self, key: ArtifactKey, forwarded_for: str) -> UpstreamBody | None:
-        headers = {"User-Agent": USER_AGENT, "X-Forwarded-For": forwarded_for,
+    async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
+        headers = {"User-Agent": USER_AGENT, **hop.headers(),
                    **self.cfg.headers}
         started = time.perf_counter()
         response: aiohttp.ClientResponse | None = None

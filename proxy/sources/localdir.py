@@ -25,7 +25,7 @@ from elftools.elf.elffile import ELFFile
 from proxy.errors import UpstreamUnavailable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
-from proxy.sources.base import ArtifactMeta
+from proxy.sources.base import ArtifactMeta, Hop
 from symbolize.elf import build_id_of_stream
 from symbolize.outcome import Outcome
 
@@ -141,7 +141,7 @@ class LocalDirectory:
             return any((key.build_id, k) in self._index for k in (Kind.DEBUGINFO, Kind.EXECUTABLE))
         return (key.build_id, key.kind) in self._index
 
-    async def open(self, key: ArtifactKey, forwarded_for: str) -> FileBody | SectionBody | None:
+    async def open(self, key: ArtifactKey, hop: Hop) -> FileBody | SectionBody | None:
         body: FileBody | SectionBody | None
         if key.kind is Kind.SECTION:
             body = await self._section(key)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from proxy.config import FetchPolicy
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import ArtifactKey
-from proxy.sources.base import Body, Source
+from proxy.sources.base import Body, Hop, Source
 from proxy.sources.debuginfod import close_quietly
 
 
@@ -31,14 +31,14 @@ class AskResult:
 
 
 async def ask(
-    upstreams: Sequence[Source], key: ArtifactKey, forwarded_for: str, policy: FetchPolicy
+    upstreams: Sequence[Source], key: ArtifactKey, hop: Hop, policy: FetchPolicy
 ) -> AskResult:
     if policy == "race":
-        return await _race(upstreams, key, forwarded_for)
+        return await _race(upstreams, key, hop)
     result = AskResult()
     for upstream in upstreams:
         try:
-            body = await upstream.open(key, forwarded_for)
+            body = await upstream.open(key, hop)
         except UpstreamUnavailable as e:
             result.failures.append(e)
             continue
@@ -49,10 +49,10 @@ async def ask(
     return result
 
 
-async def _race(upstreams: Sequence[Source], key: ArtifactKey, forwarded_for: str) -> AskResult:
+async def _race(upstreams: Sequence[Source], key: ArtifactKey, hop: Hop) -> AskResult:
     """First 200 wins; the others are cancelled, and a 200 that lost the race is closed."""
     result = AskResult()
-    tasks = {asyncio.ensure_future(u.open(key, forwarded_for)): u for u in upstreams}
+    tasks = {asyncio.ensure_future(u.open(key, hop)): u for u in upstreams}
     pending = set(tasks)
     try:
         while pending and result.body is None:

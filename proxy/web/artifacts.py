@@ -18,6 +18,7 @@ from proxy.errors import InvalidRequest, TooLarge
 from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
+from proxy.sources.base import Hop
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 
@@ -52,11 +53,18 @@ def _check_size(size: int | None, max_size: int | None) -> None:
         raise TooLarge(f"file is {size} bytes, larger than X-DEBUGINFOD-MAXSIZE {max_size}")
 
 
-def _forwarded_for(request: web.Request, limit: int) -> tuple[str, bool]:
-    """The X-Forwarded-For to send upstream, and whether this hop may still go upstream."""
+def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
+    """What to tell upstream of the way this request came, and whether it may go upstream:
+    not past `limit` forwarding hops (elfutils' --forwarded-ttl-limit), and never when it has
+    passed this server already (a loop of caches, which would wait on its own fetch)."""
     incoming = request.headers.get("X-Forwarded-For", "")
     hops = [h.strip() for h in incoming.split(",") if h.strip()]
-    return ", ".join([*hops, request.remote or "unknown"]), len(hops) < limit
+    via = [v.strip() for v in ",".join(request.headers.getall("Via", [])).split(",")
+           if v.strip()]
+    looped = any(v.split()[-1] == via_name for v in via if v.split())
+    hop = Hop(", ".join([*hops, request.remote or "unknown"]),
+              ", ".join([*via, f"1.1 {via_name}"]))
+    return hop, len(hops) < limit and not looped
 
 
 async def buildid(request: web.Request) -> web.StreamResponse:
@@ -66,9 +74,9 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     annotate(request, endpoint="buildid", kind=kind)
     key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
     max_size = _max_size(request)
-    chain, may_fetch = _forwarded_for(request, state.config.server.forwarded_ttl_limit)
+    hop, may_fetch = hop_of(request, state.via_name, state.config.server.forwarded_ttl_limit)
     tenant = state.tenancy.tenant_of(request)
-    req = state.tenancy.scope(tenant, chain, may_fetch)
+    req = state.tenancy.scope(tenant, hop, may_fetch)
     if tenant:
         annotate(request, tenant=tenant, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -32,6 +33,8 @@ class AppState:
     tenancy: Tenancy
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     started: float = field(default_factory=time.time)
+    # This process's name in Via headers: a request that names it has come round a loop.
+    via_name: str = field(default_factory=lambda: f"symgate-{uuid.uuid4().hex[:16]}")
 
     async def ping_database(self) -> None:
         async with self.repo.engine.connect() as conn:

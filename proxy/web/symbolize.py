@@ -12,6 +12,7 @@ from collections import Counter
 from aiohttp import web
 
 from proxy.errors import PayloadTooLarge, UnsupportedMediaType
+from proxy.web.artifacts import hop_of
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 from symbolize.pipeline import Limits, Symbolized, symbolize_profile
@@ -64,7 +65,8 @@ async def symbolize(request: web.Request) -> web.Response:
         annotate(request, outcome="disabled")
         return web.Response(body=body, content_type="application/octet-stream",
                             headers={"X-Symgate-Symbolize": "disabled"})
-    req = state.tenancy.scope(tenant, request.remote or "unknown")
+    hop, may_fetch = hop_of(request, state.via_name, state.config.server.forwarded_ttl_limit)
+    req = state.tenancy.scope(tenant, hop, may_fetch)
     limits = Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s)
     done = await symbolize_profile(body, state.symbols.provider(req), limits)
     _count(state, done)

@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.config import Config, TenantConfig
 from proxy.errors import InvalidRequest, Unauthorized
-from proxy.sources.base import Source
+from proxy.sources.base import Hop, Source
 
 MAX_TENANT = 255  # the scope column's width
 
@@ -70,11 +70,11 @@ class Tenancy:
                 owner = name
         return owner
 
-    def scope(self, tenant: str, forwarded_for: str = "", may_fetch: bool = True
+    def scope(self, tenant: str, hop: Hop, may_fetch: bool = True
               ) -> RequestScope:
         own = self._private.get(tenant)
         if own is None:
-            return RequestScope(tenant, SHARED, self._shared, forwarded_for, may_fetch)
+            return RequestScope(tenant, SHARED, self._shared, hop, may_fetch)
         # A list of global sources only keeps the shared scope: one fetch serves everyone.
         scope = tenant if any(s.scope == tenant for s in own) else SHARED
-        return RequestScope(tenant, scope, own, forwarded_for, may_fetch)
+        return RequestScope(tenant, scope, own, hop, may_fetch)
