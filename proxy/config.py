@@ -195,6 +195,9 @@ class CacheConfig:
     max_bytes: Size = 20 * 1024**3
     # In-flight fetches at once across all clients; further misses wait for a slot.
     max_concurrent_fetches: AtLeastOne = 32
+    # The largest artifact fetched: an upstream that sends more (or never stops) is cut off
+    # there, not after filling the disk. Pyroscope's client stops at 512 MiB.
+    max_artifact_bytes: Size = 4 * 1024**3
 
 
 @dataclass(frozen=True, config=_SECTION)

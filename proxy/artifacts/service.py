@@ -25,6 +25,7 @@ from proxy.errors import (
     NotFound,
     RememberedNotFound,
     SymgateError,
+    TooLarge,
     UpstreamUnavailable,
     VerificationFailed,
 )
@@ -60,9 +61,12 @@ class ArtifactService:
         misses: RememberedMisses,
         policy: FetchPolicy,
         max_concurrent_fetches: int,
+        max_artifact_bytes: int,
         metrics: ProxyMetrics,
     ) -> None:
         self.cache = cache
+        # Nothing larger than the whole budget could be kept anyway.
+        self._max_artifact = min(max_artifact_bytes, cache.max_bytes)
         self.misses = misses
         self._policy = policy
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
@@ -175,10 +179,18 @@ class ArtifactService:
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body
     ) -> None:
         meta = body.meta
+        if meta.size is not None and meta.size > self._max_artifact:
+            self._reject(key, "too_large")
+            raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
+                           f"{self._max_artifact} (cache.max_artifact_bytes)")
         flight.started(meta)
         digest = hashlib.sha256()
         fd = flight.writer_fd
         async for chunk in body.chunks():
+            if flight.written + len(chunk) > self._max_artifact:
+                self._reject(key, "too_large")
+                raise VerificationFailed(f"{meta.upstream} sent more than "
+                                         f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
             _write_all(fd, chunk)
             digest.update(chunk)
             flight.wrote(len(chunk))

@@ -107,7 +107,8 @@ def _lifecycle(
                                   memo_entries=config.negative.memo_entries)
         service = ArtifactService(
             cache=cache, misses=misses, policy=config.fetch.policy,
-            max_concurrent_fetches=config.cache.max_concurrent_fetches, metrics=metrics,
+            max_concurrent_fetches=config.cache.max_concurrent_fetches,
+            max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
         )
         symbolize_metrics = SymbolizeMetrics(registry)
         symbols = SymbolResolver(
