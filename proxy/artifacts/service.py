@@ -101,11 +101,8 @@ class ArtifactService:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if cache_only:
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
-        if (flight := self._flights.get(kh)) is not None:
-            self._metrics.singleflight_joins.inc()
-            return await _join(flight)
-        if not local_has and self.misses.memo_covers(scope, key, names):
-            raise RememberedNotFound("not found (remembered miss)")
+        if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
+            return joined
         for visible in req.visible:
             if (shared := await self.cache.get(visible, key)) is not None:
                 return Hit(shared)
@@ -117,13 +114,10 @@ class ArtifactService:
             raise NotFound("not found" if ups else "not found (no upstreams configured)")
         # While this request awaited SQL, another may have started the same fetch, or finished
         # it: committed (the index has it) or remembered (the memo has it), and unregistered.
-        if (flight := self._flights.get(kh)) is not None:
-            self._metrics.singleflight_joins.inc()
-            return await _join(flight)
+        if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
+            return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
-        if not local_has and self.misses.memo_covers(scope, key, names):
-            raise RememberedNotFound("not found (remembered miss)")
         path, fd = self.cache.store.new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
@@ -134,6 +128,17 @@ class ArtifactService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await _join(flight)
+
+    async def _join_or_remembered(self, kh: str, scope: str, key: ArtifactKey,
+                                  names: list[str], local_has: bool) -> Streaming | None:
+        """What memory alone answers: the fetch under way, joined, or a remembered miss
+        (raised); None when only SQL or a new fetch can tell."""
+        if (flight := self._flights.get(kh)) is not None:
+            self._metrics.singleflight_joins.inc()
+            return await _join(flight)
+        if not local_has and self.misses.memo_covers(scope, key, names):
+            raise RememberedNotFound("not found (remembered miss)")
+        return None
 
     async def _fetch(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, ups: list[Source],
