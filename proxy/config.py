@@ -187,6 +187,12 @@ class ServerConfig:
     # Hit counts and access times are batched in memory so that a hit never waits on SQL;
     # this is how much of them a crash can lose.
     access_flush_s: Period = 5.0
+    # A client must send a whole request head within this long of connecting, and of the end
+    # of the previous response on a kept-alive connection (also the keep-alive idle timeout).
+    header_timeout_s: Period = 10.0
+    # Client connections at once; past it, new ones get an immediate 503. Unset: derived from
+    # the open files limit (raised to its hard limit at start), keeping room for cache files.
+    max_connections: AtLeastOne | None = None
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -8,14 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
-from aiohttp import web
-
 from proxy import __version__
 from proxy.config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
 from proxy.store import migrate
 from proxy.tools.text_table import render_table
 from proxy.web import logs
-from proxy.web.app import create_app
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -24,22 +21,24 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from proxy.web.app import CannotStart, serve
+
     cfg = _config(args)
     if args.no_migrate:
         from dataclasses import replace
 
         cfg = replace(cfg, database=replace(cfg.database, migrate_on_start=False))
-    host, port = parse_listen(cfg.server.listen, "server.listen")
+    parse_listen(cfg.server.listen, "server.listen")
     json_logs = cfg.server.log_format == "json"
     logs.configure(json_logs)
-    app = create_app(cfg)
-    logging.getLogger("symgate").info("symgate %s listening on http://%s/", __version__,
-                                      cfg.server.listen)
-    web.run_app(app, host=host, port=port, print=None,
-                access_log=logging.getLogger("symgate.access") if cfg.server.access_log
-                else None,
-                access_log_class=logs.JsonAccessLogger if json_logs else logs.AccessLogger,
-                shutdown_timeout=cfg.server.shutdown_grace_s)
+    try:
+        asyncio.run(serve(
+            cfg, access_log=logging.getLogger("symgate.access") if cfg.server.access_log
+            else None,
+            access_log_class=logs.JsonAccessLogger if json_logs else logs.AccessLogger))
+    except CannotStart as e:
+        logging.getLogger("symgate").error("%s", e)
+        return 1
     return 0
 
 
@@ -54,7 +53,15 @@ def _db(args: argparse.Namespace) -> int:
 
 
 def _symbolize(args: argparse.Namespace) -> int:
-    body = args.input.read_bytes()
+    try:
+        body = args.input.read_bytes()
+    except OSError as e:
+        print(f"symgate: cannot read {args.input}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    if not args.output.parent.is_dir():  # said now, not after the work
+        print(f"symgate: cannot write {args.output}: no such directory {args.output.parent}",
+              file=sys.stderr)
+        return 1
     if args.server:
         import urllib.error
         import urllib.request
@@ -69,6 +76,10 @@ def _symbolize(args: argparse.Namespace) -> int:
         except urllib.error.HTTPError as e:
             print(f"symgate: {args.server} answered {e.code}: {e.read().decode().strip()}",
                   file=sys.stderr)
+            return 1
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            print(f"symgate: cannot reach {args.server}: {reason}", file=sys.stderr)
             return 1
         summary = {k: v for k, v in headers.items() if k.startswith("X-Symgate-")}
     else:
@@ -92,7 +103,11 @@ def _symbolize(args: argparse.Namespace) -> int:
             "locations unresolved": ", ".join(
                 f"{k}={v}" for k, v in sorted(report.locations_unresolved.items())) or "none",
         }
-    args.output.write_bytes(out)
+    try:
+        args.output.write_bytes(out)
+    except OSError as e:
+        print(f"symgate: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     for k, v in summary.items():
         print(f"{k}: {v}", file=sys.stderr)
     return 0

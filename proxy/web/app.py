@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -15,7 +17,7 @@ from proxy import __version__
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.service import ArtifactService
-from proxy.config import Config
+from proxy.config import Config, parse_listen
 from proxy.expiry import Expiry
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
@@ -28,13 +30,18 @@ from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTables
 from proxy.symbols.resolver import SymbolResolver
 from proxy.symbols.table_store import TableStore
-from proxy.web import artifacts, ops
+from proxy.web import artifacts, logs, ops
+from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
 from proxy.web.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
+
+
+class CannotStart(Exception):
+    """A fault at start that the operator has to fix; the message says which, in one line."""
 
 
 def add_routes(app: web.Application) -> None:
@@ -157,3 +164,127 @@ def _safe_url(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+async def serve(config: Config, access_log: logging.Logger | None,
+                access_log_class: type[logs.AccessLogger]) -> None:
+    """Run `symgate serve` until SIGTERM or SIGINT. Faults at start raise CannotStart.
+
+    The port is bound before anything else starts, so a busy port is reported before the
+    database is touched, and "listening on" is said only once connections are accepted.
+    """
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(logs.loop_exception_handler)
+    fd_limit = raise_fd_limit()
+    max_connections = config.server.max_connections or default_max_connections(fd_limit)
+    host, port = parse_listen(config.server.listen, "server.listen")
+    _make_data_dirs(config)
+    runner = web.AppRunner(
+        create_app(config), handle_signals=False, access_log=access_log,
+        access_log_class=access_log_class,
+        # aiohttp's keep-alive timer closes a kept-alive connection whose next request head
+        # is not complete in time: between requests, it is the header timeout.
+        keepalive_timeout=config.server.header_timeout_s,
+        shutdown_timeout=_CUT_S)
+
+    def protocol() -> asyncio.BaseProtocol:
+        assert runner.server is not None  # set up before the socket starts serving
+        return runner.server()
+
+    guard = ConnectionGuard(protocol, max_connections, config.server.retry_after_s,
+                            config.server.header_timeout_s)
+    try:
+        server = await loop.create_server(guard, host, port, reuse_address=True,
+                                          backlog=1024, start_serving=False)
+    except OSError as e:
+        raise CannotStart(f"cannot listen on {config.server.listen}: "
+                          f"{_reason(e)}") from None
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            await runner.setup()
+        except Exception as e:
+            raise _startup_error(config, e) from None
+        await server.start_serving()
+        log.info("symgate %s listening on http://%s/ (up to %d connections; open files limit "
+                 "%d)", __version__, config.server.listen, max_connections, fd_limit)
+        await stop.wait()
+        log.info("stopping: responses under way have %.1f s to finish",
+                 config.server.shutdown_grace_s)
+        server.close()  # no new connections; idle kept-alive ones are closed by the drain
+        assert runner.server is not None
+        await _drain(runner.server, config.server.shutdown_grace_s)
+    finally:
+        server.close()
+        await runner.cleanup()
+
+
+# How long a request cut at the end of the grace has to unwind (cancelled, its connection
+# closed) before it is left behind.
+_CUT_S = 0.5
+
+
+async def _drain(server: web.Server, grace_s: float) -> None:
+    """Let requests under way finish for up to `grace_s`, then cut them: aiohttp's own
+    shutdown(timeout) waits the timeout twice over (once for the handler, once more for its
+    cancellation), so the grace is kept here."""
+    server.pre_shutdown()  # idle connections close now; busy ones after their response
+    waits = [asyncio.create_task(conn.shutdown(grace_s)) for conn in server.connections]
+    if not waits:
+        return
+    _, late = await asyncio.wait(waits, timeout=grace_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    await asyncio.gather(*(conn.shutdown(_CUT_S) for conn in server.connections),
+                         return_exceptions=True)
+
+
+def _make_data_dirs(config: Config) -> None:
+    for d in (config.server.data_dir, config.cache_dir):
+        if d.exists() and not d.is_dir():
+            raise CannotStart(f"cannot use data directory {d}: it is a file, not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CannotStart(f"cannot use data directory {d}: {_reason(e)}") from None
+
+
+def _reason(e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return "address already in use"
+    text = e.strerror or str(e)
+    text = text[0].lower() + text[1:] if text else type(e).__name__
+    return f"{text} ({e.filename})" if e.filename else text
+
+
+def _startup_error(config: Config, e: Exception) -> Exception:
+    """A failure while the components start, as one line where it is a known fault."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    where = _safe_url(config.database_url) if _parses(config.database_url) \
+        else "the configured URL"
+    if isinstance(e, SQLAlchemyError):
+        text = str(getattr(e, "orig", None) or e).splitlines()[0]
+        if "no such table" in text or ("relation" in text and "does not exist" in text):
+            return CannotStart(f"the database at {where} has no symgate schema, or an old one: "
+                               "run `symgate db upgrade` (or serve without --no-migrate)")
+        return CannotStart(f"cannot use the database at {where}: {text}")
+    if isinstance(e, OSError):
+        if e.filename:
+            return CannotStart(f"cannot start: {_reason(e)}")
+        return CannotStart(f"cannot reach the database at {where}: {_reason(e)}")
+    return e
+
+
+def _parses(url: str) -> bool:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except ArgumentError:
+        return False
+    return True

@@ -6,8 +6,10 @@ LOG_FIELDS; the access logger adds status, bytes and duration and writes one lin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -28,8 +30,11 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: BaseRequest, response: StreamResponse, time_s: float) -> None:
         # body_length counts the header bytes too; Content-Length is the body, where known.
+        fields_in = request.get(LOG_FIELDS, {})
         if request.method == "HEAD":
             sent = 0
+        elif "sent" in fields_in:  # cut off: what went out, not what was announced
+            sent = fields_in["sent"]
         elif response.content_length is not None:
             sent = response.content_length
         else:
@@ -37,7 +42,8 @@ class AccessLogger(AbstractAccessLogger):
         fields: dict[str, Any] = {
             "remote": request.remote, "method": request.method, "path": request.path,
             "status": response.status, "bytes": sent,
-            "duration_s": round(time_s, 6), **request.get(LOG_FIELDS, {}),
+            "duration_s": round(time_s, 6),
+            **{k: v for k, v in fields_in.items() if k != "sent"},
             "user_agent": request.headers.get("User-Agent", ""),
         }
         if self.json_lines:
@@ -73,10 +79,90 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class RepeatFilter(logging.Filter):
+    """Lets through `burst` records of one kind (logger, level, message template) per `window_s`
+    and drops the rest; the first record let through after a window with drops says how many
+    were dropped. A flood of one failure (a full file table, a scanner's garbage) then costs a
+    few lines, not megabytes. Access lines, one per request by design, are never dropped."""
+
+    def __init__(self, window_s: float = 10.0, burst: int = 5) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.burst = burst
+        # kind -> [window start, records let through, records dropped]
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
+        self._lock = threading.Lock()  # handlers run in worker threads too (to_thread)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "symgate.access":
+            return True
+        kind = (record.name, record.levelno, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            entry = self._seen.get(kind)
+            if entry is None or now - entry[0] >= self.window_s:
+                dropped = int(entry[2]) if entry is not None else 0
+                if len(self._seen) > 10_000:  # bounded however many kinds appear
+                    self._seen.clear()
+                self._seen[kind] = [now, 1, 0]
+                if entry is not None and dropped:
+                    record.msg = (f"{record.getMessage()} ({dropped} more like this in the "
+                                  f"last {now - entry[0]:.0f} s)")
+                    record.args = None
+                return True
+            if entry[1] < self.burst:
+                entry[1] += 1
+                return True
+            entry[2] += 1
+            return False
+
+
+class OneLineClientErrors(logging.Filter):
+    """aiohttp logs a full traceback for every request it cannot parse (garbage, a bad method,
+    an oversized header) and for a client that left mid-response: that is the client's doing,
+    so it gets one line naming the peer and the reason."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if not record.exc_info or record.exc_info[1] is None:
+            return True
+        error = record.exc_info[1]
+        if isinstance(error, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            reason = (error.message or type(error).__name__).replace("\n", " ")[:200]
+            record.msg, record.args = "bad request from %s: %s", (peer, reason)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        elif isinstance(error, ConnectionError):
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
+            record.args = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        else:
+            return True
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's default handler logs a traceback per failure; accept() failing for want of
+    descriptors (EMFILE, ENFILE) fails once a second per socket for as long as it lasts.
+    Errors from the OS get one line; the log's RepeatFilter bounds how many."""
+    error = context.get("exception")
+    if isinstance(error, OSError):
+        logging.getLogger("symgate.loop").error("%s: %s", context.get("message", "error"),
+                                                error)
+        return
+    loop.default_exception_handler(context)
+
+
 def configure(json_lines: bool) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, OneLineClientErrors) for f in server_log.filters):
+        server_log.addFilter(OneLineClientErrors())

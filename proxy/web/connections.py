@@ -1,0 +1,176 @@
+"""Guarding the listening socket against clients that hold connections: a bound on open
+connections (past it, a short 503 written without parsing anything), and the file-descriptor
+limit that bound is derived from.
+
+The header read timeout has two halves. Between requests on a kept-alive connection it is
+aiohttp's keep-alive timer (keepalive_timeout), which runs from the end of a response and closes
+the connection only while no complete request head has arrived, however many bytes trickle in.
+For the first request, which older aiohttp versions do not time, the guard keeps its own timer
+and looks for the blank line that ends the head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# Descriptors kept for everything but client sockets: SQL connections, upstream connections,
+# local sources, logs, the build workers' pipes.
+RESERVED_FDS = 128
+# A client being sent a cached file holds its socket and the file: two descriptors.
+FDS_PER_CONNECTION = 2
+# How long a shed connection may linger to let its 503 reach the client before the socket is
+# closed (closing with unread request bytes would make the kernel reset it, losing the 503).
+SHED_LINGER_S = 1.0
+# Past this many shed connections still lingering, new ones are closed at once without a word.
+MAX_LINGERING = 64
+
+_BUSY_TEXT = b"too many connections: try again soon\n"
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: %d\r\nRetry-After: %%d\r\nConnection: close\r\n\r\n"
+        % len(_BUSY_TEXT)) + _BUSY_TEXT.replace(b"%", b"%%")
+REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                   b"Connection: close\r\n\r\n")
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (a server's descriptors are its
+    connections) and return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, target, e)
+    return soft
+
+
+def default_max_connections(fd_limit: int) -> int:
+    return max(16, (fd_limit - RESERVED_FDS) // FDS_PER_CONNECTION)
+
+
+class ConnectionGuard:
+    """A protocol factory for loop.create_server, wrapping aiohttp's: at most `limit` client
+    connections are handed to aiohttp; the others get BUSY and are closed."""
+
+    def __init__(self, factory: Callable[[], asyncio.BaseProtocol], limit: int,
+                 retry_after_s: int, header_timeout_s: float) -> None:
+        self._factory = factory
+        self.limit = limit
+        self.header_timeout_s = header_timeout_s
+        self.timed_out = 0
+        self.open = 0
+        self.lingering = 0
+        self.shed = 0
+        self._busy = BUSY % retry_after_s
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.open >= self.limit:
+            self.shed += 1
+            return _Shed(self)
+        self.open += 1
+        return _Counted(self._factory(), self)
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol, counted and with its first request head timed: every call is passed
+    on unchanged."""
+
+    def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard) -> None:
+        self._inner = inner
+        self._guard: ConnectionGuard | None = guard
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._tail = b""  # the last bytes seen, for a blank line split across reads
+        self._head_bytes = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if self._guard is not None and self._guard.header_timeout_s > 0:
+            self._timer = asyncio.get_running_loop().call_later(
+                self._guard.header_timeout_s, self._head_too_slow)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._timer is not None:
+            seen = self._tail + data
+            self._head_bytes += len(data)
+            # aiohttp answers 400 to a head past its own limits: the timer is then not needed.
+            if b"\r\n\r\n" in seen or b"\n\n" in seen or self._head_bytes > 1 << 17:
+                self._stop_timer()
+            else:
+                self._tail = seen[-3:]
+        self._inner.data_received(data)  # type: ignore[attr-defined]
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_too_slow(self) -> None:
+        self._timer = None
+        if self._guard is not None:
+            self._guard.timed_out += 1
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(REQUEST_TIMEOUT)
+            self._transport.close()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        if self._guard is not None:
+            self._guard.open -= 1
+            self._guard = None
+        self._inner.connection_lost(exc)
+
+
+class _Shed(asyncio.Protocol):
+    """Answers BUSY without reading the request, then closes: the client learns at once to come
+    back later instead of waiting in a queue that a flood keeps full."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self._guard = guard
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if self._guard.lingering >= MAX_LINGERING:
+            transport.abort()
+            return
+        transport.write(self._guard._busy)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._guard.lingering += 1
+        self._counted = True
+        self._timer = asyncio.get_running_loop().call_later(SHED_LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # never parsed: that is the point
+
+    def eof_received(self) -> bool:
+        return False  # the client has read its answer and gone: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._counted:
+            self._guard.lingering -= 1
+            self._counted = False
