@@ -221,9 +221,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
         await runner.cleanup()
 
 
-# How long a request cut at the end of the grace has to unwind (cancelled, its connection
-# closed) before it is left behind.
-_CUT_S = 0.5
+# Past the grace, aiohttp's shutdown(timeout) of a connection waits this long for its handler,
+# then cancels it and waits as long again before closing the connection regardless.
+_CUT_S = 0.05
 
 
 async def _drain(server: web.Server, grace_s: float) -> None:

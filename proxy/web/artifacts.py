@@ -147,7 +147,8 @@ async def _send_streaming(
             sent += len(chunk)
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
-        annotate(request, outcome=ABORTED, error=e.error.reason)
+        # The access log tells the bytes that went out, not the Content-Length announced.
+        annotate(request, outcome=ABORTED, error=e.error.reason, sent=sent)
         log.warning("cutting off %s after %d bytes: %s", request.path, sent, e)
         # The status line is gone already; the only honest signal left is a broken
         # connection, never a short body that a client could take for the whole file.
