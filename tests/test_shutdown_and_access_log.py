@@ -40,14 +40,14 @@ async def test_sigterm_exits_within_the_grace_with_a_request_hanging(
     # The upstream sends half the file and then nothing: the client's request hangs in flight.
     base, proc = await _start(tmp_path, faults.url_for("hang-mid-body"),
                               "shutdown_grace_s = 3.0\n")
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"{base}/buildid/{elfs.big.build_id}/debuginfo") as r:
-            assert r.status == 200
-            await r.content.readexactly(1024)  # the response is under way
-            started = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            code = await asyncio.wait_for(proc.wait(), 60)
-            took = time.monotonic() - started
+    url = f"{base}/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        await r.content.readexactly(1024)  # the response is under way
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 60)
+        took = time.monotonic() - started
     assert code == 0
     # A bound on the grace (3 s) with a wide margin, not a speed test: aiohttp's own shutdown
     # waited the grace twice over, 6.5 s here before.
@@ -59,13 +59,13 @@ async def test_access_log_counts_the_bytes_of_a_cut_off_response(
 ) -> None:
     base, proc = await _start(tmp_path, faults.url_for("reset-mid-body"))
     got = 0
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"{base}/buildid/{elfs.big.build_id}/debuginfo") as r:
-            try:
-                async for chunk in r.content.iter_chunked(1 << 16):
-                    got += len(chunk)
-            except aiohttp.ClientPayloadError:
-                pass
+    url = f"{base}/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        try:
+            async for chunk in r.content.iter_chunked(1 << 16):
+                got += len(chunk)
+        except aiohttp.ClientPayloadError:
+            pass
     proc.send_signal(signal.SIGTERM)
     assert proc.stdout is not None
     out = (await proc.stdout.read()).decode()
