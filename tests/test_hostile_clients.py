@@ -1,0 +1,219 @@
+"""Clients that hold connections open, flood them or send garbage cannot take the server down
+or fill its log (issue 11, items 8 and 16)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from proxy.web.connections import ConnectionGuard
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import free_port
+from tests.processes import wait_until_serving
+
+
+@contextlib.asynccontextmanager
+async def _guarded(limit: int, header_timeout_s: float
+                   ) -> AsyncIterator[tuple[int, ConnectionGuard]]:
+    """A small aiohttp app behind a ConnectionGuard on a loopback port."""
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=header_timeout_s)
+    await runner.setup()
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, limit, retry_after_s=7,
+                            header_timeout_s=header_timeout_s)
+    server = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], guard
+    finally:
+        server.close()
+        await runner.cleanup()
+
+
+async def _read_all(reader: asyncio.StreamReader, timeout: float = 10) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+async def test_past_the_limit_a_connection_gets_an_immediate_503_and_is_closed() -> None:
+    async with _guarded(limit=2, header_timeout_s=30) as (port, guard):
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        await asyncio.sleep(0.05)  # let the server accept them
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = await _read_all(reader)  # no request sent: it is not read anyway
+        head = answer.split(b"\r\n\r\n")[0].decode()
+        assert head.startswith("HTTP/1.1 503 "), answer
+        assert "Retry-After: 7" in head and "Connection: close" in head
+        assert guard.shed == 1
+        writer.close()
+        # A slot freed is a slot served.
+        held[0][1].close()
+        await held[0][1].wait_closed()
+        for _ in range(100):
+            if guard.open < 2:
+                break
+            await asyncio.sleep(0.02)
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
+            assert r.status == 200 and await r.text() == "hello"
+        for _, w in held[1:]:
+            w.close()
+
+
+async def test_a_head_sent_byte_by_byte_is_cut_at_the_header_timeout() -> None:
+    async with _guarded(limit=10, header_timeout_s=0.5) as (port, guard):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        closed = asyncio.ensure_future(_read_all(reader))
+        trickled = 0
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            if closed.done():
+                break
+            writer.write(bytes([byte]))
+            trickled += 1
+            await asyncio.sleep(0.05)
+        answer = await closed
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert trickled < 100 and guard.timed_out == 1  # the trickle did not keep it open
+        writer.close()
+        # A client that sends its head at once is served as before.
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
+            assert r.status == 200
+
+
+def _low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+async def _serve(tmp_path: Path, upstream: str, extra: str = "", low_fds: bool = False
+                 ) -> tuple[str, asyncio.subprocess.Process, bytearray, asyncio.Task[None]]:
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'
+                      f'{extra}[[upstreams]]\nurl = "{upstream}"\n'
+                      "[symbolize]\nbuild_workers = 1\n")
+    proc = await asyncio.create_subprocess_exec(
+        "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)},
+        preexec_fn=_low_fd_limit if low_fds else None)
+    base = f"http://127.0.0.1:{port}"
+    await wait_until_serving(base, proc)
+    out = bytearray()
+
+    async def drain() -> None:  # a full pipe would stop the server's logging, and the server
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            out.extend(chunk)
+
+    return base, proc, out, asyncio.create_task(drain())
+
+
+async def _stop(proc: asyncio.subprocess.Process, drain: asyncio.Task[None]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    code = await asyncio.wait_for(proc.wait(), 60)
+    await asyncio.wait_for(drain, 10)
+    return code
+
+
+async def _slowloris(port: int, trickle_s: float, rounds: int, kept_alive: bool) -> bool:
+    """One connection sending a request head a byte at a time (after a whole request and its
+    answer, if `kept_alive`); True once the server closed it."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return True
+    try:
+        if kept_alive:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                return True  # shed: closed by the server
+            length = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n")
+                          if ln.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+    except (OSError, asyncio.IncompleteReadError):
+        return True
+    closed = asyncio.ensure_future(reader.read())
+    try:
+        for byte in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: " + b"a" * rounds)[:rounds]:
+            if closed.done():
+                return True
+            writer.write(bytes([byte]))
+            await asyncio.sleep(trickle_s)
+        return closed.done()
+    except OSError:
+        return True
+    finally:
+        closed.cancel()
+        writer.close()
+
+
+async def test_slowloris_past_the_fd_limit_leaves_hits_served_and_the_log_small(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
+                                          "header_timeout_s = 1.0\n", low_fds=True)
+    hit = f"{base}/buildid/{elfs.prog.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(hit) as r:  # cached now
+        assert r.status == 200
+    port = int(base.rsplit(":", 1)[1])
+    # 400 slow connections against 256 descriptors, each trickling for 4 s at most; half of
+    # them after a first request, to time the head from the end of the previous response.
+    attack = [asyncio.create_task(_slowloris(port, 0.2, 20, kept_alive=i % 2 == 1))
+              for i in range(400)]
+    await asyncio.sleep(0.5)
+    answered: dict[str, int] = {}
+    timeout = aiohttp.ClientTimeout(total=3)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for path in ("/healthz", hit.removeprefix(base)):
+            for _ in range(40):  # bounded: 40 tries within the attack's 4 s and a bit
+                try:
+                    async with s.get(base + path) as r:
+                        if r.status == 200:
+                            answered[path] = len(await r.read())
+                            break
+                        assert r.status == 503 and "Retry-After" in r.headers
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.1)
+    closed_by_server = await asyncio.gather(*attack)
+    assert answered == {"/healthz": answered.get("/healthz", 0),
+                        hit.removeprefix(base): elfs.prog.debug.stat().st_size}, answered
+    assert all(closed_by_server), sum(not c for c in closed_by_server)
+    assert await _stop(proc, drain) == 0
+    assert b"Traceback" not in out
+    assert len(out) < 20_000, f"{len(out)} bytes of log:\n{out[-3000:].decode()}"
+
+
+async def test_malformed_requests_are_logged_in_one_line_each_and_rate_limited(
+    faults: FaultUpstream, tmp_path: Path
+) -> None:
+    base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
+                                          "access_log = false\n")
+    port = int(base.rsplit(":", 1)[1])
+    bad = [b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n",  # garbage after a good one
+           b"GET /\x00 HTTP/1.1\r\n\r\n",
+           b"GET / HTTP/1.1\r\nX-Huge: " + b"a" * 70_000 + b"\r\n\r\n"] * 10
+    for raw in bad:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        with contextlib.suppress(OSError):
+            await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
+        assert r.status == 200
+    assert await _stop(proc, drain) == 0
+    text = out.decode(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if "bad request from 127.0.0.1" in ln]
+    assert 1 <= len(lines) <= 6, text[-3000:]  # 30 bad requests, a burst of 5 let through
