@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import os
 import resource
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy.web.connections import ConnectionGuard
+from proxy.web.logs import RepeatFilter, loop_exception_handler
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import free_port
@@ -217,3 +222,44 @@ async def test_malformed_requests_are_logged_in_one_line_each_and_rate_limited(
     assert "Traceback" not in text, text[-3000:]
     lines = [ln for ln in text.splitlines() if "bad request from 127.0.0.1" in ln]
     assert 1 <= len(lines) <= 6, text[-3000:]  # 30 bad requests, a burst of 5 let through
+
+
+def test_repeated_log_lines_are_dropped_and_then_counted() -> None:
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Collect()
+    limiter = RepeatFilter(window_s=0.2, burst=3)
+    handler.addFilter(limiter)
+    logger = logging.getLogger("symgate.test.repeats")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        for i in range(100):
+            logger.error("accept failed: %s", i)
+        logger.info("another kind of line")
+        assert records == ["accept failed: 0", "accept failed: 1", "accept failed: 2",
+                           "another kind of line"]
+        time.sleep(0.25)  # the next window: the line after it says how many were dropped
+        logger.error("accept failed: %s", "again")
+        assert records[-1].startswith("accept failed: again (97 more like this in the last ")
+    finally:
+        logger.removeHandler(handler)
+
+
+async def test_loop_errors_from_the_os_are_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    loop = asyncio.get_running_loop()
+    error = OSError(errno.EMFILE, "Too many open files")
+    try:
+        raise error
+    except OSError:
+        pass
+    with caplog.at_level(logging.INFO):
+        loop_exception_handler(loop, {"message": "socket.accept() out of system resource",
+                                      "exception": error})
+    assert [(r.getMessage(), r.exc_info) for r in caplog.records] == [
+        ("socket.accept() out of system resource: [Errno 24] Too many open files", None)]

@@ -130,7 +130,7 @@ class OneLineClientErrors(logging.Filter):
         error = record.exc_info[1]
         if isinstance(error, HttpProcessingError):
             peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            reason = (error.message or type(error).__name__).replace("\n", " ")[:200]
+            reason = " ".join(str(error.message or type(error).__name__).split())[:200]
             record.msg, record.args = "bad request from %s: %s", (peer, reason)
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         elif isinstance(error, ConnectionError):
