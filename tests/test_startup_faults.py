@@ -18,7 +18,7 @@ def _run(tmp_path: Path, *args: str, config: str = "") -> tuple[int, list[str]]:
     conf = tmp_path / "symgate.toml"
     conf.write_text(config)
     cmd = ["symgate", *args]
-    if args[0] in ("serve", "db"):
+    if args[0] in ("serve", "db", "cache"):
         cmd += ["--config", str(conf)]
     env = {**os.environ, "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "xdg"),
            "DEBUGINFOD_URLS": "http://127.0.0.1:9/"}
@@ -75,8 +75,10 @@ def test_no_migrate_on_a_fresh_database_says_to_upgrade(tmp_path: Path) -> None:
     "postgresql+asyncpg://nobody@127.0.0.1:9/none",  # nothing listens on port 9
     "mysql+nosuchdriver://x@127.0.0.1/y",
 ])
-def test_unusable_database_at_start_is_one_line(tmp_path: Path, url: str) -> None:
-    code, lines = _run(tmp_path, "serve", config=(
+@pytest.mark.parametrize("command", [["serve"], ["db", "upgrade"], ["cache", "stats"]])
+def test_unusable_database_at_start_is_one_line(tmp_path: Path, url: str,
+                                                command: list[str]) -> None:
+    code, lines = _run(tmp_path, *command, config=(
         f'[server]\nlisten = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp_path / "d"}"\n'
         f'[database]\nurl = "{url}"\n'))
     _one_clear_line(code, lines, "database")

@@ -310,11 +310,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.func is _prefetch and not args.kind:
         args.kind = ["debuginfo", "executable"]
     logs.configure(json_lines=False)
+    from sqlalchemy.exc import SQLAlchemyError
+
     try:
         return int(args.func(args))
     except ConfigError as e:
         print(f"symgate: configuration error: {e}", file=sys.stderr)
         return 2
+    except SQLAlchemyError as e:  # db and admin commands: a database out of reach, a bad URL
+        text = str(getattr(e, "orig", None) or e).splitlines()[0]
+        print(f"symgate: database error: {text}", file=sys.stderr)
+        return 1
+    except OSError as e:  # asyncpg raises the socket's own error for a refused connection
+        what = "cannot reach the database: " if args.command in ("db", "cache", "negative") \
+            else ""
+        print(f"symgate: {what}{e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
