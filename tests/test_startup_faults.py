@@ -1,112 +1,132 @@
 """Start-up and command-line faults a new user meets end in one clear line and a non-zero exit,
-never a traceback (issue 11, item 17)."""
+never a traceback (issue 11, item 17).
+
+Every case is a run of the real `symgate` command; they run at once (one module fixture), since
+each spends most of its second importing, and the tests check one run each.
+"""
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.harness import free_port
+from tests.profiles import make_profile
+
+PG_UNREACHABLE = "postgresql+asyncpg://nobody@127.0.0.1:9/none"  # nothing listens on port 9
+NO_DRIVER = "mysql+nosuchdriver://x@127.0.0.1/y"
 
 
-def _run(tmp_path: Path, *args: str, config: str = "") -> tuple[int, list[str]]:
-    """Run the real `symgate` command; its exit code and its non-empty output lines."""
-    conf = tmp_path / "symgate.toml"
-    conf.write_text(config)
-    cmd = ["symgate", *args]
-    if args[0] in ("serve", "db", "cache"):
-        cmd += ["--config", str(conf)]
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "xdg"),
-           "DEBUGINFOD_URLS": "http://127.0.0.1:9/"}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
-    lines = [ln for ln in (result.stdout + result.stderr).splitlines() if ln.strip()]
-    return result.returncode, lines
+@dataclass
+class Run:
+    code: int
+    lines: list[str]
+    text: str
 
 
-def _one_clear_line(code: int, lines: list[str], *words: str) -> None:
-    text = "\n".join(lines)
-    assert code != 0, text
-    assert "Traceback" not in text, text
-    assert 1 <= len(lines) <= 2, text
+def _serve_config(root: Path, data: Path, port: int | None = None, url: str = "") -> str:
+    text = (f'[server]\nlisten = "127.0.0.1:{port or free_port()}"\n'
+            f'data_dir = "{data}"\n')
+    return text + (f'[database]\nurl = "{url}"\n' if url else "")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    root = tmp_path_factory.mktemp("startup")
+    (root / "a-file").write_text("not a directory")
+    locked = root / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    # root writes anywhere: for it, a file in the way is what cannot be created through
+    uncreatable = (root / "a-file" / "data") if os.geteuid() == 0 else (locked / "data")
+    profile = root / "in.pb.gz"
+    profile.write_bytes(gzip.compress(make_profile([]).SerializeToString()))
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_port = busy.getsockname()[1]
+    cases: dict[str, tuple[list[str], str]] = {
+        "port-in-use": (["serve"], _serve_config(root, root / "d1", busy_port)),
+        "data-is-a-file": (["serve"], _serve_config(root, root / "a-file")),
+        "data-cannot-be-created": (["serve"], _serve_config(root, uncreatable)),
+        "no-migrate": (["serve", "--no-migrate"], _serve_config(root, root / "d2")),
+        "serve-pg-unreachable": (["serve"], _serve_config(root, root / "d3", url=PG_UNREACHABLE)),
+        "serve-no-driver": (["serve"], _serve_config(root, root / "d4", url=NO_DRIVER)),
+        "db-upgrade-pg-unreachable": (["db", "upgrade"],
+                                      _serve_config(root, root / "d5", url=PG_UNREACHABLE)),
+        "symbolize-missing-input": (
+            ["symbolize", str(root / "absent.pb.gz"), "-o", str(root / "o1")], ""),
+        "symbolize-missing-output-folder": (
+            ["symbolize", str(profile), "-o", str(root / "no" / "such" / "o2"),
+             "--debug-dir", str(root)], ""),
+        "symbolize-unreachable-server": (
+            ["symbolize", str(profile), "-o", str(root / "o3"),
+             "--server", "http://127.0.0.1:9"], ""),
+    }
+
+    def run(name: str) -> Run:
+        args, config = cases[name]
+        cmd = ["symgate", *args]
+        if config:
+            conf = root / f"{name}.toml"
+            conf.write_text(config)
+            cmd += ["--config", str(conf)]
+        env = {**os.environ, "HOME": str(root), "XDG_DATA_HOME": str(root / "xdg"),
+               "DEBUGINFOD_URLS": "http://127.0.0.1:9/"}
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        text = result.stdout + result.stderr
+        return Run(result.returncode, [ln for ln in text.splitlines() if ln.strip()], text)
+
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            yield dict(zip(cases, pool.map(run, cases), strict=True))
+    finally:
+        busy.close()
+        locked.chmod(0o700)
+    assert not (root / "o3").exists()
+
+
+def _one_clear_line(run: Run, *words: str) -> None:
+    assert run.code != 0, run.text
+    assert "Traceback" not in run.text, run.text
+    assert 1 <= len(run.lines) <= 2, run.text
     for word in words:
-        assert word in text, text
+        assert word in run.text, run.text
 
 
-def test_port_in_use_is_one_line_and_never_says_listening(tmp_path: Path) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        code, lines = _run(tmp_path, "serve", config=(
-            f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'))
-    _one_clear_line(code, lines, f"cannot listen on 127.0.0.1:{port}", "in use")
-    assert not any("listening on" in ln for ln in lines), lines
+def test_port_in_use_is_one_line_and_never_says_listening(runs: dict[str, Run]) -> None:
+    run = runs["port-in-use"]
+    _one_clear_line(run, "cannot listen on 127.0.0.1:", "address already in use")
+    assert "listening on" not in run.text
 
 
-@pytest.mark.parametrize("problem", ["is-a-file", "cannot-create"])
-def test_unusable_data_dir_is_one_line(tmp_path: Path, problem: str) -> None:
-    if problem == "is-a-file":
-        data = tmp_path / "data"
-        data.write_text("not a directory")
-    else:
-        locked = tmp_path / "locked"
-        locked.mkdir()
-        locked.chmod(0o500)
-        data = locked / "data"
-        if os.geteuid() == 0:  # root writes anywhere: a file in the way stops it too
-            (tmp_path / "file").write_text("")
-            data = tmp_path / "file" / "data"
-    code, lines = _run(tmp_path, "serve", config=(
-        f'[server]\nlisten = "127.0.0.1:{free_port()}"\ndata_dir = "{data}"\n'))
-    _one_clear_line(code, lines, "data", str(data))
+@pytest.mark.parametrize("case", ["data-is-a-file", "data-cannot-be-created"])
+def test_unusable_data_dir_is_one_line(runs: dict[str, Run], case: str) -> None:
+    _one_clear_line(runs[case], "cannot use data directory")
 
 
-def test_no_migrate_on_a_fresh_database_says_to_upgrade(tmp_path: Path) -> None:
-    code, lines = _run(tmp_path, "serve", "--no-migrate", config=(
-        f'[server]\nlisten = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp_path / "d"}"\n'))
-    _one_clear_line(code, lines, "symgate db upgrade")
+def test_no_migrate_on_a_fresh_database_says_to_upgrade(runs: dict[str, Run]) -> None:
+    _one_clear_line(runs["no-migrate"], "symgate db upgrade")
 
 
-@pytest.mark.parametrize("url", [
-    "postgresql+asyncpg://nobody@127.0.0.1:9/none",  # nothing listens on port 9
-    "mysql+nosuchdriver://x@127.0.0.1/y",
+@pytest.mark.parametrize("case", ["serve-pg-unreachable", "serve-no-driver",
+                                  "db-upgrade-pg-unreachable"])
+def test_unusable_database_at_start_is_one_line(runs: dict[str, Run], case: str) -> None:
+    _one_clear_line(runs[case], "database")
+
+
+@pytest.mark.parametrize("case, names", [
+    ("symbolize-missing-input", "absent.pb.gz"),
+    ("symbolize-missing-output-folder", "o2"),
+    ("symbolize-unreachable-server", "http://127.0.0.1:9"),
 ])
-@pytest.mark.parametrize("command", [["serve"], ["db", "upgrade"], ["cache", "stats"]])
-def test_unusable_database_at_start_is_one_line(tmp_path: Path, url: str,
-                                                command: list[str]) -> None:
-    code, lines = _run(tmp_path, *command, config=(
-        f'[server]\nlisten = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp_path / "d"}"\n'
-        f'[database]\nurl = "{url}"\n'))
-    _one_clear_line(code, lines, "database")
-
-
-def test_symbolize_missing_input_is_one_line(tmp_path: Path) -> None:
-    code, lines = _run(tmp_path, "symbolize", str(tmp_path / "absent.pb.gz"),
-                       "-o", str(tmp_path / "out.pb.gz"))
-    _one_clear_line(code, lines, "absent.pb.gz")
-
-
-def test_symbolize_output_in_a_missing_folder_is_one_line(tmp_path: Path) -> None:
-    import gzip
-
-    from tests.profiles import make_profile
-
-    source = tmp_path / "in.pb.gz"
-    source.write_bytes(gzip.compress(make_profile([]).SerializeToString()))
-    out = tmp_path / "no" / "such" / "out.pb.gz"
-    code, lines = _run(tmp_path, "symbolize", str(source), "-o", str(out),
-                       "--debug-dir", str(tmp_path))
-    _one_clear_line(code, lines, str(out))
-
-
-def test_symbolize_unreachable_server_is_one_line(tmp_path: Path) -> None:
-    source = tmp_path / "in.pb.gz"
-    source.write_bytes(b"whatever: the server is never reached")
-    code, lines = _run(tmp_path, "symbolize", str(source), "-o", str(tmp_path / "o"),
-                       "--server", "http://127.0.0.1:9")
-    _one_clear_line(code, lines, "http://127.0.0.1:9")
-    assert not (tmp_path / "o").exists()
+def test_symbolize_faults_are_one_line(runs: dict[str, Run], case: str, names: str) -> None:
+    _one_clear_line(runs[case], names)
