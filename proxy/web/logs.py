@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -85,10 +86,12 @@ class RepeatFilter(logging.Filter):
     were dropped. A flood of one failure (a full file table, a scanner's garbage) then costs a
     few lines, not megabytes. Access lines, one per request by design, are never dropped."""
 
-    def __init__(self, window_s: float = 10.0, burst: int = 5) -> None:
+    def __init__(self, window_s: float = 10.0, burst: int = 5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.window_s = window_s
         self.burst = burst
+        self._clock = clock
         # kind -> [window start, records let through, records dropped]
         self._seen: dict[tuple[str, int, str], list[float]] = {}
         self._lock = threading.Lock()  # handlers run in worker threads too (to_thread)
@@ -97,7 +100,7 @@ class RepeatFilter(logging.Filter):
         if record.name == "symgate.access":
             return True
         kind = (record.name, record.levelno, str(record.msg))
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             entry = self._seen.get(kind)
             if entry is None or now - entry[0] >= self.window_s:
