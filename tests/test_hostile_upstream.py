@@ -14,7 +14,7 @@ from proxy.config import CacheConfig
 from proxy.sources.redirects import refusal
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, fast_upstream
+from tests.harness import Symgate, SymgateFactory, eventually, fast_upstream
 
 
 @pytest.fixture
@@ -154,3 +154,27 @@ async def test_a_gzip_bomb_is_cut_off_at_the_size_limit(
     assert faults.headers[-1].get("Accept-Encoding") == "identity"
     status, _, _ = await sg.get(path)
     assert status == 502 and faults.count("gzip-bomb") == 2  # nothing was kept
+
+
+async def test_the_breaker_logs_opening_and_closing_with_the_upstream_and_reason(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    up = faults.url_for("gate")
+    sg = await start_symgate([fast_upstream(up, retries=0, breaker_failures=2,
+                                            breaker_cooldown_s=0.3)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    with caplog.at_level(logging.INFO, logger="proxy.sources.breaker"):
+        for _ in range(3):
+            assert (await sg.get(path))[0] == 502
+        faults.gate_open = True
+        await eventually(lambda: _served(sg, path))
+    texts = [r.getMessage() for r in caplog.records]
+    opened = [t for t in texts if "circuit breaker open" in t]
+    closed = [t for t in texts if "circuit breaker closed" in t]
+    assert len(opened) == 1 and len(closed) == 1, texts
+    assert up in opened[0] and "answered 503" in opened[0] and up in closed[0]
+
+
+async def _served(sg: Symgate, path: str) -> bool:
+    return (await sg.get(path))[0] == 200
