@@ -44,6 +44,7 @@ class FaultUpstream:
         self.chunk_delay = 0.05
         self.flaky_failures = 1
         self.gate_open = False
+        self.gate_delay = 0.0  # before the answer of an open gate
         # Where the redirect-to mode sends clients (an absolute URL).
         self.redirect_target = ""
         # The gzip-bomb mode: how many MiB it would inflate to, how many compressed bytes it
@@ -121,6 +122,8 @@ class FaultUpstream:
             return web.Response(status=500, text="internal error")
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
+        if mode == "gate":
+            await asyncio.sleep(self.gate_delay)
         if mode == "auth" and request.headers.get("Authorization") != "Bearer sesame":
             return web.Response(status=401, text="who are you")
         if mode == "redirect":

@@ -72,6 +72,11 @@ class CircuitBreaker:
         self._trial_in_flight = True
         return True
 
+    def abandon(self) -> None:
+        """The trial was given up before any answer (cancelled: another upstream won a race,
+        or shutdown): the next request may try again, or the breaker would never close."""
+        self._trial_in_flight = False
+
     def success(self) -> None:
         self._failures = 0
         self._trial_in_flight = False

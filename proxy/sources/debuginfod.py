@@ -19,7 +19,7 @@ from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, printable
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import BreakerState, ProxyMetrics
 from proxy.sources import redirects
 from proxy.sources.base import ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
@@ -150,8 +150,13 @@ class Upstream:
                 delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
                             self.cfg.retry_backoff_max_s)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            trial = self.breaker.state is BreakerState.HALF_OPEN
             try:
                 return await self._attempt(key, hop)
+            except asyncio.CancelledError:
+                if trial:
+                    self.breaker.abandon()
+                raise
             except _Permanent as e:
                 raise e.error from None
             except UpstreamUnavailable as e:
