@@ -33,8 +33,8 @@ _NOT_FOUND = frozenset({404, 410})
 _TRANSIENT_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 _REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 # elfutils' debuginfod answers every 200 (file, archive member, section, federated) with this
-# type, and so does symgate. Sources and sections cannot be verified by a build ID, so an HTML
-# error page a proxy or CDN sends with 200 must not become the cached artifact.
+# type, and so does symgate. A source cannot be verified by a build ID (sections are cut from
+# verified files), so an HTML error page a proxy or CDN sends with 200 must not be kept.
 _ARTIFACT_TYPE = "application/octet-stream"
 
 
@@ -186,7 +186,7 @@ class Upstream:
             )
         status = response.status
         if status == 200:
-            if key.kind in (Kind.SOURCE, Kind.SECTION) and response.content_type != _ARTIFACT_TYPE:
+            if key.kind is Kind.SOURCE and response.content_type != _ARTIFACT_TYPE:
                 response.release()
                 self.count(Outcome.UPSTREAM_ERROR)
                 reason = f"{self.name}: answered 200 with {printable(response.content_type, 64)}"
