@@ -7,6 +7,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from yarl import URL
 
@@ -14,7 +15,7 @@ from proxy.config import CacheConfig
 from proxy.sources.redirects import refusal
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Symgate, SymgateFactory, eventually, fast_upstream
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream
 
 
 @pytest.fixture
@@ -178,3 +179,16 @@ async def test_the_breaker_logs_opening_and_closing_with_the_upstream_and_reason
 
 async def _served(sg: Symgate, path: str) -> bool:
     return (await sg.get(path))[0] == 200
+
+
+async def test_elfutils_sends_octet_stream_for_every_artifact(
+    debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """What the source check relies on, seen on the real server (debuginfod.cxx sets it for
+    files, archive members, sections and federated answers alike)."""
+    bid = elfs.prog.build_id
+    async with aiohttp.ClientSession() as s:
+        for kind in ("debuginfo", "executable", f"source{elfs.prog.sources[0]}",
+                     "section/.debug_line"):
+            async with s.get(f"{debuginfod.url}/buildid/{bid}/{kind}") as r:
+                assert r.status == 200 and r.content_type == "application/octet-stream", kind
