@@ -67,6 +67,7 @@ async def test_malformed_and_odd_requests_never_open_the_breaker(
     assert status == 200 and body == elfs.prog.debug.read_bytes()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_a_trial_cancelled_by_a_race_lets_the_next_request_try_again(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

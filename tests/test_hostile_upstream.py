@@ -17,6 +17,10 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream
 
+# What an upstream does is the same whichever database symgate keeps: SQLite alone saves
+# CI time (the PostgreSQL paths are exercised by the tests of the cache itself).
+sqlite_only = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
 
 @pytest.fixture
 async def second(elfs: ElfSet) -> AsyncIterator[FaultUpstream]:
@@ -31,6 +35,7 @@ def _source_path(elfs: ElfSet) -> str:
     return f"/buildid/{elfs.prog.build_id}/source{elfs.prog.sources[0]}"
 
 
+@sqlite_only
 async def test_a_redirect_to_symgates_own_metrics_is_refused_and_nothing_is_kept(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
     caplog: pytest.LogCaptureFixture,
@@ -50,6 +55,7 @@ async def test_a_redirect_to_symgates_own_metrics_is_refused_and_nothing_is_kept
     assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
 
 
+@sqlite_only
 async def test_a_redirect_to_another_origin_needs_listing_and_gets_no_credentials(
     start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
     elfs: ElfSet,
@@ -80,6 +86,7 @@ async def test_a_redirect_to_another_origin_needs_listing_and_gets_no_credential
 
 @pytest.mark.parametrize("target", ["ftp://127.0.0.1/x", "file:///etc/passwd",
                                     "data:,hello", "gopher://127.0.0.1:70/"])
+@sqlite_only
 async def test_a_redirect_to_another_scheme_is_refused(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, target: str
 ) -> None:
@@ -119,6 +126,7 @@ def test_the_resolved_address_decides_not_the_name() -> None:
     assert refusal(public, public_ip, URL("http://cdn.example.net/"), public_ip, allowed)
 
 
+@sqlite_only
 async def test_an_html_page_sent_with_200_is_not_a_source(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
@@ -138,6 +146,7 @@ async def test_an_html_page_sent_with_200_is_not_a_source(
     assert status == 200 and body == elfs.prog.sources[0].read_bytes()
 
 
+@sqlite_only
 async def test_a_gzip_bomb_is_cut_off_at_the_size_limit(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
@@ -157,6 +166,7 @@ async def test_a_gzip_bomb_is_cut_off_at_the_size_limit(
     assert status == 502 and faults.count("gzip-bomb") == 2  # nothing was kept
 
 
+@sqlite_only
 async def test_the_breaker_logs_opening_and_closing_with_the_upstream_and_reason(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
     caplog: pytest.LogCaptureFixture,

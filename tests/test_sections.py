@@ -20,6 +20,10 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port
 
+# What an upstream does is the same whichever database symgate keeps: SQLite alone saves
+# CI time (the PostgreSQL paths are exercised by the tests of the cache itself).
+sqlite_only = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
 # In the debuginfo; NOBITS there, so from the executable (.text); only in the executable
 # (.gnu_debuglink); NOBITS in both (.bss); in neither.
 SECTIONS = (".debug_info", ".debug_line", ".debug_str", ".symtab", ".comment",
@@ -65,6 +69,7 @@ async def test_sections_are_cut_from_the_verified_files_as_elfutils_cuts_them(
     assert faults.count("ok") == asked == 4
 
 
+@sqlite_only
 async def test_a_lying_section_answer_is_never_served(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
     faults: FaultUpstream,
@@ -80,6 +85,7 @@ async def test_a_lying_section_answer_is_never_served(
     assert (await sg.get(path))[0] == 502
 
 
+@sqlite_only
 async def test_only_if_cached_sections_come_from_cached_files_alone(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
@@ -93,6 +99,7 @@ async def test_only_if_cached_sections_come_from_cached_files_alone(
     assert status == 200 and body and faults.count("ok") == 1
 
 
+@sqlite_only
 async def test_concurrent_requests_for_a_section_cut_it_once(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
@@ -137,6 +144,7 @@ def compressed(tmp_path: Path) -> Iterator[tuple[str, Path, str]]:
     proc.wait(10)
 
 
+@sqlite_only
 async def test_compressed_sections_are_served_compressed_as_elfutils_does(
     start_symgate: SymgateFactory, compressed: tuple[str, Path, str]
 ) -> None:
