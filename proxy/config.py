@@ -107,6 +107,17 @@ def _headers(value: object) -> object:
     return value
 
 
+def _hosts(value: object) -> object:
+    # "host" or "host:port" ("[v6]:port"); the name alone means the scheme's default port.
+    if not isinstance(value, list | tuple):
+        raise ValueError("expected a list of host or host:port strings")
+    for host in value:
+        if not isinstance(host, str) or not re.fullmatch(
+                r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?", host):
+            raise ValueError(f"expected host or host:port, got {host!r}")
+    return tuple(h.lower() for h in value)
+
+
 def _tokens(value: object) -> object:
     # Tokens are secrets: errors give their position and length, never the token.
     if isinstance(value, list | tuple):
@@ -159,6 +170,9 @@ class UpstreamConfig:
     retry_backoff_s: Seconds = 0.25
     retry_backoff_max_s: Seconds = 4.0
     max_redirects: Count = 3
+    # Where else than its own origin this upstream may redirect to ("host" or "host:port");
+    # never to a loopback, link-local or private address unless the upstream itself is on one.
+    redirect_hosts: Annotated[tuple[str, ...], BeforeValidator(_hosts)] = ()
     breaker_failures: Count = 5
     breaker_cooldown_s: Seconds = 30.0
     headers: Annotated[Mapping[str, str], BeforeValidator(_headers)] = field(

@@ -16,6 +16,8 @@ from urllib.parse import quote
 from proxy.errors import InvalidRequest
 from symbolize import buildid as symbolize_buildid
 
+# Bytes of UTF-8, as PATH_MAX counts them: no file a compiler named can be longer, and
+# elfutils' client cuts its whole request URL at PATH_MAX, so no real client sends more.
 MAX_SOURCE_PATH = 4096
 _SECTION = re.compile(r"[A-Za-z0-9._$@-]{1,255}")
 
@@ -46,8 +48,8 @@ def normalize_source_path(raw: str) -> str:
     """
     if not raw.startswith("/"):
         raise InvalidRequest("invalid source path: must be absolute")
-    if len(raw) > MAX_SOURCE_PATH:
-        raise InvalidRequest(f"invalid source path: longer than {MAX_SOURCE_PATH} characters")
+    if len(raw) > MAX_SOURCE_PATH or len(raw.encode(errors="surrogatepass")) > MAX_SOURCE_PATH:
+        raise InvalidRequest(f"invalid source path: longer than {MAX_SOURCE_PATH} bytes")
     if any(ord(c) < 0x20 or c == "\x7f" for c in raw):
         raise InvalidRequest("invalid source path: contains control characters")
     path = posixpath.normpath(raw)

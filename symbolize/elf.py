@@ -159,3 +159,23 @@ def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
         if b".cold" in name and cold_part(name.decode(errors="replace")) is not None:
             found.append((sym[value_i], sym[value_i] + sym[size_i]))
     return tuple(sorted(found))
+
+
+def section_extent(path: Path, name: str) -> tuple[int, int] | None:
+    """(file offset, size) of the first section called `name`, as stored (a compressed
+    section stays compressed, as elfutils' elf_rawdata gives it); None when the file has no
+    such section, or only an SHT_NOBITS one (no bytes in this file), or is not valid ELF."""
+    try:
+        with path.open("rb") as f:
+            for section in ELFFile(f).iter_sections():
+                if section.name == name:
+                    if section["sh_type"] == "SHT_NOBITS":
+                        return None
+                    return int(section["sh_offset"]), int(section["sh_size"])
+    except (ELFError, ELFParseError, ValueError, KeyError, EOFError, AssertionError):
+        return None
+    except Exception as e:  # construct's errors have no common public base we can import
+        if type(e).__module__.startswith(("construct", "elftools")):
+            return None
+        raise
+    return None

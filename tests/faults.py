@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import zlib
 from pathlib import Path
 
 from aiohttp import web
@@ -16,6 +17,19 @@ from aiohttp.typedefs import Handler
 from tests.elfs import Elf, ElfSet
 
 HALF = 0.5
+MIB = 1024 * 1024
+
+
+def _gzip_zeros() -> tuple[bytes, bytes]:
+    """The start of a gzip stream of zeros, and a block that, repeated, continues it: each
+    block inflates to 1 MiB, so a bomb of any size costs the sender nothing to make. (The
+    trailer never comes: a reader that stops at its limit never needs it.)"""
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(MIB)
+    head = c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH)
+    block = c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH)
+    assert c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH) == block
+    return head, block
 
 
 class FaultUpstream:
@@ -30,6 +44,14 @@ class FaultUpstream:
         self.chunk_delay = 0.05
         self.flaky_failures = 1
         self.gate_open = False
+        self.gate_delay = 0.0  # before the answer of an open gate
+        # Where the redirect-to mode sends clients (an absolute URL).
+        self.redirect_target = ""
+        # The gzip-bomb mode: how many MiB it would inflate to, how many compressed bytes it
+        # got to send, and whether it sent them all (False: the reader hung up first).
+        self.bomb_mib = 64 * 1024
+        self.bomb_sent = 0
+        self.bomb_finished: bool | None = None
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
         # before the upstream was done.
         self.body_done: dict[str, float] = {}
@@ -70,7 +92,26 @@ class FaultUpstream:
             return elf.executable
         if kind == "source":
             return next((s for s in elf.sources if str(s) == rest), None)
+        if kind == "section":  # an upstream that ignores the name: a lie nobody can check
+            return elf.executable
         return None
+
+    async def _gzip_bomb(self, request: web.Request) -> web.StreamResponse:
+        head, block = _gzip_zeros()
+        response = web.StreamResponse(headers={
+            "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+        await response.prepare(request)
+        # A reader that hangs up stops this with an error or a cancellation, leaving
+        # bomb_finished False: what the tests look for.
+        self.bomb_sent, self.bomb_finished = 0, False
+        await response.write(head)
+        self.bomb_sent += len(head)
+        for _ in range(self.bomb_mib - 1):
+            await response.write(block)
+            self.bomb_sent += len(block)
+        self.bomb_finished = True
+        await response.write_eof()
+        return response
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         mode = request.match_info["mode"]
@@ -83,6 +124,8 @@ class FaultUpstream:
             return web.Response(status=500, text="internal error")
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
+        if mode == "gate":
+            await asyncio.sleep(self.gate_delay)
         if mode == "auth" and request.headers.get("Authorization") != "Bearer sesame":
             return web.Response(status=401, text="who are you")
         if mode == "redirect":
@@ -91,6 +134,13 @@ class FaultUpstream:
             raise web.HTTPFound(request.path)
         if mode == "redirect-file":
             raise web.HTTPFound("file:///etc/passwd")
+        if mode == "redirect-to":
+            raise web.HTTPFound(self.redirect_target)
+        if mode == "html":  # a proxy's or CDN's error page, sent with 200
+            return web.Response(text="<html><body>Service maintenance</body></html>",
+                                content_type="text/html")
+        if mode == "gzip-bomb":
+            return await self._gzip_bomb(request)
         if mode == "slow-first-byte":
             await asyncio.sleep(self.first_byte_delay)
         if mode == "late":  # a prompt upstream, but not instant

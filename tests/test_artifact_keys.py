@@ -134,7 +134,10 @@ def test_source_paths_are_resolved_as_elfutils_canonicalises_them(raw: str, norm
     ("/a\nb.c", "control characters"),
     ("/a\x1fb.c", "control characters"),
     ("/a\x7fb.c", "control characters"),
-    ("/" + "a" * MAX_SOURCE_PATH, f"longer than {MAX_SOURCE_PATH} characters"),
+    ("/" + "a" * MAX_SOURCE_PATH, f"longer than {MAX_SOURCE_PATH} bytes"),
+    # Under the limit in characters, over it in the bytes PATH_MAX counts (and 12 times
+    # over once percent-encoded for the upstream).
+    ("/" + "\U0001F600" * 1100, f"longer than {MAX_SOURCE_PATH} bytes"),
 ])
 def test_bad_source_paths_are_refused_with_the_reason(raw: str, reason: str) -> None:
     with pytest.raises(InvalidRequest, match=re.escape(reason)):

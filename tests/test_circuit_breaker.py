@@ -5,6 +5,8 @@ turns it off. Every change of state, and only a change, is reported."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from proxy.metrics import BreakerState
@@ -134,3 +136,30 @@ def test_threshold_zero_never_opens(clock: Clock, changes: list[BreakerState]) -
         assert b.allow()
         assert b.failure() is False
     assert b.state is CLOSED and changes == [CLOSED]
+
+
+def test_each_change_is_logged_once_with_the_name_and_the_last_failure(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = CircuitBreaker(2, 10.0, lambda _: None, clock=clock, name="http://up.example")
+    with caplog.at_level(logging.INFO, logger="proxy.sources.breaker"):
+        b.failure("http://up.example: answered 503")
+        b.failure("http://up.example: ConnectionResetError")
+        b.failure("http://up.example: ConnectionResetError")  # still open: no new line
+        assert not b.allow()
+        clock.now += 10
+        assert b.allow()
+        b.failure("http://up.example: no response in time")  # the trial failed
+        clock.now += 10
+        assert b.allow()
+        b.success()
+        b.success()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO, logging.WARNING,
+                                             logging.INFO, logging.WARNING]
+    assert all("http://up.example" in text for _, text in lines)
+    opened, _, reopened, _, closed = (text for _, text in lines)
+    assert "open" in opened and "2 consecutive failures" in opened
+    assert "ConnectionResetError" in opened and "answered 503" not in opened
+    assert "trial failed" in reopened and "no response in time" in reopened
+    assert "closed" in closed

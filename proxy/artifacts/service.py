@@ -29,12 +29,12 @@ from proxy.errors import (
     UpstreamUnavailable,
     VerificationFailed,
 )
-from proxy.keys import ArtifactKey
+from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Hop, Source
 from proxy.sources.policy import ask
 from proxy.store.repository import ArtifactRecord
-from symbolize.elf import build_id_of_file
+from symbolize.elf import build_id_of_file, section_extent
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class ArtifactService:
         self._metrics = metrics
         self._flights: dict[str, Flight] = {}  # keyed by key_hash(request scope, key)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._cuts: dict[str, asyncio.Future[Hit]] = {}  # sections being cut, by key_hash
         # Called with each artifact's scope and key once it is committed to the cache.
         self.committed: list[Callable[[str, ArtifactKey], None]] = []
 
@@ -84,6 +85,8 @@ class ArtifactService:
         With req.may_fetch false (past the forwarding hop limit) only the cache answers;
         with cache_only, a miss raises NotCached instead of fetching.
         """
+        if key.kind is Kind.SECTION:
+            return await self._section(key, req, cache_only)
         ups = req.sources
         scope = req.scope
         # Only sources whose misses are remembered can make a request a negative hit; one that
@@ -228,6 +231,91 @@ class ArtifactService:
         for listener in self.committed:
             listener(scope, key)
 
+    # -- sections ---------------------------------------------------------------------------------
+    # An upstream's /section answer cannot be verified, so a section is cut from the debuginfo
+    # (or, when that lacks it or has it as NOBITS, the executable) found like any request for
+    # them, build ID checked, and kept as an artifact of its own: a hit then reads only the
+    # section, never the parent file again. Bytes and headers are elfutils'
+    # (handle_buildid_f_match): the raw section, and the FILE and mtime of its parent.
+
+    async def _section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
+        if (cached := self.cache.peek_any(req.visible, key)) is not None and cached.path.is_file():
+            return Hit(await self.cache.get(cached.scope, key) or cached)
+        kh = key_hash(req.scope, key)
+        if (pending := self._cuts.get(kh)) is not None:
+            return await asyncio.shield(pending)
+        cut: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
+        self._cuts[kh] = cut
+        try:
+            hit = await self._cut_section(key, req, cache_only)
+        except asyncio.CancelledError:
+            cut.cancel()
+            raise
+        except Exception as e:
+            cut.set_exception(e)
+            cut.exception()  # retrieved: nobody may be waiting for it
+            raise
+        finally:
+            del self._cuts[kh]
+        cut.set_result(hit)
+        return hit
+
+    async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
+        for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
+            parent_key = ArtifactKey(key.build_id, kind)
+            try:
+                parent = await self._complete(parent_key, req, cache_only)
+            except NotFound:
+                continue
+            with self.cache.lease(parent.scope, parent_key):
+                extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
+                if extent is None:
+                    continue
+                return Hit(await self._store_section(key, parent, *extent))
+        raise NotFound(f"not found (no section {key.detail} in the debuginfo or executable)")
+
+    async def _complete(self, key: ArtifactKey, req: RequestScope, cache_only: bool
+                        ) -> CachedArtifact:
+        """The cached artifact, fetched first if need be (joining any fetch under way)."""
+        result = await self.find(key, req, cache_only=cache_only)
+        if isinstance(result, Hit):
+            return result.artifact
+        try:
+            await result.flight.wait_finished()
+        finally:
+            result.reader.close()
+        if result.flight.error is not None:
+            raise result.flight.error
+        if (hit := self.cache.peek_any(req.visible, key)) is None:
+            raise UpstreamUnavailable(f"{key.id} was fetched but is no longer cached")
+        return hit
+
+    async def _store_section(self, key: ArtifactKey, parent: CachedArtifact, offset: int,
+                             size: int) -> CachedArtifact:
+        scope = parent.scope
+        temp, fd = self.cache.store.new_temp()
+        try:
+            digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+            if digest is None:
+                raise VerificationFailed(f"{key.id}: section runs past the end of its file")
+            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        mtime = parent.path.stat().st_mtime
+        os.utime(final, (mtime, mtime))
+        now = datetime.now(UTC)
+        record = ArtifactRecord(
+            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
+            kind=str(key.kind), size=size, sha256=digest, upstream=parent.record.upstream,
+            filename=parent.record.filename, archive=parent.record.archive, fetched_at=now,
+            last_access=now, hits=0,
+        )
+        await self.cache.add(record)
+        return await self.cache.get(scope, key) or CachedArtifact(record, final)
+
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()
 
@@ -252,6 +340,23 @@ async def _join(flight: Flight) -> Streaming:
         reader.close()
         raise
     return Streaming(flight, reader, meta)
+
+
+def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
+    """Copy `size` bytes at `offset` of `path` to `fd`; their sha256, or None if the file is
+    shorter than that."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(offset)
+        left = size
+        while left:
+            chunk = f.read(min(left, 1024 * 1024))
+            if not chunk:
+                return None
+            _write_all(fd, chunk)
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
 
 
 def _write_all(fd: int, data: bytes) -> None:

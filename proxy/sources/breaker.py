@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from proxy.metrics import BreakerState
+
+log = logging.getLogger(__name__)
 
 
 class CircuitBreaker:
@@ -20,7 +23,12 @@ class CircuitBreaker:
         cooldown_s: float,
         on_change: Callable[[BreakerState], None],
         clock: Callable[[], float] = time.monotonic,
+        name: str = "",
     ) -> None:
+        # With a name, each change of state is logged once: an operator whose cold misses all
+        # get 502 must be able to read when the breaker opened, and why.
+        self._name = name
+        self.last_failure = ""
         self._threshold = threshold
         self._cooldown_s = cooldown_s
         self._on_change = on_change
@@ -33,8 +41,24 @@ class CircuitBreaker:
 
     def _set(self, state: BreakerState) -> None:
         if state is not self.state:
-            self.state = state
+            before, self.state = self.state, state
             self._on_change(state)
+            if self._name:
+                self._log(before, state)
+
+    def _log(self, before: BreakerState, state: BreakerState) -> None:
+        if state is BreakerState.OPEN:
+            log.warning("upstream %s: circuit breaker open (%s), next trial in %g s; "
+                        "last failure: %s", self._name,
+                        "the trial failed" if before is BreakerState.HALF_OPEN
+                        else f"{self._failures} consecutive failures",
+                        self._cooldown_s, self.last_failure or "unknown")
+        elif state is BreakerState.HALF_OPEN:
+            log.info("upstream %s: circuit breaker half-open, letting one trial through",
+                     self._name)
+        else:
+            log.warning("upstream %s: circuit breaker closed, the upstream answers again",
+                        self._name)
 
     def allow(self) -> bool:
         if self._threshold == 0 or self.state is BreakerState.CLOSED:
@@ -48,13 +72,19 @@ class CircuitBreaker:
         self._trial_in_flight = True
         return True
 
+    def abandon(self) -> None:
+        """The trial was given up before any answer (cancelled: another upstream won a race,
+        or shutdown): the next request may try again, or the breaker would never close."""
+        self._trial_in_flight = False
+
     def success(self) -> None:
         self._failures = 0
         self._trial_in_flight = False
         self._set(BreakerState.CLOSED)
 
-    def failure(self) -> bool:
+    def failure(self, reason: str = "") -> bool:
         """Record a failure; True when this one opened the breaker."""
+        self.last_failure = reason
         self._trial_in_flight = False
         self._failures += 1
         if self._threshold and (

@@ -4,26 +4,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import logging
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+from yarl import URL
 
 from proxy import __version__
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, printable
-from proxy.keys import ArtifactKey
-from proxy.metrics import ProxyMetrics
+from proxy.keys import ArtifactKey, Kind
+from proxy.metrics import BreakerState, ProxyMetrics
+from proxy.sources import redirects
 from proxy.sources.base import ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
 from symbolize.outcome import Outcome
+
+log = logging.getLogger(__name__)
 
 USER_AGENT = f"symgate/{__version__}"
 CHUNK = 256 * 1024
 _NOT_FOUND = frozenset({404, 410})
 _TRANSIENT_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+_REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
+# elfutils' debuginfod answers every 200 (file, archive member, section, federated) with this
+# type, and so does symgate. A source cannot be verified by a build ID (sections are cut from
+# verified files), so an HTML error page a proxy or CDN sends with 200 must not be kept.
+_ARTIFACT_TYPE = "application/octet-stream"
 
 
 class UpstreamBody:
@@ -65,11 +77,13 @@ class UpstreamBody:
                 self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
                 yield chunk
         except TimeoutError as e:
-            self.upstream.body_failed(Outcome.TIMEOUT)
-            raise UpstreamTimeout(f"{name}: stopped sending the body") from e
+            timeout = UpstreamTimeout(f"{name}: stopped sending the body")
+            self.upstream.body_failed(Outcome.TIMEOUT, timeout.reason)
+            raise timeout from e
         except (aiohttp.ClientError, OSError) as e:
-            self.upstream.body_failed(Outcome.UPSTREAM_ERROR)
-            raise UpstreamUnavailable(f"{name}: body cut off ({type(e).__name__})") from e
+            error = UpstreamUnavailable(f"{name}: body cut off ({type(e).__name__})")
+            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason)
+            raise error from e
 
     def close(self) -> None:
         self._response.close()
@@ -92,8 +106,9 @@ class Upstream:
         self._session = session
         self.breaker = CircuitBreaker(
             cfg.breaker_failures, cfg.breaker_cooldown_s,
-            lambda state: metrics.set_breaker(self.name, state),
+            lambda state: metrics.set_breaker(self.name, state), name=self.name,
         )
+        self._base_url = URL(self.base)
         metrics.add_upstream(self.name)
         self._timeout = aiohttp.ClientTimeout(
             total=cfg.total_timeout_s or None,
@@ -103,17 +118,22 @@ class Upstream:
     def has(self, key: ArtifactKey) -> bool | None:
         return None  # only a request can tell
 
-    def count(self, result: Outcome, *, failed: bool = False) -> None:
-        """Count one request's result; any answer at all closes the breaker again."""
+    def count(self, result: Outcome, *, failed: str = "") -> None:
+        """Count one request's result; any answer at all closes the breaker again.
+
+        `failed` says why, for a failure that is the upstream's own (it counts towards the
+        breaker); answers that would be the same every time (a refused redirect, a 401) are
+        a misconfiguration to report, not an outage to wait out.
+        """
         self.metrics.upstream_requests.labels(self.name, result).inc()
         if not failed:
             self.breaker.success()
-        elif self.breaker.failure():
+        elif self.breaker.failure(failed):
             self.metrics.breaker_trips.labels(self.name).inc()
 
-    def body_failed(self, result: Outcome) -> None:
+    def body_failed(self, result: Outcome, reason: str) -> None:
         self.metrics.upstream_body_failures.labels(self.name, result).inc()
-        if self.breaker.failure():
+        if self.breaker.failure(reason):
             self.metrics.breaker_trips.labels(self.name).inc()
 
     async def open(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
@@ -130,8 +150,13 @@ class Upstream:
                 delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
                             self.cfg.retry_backoff_max_s)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            trial = self.breaker.state is BreakerState.HALF_OPEN
             try:
                 return await self._attempt(key, hop)
+            except asyncio.CancelledError:
+                if trial:
+                    self.breaker.abandon()
+                raise
             except _Permanent as e:
                 raise e.error from None
             except UpstreamUnavailable as e:
@@ -140,36 +165,33 @@ class Upstream:
         raise last
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
-        headers = {"User-Agent": USER_AGENT, **hop.headers(),
-                   **self.cfg.headers}
         started = time.perf_counter()
-        response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
-                response = await self._session.get(
-                    self.base + key.upstream_path, headers=headers, timeout=self._timeout,
-                    # aiohttp counts redirect responses, not hops followed: one more.
-                    max_redirects=self.cfg.max_redirects + 1,
-                )
+                response = await self._follow(URL(self.base + key.upstream_path), hop)
         except TimeoutError as e:
-            self.count(Outcome.TIMEOUT, failed=True)
-            raise UpstreamTimeout(f"{self.name}: no response in time") from e
-        except aiohttp.TooManyRedirects as e:
+            error: UpstreamUnavailable = UpstreamTimeout(f"{self.name}: no response in time")
+            self.count(Outcome.TIMEOUT, failed=error.reason)
+            raise error from e
+        except _Permanent:
             self.count(Outcome.UPSTREAM_ERROR)
-            raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects")) from e
-        except (aiohttp.InvalidURL, aiohttp.InvalidUrlRedirectClientError,
-                aiohttp.NonHttpUrlRedirectClientError) as e:
-            self.count(Outcome.UPSTREAM_ERROR)
-            raise _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect ({e})")) from e
+            raise
         except (aiohttp.ClientError, OSError) as e:
-            self.count(Outcome.UPSTREAM_ERROR, failed=True)
-            raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}") from e
+            error = UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}")
+            self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
+            raise error from e
         finally:
             self.metrics.upstream_latency.labels(self.name).observe(
                 time.perf_counter() - started
             )
         status = response.status
         if status == 200:
+            if key.kind is Kind.SOURCE and response.content_type != _ARTIFACT_TYPE:
+                response.release()
+                self.count(Outcome.UPSTREAM_ERROR)
+                reason = f"{self.name}: answered 200 with {printable(response.content_type, 64)}"
+                log.warning("%s for %s; not an artifact, nothing kept", reason, key.id)
+                raise _Permanent(UpstreamUnavailable(reason + ", not a debuginfod artifact"))
             self.count(Outcome.OK)
             return UpstreamBody(self, response)
         response.release()
@@ -177,11 +199,63 @@ class Upstream:
             self.count(Outcome.NOT_FOUND)
             return None
         if status in _TRANSIENT_STATUS:
-            self.count(Outcome.UPSTREAM_ERROR, failed=True)
-            raise UpstreamUnavailable(f"{self.name}: answered {status}")
+            error = UpstreamUnavailable(f"{self.name}: answered {status}")
+            self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
+            raise error
         # 401/403 and the like: a misconfiguration, not a miss, and not worth retrying.
         self.count(Outcome.UPSTREAM_ERROR)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
+
+    async def _follow(self, url: URL, hop: Hop) -> aiohttp.ClientResponse:
+        """The first answer that is not a redirect, following only the redirects the
+        operator allows (proxy.sources.redirects); _Permanent for any other."""
+        for _ in range(self.cfg.max_redirects + 1):
+            headers = {"User-Agent": USER_AGENT, **hop.headers(),
+                       # Bodies are counted against max_artifact_bytes as written; debuginfod
+                       # serves files uncompressed, and elfutils' server never compresses.
+                       "Accept-Encoding": "identity"}
+            if redirects.origin(url) == redirects.origin(self._base_url):
+                headers.update(self.cfg.headers)  # credentials go to the upstream alone
+            response = await self._session.get(url, headers=headers, timeout=self._timeout,
+                                               allow_redirects=False)
+            if response.status not in _REDIRECT_STATUS:
+                return response
+            location = response.headers.get("Location", "")
+            response.release()
+            try:
+                target: URL | None = url.join(URL(location)) if location else None
+            except ValueError:
+                target = None
+            why = ("without a usable Location" if target is None
+                   else await self._refusal(target))
+            if target is None or why is not None:
+                shown = printable(str(target) if target else location, 512) or "?"
+                log.warning("upstream %s: refused redirect from %s to %s: %s",
+                            self.name, url, shown, why)
+                raise _Permanent(UpstreamUnavailable(
+                    f"{self.name}: bad redirect to {shown} ({why})"))
+            url = target
+        log.warning("upstream %s: more than %d redirects, last to %s",
+                    self.name, self.cfg.max_redirects, url)
+        raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects"))
+
+    async def _refusal(self, target: URL) -> str | None:
+        if (why := redirects.refusal(self._base_url, [], target, [], self.cfg.redirect_hosts)):
+            return why  # refused by name alone: nothing to resolve
+        try:
+            own = await _resolve(self._base_url)
+            theirs = await _resolve(target)
+        except OSError as e:
+            return f"cannot resolve: {e}"
+        return redirects.refusal(self._base_url, own, target, theirs, self.cfg.redirect_hosts)
+
+
+async def _resolve(url: URL) -> list[redirects.IpAddress]:
+    host = url.host or ""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, url.port, type=socket.SOCK_STREAM)
+    # Link-local IPv6 addresses come with a scope ("fe80::1%eth0").
+    return [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
 
 
 class _Permanent(Exception):

@@ -137,41 +137,16 @@ class LocalDirectory:
         return index
 
     def has(self, key: ArtifactKey) -> bool:
-        if key.kind is Kind.SECTION:
-            return any((key.build_id, k) in self._index for k in (Kind.DEBUGINFO, Kind.EXECUTABLE))
+        # Sections are never asked of a source: the artifact service cuts them from the
+        # debuginfo or executable (proxy.artifacts.service), so they are not indexed here.
         return (key.build_id, key.kind) in self._index
 
-    async def open(self, key: ArtifactKey, hop: Hop) -> FileBody | SectionBody | None:
-        body: FileBody | SectionBody | None
-        if key.kind is Kind.SECTION:
-            body = await self._section(key)
-        else:
-            path = self._index.get((key.build_id, key.kind))
-            body = FileBody(self.name, path) if path is not None and path.exists() else None
+    async def open(self, key: ArtifactKey, hop: Hop) -> FileBody | None:
+        path = self._index.get((key.build_id, key.kind))
+        body = FileBody(self.name, path) if path is not None and path.exists() else None
         result = Outcome.OK if body is not None else Outcome.NOT_FOUND
         self._metrics.upstream_requests.labels(self.name, result).inc()
         return body
-
-    async def _section(self, key: ArtifactKey) -> SectionBody | None:
-        for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
-            path = self._index.get((key.build_id, kind))
-            if path is None:
-                continue
-            data = await asyncio.to_thread(_section_bytes, path, key.detail)
-            if data is not None:
-                return SectionBody(self.name, path, data)
-        return None
-
-
-def _section_bytes(path: Path, name: str) -> bytes | None:
-    try:
-        with path.open("rb") as f:
-            section = ELFFile(f).get_section_by_name(name)
-            if section is None or section["sh_type"] == "SHT_NOBITS":
-                return None
-            return bytes(section.data())
-    except (OSError, ELFError, ELFParseError, ValueError, KeyError, EOFError):
-        return None
 
 
 class FileBody:
@@ -189,20 +164,6 @@ class FileBody:
         except OSError as e:
             raise UpstreamUnavailable(f"{self.meta.upstream}: cannot read {self._path.name}: "
                                       f"{e.strerror}") from e
-
-    def close(self) -> None:
-        pass
-
-
-class SectionBody:
-    def __init__(self, source: str, path: Path, data: bytes) -> None:
-        self._data = data
-        self.meta = ArtifactMeta(upstream=source, size=len(data), filename=path.name,
-                                 archive=None, last_modified=None)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        for i in range(0, len(self._data), CHUNK):
-            yield self._data[i:i + CHUNK]
 
     def close(self) -> None:
         pass
