@@ -1,0 +1,106 @@
+"""Several `symgate serve` processes on one data dir: a process starting never removes another
+live process's download, and two processes committing the same artifact end with one whole
+file and one row."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.keys import ArtifactKey
+from proxy.store.repository import Repository, create_engine
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import free_port
+from tests.processes import wait_until_serving
+
+Serve = Callable[[], Awaitable[str]]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, database_url: str, faults: FaultUpstream
+                ) -> AsyncIterator[Serve]:
+    """Starts `symgate serve` processes that share one data dir and database."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start() -> str:
+        port = free_port()
+        config = tmp_path / f"symgate-{port}.toml"
+        config.write_text(
+            f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'
+            f'access_log = false\n[database]\nurl = "{database_url}"\n'
+            f'[[upstreams]]\nurl = "{faults.url_for("held")}"\nbreaker_failures = 0\n')
+        proc = await asyncio.create_subprocess_exec(
+            "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
+        procs.append(proc)
+        base = f"http://127.0.0.1:{port}"
+        await wait_until_serving(base, proc)
+        return base
+
+    yield start
+    for proc in procs:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+    async with session.get(url) as r:
+        return r.status, await r.read()
+
+
+async def test_a_second_process_leaves_the_first_ones_download_alone(
+    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    first = await serve()
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        download = asyncio.create_task(_get(s, first + path))
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+        temps = [p for p in (tmp_path / "d" / "cache" / "tmp").rglob("*") if p.is_file()]
+        assert any(p.suffix == ".part" for p in temps)
+        second = await serve()  # cleans up what dead processes left, at start
+        assert all(p.exists() for p in temps), "the live process's download was removed"
+        faults.release.set()
+        status, body = await download
+        assert status == 200 and body == elfs.big.debug.read_bytes()
+        for base in (first, second):  # both find it: one from memory, one from SQL and disk
+            assert await _get(s, base + path) == (200, elfs.big.debug.read_bytes())
+    assert faults.count("held") == 1
+
+
+async def test_two_processes_committing_one_artifact_keep_one_file_and_one_row(
+    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, database_url: str
+) -> None:
+    bases = [await serve(), await serve()]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        downloads = [asyncio.create_task(_get(s, base + path)) for base in bases]
+        for _ in range(300):  # bounded: both processes are downloading at once
+            if faults.count("held") == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert faults.count("held") == 2
+        faults.release.set()
+        expected = elfs.prog.debug.read_bytes()
+        assert [await d for d in downloads] == [(200, expected), (200, expected)]
+    stored = tmp_path / "d" / "cache" / "objects" / ArtifactKey.parse(
+        elfs.prog.build_id, "debuginfo").storage_name
+    assert stored.read_bytes() == expected
+    repo = Repository(create_engine(database_url))
+    try:
+        rows = await repo.artifacts_of(elfs.prog.build_id)
+    finally:
+        await repo.close()
+    assert [(r.kind, r.size) for r in rows] == [("debuginfo", len(expected))]
