@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.scope import RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
+    InsufficientStorage,
     NotCached,
     NotFound,
     RememberedNotFound,
@@ -29,14 +31,16 @@ from proxy.errors import (
     UpstreamUnavailable,
     VerificationFailed,
 )
+from proxy.health import DISK
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Hop, Source
 from proxy.sources.policy import ask
-from proxy.store.repository import ArtifactRecord
+from proxy.store.repository import ArtifactRecord, is_disk_full
 from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class ArtifactService:
         # Nothing larger than the whole budget could be kept anyway.
         self._max_artifact = min(max_artifact_bytes, cache.max_bytes)
         self.misses = misses
+        misses.sql_failed = cache.sql_failed  # one health record for every query
         self._policy = policy
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
         self._metrics = metrics
@@ -167,7 +172,10 @@ class ArtifactService:
                     result.body.close()
         except SymgateError as e:
             flight.fail(e)
-        except Exception:
+        except Exception as e:
+            if is_disk_full(e):
+                flight.fail(self._disk_full(e))
+                return
             log.exception("fetch of %s failed", key.id)
             flight.fail(SymgateError("internal error while fetching"))
         finally:
@@ -196,7 +204,7 @@ class ArtifactService:
                 self._reject(key, "too_large")
                 raise VerificationFailed(f"{meta.upstream} sent more than "
                                          f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
-            _write_all(fd, chunk)
+            await self._write(fd, chunk, flight.written)
             digest.update(chunk)
             flight.wrote(len(chunk))
         if meta.size is not None and flight.written != meta.size:
@@ -212,7 +220,13 @@ class ArtifactService:
                     f"{meta.upstream} sent a file with build ID {found or 'none'},"
                     f" not {key.build_id}"
                 )
-        final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+        try:
+            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise self._disk_full(e) from e
+            raise
+        self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
         now = datetime.now(UTC)
@@ -227,6 +241,32 @@ class ArtifactService:
         flight.succeed()
         for listener in self.committed:
             listener(scope, key)
+
+    async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
+        """Write at `offset`; on a full disk, evict to make room and try once more."""
+        try:
+            _write_all(fd, chunk, offset)
+            return
+        except OSError as e:
+            if e.errno not in _NO_SPACE:
+                raise
+            first = e
+        # Room for this download so far and as much again: one eviction per download, not
+        # one per chunk.
+        if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
+            raise self._disk_full(first) from first
+        try:
+            _write_all(fd, chunk, offset)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise self._disk_full(e) from e
+            raise
+
+    def _disk_full(self, error: BaseException) -> InsufficientStorage:
+        reason = f"no space left for the cache ({error})"
+        self.cache.health.fail(DISK, reason)
+        log.warning("%s", reason)
+        return InsufficientStorage("insufficient storage: the cache's disk is full")
 
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()
@@ -254,10 +294,12 @@ async def _join(flight: Flight) -> Streaming:
     return Streaming(flight, reader, meta)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """pwrite, so that writing a chunk again after a failure part-way puts it in its place."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _http_date(value: str) -> datetime | None:

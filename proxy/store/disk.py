@@ -58,6 +58,8 @@ class Store(Protocol):
 
     def stored_names(self) -> Iterator[str]: ...
 
+    def free_bytes(self) -> int: ...
+
     def remove_name(self, name: str) -> None: ...
 
     def symtab_path(self, scope: str, build_id: str) -> Path: ...
@@ -105,8 +107,9 @@ class DiskStore:
             os.close(fd)
         folder = self.tmp / name
         folder.mkdir()
-        # The lock lives as long as this store; the kernel drops it if the process dies.
-        weakref.finalize(self, os.close, fd)
+        # The lock lives as long as this store (the kernel drops it if the process dies); a
+        # process that exits cleanly takes its folder with it.
+        weakref.finalize(self, _release, folder, lock, fd)
         self._own_tmp = folder
         return folder
 
@@ -140,6 +143,11 @@ class DiskStore:
                     leftover.unlink()
                     removed += 1
         return removed
+
+    def free_bytes(self) -> int:
+        """Space left for the cache on its filesystem (for an unprivileged writer)."""
+        st = os.statvfs(self.objects)
+        return st.f_bavail * st.f_frsize
 
     def temp_bytes(self) -> int:
         """Bytes of downloads under way in this data dir, every process's."""
@@ -179,6 +187,12 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     own = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _release(folder: Path, lock: Path, fd: int) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    lock.unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _remove_if_dead(lock: Path, folder: Path) -> int:
