@@ -30,7 +30,7 @@ from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, 
 
 log = logging.getLogger(__name__)
 # Free space past which a full disk counts as over, without waiting for a download to succeed.
-SPACE_BACK_BYTES = 16 * 1024 * 1024
+SPACE_BACK_BYTES = 1024 * 1024
 # Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
 # file is gone is dropped at the next start, and ignored by replicas that check the file).
 MAX_UNSYNCED_DELETES = 100_000
@@ -236,8 +236,11 @@ class ArtifactCache:
                 over -= rec.size
             await self._remove_victims(victims)
 
-    async def _remove_victims(self, victims: list[ArtifactRecord]) -> None:
-        """Evict these: files first (a reader's open descriptor keeps its file), then rows."""
+    async def _remove_victims(self, victims: list[ArtifactRecord], *, rows_later: bool = False
+                              ) -> None:
+        """Evict these: files first (a reader's open descriptor keeps its file), then rows,
+        or at the next flush with `rows_later` (on a full disk, a SQLite write now would
+        take the very space just freed)."""
         if not victims:
             return
         keys: list[tuple[str, ArtifactKey]] = []
@@ -247,7 +250,11 @@ class ArtifactCache:
             self.store.remove_artifact(*keys[-1])
             self._metrics.evictions.inc()
             self._metrics.evicted_bytes.inc(rec.size)
-        await self._delete_rows([r.key_hash for r in victims])
+        if rows_later:
+            for rec in victims:
+                self._unsynced[rec.key_hash] = None
+        else:
+            await self._delete_rows([r.key_hash for r in victims])
         await self._notify_evicted(keys)
         log.info("evicted %d artifacts (%d bytes)", len(victims), sum(r.size for r in victims))
 
@@ -307,7 +314,7 @@ class ArtifactCache:
                 if kh not in self._leases:
                     victims.append(rec)
                     freed += rec.size
-            await self._remove_victims(victims)
+            await self._remove_victims(victims, rows_later=True)
             return freed
 
 

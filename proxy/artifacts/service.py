@@ -243,24 +243,22 @@ class ArtifactService:
             listener(scope, key)
 
     async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
-        """Write at `offset`; on a full disk, evict to make room and try once more."""
-        try:
-            _write_all(fd, chunk, offset)
-            return
-        except OSError as e:
-            if e.errno not in _NO_SPACE:
-                raise
-            first = e
-        # Room for this download so far and as much again: one eviction per download, not
-        # one per chunk.
-        if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
-            raise self._disk_full(first) from first
-        try:
-            _write_all(fd, chunk, offset)
-        except OSError as e:
-            if e.errno in _NO_SPACE:
-                raise self._disk_full(e) from e
-            raise
+        """Write at `offset`; on a full disk, evict to make room and try again, while
+        eviction finds something to remove (bounded: each round frees at least a file)."""
+        for _ in range(8):
+            try:
+                _write_all(fd, chunk, offset)
+                return
+            except OSError as e:
+                if e.errno not in _NO_SPACE:
+                    raise
+                error = e
+            # Room for this download so far and as much again, since SQLite and other
+            # writers take their share of what is freed: one eviction per download, not
+            # one per chunk.
+            if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
+                break
+        raise self._disk_full(error) from error
 
     def _disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"
