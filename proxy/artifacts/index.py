@@ -64,6 +64,9 @@ class ArtifactCache:
         self._entries: OrderedDict[str, ArtifactRecord] = OrderedDict()
         self._bytes = 0
         self._leases: dict[str, int] = {}
+        # Budget held by downloads under way (by their flight), so that the files being
+        # written and the files kept together stay within max_bytes.
+        self._reserved: dict[object, int] = {}
         # Only keys of the index: bounded by it, and kept across failed flushes.
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         # Rows SQL has not taken yet: a record to write, or None to delete.
@@ -78,6 +81,37 @@ class ArtifactCache:
     @property
     def total_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self._reserved.values())
+
+    async def reserve(self, download: object, total: int) -> bool:
+        """Hold `total` bytes of the budget for a download, evicting least recently used
+        files to make room. False, with nothing evicted and the download's hold released,
+        when even evicting every file not being sent would not make room: the download is
+        then served but not kept."""
+        async with self._evict_lock:
+            held = self._reserved.get(download, 0)
+            if total <= held:
+                return True
+            over = self._bytes + self.reserved_bytes - held + total - self.max_bytes
+            victims: list[ArtifactRecord] = []
+            for kh, rec in self._entries.items():
+                if over <= 0:
+                    break
+                if kh not in self._leases:
+                    victims.append(rec)
+                    over -= rec.size
+            if over > 0:
+                self._reserved.pop(download, None)
+                return False
+            self._reserved[download] = total
+            await self._remove_victims(victims)
+            return True
+
+    def release(self, download: object) -> None:
+        self._reserved.pop(download, None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -159,7 +193,7 @@ class ArtifactCache:
         finally:
             if self._leases[kh] == 1:
                 del self._leases[kh]
-                if self._bytes > self.max_bytes:
+                if self._bytes + self.reserved_bytes > self.max_bytes:
                     # Eviction passed this file over while it was being sent: try again now.
                     self._deferred = asyncio.get_running_loop().create_task(self.evict())
             else:
@@ -223,10 +257,11 @@ class ArtifactCache:
         stay over budget until their leases end.
         """
         async with self._evict_lock:
-            if self._bytes <= self.max_bytes:
+            # Downloads under way keep the room they hold.
+            over = self._bytes + self.reserved_bytes - self.max_bytes
+            if over <= 0:
                 return
             victims: list[ArtifactRecord] = []
-            over = self._bytes - self.max_bytes
             for kh, rec in self._entries.items():
                 if over <= 0:
                     break

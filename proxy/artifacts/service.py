@@ -41,6 +41,8 @@ from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# A download of unannounced size holds the budget in steps of this much, not per chunk.
+RESERVE_STEP = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +71,8 @@ class ArtifactService:
         metrics: ProxyMetrics,
     ) -> None:
         self.cache = cache
-        # Nothing larger than the whole budget could be kept anyway.
-        self._max_artifact = min(max_artifact_bytes, cache.max_bytes)
+        # Larger than the whole budget is served but not kept (see _download).
+        self._max_artifact = max_artifact_bytes
         self.misses = misses
         misses.sql_failed = cache.sql_failed  # one health record for every query
         self._policy = policy
@@ -184,6 +186,7 @@ class ArtifactService:
             if self._flights.get(key_hash(scope, key)) is flight:
                 del self._flights[key_hash(scope, key)]
             flight.close_fd()
+            self.cache.release(flight)
             if not flight.succeeded:
                 temp.unlink(missing_ok=True)
             self._metrics.inflight_fetches.dec()
@@ -196,10 +199,17 @@ class ArtifactService:
             self._reject(key, "too_large")
             raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
                            f"{self._max_artifact} (cache.max_artifact_bytes)")
+        # The budget holds during the download: room for the announced size is made before
+        # the first byte, for an unannounced one as it grows. What cannot fit is not kept.
+        keep = await self.cache.reserve(flight, meta.size or 0)
+        step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
         flight.started(meta)
         digest = hashlib.sha256()
         fd = flight.writer_fd
         async for chunk in body.chunks():
+            if keep and flight.written + len(chunk) > (meta.size or 0):
+                keep = await self.cache.reserve(
+                    flight, -(-(flight.written + len(chunk)) // step) * step)
             if flight.written + len(chunk) > self._max_artifact:
                 self._reject(key, "too_large")
                 raise VerificationFailed(f"{meta.upstream} sent more than "
@@ -220,6 +230,14 @@ class ArtifactService:
                     f"{meta.upstream} sent a file with build ID {found or 'none'},"
                     f" not {key.build_id}"
                 )
+        if not keep:
+            # Its readers hold their own descriptors: the file goes when the last one is done.
+            log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
+                     key.id, flight.written)
+            self._metrics.not_kept.inc()
+            temp.unlink(missing_ok=True)
+            flight.succeed()
+            return
         try:
             final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
         except OSError as e:
@@ -230,6 +248,7 @@ class ArtifactService:
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
         now = datetime.now(UTC)
+        self.cache.release(flight)  # its bytes are counted as a file from now on
         await self.cache.add(ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
             kind=str(key.kind),

@@ -149,15 +149,6 @@ class DiskStore:
         st = os.statvfs(self.objects)
         return st.f_bavail * st.f_frsize
 
-    def temp_bytes(self) -> int:
-        """Bytes of downloads under way in this data dir, every process's."""
-        total = 0
-        for dirpath, _dirs, names in os.walk(self.tmp):
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
-        return total
-
     def stored_names(self) -> Iterator[str]:
         """Every file under objects/, as a name relative to it."""
         for dirpath, _dirs, names in os.walk(self.objects):
