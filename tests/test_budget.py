@@ -108,3 +108,24 @@ async def test_the_budget_holds_while_downloads_are_under_way(
     assert on_disk(sg.config.cache_dir) <= budget
     objects = sg.config.cache_dir / "objects"
     assert (objects / ArtifactKey.parse(big2.build_id, "debuginfo").storage_name).exists()
+
+
+async def test_eviction_follows_last_access_across_a_restart(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The least recently used goes first, hits included, also when the order comes from SQL
+    after a restart (hits reach it in the batches flushed at shutdown)."""
+    debug = elfs.prog.debug.stat().st_size + elfs.other.debug.stat().st_size
+    budget = debug + elfs.prog.executable.stat().st_size - 1
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=budget))
+    for e in (elfs.prog, elfs.other):  # `prog` fetched first: the older of the two
+        assert (await sg.get(f"/buildid/{e.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 2)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200  # a hit
+    await sg.stop()
+    again = await start_symgate(config=sg.config)
+    assert (await again.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
+    objects = sg.config.cache_dir / "objects"
+    assert (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name).exists()
+    assert not (objects / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
+                ).exists()

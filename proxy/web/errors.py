@@ -72,10 +72,11 @@ def as_symgate_error(error: Exception) -> SymgateError:
 
 
 def status_of(error: SymgateError, user_agent: str = "") -> int:
-    if (error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
+    if ((error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
+         or isinstance(error, InsufficientStorage))
             and user_agent.startswith("elfutils/")):
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
-        # upstream outage must not blind gdb and perf users for that long.
+        # upstream outage (or full disk) must not blind gdb and perf users for that long.
         return 406
     return _STATUS_OF_TYPE.get(type(error)) or next(
         status for cls, status in STATUS if isinstance(error, cls))
