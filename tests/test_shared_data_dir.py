@@ -60,8 +60,8 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
-async def test_a_second_process_leaves_the_first_ones_download_alone(
-    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+async def test_processes_on_one_data_dir_leave_each_others_downloads_alone(
+    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, database_url: str
 ) -> None:
     first = await serve()
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
@@ -77,21 +77,17 @@ async def test_a_second_process_leaves_the_first_ones_download_alone(
         assert status == 200 and body == elfs.big.debug.read_bytes()
         for base in (first, second):  # both find it: one from memory, one from SQL and disk
             assert await _get(s, base + path) == (200, elfs.big.debug.read_bytes())
-    assert faults.count("held") == 1
+        assert faults.count("held") == 1
 
-
-async def test_two_processes_committing_one_artifact_keep_one_file_and_one_row(
-    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, database_url: str
-) -> None:
-    bases = [await serve(), await serve()]
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        downloads = [asyncio.create_task(_get(s, base + path)) for base in bases]
-        for _ in range(300):  # bounded: both processes are downloading at once
-            if faults.count("held") == 2:
+        # Both processes fetch one artifact at once and both commit it.
+        faults.release = asyncio.Event()
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        downloads = [asyncio.create_task(_get(s, base + path)) for base in (first, second)]
+        for _ in range(300):  # bounded: until both processes are downloading at once
+            if faults.count("held") == 3:
                 break
             await asyncio.sleep(0.05)
-        assert faults.count("held") == 2
+        assert faults.count("held") == 3
         faults.release.set()
         expected = elfs.prog.debug.read_bytes()
         assert [await d for d in downloads] == [(200, expected), (200, expected)]
