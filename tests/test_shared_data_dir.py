@@ -1,6 +1,6 @@
 """Several `symgate serve` processes on one data dir: a process starting never removes another
-live process's download, and two processes committing the same artifact end with one whole
-file and one row."""
+live process's download, two processes committing the same artifact end with one whole
+file and one row, and a file evicted under a response is still sent whole."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import free_port
+from tests.harness import SymgateFactory, free_port
 from tests.processes import wait_until_serving
 
 Serve = Callable[[], Awaitable[str]]
@@ -100,3 +100,23 @@ async def test_processes_on_one_data_dir_leave_each_others_downloads_alone(
     finally:
         await repo.close()
     assert [(r.kind, r.size) for r in rows] == [("debuginfo", len(expected))]
+
+
+async def test_a_file_evicted_by_another_process_is_still_sent_whole(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Eviction is an unlink: a response already sending the file holds its descriptor, so
+    another process evicting it (here: unlinking it, as its eviction does) cuts nothing."""
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
+        elfs.big.build_id, "debuginfo").storage_name
+    expected = elfs.big.debug.read_bytes()
+    async with sg.session.get(sg.url + path) as r:  # a hit, sent from the file
+        head = await r.content.readexactly(1024 * 1024)
+        stored.unlink()
+        rest = await r.content.read()
+    assert head + rest == expected
+    status, _, body = await sg.get(path)  # gone from disk: fetched again, not a broken hit
+    assert status == 200 and body == expected
