@@ -88,3 +88,10 @@ class NotCached(SymgateError):
     """Cache-Control: only-if-cached asked for an artifact that is not in the cache."""
 
     outcome = Outcome.NOT_CACHED
+
+
+class InsufficientStorage(SymgateError):
+    """The disk (or quota) holding the cache or its database is full: answered 507 with
+    Retry-After, since space comes back as eviction and operators free it."""
+
+    outcome = Outcome.INTERNAL

@@ -109,6 +109,10 @@ class ProxyMetrics:
             f"{p}_cache_evicted_bytes", "Bytes evicted to stay under the size budget",
             registry=registry,
         )
+        self.not_kept = Counter(
+            f"{p}_cache_not_kept", "Downloads served but not kept: no room in the budget",
+            registry=registry,
+        )
         self.negative_entries_written = Counter(
             f"{p}_negative_writes", "Misses recorded in SQL, per upstream",
             ["upstream"], registry=registry,

@@ -52,6 +52,9 @@ class FaultUpstream:
         self.bomb_mib = 64 * 1024
         self.bomb_sent = 0
         self.bomb_finished: bool | None = None
+        # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is.
+        self.held_half_sent = asyncio.Event()
+        self.release = asyncio.Event()
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
         # before the upstream was done.
         self.body_done: dict[str, float] = {}
@@ -170,7 +173,12 @@ class FaultUpstream:
             else:
                 request.transport.close()
             return response
-        if mode == "slow-body":
+        if mode == "held":
+            await response.write(data[: len(data) // 2])
+            self.held_half_sent.set()
+            await self.release.wait()
+            await response.write(data[len(data) // 2:])
+        elif mode == "slow-body":
             for i in range(0, len(data), self.chunk_size):
                 if i:
                     await asyncio.sleep(self.chunk_delay)

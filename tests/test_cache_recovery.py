@@ -30,7 +30,10 @@ async def test_restart_keeps_hits_and_cleans_crash_leftovers(
     assert faults.count("ok") == 1
     assert await sg2.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                             outcome="hit") == 1
-    assert not any((cache_dir / "tmp").iterdir()) and not orphan.exists()
+    # The first server's temp folder stays (its lock is held while this test process lives),
+    # but it holds no download.
+    assert not any(p.is_file() and p.suffix != ".lock" for p in (cache_dir / "tmp").rglob("*"))
+    assert not orphan.exists()
 
 
 async def test_restart_drops_rows_whose_file_is_gone_or_short(

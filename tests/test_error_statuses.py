@@ -10,6 +10,7 @@ import pytest
 
 from proxy import errors
 from proxy.errors import (
+    InsufficientStorage,
     InvalidRequest,
     NotCached,
     NotFound,
@@ -39,10 +40,13 @@ STATUS = {
     VerificationFailed: 502,
     UpstreamTimeout: 504,
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
+    InsufficientStorage: 507,  # the cache's disk is full: space comes back
     SymgateError: 500,
 }
 # The upstream's failures: the same request may well succeed soon.
 TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
+# Passing failures of symgate's own world, retried like an upstream's.
+PASSING = TRANSIENT | {InsufficientStorage}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 
@@ -65,13 +69,13 @@ def test_status_and_body(error: type[SymgateError], status: int) -> None:
 @pytest.mark.parametrize("error", STATUS, ids=lambda c: c.__name__)
 def test_retry_after_only_where_retrying_helps(error: type[SymgateError]) -> None:
     r = error_response(error("x"), CURL, 17)
-    if error in TRANSIENT:
-        assert r.status in (502, 504) and r.headers["Retry-After"] == "17"
+    if error in PASSING:
+        assert r.status in (502, 504, 507) and r.headers["Retry-After"] == "17"
     else:
         assert "Retry-After" not in r.headers, error
 
 
-@pytest.mark.parametrize("error", sorted(TRANSIENT, key=lambda c: c.__name__),
+@pytest.mark.parametrize("error", sorted(PASSING, key=lambda c: c.__name__),
                          ids=lambda c: c.__name__)
 def test_elfutils_gets_406_for_an_upstreams_passing_failure(error: type[SymgateError]) -> None:
     r = error_response(error("upstream down"), ELFUTILS, 30)
@@ -79,7 +83,7 @@ def test_elfutils_gets_406_for_an_upstreams_passing_failure(error: type[SymgateE
     assert r.text == "upstream down\n"
 
 
-@pytest.mark.parametrize("error", sorted(set(STATUS) - TRANSIENT, key=lambda c: c.__name__),
+@pytest.mark.parametrize("error", sorted(set(STATUS) - PASSING, key=lambda c: c.__name__),
                          ids=lambda c: c.__name__)
 def test_elfutils_gets_the_usual_status_for_everything_else(error: type[SymgateError]) -> None:
     assert error_response(error("x"), ELFUTILS, 30).status == STATUS[error]

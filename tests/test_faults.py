@@ -61,7 +61,9 @@ async def test_body_cut_off_mid_stream_breaks_the_response_and_is_not_cached(
     assert failures == 1
     assert await sg.metric("symgate_cache_entries") == 0
     assert not any((sg.config.cache_dir / "objects").rglob("*"))
-    assert not any((sg.config.cache_dir / "tmp").iterdir())
+    # This process's temp folder and its lock stay while the server lives; no download does.
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*")
+                if p.is_file() and p.suffix != ".lock"]
     status, got, broken = await _read_broken(url)
     assert broken and faults.count(mode) == 2
 

@@ -2,6 +2,11 @@
 
 Hits are answered from memory so that serving never waits on SQL; hit counts and access
 times are written back in batches. SQL stays the record across restarts and replicas.
+
+While SQL cannot be reached or written (a PostgreSQL that is down, a SQLite file on a full
+disk) the index goes on in memory: rows to write or delete, and hit counts, wait for the next
+flush that works. Files on disk are never left for a row to catch up with: a row written
+late only describes a file that is already whole.
 """
 
 from __future__ import annotations
@@ -17,12 +22,18 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
 from proxy.store.disk import Store
-from proxy.store.repository import ArtifactRecord, Repository
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, is_disk_full
 
 log = logging.getLogger(__name__)
+# Free space past which a full disk counts as over, without waiting for a download to succeed.
+SPACE_BACK_BYTES = 1024 * 1024
+# Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
+# file is gone is dropped at the next start, and ignored by replicas that check the file).
+MAX_UNSYNCED_DELETES = 100_000
 
 
 @functools.lru_cache(maxsize=16384)  # asked three times per request: keep hot keys' hashes
@@ -53,7 +64,14 @@ class ArtifactCache:
         self._entries: OrderedDict[str, ArtifactRecord] = OrderedDict()
         self._bytes = 0
         self._leases: dict[str, int] = {}
+        # Budget held by downloads under way (by their flight), so that the files being
+        # written and the files kept together stay within max_bytes.
+        self._reserved: dict[object, int] = {}
+        # Only keys of the index: bounded by it, and kept across failed flushes.
         self._pending_access: dict[str, tuple[int, datetime]] = {}
+        # Rows SQL has not taken yet: a record to write, or None to delete.
+        self._unsynced: OrderedDict[str, ArtifactRecord | None] = OrderedDict()
+        self.health = Health()
         self._evict_lock = asyncio.Lock()
         self._deferred: asyncio.Task[None] | None = None
         # Awaited with each artifact's scope and key after it left the cache.
@@ -63,6 +81,37 @@ class ArtifactCache:
     @property
     def total_bytes(self) -> int:
         return self._bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self._reserved.values())
+
+    async def reserve(self, download: object, total: int) -> bool:
+        """Hold `total` bytes of the budget for a download, evicting least recently used
+        files to make room. False, with nothing evicted and the download's hold released,
+        when even evicting every file not being sent would not make room: the download is
+        then served but not kept."""
+        async with self._evict_lock:
+            held = self._reserved.get(download, 0)
+            if total <= held:
+                return True
+            over = self._bytes + self.reserved_bytes - held + total - self.max_bytes
+            victims: list[ArtifactRecord] = []
+            for kh, rec in self._entries.items():
+                if over <= 0:
+                    break
+                if kh not in self._leases:
+                    victims.append(rec)
+                    over -= rec.size
+            if over > 0:
+                self._reserved.pop(download, None)
+                return False
+            self._reserved[download] = total
+            await self._remove_victims(victims)
+            return True
+
+    def release(self, download: object) -> None:
+        self._reserved.pop(download, None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,7 +170,11 @@ class ArtifactCache:
         path = self.store.artifact_path(scope, key)
         rec = self._entries.get(kh)
         if rec is None:
-            rec = await self._repo.get_artifact(kh)
+            try:
+                rec = await self._repo.get_artifact(kh)
+            except DATABASE_ERRORS as e:  # a miss then: fetching it beats failing the request
+                self.sql_failed("looking up an artifact", e)
+                return None
             if rec is None or _size(path) != rec.size:
                 return None
             self._add(rec)
@@ -140,22 +193,51 @@ class ArtifactCache:
         finally:
             if self._leases[kh] == 1:
                 del self._leases[kh]
-                if self._bytes > self.max_bytes:
+                if self._bytes + self.reserved_bytes > self.max_bytes:
                     # Eviction passed this file over while it was being sent: try again now.
                     self._deferred = asyncio.get_running_loop().create_task(self.evict())
             else:
                 self._leases[kh] -= 1
 
     async def add(self, rec: ArtifactRecord) -> None:
-        await self._repo.put_artifact(rec)
+        """Index a committed file; its row is written now, or at a later flush if SQL fails."""
+        self._unsynced.pop(rec.key_hash, None)
+        try:
+            await self._repo.put_artifact(rec)
+            self.health.ok(DATABASE)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("writing an artifact's row", e)
+            self._unsynced[rec.key_hash] = rec
         self._add(rec)
         await self.evict(keep=rec.key_hash)
+
+    async def _delete_rows(self, key_hashes: list[str]) -> None:
+        for kh in key_hashes:
+            self._unsynced.pop(kh, None)
+        try:
+            await self._repo.delete_artifacts(key_hashes)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("deleting artifacts' rows", e)
+            for kh in key_hashes:
+                self._unsynced[kh] = None
+            while len(self._unsynced) > MAX_UNSYNCED_DELETES:
+                self._unsynced.popitem(last=False)
+
+    def sql_failed(self, doing: str, error: BaseException) -> None:
+        """Note a failed query: the disk if SQLite found it full, else the database."""
+        reason = f"{doing}: {type(error).__name__}: {str(error).splitlines()[0][:200]}" \
+            if str(error) else f"{doing}: {type(error).__name__}"
+        if is_disk_full(error):
+            self.health.fail(DISK, reason)
+        else:
+            self.health.fail(DATABASE, reason)
+        log.warning("SQL failed %s; going on without it", reason)
 
     async def remove(self, scope: str, key: ArtifactKey) -> bool:
         kh = key_hash(scope, key)
         if self._drop(kh) is None:
             return False
-        await self._repo.delete_artifacts([kh])
+        await self._delete_rows([kh])
         self.store.remove_artifact(scope, key)
         await self._notify_evicted([(scope, key)])
         return True
@@ -175,10 +257,11 @@ class ArtifactCache:
         stay over budget until their leases end.
         """
         async with self._evict_lock:
-            if self._bytes <= self.max_bytes:
+            # Downloads under way keep the room they hold.
+            over = self._bytes + self.reserved_bytes - self.max_bytes
+            if over <= 0:
                 return
             victims: list[ArtifactRecord] = []
-            over = self._bytes - self.max_bytes
             for kh, rec in self._entries.items():
                 if over <= 0:
                     break
@@ -186,26 +269,88 @@ class ArtifactCache:
                     continue
                 victims.append(rec)
                 over -= rec.size
-            keys: list[tuple[str, ArtifactKey]] = []
+            await self._remove_victims(victims)
+
+    async def _remove_victims(self, victims: list[ArtifactRecord], *, rows_later: bool = False
+                              ) -> None:
+        """Evict these: files first (a reader's open descriptor keeps its file), then rows,
+        or at the next flush with `rows_later` (on a full disk, a SQLite write now would
+        take the very space just freed)."""
+        if not victims:
+            return
+        keys: list[tuple[str, ArtifactKey]] = []
+        for rec in victims:
+            self._drop(rec.key_hash)
+            keys.append((rec.scope, ArtifactKey.from_id(rec.key)))
+            self.store.remove_artifact(*keys[-1])
+            self._metrics.evictions.inc()
+            self._metrics.evicted_bytes.inc(rec.size)
+        if rows_later:
             for rec in victims:
-                self._drop(rec.key_hash)
-                keys.append((rec.scope, ArtifactKey.from_id(rec.key)))
-                self.store.remove_artifact(*keys[-1])
-                self._metrics.evictions.inc()
-                self._metrics.evicted_bytes.inc(rec.size)
-            await self._repo.delete_artifacts(r.key_hash for r in victims)
-            await self._notify_evicted(keys)
-            if victims:
-                log.info("evicted %d artifacts (%d bytes)", len(victims),
-                         sum(r.size for r in victims))
+                self._unsynced[rec.key_hash] = None
+        else:
+            await self._delete_rows([r.key_hash for r in victims])
+        await self._notify_evicted(keys)
+        log.info("evicted %d artifacts (%d bytes)", len(victims), sum(r.size for r in victims))
 
     async def flush_access(self) -> None:
+        """Write what SQL has not taken yet: rows, then hit counts. A failed batch stays for
+        the next flush (merged with what came since) and the failure is raised to be logged."""
+        await self._sync_rows()
         batch, self._pending_access = self._pending_access, {}
         if batch:
-            await self._repo.record_access(batch)
+            try:
+                await self._repo.record_access(batch)
+            except BaseException:
+                for kh, (hits, when) in batch.items():
+                    if kh not in self._entries:
+                        continue  # evicted meanwhile: its row is gone
+                    newer_hits, newer = self._pending_access.get(kh, (0, when))
+                    self._pending_access[kh] = (hits + newer_hits, max(when, newer))
+                raise
             for kh, (hits, when) in batch.items():
                 if (rec := self._entries.get(kh)) is not None:
                     self._entries[kh] = replace(rec, hits=rec.hits + hits, last_access=when)
+
+
+    async def _sync_rows(self) -> None:
+        while self._unsynced:
+            kh, rec = next(iter(self._unsynced.items()))
+            try:
+                if rec is None:
+                    await self._repo.delete_artifacts([kh])
+                else:
+                    await self._repo.put_artifact(rec)
+            except DATABASE_ERRORS as e:
+                self.sql_failed("writing rows kept while SQL was failing", e)
+                raise
+            if self._unsynced.get(kh) is rec:
+                del self._unsynced[kh]
+        self.health.ok(DATABASE)
+
+    def recheck_space(self) -> None:
+        """Clear a full-disk condition once space is back (an operator freed some)."""
+        if self.health.get(DISK) is not None:
+            try:
+                if self.store.free_bytes() >= SPACE_BACK_BYTES:
+                    self.health.ok(DISK)
+            except OSError:
+                pass
+
+    async def make_room(self, wanted: int) -> int:
+        """Evict least recently used artifacts not being sent until `wanted` bytes are freed,
+        whatever the budget: the disk is full. The bytes freed."""
+        async with self._evict_lock:
+            victims: list[ArtifactRecord] = []
+            freed = 0
+            for kh, rec in self._entries.items():
+                if freed >= wanted:
+                    break
+                if kh not in self._leases:
+                    victims.append(rec)
+                    freed += rec.size
+            await self._remove_victims(victims, rows_later=True)
+            return freed
 
 
 def _size(path: Path) -> int | None:

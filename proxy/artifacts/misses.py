@@ -6,10 +6,15 @@ answered 404 is not asked again while another upstream is down. A short in-memor
 of SQL makes repeated negative hits cost no SQL round trip.
 
 Both clocks are injected: tests move time instead of sleeping.
+
+SQL failing (a database that is down, a full disk) never turns a fetchable artifact into an
+error: a lookup that fails counts as "nothing remembered", and a miss that cannot be written
+is remembered in memory only.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -18,12 +23,18 @@ from datetime import UTC, datetime, timedelta
 from proxy.artifacts.index import key_hash
 from proxy.expiry import Expiry
 from proxy.keys import ArtifactKey
-from proxy.store.repository import Repository
+from proxy.store.repository import DATABASE_ERRORS, Repository
 from symbolize.outcome import Outcome
+
+log = logging.getLogger(__name__)
 
 
 def _utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+def _log_sql_failure(doing: str, error: BaseException) -> None:
+    log.warning("SQL failed %s (%s); going on without it", doing, type(error).__name__)
 
 
 class RememberedMisses:
@@ -40,6 +51,8 @@ class RememberedMisses:
         self._wall = wall
         # key hash -> (upstreams with a live 404, monotonic time the memo is good until)
         self._memo: OrderedDict[str, tuple[frozenset[str], float]] = OrderedDict()
+        # Told of each failed query (what was being done, the error); logs it by default.
+        self.sql_failed: Callable[[str, BaseException], None] = _log_sql_failure
 
     def memo_covers(self, scope: str, key: ArtifactKey, upstreams: Iterable[str]) -> bool:
         """True when memory alone proves every upstream said 404: the fast path."""
@@ -58,7 +71,11 @@ class RememberedMisses:
         if entry is not None and entry[1] > now:
             return entry[0]
         wall = self._wall()
-        rows = await self._repo.get_negatives(kh)
+        try:
+            rows = await self._repo.get_negatives(kh)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("reading remembered misses", e)
+            return frozenset()
         if (newer := self._memo.get(kh)) is not entry and newer is not None:
             # A miss was recorded while SQL was read: the read is older than the memo.
             return newer[0]
@@ -86,7 +103,11 @@ class RememberedMisses:
             return None
         kh = key_hash(scope, key)
         wall = self._wall()
-        previous = {r.upstream: r for r in await self._repo.get_negatives(kh)}
+        try:
+            previous = {r.upstream: r for r in await self._repo.get_negatives(kh)}
+        except DATABASE_ERRORS as e:
+            self.sql_failed("reading remembered misses", e)
+            previous = {}  # the count starts again: a shorter TTL, never a wrong answer
         shortest: float | None = None
         recorded: set[str] = set()
         for name in upstreams:
@@ -95,11 +116,14 @@ class RememberedMisses:
             ttl = self._expiry.seconds(outcome, misses)
             assert ttl is not None
             shortest = ttl if shortest is None else min(shortest, ttl)
-            await self._repo.put_negative(
-                key_hash=kh, scope=scope, key=key.id, build_id=key.build_id, upstream=name,
-                outcome=outcome, misses=misses, first_seen=wall,
-                expires_at=wall + timedelta(seconds=ttl),
-            )
+            try:
+                await self._repo.put_negative(
+                    key_hash=kh, scope=scope, key=key.id, build_id=key.build_id,
+                    upstream=name, outcome=outcome, misses=misses, first_seen=wall,
+                    expires_at=wall + timedelta(seconds=ttl),
+                )
+            except DATABASE_ERRORS as e:  # this process's memo still remembers it
+                self.sql_failed("remembering a miss", e)
             recorded.add(name)
         if recorded and shortest is not None:
             live = {n for n, r in previous.items() if r.expires_at > wall} | recorded

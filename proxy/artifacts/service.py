@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.scope import RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
+    InsufficientStorage,
     NotCached,
     NotFound,
     RememberedNotFound,
@@ -29,14 +31,18 @@ from proxy.errors import (
     UpstreamUnavailable,
     VerificationFailed,
 )
+from proxy.health import DISK
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Hop, Source
 from proxy.sources.policy import ask
-from proxy.store.repository import ArtifactRecord
+from proxy.store.repository import ArtifactRecord, is_disk_full
 from symbolize.elf import build_id_of_file, section_extent
 
 log = logging.getLogger(__name__)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# A download of unannounced size holds the budget in steps of this much, not per chunk.
+RESERVE_STEP = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +71,10 @@ class ArtifactService:
         metrics: ProxyMetrics,
     ) -> None:
         self.cache = cache
-        # Nothing larger than the whole budget could be kept anyway.
-        self._max_artifact = min(max_artifact_bytes, cache.max_bytes)
+        # Larger than the whole budget is served but not kept (see _download).
+        self._max_artifact = max_artifact_bytes
         self.misses = misses
+        misses.sql_failed = cache.sql_failed  # one health record for every query
         self._policy = policy
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
         self._metrics = metrics
@@ -170,7 +177,10 @@ class ArtifactService:
                     result.body.close()
         except SymgateError as e:
             flight.fail(e)
-        except Exception:
+        except Exception as e:
+            if is_disk_full(e):
+                flight.fail(self._disk_full(e))
+                return
             log.exception("fetch of %s failed", key.id)
             flight.fail(SymgateError("internal error while fetching"))
         finally:
@@ -179,6 +189,7 @@ class ArtifactService:
             if self._flights.get(key_hash(scope, key)) is flight:
                 del self._flights[key_hash(scope, key)]
             flight.close_fd()
+            self.cache.release(flight)
             if not flight.succeeded:
                 temp.unlink(missing_ok=True)
             self._metrics.inflight_fetches.dec()
@@ -191,15 +202,22 @@ class ArtifactService:
             self._reject(key, "too_large")
             raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
                            f"{self._max_artifact} (cache.max_artifact_bytes)")
+        # The budget holds during the download: room for the announced size is made before
+        # the first byte, for an unannounced one as it grows. What cannot fit is not kept.
+        keep = await self.cache.reserve(flight, meta.size or 0)
+        step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
         flight.started(meta)
         digest = hashlib.sha256()
         fd = flight.writer_fd
         async for chunk in body.chunks():
+            if keep and flight.written + len(chunk) > (meta.size or 0):
+                keep = await self.cache.reserve(
+                    flight, -(-(flight.written + len(chunk)) // step) * step)
             if flight.written + len(chunk) > self._max_artifact:
                 self._reject(key, "too_large")
                 raise VerificationFailed(f"{meta.upstream} sent more than "
                                          f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
-            _write_all(fd, chunk)
+            await self._write(fd, chunk, flight.written)
             digest.update(chunk)
             flight.wrote(len(chunk))
         if meta.size is not None and flight.written != meta.size:
@@ -215,10 +233,25 @@ class ArtifactService:
                     f"{meta.upstream} sent a file with build ID {found or 'none'},"
                     f" not {key.build_id}"
                 )
-        final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+        if not keep:
+            # Its readers hold their own descriptors: the file goes when the last one is done.
+            log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
+                     key.id, flight.written)
+            self._metrics.not_kept.inc()
+            temp.unlink(missing_ok=True)
+            flight.succeed()
+            return
+        try:
+            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise self._disk_full(e) from e
+            raise
+        self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
         now = datetime.now(UTC)
+        self.cache.release(flight)  # its bytes are counted as a file from now on
         await self.cache.add(ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
             kind=str(key.kind),
@@ -295,7 +328,12 @@ class ArtifactService:
         scope = parent.scope
         temp, fd = self.cache.store.new_temp()
         try:
-            digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+            try:
+                digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+            except OSError as e:
+                if e.errno not in _NO_SPACE:
+                    raise
+                raise self._disk_full(e) from e
             if digest is None:
                 raise VerificationFailed(f"{key.id}: section runs past the end of its file")
             final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
@@ -315,6 +353,29 @@ class ArtifactService:
         )
         await self.cache.add(record)
         return await self.cache.get(scope, key) or CachedArtifact(record, final)
+    async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
+        """Write at `offset`; on a full disk, evict to make room and try again, while
+        eviction finds something to remove (bounded: each round frees at least a file)."""
+        for _ in range(8):
+            try:
+                _write_all(fd, chunk, offset)
+                return
+            except OSError as e:
+                if e.errno not in _NO_SPACE:
+                    raise
+                error = e
+            # Room for this download so far and as much again, since SQLite and other
+            # writers take their share of what is freed: one eviction per download, not
+            # one per chunk.
+            if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
+                break
+        raise self._disk_full(error) from error
+
+    def _disk_full(self, error: BaseException) -> InsufficientStorage:
+        reason = f"no space left for the cache ({error})"
+        self.cache.health.fail(DISK, reason)
+        log.warning("%s", reason)
+        return InsufficientStorage("insufficient storage: the cache's disk is full")
 
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()
@@ -353,16 +414,18 @@ def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
             chunk = f.read(min(left, 1024 * 1024))
             if not chunk:
                 return None
-            _write_all(fd, chunk)
+            _write_all(fd, chunk, size - left)
             digest.update(chunk)
             left -= len(chunk)
     return digest.hexdigest()
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """pwrite, so that writing a chunk again after a failure part-way puts it in its place."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _http_date(value: str) -> datetime | None:

@@ -2,7 +2,12 @@
 
 objects/ holds complete, verified files; tmp/ holds downloads under way. A file only reaches
 objects/ by rename(2) after it was fsynced, so a crash leaves at worst a stray file in tmp/
-(removed at start-up), never a short file under a final name. Symbol tables live under
+(removed at start-up), never a short file under a final name.
+
+Several processes may share one data dir (replicas on one host, a restart overlapping the old
+process). Each writes its downloads in its own tmp/<id>/ folder, announced by tmp/<id>.lock,
+which it holds flock(2)ed for its whole life: start-up cleanup removes only the folders whose
+lock it can take, those of dead processes, never a live process's download. Symbol tables live under
 symtabs/. What a tenant's own sources gave lives under a `tenants/<hash>/` folder of each, so
 a tenant's name (any string) never becomes part of a path.
 
@@ -13,9 +18,12 @@ commands all ask the Store.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -50,6 +58,8 @@ class Store(Protocol):
 
     def stored_names(self) -> Iterator[str]: ...
 
+    def free_bytes(self) -> int: ...
+
     def remove_name(self, name: str) -> None: ...
 
     def symtab_path(self, scope: str, build_id: str) -> Path: ...
@@ -66,6 +76,7 @@ class DiskStore:
         self.symtabs = symtab_dir
         for d in (self.objects, self.tmp, self.symtabs):
             d.mkdir(parents=True, exist_ok=True)
+        self._own_tmp: Path | None = None  # made at the first download: admin commands need none
 
     # -- artifacts -------------------------------------------------------------------------------
     def artifact_name(self, scope: str, key: ArtifactKey) -> str:
@@ -76,9 +87,31 @@ class DiskStore:
 
     def new_temp(self) -> tuple[Path, int]:
         """A fresh temp file opened read-write; the caller owns the descriptor."""
-        path = self.tmp / f"{uuid.uuid4().hex}.part"
+        path = self._process_tmp() / f"{uuid.uuid4().hex}.part"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         return path, fd
+
+    def _process_tmp(self) -> Path:
+        """This process's temp folder, its lock taken before the folder exists."""
+        if self._own_tmp is not None and self._own_tmp.is_dir():
+            return self._own_tmp
+        while True:
+            name = uuid.uuid4().hex
+            lock = self.tmp / f"{name}.lock"
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # Another process's cleanup may have taken the lock between open and flock and
+            # removed the file: then ours locks nothing anyone will look at; start again.
+            if _same_file(fd, lock):
+                break
+            os.close(fd)
+        folder = self.tmp / name
+        folder.mkdir()
+        # The lock lives as long as this store (the kernel drops it if the process dies); a
+        # process that exits cleanly takes its folder with it.
+        weakref.finalize(self, _release, folder, lock, fd)
+        self._own_tmp = folder
+        return folder
 
     def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey) -> Path:
         """Blocking (fsync): run it in a worker thread."""
@@ -93,13 +126,28 @@ class DiskStore:
             self.artifact_path(scope, key).unlink()
 
     def clear_temp(self) -> int:
-        """Remove downloads a previous process left unfinished."""
+        """Remove downloads that dead processes left unfinished; a live process's stay."""
         removed = 0
+        for lock in self.tmp.glob("*.lock"):
+            removed += _remove_if_dead(lock, self.tmp / lock.stem)
         for leftover in self.tmp.iterdir():
+            if leftover.suffix == ".lock" or leftover.with_suffix(".lock").exists():
+                continue
+            # A folder without its lock is a dead process's (the lock is made first); a file is
+            # what versions before per-process folders left.
             with contextlib.suppress(FileNotFoundError):
-                leftover.unlink()
-                removed += 1
+                if leftover.is_dir():
+                    removed += sum(1 for _ in leftover.iterdir())
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink()
+                    removed += 1
         return removed
+
+    def free_bytes(self) -> int:
+        """Space left for the cache on its filesystem (for an unprivileged writer)."""
+        st = os.statvfs(self.objects)
+        return st.f_bavail * st.f_frsize
 
     def stored_names(self) -> Iterator[str]:
         """Every file under objects/, as a name relative to it."""
@@ -121,3 +169,39 @@ class DiskStore:
 
     def count_symtabs(self) -> int:
         return sum(1 for _ in self.symtabs.rglob("*.symc"))
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _release(folder: Path, lock: Path, fd: int) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    lock.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _remove_if_dead(lock: Path, folder: Path) -> int:
+    """Remove `folder` and its lock when no live process holds the lock; files removed."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0  # its process is alive
+        if not _same_file(fd, lock):
+            return 0  # another cleanup got there first
+        removed = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        return removed
+    finally:
+        os.close(fd)

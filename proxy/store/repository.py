@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -11,6 +12,7 @@ from typing import Any
 from sqlalchemy import delete, event, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from proxy.store.models import Artifact, Base, Negative, SymbolTableRow
@@ -35,6 +37,27 @@ def create_engine(url: str) -> AsyncEngine:
 
         return engine
     return create_async_engine(url, pool_pre_ping=True)
+
+
+# What a query raises when the database cannot be reached or written (a PostgreSQL that is
+# down, a SQLite file on a full disk), as opposed to a bug in the query.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, OSError)
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC or EDQUOT, raised directly or by SQLite ("database or disk is full")."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes is short; never follow a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return True
+        if "database or disk is full" in str(seen):
+            return True
+        seen = seen.__cause__ or getattr(seen, "orig", None)
+    return False
 
 
 def aware(dt: datetime) -> datetime:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.errors import (
+    InsufficientStorage,
     InvalidRequest,
     NotCached,
     NotFound,
@@ -49,6 +50,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (UpstreamTimeout, 504),
     (UpstreamUnavailable, 502),
     (VerificationFailed, 502),
+    (InsufficientStorage, 507),  # RFC 4918: the server cannot store what it must to answer
     (SymgateError, 500),
 )
 
@@ -70,10 +72,11 @@ def as_symgate_error(error: Exception) -> SymgateError:
 
 
 def status_of(error: SymgateError, user_agent: str = "") -> int:
-    if (error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
+    if ((error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
+         or isinstance(error, InsufficientStorage))
             and user_agent.startswith("elfutils/")):
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
-        # upstream outage must not blind gdb and perf users for that long.
+        # upstream outage (or full disk) must not blind gdb and perf users for that long.
         return 406
     return _STATUS_OF_TYPE.get(type(error)) or next(
         status for cls, status in STATUS if isinstance(error, cls))
@@ -82,7 +85,7 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
     status = status_of(error, user_agent)
     headers: dict[str, str] = {}
-    if status in (502, 503, 504) and not isinstance(error, NotCached):
+    if status in (502, 503, 504, 507) and not isinstance(error, NotCached):
         headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="symgate"'

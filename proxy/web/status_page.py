@@ -11,6 +11,7 @@ from html import escape
 from prometheus_client import CollectorRegistry
 
 from proxy import __version__
+from proxy.health import Condition
 from proxy.metrics import ARTIFACT_KINDS, REQUEST_OUTCOMES, UPSTREAM_RESULTS
 
 RECENT = 25
@@ -68,7 +69,8 @@ code { font-size: 12px; }
 
 
 def render(*, registry: CollectorRegistry, upstreams: list[str], started: float,
-           recent: RecentMisses, max_bytes: int) -> str:
+           recent: RecentMisses, max_bytes: int, degraded: list[Condition] | None = None
+           ) -> str:
     total = sum(_value(registry, "symgate_requests_total", endpoint="buildid", kind=k,
                        outcome=o)
                 for k in ARTIFACT_KINDS for o in REQUEST_OUTCOMES)
@@ -92,6 +94,11 @@ def render(*, registry: CollectorRegistry, upstreams: list[str], started: float,
               f"<td><code>{escape(m.key)}</code></td><td>{escape(m.outcome)}</td>"
               f"<td>{escape(m.reason)}</td></tr>" for m in recent]
     uptime = int(time.time() - started)
+    problems = "".join(
+        f"<li><b>{escape(c.name)}</b> since {time.strftime('%H:%M:%S', time.gmtime(c.since))}"
+        f" UTC: {escape(c.reason)}</li>" for c in degraded or [])
+    health = (f'<p id="health" class="bad">degraded:</p><ul id="problems">{problems}</ul>'
+              if problems else '<p id="health" class="ok">healthy</p>')
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>symgate</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -100,6 +107,7 @@ def render(*, registry: CollectorRegistry, upstreams: list[str], started: float,
 <p class="sub">debuginfod caching proxy and symbol cache &middot; version {escape(__version__)}
 &middot; up {uptime // 3600}h {uptime // 60 % 60}m {uptime % 60}s &middot;
 <a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a></p>
+{health}
 <div class="tiles">
 <div class="tile">hit ratio since start<b id="hit-ratio">{ratio}</b></div>
 <div class="tile">requests<b>{int(total)}</b></div>

@@ -1,0 +1,131 @@
+"""cache.max_bytes holds while downloads are under way: a download holds room for its size
+(evicting least recently used files before its first byte), a download that cannot fit is
+served to its clients but not kept, and an artifact larger than the whole budget is served,
+not kept, and evicts nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+from proxy.config import CacheConfig
+from proxy.keys import ArtifactKey
+from tests.elfs import ElfSet, build_program
+from tests.faults import FaultUpstream
+from tests.harness import Symgate, SymgateFactory, eventually
+
+MiB = 1024 * 1024
+
+
+def _blocks(folder: Path) -> int:
+    total = 0
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # a download that just ended
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def on_disk(cache_dir: Path) -> int:
+    """Bytes the cache takes on disk: kept files and downloads under way, every process's."""
+    return _blocks(cache_dir / "objects") + _blocks(cache_dir / "tmp")
+
+
+async def _written(cache_dir: Path, n: int) -> None:
+    """Until symgate has written `n` bytes of downloads: what the upstream sent before it
+    held the rest back is then on disk, not in a socket buffer."""
+    async def done() -> bool:
+        return _blocks(cache_dir / "tmp") >= n
+
+    await eventually(done, timeout=30)
+
+
+async def _built(sg: Symgate, n: int) -> None:
+    """Symbol tables are built from each cached debuginfo, under a lease eviction respects."""
+    async def done() -> bool:
+        return await sg.metric("symgate_symtab_builds_total", result="ok") >= n
+
+    await eventually(done, timeout=60)
+
+
+async def test_larger_than_the_budget_is_served_not_kept_and_evicts_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=MiB))
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 1)
+    status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert status == 200 and body == elfs.big.debug.read_bytes()
+    assert await sg.metric("symgate_cache_evictions_total") == 0
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert await sg.metric("symgate_cache_not_kept_total") == 1
+    assert on_disk(sg.config.cache_dir) <= MiB
+    objects = sg.config.cache_dir / "objects"
+    assert not (objects / ArtifactKey.parse(elfs.big.build_id, "debuginfo").storage_name
+                ).exists()
+    assert (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name).exists()
+
+
+async def test_the_budget_holds_while_downloads_are_under_way(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # A second large artifact, half the size of `big`.
+    (tmp_path / "out").mkdir()
+    big2 = await asyncio.to_thread(build_program, tmp_path / "src", tmp_path / "out", "big2",
+                                   7, 12 * MiB)
+    faults.by_id[big2.build_id] = big2
+    size, size2 = elfs.big.debug.stat().st_size, big2.debug.stat().st_size
+    budget = size + size2 // 4  # both cannot be kept; `big` and half of big2 overflow it
+    sg = await start_symgate([faults.url_for("held")], cache=CacheConfig(max_bytes=budget))
+    faults.release.set()
+    big_path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(big_path))[0] == 200
+    await _built(sg, 1)
+    assert await sg.metric("symgate_cache_entries") == 1
+
+    faults.release, faults.held_half_sent = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(sg.get(f"/buildid/{big2.build_id}/debuginfo"))
+    await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+    await _written(sg.config.cache_dir, size2 // 2)
+    # Held half-way by the upstream: the old file made room before the first byte.
+    assert on_disk(sg.config.cache_dir) <= budget + MiB
+    # A concurrent download that cannot fit beside the room big2 holds: served, not kept.
+    second = asyncio.create_task(sg.get(big_path))
+    for _ in range(300):
+        if faults.count("held") == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert faults.count("held") == 3
+    assert on_disk(sg.config.cache_dir) <= budget + MiB
+    faults.release.set()
+    status, _, body = await first
+    assert status == 200 and body == big2.debug.read_bytes()
+    status, _, body = await second
+    assert status == 200 and body == elfs.big.debug.read_bytes()
+    assert await sg.metric("symgate_cache_not_kept_total") == 1
+    assert on_disk(sg.config.cache_dir) <= budget
+    objects = sg.config.cache_dir / "objects"
+    assert (objects / ArtifactKey.parse(big2.build_id, "debuginfo").storage_name).exists()
+
+
+async def test_eviction_follows_last_access_across_a_restart(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The least recently used goes first, hits included, also when the order comes from SQL
+    after a restart (hits reach it in the batches flushed at shutdown)."""
+    debug = elfs.prog.debug.stat().st_size + elfs.other.debug.stat().st_size
+    budget = debug + elfs.prog.executable.stat().st_size - 1
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=budget))
+    for e in (elfs.prog, elfs.other):  # `prog` fetched first: the older of the two
+        assert (await sg.get(f"/buildid/{e.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 2)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200  # a hit
+    await sg.stop()
+    again = await start_symgate(config=sg.config)
+    assert (await again.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
+    objects = sg.config.cache_dir / "objects"
+    assert (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name).exists()
+    assert not (objects / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
+                ).exists()

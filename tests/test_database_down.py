@@ -1,0 +1,106 @@
+"""PostgreSQL unreachable (a TCP forwarder in the test, cut and restored): hits are served,
+misses are still fetched and served, unknown IDs are 404, /healthz says the database is down;
+once it is back the rows written meanwhile reach it, and a restart finds them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from proxy.store.repository import Repository, create_engine
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, eventually, make_config
+
+
+class Forwarder:
+    """127.0.0.1:<port> -> the real PostgreSQL, until cut: then connections are refused and
+    those open are reset, as when the database host goes away."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for w in list(self._pipes):
+            w.transport.abort()
+        self._pipes.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._pipes.update((writer, up_writer))
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        self._pipes.difference_update((writer, up_writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.transport.abort()
+
+
+async def test_misses_are_served_while_postgresql_is_down(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    if not database_url.startswith("postgresql"):
+        pytest.skip("the forwarder stands between symgate and a PostgreSQL server")
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=real.netloc.replace(
+        f"{real.hostname}:{real.port}", f"127.0.0.1:{forwarder.port}")))
+    cfg = make_config(tmp_path / "data", via, [faults.url_for("ok")])
+    cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1))
+    sg = await start_symgate(config=cfg)
+    hit, miss = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    assert (await sg.get(hit))[0] == 200
+
+    await forwarder.cut()
+    status, _, body = await sg.get(hit)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, body = await sg.get(miss)
+    assert status == 200 and body == elfs.other.debug.read_bytes(), body[:200]
+    assert (await sg.get("/buildid/" + "ee" * 20 + "/debuginfo"))[0] == 404
+    status, _, text = await sg.get("/healthz")
+    assert status == 503 and b"database" in text
+    assert b"degraded" in (await sg.get("/"))[2]
+    assert (await sg.get(miss))[0] == 200  # now a hit, from memory
+    assert faults.count("ok") == 3
+
+    await forwarder.start()  # the database is back: the row kept meanwhile reaches it
+    repo = Repository(create_engine(database_url))
+    try:
+        async def written() -> bool:
+            return bool(await repo.artifacts_of(elfs.other.build_id))
+
+        await eventually(written, timeout=30)
+    finally:
+        await repo.close()
+    assert (await sg.get("/healthz"))[0] == 200
+    await sg.stop()
+    again = await start_symgate(config=cfg)  # a restart keeps both, from SQL and disk
+    for path, elf in ((hit, elfs.prog), (miss, elfs.other)):
+        status, _, body = await again.get(path)
+        assert status == 200 and body == elf.debug.read_bytes()
+    assert faults.count("ok") == 3

@@ -1,0 +1,101 @@
+"""A full disk (a real 8 MiB tmpfs holding the data dir and the SQLite file): a miss is
+answered 507 with Retry-After and leaves nothing half-written, an unknown ID is still a 404,
+/healthz and the status page say what is degraded, eviction makes room where it can, and
+everything works again once space is back."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy.keys import ArtifactKey
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, eventually, make_config
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Write until the filesystem refuses: ENOSPC."""
+    chunk = b"\0" * 65536
+    with path.open("ab") as f:
+        for _ in range(100_000):  # far more than 8 MiB: bounded, never reached
+            try:
+                f.write(chunk)
+                f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                break
+        with contextlib.suppress(OSError):  # the last partial buffer, if any
+            f.close()
+    for size in (4096, 512, 1):  # the last blocks too
+        with contextlib.suppress(OSError), path.open("ab", buffering=0) as f:
+            for _ in range(1000):
+                f.write(b"\0" * size)
+
+
+async def test_a_full_disk_is_507_degraded_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    database_url: str,
+) -> None:
+    if database_url.startswith("sqlite"):  # the database on the full disk as well
+        database_url = f"sqlite+aiosqlite:///{small_disk / 'symgate.sqlite'}"
+    cfg = make_config(small_disk / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=cfg)
+    filler = small_disk / "filler"
+    _fill(filler)
+    other = f"/buildid/{elfs.other.build_id}/debuginfo"
+    status, headers, body = await sg.get(other)
+    assert status == 507, body
+    assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    status, _, _ = await sg.get("/buildid/" + "ee" * 20 + "/debuginfo")
+    assert status == 404  # the upstream's answer, though it cannot be remembered in SQL
+    status, _, text = await sg.get("/healthz")
+    assert status == 200 and text.startswith(b"degraded") and b"disk" in text, text
+    assert b"degraded" in (await sg.get("/"))[2]
+    tmp = cfg.cache_dir / "tmp"
+    assert not [p for p in tmp.rglob("*") if p.is_file() and p.suffix != ".lock"]
+    stored = cfg.cache_dir / "objects"
+    assert not [p for p in stored.rglob("*") if p.is_file()]
+
+    filler.unlink()  # space is back
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    for kind, path in (("debuginfo", elfs.prog.debug), ("executable", elfs.prog.executable)):
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
+        assert status == 200 and body == path.read_bytes()
+
+    async def built() -> bool:  # the symbol table build holds a lease on what it reads
+        return await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
+
+    await eventually(built)
+    _fill(filler)  # full again, but now something can be evicted
+    status, _, body = await sg.get(other)
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    assert not (stored / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name
+                ).exists()  # the least recently used made room
+    kept = stored / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
+    assert hashlib.sha256(kept.read_bytes()).digest() == hashlib.sha256(
+        elfs.other.debug.read_bytes()).digest()
+    filler.unlink()
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    assert os.path.exists(kept)

@@ -1,0 +1,122 @@
+"""Several `symgate serve` processes on one data dir: a process starting never removes another
+live process's download, two processes committing the same artifact end with one whole
+file and one row, and a file evicted under a response is still sent whole."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.keys import ArtifactKey
+from proxy.store.repository import Repository, create_engine
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, free_port
+from tests.processes import wait_until_serving
+
+Serve = Callable[[], Awaitable[str]]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, database_url: str, faults: FaultUpstream
+                ) -> AsyncIterator[Serve]:
+    """Starts `symgate serve` processes that share one data dir and database."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start() -> str:
+        port = free_port()
+        config = tmp_path / f"symgate-{port}.toml"
+        config.write_text(
+            f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'
+            f'access_log = false\n[database]\nurl = "{database_url}"\n'
+            f'[[upstreams]]\nurl = "{faults.url_for("held")}"\nbreaker_failures = 0\n')
+        proc = await asyncio.create_subprocess_exec(
+            "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
+        procs.append(proc)
+        base = f"http://127.0.0.1:{port}"
+        await wait_until_serving(base, proc)
+        return base
+
+    yield start
+    for proc in procs:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+    async with session.get(url) as r:
+        return r.status, await r.read()
+
+
+async def test_processes_on_one_data_dir_leave_each_others_downloads_alone(
+    serve: Serve, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, database_url: str
+) -> None:
+    first = await serve()
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        download = asyncio.create_task(_get(s, first + path))
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+        temps = [p for p in (tmp_path / "d" / "cache" / "tmp").rglob("*") if p.is_file()]
+        assert any(p.suffix == ".part" for p in temps)
+        second = await serve()  # cleans up what dead processes left, at start
+        assert all(p.exists() for p in temps), "the live process's download was removed"
+        faults.release.set()
+        status, body = await download
+        assert status == 200 and body == elfs.big.debug.read_bytes()
+        for base in (first, second):  # both find it: one from memory, one from SQL and disk
+            assert await _get(s, base + path) == (200, elfs.big.debug.read_bytes())
+        assert faults.count("held") == 1
+
+        # Both processes fetch one artifact at once and both commit it.
+        faults.release = asyncio.Event()
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        downloads = [asyncio.create_task(_get(s, base + path)) for base in (first, second)]
+        for _ in range(300):  # bounded: until both processes are downloading at once
+            if faults.count("held") == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert faults.count("held") == 3
+        faults.release.set()
+        expected = elfs.prog.debug.read_bytes()
+        assert [await d for d in downloads] == [(200, expected), (200, expected)]
+    stored = tmp_path / "d" / "cache" / "objects" / ArtifactKey.parse(
+        elfs.prog.build_id, "debuginfo").storage_name
+    assert stored.read_bytes() == expected
+    repo = Repository(create_engine(database_url))
+    try:
+        rows = await repo.artifacts_of(elfs.prog.build_id)
+    finally:
+        await repo.close()
+    assert [(r.kind, r.size) for r in rows] == [("debuginfo", len(expected))]
+
+
+async def test_a_file_evicted_by_another_process_is_still_sent_whole(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Eviction is an unlink: a response already sending the file holds its descriptor, so
+    another process evicting it (here: unlinking it, as its eviction does) cuts nothing."""
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
+        elfs.big.build_id, "debuginfo").storage_name
+    expected = elfs.big.debug.read_bytes()
+    async with sg.session.get(sg.url + path) as r:  # a hit, sent from the file
+        head = await r.content.readexactly(1024 * 1024)
+        stored.unlink()
+        rest = await r.content.read()
+    assert head + rest == expected
+    status, _, body = await sg.get(path)  # gone from disk: fetched again, not a broken hit
+    assert status == 200 and body == expected
