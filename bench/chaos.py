@@ -553,17 +553,26 @@ async def slowloris(world: World, sg: Server, report: Report, hit: Elf) -> None:
     started = time.monotonic()
 
     async def one(i: int) -> None:
-        async with connect_gate:
+        # An attacker reconnects when cut off, so the pressure lasts hold_s whatever the server
+        # does; bounded by that time and by a count.
+        for _ in range(200):
             if time.monotonic() - started > hold_s:
-                stats["not_tried"] += 1
                 return
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port), 5)
-            except (TimeoutError, OSError):
-                stats["connect_failed"] += 1
+            async with connect_gate:
+                try:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, port), 5)
+                except (TimeoutError, OSError):
+                    stats["connect_failed"] += 1
+                    await asyncio.sleep(0.5)
+                    continue
+            stats["connections"] += 1
+            if await dribble(i, reader, writer):
                 return
-        stats["connected"] += 1
+
+    async def dribble(i: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                      ) -> bool:
+        """Sends the request a byte at a time; True if held to the end, False if cut off."""
         read = asyncio.ensure_future(reader.read(256))
         try:
             for b in range(len(request) - 2):  # never the final CRLF
@@ -576,11 +585,15 @@ async def slowloris(world: World, sg: Server, report: Report, hit: Elf) -> None:
                 stats["closed_by_server"] += 1
                 if read.exception() is None and (data := read.result()):
                     answers[data.split(b"\r\n", 1)[0].decode(errors="replace")[:40]] += 1
-            else:
-                stats["held_to_end"] += 1
+                return False
+            stats["held_to_end"] += 1
+            return True
         except (TimeoutError, OSError):
             stats["closed_by_server"] += 1
+            return False
         finally:
+            if read.done() and not read.cancelled():
+                read.exception()  # retrieved: an RST seen by the read is counted above
             read.cancel()
             writer.close()
 
