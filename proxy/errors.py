@@ -88,3 +88,15 @@ class NotCached(SymgateError):
     """Cache-Control: only-if-cached asked for an artifact that is not in the cache."""
 
     outcome = Outcome.NOT_CACHED
+
+
+class Overloaded(SymgateError):
+    """More requests of a kind are in work and waiting than the server takes: retry later."""
+
+    outcome = Outcome.REJECTED
+
+
+class WorkerLost(SymgateError):
+    """The worker process doing the request's work died (killed, or crashed in native code)."""
+
+    outcome = Outcome.INTERNAL

@@ -30,6 +30,8 @@ class FaultUpstream:
         self.chunk_delay = 0.05
         self.flaky_failures = 1
         self.gate_open = False
+        # mode "hold": answers wait until this is set, the await point a test controls.
+        self.release = asyncio.Event()
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
         # before the upstream was done.
         self.body_done: dict[str, float] = {}
@@ -81,6 +83,8 @@ class FaultUpstream:
             return web.Response(status=404, text="not found")
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
+        if mode == "hold":
+            await self.release.wait()
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
         if mode == "auth" and request.headers.get("Authorization") != "Bearer sesame":
@@ -95,6 +99,8 @@ class FaultUpstream:
             await asyncio.sleep(self.first_byte_delay)
         if mode == "late":  # a prompt upstream, but not instant
             await asyncio.sleep(0.3)
+        if mode == "hold":
+            mode = "ok"
         if mode == "wrong-bytes":
             bid = self.elfs.other.build_id
         if mode == "wrong-big":

@@ -14,6 +14,7 @@ from proxy.errors import (
     NotCached,
     NotFound,
     OverLimit,
+    Overloaded,
     PayloadTooLarge,
     RememberedNotFound,
     SymgateError,
@@ -23,6 +24,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
+    WorkerLost,
 )
 from proxy.web.errors import error_response
 
@@ -35,14 +37,18 @@ STATUS = {
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     OverLimit: 422,
+    Overloaded: 429,
     UpstreamUnavailable: 502,
     VerificationFailed: 502,
     UpstreamTimeout: 504,
+    WorkerLost: 503,
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
     SymgateError: 500,
 }
 # The upstream's failures: the same request may well succeed soon.
 TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
+# Our own passing failures: a full /symbolize, a worker that died; retried by anyone.
+BUSY = {Overloaded: 429, WorkerLost: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 
@@ -67,6 +73,8 @@ def test_retry_after_only_where_retrying_helps(error: type[SymgateError]) -> Non
     r = error_response(error("x"), CURL, 17)
     if error in TRANSIENT:
         assert r.status in (502, 504) and r.headers["Retry-After"] == "17"
+    elif error in BUSY:
+        assert r.status == BUSY[error] and r.headers["Retry-After"] == "17"
     else:
         assert "Retry-After" not in r.headers, error
 
