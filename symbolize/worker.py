@@ -10,6 +10,7 @@ which every rewrite in that process shares.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ from .outcome import Outcome
 from .pprof.codec import ProfileError, decode, encode
 from .pprof.profile_raw_pb2 import RawProfile
 from .rewrite import MappingSymbols, Report, candidates, rewrite
+from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable, TableSpec
+
+log = logging.getLogger(__name__)
 
 
 class TooManyBuildIds(ProfileError):
@@ -114,6 +118,9 @@ class Workspace:
         key = (spec, st.st_ino, st.st_mtime_ns, st.st_size)
         table = self._tables.get(key)
         if table is None:
+            # The file it replaced is closed now, so that its disk space is freed.
+            for stale in [k for k in self._tables if k[0].path == spec.path]:
+                del self._tables[stale]
             table = self._tables[key] = SymbolTable.open(spec, self.ids)
             while len(self._tables) > self._capacity:
                 self._tables.popitem(last=False)
@@ -125,11 +132,19 @@ class Workspace:
         profile, gzipped = _decode(body, limits)
         report = Report()
         wanted = candidates(profile, report)
-        symbols = {bid: MappingSymbols(self.table(a.table), a.segments)
-                   for bid, a in answers.items() if a.table is not None}
+        symbols: dict[str, MappingSymbols] = {}
+        outcomes = {bid: a.outcome for bid, a in answers.items()}
+        for bid, a in answers.items():
+            if a.table is None:
+                continue
+            try:
+                symbols[bid] = MappingSymbols(self.table(a.table), a.segments)
+            except (OSError, UnreadableSymCache):  # evicted since it was found, or damaged
+                log.exception("symbol table of %s", bid)
+                outcomes[bid] = Outcome.MALFORMED
         for bid in wanted.values():
             if bid not in symbols:
-                report.mappings_skipped[answers[bid].outcome] += 1
+                report.mappings_skipped[outcomes[bid]] += 1
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
         if usable:
             rewrite(profile, usable, symbols, self.ids, report)
