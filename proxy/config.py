@@ -267,6 +267,17 @@ class SymbolizeConfig:
     deadline_s: Seconds = 30.0
     # Worker processes that build symbol tables.
     build_workers: AtLeastOne = 2
+    # Worker processes that decode, rewrite and encode profiles, off the event loop.
+    workers: AtLeastOne = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    # Profiles in work at once, and waiting for a slot; past both, 429 with Retry-After.
+    max_concurrent: AtLeastOne = 4
+    max_waiting: Count = 16
+    # Work bounds per profile, checked as it is decoded (before any rewrite); more is a 422.
+    # Far above a real profile of a big process (hundreds of mappings, 10^5 locations).
+    max_profile_mappings: Count = 10_000
+    max_profile_locations: Count = 2_000_000
+    max_profile_functions: Count = 2_000_000
+    max_profile_samples: Count = 10_000_000
     # Each open table holds a file descriptor and its mapped pages.
     open_tables: AtLeastOne = 512
     # How long a failed build is believed: a file without symbols may be replaced upstream by

@@ -95,3 +95,15 @@ class InsufficientStorage(SymgateError):
     Retry-After, since space comes back as eviction and operators free it."""
 
     outcome = Outcome.INTERNAL
+
+
+class Overloaded(SymgateError):
+    """More requests of a kind are in work and waiting than the server takes: retry later."""
+
+    outcome = Outcome.REJECTED
+
+
+class WorkerLost(SymgateError):
+    """The worker process doing the request's work died (killed, or crashed in native code)."""
+
+    outcome = Outcome.INTERNAL

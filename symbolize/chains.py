@@ -283,6 +283,13 @@ class Chains:
     def has_inline_frames(self) -> bool:
         return bool((self._c.id_count[self._used] > 1).any())
 
+    def flags(self, numbers: I64) -> tuple[bool, bool, bool]:
+        """has_filenames, has_line_numbers and has_inline_frames of some of the chains (by
+        their numbers, none 0): those of one mapping when a lookup served several."""
+        return (bool(self._c.has_filenames[numbers].any()),
+                bool(self._c.has_line_numbers[numbers].any()),
+                bool((self._c.id_count[numbers] > 1).any()))
+
     def _frames_of(self, chains: I64) -> tuple[I64, I64]:
         """Where the function ids and lines of `chains` are, and the chain (0 to len - 1) each
         is of."""

@@ -1,7 +1,8 @@
 """Symbolizing a profile from local debug directories alone: `symgate symbolize --debug-dir`.
 
 The same pipeline as the server's, with a provider that builds each table into a temporary
-directory and looks for the executable only in the given directories.
+directory and looks for the executable only in the given directories, and the CPU-bound steps
+in a thread rather than in worker processes.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .chains import FunctionIds
 from .debugdirs import find_debug_file, find_executable
 from .elf import executable_segments
 from .outcome import Outcome
 from .pipeline import Limits, Resolved, symbolize_profile
 from .rewrite import Report
-from .symtab import MalformedObject, NoSymbols, SymbolTable, build_symbol_table
+from .symtab import MalformedObject, NoSymbols, TableSpec, build_symbol_table
 
 
 class LocalDebugDirs:
@@ -26,11 +26,6 @@ class LocalDebugDirs:
     def __init__(self, dirs: Sequence[Path], workdir: Path) -> None:
         self._dirs = tuple(dirs)
         self._workdir = workdir
-        self._ids = FunctionIds()
-
-    @property
-    def function_ids(self) -> FunctionIds:
-        return self._ids
 
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await asyncio.to_thread(self._resolve, build_id, needs_layout)
@@ -47,8 +42,8 @@ class LocalDebugDirs:
             return Resolved(None, outcome=Outcome.NO_SYMBOLS)
         except MalformedObject:
             return Resolved(None, outcome=Outcome.MALFORMED)
-        table = SymbolTable(out, built.load_address, built.code_ranges, built.cold_ranges,
-                            built.has_lines, self._ids)
+        table = TableSpec(out, built.load_address, built.code_ranges, built.cold_ranges,
+                          built.has_lines)
         return Resolved(table, executable_segments(exe, build_id) if needs_layout else None)
 
 

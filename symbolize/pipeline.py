@@ -1,9 +1,11 @@
 """Symbolizing one profile, as a pipeline: decode -> candidates -> which need program headers
 -> ask a SymbolProvider for each build ID's table -> rewrite -> encode.
 
-The server (proxy/symbols) and the offline CLI (offline.py) differ only in their provider:
-where tables come from and how long they are kept. Everything a profile's answer depends on
-is decided here, once, so the two give the same bytes for the same debug files.
+The server (proxy/symbols) and the offline CLI (offline.py) differ only in their provider
+(where tables come from and how long they are kept) and in where the CPU-bound steps run
+(`Work`: worker processes for the server, a thread offline). Everything a profile's answer
+depends on is decided here and in worker.py, once, so the two give the same bytes for the
+same debug files.
 """
 
 from __future__ import annotations
@@ -14,26 +16,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .chains import FunctionIds
 from .elf import LoadSegment
 from .outcome import Outcome
-from .pprof.codec import ProfileError, decode, encode
-from .pprof.profile_raw_pb2 import RawProfile
-from .rewrite import MappingSymbols, Report, candidates, rewrite
-from .symtab import SymbolTable
+from .rewrite import Report
+from .symtab import TableSpec
+from .worker import Answer, Finished, Limits, TooManyBuildIds, TooMuchWork, Workspace, scan
 
+__all__ = [
+    "InThread",
+    "Limits",
+    "Resolved",
+    "SymbolProvider",
+    "Symbolized",
+    "TooManyBuildIds",
+    "TooMuchWork",
+    "Work",
+    "symbolize_profile",
+]
 log = logging.getLogger(__name__)
-
-
-class TooManyBuildIds(ProfileError):
-    """A well-formed profile asks for more build IDs than one request may fetch or build."""
 
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """A provider's answer for one build ID: its table, or the outcome that explains why not."""
 
-    table: SymbolTable | None
+    table: TableSpec | None
     # Program headers with real file offsets (from the executable); None when none could be
     # had, and the pipeline guesses GNU ld's layout instead.
     segments: tuple[LoadSegment, ...] | None = None
@@ -41,11 +48,6 @@ class Resolved:
 
 
 class SymbolProvider(Protocol):
-    @property
-    def function_ids(self) -> FunctionIds:
-        """Shared by every table the provider opens and every rewrite that uses them."""
-        ...
-
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         """The table of `build_id`, and its program headers when `needs_layout`.
 
@@ -54,12 +56,27 @@ class SymbolProvider(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_decompressed_bytes: int
-    max_build_ids: int
-    # Past this, the profile is answered with the tables that are ready; None: no limit.
-    deadline_s: float | None = None
+class Work(Protocol):
+    """Where the CPU-bound steps (worker.scan, Workspace.finish) run."""
+
+    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]: ...
+
+    async def finish(self, body: bytes, limits: Limits,
+                     answers: dict[str, Answer]) -> Finished: ...
+
+
+class InThread:
+    """The steps in a thread of this process, with tables it opens itself: for the CLI."""
+
+    def __init__(self, open_tables: int = 512) -> None:
+        self._workspace = Workspace(open_tables)
+
+    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
+        return await asyncio.to_thread(scan, body, limits)
+
+    async def finish(self, body: bytes, limits: Limits,
+                     answers: dict[str, Answer]) -> Finished:
+        return await asyncio.to_thread(self._workspace.finish, body, limits, answers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,47 +90,26 @@ class Symbolized:
         return self.report.changed
 
 
-async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limits) -> Symbolized:
-    """Raises ProfileError (ProfileTooLarge, TooManyBuildIds) for a profile it cannot take."""
-    decoded = await asyncio.to_thread(decode, body, limits.max_decompressed_bytes)
-    profile = decoded.profile
-    report = Report()
-    wanted = candidates(profile, report)
-    layouts = _needs_layout(profile, wanted)
-    if len(layouts) > limits.max_build_ids:
-        raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
-                              f"{limits.max_build_ids} per request")
+async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limits,
+                            work: Work | None = None) -> Symbolized:
+    """Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
+    cannot take."""
+    work = work if work is not None else InThread()
+    layouts = await work.scan(body, limits)
     resolved = await _resolve_all(provider, layouts, limits.deadline_s)
-    symbols: dict[str, MappingSymbols] = {}
+    answers: dict[str, Answer] = {}
     guesses = 0
     for bid, r in resolved.items():
         if r.table is None:
+            answers[bid] = Answer(None, outcome=r.outcome)
             continue
         segments = r.segments
         if segments is None:
             segments = r.table.guessed_layout() if layouts[bid] else ()
             guesses += layouts[bid]
-        symbols[bid] = MappingSymbols(r.table, segments)
-    for bid in wanted.values():
-        if bid not in symbols:
-            report.mappings_skipped[resolved[bid].outcome] += 1
-    usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
-    if usable:
-        await asyncio.to_thread(rewrite, profile, usable, symbols, provider.function_ids, report)
-    if not report.changed:
-        return Symbolized(body, report, guesses)
-    out = await asyncio.to_thread(encode, profile, decoded.gzipped)
-    return Symbolized(out, report, guesses)
-
-
-def _needs_layout(profile: RawProfile, wanted: Mapping[int, str]) -> dict[str, bool]:
-    """Build ID -> whether some mapping of it has runtime addresses (not ELF-relative ones),
-    which only the executable's program headers translate exactly."""
-    needs = dict.fromkeys(wanted.values(), False)
-    for m in profile.mapping:
-        if m.id in wanted and (m.memory_start or m.file_offset):
-            needs[wanted[m.id]] = True
-    return needs
+        answers[bid] = Answer(r.table, segments)
+    done = await work.finish(body, limits, answers)
+    return Symbolized(done.body if done.body is not None else body, done.report, guesses)
 
 
 async def _resolve_all(provider: SymbolProvider, layouts: Mapping[str, bool],

@@ -107,6 +107,26 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TableSpec:
+    """A built table as its file and what its build recorded: all a process needs to open it,
+    small enough to send to a worker process (which opens the file itself)."""
+
+    path: Path
+    load_address: int
+    code_ranges: tuple[tuple[int, int], ...]
+    cold_ranges: tuple[tuple[int, int], ...]
+    has_lines: bool
+
+    def guessed_layout(self) -> tuple[LoadSegment, ...]:
+        """Program headers when no executable can be had: code at file offset vaddr - base.
+
+        This is how GNU ld lays out the text segment of executables and shared libraries alike.
+        """
+        return tuple(LoadSegment(start - self.load_address, start, end - start, end - start, True)
+                     for start, end in self.code_ranges)
+
+
 class SymbolTable:
     """Lookups in a built SymCache, by ELF virtual address, many at a time.
 
@@ -133,13 +153,10 @@ class SymbolTable:
         self._paths: dict[int, str] = {NONE: ""}
         self._chains = ChainStore(ids, keys=2 * self._locations + 1)
 
-    def guessed_layout(self) -> tuple[LoadSegment, ...]:
-        """Program headers when no executable can be had: code at file offset vaddr - base.
-
-        This is how GNU ld lays out the text segment of executables and shared libraries alike.
-        """
-        return tuple(LoadSegment(start - self.load_address, start, end - start, end - start, True)
-                     for start, end in self.code_ranges)
+    @classmethod
+    def open(cls, spec: TableSpec, ids: FunctionIds) -> SymbolTable:
+        return cls(spec.path, spec.load_address, spec.code_ranges, spec.cold_ranges,
+                   spec.has_lines, ids)
 
     def chains(self, vaddrs: U64) -> Chains:
         """The chains of the addresses, remembered; inside a FunctionIds session."""

@@ -52,7 +52,8 @@ class FaultUpstream:
         self.bomb_mib = 64 * 1024
         self.bomb_sent = 0
         self.bomb_finished: bool | None = None
-        # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is.
+        # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is;
+        # "hold": the answer waits for `release`. The await points a test controls.
         self.held_half_sent = asyncio.Event()
         self.release = asyncio.Event()
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
@@ -125,6 +126,8 @@ class FaultUpstream:
             return web.Response(status=404, text="not found")
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
+        if mode == "hold":
+            await self.release.wait()
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
         if mode == "gate":
@@ -148,6 +151,8 @@ class FaultUpstream:
             await asyncio.sleep(self.first_byte_delay)
         if mode == "late":  # a prompt upstream, but not instant
             await asyncio.sleep(0.3)
+        if mode == "hold":
+            mode = "ok"
         if mode == "wrong-bytes":
             bid = self.elfs.other.build_id
         if mode == "wrong-big":

@@ -15,6 +15,7 @@ from proxy.errors import (
     NotCached,
     NotFound,
     OverLimit,
+    Overloaded,
     PayloadTooLarge,
     RememberedNotFound,
     SymgateError,
@@ -24,6 +25,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
+    WorkerLost,
 )
 from proxy.web.errors import error_response
 
@@ -36,9 +38,11 @@ STATUS = {
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     OverLimit: 422,
+    Overloaded: 429,
     UpstreamUnavailable: 502,
     VerificationFailed: 502,
     UpstreamTimeout: 504,
+    WorkerLost: 503,
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
     InsufficientStorage: 507,  # the cache's disk is full: space comes back
     SymgateError: 500,
@@ -47,6 +51,8 @@ STATUS = {
 TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
 # Passing failures of symgate's own world, retried like an upstream's.
 PASSING = TRANSIENT | {InsufficientStorage}
+# Our own passing failures: a full /symbolize, a worker that died; retried by anyone.
+BUSY = {Overloaded: 429, WorkerLost: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 
@@ -71,6 +77,8 @@ def test_retry_after_only_where_retrying_helps(error: type[SymgateError]) -> Non
     r = error_response(error("x"), CURL, 17)
     if error in PASSING:
         assert r.status in (502, 504, 507) and r.headers["Retry-After"] == "17"
+    elif error in BUSY:
+        assert r.status == BUSY[error] and r.headers["Retry-After"] == "17"
     else:
         assert "Retry-After" not in r.headers, error
 

@@ -1,4 +1,5 @@
-"""Symbol tables kept open (mmapped), least recently used dropped first."""
+"""Symbol tables known to the server (their files and what their builds recorded), least
+recently used dropped first. The files themselves are opened by the symbolize workers."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from symbolize.elf import LoadSegment
-from symbolize.symtab import SymbolTable
+from symbolize.symtab import TableSpec
 
 
 @dataclass(slots=True)
 class OpenTable:
-    table: SymbolTable
+    table: TableSpec
     segments: tuple[LoadSegment, ...] | None  # None until an executable's layout is known
     # Whether the executable was looked for: a table without one is not searched again.
     layout_searched: bool = False

@@ -26,12 +26,12 @@ from proxy.store.repository import SymbolTableRecord
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
-from symbolize.chains import FunctionIds
+from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable
 from symbolize.elf import LoadSegment, executable_segments, layout_of_file
 from symbolize.outcome import Outcome
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, SymbolTable
+from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec
 
 log = logging.getLogger(__name__)
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
@@ -55,15 +55,16 @@ class _Source:
 class SymbolResolver:
     def __init__(
         self, *, artifacts: ArtifactService, tables: TableStore, open_tables: OpenTables,
-        pool: BuildPool, debug_dirs: Sequence[Path], metrics: SymbolizeMetrics,
+        pool: BuildPool, workers: SymbolizeWorkers, debug_dirs: Sequence[Path],
+        metrics: SymbolizeMetrics,
     ) -> None:
         self._artifacts = artifacts
         self._tables = tables
         self._open = open_tables
         self._pool = pool
+        self.workers = workers  # where profiles are rewritten with these tables
         self._debug_dirs = tuple(debug_dirs)
         self._metrics = metrics
-        self.function_ids = FunctionIds()  # shared by every open table and every rewrite
         # Keyed by (the request's scope, build ID): one resolution and one layout search each.
         self._resolving: dict[tuple[str, str], asyncio.Future[_Found]] = {}
         self._layouts: dict[tuple[str, str], asyncio.Future[_Layout]] = {}
@@ -76,6 +77,7 @@ class SymbolResolver:
         """Start the workers, and have SQLAlchemy compile the symbol-table query, now rather
         than on the first cold profile (about 10 ms)."""
         self._pool.start()
+        self.workers.start()
         await self._tables.get(SHARED, "")
 
     async def close(self) -> None:
@@ -85,6 +87,7 @@ class SymbolResolver:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         self._pool.close()
+        self.workers.close()
 
     def provider(self, req: RequestScope) -> SymbolProvider:
         """What the symbolization pipeline asks, for one request."""
@@ -178,9 +181,9 @@ class SymbolResolver:
         return await self._build(build_id, source)
 
     def _remember(self, rec: SymbolTableRecord) -> OpenTable:
-        table = SymbolTable(self._tables.path(rec.scope, rec.build_id), rec.load_address,
-                            ranges_from_json(rec.code_ranges), ranges_from_json(rec.cold_ranges),
-                            rec.has_lines, self.function_ids)
+        table = TableSpec(self._tables.path(rec.scope, rec.build_id), rec.load_address,
+                          ranges_from_json(rec.code_ranges), ranges_from_json(rec.cold_ranges),
+                          rec.has_lines)
         segments = layout_from_json(rec.file_layout) if rec.file_layout else None
         opened = OpenTable(table, segments, layout_searched=segments is not None)
         self._open.put(rec.scope, rec.build_id, opened)
@@ -335,10 +338,6 @@ class _ScopedProvider:
     def __init__(self, resolver: SymbolResolver, req: RequestScope) -> None:
         self._resolver = resolver
         self._req = req
-
-    @property
-    def function_ids(self) -> FunctionIds:
-        return self._resolver.function_ids
 
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await self._resolver.resolve(self._req, build_id, needs_layout)

@@ -30,6 +30,7 @@ from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTables
 from proxy.symbols.resolver import SymbolResolver
 from proxy.symbols.table_store import TableStore
+from proxy.symbols.workers import SymbolizeWorkers
 from proxy.web import artifacts, logs, ops
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
@@ -122,6 +123,7 @@ def _lifecycle(
             artifacts=service, tables=TableStore(repo, store, expiry),
             open_tables=OpenTables(config.symbolize.open_tables),
             pool=BuildPool(config.symbolize.build_workers),
+            workers=SymbolizeWorkers(config.symbolize),
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
         )
         await symbols.start()

@@ -17,6 +17,7 @@ from proxy.errors import (
     NotCached,
     NotFound,
     OverLimit,
+    Overloaded,
     PayloadTooLarge,
     RememberedNotFound,
     SymgateError,
@@ -26,12 +27,13 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
+    WorkerLost,
 )
 from proxy.metrics import ABORTED, Served
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.outcome import Outcome
-from symbolize.pipeline import TooManyBuildIds
+from symbolize.pipeline import TooManyBuildIds, TooMuchWork
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge
 
 log = logging.getLogger(__name__)
@@ -46,11 +48,13 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (PayloadTooLarge, 413),
     (UnsupportedMediaType, 415),
     (OverLimit, 422),
+    (Overloaded, 429),
     (NotCached, 504),  # what RFC 9111 prescribes for only-if-cached; nothing is retried
     (UpstreamTimeout, 504),
     (UpstreamUnavailable, 502),
     (VerificationFailed, 502),
     (InsufficientStorage, 507),  # RFC 4918: the server cannot store what it must to answer
+    (WorkerLost, 503),
     (SymgateError, 500),
 )
 
@@ -64,7 +68,7 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return error
     if isinstance(error, ProfileTooLarge):
         return PayloadTooLarge(str(error))
-    if isinstance(error, TooManyBuildIds):
+    if isinstance(error, (TooManyBuildIds, TooMuchWork)):
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
@@ -85,7 +89,7 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
     status = status_of(error, user_agent)
     headers: dict[str, str] = {}
-    if status in (502, 503, 504, 507) and not isinstance(error, NotCached):
+    if status in (429, 502, 503, 504, 507) and not isinstance(error, NotCached):
         headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="symgate"'

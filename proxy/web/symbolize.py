@@ -11,6 +11,7 @@ from collections import Counter
 
 from aiohttp import web
 
+from proxy.config import SymbolizeConfig
 from proxy.errors import PayloadTooLarge, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
 from proxy.web.logs import annotate
@@ -57,18 +58,22 @@ async def symbolize(request: web.Request) -> web.Response:
     if ctype not in ACCEPTED_TYPES:
         raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile "
                                    "as application/octet-stream or application/x-protobuf")
-    body = await _read_body(request, cfg.max_request_bytes)
-    tenant = state.tenancy.tenant_of(request)
-    settings = state.tenancy.settings(tenant)
-    annotate(request, tenant=tenant or None)
-    if not cfg.enabled or (settings is not None and not settings.symbolize):
-        annotate(request, outcome="disabled")
-        return web.Response(body=body, content_type="application/octet-stream",
-                            headers={"X-Symgate-Symbolize": "disabled"})
-    hop, may_fetch = hop_of(request, state.via_name, state.config.server.forwarded_ttl_limit)
-    req = state.tenancy.scope(tenant, hop, may_fetch)
-    limits = Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s)
-    done = await symbolize_profile(body, state.symbols.provider(req), limits)
+    # Admitted before the body is read: a full server answers 429 at once, and holds only the
+    # bodies of the profiles it works on.
+    async with state.symbols.workers.admitted():
+        body = await _read_body(request, cfg.max_request_bytes)
+        tenant = state.tenancy.tenant_of(request)
+        settings = state.tenancy.settings(tenant)
+        annotate(request, tenant=tenant or None)
+        if not cfg.enabled or (settings is not None and not settings.symbolize):
+            annotate(request, outcome="disabled")
+            return web.Response(body=body, content_type="application/octet-stream",
+                                headers={"X-Symgate-Symbolize": "disabled"})
+        hop, may_fetch = hop_of(request, state.via_name,
+                                state.config.server.forwarded_ttl_limit)
+        req = state.tenancy.scope(tenant, hop, may_fetch)
+        done = await symbolize_profile(body, state.symbols.provider(req), limits_of(cfg),
+                                       state.symbols.workers)
     _count(state, done)
     result = "symbolized" if done.changed else "unchanged"
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
@@ -76,6 +81,14 @@ async def symbolize(request: web.Request) -> web.Response:
     # Nothing filled in: the client gets its own bytes back, untouched.
     return web.Response(body=done.body, content_type="application/octet-stream",
                         headers=_headers(done.report, result))
+
+
+def limits_of(cfg: SymbolizeConfig) -> Limits:
+    return Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s,
+                  max_profile_mappings=cfg.max_profile_mappings,
+                  max_profile_locations=cfg.max_profile_locations,
+                  max_profile_functions=cfg.max_profile_functions,
+                  max_profile_samples=cfg.max_profile_samples)
 
 
 def _count(state: AppState, done: Symbolized) -> None:

@@ -32,7 +32,34 @@ class Decoded:
     raw: bytes  # the uncompressed protobuf bytes
 
 
+# Inflated a mebibyte at a time when measuring: a bomb costs this much memory, not its size.
+_CHUNK = 1 << 20
+
+
+def _inflated_size(body: bytes, limit: int) -> int:
+    """How many bytes `body` inflates to, stopping the moment that passes `limit`; the output
+    is thrown away as it comes, so a gzip bomb is refused without ever being held."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    size, data = 0, body
+    try:
+        while True:
+            out = inflater.decompress(data, _CHUNK)
+            size += len(out)
+            if size > limit:
+                raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
+            data = inflater.unconsumed_tail
+            if inflater.eof or (not out and not data):
+                break
+    except zlib.error as e:
+        raise ProfileError(f"not valid gzip: {e}") from e
+    if not inflater.eof:
+        raise ProfileError("truncated gzip stream")
+    return size
+
+
 def _gunzip(body: bytes, limit: int) -> bytes:
+    # Only what is known to fit is inflated whole.
+    _inflated_size(body, limit)
     inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, limit + 1)

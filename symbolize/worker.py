@@ -1,0 +1,173 @@
+"""The CPU-bound steps of symbolizing a profile, as functions of bytes: decode and scan (which
+build IDs to resolve), then decode, rewrite and encode with the tables the caller resolved.
+
+The server runs them in worker processes, so that a big profile never holds its event loop
+(and the GIL) away from /buildid; the offline CLI runs them in a thread. Either way they get
+the request's bytes and tables by path, and give back bytes: nothing large crosses a process
+boundary as Python objects. Each process keeps its own open tables and its own FunctionIds,
+which every rewrite in that process shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .chains import FunctionIds
+from .elf import LoadSegment
+from .outcome import Outcome
+from .pprof.codec import ProfileError, decode, encode
+from .pprof.profile_raw_pb2 import RawProfile
+from .rewrite import MappingSymbols, Report, candidates, rewrite
+from .symcache_columns import UnreadableSymCache
+from .symtab import SymbolTable, TableSpec
+
+log = logging.getLogger(__name__)
+
+
+class TooManyBuildIds(ProfileError):
+    """A well-formed profile asks for more build IDs than one request may fetch or build."""
+
+
+class TooMuchWork(ProfileError):
+    """A well-formed profile has more mappings, locations, functions or samples than one
+    request may have symbolized: refused before any of the work is done."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_decompressed_bytes: int
+    max_build_ids: int
+    # Past this, the profile is answered with the tables that are ready; None: no limit.
+    deadline_s: float | None = None
+    # Per profile; None: no limit. Counted as the profile is decoded, before any rewrite.
+    max_profile_mappings: int | None = None
+    max_profile_locations: int | None = None
+    max_profile_functions: int | None = None
+    max_profile_samples: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the caller found for one build ID: its table and the program headers to translate
+    with ((): none needed), or the outcome that explains why there is no table."""
+
+    table: TableSpec | None
+    segments: tuple[LoadSegment, ...] = ()
+    outcome: Outcome = Outcome.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    body: bytes | None  # None: nothing was filled in, and the request's own bytes stand
+    report: Report
+
+
+def _decode(body: bytes, limits: Limits) -> tuple[RawProfile, bool]:
+    decoded = decode(body, limits.max_decompressed_bytes)
+    profile = decoded.profile
+    # Samples and locations stay encoded in a RawProfile: counting them costs nothing, and the
+    # rewrite, whose cost grows with them, has not started.
+    for what, count, limit in (
+            ("mappings", len(profile.mapping), limits.max_profile_mappings),
+            ("locations", len(profile.location), limits.max_profile_locations),
+            ("functions", len(profile.function), limits.max_profile_functions),
+            ("samples", len(profile.sample), limits.max_profile_samples)):
+        if limit is not None and count > limit:
+            raise TooMuchWork(f"profile has {count} {what}; the limit is {limit} per request")
+    return profile, decoded.gzipped
+
+
+def _needs_layout(profile: RawProfile, wanted: dict[int, str]) -> dict[str, bool]:
+    """Build ID -> whether some mapping of it has runtime addresses (not ELF-relative ones),
+    which only the executable's program headers translate exactly."""
+    needs = dict.fromkeys(wanted.values(), False)
+    for m in profile.mapping:
+        if m.id in wanted and (m.memory_start or m.file_offset):
+            needs[wanted[m.id]] = True
+    return needs
+
+
+def scan(body: bytes, limits: Limits) -> dict[str, bool]:
+    """The build IDs to resolve, each with whether it needs the executable's program headers.
+
+    Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
+    cannot take.
+    """
+    profile, _gzipped = _decode(body, limits)
+    layouts = _needs_layout(profile, candidates(profile, Report()))
+    if len(layouts) > limits.max_build_ids:
+        raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
+                              f"{limits.max_build_ids} per request")
+    return layouts
+
+
+class Workspace:
+    """One process's open tables (least recently used closed first) and FunctionIds."""
+
+    def __init__(self, open_tables: int) -> None:
+        self._capacity = open_tables
+        self.ids = FunctionIds()
+        self._tables: OrderedDict[tuple[TableSpec, int, int, int], SymbolTable] = OrderedDict()
+
+    def table(self, spec: TableSpec) -> SymbolTable:
+        # A table rebuilt under the same path is another file: the inode and time tell.
+        st = os.stat(spec.path)
+        key = (spec, st.st_ino, st.st_mtime_ns, st.st_size)
+        table = self._tables.get(key)
+        if table is None:
+            # The file it replaced is closed now, so that its disk space is freed.
+            for stale in [k for k in self._tables if k[0].path == spec.path]:
+                del self._tables[stale]
+            table = self._tables[key] = SymbolTable.open(spec, self.ids)
+            while len(self._tables) > self._capacity:
+                self._tables.popitem(last=False)
+        self._tables.move_to_end(key)
+        return table
+
+    def finish(self, body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
+        """Rewrite the profile with the tables in `answers` (every build ID `scan` gave)."""
+        profile, gzipped = _decode(body, limits)
+        report = Report()
+        wanted = candidates(profile, report)
+        symbols: dict[str, MappingSymbols] = {}
+        outcomes = {bid: a.outcome for bid, a in answers.items()}
+        for bid, a in answers.items():
+            if a.table is None:
+                continue
+            try:
+                symbols[bid] = MappingSymbols(self.table(a.table), a.segments)
+            except (OSError, UnreadableSymCache):  # evicted since it was found, or damaged
+                log.exception("symbol table of %s", bid)
+                outcomes[bid] = Outcome.MALFORMED
+        for bid in wanted.values():
+            if bid not in symbols:
+                report.mappings_skipped[outcomes[bid]] += 1
+        usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
+        if usable:
+            rewrite(profile, usable, symbols, self.ids, report)
+        if not report.changed:
+            return Finished(None, report)
+        return Finished(encode(profile, gzipped), report)
+
+
+# A worker process's own: set by `init_worker`.
+_workspace: Workspace | None = None
+
+
+def init_worker(open_tables: int) -> None:
+    global _workspace
+    _workspace = Workspace(open_tables)
+
+
+def warm_up() -> None:
+    """Run once in each fresh worker: importing this module loaded numpy, protobuf, symbolic."""
+
+
+def finish(body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
+    """`Workspace.finish` in a worker process started with `init_worker`."""
+    if _workspace is None:
+        raise RuntimeError("init_worker was not called in this process")
+    return _workspace.finish(body, limits, answers)

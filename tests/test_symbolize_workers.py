@@ -1,0 +1,179 @@
+"""/symbolize under load and abuse: its CPU work runs in worker processes, never on the event
+loop that serves /buildid; a worker that dies costs its request a 503, not the server; work
+bounds and the admission gate refuse before the work (422, 429 + Retry-After); and a gzip bomb
+is refused without being inflated into memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import zlib
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from proxy.web.state import STATE
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+
+def _profile(elfs: ElfSet) -> bytes:
+    return make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:5])]).SerializeToString()
+
+
+def _workers(sg: Symgate) -> list[int]:
+    return sg.runner.app[STATE].symbols.workers.pool.pids()
+
+
+@contextlib.contextmanager
+def _stopped(pids: list[int]) -> Iterator[None]:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+async def _started(sg: Symgate) -> list[int]:
+    """The symbolize workers' pids, once each has started."""
+    await eventually(lambda: _true(len(_workers(sg)) == sg.config.symbolize.workers))
+    return _workers(sg)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_profiles_are_rewritten_off_the_event_loop(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """With every symbolize worker frozen, a profile waits while /buildid hits are answered:
+    the rewrite is the workers' alone, and the loop stays free."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    hit = f"/buildid/{elfs.prog.build_id}/executable"
+    assert (await sg.get(hit))[0] == 200
+    state = sg.runner.app[STATE]
+    with _stopped(await _started(sg)):
+        pending = asyncio.ensure_future(post(sg, _profile(elfs)))
+        await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
+        for _ in range(3):
+            status, _, body = await sg.get(hit)
+            assert status == 200 and body == elfs.prog.executable.read_bytes()
+        assert not pending.done()
+    status, headers, _ = await pending
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+
+async def test_a_worker_killed_mid_profile_is_a_503_and_the_pool_recovers(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    state = sg.runner.app[STATE]
+    pids = await _started(sg)
+    with _stopped(pids):
+        pending = asyncio.ensure_future(post(sg, _profile(elfs)))
+        await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    status, headers, text = await pending
+    assert status == 503 and "Retry-After" in headers and b"worker process died" in text
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert set(_workers(sg)).isdisjoint(pids)
+
+
+@pytest.mark.parametrize(("bound", "what"), [
+    ("max_profile_mappings", b"3 mappings"), ("max_profile_locations", b"6 locations"),
+    ("max_profile_functions", b"3 functions"), ("max_profile_samples", b"6 samples")])
+async def test_a_profile_past_a_work_bound_is_422_before_anything_is_fetched(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, bound: str,
+    what: bytes,
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config(**{bound: 2}))
+    placed = [(replace(place(elfs.prog, BASES["prog"]), build_id=f"{i:02x}" * 20),
+               [0x1100, 0x1200])
+              for i in range(3)]
+    profile = make_profile(placed)
+    for fid in (1, 2, 3):
+        profile.function.add(id=fid, name=0)
+    status, _, text = await post(sg, profile.SerializeToString())
+    assert status == 422 and what in text and b"the limit is 2" in text, text
+    assert faults.count("ok") == 0
+
+
+async def test_past_the_slots_a_profile_gets_429_at_once_and_hits_stay_served(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    faults.release.set()
+    sg = await start_symgate([faults.url_for("hold")], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=1, deadline_s=60.0))
+    hit = f"/buildid/{elfs.other.build_id}/executable"
+    assert (await sg.get(hit))[0] == 200
+    faults.release.clear()
+    workers = sg.runner.app[STATE].symbols.workers
+    # One profile in work, held by its debuginfo, and one waiting for the slot.
+    first = asyncio.ensure_future(post(sg, _profile(elfs)))
+    await eventually(lambda: _true(faults.count("hold") > 1))
+    second = asyncio.ensure_future(post(sg, _profile(elfs)))
+    await eventually(lambda: _true(workers.admitted_count == 2))
+    status, headers, text = await post(sg, _profile(elfs))
+    assert status == 429 and int(headers["Retry-After"]) > 0 and b"try again later" in text
+    status, _, body = await sg.get(hit)
+    assert status == 200 and body == elfs.other.executable.read_bytes()
+    assert not first.done() and not second.done()
+    faults.release.set()
+    for pending in (first, second):
+        status, headers, _ = await pending
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
+def _gzip_bomb(inflated: int) -> bytes:
+    """A real gzip file of `inflated` zero bytes, about a thousandth of that long, made
+    without holding it: one mebibyte of zeros compressed once, its block repeated (a full
+    flush makes each block stand alone)."""
+    chunk = 1 << 20
+    zeros = bytes(chunk)
+    packer = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(inflated // chunk):
+        crc = zlib.crc32(zeros, crc)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"
+    trailer = (crc.to_bytes(4, "little") + (inflated & 0xFFFFFFFF).to_bytes(4, "little"))
+    return header + block * (inflated // chunk) + b"\x03\x00" + trailer
+
+
+def _peak_rss(pid: int) -> int:
+    """VmHWM: the most memory the process ever held, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_gzip_bombs_are_refused_without_being_inflated(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod
+) -> None:
+    bomb = _gzip_bomb(1 << 30)
+    assert len(bomb) < 1100 * 1024
+    assert zlib.decompressobj(wbits=31).decompress(bomb, 8 << 20) == bytes(8 << 20)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    pid, = await _started(sg)
+    before = _peak_rss(pid)
+    results = await asyncio.gather(*(post(sg, bomb) for _ in range(4)))
+    for status, _, text in results:
+        assert status == 413 and b"decompresses to more than" in text
+    # The limit is 256 MiB: inflating up to it, as the counting pass never does, would show.
+    assert _peak_rss(pid) - before < 64 * 1024 * 1024, (before, _peak_rss(pid))
