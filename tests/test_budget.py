@@ -10,6 +10,8 @@ import contextlib
 import os
 from pathlib import Path
 
+import aiohttp
+
 from proxy.config import CacheConfig
 from proxy.keys import ArtifactKey
 from tests.elfs import ElfSet, build_program
@@ -129,3 +131,25 @@ async def test_eviction_follows_last_access_across_a_restart(
     assert (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name).exists()
     assert not (objects / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
                 ).exists()
+
+
+async def test_an_announced_size_never_sent_evicts_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    # An upstream that announces a size and sends half of it: room is made as bytes come, so
+    # the lie alone cannot have the cache emptied (repeated with new build IDs, it would).
+    size = elfs.big.debug.stat().st_size
+    kept = elfs.prog.debug.stat().st_size
+    budget = size + kept // 2  # `big` whole and `prog` cannot both be kept; half of big can
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=budget))
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 1)
+    await sg.stop()
+    liar = await start_symgate([faults.url_for("truncated")], data_dir=sg.config.server.data_dir,
+                               cache=CacheConfig(max_bytes=budget))
+    with contextlib.suppress(aiohttp.ClientPayloadError):  # cut off after its first half
+        await liar.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert faults.count("truncated") >= 1
+    assert await liar.metric("symgate_cache_evictions_total") == 0
+    assert (await liar.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    assert faults.count("ok") == 1

@@ -110,6 +110,13 @@ class ArtifactCache:
             await self._remove_victims(victims)
             return True
 
+    def could_fit(self, download: object, total: int) -> bool:
+        """Whether `total` bytes could be held for a download by evicting every file not being
+        sent; evicts nothing."""
+        pinned = sum(self._entries[kh].size for kh in self._leases if kh in self._entries)
+        held = self._reserved.get(download, 0)
+        return pinned + self.reserved_bytes - held + total <= self.max_bytes
+
     def release(self, download: object) -> None:
         self._reserved.pop(download, None)
 

@@ -202,17 +202,23 @@ class ArtifactService:
             self._reject(key, "too_large")
             raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
                            f"{self._max_artifact} (cache.max_artifact_bytes)")
-        # The budget holds during the download: room for the announced size is made before
-        # the first byte, for an unannounced one as it grows. What cannot fit is not kept.
-        keep = await self.cache.reserve(flight, meta.size or 0)
+        # The budget holds during the download: room is made as the bytes come, a step ahead
+        # of them. Not for the announced size up front, which an upstream could inflate to
+        # have the cache emptied for a body it never sends; that size only caps the steps, and
+        # one that could not fit even then is not kept from the start, evicting nothing.
+        keep = meta.size is None or self.cache.could_fit(flight, meta.size)
         step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
+        held = 0
         flight.started(meta)
         digest = hashlib.sha256()
         fd = flight.writer_fd
         async for chunk in body.chunks():
-            if keep and flight.written + len(chunk) > (meta.size or 0):
-                keep = await self.cache.reserve(
-                    flight, -(-(flight.written + len(chunk)) // step) * step)
+            needed = flight.written + len(chunk)
+            if keep and needed > held:
+                held = -(-needed // step) * step
+                if meta.size is not None and needed <= meta.size:
+                    held = min(held, meta.size)
+                keep = await self.cache.reserve(flight, held)
             if flight.written + len(chunk) > self._max_artifact:
                 self._reject(key, "too_large")
                 raise VerificationFailed(f"{meta.upstream} sent more than "
