@@ -224,6 +224,9 @@ class CacheConfig:
 class DatabaseConfig:
     url: Annotated[Text | None, AfterValidator(_none_if_empty)] = None
     migrate_on_start: Flag = True
+    # How long connecting to PostgreSQL, or one statement, may take before the database counts
+    # as unreachable: a server that accepts and never answers must not hold misses for minutes.
+    timeout_s: Seconds = 5.0
 
 
 @dataclass(frozen=True, config=_SECTION)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import aiohttp
 import pytest
 
 from proxy.store.repository import Repository, create_engine
@@ -31,6 +32,17 @@ class Forwarder:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def silence(self) -> None:
+        """From now on, connections are accepted and never answered, and those open hang: a
+        database host whose packets are dropped, or a server stuck on a lock."""
+        await self.cut()
+        self._server = await asyncio.start_server(self._hang, "127.0.0.1", self.port)
+
+    async def _hang(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._pipes.add(writer)
+        with contextlib.suppress(OSError):
+            await reader.read()  # until the client gives up
 
     async def cut(self) -> None:
         assert self._server is not None
@@ -107,3 +119,32 @@ async def test_misses_are_served_while_postgresql_is_down(
         status, _, body = await again.get(path)
         assert status == 200 and body == elf.debug.read_bytes()
     assert faults.count("ok") == 3
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_database_that_never_answers_holds_no_request_past_its_timeout(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=real.netloc.replace(
+        f"{real.hostname}:{real.port}", f"127.0.0.1:{forwarder.port}")))
+    cfg = make_config(tmp_path / "data", via, [faults.url_for("ok")])
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0))
+    sg = await start_symgate(config=cfg)
+    hit, miss = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    assert (await sg.get(hit))[0] == 200
+
+    await forwarder.silence()
+    # The drivers' own defaults wait a minute (or forever): far past this client's patience.
+    patience = aiohttp.ClientTimeout(total=20)
+    status, _, body = await sg.get(miss, timeout=patience)
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    status, _, body = await sg.get(hit, timeout=patience)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, text = await sg.get("/healthz", timeout=patience)
+    assert status == 200 and b"database: unreachable" in text
+    await forwarder.cut()

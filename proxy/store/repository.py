@@ -18,7 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from proxy.store.models import Artifact, Base, Negative, SymbolTableRow
 
 
-def create_engine(url: str) -> AsyncEngine:
+def create_engine(url: str, timeout_s: float | None = None) -> AsyncEngine:
+    """`timeout_s` bounds connecting to PostgreSQL, waiting for a pooled connection and each
+    statement (None: the drivers' defaults, which wait a minute or forever)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -36,7 +38,11 @@ def create_engine(url: str) -> AsyncEngine:
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_pre_ping=True)
+    if timeout_s is None:
+        return create_async_engine(url, pool_pre_ping=True)
+    return create_async_engine(
+        url, pool_pre_ping=True, pool_timeout=timeout_s,
+        connect_args={"timeout": timeout_s, "command_timeout": timeout_s})
 
 
 # What a query raises when the database cannot be reached or written (a PostgreSQL that is

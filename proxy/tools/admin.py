@@ -43,7 +43,7 @@ class NegativeRow:
 class Admin:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.repo = Repository(create_engine(config.database_url))
+        self.repo = Repository(create_engine(config.database_url, config.database.timeout_s))
         self.store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
 
     async def close(self) -> None:

@@ -95,7 +95,7 @@ def _lifecycle(
         if config.database.migrate_on_start:
             await asyncio.to_thread(migrate.upgrade, config.database_url)
         metrics = ProxyMetrics(registry)
-        repo = Repository(create_engine(config.database_url))
+        repo = Repository(create_engine(config.database_url, config.database.timeout_s))
         store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
         cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes)
         await cache.load()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ class AppState:
     via_name: str = field(default_factory=lambda: f"symgate-{uuid.uuid4().hex[:16]}")
 
     async def ping_database(self) -> None:
-        async with self.repo.engine.connect() as conn:
-            await conn.execute(text("SELECT 1"))
+        # Bounded here too: /healthz must answer a probe in time even when SQLite is locked.
+        async with asyncio.timeout(self.config.database.timeout_s or None):
+            async with self.repo.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
 
 
 STATE = web.AppKey("state", AppState)
