@@ -275,8 +275,12 @@ class SymbolizeConfig:
     # Profiles in work at once, and waiting for a slot; past both, 429 with Retry-After.
     max_concurrent: AtLeastOne = 4
     max_waiting: Count = 16
-    # Work bounds per profile, checked as it is decoded (before any rewrite); more is a 422.
-    # Far above a real profile of a big process (hundreds of mappings, 10^5 locations).
+    # A profile's body must arrive within this (else 408): an upload that trickles in holds
+    # an admission place, never a worker slot, and only for this long.
+    body_timeout_s: Seconds = 60.0
+    # Work bounds per profile, checked as it is decoded (before any rewrite); more is a 422,
+    # 0 is no bound. Far above a real profile of a big process (hundreds of mappings, 10^5
+    # locations).
     max_profile_mappings: Count = 10_000
     max_profile_locations: Count = 2_000_000
     max_profile_functions: Count = 2_000_000

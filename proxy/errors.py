@@ -97,6 +97,12 @@ class InsufficientStorage(SymgateError):
     outcome = Outcome.INTERNAL
 
 
+class RequestTimeout(SymgateError):
+    """The client did not send its request body within the time allowed."""
+
+    outcome = Outcome.REJECTED
+
+
 class Overloaded(SymgateError):
     """More requests of a kind are in work and waiting than the server takes: retry later."""
 

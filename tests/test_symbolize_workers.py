@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.config import TenantConfig
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -136,6 +137,72 @@ async def test_past_the_slots_a_profile_gets_429_at_once_and_hits_stay_served(
         status, headers, _ = await pending
         assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
+async def _trickle(sg: Symgate, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A POST /symbolize that announces `body` and sends only its first bytes, then stalls."""
+    host, port = sg.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream"
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:3])
+    await writer.drain()
+    return reader, writer
+
+
+async def test_an_upload_that_trickles_in_holds_no_slot_and_gets_408(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=1, body_timeout_s=2.0))
+    workers = sg.runner.app[STATE].symbols.workers
+    reader, writer = await _trickle(sg, _profile(elfs))
+    await eventually(lambda: _true(workers.admitted_count == 1))
+    # The one worker slot is free for a profile whose body is in, while the slow one trickles.
+    status, headers, _ = await asyncio.wait_for(post(sg, _profile(elfs)), 30)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    head = await asyncio.wait_for(reader.read(), 30)
+    assert head.startswith(b"HTTP/1.1 408"), head[:100]
+    writer.close()
+    assert workers.admitted_count == 0
+
+
+async def test_a_client_that_hangs_up_mid_upload_is_no_server_error(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    workers = sg.runner.app[STATE].symbols.workers
+    _reader, writer = await _trickle(sg, _profile(elfs))
+    await eventually(lambda: _true(workers.admitted_count == 1))
+    writer.transport.abort()
+    await eventually(lambda: _true(workers.admitted_count == 0))
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], \
+        [r.getMessage() for r in caplog.records]
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="internal") == 0
+    status, _, _ = await post(sg, _profile(elfs))
+    assert status == 200
+
+
+async def test_pass_through_takes_no_place_and_a_zero_bound_is_no_bound(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate(
+        [faults.url_for("ok")],
+        symbolize=symbolize_config(max_concurrent=1, max_waiting=0, max_profile_mappings=0,
+                                   max_profile_locations=0),
+        tenants={"off": TenantConfig(symbolize=False)})
+    workers = sg.runner.app[STATE].symbols.workers
+    _reader, writer = await _trickle(sg, _profile(elfs))  # the one place, held
+    await eventually(lambda: _true(workers.admitted_count == 1))
+    status, headers, body = await post(sg, _profile(elfs), **{"X-Scope-OrgID": "off"})
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "disabled"
+    assert body == _profile(elfs)
+    assert (await post(sg, _profile(elfs)))[0] == 429
+    writer.close()
+    await eventually(lambda: _true(workers.admitted_count == 0))
+    # 0 is no bound, as for the configuration's other limits, not "refuse everything".
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
 
 def _gzip_bomb(inflated: int) -> bytes:

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
@@ -148,14 +149,16 @@ class SymbolizeWorkers:
         return self._admitted
 
     @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[None]:
+    async def admitted(self) -> AsyncIterator[Callable[[], AsyncContextManager[None]]]:
+        """A place among the profiles in work or waiting (Overloaded past them), and what
+        takes a worker slot once the profile's body is in: an upload that trickles in must
+        hold a waiting place, never a slot."""
         if self._admitted >= self._admissible:
             raise Overloaded(f"symgate is symbolizing {self._max_concurrent} profiles and has "
                              "as many waiting as it may: try again later")
         self._admitted += 1
         try:
-            async with self._slots:
-                yield
+            yield lambda: self._slots
         finally:
             self._admitted -= 1
 

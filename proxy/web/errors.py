@@ -20,6 +20,7 @@ from proxy.errors import (
     Overloaded,
     PayloadTooLarge,
     RememberedNotFound,
+    RequestTimeout,
     SymgateError,
     TooLarge,
     Unauthorized,
@@ -37,6 +38,7 @@ from symbolize.pipeline import TooManyBuildIds, TooMuchWork
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge
 
 log = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Most specific first: the first class an error is an instance of gives its status.
@@ -46,6 +48,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (NotFound, 404),
     (TooLarge, 406),
     (PayloadTooLarge, 413),
+    (RequestTimeout, 408),
     (UnsupportedMediaType, 415),
     (OverLimit, 422),
     (Overloaded, 429),
@@ -112,6 +115,12 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         if request.writer is not None and request.writer.output_size > 0:
             _cut_off(request, e, time.perf_counter() - started)
             raise
+        if isinstance(e, ConnectionError):
+            # The client left while its request was read: nobody to answer, and no fault of
+            # ours to log. Raising would have aiohttp log a traceback for it; the status is
+            # nginx's "client closed request", for the access log alone.
+            _cut_off(request, e, time.perf_counter() - started)
+            return web.Response(status=CLIENT_CLOSED_REQUEST)
         error = as_symgate_error(e)
         if type(error) is SymgateError:
             log.exception("%s %s failed", request.method, request.path)

@@ -7,12 +7,13 @@ X-Scope-OrgID, as in Pyroscope and other Grafana backends.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from aiohttp import web
 
 from proxy.config import SymbolizeConfig
-from proxy.errors import PayloadTooLarge, UnsupportedMediaType
+from proxy.errors import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
@@ -23,17 +24,22 @@ ACCEPTED_TYPES = ("application/octet-stream", "application/x-protobuf",
                   "application/vnd.google.protobuf", "")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     # read(n) returns what is buffered, not n bytes: read to the end, stopping past the limit.
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(1 << 20):
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s or None):
+            while chunk := await request.content.read(1 << 20):
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError as e:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s "
+                             f"({size} bytes came)") from e
     return b"".join(chunks)
 
 
@@ -59,21 +65,24 @@ async def symbolize(request: web.Request) -> web.Response:
         raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile "
                                    "as application/octet-stream or application/x-protobuf")
     # Admitted before the body is read: a full server answers 429 at once, and holds only the
-    # bodies of the profiles it works on.
-    async with state.symbols.workers.admitted():
-        body = await _read_body(request, cfg.max_request_bytes)
-        tenant = state.tenancy.tenant_of(request)
-        settings = state.tenancy.settings(tenant)
-        annotate(request, tenant=tenant or None)
-        if not cfg.enabled or (settings is not None and not settings.symbolize):
-            annotate(request, outcome="disabled")
-            return web.Response(body=body, content_type="application/octet-stream",
-                                headers={"X-Symgate-Symbolize": "disabled"})
+    # bodies of the profiles it admitted. A worker slot is taken only once the body is in.
+    tenant = state.tenancy.tenant_of(request)
+    settings = state.tenancy.settings(tenant)
+    annotate(request, tenant=tenant or None)
+    if not cfg.enabled or (settings is not None and not settings.symbolize):
+        # Passed through untouched: no work, so no place among the admitted to take.
+        body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        annotate(request, outcome="disabled")
+        return web.Response(body=body, content_type="application/octet-stream",
+                            headers={"X-Symgate-Symbolize": "disabled"})
+    async with state.symbols.workers.admitted() as take_slot:
+        body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
-        done = await symbolize_profile(body, state.symbols.provider(req), limits_of(cfg),
-                                       state.symbols.workers)
+        async with take_slot():
+            done = await symbolize_profile(body, state.symbols.provider(req), limits_of(cfg),
+                                           state.symbols.workers)
     _count(state, done)
     result = "symbolized" if done.changed else "unchanged"
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
@@ -85,10 +94,11 @@ async def symbolize(request: web.Request) -> web.Response:
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
     return Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s,
-                  max_profile_mappings=cfg.max_profile_mappings,
-                  max_profile_locations=cfg.max_profile_locations,
-                  max_profile_functions=cfg.max_profile_functions,
-                  max_profile_samples=cfg.max_profile_samples)
+                  # 0: no bound, as for the other limits of the configuration
+                  max_profile_mappings=cfg.max_profile_mappings or None,
+                  max_profile_locations=cfg.max_profile_locations or None,
+                  max_profile_functions=cfg.max_profile_functions or None,
+                  max_profile_samples=cfg.max_profile_samples or None)
 
 
 def _count(state: AppState, done: Symbolized) -> None:
