@@ -3,9 +3,13 @@ symgate fetch, cache or serve anything it should not (issue 11, items 5 and 6)."
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import ipaddress
 import logging
+import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -94,6 +98,74 @@ async def test_a_redirect_to_another_scheme_is_refused(
     sg = await start_symgate([faults.url_for("redirect-to")])
     status, _, body = await sg.get(_source_path(elfs))
     assert status == 502 and b"bad redirect" in body, body
+
+
+class FakeNetwork:
+    """The OS's name resolution and routing, faked on the running loop (symgate's own modules
+    are not touched): a name answers the addresses the test gives it, one per lookup, the
+    last repeating; a connection to an address in `routes` goes to that port on 127.0.0.1;
+    any other connection off loopback is recorded and refused, so nothing leaves the box."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.answers: dict[str, list[str]] = {}
+        self.lookups: collections.Counter[str] = collections.Counter()
+        self.routes: set[str] = set()
+        self.off_box: list[object] = []
+        loop = asyncio.get_running_loop()
+        real_getaddrinfo, real_connect = loop.getaddrinfo, loop.sock_connect
+
+        async def getaddrinfo(host: Any, port: Any, **kw: Any) -> Any:
+            name = str(host).rstrip(".").lower()
+            if name not in self.answers:
+                return await real_getaddrinfo(host, port, **kw)
+            answers = self.answers[name]
+            ip = answers[min(self.lookups[name], len(answers) - 1)]
+            self.lookups[name] += 1
+            if kw.get("family", 0) not in (0, socket.AF_INET):
+                return []
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                     (ip, int(port or 0)))]
+
+        async def sock_connect(sock: socket.socket, address: Any) -> None:
+            host, port = address[0], address[1]
+            if host in self.routes:
+                address = ("127.0.0.1", port)
+            elif not ipaddress.ip_address(host).is_loopback:
+                self.off_box.append(address)
+                raise ConnectionRefusedError(f"test network: {host} is off the box")
+            await real_connect(sock, address)
+
+        monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+        monkeypatch.setattr(loop, "sock_connect", sock_connect)
+
+
+@sqlite_only
+async def test_a_listed_name_that_rebinds_to_loopback_between_check_and_connect_is_refused(
+    start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
+    elfs: ElfSet, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DNS rebinding: the redirect target answers a public address when it is checked, then
+    127.0.0.1 when aiohttp resolves it again to connect. The address connected to must be one
+    that was checked, so the loopback service is never asked."""
+    net = FakeNetwork(monkeypatch)
+    # A public upstream (its address is routed to the fault upstream's loopback port)...
+    net.answers["up.test"] = ["93.184.216.80"]
+    net.routes.add("93.184.216.80")
+    # ... listing a CDN whose name answers public once, then the site's own loopback.
+    net.answers["cdn.test"] = ["93.184.216.34", "127.0.0.1"]
+    inside = URL(second.url).port
+    faults.redirect_target = f"http://cdn.test:{inside}/ok{_source_path(elfs)}"
+    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
+    sg = await start_symgate([fast_upstream(up, breaker_failures=1,
+                                            redirect_hosts=[f"cdn.test:{inside}"])])
+    for attempt in (1, 2):
+        status, _, body = await sg.get(_source_path(elfs))
+        assert status == 502 and b"bad redirect" in body, body
+        assert b"loopback" in body, body
+        assert faults.count("redirect-to") == attempt  # nothing cached nor remembered
+    assert second.count("ok") == 0  # the loopback service was never asked
+    assert net.lookups["cdn.test"] >= 2 and net.off_box == []
+    assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
 
 
 def test_the_resolved_address_decides_not_the_name() -> None:
