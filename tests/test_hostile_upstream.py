@@ -13,10 +13,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from proxy.config import CacheConfig
-from proxy.sources.redirects import refusal
+from proxy.config import CacheConfig, UpstreamConfig
+from proxy.sources.redirects import GuardedResolver, RefusedAddress, refusal
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream
@@ -166,6 +167,47 @@ async def test_a_listed_name_that_rebinds_to_loopback_between_check_and_connect_
     assert second.count("ok") == 0  # the loopback service was never asked
     assert net.lookups["cdn.test"] >= 2 and net.off_box == []
     assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
+
+
+class _Answers(AbstractResolver):
+    """Stands in for aiohttp's resolver: every name answers the given addresses."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        self.answers = answers
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        return [ResolveResult(hostname=host, host=a, port=port, family=socket.AF_INET,
+                              proto=0, flags=0) for a in self.answers[host.rstrip(".")]]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_connectors_resolver_applies_the_address_rule_per_host() -> None:
+    inner = _Answers({"cdn.example.net": ["127.0.0.1"], "mirror.corp": ["10.0.0.6"],
+                      "debuginfod.corp": ["127.0.0.1"], "proxy.corp": ["10.9.9.9"]})
+    resolver = GuardedResolver([
+        UpstreamConfig(url="https://93.184.216.34/", redirect_hosts=("cdn.example.net",)),
+        UpstreamConfig(url="http://10.0.0.5:8002/", redirect_hosts=("mirror.corp:80",
+                                                                     "debuginfod.corp")),
+        UpstreamConfig(url="http://debuginfod.corp:8002/"),
+    ], inner)
+    # Listed by a public upstream only: a loopback answer is refused, whenever it comes.
+    with pytest.raises(RefusedAddress, match="loopback address"):
+        await resolver.resolve("cdn.example.net", 443, socket.AF_UNSPEC)
+    inner.answers["cdn.example.net"] = ["151.101.1.1", "::1"]
+    with pytest.raises(RefusedAddress, match="::1"):
+        await resolver.resolve("cdn.example.net.", 443, socket.AF_UNSPEC)
+    inner.answers["cdn.example.net"] = ["151.101.1.1"]
+    assert [a["host"] for a in await resolver.resolve("cdn.example.net", 443)] == [
+        "151.101.1.1"]
+    # Listed by an upstream in a private network: that kind of network is fine.
+    assert await resolver.resolve("mirror.corp", 80)
+    # An upstream's own name, and any host no redirect can lead to (an HTTP proxy), resolve
+    # as they would without symgate.
+    assert await resolver.resolve("debuginfod.corp", 8002)
+    assert await resolver.resolve("proxy.corp", 3128)
 
 
 def test_the_resolved_address_decides_not_the_name() -> None:
