@@ -43,7 +43,7 @@ def address_class(ip: IpAddress) -> str:
     return "public"
 
 
-def ip(text: str) -> IpAddress:
+def _parse(text: str) -> IpAddress:
     # Link-local IPv6 addresses come with a scope ("fe80::1%eth0").
     return ipaddress.ip_address(text.split("%")[0])
 
@@ -52,12 +52,12 @@ async def addresses(url: URL) -> list[IpAddress]:
     """What the URL's host resolves to now (an address literal is itself)."""
     host = url.host or ""
     try:
-        return [ip(host)]
+        return [_parse(host)]
     except ValueError:
         pass
     infos = await asyncio.get_running_loop().getaddrinfo(
         host, url.port, type=socket.SOCK_STREAM)
-    return [ip(str(info[4][0])) for info in infos]
+    return [_parse(str(info[4][0])) for info in infos]
 
 
 def origin(url: URL) -> tuple[str, str, int | None]:
@@ -135,7 +135,7 @@ class GuardedResolver(AbstractResolver):
             return answers
         allowed = {"public"} | await _classes(bases)
         for answer in answers:
-            address = ip(answer["host"])
+            address = _parse(answer["host"])
             if (kind := address_class(address)) not in allowed:
                 raise RefusedAddress(
                     f"to a {kind} address ({address}) while the upstream is not on one")
