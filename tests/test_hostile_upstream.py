@@ -3,16 +3,21 @@ symgate fetch, cache or serve anything it should not (issue 11, items 5 and 6)."
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import ipaddress
 import logging
+import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
-from proxy.config import CacheConfig
-from proxy.sources.redirects import refusal
+from proxy.config import CacheConfig, UpstreamConfig
+from proxy.sources.redirects import GuardedResolver, RefusedAddress, refusal
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream
@@ -94,6 +99,115 @@ async def test_a_redirect_to_another_scheme_is_refused(
     sg = await start_symgate([faults.url_for("redirect-to")])
     status, _, body = await sg.get(_source_path(elfs))
     assert status == 502 and b"bad redirect" in body, body
+
+
+class FakeNetwork:
+    """The OS's name resolution and routing, faked on the running loop (symgate's own modules
+    are not touched): a name answers the addresses the test gives it, one per lookup, the
+    last repeating; a connection to an address in `routes` goes to that port on 127.0.0.1;
+    any other connection off loopback is recorded and refused, so nothing leaves the box."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.answers: dict[str, list[str]] = {}
+        self.lookups: collections.Counter[str] = collections.Counter()
+        self.routes: set[str] = set()
+        self.off_box: list[object] = []
+        loop = asyncio.get_running_loop()
+        real_getaddrinfo, real_connect = loop.getaddrinfo, loop.sock_connect
+
+        async def getaddrinfo(host: Any, port: Any, **kw: Any) -> Any:
+            name = str(host).rstrip(".").lower()
+            if name not in self.answers:
+                return await real_getaddrinfo(host, port, **kw)
+            answers = self.answers[name]
+            ip = answers[min(self.lookups[name], len(answers) - 1)]
+            self.lookups[name] += 1
+            if kw.get("family", 0) not in (0, socket.AF_INET):
+                return []
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                     (ip, int(port or 0)))]
+
+        async def sock_connect(sock: socket.socket, address: Any) -> None:
+            host, port = address[0], address[1]
+            if host in self.routes:
+                address = ("127.0.0.1", port)
+            elif not ipaddress.ip_address(host).is_loopback:
+                self.off_box.append(address)
+                raise ConnectionRefusedError(f"test network: {host} is off the box")
+            await real_connect(sock, address)
+
+        monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+        monkeypatch.setattr(loop, "sock_connect", sock_connect)
+
+
+@sqlite_only
+async def test_a_listed_name_that_rebinds_to_loopback_between_check_and_connect_is_refused(
+    start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
+    elfs: ElfSet, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DNS rebinding: the redirect target answers a public address when it is checked, then
+    127.0.0.1 when aiohttp resolves it again to connect. The address connected to must be one
+    that was checked, so the loopback service is never asked."""
+    net = FakeNetwork(monkeypatch)
+    # A public upstream (its address is routed to the fault upstream's loopback port)...
+    net.answers["up.test"] = ["93.184.216.80"]
+    net.routes.add("93.184.216.80")
+    # ... listing a CDN whose name answers public once, then the site's own loopback.
+    net.answers["cdn.test"] = ["93.184.216.34", "127.0.0.1"]
+    inside = URL(second.url).port
+    faults.redirect_target = f"http://cdn.test:{inside}/ok{_source_path(elfs)}"
+    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
+    sg = await start_symgate([fast_upstream(up, breaker_failures=1,
+                                            redirect_hosts=[f"cdn.test:{inside}"])])
+    for attempt in (1, 2):
+        status, _, body = await sg.get(_source_path(elfs))
+        assert status == 502 and b"bad redirect" in body, body
+        assert b"loopback" in body, body
+        assert faults.count("redirect-to") == attempt  # nothing cached nor remembered
+    assert second.count("ok") == 0  # the loopback service was never asked
+    assert net.lookups["cdn.test"] >= 2 and net.off_box == []
+    assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
+
+
+class _Answers(AbstractResolver):
+    """Stands in for aiohttp's resolver: every name answers the given addresses."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        self.answers = answers
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        return [ResolveResult(hostname=host, host=a, port=port, family=socket.AF_INET,
+                              proto=0, flags=0) for a in self.answers[host.rstrip(".")]]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_connectors_resolver_applies_the_address_rule_per_host() -> None:
+    inner = _Answers({"cdn.example.net": ["127.0.0.1"], "mirror.corp": ["10.0.0.6"],
+                      "debuginfod.corp": ["127.0.0.1"], "proxy.corp": ["10.9.9.9"]})
+    resolver = GuardedResolver([
+        UpstreamConfig(url="https://93.184.216.34/", redirect_hosts=("cdn.example.net",)),
+        UpstreamConfig(url="http://10.0.0.5:8002/", redirect_hosts=("mirror.corp:80",
+                                                                     "debuginfod.corp")),
+        UpstreamConfig(url="http://debuginfod.corp:8002/"),
+    ], inner)
+    # Listed by a public upstream only: a loopback answer is refused, whenever it comes.
+    with pytest.raises(RefusedAddress, match="loopback address"):
+        await resolver.resolve("cdn.example.net", 443, socket.AF_UNSPEC)
+    inner.answers["cdn.example.net"] = ["151.101.1.1", "::1"]
+    with pytest.raises(RefusedAddress, match="::1"):
+        await resolver.resolve("cdn.example.net.", 443, socket.AF_UNSPEC)
+    inner.answers["cdn.example.net"] = ["151.101.1.1"]
+    assert [a["host"] for a in await resolver.resolve("cdn.example.net", 443)] == [
+        "151.101.1.1"]
+    # Listed by an upstream in a private network: that kind of network is fine.
+    assert await resolver.resolve("mirror.corp", 80)
+    # An upstream's own name, and any host no redirect can lead to (an HTTP proxy), resolve
+    # as they would without symgate.
+    assert await resolver.resolve("debuginfod.corp", 8002)
+    assert await resolver.resolve("proxy.corp", 3128)
 
 
 def test_the_resolved_address_decides_not_the_name() -> None:

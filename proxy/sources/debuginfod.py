@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import random
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -209,6 +207,7 @@ class Upstream:
     async def _follow(self, url: URL, hop: Hop) -> aiohttp.ClientResponse:
         """The first answer that is not a redirect, following only the redirects the
         operator allows (proxy.sources.redirects); _Permanent for any other."""
+        previous = url
         for _ in range(self.cfg.max_redirects + 1):
             headers = {"User-Agent": USER_AGENT, **hop.headers(),
                        # Bodies are counted against max_artifact_bytes as written; debuginfod
@@ -216,8 +215,15 @@ class Upstream:
                        "Accept-Encoding": "identity"}
             if redirects.origin(url) == redirects.origin(self._base_url):
                 headers.update(self.cfg.headers)  # credentials go to the upstream alone
-            response = await self._session.get(url, headers=headers, timeout=self._timeout,
-                                               allow_redirects=False)
+            try:
+                response = await self._session.get(url, headers=headers, timeout=self._timeout,
+                                                   allow_redirects=False)
+            except aiohttp.ClientConnectorError as e:
+                # The connector's resolver applies the address rule to the answer it connects
+                # to, which may not be the one _refusal was given (DNS rebinding).
+                if isinstance(e.os_error, redirects.RefusedAddress):
+                    raise self._refused(previous, url, str(e.os_error)) from None
+                raise
             if response.status not in _REDIRECT_STATUS:
                 return response
             location = response.headers.get("Location", "")
@@ -229,33 +235,27 @@ class Upstream:
             why = ("without a usable Location" if target is None
                    else await self._refusal(target))
             if target is None or why is not None:
-                shown = printable(str(target) if target else location, 512) or "?"
-                log.warning("upstream %s: refused redirect from %s to %s: %s",
-                            self.name, url, shown, why)
-                raise _Permanent(UpstreamUnavailable(
-                    f"{self.name}: bad redirect to {shown} ({why})"))
-            url = target
+                raise self._refused(url, target or location, why)
+            previous, url = url, target
         log.warning("upstream %s: more than %d redirects, last to %s",
                     self.name, self.cfg.max_redirects, url)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects"))
+
+    def _refused(self, source: URL, target: URL | str, why: str | None) -> _Permanent:
+        shown = printable(str(target), 512) or "?"
+        log.warning("upstream %s: refused redirect from %s to %s: %s",
+                    self.name, source, shown, why)
+        return _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect to {shown} ({why})"))
 
     async def _refusal(self, target: URL) -> str | None:
         if (why := redirects.refusal(self._base_url, [], target, [], self.cfg.redirect_hosts)):
             return why  # refused by name alone: nothing to resolve
         try:
-            own = await _resolve(self._base_url)
-            theirs = await _resolve(target)
+            own = await redirects.addresses(self._base_url)
+            theirs = await redirects.addresses(target)
         except OSError as e:
             return f"cannot resolve: {e}"
         return redirects.refusal(self._base_url, own, target, theirs, self.cfg.redirect_hosts)
-
-
-async def _resolve(url: URL) -> list[redirects.IpAddress]:
-    host = url.host or ""
-    infos = await asyncio.get_running_loop().getaddrinfo(
-        host, url.port, type=socket.SOCK_STREAM)
-    # Link-local IPv6 addresses come with a scope ("fe80::1%eth0").
-    return [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
 
 
 class _Permanent(Exception):

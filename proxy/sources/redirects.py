@@ -5,14 +5,24 @@ symgate is a site's egress point; a redirect followed blindly would let any upst
 anyone who can answer for it) make symgate fetch, cache and serve internal pages (SSRF).
 The decision is a pure function of the URLs and the addresses they resolve to, so the
 address rule is the one that counts: a public name that resolves to 127.0.0.1 is loopback.
+
+A name can answer differently each time it is asked (DNS rebinding), so checking a target's
+addresses before the request is not enough: aiohttp resolves the name again to connect.
+GuardedResolver applies the address rule to the answers aiohttp connects to.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
-from collections.abc import Iterable
+import socket
+from collections.abc import Iterable, Sequence
 
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
 from yarl import URL
+
+from proxy.config import UpstreamConfig
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -31,6 +41,23 @@ def address_class(ip: IpAddress) -> str:
     if not ip.is_global or ip.is_multicast:
         return "private"
     return "public"
+
+
+def _parse(text: str) -> IpAddress:
+    # Link-local IPv6 addresses come with a scope ("fe80::1%eth0").
+    return ipaddress.ip_address(text.split("%")[0])
+
+
+async def addresses(url: URL) -> list[IpAddress]:
+    """What the URL's host resolves to now (an address literal is itself)."""
+    host = url.host or ""
+    try:
+        return [_parse(host)]
+    except ValueError:
+        pass
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, url.port, type=socket.SOCK_STREAM)
+    return [_parse(str(info[4][0])) for info in infos]
 
 
 def origin(url: URL) -> tuple[str, str, int | None]:
@@ -65,3 +92,66 @@ def refusal(base: URL, base_ips: Iterable[IpAddress], target: URL,
         if kind != "public" and kind not in own:
             return f"to a {kind} address ({ip}) while the upstream is not on one"
     return None
+
+
+class RefusedAddress(OSError):
+    """A redirect target's name resolved, when connecting, into a network it may not lead to."""
+
+
+def _name(host: str) -> str:
+    return host.rstrip(".").lower()
+
+
+class GuardedResolver(AbstractResolver):
+    """The resolver of the upstreams' connector: the addresses it answers are the ones
+    connected to, so this is where the address rule holds whatever a name answered before.
+
+    A host that only redirects lead to (listed in an upstream's redirect_hosts, and no
+    upstream's own) may resolve to public addresses, or into the kinds of network the
+    upstreams listing it are in; anything else raises RefusedAddress. The answers are
+    cached per host, not per upstream, so a host listed by several upstreams may lead into
+    any of their networks. Every other host (an upstream's own, an HTTP proxy) resolves as
+    it does without symgate, and redirects can lead to no other host.
+    """
+
+    def __init__(self, upstreams: Iterable[UpstreamConfig],
+                 inner: AbstractResolver | None = None) -> None:
+        # Names resolved the way the OS does (hosts file, nsswitch), as refusal() sees them.
+        self._inner = inner or ThreadedResolver()
+        servers = [u for u in upstreams if u.url]
+        own = {_name(URL(u.url).host or "") for u in servers}
+        self._listed_by: dict[str, list[URL]] = {}
+        for u in servers:
+            for entry in u.redirect_hosts:
+                host = _name(URL(f"//{entry}").host or "")
+                if host not in own:
+                    self._listed_by.setdefault(host, []).append(URL(u.url))
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        answers = await self._inner.resolve(host, port, family)
+        bases = self._listed_by.get(_name(host))
+        if bases is None:
+            return answers
+        allowed = {"public"} | await _classes(bases)
+        for answer in answers:
+            address = _parse(answer["host"])
+            if (kind := address_class(address)) not in allowed:
+                raise RefusedAddress(
+                    f"to a {kind} address ({address}) while the upstream is not on one")
+        return answers
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+async def _classes(bases: Sequence[URL]) -> set[str]:
+    """The kinds of network the upstreams at `bases` are in now (none for one that does not
+    resolve: its redirects then lead to public addresses only)."""
+    found: set[str] = set()
+    for base in bases:
+        try:
+            found.update(address_class(a) for a in await addresses(base))
+        except OSError:
+            continue
+    return found

@@ -23,6 +23,7 @@ from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Upstream
 from proxy.sources.localdir import LocalDirectory
+from proxy.sources.redirects import GuardedResolver
 from proxy.store import migrate
 from proxy.store.disk import DiskStore
 from proxy.store.repository import Repository, create_engine
@@ -100,8 +101,11 @@ def _lifecycle(
         cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes)
         await cache.load()
         session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=config.cache.max_concurrent_fetches * 2,
-                                           ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(
+                limit=config.cache.max_concurrent_fetches * 2, ttl_dns_cache=300,
+                # Redirect targets are connected to only at addresses their rules allow.
+                resolver=GuardedResolver([*config.upstreams, *(
+                    u for t in config.tenants.values() for u in t.upstreams)])),
             # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual.
             trust_env=True,
             headers={"User-Agent": f"symgate/{__version__}"},
