@@ -21,11 +21,9 @@ from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, make_config
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
+def _tmpfs(mnt: Path, options: str) -> Iterator[Path]:
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
@@ -33,6 +31,17 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path / "mnt", "size=8m")
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """Room for bytes, but few files: what many small files do to a real disk."""
+    yield from _tmpfs(tmp_path / "mnt", "size=8m,nr_inodes=256")
 
 
 def _fill(path: Path) -> None:
@@ -99,3 +108,39 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     filler.unlink()
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     assert os.path.exists(kept)
+
+
+def _use_up_inodes(folder: Path) -> list[Path]:
+    """Make empty files until the filesystem refuses: ENOSPC with bytes to spare."""
+    folder.mkdir()
+    made = []
+    for i in range(10_000):  # far more than the tmpfs has: bounded, never reached
+        try:
+            (folder / str(i)).touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+            return made
+        made.append(folder / str(i))
+    raise AssertionError("the filesystem never ran out of inodes")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, few_inodes: Path,
+    database_url: str,
+) -> None:
+    cfg = make_config(few_inodes / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=cfg)
+    fillers = _use_up_inodes(few_inodes / "filler")
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, headers, body = await sg.get(path)
+    assert status == 507, body  # the temp file cannot be made, before any upstream is asked
+    assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    status, _, text = await sg.get("/healthz")
+    assert status == 200 and text.startswith(b"degraded") and b"disk" in text, text
+
+    for filler in fillers:
+        filler.unlink()
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()

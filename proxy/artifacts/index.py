@@ -31,6 +31,8 @@ from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, 
 log = logging.getLogger(__name__)
 # Free space past which a full disk counts as over, without waiting for a download to succeed.
 SPACE_BACK_BYTES = 1024 * 1024
+# and free inodes past which one that ran out of inodes (many small files) counts as over.
+SPACE_BACK_INODES = 64
 # Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
 # file is gone is dropped at the next start, and ignored by replicas that check the file).
 MAX_UNSYNCED_DELETES = 100_000
@@ -332,7 +334,9 @@ class ArtifactCache:
         """Clear a full-disk condition once space is back (an operator freed some)."""
         if self.health.get(DISK) is not None:
             try:
-                if self.store.free_bytes() >= SPACE_BACK_BYTES:
+                inodes = self.store.free_inodes()
+                if (self.store.free_bytes() >= SPACE_BACK_BYTES
+                        and (inodes is None or inodes >= SPACE_BACK_INODES)):
                     self.health.ok(DISK)
             except OSError:
                 pass

@@ -25,6 +25,7 @@ from proxy.errors import (
     InsufficientStorage,
     NotCached,
     NotFound,
+    OutOfResources,
     RememberedNotFound,
     SymgateError,
     TooLarge,
@@ -41,6 +42,7 @@ from symbolize.elf import build_id_of_file, section_extent
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 # A download of unannounced size holds the budget in steps of this much, not per chunk.
 RESERVE_STEP = 4 * 1024 * 1024
 
@@ -128,7 +130,7 @@ class ArtifactService:
             return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
-        path, fd = self.cache.store.new_temp()
+        path, fd = self._new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
         task = asyncio.create_task(
@@ -244,8 +246,7 @@ class ArtifactService:
         try:
             final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
         except OSError as e:
-            if e.errno in _NO_SPACE:
-                raise self._disk_full(e) from e
+            self._raise_os_failure(e)
             raise
         self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
@@ -326,17 +327,16 @@ class ArtifactService:
     async def _store_section(self, key: ArtifactKey, parent: CachedArtifact, offset: int,
                              size: int) -> CachedArtifact:
         scope = parent.scope
-        temp, fd = self.cache.store.new_temp()
+        temp, fd = self._new_temp()
         try:
             try:
                 digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+                if digest is None:
+                    raise VerificationFailed(f"{key.id}: section runs past the end of its file")
+                final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
             except OSError as e:
-                if e.errno not in _NO_SPACE:
-                    raise
-                raise self._disk_full(e) from e
-            if digest is None:
-                raise VerificationFailed(f"{key.id}: section runs past the end of its file")
-            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+                self._raise_os_failure(e)
+                raise
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
@@ -370,6 +370,23 @@ class ArtifactService:
             if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
                 break
         raise self._disk_full(error) from error
+
+    def _new_temp(self) -> tuple[Path, int]:
+        try:
+            return self.cache.store.new_temp()
+        except OSError as e:
+            self._raise_os_failure(e)
+            raise
+
+    def _raise_os_failure(self, error: OSError) -> None:
+        """A full disk (of bytes or of inodes) or a full descriptor table is a passing
+        condition of the server, answered with Retry-After; any other OSError is a real fault
+        and is left to the caller to raise."""
+        if error.errno in _NO_SPACE:
+            raise self._disk_full(error) from error
+        if error.errno in _NO_DESCRIPTORS:
+            log.warning("cannot open a cache file: %s", error)
+            raise OutOfResources("the server is out of file descriptors; retry later") from error
 
     def _disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"

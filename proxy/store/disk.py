@@ -60,6 +60,8 @@ class Store(Protocol):
 
     def free_bytes(self) -> int: ...
 
+    def free_inodes(self) -> int | None: ...
+
     def remove_name(self, name: str) -> None: ...
 
     def symtab_path(self, scope: str, build_id: str) -> Path: ...
@@ -148,6 +150,12 @@ class DiskStore:
         """Space left for the cache on its filesystem (for an unprivileged writer)."""
         st = os.statvfs(self.objects)
         return st.f_bavail * st.f_frsize
+
+    def free_inodes(self) -> int | None:
+        """Files that can still be made on the cache's filesystem; None where it does not
+        count them (btrfs, some network filesystems)."""
+        st = os.statvfs(self.objects)
+        return st.f_favail if st.f_files else None
 
     def stored_names(self) -> Iterator[str]:
         """Every file under objects/, as a name relative to it."""
