@@ -70,6 +70,8 @@ class Store(Protocol):
 
     def count_symtabs(self) -> int: ...
 
+    def clear_symtab_temp(self) -> int: ...
+
 
 class DiskStore:
     def __init__(self, cache_dir: Path, symtab_dir: Path) -> None:
@@ -177,6 +179,37 @@ class DiskStore:
 
     def count_symtabs(self) -> int:
         return sum(1 for _ in self.symtabs.rglob("*.symc"))
+
+    def clear_symtab_temp(self) -> int:
+        """Remove the tables that build workers left half-written when they died (they are
+        SIGKILLed with their server): `<build ID>.<writer's pid>.tmp`, beside the table. One
+        whose writer is alive stays: another server on this data dir may be building it."""
+        removed = 0
+        for temp in self.symtabs.rglob("*.tmp"):
+            if _alive(_writer_pid(temp.name)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+                removed += 1
+        return removed
+
+
+def _writer_pid(name: str) -> int:
+    """The pid in `<build ID>.<pid>.tmp` (symbolize.symtab writes that name); 0 if none."""
+    pid = name.removesuffix(".tmp").rpartition(".")[2]
+    return int(pid) if pid.isascii() and pid.isdigit() and len(pid) < 10 else 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:
