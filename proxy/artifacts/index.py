@@ -132,10 +132,16 @@ class ArtifactCache:
             else:
                 stale.append(rec.key_hash)
         await self._repo.delete_artifacts(stale)
-        for orphan in on_disk:  # renamed into place but its row never written: a crash
-            self.store.remove_name(orphan)
-        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files)",
-                 len(self._entries), self._bytes, len(stale), len(on_disk))
+        # A file without its row: a crash between rename and insert, or another live process
+        # that has just renamed it into place, or keeps its row in memory while SQL is down.
+        # Only when no other process is alive can it be the first.
+        orphans = "kept: another process is alive"
+        if not self.store.others_alive():
+            for orphan in on_disk:
+                self.store.remove_name(orphan)
+            orphans = "removed"
+        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files %s)",
+                 len(self._entries), self._bytes, len(stale), len(on_disk), orphans)
         await self.evict()
 
     def _add(self, rec: ArtifactRecord) -> None:

@@ -56,6 +56,8 @@ class Store(Protocol):
 
     def clear_temp(self) -> int: ...
 
+    def others_alive(self) -> bool: ...
+
     def stored_names(self) -> Iterator[str]: ...
 
     def free_bytes(self) -> int: ...
@@ -113,9 +115,16 @@ class DiskStore:
         folder.mkdir()
         # The lock lives as long as this store (the kernel drops it if the process dies); a
         # process that exits cleanly takes its folder with it.
-        weakref.finalize(self, _release, folder, lock, fd)
+        self._release = weakref.finalize(self, _release, folder, lock, fd)
         self._own_tmp = folder
         return folder
+
+    def close(self) -> None:
+        """Give up this store's temp folder and lock: what exiting does, for a server that
+        stops and lives on in its process (tests, embedding)."""
+        if self._own_tmp is not None:
+            self._release()
+            self._own_tmp = None
 
     def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey) -> Path:
         """Blocking (fsync): run it in a worker thread."""
@@ -147,6 +156,12 @@ class DiskStore:
                     leftover.unlink()
                     removed += 1
         return removed
+
+    def others_alive(self) -> bool:
+        """Whether another live store (another process, mostly) holds a lock here: it may have
+        renamed a file into objects/ whose row it has not written yet."""
+        own = self._own_tmp.with_suffix(".lock") if self._own_tmp is not None else None
+        return any(lock != own and _held(lock) for lock in self.tmp.glob("*.lock"))
 
     def free_bytes(self) -> int:
         """Space left for the cache on its filesystem (for an unprivileged writer)."""
@@ -225,6 +240,20 @@ def _release(folder: Path, lock: Path, fd: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     lock.unlink(missing_ok=True)
     os.close(fd)
+
+
+def _held(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock, if this took it
+    return False
 
 
 def _remove_if_dead(lock: Path, folder: Path) -> int:
