@@ -9,6 +9,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import resource
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +145,41 @@ async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     status, _, body = await sg.get(path)
     assert status == 200 and body == elfs.prog.debug.read_bytes()
+
+
+@contextlib.contextmanager
+def _no_descriptor_left() -> Iterator[None]:
+    """Every descriptor this process may open taken (by /dev/null): the next open is EMFILE.
+    Sockets already open (a client's keep-alive connection) go on working."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+    fillers: list[int] = []
+    try:
+        for _ in range(highest + 8):  # bounded: the holes below the limit, then EMFILE
+            try:
+                fillers.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as e:
+                assert e.errno == errno.EMFILE
+                break
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    # The client's connection is kept alive from this request on: the next needs no socket.
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    with _no_descriptor_left():
+        status, headers, body = await sg.get(path)
+    assert status == 503, body
+    assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.other.debug.read_bytes()
