@@ -132,11 +132,19 @@ async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
 ) -> None:
     cfg = make_config(few_inodes / "data", database_url, [faults.url_for("ok")])
     sg = await start_symgate(config=cfg)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+
+    async def built() -> bool:  # its files made before the inodes run out
+        return await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
+
+    await eventually(built)
     fillers = _use_up_inodes(few_inodes / "filler")
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    status, headers, body = await sg.get(path)
-    assert status == 507, body  # the temp file cannot be made, before any upstream is asked
-    assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    section = f"/buildid/{elfs.prog.build_id}/section/.debug_info"  # cut from a cached file
+    for wanted in (path, section):
+        status, headers, body = await sg.get(wanted)
+        assert status == 507, body  # the temp file cannot be made
+        assert headers["Retry-After"] == str(cfg.server.retry_after_s)
     status, _, text = await sg.get("/healthz")
     assert status == 200 and text.startswith(b"degraded") and b"disk" in text, text
 
@@ -144,7 +152,8 @@ async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
         filler.unlink()
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     status, _, body = await sg.get(path)
-    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    assert (await sg.get(section))[0] == 200
 
 
 @contextlib.contextmanager
