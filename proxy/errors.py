@@ -109,6 +109,13 @@ class Overloaded(SymgateError):
     outcome = Outcome.REJECTED
 
 
+class OutOfResources(SymgateError):
+    """The server ran out of something of its own that comes back by itself (file
+    descriptors): answered 503 with Retry-After, not as an internal error."""
+
+    outcome = Outcome.INTERNAL
+
+
 class WorkerLost(SymgateError):
     """The worker process doing the request's work died (killed, or crashed in native code)."""
 

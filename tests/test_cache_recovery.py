@@ -30,8 +30,8 @@ async def test_restart_keeps_hits_and_cleans_crash_leftovers(
     assert faults.count("ok") == 1
     assert await sg2.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                             outcome="hit") == 1
-    # The first server's temp folder stays (its lock is held while this test process lives),
-    # but it holds no download.
+    # The first server gave up its temp folder and lock when it stopped, as an exiting
+    # process does: with no other process alive, the orphan is a crash's and goes.
     assert not any(p.is_file() and p.suffix != ".lock" for p in (cache_dir / "tmp").rglob("*"))
     assert not orphan.exists()
 

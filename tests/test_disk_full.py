@@ -9,6 +9,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import resource
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +22,9 @@ from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, make_config
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
+def _tmpfs(mnt: Path, options: str) -> Iterator[Path]:
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
@@ -33,6 +32,17 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path / "mnt", "size=8m")
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """Room for bytes, but few files: what many small files do to a real disk."""
+    yield from _tmpfs(tmp_path / "mnt", "size=8m,nr_inodes=256")
 
 
 def _fill(path: Path) -> None:
@@ -99,3 +109,86 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     filler.unlink()
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     assert os.path.exists(kept)
+
+
+def _use_up_inodes(folder: Path) -> list[Path]:
+    """Make empty files until the filesystem refuses: ENOSPC with bytes to spare."""
+    folder.mkdir()
+    made = []
+    for i in range(10_000):  # far more than the tmpfs has: bounded, never reached
+        try:
+            (folder / str(i)).touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+            return made
+        made.append(folder / str(i))
+    raise AssertionError("the filesystem never ran out of inodes")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, few_inodes: Path,
+    database_url: str,
+) -> None:
+    cfg = make_config(few_inodes / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=cfg)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+
+    async def built() -> bool:  # its files made before the inodes run out
+        return await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
+
+    await eventually(built)
+    fillers = _use_up_inodes(few_inodes / "filler")
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    section = f"/buildid/{elfs.prog.build_id}/section/.debug_info"  # cut from a cached file
+    for wanted in (path, section):
+        status, headers, body = await sg.get(wanted)
+        assert status == 507, body  # the temp file cannot be made
+        assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    status, _, text = await sg.get("/healthz")
+    assert status == 200 and text.startswith(b"degraded") and b"disk" in text, text
+
+    for filler in fillers:
+        filler.unlink()
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    assert (await sg.get(section))[0] == 200
+
+
+@contextlib.contextmanager
+def _no_descriptor_left() -> Iterator[None]:
+    """Every descriptor this process may open taken (by /dev/null): the next open is EMFILE.
+    Sockets already open (a client's keep-alive connection) go on working."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+    fillers: list[int] = []
+    try:
+        for _ in range(highest + 8):  # bounded: the holes below the limit, then EMFILE
+            try:
+                fillers.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as e:
+                assert e.errno == errno.EMFILE
+                break
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([faults.url_for("ok")])
+    # The client's connection is kept alive from this request on: the next needs no socket.
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    with _no_descriptor_left():
+        status, headers, body = await sg.get(path)
+    assert status == 503, body
+    assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.other.debug.read_bytes()

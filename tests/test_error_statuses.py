@@ -14,6 +14,7 @@ from proxy.errors import (
     InvalidRequest,
     NotCached,
     NotFound,
+    OutOfResources,
     OverLimit,
     Overloaded,
     PayloadTooLarge,
@@ -45,6 +46,7 @@ STATUS = {
     VerificationFailed: 502,
     UpstreamTimeout: 504,
     WorkerLost: 503,
+    OutOfResources: 503,  # out of file descriptors: they come back
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
     InsufficientStorage: 507,  # the cache's disk is full: space comes back
     SymgateError: 500,
@@ -53,8 +55,9 @@ STATUS = {
 TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
 # Passing failures of symgate's own world, retried like an upstream's.
 PASSING = TRANSIENT | {InsufficientStorage}
-# Our own passing failures: a full /symbolize, a worker that died; retried by anyone.
-BUSY = {Overloaded: 429, WorkerLost: 503}
+# Our own passing failures: a full /symbolize, a worker that died, no descriptor left;
+# retried by anyone.
+BUSY = {Overloaded: 429, WorkerLost: 503, OutOfResources: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.config import CacheConfig
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port
@@ -154,3 +155,38 @@ async def test_compressed_sections_are_served_compressed_as_elfutils_does(
     assert any(".debug_info" in line and " C " in line for line in flags.splitlines())
     sg = await start_symgate([url])
     assert await _same_as_elfutils(sg.url, url, build_id, (*HEADERS, "Last-Modified")) == []
+
+
+@sqlite_only
+async def test_a_section_of_a_debuginfo_larger_than_the_budget_is_cut_and_kept(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet,
+) -> None:
+    # The debuginfo is served but not kept (twice the budget): the section is cut from the
+    # download's open file, and kept on its own, so the debuginfo is not fetched again.
+    budget = elfs.prog.debug.stat().st_size // 2
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=budget))
+    path = f"/buildid/{elfs.prog.build_id}/section/.debug_info"
+    want = await _direct(debuginfod.url + path)
+    assert want[0] == 200 and 0 < len(want[2]) < budget
+    for _ in range(2):
+        status, headers, body = await sg.get(path)
+        assert (status, body) == (200, want[2])
+        assert headers["X-DEBUGINFOD-FILE"] == want[1]["X-DEBUGINFOD-FILE"]
+    assert faults.count("ok") == 1
+
+
+@sqlite_only
+async def test_a_section_falls_back_to_the_executable_when_the_debuginfo_is_too_large(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet,
+) -> None:
+    limit = 1024 * 1024
+    assert elfs.big.executable.stat().st_size <= limit < elfs.big.debug.stat().st_size
+    sg = await start_symgate([faults.url_for("ok")],
+                             cache=CacheConfig(max_artifact_bytes=limit))
+    path = f"/buildid/{elfs.big.build_id}/section/.text"  # NOBITS in the debuginfo
+    want = await _direct(debuginfod.url + path)
+    assert want[0] == 200
+    status, _, body = await sg.get(path)
+    assert (status, body) == (200, want[2])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, free_port
+from tests.harness import SymgateFactory, free_port, make_config
 from tests.processes import wait_until_serving
 
 Serve = Callable[[], Awaitable[str]]
@@ -120,3 +121,37 @@ async def test_a_file_evicted_by_another_process_is_still_sent_whole(
     assert head + rest == expected
     status, _, body = await sg.get(path)  # gone from disk: fetched again, not a broken hit
     assert status == 200 and body == expected
+
+
+async def test_files_without_a_row_are_removed_only_when_no_other_process_is_alive(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str
+) -> None:
+    cfg = make_config(tmp_path / "data", database_url, [])
+    orphan = cfg.cache_dir / "objects" / "cc" / "dd" / "debuginfo"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"renamed into place by another process, its row not written yet")
+    (cfg.cache_dir / "tmp").mkdir()
+    # Another process on this data dir, as a server holds its lock for its whole life.
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c",
+        "import fcntl, os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n",
+        str(cfg.cache_dir / "tmp" / f"{'ab' * 16}.lock"),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"locked\n"
+        sg = await start_symgate(config=cfg)
+        assert orphan.exists()
+        await sg.stop()
+        holder.stdin.close()
+        await asyncio.wait_for(holder.wait(), 30)
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+            await holder.wait()
+    await start_symgate(config=cfg)  # alone now: a file without its row is a crash's
+    assert not orphan.exists()

@@ -4,6 +4,10 @@ file leaves the cache."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
@@ -35,3 +39,19 @@ async def test_symbol_tables_are_built_when_cached_and_evicted_with_their_artifa
     assert await state.service.cache.remove("", key)
     assert not table.exists()
     assert await state.repo.get_symbol_table("", elfs.prog.build_id) is None
+
+
+async def test_start_up_removes_half_written_tables_of_dead_workers_only(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    folder = tmp_path / "data" / "symtabs" / "ab"
+    folder.mkdir(parents=True)
+    left = folder / f"{'ab' * 20}.{dead.pid}.tmp"  # a worker SIGKILLed with its server
+    building = folder / f"{'ab' * 19}cd.{os.getpid()}.tmp"  # another server's, being written
+    for temp in (left, building):
+        temp.write_bytes(b"half a table")
+    await start_symgate(data_dir=tmp_path / "data")
+    assert not left.exists()
+    assert building.exists()

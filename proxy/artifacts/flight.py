@@ -137,6 +137,11 @@ class FlightReader:
             else:
                 await flight._progress.wait()
 
+    @property
+    def fd(self) -> int:
+        """Its own descriptor of the file: valid until close(), even once the file is unlinked."""
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

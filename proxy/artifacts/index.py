@@ -31,6 +31,8 @@ from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, 
 log = logging.getLogger(__name__)
 # Free space past which a full disk counts as over, without waiting for a download to succeed.
 SPACE_BACK_BYTES = 1024 * 1024
+# and free inodes past which one that ran out of inodes (many small files) counts as over.
+SPACE_BACK_INODES = 64
 # Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
 # file is gone is dropped at the next start, and ignored by replicas that check the file).
 MAX_UNSYNCED_DELETES = 100_000
@@ -137,10 +139,16 @@ class ArtifactCache:
             else:
                 stale.append(rec.key_hash)
         await self._repo.delete_artifacts(stale)
-        for orphan in on_disk:  # renamed into place but its row never written: a crash
-            self.store.remove_name(orphan)
-        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files)",
-                 len(self._entries), self._bytes, len(stale), len(on_disk))
+        # A file without its row: a crash between rename and insert, or another live process
+        # that has just renamed it into place, or keeps its row in memory while SQL is down.
+        # Only when no other process is alive can it be the first.
+        orphans = "kept: another process is alive"
+        if not self.store.others_alive():
+            for orphan in on_disk:
+                self.store.remove_name(orphan)
+            orphans = "removed"
+        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files %s)",
+                 len(self._entries), self._bytes, len(stale), len(on_disk), orphans)
         await self.evict()
 
     def _add(self, rec: ArtifactRecord) -> None:
@@ -339,7 +347,9 @@ class ArtifactCache:
         """Clear a full-disk condition once space is back (an operator freed some)."""
         if self.health.get(DISK) is not None:
             try:
-                if self.store.free_bytes() >= SPACE_BACK_BYTES:
+                inodes = self.store.free_inodes()
+                if (self.store.free_bytes() >= SPACE_BACK_BYTES
+                        and (inodes is None or inodes >= SPACE_BACK_INODES)):
                     self.health.ok(DISK)
             except OSError:
                 pass

@@ -6,12 +6,13 @@ Knows nothing of HTTP requests: proxy.http turns its results and exceptions into
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import errno
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ from proxy.errors import (
     InsufficientStorage,
     NotCached,
     NotFound,
+    OutOfResources,
     RememberedNotFound,
     SymgateError,
     TooLarge,
@@ -41,6 +43,7 @@ from symbolize.elf import build_id_of_file, section_extent
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 # A download of unannounced size holds the budget in steps of this much, not per chunk.
 RESERVE_STEP = 4 * 1024 * 1024
 
@@ -48,6 +51,19 @@ RESERVE_STEP = 4 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class Hit:
     artifact: CachedArtifact
+
+
+@dataclass(frozen=True, slots=True)
+class _Parent:
+    """The file a section is cut from: cached, or served but not kept (then only the open
+    descriptor of a reader reaches it, through /proc/self/fd)."""
+
+    path: Path
+    scope: str
+    upstream: str
+    filename: str
+    archive: str | None
+    mtime: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +144,7 @@ class ArtifactService:
             return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
-        path, fd = self.cache.store.new_temp()
+        path, fd = self._new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
         task = asyncio.create_task(
@@ -250,8 +266,7 @@ class ArtifactService:
         try:
             final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
         except OSError as e:
-            if e.errno in _NO_SPACE:
-                raise self._disk_full(e) from e
+            self._raise_os_failure(e)
             raise
         self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
@@ -300,61 +315,85 @@ class ArtifactService:
         return hit
 
     async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
+        # A debuginfo that cannot be had (too large, its upstream failing) still leaves the
+        # executable to cut from; its failure is the answer only if that has no section either.
+        failure: SymgateError | None = None
         for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
             parent_key = ArtifactKey(key.build_id, kind)
             try:
-                parent = await self._complete(parent_key, req, cache_only)
+                async with self._parent(parent_key, req, cache_only) as parent:
+                    extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
+                    if extent is None:
+                        continue
+                    return Hit(await self._store_section(key, parent, *extent))
             except NotFound:
                 continue
-            with self.cache.lease(parent.scope, parent_key):
-                extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
-                if extent is None:
-                    continue
-                return Hit(await self._store_section(key, parent, *extent))
+            except (TooLarge, UpstreamUnavailable) as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
         raise NotFound(f"not found (no section {key.detail} in the debuginfo or executable)")
 
-    async def _complete(self, key: ArtifactKey, req: RequestScope, cache_only: bool
-                        ) -> CachedArtifact:
-        """The cached artifact, fetched first if need be (joining any fetch under way)."""
+    @contextlib.asynccontextmanager
+    async def _parent(self, key: ArtifactKey, req: RequestScope, cache_only: bool
+                      ) -> AsyncIterator[_Parent]:
+        """The artifact to cut from, fetched first if need be (joining any fetch under way),
+        held (leased, or open) until the cut is done."""
         result = await self.find(key, req, cache_only=cache_only)
         if isinstance(result, Hit):
-            return result.artifact
-        try:
-            await result.flight.wait_finished()
-        finally:
-            result.reader.close()
-        if result.flight.error is not None:
-            raise result.flight.error
-        if (hit := self.cache.peek_any(req.visible, key)) is None:
-            raise UpstreamUnavailable(f"{key.id} was fetched but is no longer cached")
-        return hit
+            cached = result.artifact
+        else:
+            try:
+                await result.flight.wait_finished()
+                if result.flight.error is not None:
+                    raise result.flight.error
+                found = self.cache.peek_any(req.visible, key)
+                if found is None:
+                    # Served but not kept (larger than the budget), or evicted at once: gone
+                    # from the directory, but this reader's descriptor still reads it whole.
+                    meta = result.meta
+                    fd = result.reader.fd
+                    when = _http_date(meta.last_modified) if meta.last_modified else None
+                    yield _Parent(
+                        path=Path(f"/proc/self/fd/{fd}"),
+                        scope=next((u.scope for u in req.sources if u.name == meta.upstream),
+                                   req.scope),
+                        upstream=meta.upstream, filename=meta.filename or key.default_filename,
+                        archive=meta.archive,
+                        mtime=when.timestamp() if when is not None else os.fstat(fd).st_mtime)
+                    return
+                cached = found
+            finally:
+                result.reader.close()
+        with self.cache.lease(cached.scope, key):
+            yield _Parent(path=cached.path, scope=cached.scope, upstream=cached.record.upstream,
+                          filename=cached.record.filename, archive=cached.record.archive,
+                          mtime=cached.path.stat().st_mtime)
 
-    async def _store_section(self, key: ArtifactKey, parent: CachedArtifact, offset: int,
+    async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
                              size: int) -> CachedArtifact:
         scope = parent.scope
-        temp, fd = self.cache.store.new_temp()
+        temp, fd = self._new_temp()
         try:
             try:
                 digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+                if digest is None:
+                    raise VerificationFailed(f"{key.id}: section runs past the end of its file")
+                final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
             except OSError as e:
-                if e.errno not in _NO_SPACE:
-                    raise
-                raise self._disk_full(e) from e
-            if digest is None:
-                raise VerificationFailed(f"{key.id}: section runs past the end of its file")
-            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
+                self._raise_os_failure(e)
+                raise
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
-        mtime = parent.path.stat().st_mtime
-        os.utime(final, (mtime, mtime))
+        os.utime(final, (parent.mtime, parent.mtime))
         now = datetime.now(UTC)
         record = ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
-            kind=str(key.kind), size=size, sha256=digest, upstream=parent.record.upstream,
-            filename=parent.record.filename, archive=parent.record.archive, fetched_at=now,
+            kind=str(key.kind), size=size, sha256=digest, upstream=parent.upstream,
+            filename=parent.filename, archive=parent.archive, fetched_at=now,
             last_access=now, hits=0,
         )
         await self.cache.add(record)
@@ -376,6 +415,23 @@ class ArtifactService:
             if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
                 break
         raise self._disk_full(error) from error
+
+    def _new_temp(self) -> tuple[Path, int]:
+        try:
+            return self.cache.store.new_temp()
+        except OSError as e:
+            self._raise_os_failure(e)
+            raise
+
+    def _raise_os_failure(self, error: OSError) -> None:
+        """A full disk (of bytes or of inodes) or a full descriptor table is a passing
+        condition of the server, answered with Retry-After; any other OSError is a real fault
+        and is left to the caller to raise."""
+        if error.errno in _NO_SPACE:
+            raise self._disk_full(error) from error
+        if error.errno in _NO_DESCRIPTORS:
+            log.warning("cannot open a cache file: %s", error)
+            raise OutOfResources("the server is out of file descriptors; retry later") from error
 
     def _disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"

@@ -56,9 +56,13 @@ class Store(Protocol):
 
     def clear_temp(self) -> int: ...
 
+    def others_alive(self) -> bool: ...
+
     def stored_names(self) -> Iterator[str]: ...
 
     def free_bytes(self) -> int: ...
+
+    def free_inodes(self) -> int | None: ...
 
     def remove_name(self, name: str) -> None: ...
 
@@ -67,6 +71,8 @@ class Store(Protocol):
     def remove_symtab(self, scope: str, build_id: str) -> None: ...
 
     def count_symtabs(self) -> int: ...
+
+    def clear_symtab_temp(self) -> int: ...
 
 
 class DiskStore:
@@ -109,9 +115,16 @@ class DiskStore:
         folder.mkdir()
         # The lock lives as long as this store (the kernel drops it if the process dies); a
         # process that exits cleanly takes its folder with it.
-        weakref.finalize(self, _release, folder, lock, fd)
+        self._release = weakref.finalize(self, _release, folder, lock, fd)
         self._own_tmp = folder
         return folder
+
+    def close(self) -> None:
+        """Give up this store's temp folder and lock: what exiting does, for a server that
+        stops and lives on in its process (tests, embedding)."""
+        if self._own_tmp is not None:
+            self._release()
+            self._own_tmp = None
 
     def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey) -> Path:
         """Blocking (fsync): run it in a worker thread."""
@@ -144,10 +157,22 @@ class DiskStore:
                     removed += 1
         return removed
 
+    def others_alive(self) -> bool:
+        """Whether another live store (another process, mostly) holds a lock here: it may have
+        renamed a file into objects/ whose row it has not written yet."""
+        own = self._own_tmp.with_suffix(".lock") if self._own_tmp is not None else None
+        return any(lock != own and _held(lock) for lock in self.tmp.glob("*.lock"))
+
     def free_bytes(self) -> int:
         """Space left for the cache on its filesystem (for an unprivileged writer)."""
         st = os.statvfs(self.objects)
         return st.f_bavail * st.f_frsize
+
+    def free_inodes(self) -> int | None:
+        """Files that can still be made on the cache's filesystem; None where it does not
+        count them (btrfs, some network filesystems)."""
+        st = os.statvfs(self.objects)
+        return st.f_favail if st.f_files else None
 
     def stored_names(self) -> Iterator[str]:
         """Every file under objects/, as a name relative to it."""
@@ -170,6 +195,37 @@ class DiskStore:
     def count_symtabs(self) -> int:
         return sum(1 for _ in self.symtabs.rglob("*.symc"))
 
+    def clear_symtab_temp(self) -> int:
+        """Remove the tables that build workers left half-written when they died (they are
+        SIGKILLed with their server): `<build ID>.<writer's pid>.tmp`, beside the table. One
+        whose writer is alive stays: another server on this data dir may be building it."""
+        removed = 0
+        for temp in self.symtabs.rglob("*.tmp"):
+            if _alive(_writer_pid(temp.name)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+                removed += 1
+        return removed
+
+
+def _writer_pid(name: str) -> int:
+    """The pid in `<build ID>.<pid>.tmp` (symbolize.symtab writes that name); 0 if none."""
+    pid = name.removesuffix(".tmp").rpartition(".")[2]
+    return int(pid) if pid.isascii() and pid.isdigit() and len(pid) < 10 else 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
@@ -184,6 +240,20 @@ def _release(folder: Path, lock: Path, fd: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     lock.unlink(missing_ok=True)
     os.close(fd)
+
+
+def _held(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock, if this took it
+    return False
 
 
 def _remove_if_dead(lock: Path, folder: Path) -> int:

@@ -76,6 +76,8 @@ class SymbolResolver:
     async def start(self) -> None:
         """Start the workers, and have SQLAlchemy compile the symbol-table query, now rather
         than on the first cold profile (about 10 ms)."""
+        if removed := await asyncio.to_thread(self._tables.clear_leftovers):
+            log.info("removed %d half-written symbol tables of dead build workers", removed)
         self._pool.start()
         self.workers.start()
         await self._tables.get(SHARED, "")

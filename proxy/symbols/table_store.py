@@ -35,6 +35,10 @@ class TableStore:
         self._store = store
         self._expiry = expiry
 
+    def clear_leftovers(self) -> int:
+        """Blocking (walks the folder): half-written tables of dead build workers, removed."""
+        return self._store.clear_symtab_temp()
+
     def path(self, scope: str, build_id: str) -> Path:
         return self._store.symtab_path(scope, build_id)
 

@@ -153,6 +153,7 @@ def _lifecycle(
                 await cache.flush_access()
             await session.close()
             await repo.close()
+            store.close()
 
     return lifecycle
 

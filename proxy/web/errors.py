@@ -16,6 +16,7 @@ from proxy.errors import (
     InvalidRequest,
     NotCached,
     NotFound,
+    OutOfResources,
     OverLimit,
     Overloaded,
     PayloadTooLarge,
@@ -58,6 +59,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (VerificationFailed, 502),
     (InsufficientStorage, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
+    (OutOfResources, 503),
     (SymgateError, 500),
 )
 
