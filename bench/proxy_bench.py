@@ -7,7 +7,8 @@ Measures, with a real elfutils debuginfod as upstream:
   * cold vs warm latency of a big (100 MB) debug file, and symgate's peak RSS (VmHWM) while
     it streams that file to 20 clients at once;
   * wrk -t2 -c16 rates: a cache hit of libc's debug file against nginx (sendfile) serving the
-    same file, and a remembered 404 against a federating elfutils debuginfod's remembered 404.
+    same file, and a remembered 404 against a federating elfutils debuginfod's remembered 404;
+  * ab -k -i -c16: HEAD on that hit, against nginx's HEAD of the same file.
 Prints a table of figures and ratios; writes bench/results/proxy.json.
 """
 
@@ -113,6 +114,19 @@ def wrk(url: str, seconds: int) -> float:
     return float(m.group(1))
 
 
+def ab_head(url: str, seconds: int) -> float:
+    """HEAD requests per second, keep-alive, 16 at once: wrk cannot time HEAD (it waits for a
+    body of the announced length), ApacheBench's -i can."""
+    out = subprocess.run(["ab", "-q", "-k", "-i", "-c16", f"-t{seconds}", "-n10000000", url],
+                         capture_output=True, text=True, check=True).stdout
+    m = re.search(r"Requests per second:\s+([\d.]+)", out)
+    assert m, out
+    failed = re.search(r"(Failed requests|Non-2xx responses):\s+(\d+)", out)
+    if failed and int(failed.group(2)):
+        raise RuntimeError(f"ab saw errors on {url}:\n{out}")
+    return float(m.group(1))
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     with urllib.request.urlopen(url + "/metrics") as r:
         text = r.read().decode()
@@ -157,9 +171,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--big-mb", type=int, default=100)
     args = ap.parse_args()
-    for tool in ("debuginfod", "nginx", "wrk"):
+    for tool in ("debuginfod", "nginx", "wrk", "ab"):
         if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
-            sys.exit(f"{tool} is needed: apt-get install debuginfod nginx-light wrk")
+            sys.exit(f"{tool} is needed: apt-get install debuginfod nginx-light wrk "
+                     "apache2-utils")
     if not LIBC_DEBUG.exists():
         sys.exit("libc's debug file is needed: apt-get install libc6-dbg")
 
@@ -252,6 +267,8 @@ http {{ access_log off; sendfile on; tcp_nopush on;
         hit = f"/buildid/{LIBC_ID}/debuginfo"
         results["hit_rps_nginx"] = wrk(nginx + hit, secs)
         results["hit_rps_symgate"] = wrk(symgate + hit, secs)
+        results["head_rps_nginx"] = ab_head(nginx + hit, secs)
+        results["head_rps_symgate"] = ab_head(symgate + hit, secs)
         urllib.request.urlopen(federating + hit).read()  # warm the federating peer's cache
         results["hit_rps_federating_debuginfod"] = wrk(federating + hit, secs)
         miss = "/buildid/00aabbccddeeff00/debuginfo"
@@ -262,6 +279,8 @@ http {{ access_log off; sendfile on; tcp_nopush on;
         results["negative_rps_federating_debuginfod"] = wrk(federating + miss, secs)
         results["hit_ratio_vs_nginx"] = (
             float(results["hit_rps_symgate"]) / float(results["hit_rps_nginx"]))  # type: ignore[arg-type]
+        results["head_ratio_vs_nginx"] = (
+            float(results["head_rps_symgate"]) / float(results["head_rps_nginx"]))  # type: ignore[arg-type]
         results["negative_ratio_vs_federating"] = (
             float(results["negative_rps_symgate"])  # type: ignore[arg-type]
             / float(results["negative_rps_federating_debuginfod"]))  # type: ignore[arg-type]

@@ -59,6 +59,27 @@ async def test_head_answers_with_upstream_headers_though_upstream_refuses_head(
         assert int(headers["Content-Length"]) == elfs.prog.debug.stat().st_size
 
 
+async def test_head_on_a_hit_says_what_get_says_and_conditionals_still_hold(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, got, body = await sg.get(path)  # cached now
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, got, _ = await sg.get(path)  # a hit, as FileResponse sends it
+    status, head = await sg.head(path)
+    assert status == 200
+    same = {k.lower(): v for k, v in got.items() if k.lower() not in ("date",)}
+    assert {k.lower(): v for k, v in head.items() if k.lower() != "date"} == same
+    # A conditional HEAD is still answered as the file's state says.
+    status, _ = await sg.head(path, headers={"If-None-Match": got["Etag"]})
+    assert status == 304
+    status, partial = await sg.head(path, headers={"Range": "bytes=0-9"})
+    assert status == 206 and partial["Content-Length"] == "10"
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="hit") == 4
+
+
 async def test_section_is_passed_through(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

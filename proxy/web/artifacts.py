@@ -6,7 +6,9 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import os
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -84,6 +86,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     if isinstance(result, Hit):
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
+        if request.method == "HEAD" and not _CONDITIONAL.intersection(request.headers):
+            return _head_of(result.artifact)
         return _LeasedFileResponse(state, key, result.artifact)
     try:
         _check_size(result.meta.size, max_size)
@@ -91,6 +95,27 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         return await _send_streaming(request, state, key, result)
     finally:
         result.reader.close()
+
+
+# Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
+_CONDITIONAL = frozenset({"If-None-Match", "If-Modified-Since", "If-Match",
+                          "If-Unmodified-Since", "If-Range", "Range"})
+
+
+def _head_of(artifact: CachedArtifact) -> web.Response:
+    """HEAD on a hit, with FileResponse's headers but without its trip to the thread pool to
+    stat and open a file whose bytes HEAD never sends (it is a client's cheap "do you have
+    it?", e.g. debuginfod-find's and Pyroscope's probes)."""
+    rec = artifact.record
+    st = os.stat(artifact.path)
+    headers = _artifact_headers(rec.size, rec.filename, rec.archive)
+    headers.update({
+        "ETag": f'"{st.st_mtime_ns:x}-{st.st_size:x}"',
+        "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
+        "Content-Length": str(st.st_size),
+        "Accept-Ranges": "bytes",
+    })
+    return web.Response(headers=headers)
 
 
 class _LeasedFileResponse(web.FileResponse):
