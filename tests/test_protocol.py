@@ -80,6 +80,25 @@ async def test_head_on_a_hit_says_what_get_says_and_conditionals_still_hold(
                            outcome="hit") == 4
 
 
+async def test_a_small_hit_sent_from_memory_is_what_sendfile_sends(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    from proxy.web.artifacts import SMALL_FILE_BYTES
+
+    sg = await start_symgate([debuginfod.url])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert elfs.prog.debug.stat().st_size <= SMALL_FILE_BYTES
+    assert (await sg.get(path))[0] == 200  # cached now
+    status, small, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    # A conditional GET that does not match goes through FileResponse: the reference.
+    status, reference, body = await sg.get(path, headers={"If-None-Match": '"other"'})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert ({k.lower(): v for k, v in small.items() if k.lower() != "date"}
+            == {k.lower(): v for k, v in reference.items() if k.lower() != "date"})
+    assert await sg.metric("symgate_served_bytes_total", source="cache") == 2 * len(body)
+
+
 async def test_section_is_passed_through(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
