@@ -160,8 +160,9 @@ async def many(url: str, n: int) -> list[tuple[float, float, int]]:
 
 
 def symgate_config(path: Path, data: Path, upstream: str, listen: str) -> None:
+    # The access log on, as by default: what an operator runs is what is measured.
     path.write_text(
-        f'[server]\nlisten = "{listen}"\ndata_dir = "{data}"\naccess_log = false\n'
+        f'[server]\nlisten = "{listen}"\ndata_dir = "{data}"\naccess_log = true\n'
         f'[[upstreams]]\nurl = "{upstream}"\n'
     )
 
