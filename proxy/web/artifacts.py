@@ -90,8 +90,9 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         if not _CONDITIONAL.intersection(request.headers):
             if request.method == "HEAD":
-                return _head_of(result.artifact)
-            if (result.artifact.record.size <= SMALL_FILE_BYTES
+                if (head := _head_of(result.artifact)) is not None:
+                    return head
+            elif (result.artifact.record.size <= SMALL_FILE_BYTES
                     and (small := _small_file(state, result.artifact)) is not None):
                 return small
         return _LeasedFileResponse(state, key, result.artifact)
@@ -120,11 +121,15 @@ def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str
     return headers
 
 
-def _head_of(artifact: CachedArtifact) -> web.Response:
+def _head_of(artifact: CachedArtifact) -> web.Response | None:
     """HEAD on a hit, with FileResponse's headers but without its trip to the thread pool to
     stat and open a file whose bytes HEAD never sends (it is a client's cheap "do you have
-    it?", e.g. debuginfod-find's and Pyroscope's probes)."""
-    st = os.stat(artifact.path)
+    it?", e.g. debuginfod-find's and Pyroscope's probes). None when the file is gone (another
+    process evicted it): FileResponse's path then answers as it would have."""
+    try:
+        st = os.stat(artifact.path)
+    except OSError:
+        return None
     return web.Response(headers={**_file_headers(artifact, st),
                                  "Content-Length": str(st.st_size)})
 
