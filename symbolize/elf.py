@@ -20,6 +20,14 @@ PF_X = 0x1
 STT_FUNC = 2
 
 
+def _malformed(error: Exception) -> bool:
+    """Whether pyelftools failed on a file that is not valid ELF: it raises a spread of types
+    on malformed input, and construct's errors have no common public base we can import."""
+    return (isinstance(error, (ELFError, ELFParseError, ValueError, KeyError, EOFError,
+                               AssertionError))
+            or type(error).__module__.startswith(("construct", "elftools")))
+
+
 def _build_id_from_notes(notes: object) -> str | None:
     for note in notes:  # type: ignore[attr-defined]
         if note["n_type"] == NT_GNU_BUILD_ID and note["n_name"] == "GNU":
@@ -46,11 +54,10 @@ def build_id_of_stream(stream: BinaryIO) -> str | None:
                 found = _build_id_from_notes(segment.iter_notes())  # type: ignore[attr-defined]
                 if found:
                     return found
-    except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError, AssertionError):
-        # pyelftools raises a spread of types on malformed input; all mean "not a valid ELF".
+    except OSError:
         return None
-    except Exception as e:  # construct's errors have no common public base we can import
-        if type(e).__module__.startswith(("construct", "elftools")):
+    except Exception as e:
+        if _malformed(e):
             return None
         raise
     return None
@@ -172,10 +179,8 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
                     if section["sh_type"] == "SHT_NOBITS":
                         return None
                     return int(section["sh_offset"]), int(section["sh_size"])
-    except (ELFError, ELFParseError, ValueError, KeyError, EOFError, AssertionError):
-        return None
-    except Exception as e:  # construct's errors have no common public base we can import
-        if type(e).__module__.startswith(("construct", "elftools")):
+    except Exception as e:
+        if _malformed(e):
             return None
         raise
     return None
