@@ -13,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import pytest
 
+from proxy.config import Config
 from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -71,6 +72,17 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.transport.abort()
 
 
+async def _behind_forwarder(database_url: str, tmp_path: Path, faults: FaultUpstream
+                            ) -> tuple[Forwarder, Config]:
+    """A started forwarder to the test's PostgreSQL, and a config that reaches it through it."""
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=real.netloc.replace(
+        f"{real.hostname}:{real.port}", f"127.0.0.1:{forwarder.port}")))
+    return forwarder, make_config(tmp_path / "data", via, [faults.url_for("ok")])
+
+
 # PostgreSQL alone: the forwarder stands between symgate and a database server. (SQLite made
 # unwritable is the full-disk test's case.)
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -79,12 +91,7 @@ async def test_misses_are_served_while_postgresql_is_down(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,
 ) -> None:
-    real = urlsplit(database_url)
-    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
-    await forwarder.start()
-    via = urlunsplit(real._replace(netloc=real.netloc.replace(
-        f"{real.hostname}:{real.port}", f"127.0.0.1:{forwarder.port}")))
-    cfg = make_config(tmp_path / "data", via, [faults.url_for("ok")])
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1))
     sg = await start_symgate(config=cfg)
     hit, miss = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
@@ -127,12 +134,7 @@ async def test_a_database_that_never_answers_holds_no_request_past_its_timeout(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,
 ) -> None:
-    real = urlsplit(database_url)
-    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
-    await forwarder.start()
-    via = urlunsplit(real._replace(netloc=real.netloc.replace(
-        f"{real.hostname}:{real.port}", f"127.0.0.1:{forwarder.port}")))
-    cfg = make_config(tmp_path / "data", via, [faults.url_for("ok")])
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0))
     sg = await start_symgate(config=cfg)
     hit, miss = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
