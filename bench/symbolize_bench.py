@@ -93,6 +93,16 @@ def post(url: str, body: bytes) -> tuple[float, dict[str, str], bytes]:
     return time.perf_counter() - started, headers, answer
 
 
+def wait_healthy(url: str) -> None:
+    """Until `url`/healthz answers (30 s at most)."""
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/healthz", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     tree = work / "debug" / ".build-id" / LIBC_ID[:2]
     tree.mkdir(parents=True)
@@ -107,12 +117,7 @@ def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
                             stdout=(work / "log").open("wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, "DEBUGINFOD_URLS": "http://127.0.0.1:9/"})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/healthz", timeout=1).read()
-            break
-        except OSError:
-            time.sleep(0.1)
+    wait_healthy(url)
     time.sleep(1.0)  # let the build workers start, as a long-running server has them
     return proc, url
 

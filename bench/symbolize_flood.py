@@ -35,7 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.symbolize_bench import LIBC, LIBC_DEBUG, LIBC_ID, free_port  # noqa: E402
+from bench.symbolize_bench import (  # noqa: E402
+    LIBC,
+    LIBC_DEBUG,
+    LIBC_ID,
+    free_port,
+    wait_healthy,
+)
 from symbolize.elf import layout_of_file  # noqa: E402
 from symbolize.pprof.profile_pb2 import Location, Mapping, Profile, Sample  # noqa: E402
 
@@ -152,12 +158,7 @@ def main() -> None:
                                 stdout=(work / "log").open("wb"), stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(url + "/healthz", timeout=1).read()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            wait_healthy(url)
             hit = f"{url}/buildid/{LIBC_ID}/debuginfo"
             urllib.request.urlopen(hit, timeout=60).read()
             bomb = gzip_bomb(1 << 30)
