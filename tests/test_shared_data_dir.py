@@ -54,6 +54,7 @@ async def serve(tmp_path: Path, database_url: str, faults: FaultUpstream
             await asyncio.wait_for(proc.wait(), 30)
         except TimeoutError:
             proc.kill()
+            await proc.wait()  # reaped before the loop closes, as the lock holder below is
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
