@@ -74,6 +74,13 @@ class Symgate:
     async def metric(self, name: str, **labels: str) -> float:
         return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
 
+    async def settled(self) -> None:
+        """Until no fetch is under way: a fetch commits its file (and evicts for it) after its
+        clients have their last byte, so what is on disk and in the metrics lags a response."""
+        from proxy.web.state import STATE
+
+        await self.runner.app[STATE].service.wait_idle()
+
     async def stop(self) -> None:
         await self.runner.cleanup()
 
@@ -103,6 +110,18 @@ def fast_upstream(url: str, **kw: Any) -> UpstreamConfig:
                                     retry_backoff_s=0.05, breaker_failures=0)
     defaults.update(kw)
     return UpstreamConfig(url=url, **defaults)
+
+
+async def read_broken(url: str) -> tuple[int, int, bool]:
+    """(status, bytes received, whether the body was cut off)."""
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        got = 0
+        try:
+            async for chunk in r.content.iter_chunked(65536):
+                got += len(chunk)
+        except aiohttp.ClientPayloadError:
+            return r.status, got, True
+        return r.status, got, False
 
 
 async def gather_bounded(n: int, make: Callable[[int], Awaitable[Any]]) -> list[Any]:

@@ -61,10 +61,12 @@ async def test_a_cached_file_deleted_behind_the_servers_back_is_fetched_again(
     sg = await start_symgate([faults.url_for("ok")])
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     assert (await sg.get(path))[0] == 200
+    await sg.settled()
     stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
         elfs.prog.build_id, "debuginfo").storage_name
     stored.unlink()
     status, _, body = await sg.get(path)
     assert status == 200 and body == elfs.prog.debug.read_bytes()
+    await sg.settled()
     assert faults.count("ok") == 2 and stored.exists()
     assert await sg.metric("symgate_cache_entries") == 1

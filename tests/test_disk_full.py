@@ -104,6 +104,11 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     assert not (stored / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name
                 ).exists()  # the least recently used made room
     kept = stored / ArtifactKey.parse(elfs.other.build_id, "debuginfo").storage_name
+
+    async def committed() -> bool:  # after the client's last byte, not before it
+        return kept.exists()
+
+    await eventually(committed)
     assert hashlib.sha256(kept.read_bytes()).digest() == hashlib.sha256(
         elfs.other.debug.read_bytes()).digest()
     filler.unlink()

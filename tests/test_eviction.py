@@ -28,8 +28,9 @@ async def test_lru_eviction_keeps_the_budget(
     exe = elfs.prog.executable.stat().st_size
     budget = sizes["prog"] + sizes["other"] + exe - 1
     sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=budget))
-    await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
-    await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    for name in ("prog", "other"):
+        await sg.get(f"/buildid/{getattr(elfs, name).build_id}/debuginfo")
+        await sg.settled()  # cached in this order (a file counts as used when committed)
     await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")  # prog is now the most recent
 
     async def built() -> bool:  # symbol tables are built from each debuginfo as it is cached
@@ -37,6 +38,7 @@ async def test_lru_eviction_keeps_the_budget(
 
     await eventually(built)  # so no build holds a lease that eviction would pass over
     await sg.get(f"/buildid/{elfs.prog.build_id}/executable")  # over budget: evict `other`
+    await sg.settled()
     assert await sg.metric("symgate_cache_evictions_total") == 1
     assert await sg.metric("symgate_cache_size_bytes") == sizes["prog"] + exe
     assert await sg.metric("symgate_cache_entries") == 2

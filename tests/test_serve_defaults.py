@@ -32,7 +32,13 @@ def test_serve_on_embedded_defaults(elfs: ElfSet, debuginfod: Debuginfod, tmp_pa
         else:
             raise AssertionError("symgate serve did not answer")
         assert (tmp_path / "xdg" / "symgate" / "symgate.sqlite").exists()
-        assert any((tmp_path / "xdg" / "symgate" / "cache" / "objects").rglob("debuginfo"))
+        objects = tmp_path / "xdg" / "symgate" / "cache" / "objects"
+        for _ in range(100):  # committed just after the client's last byte
+            if any(objects.rglob("debuginfo")):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the fetched file was never cached")
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)

@@ -3,9 +3,10 @@
 The download is written to a temp file; each client reads that file with pread(2) on its own
 duplicated descriptor, as far as has been written. Memory stays flat whatever the size.
 
-The last byte is held back from readers until the file has been verified and committed: a
-client never receives a complete-looking body that the cache then rejects. If the download
-fails, readers raise FlightFailed and cut their response off.
+The last byte is held back from readers until the file has been verified: a client never
+receives a complete-looking body that the cache then rejects. If the download fails, readers
+raise FlightFailed and cut their response off. Committing the verified file to the cache
+(fsync, rename, its SQL row) comes after the last byte is released: clients never wait for it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Flight:
         self.meta: asyncio.Future[ArtifactMeta] = asyncio.get_running_loop().create_future()
         self._progress = asyncio.Event()
         self._finished = asyncio.Event()
+        self._settled = asyncio.Event()
+        # The upstream's body has ended: what remains is verification, not more bytes.
+        self.received_all = False
 
     # -- writer side (the fetch task) -----------------------------------------------------------
     def started(self, meta: ArtifactMeta) -> None:
@@ -53,11 +57,21 @@ class Flight:
         self.written += n
         self._wake()
 
+    def body_ended(self) -> None:
+        self.received_all = True
+        self._wake()
+
+    def settle(self) -> None:
+        """The fetch is over, the file committed to the cache or given up."""
+        self._settled.set()
+
     def succeed(self) -> None:
         self._state = _State.DONE
         self._end()
 
     def fail(self, error: SymgateError) -> None:
+        if self._state is _State.DONE:
+            return  # verified and released: what fails after (the commit) is not the clients'
         self._state = _State.FAILED
         self.error = error
         if not self.meta.done():
@@ -95,13 +109,18 @@ class Flight:
     async def wait_finished(self) -> None:
         await self._finished.wait()
 
-    async def wait_streamable(self, threshold: int) -> None:
-        """Until the download has ended or `threshold` bytes are in.
+    async def wait_settled(self) -> None:
+        """Until the file is in the cache (or will not be): what readers of the cache wait for."""
+        await self._settled.wait()
 
-        Answering only then lets a small file's failure (most sources, small debug files) reach
-        the client as a proper status line instead of a cut-off body.
+    async def wait_streamable(self) -> None:
+        """Until the response can start: the first bytes are in, or the download has ended.
+
+        A body that came whole before its response started (a small file, in one read) waits
+        for its verdict too, which is quick, so that its failure reaches the client as a proper
+        status line instead of a cut-off body.
         """
-        while not self.finished and self.written < threshold:
+        while not self.finished and (self.written == 0 or self.received_all):
             await self._progress.wait()
 
     def reader(self) -> FlightReader:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import os
+import weakref
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -16,7 +17,7 @@ from aiohttp.abc import AbstractStreamWriter
 from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
-from proxy.errors import InvalidRequest, TooLarge
+from proxy.errors import InvalidRequest, OutOfResources, TooLarge
 from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
@@ -27,8 +28,6 @@ from proxy.web.state import STATE, AppState
 log = logging.getLogger(__name__)
 # Hits up to this size are read and sent from memory rather than with sendfile.
 SMALL_FILE_BYTES = 256 * 1024
-# Bytes a fetch must have received before its response starts (see Flight.wait_streamable).
-STREAM_AFTER_BYTES = 1024 * 1024
 
 
 def _artifact_headers(
@@ -84,8 +83,10 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     if tenant:
         annotate(request, tenant=tenant, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
-    result = await state.service.find(key, req, cache_only=only_if_cached)
-    if isinstance(result, Hit):
+    for _ in range(_VANISHED_RETRIES):
+        result = await state.service.find(key, req, cache_only=only_if_cached)
+        if not isinstance(result, Hit):
+            break
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         if not _CONDITIONAL.intersection(request.headers):
@@ -95,7 +96,14 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             elif (result.artifact.record.size <= SMALL_FILE_BYTES
                     and (small := _small_file(state, result.artifact)) is not None):
                 return small
-        return _LeasedFileResponse(state, key, result.artifact)
+        try:
+            fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            # Evicted by another process since it was found: find it again (fetched anew).
+            continue
+        return _LeasedFileResponse(state, key, result.artifact, fd)
+    else:
+        raise OutOfResources("the cached file kept disappearing while being sent; retry")
     try:
         _check_size(result.meta.size, max_size)
         annotate(request, outcome=Served.MISS, upstream=result.meta.upstream)
@@ -104,6 +112,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         result.reader.close()
 
 
+# Times a hit whose file another process evicts in between is looked up again.
+_VANISHED_RETRIES = 3
 # Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
 _CONDITIONAL = frozenset({"If-None-Match", "If-Modified-Since", "If-Match",
                           "If-Unmodified-Since", "If-Range", "Range"})
@@ -153,23 +163,31 @@ def _small_file(state: AppState, artifact: CachedArtifact) -> web.Response | Non
 
 
 class _LeasedFileResponse(web.FileResponse):
-    """A FileResponse that holds the cache lease while aiohttp sends the file.
+    """A FileResponse of a file already open, holding the cache lease while aiohttp sends it.
 
     aiohttp prepares a FileResponse itself once the handler returns, so the lease has to live
-    here rather than in the handler.
+    here rather than in the handler. It opens the file by path, in a thread, by then: given
+    /proc/self/fd/N of the descriptor opened when the hit was found, it opens that same file,
+    even if another process has evicted (unlinked) it in between.
     """
 
-    def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact) -> None:
+    def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
+                 fd: int) -> None:
         rec = artifact.record
-        super().__init__(artifact.path,
+        super().__init__(f"/proc/self/fd/{fd}",
                          headers=_artifact_headers(rec.size, rec.filename, rec.archive))
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
+        # Closed when the response is done with it, whatever becomes of the response.
+        self._fd_closer = weakref.finalize(self, os.close, fd)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        with self._symgate.service.cache.lease(self._scope, self._key):
-            writer = await super().prepare(request)
+        try:
+            with self._symgate.service.cache.lease(self._scope, self._key):
+                writer = await super().prepare(request)
+        finally:
+            self._fd_closer()
         if request.method != "HEAD":
             self._symgate.metrics.served_bytes.labels("cache").inc(self.content_length or 0)
         return writer
@@ -184,7 +202,7 @@ async def _send_streaming(
     if request.method == "HEAD" and size is None:
         await flight.wait_finished()  # HEAD must tell the real size: wait for the whole file
     else:
-        await flight.wait_streamable(STREAM_AFTER_BYTES)
+        await flight.wait_streamable()
     if flight.error is not None:
         raise flight.error
     if size is None and flight.succeeded:
