@@ -44,3 +44,63 @@ async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process) ->
     proc.kill()
     out = await proc.stdout.read() if proc.stdout else b""
     raise AssertionError(f"symgate did not come up: {out.decode()}")
+
+
+async def start_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,
+                      workers: int = 1, extra: str = "") -> tuple[str, asyncio.subprocess.Process]:
+    """`symgate serve --workers N` on a free port, its output in a pipe; (base URL, process).
+    The caller stops it (stop_serve)."""
+    from tests.harness import free_port
+
+    port = free_port()
+    config = tmp_path / f"symgate-{port}.toml"
+    config.write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{data_dir}"\n'
+        f'access_log = false\n{extra}[database]\nurl = "{database_url}"\n'
+        f'[[upstreams]]\nurl = "{upstream}"\nbreaker_failures = 0\n')
+    proc = await asyncio.create_subprocess_exec(
+        "symgate", "serve", "--config", str(config), "--workers", str(workers),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "HOME": str(tmp_path)})
+    base = f"http://127.0.0.1:{port}"
+    await wait_until_serving(base, proc)
+    return base, proc
+
+
+async def stop_serve(procs: list[asyncio.subprocess.Process]) -> None:
+    """SIGTERM, then SIGKILL past 30 s; reaped before the caller's loop closes."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for a parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found

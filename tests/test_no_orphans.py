@@ -12,35 +12,9 @@ import aiohttp
 
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, free_port
-from tests.processes import wait_until_serving
+from tests.processes import alive, descendants, wait_until_serving
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES
-
-
-def _alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting for a parent to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
 
 
 async def test_sigkilled_server_leaves_no_helper_processes(
@@ -62,14 +36,14 @@ async def test_sigkilled_server_leaves_no_helper_processes(
                 base + "/symbolize", data=profile.SerializeToString(),
                 headers={"Content-Type": "application/octet-stream"}) as r:
             assert r.status == 200 and r.headers["X-Symgate-Mappings-Symbolized"] == "1"
-        helpers = _descendants(proc.pid)
+        helpers = descendants(proc.pid)
         # The forkserver, the resource tracker, a builder and a symbolize worker at least.
         assert len(helpers) >= 4, helpers
     finally:
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
     for _ in range(100):
-        left = {pid for pid in helpers if _alive(pid)}
+        left = {pid for pid in helpers if alive(pid)}
         if not left:
             break
         await asyncio.sleep(0.1)

@@ -1,12 +1,10 @@
 """Several `symgate serve` processes on one data dir: a process starting never removes another
-live process's download, two processes committing the same artifact end with one whole
+live process's download, two processes wanting the same artifact end with one fetch, one whole
 file and one row, and a file evicted under a response is still sent whole."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -18,8 +16,8 @@ from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, free_port, make_config
-from tests.processes import wait_until_serving
+from tests.harness import SymgateFactory, eventually, make_config
+from tests.processes import start_serve, stop_serve
 
 Serve = Callable[[], Awaitable[str]]
 
@@ -31,30 +29,13 @@ async def serve(tmp_path: Path, database_url: str, faults: FaultUpstream
     procs: list[asyncio.subprocess.Process] = []
 
     async def start() -> str:
-        port = free_port()
-        config = tmp_path / f"symgate-{port}.toml"
-        config.write_text(
-            f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'
-            f'access_log = false\n[database]\nurl = "{database_url}"\n'
-            f'[[upstreams]]\nurl = "{faults.url_for("held")}"\nbreaker_failures = 0\n')
-        proc = await asyncio.create_subprocess_exec(
-            "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
+        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url,
+                                       faults.url_for("held"))
         procs.append(proc)
-        base = f"http://127.0.0.1:{port}"
-        await wait_until_serving(base, proc)
         return base
 
     yield start
-    for proc in procs:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()  # reaped before the loop closes, as the lock holder below is
+    await stop_serve(procs)
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
@@ -81,26 +62,33 @@ async def test_processes_on_one_data_dir_leave_each_others_downloads_alone(
             assert await _get(s, base + path) == (200, elfs.big.debug.read_bytes())
         assert faults.count("held") == 1
 
-        # Both processes fetch one artifact at once and both commit it.
+        # Both processes want one artifact at once: one fetches it, the other follows.
         faults.release = asyncio.Event()
+        faults.held_half_sent = asyncio.Event()
         path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-        downloads = [asyncio.create_task(_get(s, base + path)) for base in (first, second)]
-        for _ in range(300):  # bounded: until both processes are downloading at once
-            if faults.count("held") == 3:
-                break
-            await asyncio.sleep(0.05)
-        assert faults.count("held") == 3
-        faults.release.set()
+        download = asyncio.create_task(_get(s, first + path))
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
         expected = elfs.prog.debug.read_bytes()
-        assert [await d for d in downloads] == [(200, expected), (200, expected)]
+        async with s.get(second + path) as r:
+            # The first half (but the byte held back until the whole is verified), while the
+            # upstream still holds the rest: streamed from the first process's download.
+            head = await r.content.readexactly(len(expected) // 2 - 1)
+            faults.release.set()
+            assert (r.status, head + await r.read()) == (200, expected)
+        assert await download == (200, expected)
+        assert faults.count("held") == 2
     stored = tmp_path / "d" / "cache" / "objects" / ArtifactKey.parse(
         elfs.prog.build_id, "debuginfo").storage_name
-    assert stored.read_bytes() == expected
     repo = Repository(create_engine(database_url))
     try:
+        async def committed() -> bool:  # just after the clients' last byte, in its process
+            return bool(await repo.artifacts_of(elfs.prog.build_id))
+
+        await eventually(committed)
         rows = await repo.artifacts_of(elfs.prog.build_id)
     finally:
         await repo.close()
+    assert stored.read_bytes() == expected
     assert [(r.kind, r.size) for r in rows] == [("debuginfo", len(expected))]
 
 

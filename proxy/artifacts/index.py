@@ -16,6 +16,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 SPACE_BACK_BYTES = 1024 * 1024
 # and free inodes past which one that ran out of inodes (many small files) counts as over.
 SPACE_BACK_INODES = 64
+# Rows read at once when evicting for the whole cache (enforce_shared_budget).
+SHARED_EVICTION_BATCH = 1000
 # Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
 # file is gone is dropped at the next start, and ignored by replicas that check the file).
 MAX_UNSYNCED_DELETES = 100_000
@@ -57,8 +60,13 @@ class CachedArtifact:
 
 class ArtifactCache:
     def __init__(
-        self, store: Store, repo: Repository, metrics: ProxyMetrics, max_bytes: int
+        self, store: Store, repo: Repository, metrics: ProxyMetrics, max_bytes: int,
+        *, shared: bool = False,
     ) -> None:
+        """`shared`: one of several serving processes on this cache (its metrics then tell
+        the whole cache's size, from SQL)."""
+        self.shared = shared
+        self._shared_totals = (0, 0)
         self.store = store
         self._repo = repo
         self._metrics = metrics
@@ -168,6 +176,11 @@ class ArtifactCache:
         return rec
 
     def _publish(self) -> None:
+        if self.shared:
+            # One of several processes: the whole cache's figures, as last read from SQL.
+            self._metrics.cache_entries.set(self._shared_totals[0])
+            self._metrics.cache_size.set(self._shared_totals[1])
+            return
         self._metrics.cache_size.set(self._bytes)
         self._metrics.cache_entries.set(len(self._entries))
 
@@ -342,6 +355,34 @@ class ArtifactCache:
             if self._unsynced.get(kh) is rec:
                 del self._unsynced[kh]
         self.health.ok(DATABASE)
+
+    async def enforce_shared_budget(self) -> None:
+        """Judge the whole cache, every process's files on this data dir and database, against
+        the budget, and evict its least recently used (by SQL's record) until it fits. Each
+        process's own eviction only knows the files it has seen; this is what keeps several
+        serving processes together within max_bytes. One process at a time does it."""
+        fd = self.store.try_budget_lock()
+        if fd is None:
+            return
+        try:
+            async with self._evict_lock:
+                count, total = await self._repo.totals()
+                self._shared_totals = (count, total)
+                over = total + self.reserved_bytes - self.max_bytes
+                victims: list[ArtifactRecord] = []
+                if over > 0:
+                    for rec in await self._repo.least_recently_used(SHARED_EVICTION_BATCH):
+                        if over <= 0:
+                            break
+                        if rec.key_hash not in self._leases:
+                            victims.append(rec)
+                            over -= rec.size
+                    await self._remove_victims(victims)
+                    self._shared_totals = (count - len(victims),
+                                           total - sum(r.size for r in victims))
+                self._publish()
+        finally:
+            os.close(fd)
 
     def recheck_space(self) -> None:
         """Clear a full-disk condition once space is back (an operator freed some)."""

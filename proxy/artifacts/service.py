@@ -12,11 +12,12 @@ import errno
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
@@ -38,12 +39,14 @@ from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Hop, Source
 from proxy.sources.policy import ask
-from proxy.store.repository import ArtifactRecord, is_disk_full
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, is_disk_full
 from symbolize.elf import build_id_of_file, section_extent
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+# How long a stopping server waits for downloads that are being committed.
+COMMIT_AT_STOP_S = 10.0
 # A download of unannounced size holds the budget in steps of this much, not per chunk.
 RESERVE_STEP = 4 * 1024 * 1024
 
@@ -85,8 +88,10 @@ class ArtifactService:
         max_concurrent_fetches: int,
         max_artifact_bytes: int,
         metrics: ProxyMetrics,
+        board: FlightBoard,
     ) -> None:
         self.cache = cache
+        self._board = board
         # Larger than the whole budget is served but not kept (see _download).
         self._max_artifact = max_artifact_bytes
         self.misses = misses
@@ -117,6 +122,11 @@ class ArtifactService:
         names = [u.name for u in ups if u.remembers_misses]
         local_has = any(u.has(key) for u in ups if not u.remembers_misses)
         kh = key_hash(scope, key)
+        for visible in req.visible:
+            done = self._flights.get(key_hash(visible, key))
+            if done is not None and done.succeeded:
+                # Its clients have their bytes; the commit (an fsync and a row) makes it a hit.
+                await done.wait_settled()
         if (hit := self.cache.peek_any(req.visible, key)) is not None:
             if hit.path.is_file():
                 return Hit(await self.cache.get(hit.scope, key) or hit)
@@ -129,10 +139,11 @@ class ArtifactService:
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
         if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
             return joined
-        for visible in req.visible:
-            if (shared := await self.cache.get(visible, key)) is not None:
-                return Hit(shared)
-        known_missing = await self.misses.live(scope, key)
+        # Both ask SQL (what another process cached, or found missing): at once, not in turn.
+        stored, known_missing = await asyncio.gather(
+            self._stored(req.visible, key), self.misses.live(scope, key))
+        if stored is not None:
+            return Hit(stored)
         if not local_has and known_missing.issuperset(names):
             # No local source has it, and every remote one is remembered as not having it.
             if names:
@@ -144,33 +155,80 @@ class ArtifactService:
             return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
+        claim = self._claim(kh)
+        if claim is None:
+            # Another server process on this data dir is fetching it: follow its download.
+            if (followed := await self._follow(kh)) is not None:
+                return followed
+            if (stored := await self._stored(req.visible, key)) is not None:
+                return Hit(stored)
+            if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
+                return joined
+            # Ended without a file for us (not kept, or its writer died): fetch it here, as
+            # its one writer again if nobody else has claimed it since.
+            claim = self._claim(kh)
         path, fd = self._new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
-        task = asyncio.create_task(
-            self._fetch(key, scope, flight, path,
-                        [u for u in ups if u.name not in known_missing], req.hop)
-        )
+        self._start(self._fetch(key, scope, flight, path,
+                                [u for u in ups if u.name not in known_missing], req.hop, claim))
+        return await _join(flight)
+
+    async def _follow(self, kh: str) -> Streaming | None:
+        """Join another process's fetch of `kh` through a local mirror flight, which this
+        process's other clients then join too. Raises its failure; None if it ended."""
+        followed = await self._board.follow(kh)
+        if followed is None:
+            return None
+        if (flight := self._flights.get(kh)) is not None:  # another client got here first
+            os.close(followed.fd)
+            return await _join(flight)
+        flight = Flight(followed.fd)
+        flight.started(followed.meta)
+        self._flights[kh] = flight
+        self._metrics.singleflight_joins.inc()
+
+        async def mirror() -> None:
+            try:
+                await self._board.track(kh, followed, flight)
+            finally:
+                if self._flights.get(kh) is flight:
+                    del self._flights[kh]
+
+        self._start(mirror())
+        return await _join(flight)
+
+    def _start(self, job: Coroutine[object, object, None]) -> None:
+        task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await _join(flight)
+
+    async def _stored(self, scopes: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
+        for scope in scopes:
+            if (stored := await self.cache.get(scope, key)) is not None:
+                return stored
+        return None
 
     async def _join_or_remembered(self, kh: str, scope: str, key: ArtifactKey,
                                   names: list[str], local_has: bool) -> Streaming | None:
         """What memory alone answers: the fetch under way, joined, or a remembered miss
         (raised); None when only SQL or a new fetch can tell."""
         if (flight := self._flights.get(kh)) is not None:
-            self._metrics.singleflight_joins.inc()
-            return await _join(flight)
+            if not flight.succeeded:
+                self._metrics.singleflight_joins.inc()
+                return await _join(flight)
+            # Verified and being committed (a matter of an fsync and a row): a hit in a moment.
+            await flight.wait_settled()
         if not local_has and self.misses.memo_covers(scope, key, names):
             raise RememberedNotFound("not found (remembered miss)")
         return None
 
     async def _fetch(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, ups: list[Source],
-        hop: Hop,
+        hop: Hop, claim: Claim | None,
     ) -> None:
-        """Runs detached from any client: a disconnect does not stop the download."""
+        """Runs detached from any client: a disconnect does not stop the download. `claim`
+        tells the other server processes how it goes (None: another fetches it too)."""
         self._metrics.inflight_fetches.inc()
         try:
             async with self._slots:
@@ -188,7 +246,7 @@ class ArtifactService:
                 owner = next((u.scope for u in ups if u.name == result.body.meta.upstream),
                              scope)
                 try:
-                    await self._download(key, owner, flight, temp, result.body)
+                    await self._download(key, owner, flight, temp, result.body, claim)
                 finally:
                     result.body.close()
         except SymgateError as e:
@@ -202,16 +260,24 @@ class ArtifactService:
         finally:
             if not flight.finished:  # cancelled: server shutting down
                 flight.fail(UpstreamUnavailable("server shutting down"))
+            if claim is not None:
+                if flight.error is not None:
+                    claim.failed(flight.error)
+                else:
+                    claim.say(SETTLED)
+                claim.release()
+                self._start(self._board.tidy(key_hash(scope, key), claim.ident))
             if self._flights.get(key_hash(scope, key)) is flight:
                 del self._flights[key_hash(scope, key)]
             flight.close_fd()
             self.cache.release(flight)
-            if not flight.succeeded:
-                temp.unlink(missing_ok=True)
+            temp.unlink(missing_ok=True)  # gone already, unless it was not committed
+            flight.settle()
             self._metrics.inflight_fetches.dec()
 
     async def _download(
-        self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body
+        self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body,
+        claim: Claim | None,
     ) -> None:
         meta = body.meta
         if meta.size is not None and meta.size > self._max_artifact:
@@ -226,7 +292,8 @@ class ArtifactService:
         step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
         held = 0
         flight.started(meta)
-        digest = hashlib.sha256()
+        if claim is not None:
+            claim.streaming(temp, meta)
         fd = flight.writer_fd
         async for chunk in body.chunks():
             needed = flight.written + len(chunk)
@@ -240,8 +307,8 @@ class ArtifactService:
                 raise VerificationFailed(f"{meta.upstream} sent more than "
                                          f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
             await self._write(fd, chunk, flight.written)
-            digest.update(chunk)
             flight.wrote(len(chunk))
+        flight.body_ended()
         if meta.size is not None and flight.written != meta.size:
             self._reject(key, "truncated")
             raise VerificationFailed(
@@ -255,6 +322,8 @@ class ArtifactService:
                     f"{meta.upstream} sent a file with build ID {found or 'none'},"
                     f" not {key.build_id}"
                 )
+        if claim is not None:
+            claim.say(VERIFIED, size=flight.written)
         if not keep:
             # Its readers hold their own descriptors: the file goes when the last one is done.
             log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
@@ -263,11 +332,19 @@ class ArtifactService:
             temp.unlink(missing_ok=True)
             flight.succeed()
             return
+        # The bytes are right: every client gets its last byte now, and the commit below
+        # (fsync, rename, the row) is the cache's business, not theirs.
+        flight.succeed()
         try:
+            # Hashed here, from the page cache, in a thread: ~10 ms of a 4 MB file that the
+            # loop would otherwise spend while its clients wait.
+            digest = await asyncio.to_thread(_sha256_of, fd)
             final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key)
         except OSError as e:
-            self._raise_os_failure(e)
-            raise
+            if e.errno in _NO_SPACE:
+                self._disk_full(e)
+            log.warning("%s was served but could not be cached: %s", key.id, e)
+            return
         self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
@@ -276,14 +353,18 @@ class ArtifactService:
         await self.cache.add(ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
             kind=str(key.kind),
-            size=flight.written, sha256=digest.hexdigest(), upstream=meta.upstream,
+            size=flight.written, sha256=digest, upstream=meta.upstream,
             filename=meta.filename or key.default_filename, archive=meta.archive,
             fetched_at=now, last_access=now, hits=0,
         ))
         self.misses.forget(scope, key)
-        flight.succeed()
         for listener in self.committed:
             listener(scope, key)
+        if self.cache.shared:
+            try:
+                await self.cache.enforce_shared_budget()
+            except DATABASE_ERRORS as e:
+                self.cache.sql_failed("judging the whole cache against its budget", e)
 
     # -- sections ---------------------------------------------------------------------------------
     # An upstream's /section answer cannot be verified, so a section is cut from the debuginfo
@@ -344,7 +425,7 @@ class ArtifactService:
             cached = result.artifact
         else:
             try:
-                await result.flight.wait_finished()
+                await result.flight.wait_settled()
                 if result.flight.error is not None:
                     raise result.flight.error
                 found = self.cache.peek_any(req.visible, key)
@@ -416,6 +497,13 @@ class ArtifactService:
                 break
         raise self._disk_full(error) from error
 
+    def _claim(self, kh: str) -> Claim | None:
+        try:
+            return self._board.claim(kh)
+        except OSError as e:
+            self._raise_os_failure(e)
+            raise
+
     def _new_temp(self) -> tuple[Path, int]:
         try:
             return self.cache.store.new_temp()
@@ -442,12 +530,24 @@ class ArtifactService:
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()
 
+    async def warm_up(self) -> None:
+        """Run a miss's SQL lookups once, for a key nobody has: the first client's cold fetch
+        would otherwise pay for compiling them and opening the database (~20 ms)."""
+        nobody = ArtifactKey("00" * 20, Kind.DEBUGINFO)
+        await asyncio.gather(self._stored(("",), nobody), self.misses.live("", nobody))
+
     async def wait_idle(self) -> None:
         """Until no fetch is under way (shutdown, tests)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def cancel_all(self) -> None:
+        """Stop every fetch, but let those whose clients have had every byte commit their file
+        first: that is an fsync and a row, and a stop must not lose what was just fetched."""
+        committing = [f.wait_settled() for f in self._flights.values() if f.succeeded]
+        if committing:
+            await asyncio.wait([asyncio.ensure_future(c) for c in committing],
+                               timeout=COMMIT_AT_STOP_S)
         for task in list(self._tasks):
             task.cancel()
         await self.wait_idle()
@@ -479,6 +579,15 @@ def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
             _write_all(fd, chunk, size - left)
             digest.update(chunk)
             left -= len(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_of(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1024 * 1024, offset):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest.hexdigest()
 
 

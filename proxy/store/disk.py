@@ -58,6 +58,8 @@ class Store(Protocol):
 
     def others_alive(self) -> bool: ...
 
+    def try_budget_lock(self) -> int | None: ...
+
     def stored_names(self) -> Iterator[str]: ...
 
     def free_bytes(self) -> int: ...
@@ -80,6 +82,8 @@ class DiskStore:
         self.objects = cache_dir / "objects"
         self.tmp = cache_dir / "tmp"
         self.symtabs = symtab_dir
+        # Fetches under way, for every process on this data dir (proxy.artifacts.board).
+        self.flights = cache_dir / "flights"
         for d in (self.objects, self.tmp, self.symtabs):
             d.mkdir(parents=True, exist_ok=True)
         self._own_tmp: Path | None = None  # made at the first download: admin commands need none
@@ -108,7 +112,7 @@ class DiskStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             # Another process's cleanup may have taken the lock between open and flock and
             # removed the file: then ours locks nothing anyone will look at; start again.
-            if _same_file(fd, lock):
+            if same_file(fd, lock):
                 break
             os.close(fd)
         folder = self.tmp / name
@@ -162,6 +166,19 @@ class DiskStore:
         renamed a file into objects/ whose row it has not written yet."""
         own = self._own_tmp.with_suffix(".lock") if self._own_tmp is not None else None
         return any(lock != own and _held(lock) for lock in self.tmp.glob("*.lock"))
+
+    def try_budget_lock(self) -> int | None:
+        """The lock one process at a time holds to judge the whole cache against its budget
+        and evict for it: a descriptor to close to release it, or None while another process
+        holds it (then that one is doing the work)."""
+        fd = os.open(self.objects.parent / "budget.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     def free_bytes(self) -> int:
         """Space left for the cache on its filesystem (for an unprivileged writer)."""
@@ -227,7 +244,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -267,7 +284,7 @@ def _remove_if_dead(lock: Path, folder: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0  # its process is alive
-        if not _same_file(fd, lock):
+        if not same_file(fd, lock):
             return 0  # another cleanup got there first
         removed = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
         shutil.rmtree(folder, ignore_errors=True)

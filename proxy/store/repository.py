@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, select, tuple_, update
+from sqlalchemy import delete, event, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -155,6 +155,19 @@ class Repository:
         """Least recently used first: the order eviction works in."""
         async with self._session() as s:
             rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
+            return [_record(r) for r in rows]
+
+    async def totals(self) -> tuple[int, int]:
+        """(artifacts, bytes) of the whole cache, as every process on it has written it."""
+        async with self._session() as s:
+            count, size = (await s.execute(select(
+                func.count(), func.coalesce(func.sum(Artifact.size), 0)))).one()
+            return int(count), int(size)
+
+    async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
+        async with self._session() as s:
+            rows = (await s.scalars(
+                select(Artifact).order_by(Artifact.last_access).limit(limit))).all()
             return [_record(r) for r in rows]
 
     def _upsert(

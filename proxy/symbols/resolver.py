@@ -210,7 +210,7 @@ class SymbolResolver:
         result = await self._artifacts.find(key, req)
         if isinstance(result, Streaming):
             try:
-                await result.flight.wait_finished()
+                await result.flight.wait_settled()
             finally:
                 result.reader.close()
             if result.flight.error is not None:

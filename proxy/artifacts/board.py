@@ -1,0 +1,256 @@
+"""Fetches under way as every process on one data dir sees them: single flight across processes.
+
+The process that fetches a key holds flights/<key hash>.lock flock(2)ed from before it asks
+upstream until the file is committed or given up, and keeps flights/<key hash>.json saying
+where it is: asking, streaming (the temp file's path and the upstream's headers), verified
+(every byte is in and right), failed (the error), settled (committed, or not kept). Another
+process that wants the key meanwhile finds the lock taken, opens the temp file the JSON names
+and follows it as it grows: one upstream request for the whole server, and each process's
+clients get the bytes as they come, from the page cache.
+
+A writer that dies (SIGKILL) loses its lock with it: its followers see the lock free under a
+state that never ended and fail their clients' responses, never wait forever. Both files are
+left for the next writer of the key to overwrite, or for the start-up cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proxy import errors
+from proxy.artifacts.flight import Flight
+from proxy.errors import SymgateError, UpstreamUnavailable
+from proxy.sources.base import ArtifactMeta
+from proxy.store.disk import same_file
+
+log = logging.getLogger(__name__)
+# A follower looks at the writer's progress this often at first, backing off to the longest
+# while nothing changes: what a cross-process join costs in latency, at most.
+POLL_FIRST_S = 0.0005
+POLL_LONGEST_S = 0.01
+# and checks this often whether the writer is still alive.
+ALIVE_CHECK_S = 0.1
+# A fetch's files stay this long after it ends, for its followers to read how it ended.
+LINGER_S = 0.25
+
+ASKING = "asking"
+STREAMING = "streaming"
+VERIFIED = "verified"
+FAILED = "failed"
+SETTLED = "settled"
+
+# The failures a writer can end in, rebuilt by name in its followers.
+_ERRORS: dict[str, type[SymgateError]] = {
+    cls.__name__: cls for cls in (
+        errors.NotFound, errors.RememberedNotFound, errors.UpstreamUnavailable,
+        errors.UpstreamTimeout, errors.VerificationFailed, errors.TooLarge,
+        errors.InsufficientStorage, errors.OutOfResources)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """Another process's fetch, joined: the temp file open, the headers it had."""
+
+    ident: str
+    fd: int
+    meta: ArtifactMeta
+
+
+class Claim:
+    """This process's right to fetch one key; say each step, release at the end."""
+
+    def __init__(self, board: FlightBoard, kh: str, fd: int) -> None:
+        self._board = board
+        self._kh = kh
+        self._fd = fd
+        self.ident = uuid.uuid4().hex
+        self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
+        self.say(ASKING)
+
+    def say(self, state: str, **fields: Any) -> None:
+        self._state.update(fields, state=state)
+        try:
+            self._board.write_state(self._kh, self._state)
+        except OSError as e:  # followers then see no progress and fail; this fetch goes on
+            log.warning("cannot publish the state of a fetch: %s", e)
+
+    def streaming(self, part: Path, meta: ArtifactMeta) -> None:
+        self.say(STREAMING, part=str(part), meta=[meta.upstream, meta.size, meta.filename,
+                                                   meta.archive, meta.last_modified])
+
+    def failed(self, error: SymgateError) -> None:
+        self.say(FAILED, error=type(error).__name__, reason=error.reason)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # the lock goes with it
+            self._fd = -1
+
+
+class FlightBoard:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def claim(self, kh: str) -> Claim | None:
+        """The right to fetch `kh`, or None while another process holds it."""
+        lock = self._lock(kh)
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            if same_file(fd, lock):  # not removed by a start-up cleanup meanwhile
+                return Claim(self, kh, fd)
+            os.close(fd)
+
+    async def follow(self, kh: str) -> Followed | None:
+        """Join the fetch another process has under way, once it streams; raises the error
+        it failed with. None when there is none to join (ended, or its writer died): the
+        caller looks in the cache again, or fetches itself."""
+        delay = POLL_FIRST_S
+        waited = 0.0
+        while True:
+            state = self.read_state(kh) or {}
+            name = state.get("state")
+            if name == FAILED:
+                raise _error(state)
+            if name in (STREAMING, VERIFIED):
+                try:
+                    fd = os.open(state["part"], os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return None  # committed or dropped meanwhile
+                return Followed(state["id"], fd, ArtifactMeta(*state["meta"]))
+            if name == SETTLED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
+                return None
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, POLL_LONGEST_S)
+
+    async def track(self, kh: str, followed: Followed, flight: Flight) -> None:
+        """Drive `flight` (this process's mirror of another's fetch) from the file's growth
+        and the writer's state, until it settles."""
+        delay = POLL_FIRST_S
+        since_alive_check = 0.0
+        try:
+            while True:
+                state = self.read_state(kh)
+                size = os.fstat(followed.fd).st_size
+                if size > flight.written:
+                    flight.wrote(size - flight.written)
+                    delay = POLL_FIRST_S
+                name = state.get("state") if state else None
+                if state is None or state.get("id") != followed.ident:
+                    flight.fail(UpstreamUnavailable("the fetch this joined in another server "
+                                                    "process was abandoned"))
+                    return
+                if name == FAILED:
+                    flight.fail(_error(state))
+                    return
+                # The writer says so once every byte is written: they are all in the file.
+                if (name in (VERIFIED, SETTLED) and not flight.succeeded
+                        and flight.written >= state.get("size", flight.written + 1)):
+                    flight.body_ended()
+                    flight.succeed()
+                if name == SETTLED:
+                    return
+                if since_alive_check >= ALIVE_CHECK_S:
+                    since_alive_check = 0.0
+                    if not self.held(kh) and (self.read_state(kh) or {}).get("state") not in (
+                            SETTLED, FAILED):
+                        flight.fail(UpstreamUnavailable(
+                            "the server process fetching it died"))
+                        return
+                await asyncio.sleep(delay)
+                since_alive_check += delay
+                delay = min(delay * 2, POLL_LONGEST_S)
+        finally:
+            if not flight.finished:  # cancelled: this server is stopping
+                flight.fail(UpstreamUnavailable("server shutting down"))
+            flight.close_fd()
+            flight.settle()
+
+    async def tidy(self, kh: str, ident: str) -> None:
+        """Remove a fetch's files once its followers have had time to read how it ended;
+        not if another fetch of the key has begun since."""
+        await asyncio.sleep(LINGER_S)
+        lock = self._lock(kh)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if same_file(fd, lock) and (self.read_state(kh) or {}).get("id") == ident:
+                # Unlinked while held: a process that opened it before then finds its lock
+                # taken, or, with the path gone, that nobody is fetching.
+                (self.folder / f"{kh}.json").unlink(missing_ok=True)
+                lock.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass  # another fetch of the key is under way: its files now
+        finally:
+            os.close(fd)
+
+    def held(self, kh: str) -> bool:
+        """Whether a live process holds the key's lock."""
+        try:
+            fd = os.open(self._lock(kh), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def write_state(self, kh: str, state: dict[str, Any]) -> None:
+        temp = self.folder / f"{kh}.json.{os.getpid()}"
+        temp.write_text(json.dumps(state))
+        os.replace(temp, self.folder / f"{kh}.json")
+
+    def read_state(self, kh: str) -> dict[str, Any] | None:
+        try:
+            state = json.loads((self.folder / f"{kh}.json").read_bytes())
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def clear_stale(self) -> int:
+        """Remove what writers that are gone left (their lock free); what a live one holds
+        stays. At start-up."""
+        removed = 0
+        for lock in self.folder.glob("*.lock"):
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            else:
+                for leftover in self.folder.glob(f"{lock.stem}.json*"):
+                    leftover.unlink(missing_ok=True)
+                lock.unlink(missing_ok=True)
+                removed += 1
+            finally:
+                os.close(fd)
+        return removed
+
+    def _lock(self, kh: str) -> Path:
+        return self.folder / f"{kh}.lock"
+
+
+def _error(state: dict[str, Any]) -> SymgateError:
+    return _ERRORS.get(state.get("error", ""), SymgateError)(
+        str(state.get("reason", "failed in another server process")))
