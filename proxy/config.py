@@ -207,6 +207,9 @@ class ServerConfig:
     # Client connections at once; past it, new ones get an immediate 503. Unset: derived from
     # the open files limit (raised to its hard limit at start), keeping room for cache files.
     max_connections: AtLeastOne | None = None
+    # Serving processes on the one port (SO_REUSEPORT), sharing the data dir and database.
+    # Unset: one per core this process may run on. `symgate serve --workers N` overrides it.
+    workers: AtLeastOne | None = None
 
 
 @dataclass(frozen=True, config=_SECTION)

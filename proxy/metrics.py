@@ -81,6 +81,7 @@ class ProxyMetrics:
         )
         self.inflight_fetches = Gauge(
             f"{p}_inflight_fetches", "Upstream fetches under way", registry=registry,
+            multiprocess_mode="livesum",
         )
         self.singleflight_joins = Counter(
             f"{p}_singleflight_joins",
@@ -94,12 +95,15 @@ class ProxyMetrics:
         )
         self.cache_size = Gauge(
             f"{p}_cache_size_bytes", "Bytes of artifacts in the disk cache", registry=registry,
+            multiprocess_mode="livemostrecent",  # each process tells the shared total
         )
         self.cache_entries = Gauge(
             f"{p}_cache_entries", "Artifacts in the disk cache", registry=registry,
+            multiprocess_mode="livemostrecent",
         )
         self.cache_max = Gauge(
             f"{p}_cache_max_bytes", "The disk cache's size budget", registry=registry,
+            multiprocess_mode="livemax",
         )
         self.evictions = Counter(
             f"{p}_cache_evictions", "Artifacts evicted to stay under the size budget",
@@ -120,7 +124,8 @@ class ProxyMetrics:
         self.breaker_state = Gauge(
             f"{p}_upstream_breaker_state",
             "Circuit breaker per upstream: 0 closed, 1 half-open, 2 open",
-            ["upstream"], registry=registry,
+            # Each serving process has its own breaker: the worst of them.
+            ["upstream"], registry=registry, multiprocess_mode="livemax",
         )
         self.breaker_trips = Counter(
             f"{p}_upstream_breaker_trips", "Times an upstream's circuit breaker opened",

@@ -21,7 +21,8 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.web.app import CannotStart, serve
+    from proxy.web.startup import CannotStart
+    from proxy.web.supervisor import default_workers, supervise
 
     cfg = _config(args)
     if args.no_migrate:
@@ -29,9 +30,15 @@ def _serve(args: argparse.Namespace) -> int:
 
         cfg = replace(cfg, database=replace(cfg.database, migrate_on_start=False))
     parse_listen(cfg.server.listen, "server.listen")
+    workers = args.workers or cfg.server.workers or default_workers()
     json_logs = cfg.server.log_format == "json"
     logs.configure(json_logs)
     try:
+        if workers > 1:
+            return supervise(cfg, workers, access_log=cfg.server.access_log,
+                             json_logs=json_logs)
+        from proxy.web.app import serve
+
         asyncio.run(serve(
             cfg, access_log=logging.getLogger("symgate.access") if cfg.server.access_log
             else None,
@@ -40,6 +47,12 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("symgate").error("%s", e)
         return 1
     return 0
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a whole number of at least 1: {text!r}")
+    return int(text)
 
 
 def _db(args: argparse.Namespace) -> int:
@@ -251,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8002)")
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not run pending database migrations at start")
+    serve.add_argument("--workers", type=_count,
+                       help="serving processes on the one port (default: server.workers, or "
+                            "one per core)")
     serve.set_defaults(func=_serve)
 
     sym = sub.add_parser("symbolize", help="symbolize a pprof profile, offline or via a server")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,6 +13,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy import __version__
+from proxy.artifacts.board import FlightBoard
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.service import ArtifactService
@@ -35,15 +35,12 @@ from proxy.symbols.workers import SymbolizeWorkers
 from proxy.web import artifacts, logs, ops
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
+from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
 from proxy.web.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-
-
-class CannotStart(Exception):
-    """A fault at start that the operator has to fix; the message says which, in one line."""
 
 
 def add_routes(app: web.Application) -> None:
@@ -59,10 +56,21 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/", ops.status_page)
 
 
-def create_app(config: Config, registry: CollectorRegistry | None = None) -> web.Application:
+def create_app(config: Config, registry: CollectorRegistry | None = None, *,
+               one_of_several: bool = False) -> web.Application:
+    """`one_of_several`: one of several serving processes (proxy.web.supervisor), whose
+    metrics go to prometheus-client's multiprocess files (/metrics then shows all of them)
+    and whose cache figures are the whole cache's."""
     app = web.Application(middlewares=[error_edge])
     add_routes(app)
-    app.cleanup_ctx.append(_lifecycle(config, registry or CollectorRegistry()))
+    registry = registry or CollectorRegistry()
+    exposed = registry
+    if one_of_several:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        exposed = CollectorRegistry()
+        MultiProcessCollector(exposed)  # type: ignore[no-untyped-call]
+    app.cleanup_ctx.append(_lifecycle(config, registry, exposed, one_of_several))
     return app
 
 
@@ -90,7 +98,8 @@ def _sources(
 
 
 def _lifecycle(
-    config: Config, registry: CollectorRegistry
+    config: Config, registry: CollectorRegistry, exposed: CollectorRegistry,
+    one_of_several: bool,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         if config.database.migrate_on_start:
@@ -98,8 +107,11 @@ def _lifecycle(
         metrics = ProxyMetrics(registry)
         repo = Repository(create_engine(config.database_url, config.database.timeout_s))
         store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
-        cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes)
+        cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
+                              shared=one_of_several)
         await cache.load()
+        board = FlightBoard(store.flights)
+        board.clear_stale()
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=config.cache.max_concurrent_fetches * 2, ttl_dns_cache=300,
@@ -121,7 +133,9 @@ def _lifecycle(
             cache=cache, misses=misses, policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches,
             max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
+            board=board,
         )
+        await service.warm_up()
         symbolize_metrics = SymbolizeMetrics(registry)
         symbols = SymbolResolver(
             artifacts=service, tables=TableStore(repo, store, expiry),
@@ -131,10 +145,13 @@ def _lifecycle(
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
         )
         await symbols.start()
-        app[STATE] = AppState(config, registry, metrics, repo, session, service, symbols,
+        app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
                               symbolize_metrics, Tenancy(config, shared, private))
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
+            # Other processes on this data dir add files this one's index never sees.
+            asyncio.create_task(_every(config.server.access_flush_s,
+                                       cache.enforce_shared_budget)),
             asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
         ]
         log.info("symgate %s: cache %s, database %s, upstreams %s", __version__,
@@ -174,21 +191,26 @@ def _safe_url(url: str) -> str:
 
 
 async def serve(config: Config, access_log: logging.Logger | None,
-                access_log_class: type[logs.AccessLogger]) -> None:
+                access_log_class: type[logs.AccessLogger], *, port: int | None = None,
+                reuse_port: bool = False, serving: Callable[[], None] | None = None,
+                worker: int | None = None) -> None:
     """Run `symgate serve` until SIGTERM or SIGINT. Faults at start raise CannotStart.
 
     The port is bound before anything else starts, so a busy port is reported before the
-    database is touched, and "listening on" is said only once connections are accepted.
+    database is touched, and "listening on" is said only once connections are accepted
+    (`serving` is called then). As one `worker` of several (proxy.web.supervisor), the port
+    is the supervisor's, shared with SO_REUSEPORT, and metrics are the multiprocess kind.
     """
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(logs.loop_exception_handler)
     fd_limit = raise_fd_limit()
     max_connections = config.server.max_connections or default_max_connections(fd_limit)
-    host, port = parse_listen(config.server.listen, "server.listen")
-    _make_data_dirs(config)
+    host, listen_port = parse_listen(config.server.listen, "server.listen")
+    port = listen_port if port is None else port
+    make_data_dirs(config)
     runner = web.AppRunner(
-        create_app(config), handle_signals=False, access_log=access_log,
-        access_log_class=access_log_class,
+        create_app(config, one_of_several=worker is not None), handle_signals=False,
+        access_log=access_log, access_log_class=access_log_class,
         # aiohttp's keep-alive timer closes a kept-alive connection whose next request head
         # is not complete in time: between requests, it is the header timeout.
         keepalive_timeout=config.server.header_timeout_s,
@@ -202,10 +224,11 @@ async def serve(config: Config, access_log: logging.Logger | None,
                             config.server.header_timeout_s)
     try:
         server = await loop.create_server(guard, host, port, reuse_address=True,
-                                          backlog=1024, start_serving=False)
+                                          reuse_port=reuse_port or None, backlog=1024,
+                                          start_serving=False)
     except OSError as e:
         raise CannotStart(f"cannot listen on {config.server.listen}: "
-                          f"{_reason(e)}") from None
+                          f"{reason(e)}") from None
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -215,8 +238,13 @@ async def serve(config: Config, access_log: logging.Logger | None,
         except Exception as e:
             raise _startup_error(config, e) from None
         await server.start_serving()
-        log.info("symgate %s listening on http://%s/ (up to %d connections; open files limit "
-                 "%d)", __version__, config.server.listen, max_connections, fd_limit)
+        if serving is not None:
+            serving()
+        bound = server.sockets[0].getsockname()
+        where = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        log.info("symgate %s%s listening on http://%s/ (up to %d connections; open files "
+                 "limit %d)", __version__, "" if worker is None else f" worker {worker}",
+                 where, max_connections, fd_limit)
         await stop.wait()
         log.info("stopping: responses under way have %.1f s to finish",
                  config.server.shutdown_grace_s)
@@ -249,24 +277,6 @@ async def _drain(server: web.Server, grace_s: float) -> None:
                          return_exceptions=True)
 
 
-def _make_data_dirs(config: Config) -> None:
-    for d in (config.server.data_dir, config.cache_dir):
-        if d.exists() and not d.is_dir():
-            raise CannotStart(f"cannot use data directory {d}: it is a file, not a directory")
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CannotStart(f"cannot use data directory {d}: {_reason(e)}") from None
-
-
-def _reason(e: OSError) -> str:
-    if e.errno == errno.EADDRINUSE:
-        return "address already in use"
-    text = e.strerror or str(e)
-    text = text[0].lower() + text[1:] if text else type(e).__name__
-    return f"{text} ({e.filename})" if e.filename else text
-
-
 def _startup_error(config: Config, e: Exception) -> Exception:
     """A failure while the components start, as one line where it is a known fault."""
     from sqlalchemy.exc import SQLAlchemyError
@@ -281,8 +291,8 @@ def _startup_error(config: Config, e: Exception) -> Exception:
         return CannotStart(f"cannot use the database at {where}: {text}")
     if isinstance(e, OSError):
         if e.filename:
-            return CannotStart(f"cannot start: {_reason(e)}")
-        return CannotStart(f"cannot reach the database at {where}: {_reason(e)}")
+            return CannotStart(f"cannot start: {reason(e)}")
+        return CannotStart(f"cannot reach the database at {where}: {reason(e)}")
     return e
 
 

@@ -1,0 +1,240 @@
+"""`symgate serve --workers N`: N serving processes on one port, and the small process that
+keeps them.
+
+Each worker is a whole server (proxy.web.app.serve) with its own listening socket bound with
+SO_REUSEPORT, so the kernel spreads connections over them; they share the data dir and the
+database, and coordinate through them (proxy.artifacts.board for fetches, the cache's budget
+lock for eviction). Metrics go to prometheus-client's multiprocess files, so any worker's
+/metrics shows the whole server.
+
+The supervisor binds the port first (its socket, bound but never listening, keeps the port and
+tells port 0's real number), runs the migrations through the first worker alone before the
+others start, says a start-up fault once, restarts a worker that dies, and on SIGTERM or SIGINT
+passes the signal on and waits for the workers' drains. Workers die with it if it is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from proxy.config import Config, parse_listen
+from proxy.web.startup import CannotStart, make_data_dirs, reason
+
+log = logging.getLogger("symgate")
+_PR_SET_PDEATHSIG = 1
+# A worker that dies more often than this is not restarted again: something is wrong.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+_READY = "ready"
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) or 1
+
+
+def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool) -> int:
+    """Run `workers` serving processes until SIGTERM or SIGINT; the exit status.
+    Raises CannotStart for a fault found before or while the workers start."""
+    host, port = parse_listen(config.server.listen, "server.listen")
+    make_data_dirs(config)
+    holder = _hold_port(config.server.listen, host, port)
+    port = holder.getsockname()[1]
+    guard = _one_server_per_port(config.server.listen, host, port)
+    metrics_dir = Path(tempfile.mkdtemp(prefix="symgate-metrics-"))
+    # Read by prometheus-client as it is imported in each worker: multiprocess values.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    keeper = _Keeper(config, port, access_log, json_logs)
+
+    def stop(signum: int, _frame: object) -> None:
+        keeper.stopping = True
+        keeper.signal_all(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        # The first worker migrates the database alone; the others start once it serves.
+        keeper.start(0, migrate=config.database.migrate_on_start)
+        keeper.wait_ready(0)
+        for index in range(1, workers):
+            if not keeper.stopping:
+                keeper.start(index, migrate=False)
+        for index in range(1, workers):
+            keeper.wait_ready(index)
+        if not keeper.stopping:
+            log.info("symgate serving with %d workers on port %d", workers, port)
+        while not keeper.stopping:
+            died = keeper.wait_any_exit(timeout=1.0)
+            if died is None or keeper.stopping:
+                continue
+            index, code = died
+            _forget_metrics(metrics_dir, keeper.last_pid(index))
+            if not keeper.may_restart(index):
+                log.error("worker %d keeps dying (exit status %s); stopping", index, code)
+                keeper.signal_all(signal.SIGTERM)
+                keeper.wait_all()
+                return 1
+            log.warning("worker %d exited with status %s; starting another", index, code)
+            keeper.start(index, migrate=False)
+        keeper.wait_all()
+        return 0
+    except BaseException:
+        keeper.signal_all(signal.SIGTERM)
+        keeper.wait_all()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        holder.close()
+        guard.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+class _Keeper:
+    """The worker processes, by index, with the pipes they say "ready" (or why not) on."""
+
+    def __init__(self, config: Config, port: int, access_log: bool, json_logs: bool) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self._config = config
+        self._port = port
+        self._access_log = access_log
+        self._json_logs = json_logs
+        self._procs: dict[int, BaseProcess] = {}
+        self._pipes: dict[int, Connection] = {}
+        self._deaths: dict[int, list[float]] = {}
+        self.stopping = False  # SIGTERM or SIGINT came: a worker that ends is no fault
+
+    def start(self, index: int, *, migrate: bool) -> None:
+        config = dataclasses.replace(
+            self._config, database=dataclasses.replace(self._config.database,
+                                                       migrate_on_start=migrate))
+        theirs, ours = self._context.Pipe(duplex=False)
+        proc = self._context.Process(
+            target=_worker, name=f"symgate-worker-{index}",
+            args=(config, self._port, index, os.getpid(), ours, self._access_log,
+                  self._json_logs))
+        proc.start()
+        ours.close()
+        self._procs[index] = proc
+        self._pipes[index] = theirs
+
+    def wait_ready(self, index: int) -> None:
+        """Until worker `index` serves; CannotStart with its reason if it cannot (unless the
+        server is stopping, which may have stopped it before it served)."""
+        if index not in self._pipes:
+            return  # never started: the server was stopping
+        pipe = self._pipes[index]
+        try:
+            message = pipe.recv()
+        except EOFError:
+            message = f"worker {index} exited while starting (see the log above)"
+        if message != _READY and not self.stopping:
+            raise CannotStart(str(message))
+
+    def wait_any_exit(self, timeout: float) -> tuple[int, int | None] | None:
+        sentinels = {p.sentinel: i for i, p in self._procs.items()}
+        ready = multiprocessing.connection.wait(list(sentinels), timeout)
+        for sentinel in ready:
+            index = sentinels[sentinel]  # type: ignore[index]
+            proc = self._procs[index]
+            proc.join()
+            return index, proc.exitcode
+        return None
+
+    def last_pid(self, index: int) -> int | None:
+        return self._procs[index].pid
+
+    def may_restart(self, index: int) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self._deaths.get(index, []) if now - t < RESTART_WINDOW_S]
+        recent.append(now)
+        self._deaths[index] = recent
+        return len(recent) <= MAX_RESTARTS
+
+    def signal_all(self, sig: int) -> None:
+        for proc in self._procs.values():
+            if proc.pid is not None and proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+
+    def wait_all(self) -> None:
+        for proc in self._procs.values():
+            proc.join()
+
+
+def _worker(config: Config, port: int, index: int, supervisor: int, ready: Connection,
+            access_log: bool, json_logs: bool) -> None:
+    """A worker process's life: serve until told to stop, or until the supervisor is gone."""
+    import asyncio
+
+    from proxy.web import logs
+    from proxy.web.app import serve
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor:  # gone before the line above could take effect
+        os._exit(1)
+    logs.configure(json_logs)
+
+    def serving() -> None:
+        ready.send(_READY)
+
+    try:
+        asyncio.run(serve(
+            config, access_log=logging.getLogger("symgate.access") if access_log else None,
+            access_log_class=logs.JsonAccessLogger if json_logs else logs.AccessLogger,
+            port=port, reuse_port=True, serving=serving, worker=index))
+    except CannotStart as e:
+        ready.send(str(e))
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+def _hold_port(listen: str, host: str, port: int) -> socket.socket:
+    """A socket bound to the port with SO_REUSEPORT and never listening: it keeps the port for
+    the workers, and tells port 0's number."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise CannotStart(f"cannot listen on {listen}: {reason(e)}") from None
+    return sock
+
+
+def _one_server_per_port(listen: str, host: str, port: int) -> socket.socket:
+    """SO_REUSEPORT would let a second symgate join this one's port unnoticed and take half of
+    its connections: a name in the abstract socket namespace (gone with the process, whatever
+    kills it) says the port is taken."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0symgate-listen-{host}-{port}")
+    except OSError:
+        sock.close()
+        raise CannotStart(f"cannot listen on {listen}: address already in use "
+                          "(by another symgate)") from None
+    return sock
+
+
+def _forget_metrics(metrics_dir: Path, pid: int | None) -> None:
+    """A dead worker's live gauges (fetches under way, breaker states) no longer count."""
+    if pid is None:
+        return
+    for path in metrics_dir.glob(f"gauge_live*_{pid}.db"):
+        path.unlink(missing_ok=True)

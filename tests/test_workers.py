@@ -1,0 +1,226 @@
+"""`symgate serve --workers N`: N processes on one port, one set of metrics, one fetch per
+artifact across them, and a supervisor that replaces a dead worker and takes them all along
+when it dies.
+
+Which worker the kernel hands a connection to is not ours to choose, so the cross-process
+fetch is driven deterministically with two single-worker servers on one data dir: the same
+board (proxy.artifacts.board) is what workers of one server share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import Debuginfod
+from tests.processes import alive, descendants, start_serve, stop_serve
+
+Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
+    """Starts `symgate serve` processes on one data dir and database; stops them after."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(upstream: str, workers: int = 1, extra: str = ""
+                    ) -> tuple[str, asyncio.subprocess.Process]:
+        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
+                                       workers=workers, extra=extra)
+        procs.append(proc)
+        return base, proc
+
+    yield start
+    await stop_serve(procs)
+
+
+def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
+    """The serving processes under a supervisor: its children that are spawned workers."""
+    found = []
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == proc.pid and b"spawn_main" in cmdline:
+            found.append(pid)
+    return sorted(found)
+
+
+async def _requests_total(s: aiohttp.ClientSession, base: str) -> float:
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "symgate_requests_total"
+               and sample.labels.get("endpoint") == "buildid")
+
+
+async def test_workers_share_one_port_and_one_set_of_metrics(
+    serve: Start, debuginfod: Debuginfod
+) -> None:
+    base, proc = await serve(debuginfod.url, workers=2)
+    assert len(_workers_of(proc)) == 2
+    # A new connection each: the kernel spreads them over both workers.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for _ in range(30):
+            async with s.get(f"{base}/buildid/{'ab' * 20}/debuginfo") as r:
+                assert r.status == 404
+        # Whichever worker answers /metrics, it tells the whole server's counts.
+        totals = {await _requests_total(s, base) for _ in range(10)}
+    assert totals == {30.0}
+
+
+async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    base, proc = await serve(debuginfod.url, workers=2)
+    victim = _workers_of(proc)[0]
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(300):  # bounded: until the supervisor has started another
+        workers = _workers_of(proc)
+        if len(workers) == 2 and victim not in workers:
+            break
+        await asyncio.sleep(0.1)
+    assert len(workers) == 2 and victim not in workers
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for _ in range(10):
+            async with s.get(f"{base}/buildid/{elfs.prog.build_id}/debuginfo") as r:
+                assert r.status == 200 and await r.read() == elfs.prog.debug.read_bytes()
+    proc.terminate()
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+
+
+async def test_a_sigkilled_supervisor_takes_its_workers_along(
+    serve: Start, debuginfod: Debuginfod
+) -> None:
+    _, proc = await serve(debuginfod.url, workers=2)
+    tree = descendants(proc.pid)
+    assert len(_workers_of(proc)) == 2
+    proc.kill()
+    await proc.wait()
+    for _ in range(100):
+        left = {pid for pid in tree if alive(pid)}
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    for pid in left:  # leave no orphans of a failed run either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after the supervisor was killed: {sorted(left)}"
+
+
+async def test_a_second_server_on_the_same_port_is_refused(
+    serve: Start, debuginfod: Debuginfod, tmp_path: Path
+) -> None:
+    """SO_REUSEPORT would let it share the port silently and take half the connections."""
+    base, _ = await serve(debuginfod.url, workers=2)
+    second = await asyncio.create_subprocess_exec(
+        "symgate", "serve", "--listen", base.removeprefix("http://"), "--workers", "2",
+        "--data-dir", str(tmp_path / "other"), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
+    out, _ = await asyncio.wait_for(second.communicate(), 60)
+    assert second.returncode == 1
+    assert "address already in use" in out.decode(), out.decode()
+
+
+async def test_a_follower_gets_the_bytes_as_the_other_process_writes_them(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    first, _ = await serve(faults.url_for("held"))
+    second, _ = await serve(faults.url_for("held"))
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    async with aiohttp.ClientSession() as s:
+        writer = asyncio.create_task(s.get(first + path))
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+        followers = [await s.get(second + path) for _ in range(5)]
+        # Half the file reaches every follower while the upstream still holds the rest.
+        heads = [await r.content.readexactly(len(expected) // 2 - 1) for r in followers]
+        faults.release.set()
+        for r, head in zip(followers, heads, strict=True):
+            assert r.status == 200 and head + await r.read() == expected
+        r = await writer
+        assert await r.read() == expected
+    assert faults.count("held") == 1
+
+
+async def test_a_follower_is_cut_off_when_the_fetching_process_dies(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    first, writer_proc = await serve(faults.url_for("held"))
+    second, _ = await serve(faults.url_for("held"))
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        writer = asyncio.create_task(s.get(first + path))
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+        async with s.get(second + path) as r:
+            await r.content.readexactly(1024)
+            writer_proc.kill()  # the fetching process dies mid-download
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()  # broken off, never a short body that looks whole
+        with pytest.raises(aiohttp.ClientError):
+            await (await writer).read()
+        faults.release.set()
+        async with s.get(second + path) as r:  # it fetches the file itself now
+            assert r.status == 200 and await r.read() == expected
+    assert faults.count("held") == 2
+
+
+async def test_a_miss_found_by_one_process_is_the_answer_in_the_other(
+    serve: Start, faults: FaultUpstream
+) -> None:
+    first, _ = await serve(faults.url_for("hold"))
+    second, _ = await serve(faults.url_for("hold"))
+    path = f"/buildid/{'cd' * 20}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+        asking = asyncio.create_task(s.get(first + path))
+        for _ in range(300):  # bounded: until the first process has asked upstream
+            if faults.count("hold") == 1:
+                break
+            await asyncio.sleep(0.05)
+        following = asyncio.create_task(s.get(second + path))
+        await asyncio.sleep(0.3)  # the second is waiting on the first's answer by now
+        faults.release.set()
+        statuses = [(await t).status for t in (asking, following)]
+    assert statuses == [404, 404]
+    assert faults.count("hold") == 1
+
+
+async def test_processes_on_one_cache_keep_to_one_budget_together(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Each process evicts for the files it knows of; together they keep the whole cache
+    within max_bytes, judged from SQL by one process at a time."""
+    sizes = [e.debug.stat().st_size for e in (elfs.prog, elfs.other)]
+    budget = sum(sizes) - 1
+    extra = f"access_flush_s = 0.2\n[cache]\nmax_bytes = {budget}\n"
+    first, _ = await serve(debuginfod.url, extra=extra)
+    second, _ = await serve(debuginfod.url, extra=extra)
+    objects = tmp_path / "d" / "cache" / "objects"
+    async with aiohttp.ClientSession() as s:
+        for base, elf in ((first, elfs.prog), (second, elfs.other)):
+            async with s.get(f"{base}/buildid/{elf.build_id}/debuginfo") as r:
+                assert r.status == 200 and await r.read() == elf.debug.read_bytes()
+
+        def on_disk() -> int:
+            return sum(p.stat().st_size for p in objects.rglob("*") if p.is_file())
+
+        for _ in range(300):  # bounded: until one of them has judged the whole cache
+            if on_disk() <= budget:
+                break
+            await asyncio.sleep(0.05)
+        assert on_disk() <= budget
