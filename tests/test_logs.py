@@ -52,7 +52,8 @@ async def test_json_lines_carry_outcome_upstream_bytes_and_duration(
 ) -> None:
     lines = await _serve_and_ask(tmp_path, "json", faults.url_for("ok"), asks)
     records = [json.loads(line) for line in lines if line.startswith("{")]
-    assert len(records) == len([ln for ln in lines if ln.strip()]), "every line is JSON"
+    assert len(records) == len([ln for ln in lines if ln.strip()]), \
+        [ln for ln in lines if not ln.startswith("{")]
     access = [r["access"] for r in records if "access" in r and
               r["access"]["path"].startswith("/buildid/")]
     assert [(a["outcome"], a["status"]) for a in access] == [

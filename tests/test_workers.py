@@ -44,7 +44,7 @@ async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
 
 
 def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
-    """The serving processes under a supervisor: its children that are spawned workers."""
+    """The serving processes under a supervisor: its children that are forked workers."""
     found = []
     for pid in descendants(proc.pid):
         try:
@@ -53,7 +53,8 @@ def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if parent == proc.pid and b"spawn_main" in cmdline:
+        # Forked: the supervisor's command line; its helpers (a forkserver) have their own.
+        if parent == proc.pid and b"multiprocessing" not in cmdline:
             found.append(pid)
     return sorted(found)
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -208,6 +209,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
     host, listen_port = parse_listen(config.server.listen, "server.listen")
     port = listen_port if port is None else port
     make_data_dirs(config)
+    sink = logs.AccessSink(sys.stderr.fileno()) if access_log is not None else None
+    if sink is not None:
+        access_log_class = logs.bind(access_log_class, sink)
     runner = web.AppRunner(
         create_app(config, one_of_several=worker is not None), handle_signals=False,
         access_log=access_log, access_log_class=access_log_class,
@@ -254,6 +258,8 @@ async def serve(config: Config, access_log: logging.Logger | None,
     finally:
         server.close()
         await runner.cleanup()
+        if sink is not None:
+            sink.flush()
 
 
 # Past the grace, aiohttp's shutdown(timeout) of a connection waits this long for its handler,

@@ -7,27 +7,29 @@ database, and coordinate through them (proxy.artifacts.board for fetches, the ca
 lock for eviction). Metrics go to prometheus-client's multiprocess files, so any worker's
 /metrics shows the whole server.
 
-The supervisor binds the port first (its socket, bound but never listening, keeps the port and
-tells port 0's real number), runs the migrations through the first worker alone before the
-others start, says a start-up fault once, restarts a worker that dies, and on SIGTERM or SIGINT
-passes the signal on and waits for the workers' drains. Workers die with it if it is killed.
+Workers are forked from the supervisor once it has imported the server's modules (and frozen
+them out of the garbage collector's reach): their pages stay shared, and each worker costs
+its own heap only. The supervisor binds the port first (its socket, bound but never
+listening, keeps the port and tells port 0's real number), runs the migrations through the
+first worker alone before the others start, says a start-up fault once, restarts a worker
+that dies, and on SIGTERM or SIGINT passes the signal on and waits for the workers' drains.
+Workers die with it if it is killed.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
 import socket
 import tempfile
 import time
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from proxy.config import Config, parse_listen
@@ -38,7 +40,9 @@ _PR_SET_PDEATHSIG = 1
 # A worker that dies more often than this is not restarted again: something is wrong.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
-_READY = "ready"
+# How often the supervisor looks for workers that have exited.
+REAP_EVERY_S = 0.2
+_READY = b"ready"
 
 
 def default_workers() -> int:
@@ -54,8 +58,11 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     port = holder.getsockname()[1]
     guard = _one_server_per_port(config.server.listen, host, port)
     metrics_dir = Path(tempfile.mkdtemp(prefix="symgate-metrics-"))
-    # Read by prometheus-client as it is imported in each worker: multiprocess values.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    _multiprocess_metrics(metrics_dir)
+    # What every worker runs, imported once here and shared by the forks.
+    from proxy.web import app as _server  # noqa: F401
+
+    gc.freeze()
     keeper = _Keeper(config, port, access_log, json_logs)
 
     def stop(signum: int, _frame: object) -> None:
@@ -75,17 +82,20 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
         if not keeper.stopping:
             log.info("symgate serving with %d workers on port %d", workers, port)
         while not keeper.stopping:
-            died = keeper.wait_any_exit(timeout=1.0)
-            if died is None or keeper.stopping:
+            died = keeper.reap()
+            if died is None:
+                time.sleep(REAP_EVERY_S)
                 continue
-            index, code = died
-            _forget_metrics(metrics_dir, keeper.last_pid(index))
+            index, pid, status = died
+            _forget_metrics(metrics_dir, pid)
+            if keeper.stopping:
+                break
             if not keeper.may_restart(index):
-                log.error("worker %d keeps dying (exit status %s); stopping", index, code)
+                log.error("worker %d keeps dying (%s); stopping", index, status)
                 keeper.signal_all(signal.SIGTERM)
                 keeper.wait_all()
                 return 1
-            log.warning("worker %d exited with status %s; starting another", index, code)
+            log.warning("worker %d %s; starting another", index, status)
             keeper.start(index, migrate=False)
         keeper.wait_all()
         return 0
@@ -102,17 +112,26 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
+def _multiprocess_metrics(folder: Path) -> None:
+    """Metrics made from now on (in the workers) keep their values in files under `folder`.
+    prometheus-client reads the variable when it is first imported: if it has been already,
+    its choice of value class is made again."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+
+
 class _Keeper:
     """The worker processes, by index, with the pipes they say "ready" (or why not) on."""
 
     def __init__(self, config: Config, port: int, access_log: bool, json_logs: bool) -> None:
-        self._context = multiprocessing.get_context("spawn")
         self._config = config
         self._port = port
         self._access_log = access_log
         self._json_logs = json_logs
-        self._procs: dict[int, BaseProcess] = {}
-        self._pipes: dict[int, Connection] = {}
+        self._pids: dict[int, int] = {}
+        self._pipes: dict[int, int] = {}
         self._deaths: dict[int, list[float]] = {}
         self.stopping = False  # SIGTERM or SIGINT came: a worker that ends is no fault
 
@@ -120,14 +139,22 @@ class _Keeper:
         config = dataclasses.replace(
             self._config, database=dataclasses.replace(self._config.database,
                                                        migrate_on_start=migrate))
-        theirs, ours = self._context.Pipe(duplex=False)
-        proc = self._context.Process(
-            target=_worker, name=f"symgate-worker-{index}",
-            args=(config, self._port, index, os.getpid(), ours, self._access_log,
-                  self._json_logs))
-        proc.start()
-        ours.close()
-        self._procs[index] = proc
+        theirs, ours = os.pipe()
+        supervisor = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the worker: never returns
+            os.close(theirs)
+            code = 1
+            try:
+                code = _worker(config, self._port, index, supervisor, ours, self._access_log,
+                               self._json_logs)
+            finally:
+                # What exiting runs (multiprocessing's cleanup of its semaphores among it),
+                # without unwinding into the supervisor's frames that the fork copied.
+                atexit._run_exitfuncs()
+                os._exit(code)
+        os.close(ours)
+        self._pids[index] = pid
         self._pipes[index] = theirs
 
     def wait_ready(self, index: int) -> None:
@@ -135,26 +162,26 @@ class _Keeper:
         server is stopping, which may have stopped it before it served)."""
         if index not in self._pipes:
             return  # never started: the server was stopping
-        pipe = self._pipes[index]
-        try:
-            message = pipe.recv()
-        except EOFError:
-            message = f"worker {index} exited while starting (see the log above)"
+        fd = self._pipes.pop(index)
+        chunks = []
+        while chunk := _read(fd):
+            chunks.append(chunk)
+            if chunks == [_READY]:
+                break
+        os.close(fd)
+        message = b"".join(chunks)
         if message != _READY and not self.stopping:
-            raise CannotStart(str(message))
+            raise CannotStart(message.decode(errors="replace")
+                              or f"worker {index} exited while starting (see the log above)")
 
-    def wait_any_exit(self, timeout: float) -> tuple[int, int | None] | None:
-        sentinels = {p.sentinel: i for i, p in self._procs.items()}
-        ready = multiprocessing.connection.wait(list(sentinels), timeout)
-        for sentinel in ready:
-            index = sentinels[sentinel]  # type: ignore[index]
-            proc = self._procs[index]
-            proc.join()
-            return index, proc.exitcode
+    def reap(self) -> tuple[int, int, str] | None:
+        """A worker that has exited, if any: (index, pid, how it ended)."""
+        for index, pid in list(self._pids.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del self._pids[index]
+                return index, pid, _how(status)
         return None
-
-    def last_pid(self, index: int) -> int | None:
-        return self._procs[index].pid
 
     def may_restart(self, index: int) -> bool:
         now = time.monotonic()
@@ -164,32 +191,51 @@ class _Keeper:
         return len(recent) <= MAX_RESTARTS
 
     def signal_all(self, sig: int) -> None:
-        for proc in self._procs.values():
-            if proc.pid is not None and proc.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, sig)
+        for pid in self._pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def wait_all(self) -> None:
-        for proc in self._procs.values():
-            proc.join()
+        for index, pid in list(self._pids.items()):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            del self._pids[index]
 
 
-def _worker(config: Config, port: int, index: int, supervisor: int, ready: Connection,
-            access_log: bool, json_logs: bool) -> None:
-    """A worker process's life: serve until told to stop, or until the supervisor is gone."""
+def _read(fd: int) -> bytes:
+    while True:
+        try:
+            return os.read(fd, 4096)
+        except InterruptedError:  # a signal's handler ran; read on
+            continue
+
+
+def _how(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _worker(config: Config, port: int, index: int, supervisor: int, ready: int,
+            access_log: bool, json_logs: bool) -> int:
+    """A worker process's life: serve until told to stop, or until the supervisor is gone;
+    its exit status."""
     import asyncio
 
     from proxy.web import logs
     from proxy.web.app import serve
 
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)  # until serve() installs its own
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != supervisor:  # gone before the line above could take effect
-        os._exit(1)
+        return 1
     logs.configure(json_logs)
 
     def serving() -> None:
-        ready.send(_READY)
+        os.write(ready, _READY)
+        os.close(ready)
 
     try:
         asyncio.run(serve(
@@ -197,10 +243,17 @@ def _worker(config: Config, port: int, index: int, supervisor: int, ready: Conne
             access_log_class=logs.JsonAccessLogger if json_logs else logs.AccessLogger,
             port=port, reuse_port=True, serving=serving, worker=index))
     except CannotStart as e:
-        ready.send(str(e))
-        raise SystemExit(1) from None
+        with contextlib.suppress(OSError):
+            os.write(ready, str(e).encode())
+        return 1
     except KeyboardInterrupt:
         pass
+    except BaseException:
+        log.exception("worker %d failed", index)
+        return 1
+    finally:
+        logging.shutdown()
+    return 0
 
 
 def _hold_port(listen: str, host: str, port: int) -> socket.socket:
