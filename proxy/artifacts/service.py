@@ -141,7 +141,7 @@ class ArtifactService:
             return joined
         # Both ask SQL (what another process cached, or found missing): at once, not in turn.
         stored, known_missing = await asyncio.gather(
-            self._stored(req.visible, key), self.misses.live(scope, key))
+            self.stored(req.visible, key), self.misses.live(scope, key))
         if stored is not None:
             return Hit(stored)
         if not local_has and known_missing.issuperset(names):
@@ -160,7 +160,7 @@ class ArtifactService:
             # Another server process on this data dir is fetching it: follow its download.
             if (followed := await self._follow(kh)) is not None:
                 return followed
-            if (stored := await self._stored(req.visible, key)) is not None:
+            if (stored := await self.stored(req.visible, key)) is not None:
                 return Hit(stored)
             if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
                 return joined
@@ -203,7 +203,9 @@ class ArtifactService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stored(self, scopes: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
+    async def stored(self, scopes: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
+        """The first of `scopes` whose cached file this process knows, or SQL knows of (one
+        another process committed)."""
         for scope in scopes:
             if (stored := await self.cache.get(scope, key)) is not None:
                 return stored
@@ -534,7 +536,7 @@ class ArtifactService:
         """Run a miss's SQL lookups once, for a key nobody has: the first client's cold fetch
         would otherwise pay for compiling them and opening the database (~20 ms)."""
         nobody = ArtifactKey("00" * 20, Kind.DEBUGINFO)
-        await asyncio.gather(self._stored(("",), nobody), self.misses.live("", nobody))
+        await asyncio.gather(self.stored(("",), nobody), self.misses.live("", nobody))
 
     async def wait_idle(self) -> None:
         """Until no fetch is under way (shutdown, tests)."""

@@ -215,7 +215,9 @@ class SymbolResolver:
                 result.reader.close()
             if result.flight.error is not None:
                 raise result.flight.error
-        cached = self._artifacts.cache.peek_any(req.visible, key)
+        # Committed here, or by the process whose download this one followed.
+        cached = self._artifacts.cache.peek_any(req.visible, key) \
+            or await self._artifacts.stored(req.visible, key)
         if cached is None:
             raise NotFound(f"{key.id} left the cache before it could be read")
         return cached.scope, cached.path
