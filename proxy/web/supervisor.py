@@ -43,6 +43,7 @@ RESTART_WINDOW_S = 60.0
 # How often the supervisor looks for workers that have exited.
 REAP_EVERY_S = 0.2
 _READY = b"ready"
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def default_workers() -> int:
@@ -69,7 +70,7 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
         keeper.stopping = True
         keeper.signal_all(signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
         # The first worker migrates the database alone; the others start once it serves.
         keeper.start(0, migrate=config.database.migrate_on_start)
@@ -141,8 +142,14 @@ class _Keeper:
                                                        migrate_on_start=migrate))
         theirs, ours = os.pipe()
         supervisor = os.getpid()
+        # A SIGTERM between the fork and the worker's own handlers must not run the
+        # supervisor's handler in the worker: held back until the default is in place.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the worker: never returns
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)  # until serve() installs its own
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(theirs)
             code = 1
             try:
@@ -153,6 +160,7 @@ class _Keeper:
                 # without unwinding into the supervisor's frames that the fork copied.
                 atexit._run_exitfuncs()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(ours)
         self._pids[index] = pid
         self._pipes[index] = theirs
@@ -225,8 +233,6 @@ def _worker(config: Config, port: int, index: int, supervisor: int, ready: int,
     from proxy.web import logs
     from proxy.web.app import serve
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)  # until serve() installs its own
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != supervisor:  # gone before the line above could take effect
