@@ -148,6 +148,7 @@ def _lifecycle(
         await symbols.start()
         app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
                               symbolize_metrics, Tenancy(config, shared, private))
+        cache.evicted.append(app[STATE].hot.forget)
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
             # Other processes on this data dir add files this one's index never sees.

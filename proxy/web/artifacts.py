@@ -15,13 +15,14 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from proxy.artifacts.flight import FlightFailed
-from proxy.artifacts.index import CachedArtifact
+from proxy.artifacts.index import CachedArtifact, key_hash
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
 from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
+from proxy.web.hot_files import HotFile
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 
@@ -90,12 +91,14 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         if not _CONDITIONAL.intersection(request.headers):
-            if request.method == "HEAD":
-                if (head := _head_of(result.artifact)) is not None:
-                    return head
-            elif (result.artifact.record.size <= SMALL_FILE_BYTES
-                    and (small := _small_file(state, result.artifact)) is not None):
-                return small
+            kh = key_hash(result.artifact.scope, key)
+            hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
+            if hot is not None:
+                if request.method == "HEAD":
+                    return web.Response(headers=hot.headers)
+                if hot.body is not None:
+                    state.metrics.served_bytes.labels("cache").inc(len(hot.body))
+                    return web.Response(body=hot.body, headers=hot.headers)
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -131,35 +134,24 @@ def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str
     return headers
 
 
-def _head_of(artifact: CachedArtifact) -> web.Response | None:
-    """HEAD on a hit, with FileResponse's headers but without its trip to the thread pool to
-    stat and open a file whose bytes HEAD never sends (it is a client's cheap "do you have
-    it?", e.g. debuginfod-find's and Pyroscope's probes). None when the file is gone (another
-    process evicted it): FileResponse's path then answers as it would have."""
-    try:
-        st = os.stat(artifact.path)
-    except OSError:
-        return None
-    return web.Response(headers={**_file_headers(artifact, st),
-                                 "Content-Length": str(st.st_size)})
-
-
-def _small_file(state: AppState, artifact: CachedArtifact) -> web.Response | None:
-    """A small hit read here and sent from memory: a read of a few pages from the page cache
-    costs less than FileResponse's two trips to the thread pool (stat and open, then close)
-    and sendfile's setup, which dominated the cost of small hits. Read at once, with no
-    await in between, so eviction cannot pull the file away halfway. None when the file
-    could not be read whole: FileResponse's path then answers as it would have."""
+def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | None:
+    """A hit's headers (FileResponse's), and a small file's bytes, read here and kept (see
+    proxy.web.hot_files): a read of a few pages costs less than FileResponse's two trips to
+    the thread pool and sendfile's setup, which dominated the cost of small hits. Read at once,
+    with no await in between, so eviction cannot pull the file away halfway. None when the file
+    is gone or could not be read whole: FileResponse's path then answers as it would have."""
     try:
         with open(artifact.path, "rb") as f:
             st = os.fstat(f.fileno())
-            body = f.read(SMALL_FILE_BYTES + 1)
+            small = st.st_size <= SMALL_FILE_BYTES
+            body = f.read(SMALL_FILE_BYTES + 1) if small else None
     except OSError:
         return None
-    if len(body) != st.st_size:  # grown or cut by another process while read
+    if body is not None and len(body) != st.st_size:  # changed by another process meanwhile
         return None
-    state.metrics.served_bytes.labels("cache").inc(len(body))
-    return web.Response(body=body, headers=_file_headers(artifact, st))
+    hot = HotFile({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body)
+    state.hot.put(kh, hot)
+    return hot
 
 
 class _LeasedFileResponse(web.FileResponse):

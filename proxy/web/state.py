@@ -17,6 +17,7 @@ from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.store.repository import Repository
 from proxy.symbols.resolver import SymbolResolver
+from proxy.web.hot_files import HotFiles
 from proxy.web.status_page import RecentMisses
 from proxy.web.tenancy import Tenancy
 
@@ -33,6 +34,7 @@ class AppState:
     symbolize_metrics: SymbolizeMetrics
     tenancy: Tenancy
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
+    hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)
     # This process's name in Via headers: a request that names it has come round a loop.
     via_name: str = field(default_factory=lambda: f"symgate-{uuid.uuid4().hex[:16]}")

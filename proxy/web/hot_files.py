@@ -1,0 +1,56 @@
+"""What hits on recently served files need, kept in memory: their response headers, and the
+bytes of the small ones.
+
+A cached artifact never changes under its key (a new fetch follows a removal), so a hit on a
+file seen before needs no stat(2) and no read: HEAD is answered from memory alone, and a small
+file's GET too. Entries go when the cache removes their file (the eviction listener); one that
+another process evicted meanwhile still holds the right bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from proxy.artifacts.index import key_hash
+from proxy.keys import ArtifactKey
+
+# Bytes of small files kept, per serving process.
+HOT_BYTES = 32 * 1024 * 1024
+HOT_ENTRIES = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class HotFile:
+    headers: dict[str, str]  # with Content-Length: what HEAD answers
+    body: bytes | None  # a small file's bytes; None for a file sent with sendfile
+
+
+class HotFiles:
+    def __init__(self, max_bytes: int = HOT_BYTES, max_entries: int = HOT_ENTRIES) -> None:
+        self._max_bytes = max_bytes
+        self._max_entries = max_entries
+        self._entries: OrderedDict[str, HotFile] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, kh: str) -> HotFile | None:
+        hot = self._entries.get(kh)
+        if hot is not None:
+            self._entries.move_to_end(kh)
+        return hot
+
+    def put(self, kh: str, hot: HotFile) -> None:
+        self._drop(kh)
+        self._entries[kh] = hot
+        self._bytes += len(hot.body or b"")
+        while len(self._entries) > self._max_entries or self._bytes > self._max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    async def forget(self, scope: str, key: ArtifactKey) -> None:
+        """The cache's eviction listener."""
+        self._drop(key_hash(scope, key))
+
+    def _drop(self, kh: str) -> None:
+        old = self._entries.pop(kh, None)
+        if old is not None:
+            self._bytes -= len(old.body or b"")
