@@ -72,6 +72,7 @@ class ArtifactCache:
         self._metrics = metrics
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, ArtifactRecord] = OrderedDict()
+        self._paths: dict[str, Path] = {}  # of the entries, as hits ask for them
         self._bytes = 0
         self._leases: dict[str, int] = {}
         # Budget held by downloads under way (by their flight), so that the files being
@@ -168,6 +169,7 @@ class ArtifactCache:
         self._publish()
 
     def _drop(self, kh: str) -> ArtifactRecord | None:
+        self._paths.pop(kh, None)
         rec = self._entries.pop(kh, None)
         if rec is not None:
             self._bytes -= rec.size
@@ -185,8 +187,13 @@ class ArtifactCache:
         self._metrics.cache_entries.set(len(self._entries))
 
     def peek(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
-        rec = self._entries.get(key_hash(scope, key))
-        return CachedArtifact(rec, self.store.artifact_path(scope, key)) if rec else None
+        kh = key_hash(scope, key)
+        rec = self._entries.get(kh)
+        if rec is None:
+            return None
+        if (path := self._paths.get(kh)) is None:  # made once: a hit's path costs a lookup
+            path = self._paths[kh] = self.store.artifact_path(scope, key)
+        return CachedArtifact(rec, path)
 
     def peek_any(self, scopes: Iterable[str], key: ArtifactKey) -> CachedArtifact | None:
         """The first of `scopes` that has the key in memory."""
@@ -206,10 +213,18 @@ class ArtifactCache:
             if rec is None or _size(path) != rec.size:
                 return None
             self._add(rec)
+        hit = CachedArtifact(rec, path)
+        self.touch(hit)
+        return hit
+
+    def touch(self, hit: CachedArtifact) -> None:
+        """Count a hit: most recently used now, its hit written to SQL at the next flush."""
+        kh = hit.record.key_hash
+        if kh not in self._entries:
+            return  # evicted meanwhile
         self._entries.move_to_end(kh)
-        hits, _ = self._pending_access.get(kh, (0, rec.last_access))
+        hits, _ = self._pending_access.get(kh, (0, hit.record.last_access))
         self._pending_access[kh] = (hits + 1, datetime.now(UTC))
-        return CachedArtifact(rec, path)
 
     @contextlib.contextmanager
     def lease(self, scope: str, key: ArtifactKey) -> Iterator[None]:

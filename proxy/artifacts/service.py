@@ -105,13 +105,15 @@ class ArtifactService:
         # Called with each artifact's scope and key once it is committed to the cache.
         self.committed: list[Callable[[str, ArtifactKey], None]] = []
 
-    async def find(self, key: ArtifactKey, req: RequestScope, *, cache_only: bool = False
-                   ) -> Hit | Streaming:
+    async def find(self, key: ArtifactKey, req: RequestScope, *, cache_only: bool = False,
+                   check_file: bool = True) -> Hit | Streaming:
         """Raises NotFound, UpstreamUnavailable (or UpstreamTimeout), VerificationFailed.
 
         Only the scopes the request may see answer it, and only its own sources are asked.
         With req.may_fetch false (past the forwarding hop limit) only the cache answers;
-        with cache_only, a miss raises NotCached instead of fetching.
+        with cache_only, a miss raises NotCached instead of fetching. Without check_file, a
+        hit in memory is not stat()ed: the caller opens the file, and calls vanished() if it
+        is gone.
         """
         if key.kind is Kind.SECTION:
             return await self._section(key, req, cache_only)
@@ -128,11 +130,10 @@ class ArtifactService:
                 # Its clients have their bytes; the commit (an fsync and a row) makes it a hit.
                 await done.wait_settled()
         if (hit := self.cache.peek_any(req.visible, key)) is not None:
-            if hit.path.is_file():
-                return Hit(await self.cache.get(hit.scope, key) or hit)
-            # Deleted behind our back (an operator, a disk cleaner): forget it and fetch again.
-            log.warning("cached %s vanished from disk; fetching it again", key.id)
-            await self.cache.remove(hit.scope, key)
+            if not check_file or hit.path.is_file():
+                self.cache.touch(hit)
+                return Hit(hit)
+            await self.vanished(hit)
         if not req.may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if cache_only:
@@ -202,6 +203,12 @@ class ArtifactService:
         task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def vanished(self, hit: CachedArtifact) -> None:
+        """A cached file found missing: deleted behind our back (an operator, a disk cleaner)
+        or evicted by another process. Forgotten; the next find fetches it again."""
+        log.warning("cached %s vanished from disk; fetching it again", hit.record.key)
+        await self.cache.remove(hit.scope, ArtifactKey.from_id(hit.record.key))
 
     async def stored(self, scopes: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
         """The first of `scopes` whose cached file this process knows, or SQL knows of (one

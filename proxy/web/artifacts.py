@@ -85,7 +85,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         annotate(request, tenant=tenant, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
     for _ in range(_VANISHED_RETRIES):
-        result = await state.service.find(key, req, cache_only=only_if_cached)
+        result = await state.service.find(key, req, cache_only=only_if_cached,
+                                          check_file=False)
         if not isinstance(result, Hit):
             break
         _check_size(result.artifact.record.size, max_size)
@@ -102,7 +103,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            # Evicted by another process since it was found: find it again (fetched anew).
+            # Evicted by another process, or deleted: find it again (fetched anew).
+            await state.service.vanished(result.artifact)
             continue
         return _LeasedFileResponse(state, key, result.artifact, fd)
     else:
