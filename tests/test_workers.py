@@ -225,3 +225,37 @@ async def test_processes_on_one_cache_keep_to_one_budget_together(
                 break
             await asyncio.sleep(0.05)
         assert on_disk() <= budget
+
+
+async def _upstream_gets(s: aiohttp.ClientSession, debuginfod: Debuginfod) -> float:
+    """What elfutils' debuginfod counts of the requests it answered for files."""
+    async with s.get(debuginfod.url + "/metrics") as r:
+        text = await r.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "http_requests_total" and sample.labels.get("type") in (
+                   "debuginfo", "executable"))
+
+
+async def test_many_clients_over_both_workers_cost_one_upstream_request_per_key(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """At once and staggered, on connections the kernel spreads over both workers; a request
+    that comes as the other worker commits the file included."""
+    base, _ = await serve(debuginfod.url, workers=2)
+    wanted = [elfs.prog, elfs.other, elfs.big]
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        before = await _upstream_gets(s, debuginfod)
+
+        async def fetch(elf_index: int, delay: float) -> bool:
+            await asyncio.sleep(delay)
+            elf = wanted[elf_index]
+            async with s.get(f"{base}/buildid/{elf.build_id}/debuginfo") as r:
+                return r.status == 200 and await r.read() == elf.debug.read_bytes()
+
+        # Half at once, half staggered over the whole fetch of the big file and its commit.
+        results = await asyncio.gather(*(
+            fetch(i % len(wanted), 0.005 * (i // len(wanted)) * (i % 2)) for i in range(150)))
+        assert all(results)
+        assert await _upstream_gets(s, debuginfod) - before == len(wanted)

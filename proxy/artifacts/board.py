@@ -73,7 +73,13 @@ class Claim:
         self._kh = kh
         self._fd = fd
         self.ident = uuid.uuid4().hex
+        # The lock file names its holder: followers trust only the state of that fetch, never
+        # what an earlier one of the key left.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self.ident.encode(), 0)
         self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
+        # The last fetch of the key ended well, lately: its file may be in the cache now.
+        self.previous_settled = (board.read_state(kh) or {}).get("state") == SETTLED
         self.say(ASKING)
 
     def say(self, state: str, **fields: Any) -> None:
@@ -122,16 +128,21 @@ class FlightBoard:
         delay = POLL_FIRST_S
         waited = 0.0
         while True:
+            holder = self._holder(kh)
             state = self.read_state(kh) or {}
-            name = state.get("state")
+            # Another fetch's state (an earlier one, or none yet from this holder): wait.
+            name = state.get("state") if holder and state.get("id") == holder else None
             if name == FAILED:
                 raise _error(state)
             if name in (STREAMING, VERIFIED):
                 try:
                     fd = os.open(state["part"], os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:
-                    return None  # committed or dropped meanwhile
-                return Followed(state["id"], fd, ArtifactMeta(*state["meta"]))
+                    if name == STREAMING:
+                        return None  # dropped meanwhile: its writer died or failed
+                    # Renamed into the cache: its row comes next, then SETTLED.
+                else:
+                    return Followed(state["id"], fd, ArtifactMeta(*state["meta"]))
             if name == SETTLED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
                 return None
             await asyncio.sleep(delay)
@@ -201,6 +212,13 @@ class FlightBoard:
             pass  # another fetch of the key is under way: its files now
         finally:
             os.close(fd)
+
+    def _holder(self, kh: str) -> str | None:
+        """The id the holder of the key's lock (or its last holder) wrote in it."""
+        try:
+            return self._lock(kh).read_text()[:64] or None
+        except (OSError, ValueError):
+            return None
 
     def held(self, kh: str) -> bool:
         """Whether a live process holds the key's lock."""

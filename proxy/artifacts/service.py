@@ -45,6 +45,8 @@ from symbolize.elf import build_id_of_file, section_extent
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+# Times a request tries to claim a key's fetch, following other processes' in between.
+CLAIM_ROUNDS = 3
 # How long a stopping server waits for downloads that are being committed.
 COMMIT_AT_STOP_S = 10.0
 # A download of unannounced size holds the budget in steps of this much, not per chunk.
@@ -156,24 +158,42 @@ class ArtifactService:
             return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
-        claim = self._claim(kh)
-        if claim is None:
-            # Another server process on this data dir is fetching it: follow its download.
-            if (followed := await self._follow(kh)) is not None:
-                return followed
-            if (stored := await self.stored(req.visible, key)) is not None:
-                return Hit(stored)
-            if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
-                return joined
-            # Ended without a file for us (not kept, or its writer died): fetch it here, as
-            # its one writer again if nobody else has claimed it since.
-            claim = self._claim(kh)
+        claim = await self._claim_or_join(kh, req, key, names, local_has)
+        if isinstance(claim, (Hit, Streaming)):
+            return claim
         path, fd = self._new_temp()
         flight = Flight(fd)
         self._flights[kh] = flight
         self._start(self._fetch(key, scope, flight, path,
                                 [u for u in ups if u.name not in known_missing], req.hop, claim))
         return await _join(flight)
+
+    async def _claim_or_join(self, kh: str, req: RequestScope, key: ArtifactKey,
+                             names: list[str], local_has: bool
+                             ) -> Claim | Hit | Streaming | None:
+        """The right to fetch `kh` for every process on this data dir, or what another
+        process's fetch of it gives: its download, followed, or the file it committed. None,
+        rarely, when the right could not be had in a few rounds: then fetch all the same."""
+        for _ in range(CLAIM_ROUNDS):
+            claim = self._claim(kh)
+            if claim is not None:
+                if claim.previous_settled and (
+                        stored := await self.stored(req.visible, key)) is not None:
+                    # Committed by another process since this request looked in SQL.
+                    claim.say(SETTLED)
+                    claim.release()
+                    return Hit(stored)
+                return claim
+            # Another process is fetching it: follow its download.
+            if (followed := await self._follow(kh)) is not None:
+                return followed
+            if (stored := await self.stored(req.visible, key)) is not None:
+                return Hit(stored)
+            if (joined := await self._join_or_remembered(kh, req.scope, key, names,
+                                                         local_has)):
+                return joined
+            # Ended without a file for us (not kept, or its writer died): claim it again.
+        return None
 
     async def _follow(self, kh: str) -> Streaming | None:
         """Join another process's fetch of `kh` through a local mirror flight, which this
