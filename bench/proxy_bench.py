@@ -603,9 +603,16 @@ def table(rows: list[list[str]]) -> str:
 
 def report(results: dict[str, Any], measures: dict[str, Rate], cols: list[str],
            sg: str, sg_n: str | None, tgts: list[Target]) -> str:
-    lines = [f"symgate serving benchmark ({results['total_s']:.0f} s; wrk -t2 -c16, "
-             f"{results['config']['seconds']} s runs, medians of {results['config']['rounds']} "
-             f"rounds; symgate as run by default: {sg})", ""]
+    c = results["config"]
+    load = results["load_1min"]
+    lines = [
+        f"symgate serving benchmark of {c['root']}: {results['total_s']:.0f} s on {c['cpus']} "
+        f"CPUs (1-min load {load['start']:.1f} at start, {load['end']:.1f} at end)",
+        f"rates: wrk -t2 -c16 (HEAD: ab -k -i -c16), {c['seconds']} s runs, medians of "
+        f"{c['rounds']} interleaved rounds; cold: medians of {c['cold_rounds']} fresh starts",
+        f"symgate as run by default: {sg}" + ("" if sg_n else
+                                               " (no `serve --workers`: one process, N n/a)"),
+        ""]
     rows = [["req/s", *cols, "Nw/1w"]]
     for key, m in measures.items():
         med = results["rates"][key]["median"]
@@ -778,6 +785,8 @@ def main() -> int:
         "seconds": args.seconds, "rounds": args.rounds, "cold_rounds": args.cold_rounds,
         "big_mb": args.big_mb, "cpus": n, "workers_flag": world.workers_flag,
         "root": str(ROOT)}}
+    # Other work on a shared machine moves absolute figures: said, so a reader can judge.
+    results["load_1min"] = {"start": os.getloadavg()[0]}
     t0 = time.monotonic()
     try:
         measured = run(args, world, results)
@@ -795,6 +804,7 @@ def main() -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     results["total_s"] = time.monotonic() - t0
+    results["load_1min"]["end"] = os.getloadavg()[0]
     print()
     print(report(results, *measured))
     out = ROOT / "bench" / "results"
