@@ -18,8 +18,9 @@ Measured:
     announces). Medians of --rounds rounds, each running every server in turn, the order
     rotated from round to round so that a noisy moment does not land on one server only;
   * a cold fetch of the libc file, time to the first body byte and to the last, from symgate
-    and the federating debuginfod started afresh on new data dirs for every round, and from
-    the upstream itself: medians of --cold-rounds;
+    and the federating debuginfod started afresh on new data dirs for every round (and warmed
+    up with misses for other keys, so that a process's first-request costs are not counted),
+    and from the upstream itself: medians of --cold-rounds;
   * 50 concurrent cold requests for the libc file, and 5 repeated misses, on fresh servers:
     the requests the upstream received, read from its own /metrics (symgate may run several
     processes, each with its own counters);
@@ -446,7 +447,11 @@ def cold(world: World, files: Files, default_workers: int | None, rounds: int
             return timed_gets(world.upstream + libc, files.libc_bytes, 1)[0]
         srv = world.symgate(default_workers) if which == "symgate" else world.federating()
         try:
-            time.sleep(1)  # started and settled: a cold fetch on a running server
+            # A cold fetch on a running server, not the first request of a process: misses
+            # on many connections reach every serving process (SO_REUSEPORT spreads them),
+            # each then has its upstream client and database connection; then a pause.
+            warm_up(srv.url, 4 * world.n)
+            time.sleep(1)
             return timed_gets(srv.url + libc, files.libc_bytes, 1)[0]
         finally:
             world.stop(srv)
@@ -464,6 +469,23 @@ def cold(world: World, files: Files, default_workers: int | None, rounds: int
                 f"first byte {got[0] * 1000:7.1f} ms  total {got[1] * 1000:7.1f} ms"
                 if got else "error"), flush=True)
     return out
+
+
+def warm_up(url: str, connections: int) -> None:
+    """One miss for a distinct unknown build ID on each of `connections` new connections."""
+    async def run() -> None:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def miss(i: int) -> None:
+                async with s.get(f"{url}/buildid/{0xFEED0000 + i:08x}/debuginfo") as r:
+                    if r.status != 404:
+                        raise BenchError(f"warm-up miss on {url}: {r.status}")
+            await asyncio.gather(*(miss(i) for i in range(connections)))
+    try:
+        asyncio.run(run())
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise BenchError(f"warm-up of {url}: {type(e).__name__}: {e}") from e
 
 
 def burst(world: World, srv: Server, files: Files) -> dict[str, Any]:
