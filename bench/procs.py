@@ -150,6 +150,19 @@ class Procs:
         return kill_alive(descendants(os.getpid()))
 
 
+def listening_sockets(port: int) -> int:
+    """Sockets in LISTEN state on `port` (IPv4 and IPv6): with SO_REUSEPORT each serving
+    process has its own, so this counts the processes ready to accept."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
 class Ports:
     """Ports to listen on: the next free one of `spec` ("LO-HI"), or any the kernel picks."""
 

@@ -64,6 +64,7 @@ from procs import (  # noqa: E402
     Procs,
     become_subreaper,
     hwm_kib,
+    listening_sockets,
     loopback_only_environ,
     rss_kib,
     tree_pss_kib,
@@ -290,6 +291,15 @@ url = "{self.upstream}"
             **os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
         url = f"http://127.0.0.1:{port}"
         wait_answering(url + "/healthz", proc, log)
+        # /healthz answers as soon as one worker serves; the others may still be starting,
+        # and a measure begun then would see fewer processes than it names.
+        deadline = time.monotonic() + 60
+        while (ready := listening_sockets(port)) < (workers or 1):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                print(f"  warning: {ready} of {workers} symgate workers listening on {port}",
+                      flush=True)
+                break
+            time.sleep(0.05)
         return Server(f"symgate {workers or 1}w", url, proc, log)
 
     def federating(self) -> Server:
