@@ -707,7 +707,8 @@ def run(args: argparse.Namespace, world: World, results: dict[str, Any]) -> tupl
 
     # symgate as operators run it: N workers where the flag exists, else as it is today.
     default_workers = n if world.workers_flag else None
-    sg_n = f"symgate {n}w" if world.workers_flag else None
+    # On one CPU, N workers is one worker: no second column of the same.
+    sg_n = f"symgate {n}w" if world.workers_flag and n > 1 else None
     sg = sg_n or "symgate 1w"
     servers: dict[str, Server] = {}
     servers["symgate 1w"] = world.symgate(1 if world.workers_flag else None)
@@ -750,9 +751,10 @@ def run(args: argparse.Namespace, world: World, results: dict[str, Any]) -> tupl
         *([("symgate 1w", lambda: world.symgate(1))] if sg_n else []),
         ("federating", world.federating)]
     for name, start in starts:
-        srv = start()
-        assert srv.proc is not None
+        srv: Server | None = None
         try:
+            srv = start()
+            assert srv.proc is not None
             if name == sg:
                 time.sleep(2)
                 results["memory"]["idle_at_start"] = {sg: tree_pss_kib(srv.proc.pid) / 1024}
@@ -762,7 +764,8 @@ def run(args: argparse.Namespace, world: World, results: dict[str, Any]) -> tupl
         except (BenchError, OSError) as e:
             counts[name] = f"error: {e}"
         finally:
-            world.stop(srv)
+            if srv is not None:
+                world.stop(srv)
         print(f"  {name}: {counts[name]}", flush=True)
 
     med = results["rates"]
