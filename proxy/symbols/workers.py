@@ -1,26 +1,17 @@
 """Worker processes: the CPU-bound work kept off the event loop, and what keeps them in check.
 
-Every worker dies with the server, however the server dies: its parent is the forkserver, not
-the server, so it watches the server's pid itself (a pidfd), and takes the parent-death signal
-for the forkserver. Once the workers are gone, the forkserver and the resource tracker see
-their pipes close and exit too: a SIGKILLed server leaves nothing behind.
-
-A worker that dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for
-good: the pool is replaced, and the work that was in it ends in WorkerLost (a 503).
+Every worker dies with the server, however the server dies (worker_process.py). A worker that
+dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for good: the
+pool is replaced, and the work that was in it ends in WorkerLost (a 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
-import select
-import signal
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -29,53 +20,14 @@ from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
 from proxy.errors import Overloaded, WorkerLost
+from proxy.symbols import worker_process
 from symbolize import worker
 from symbolize.worker import Answer, Finished, Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with(server_pid: int) -> None:
-    """Kill this process when the server or the forkserver (its parent) exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    try:
-        pidfd = os.pidfd_open(server_pid)
-    except ProcessLookupError:  # gone before this worker started
-        os._exit(1)
-    except OSError:  # no pidfd (Linux before 5.3): look every second instead
-        threading.Thread(target=_poll, args=(server_pid,), daemon=True).start()
-        return
-    threading.Thread(target=_watch, args=(pidfd,), daemon=True).start()
-
-
-def _watch(pidfd: int) -> None:
-    select.select([pidfd], [], [])  # readable once the process has exited
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _poll(pid: int) -> None:
-    while True:
-        time.sleep(1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-# Workers yield the CPU to the server's event loop: on a machine whose cores they fill, a
-# /buildid hit still gets its share at once (CFS weight 1024 against 335).
-_NICENESS = 5
-
-
-def _init(server_pid: int, init: Callable[..., None] | None, args: tuple[Any, ...]) -> None:
-    _die_with(server_pid)
-    with contextlib.suppress(OSError):
-        os.nice(_NICENESS)
-    if init is not None:
-        init(*args)
+# Loaded once by the forkserver, whose forks the workers are: see that module.
+_PRELOAD = "proxy.symbols.forkserver_preload"
 
 
 class WorkerPool:
@@ -91,14 +43,12 @@ class WorkerPool:
         self.in_flight = 0  # calls submitted and not yet answered
 
     def _new(self) -> ProcessPoolExecutor:
-        # forkserver: never fork a process that runs an event loop and threads. The forkserver
-        # imports numpy, protobuf and symbolic once, so a new worker is a fork, ready at once,
-        # not a second of imports on the first profile (or after a worker died).
+        # forkserver: never fork a process that runs an event loop and threads.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["proxy.symbols.workers", "symbolize.symtab"])
+        context.set_forkserver_preload([_PRELOAD])
         return ProcessPoolExecutor(
             max_workers=self.workers, mp_context=context,
-            initializer=_init, initargs=(os.getpid(), self._init, self._args))
+            initializer=worker_process.init, initargs=(os.getpid(), self._init, self._args))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (warming up)."""
