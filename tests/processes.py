@@ -104,3 +104,8 @@ def descendants(root: int) -> set[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
         found |= frontier
     return found
+
+
+def niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])

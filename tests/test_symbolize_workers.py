@@ -46,8 +46,8 @@ def _stopped(pids: list[int]) -> Iterator[None]:
 
 
 async def _started(sg: Symgate) -> list[int]:
-    """The symbolize workers' pids, once each has started."""
-    await eventually(lambda: _true(len(_workers(sg)) == sg.config.symbolize.workers))
+    """The symbolize workers' pids, a worker started (they start with the first job)."""
+    await sg.runner.app[STATE].symbols.workers.pool.start()
     return _workers(sg)
 
 

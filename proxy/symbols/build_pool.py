@@ -5,17 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from proxy.symbols.workers import WorkerPool
-from symbolize.symtab import BuildResult, build_symbol_table, warm_up
+from symbolize.symtab import BuildResult, build_symbol_table
 
 
 class BuildPool:
-    def __init__(self, workers: int) -> None:
-        self.pool = WorkerPool(workers, "symbol-table build")
-
-    def start(self) -> None:
-        """Start the workers now rather than on the first cold profile."""
-        for _ in range(self.pool.workers):
-            self.pool.submit(warm_up)
+    def __init__(self, workers: int, idle_s: float) -> None:
+        self.pool = WorkerPool(workers, "symbol-table build", idle_s=idle_s)
 
     async def build(self, source: Path, out: Path, build_id: str) -> BuildResult:
         """Raises symbolize.symtab.NoSymbols or MalformedObject for a file without a table,

@@ -74,12 +74,10 @@ class SymbolResolver:
         artifacts.cache.evicted.append(self._on_evicted)
 
     async def start(self) -> None:
-        """Start the workers, and have SQLAlchemy compile the symbol-table query, now rather
-        than on the first cold profile (about 10 ms)."""
+        """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
+        profile (about 10 ms). The workers start with the first job that needs one."""
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
-        self._pool.start()
-        self.workers.start()
         await self._tables.get(SHARED, "")
 
     async def close(self) -> None:

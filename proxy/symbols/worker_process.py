@@ -64,3 +64,7 @@ def _poll(pid: int) -> None:
             os.kill(pid, 0)
         except ProcessLookupError:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ready() -> None:
+    """A job that does nothing: run once, the worker is up."""

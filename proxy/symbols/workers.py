@@ -1,8 +1,11 @@
 """Worker processes: the CPU-bound work kept off the event loop, and what keeps them in check.
 
-Every worker dies with the server, however the server dies (worker_process.py). A worker that
-dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for good: the
-pool is replaced, and the work that was in it ends in WorkerLost (a 503).
+Every worker dies with the server, however the server dies (worker_process.py). Workers start
+with the first job that needs one, not with the server, and exit after `worker_idle_s` without
+a job (with multiprocessing's helper processes: executors.py): an idle server costs no more
+than its own process. A worker that dies (the OOM killer, a crash in native code) breaks its
+ProcessPoolExecutor for good: the pool is retired, the work that was in it ends in WorkerLost
+(a 503), and the next job starts new workers.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -20,53 +22,89 @@ from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
 from proxy.errors import Overloaded, WorkerLost
-from proxy.symbols import worker_process
+from proxy.symbols import executors, worker_process
 from symbolize import worker
 from symbolize.worker import Answer, Finished, Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Loaded once by the forkserver, whose forks the workers are: see that module.
-_PRELOAD = "proxy.symbols.forkserver_preload"
 
 
 class WorkerPool:
-    """A pool of worker processes that survives the death of one and dies with the server."""
+    """Up to `workers` worker processes, started on demand, exited when idle, replaced when
+    one dies, and dying with the server. 0 `idle_s`: they never exit for idleness."""
 
-    def __init__(self, workers: int, name: str, init: Callable[..., None] | None = None,
-                 args: tuple[Any, ...] = ()) -> None:
+    def __init__(self, workers: int, name: str, *, idle_s: float,
+                 init: Callable[..., None] | None = None, args: tuple[Any, ...] = ()) -> None:
         self.workers = workers
         self._name = name
-        self._init = init
-        self._args = args
-        self._executor = self._new()
-        self.in_flight = 0  # calls submitted and not yet answered
-
-    def _new(self) -> ProcessPoolExecutor:
-        # forkserver: never fork a process that runs an event loop and threads.
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([_PRELOAD])
-        return ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=context,
-            initializer=worker_process.init, initargs=(os.getpid(), self._init, self._args))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Fire and forget (warming up)."""
-        self._executor.submit(fn, *args)
+        self._idle_s = idle_s
+        self._initargs = (os.getpid(), init, args)
+        self._executor: ProcessPoolExecutor | None = None
+        self._starting: asyncio.Future[ProcessPoolExecutor] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.in_flight = 0  # calls made and not yet answered, waiting for a start included
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        executor = self._executor
         self.in_flight += 1
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-        except BrokenProcessPool as e:
-            if self._executor is executor:  # the first to notice replaces it
-                log.error("a %s worker process died; starting new ones", self._name)
-                executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._new()
-            raise WorkerLost(f"a {self._name} worker process died; try again") from e
+            executor = await self._running()
+            try:
+                return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+            except BrokenProcessPool as e:
+                if self._executor is executor:  # the first to notice retires it
+                    log.error("a %s worker process died; the next job starts new ones",
+                              self._name)
+                    self._executor = None
+                    executors.retire(executor, cancel=True)
+                raise WorkerLost(f"a {self._name} worker process died; try again") from e
         finally:
             self.in_flight -= 1
+            if not self.in_flight and self._idle_s and not self._closed:
+                self._idle = asyncio.get_running_loop().call_later(self._idle_s, self._retire)
+
+    async def start(self) -> None:
+        """A worker started now rather than by the first job (for tests: its pid)."""
+        await self.run(worker_process.ready)
+
+    async def _running(self) -> ProcessPoolExecutor:
+        while self._executor is None:
+            if self._closed:
+                raise WorkerLost(f"the {self._name} workers are shutting down")
+            if self._starting is None:
+                # In a thread: the first start waits for the forkserver's imports.
+                self._starting = asyncio.ensure_future(asyncio.to_thread(
+                    executors.start, self.workers, worker_process.init, self._initargs))
+                self._starting.add_done_callback(self._started)
+            try:
+                await asyncio.shield(self._starting)
+            except WorkerLost:
+                raise
+            except Exception as e:
+                raise WorkerLost(f"the {self._name} workers could not start: {e}") from e
+        return self._executor
+
+    def _started(self, starting: asyncio.Future[ProcessPoolExecutor]) -> None:
+        self._starting = None
+        if starting.cancelled() or starting.exception() is not None:
+            return
+        if self._closed:
+            executors.retire(starting.result())
+        else:
+            self._executor = starting.result()
+
+    def _retire(self) -> None:
+        self._idle = None
+        if self.in_flight or self._executor is None:
+            return
+        log.info("%s workers idle for %g s: they exit until the next job", self._name,
+                 self._idle_s)
+        executors.retire(self._executor)
+        self._executor = None
 
     def pids(self) -> list[int]:
         """The live workers' pids (for tests and the status of the pool)."""
@@ -74,7 +112,13 @@ class WorkerPool:
         return list(processes)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._executor is not None:
+            executors.retire(self._executor, cancel=True)
+            self._executor = None
 
 
 class SymbolizeWorkers:
@@ -83,15 +127,12 @@ class SymbolizeWorkers:
     at once, before the body is read."""
 
     def __init__(self, cfg: SymbolizeConfig) -> None:
-        self.pool = WorkerPool(cfg.workers, "symbolize", worker.init_worker, (cfg.open_tables,))
+        self.pool = WorkerPool(cfg.workers, "symbolize", idle_s=cfg.worker_idle_s,
+                               init=worker.init_worker, args=(cfg.open_tables,))
         self._max_concurrent = cfg.max_concurrent
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
-
-    def start(self) -> None:
-        for _ in range(self.pool.workers):
-            self.pool.submit(worker.warm_up)
 
     @property
     def admitted_count(self) -> int:

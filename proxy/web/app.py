@@ -140,7 +140,7 @@ def _lifecycle(
         symbols = SymbolResolver(
             artifacts=service, tables=TableStore(repo, store, expiry),
             open_tables=OpenTables(config.symbolize.open_tables),
-            pool=BuildPool(config.symbolize.build_workers),
+            pool=BuildPool(config.symbolize.build_workers, config.symbolize.worker_idle_s),
             workers=SymbolizeWorkers(config.symbolize),
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
         )
