@@ -54,7 +54,8 @@ class WorkerPool:
         try:
             executor = await self._running()
             try:
-                return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+                return await asyncio.get_running_loop().run_in_executor(
+                    executor, worker_process.run, fn, *args)
             except BrokenProcessPool as e:
                 if self._executor is executor:  # the first to notice retires it
                     log.error("a %s worker process died; the next job starts new ones",
