@@ -1,11 +1,17 @@
 """Worker processes: the CPU-bound work kept off the event loop, and what keeps them in check.
 
-Every worker dies with the server, however the server dies (worker_process.py). Workers start
-with the first job that needs one, not with the server, and exit after `worker_idle_s` without
-a job (with multiprocessing's helper processes: executors.py): an idle server costs no more
-than its own process. A worker that dies (the OOM killer, a crash in native code) breaks its
-ProcessPoolExecutor for good: the pool is retired, the work that was in it ends in WorkerLost
-(a 503), and the next job starts new workers.
+One set of processes does both kinds of work, symbol-table builds and profiles, so that a
+profile whose table is built on the way is scanned, built for and rewritten in one worker,
+not two; each kind keeps its own limit (build_workers, workers), and there are as many
+processes as both together, so neither waits for the other's. Workers start with the first
+job that needs one, not with the server, and exit after `worker_idle_s` without a job (with
+multiprocessing's helper processes: executors.py): an idle server costs no more than its own
+process. Every worker dies with the server, however the server dies (worker_process.py).
+
+A worker that dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for
+good: the pool is retired, the work that was in it, of either kind, ends in WorkerLost (a 503;
+for a build, that build ID's outcome is `internal` and it is built again next time), and the
+next job starts new workers.
 """
 
 from __future__ import annotations
@@ -122,14 +128,20 @@ class WorkerPool:
             self._executor = None
 
 
+def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
+    """The one set of worker processes of a server, for builds and profiles alike."""
+    return WorkerPool(cfg.build_workers + cfg.workers, "worker", idle_s=cfg.worker_idle_s,
+                      init=worker.init_worker, args=(cfg.open_tables,))
+
+
 class SymbolizeWorkers:
     """symbolize.pipeline.Work in worker processes, behind an admission gate: at most
     `max_concurrent` profiles in work and `max_waiting` waiting; past that, Overloaded (429)
     at once, before the body is read."""
 
-    def __init__(self, cfg: SymbolizeConfig) -> None:
-        self.pool = WorkerPool(cfg.workers, "symbolize", idle_s=cfg.worker_idle_s,
-                               init=worker.init_worker, args=(cfg.open_tables,))
+    def __init__(self, cfg: SymbolizeConfig, pool: WorkerPool) -> None:
+        self.pool = pool
+        self._jobs = asyncio.Semaphore(cfg.workers)  # in the pool at once
         self._max_concurrent = cfg.max_concurrent
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
@@ -155,11 +167,13 @@ class SymbolizeWorkers:
             self._admitted -= 1
 
     async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
-        return await self.pool.run(worker.scan, body, limits)
+        async with self._jobs:
+            return await self.pool.run(worker.scan, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
-        return await self.pool.run(worker.finish, body, limits, answers)
+        async with self._jobs:
+            return await self.pool.run(worker.finish, body, limits, answers)
 
     def close(self) -> None:
         self.pool.close()
