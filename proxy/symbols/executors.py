@@ -11,7 +11,6 @@ so they run in threads, one at a time.
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import threading
@@ -68,8 +67,8 @@ def _retire(held: list[ProcessPoolExecutor], cancel: bool) -> None:
         if _pools:
             return
         # The pools' queues hold named semaphores that unregister from the resource tracker
-        # when collected: collected now, while it still runs, not restarting it later.
-        gc.collect()
+        # when they are freed, as they were with their pool (by reference counting, without
+        # a collection that would hold the event loop some 50 ms).
         _stop_helpers()
 
 
