@@ -80,6 +80,22 @@ async def test_a_worker_killed_mid_profile_is_a_503_and_the_pool_recovers(
     assert set(_workers(sg)).isdisjoint(pids)
 
 
+async def test_a_worker_that_died_idle_costs_no_request_a_503(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    pool = sg.runner.app[STATE].symbols.workers.pool
+    pids = await _started(sg)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    # Once the pool has seen it (ProcessPoolExecutor marks itself broken), the next job is
+    # taken by new workers: it never ran in the broken pool.
+    await eventually(lambda: _true(bool(getattr(pool._executor, "_broken", False))))
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert set(_workers(sg)).isdisjoint(pids)
+
+
 @pytest.mark.parametrize(("bound", "what"), [
     ("max_profile_mappings", b"3 mappings"), ("max_profile_locations", b"6 locations"),
     ("max_profile_functions", b"3 functions"), ("max_profile_samples", b"6 samples")])

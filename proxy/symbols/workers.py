@@ -40,10 +40,9 @@ class WorkerPool:
     """Up to `workers` worker processes, started on demand, exited when idle, replaced when
     one dies, and dying with the server. 0 `idle_s`: they never exit for idleness."""
 
-    def __init__(self, workers: int, name: str, *, idle_s: float,
-                 init: Callable[..., None] | None = None, args: tuple[Any, ...] = ()) -> None:
+    def __init__(self, workers: int, *, idle_s: float, init: Callable[..., None] | None = None,
+                 args: tuple[Any, ...] = ()) -> None:
         self.workers = workers
-        self._name = name
         self._idle_s = idle_s
         self._initargs = (os.getpid(), init, args)
         self._executor: ProcessPoolExecutor | None = None
@@ -58,21 +57,32 @@ class WorkerPool:
             self._idle.cancel()
             self._idle = None
         try:
-            executor = await self._running()
-            try:
-                return await asyncio.get_running_loop().run_in_executor(
-                    executor, worker_process.run, fn, *args)
-            except BrokenProcessPool as e:
-                if self._executor is executor:  # the first to notice retires it
-                    log.error("a %s worker process died; the next job starts new ones",
-                              self._name)
-                    self._executor = None
-                    executors.retire(executor, cancel=True)
-                raise WorkerLost(f"a {self._name} worker process died; try again") from e
+            for _attempt in range(2):
+                executor = await self._running()
+                try:
+                    job = asyncio.get_running_loop().run_in_executor(
+                        executor, worker_process.run, fn, *args)
+                except BrokenProcessPool:
+                    # Broken before this job (a worker died while idle): the job never ran,
+                    # and new workers take it.
+                    self._retire_broken(executor)
+                    continue
+                try:
+                    return await job
+                except BrokenProcessPool as e:
+                    self._retire_broken(executor)
+                    raise WorkerLost("a worker process died; try again") from e
+            raise WorkerLost("worker processes die as they start; try again")
         finally:
             self.in_flight -= 1
             if not self.in_flight and self._idle_s and not self._closed:
                 self._idle = asyncio.get_running_loop().call_later(self._idle_s, self._retire)
+
+    def _retire_broken(self, executor: ProcessPoolExecutor) -> None:
+        if self._executor is executor:  # the first to notice retires it
+            log.error("a worker process died; the next job starts new ones")
+            self._executor = None
+            executors.retire(executor, cancel=True)
 
     async def start(self) -> None:
         """A worker started now rather than by the first job (for tests: its pid)."""
@@ -81,7 +91,7 @@ class WorkerPool:
     async def _running(self) -> ProcessPoolExecutor:
         while self._executor is None:
             if self._closed:
-                raise WorkerLost(f"the {self._name} workers are shutting down")
+                raise WorkerLost("the worker processes are shutting down")
             if self._starting is None:
                 # In a thread: the first start waits for the forkserver's imports.
                 self._starting = asyncio.ensure_future(asyncio.to_thread(
@@ -92,7 +102,7 @@ class WorkerPool:
             except WorkerLost:
                 raise
             except Exception as e:
-                raise WorkerLost(f"the {self._name} workers could not start: {e}") from e
+                raise WorkerLost(f"the worker processes could not start: {e}") from e
         return self._executor
 
     def _started(self, starting: asyncio.Future[ProcessPoolExecutor]) -> None:
@@ -108,8 +118,7 @@ class WorkerPool:
         self._idle = None
         if self.in_flight or self._executor is None:
             return
-        log.info("%s workers idle for %g s: they exit until the next job", self._name,
-                 self._idle_s)
+        log.info("worker processes idle for %g s: they exit until the next job", self._idle_s)
         executors.retire(self._executor)
         self._executor = None
 
@@ -130,7 +139,7 @@ class WorkerPool:
 
 def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
     """The one set of worker processes of a server, for builds and profiles alike."""
-    return WorkerPool(cfg.build_workers + cfg.workers, "worker", idle_s=cfg.worker_idle_s,
+    return WorkerPool(cfg.build_workers + cfg.workers, idle_s=cfg.worker_idle_s,
                       init=worker.init_worker, args=(cfg.open_tables,))
 
 
