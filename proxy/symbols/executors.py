@@ -83,8 +83,3 @@ def _stop_helpers() -> None:
             stop()
         except OSError:
             log.exception("stopping multiprocessing's %s", type(helper).__name__)
-
-
-def pools() -> int:
-    """Pools of this process not yet retired (for tests)."""
-    return _pools
