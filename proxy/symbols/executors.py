@@ -54,7 +54,7 @@ def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any,
 def retire(executor: ProcessPoolExecutor, *, cancel: bool = False) -> None:
     """Shut the pool down (its workers finish their jobs, or drop the queued ones if `cancel`),
     and once they have exited, stop the helpers if no other pool is left. Returns at once."""
-    held = [executor]  # the thread drops its only reference before collecting
+    held = [executor]  # dropped by the thread once shut down, freeing the pool's semaphores
     threading.Thread(target=_retire, args=(held, cancel), name="symgate-retire-workers",
                      daemon=True).start()
 
