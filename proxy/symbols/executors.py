@@ -75,11 +75,15 @@ def _retire(held: list[ProcessPoolExecutor], cancel: bool) -> None:
 def _stop_helpers() -> None:
     # Private to multiprocessing, and stable since 3.8: what its own tests call. Without them
     # (a later Python), the helpers stay up, idle, as they did before pools were retired.
-    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+    tracker = resource_tracker._resource_tracker
+    # A serving process started by `serve --workers N` (multiprocessing's spawn) uses the
+    # supervisor's resource tracker, shared by all: not its own to stop (it has no pid of it).
+    own_tracker = getattr(tracker, "_pid", None) is not None
+    for helper in (forkserver._forkserver, *([tracker] if own_tracker else [])):
         stop = getattr(helper, "_stop", None)
         if stop is None:
             continue
         try:
             stop()
-        except OSError:
+        except Exception:  # the helper stays up, idle: no reason to fail anything else
             log.exception("stopping multiprocessing's %s", type(helper).__name__)
