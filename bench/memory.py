@@ -1,10 +1,12 @@
 """Memory of an idle `symgate serve` process tree, and what its worker processes cost a profile.
 
   python bench/memory.py [--checkout PATH] [--port N] [--repeat 3] [--idle-s 5]
+                         [--serve-workers N]
 
 Runs `symgate serve` from a checkout (this script's own by default; `--checkout /work/main`
 measures another, for a before/after) with libc's debug file (Debian's libc6-dbg) in a local
-debug tree, and sums the Pss of the server and all its descendants (/proc/<pid>/smaps_rollup:
+debug tree (`--serve-workers N` serving processes where the checkout has `serve --workers`),
+and sums the Pss of the server and all its descendants (/proc/<pid>/smaps_rollup:
 shared pages counted once across the tree, so the sum is what the tree costs the machine):
 
   1. idle: once /healthz answers and `--settle-s` seconds have passed;
@@ -93,16 +95,25 @@ def _pss_kib(pid: int) -> int:
     raise RuntimeError(f"no Pss for {pid}")
 
 
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
 def _role(pid: int, root: int, parents: dict[int, int]) -> str:
+    """server (one serving process), supervisor and server (`serve --workers N`), forkserver,
+    worker (a fork of the forkserver), resource-tracker."""
     if pid == root:
         return "server"
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    cmdline = _cmdline(pid)
     if "resource_tracker" in cmdline:
         return "resource-tracker"
-    if parents[pid] == root:
-        return "forkserver" if "forkserver" in cmdline else "child"
-    return "worker"
+    if "forkserver" in cmdline:
+        parent = parents.get(pid, 0)
+        return "worker" if parent != root and "forkserver" in _cmdline(parent) else "forkserver"
+    if "spawn_main" in cmdline:
+        return "server"
+    return "child"
 
 
 def measure(root: int) -> Tree:
@@ -119,6 +130,8 @@ def measure(root: int) -> Tree:
             processes[pid] = (_role(pid, root, parents), _pss_kib(pid))
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited while being measured
+    if any(role == "server" for pid, (role, _) in processes.items() if pid != root):
+        processes[root] = ("supervisor", processes[root][1])
     return Tree(processes)
 
 
@@ -173,8 +186,16 @@ def has_idle_key(checkout: Path) -> bool:
     return out.stdout.strip() == "True"
 
 
+def has_serve_workers(checkout: Path) -> bool:
+    out = subprocess.run([sys.executable, "-m", "proxy.tools.cli", "serve", "--help"],
+                         env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout,
+                         capture_output=True, text=True, check=True)
+    return "--workers" in out.stdout
+
+
 class Server:
-    def __init__(self, checkout: Path, port: int, idle_s: float | None) -> None:
+    def __init__(self, checkout: Path, port: int, idle_s: float | None,
+                 serve_workers: int | None) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="symgate-membench-"))
         tree = self.work / "debug" / ".build-id" / LIBC_ID[:2]
         tree.mkdir(parents=True)
@@ -188,7 +209,8 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.tools.cli", "serve", "--config",
-             str(self.work / "symgate.toml")], cwd=checkout,
+             str(self.work / "symgate.toml"),
+             *(["--workers", str(serve_workers)] if serve_workers else [])], cwd=checkout,
             stdout=(self.work / "log").open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(checkout)})
         self._wait_healthy()
@@ -216,9 +238,10 @@ class Server:
 
 
 def _wait_for_exit(root: int, timeout_s: float) -> None:
-    """Until only the server is left, or `timeout_s`."""
+    """Until only the serving processes are left, or `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while _descendants(root) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and any(
+            role not in ("server", "supervisor") for role, _ in measure(root).processes.values()):
         time.sleep(0.2)
 
 
@@ -232,11 +255,15 @@ def main() -> None:
                     help="wait after /healthz before the idle figure (eager workers start)")
     ap.add_argument("--idle-s", type=float, default=5.0,
                     help="symbolize.worker_idle_s for the idle-exit figure")
+    ap.add_argument("--serve-workers", type=int, default=None,
+                    help="serving processes (serve --workers N), where the checkout has them; "
+                         "default: the server's own (one per core)")
     args = ap.parse_args()
     if not LIBC_DEBUG.exists():
         sys.exit("needs Debian's libc6-dbg")
     checkout = args.checkout.resolve()
     idle_s = args.idle_s if has_idle_key(checkout) else None
+    serve_workers = args.serve_workers if has_serve_workers(checkout) else None
     body = profile(args.addresses)
     figures: dict[str, list[float]] = {}
     trees: dict[str, Tree] = {}
@@ -253,12 +280,12 @@ def main() -> None:
     for _ in range(args.repeat):
         port = args.port or free_port()
         # A profile the moment /healthz answers: what a client that starts with the server sees.
-        first = Server(checkout, port, idle_s)
+        first = Server(checkout, port, idle_s, serve_workers)
         try:
             note("first /symbolize at /healthz (s)", post(first.url, body))
         finally:
             first.stop()
-        server = Server(checkout, port, idle_s)
+        server = Server(checkout, port, idle_s, serve_workers)
         try:
             time.sleep(args.settle_s)
             snapshot("idle", server.proc.pid)
@@ -272,7 +299,8 @@ def main() -> None:
         finally:
             server.stop()
     print(f"checkout {checkout}, {args.addresses} libc addresses, medians of {args.repeat} "
-          f"fresh servers" + (f", worker_idle_s {idle_s:g}" if idle_s is not None else ""))
+          f"fresh servers" + (f", worker_idle_s {idle_s:g}" if idle_s is not None else "")
+          + (f", serve --workers {serve_workers}" if serve_workers else ""))
     for name, values in figures.items():
         shown = " ".join(f"{v:.3f}" if "(s)" in name else f"{v:.0f}" for v in values)
         print(f"  {name:<38} {statistics.median(values):9.3f}   [{shown}]")
