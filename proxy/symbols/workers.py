@@ -99,8 +99,6 @@ class WorkerPool:
                 self._starting.add_done_callback(self._started)
             try:
                 await asyncio.shield(self._starting)
-            except WorkerLost:
-                raise
             except Exception as e:
                 raise WorkerLost(f"the worker processes could not start: {e}") from e
         return self._executor
