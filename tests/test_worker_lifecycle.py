@@ -69,3 +69,20 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
     assert proc.stdout is not None
     out = await proc.stdout.read()
     assert b"Traceback" not in out, out.decode()
+
+
+async def test_workers_kept_for_good_start_with_the_server(
+    tmp_path: Path, debuginfod: Debuginfod
+) -> None:
+    """worker_idle_s = 0: the first profile after a start waits for no worker to start."""
+    _base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, extra="[symbolize]\nworker_idle_s = 0\n")
+
+    async def a_worker() -> bool:
+        return any(niceness(pid) == 5 for pid in descendants(proc.pid))
+
+    try:
+        await eventually(a_worker)  # with no request at all
+    finally:
+        await stop_serve([proc])

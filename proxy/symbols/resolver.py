@@ -78,10 +78,12 @@ class SymbolResolver:
 
     async def start(self) -> None:
         """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
-        profile (about 10 ms). The workers start with the first job that needs one."""
+        profile (about 10 ms). The workers start with the first job that needs one, unless
+        they are kept for good (symbolize.worker_idle_s 0)."""
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
         await self._tables.get(SHARED, "")
+        self.workers.pool.start_soon()
 
     async def close(self) -> None:
         pending: list[asyncio.Future[Any]] = [*self._resolving.values(),

@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 class WorkerPool:
     """Up to `workers` worker processes, started on demand, exited when idle, replaced when
-    one dies, and dying with the server. 0 `idle_s`: they never exit for idleness."""
+    one dies, and dying with the server. 0 `idle_s`: they start with the server (start_soon)
+    and never exit for idleness."""
 
     def __init__(self, workers: int, *, idle_s: float, init: Callable[..., None] | None = None,
                  args: tuple[Any, ...] = ()) -> None:
@@ -49,6 +50,7 @@ class WorkerPool:
         self._starting: asyncio.Future[ProcessPoolExecutor] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._closed = False
+        self._warming: asyncio.Future[None] | None = None
         self.in_flight = 0  # calls made and not yet answered, waiting for a start included
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -87,6 +89,19 @@ class WorkerPool:
     async def start(self) -> None:
         """A worker started now rather than by the first job (for tests: its pid)."""
         await self.run(worker_process.ready)
+
+    def start_soon(self) -> None:
+        """Where workers are kept for good (0 `idle_s`), start one in the background now, so
+        that the first profile waits for no start; otherwise the first job starts them."""
+        if self._idle_s or self._warming is not None:
+            return
+        self._warming = asyncio.ensure_future(self.start())
+
+        def done(warming: asyncio.Future[None]) -> None:
+            if not warming.cancelled() and (error := warming.exception()) is not None:
+                log.warning("worker processes did not start: %s", error)
+
+        self._warming.add_done_callback(done)
 
     async def _running(self) -> ProcessPoolExecutor:
         while self._executor is None:
@@ -127,6 +142,8 @@ class WorkerPool:
 
     def close(self) -> None:
         self._closed = True
+        if self._warming is not None:
+            self._warming.cancel()
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
