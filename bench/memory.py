@@ -292,7 +292,7 @@ def main() -> None:
             note("cold /symbolize after settling (s)", post(server.url, body))
             snapshot("after a cold /symbolize", server.proc.pid)
             note("warm /symbolize (s)", post(server.url, body))
-            if idle_s is not None:
+            if idle_s:  # 0: the workers stay
                 _wait_for_exit(server.proc.pid, idle_s + 30)
                 snapshot("after idle exit", server.proc.pid)
                 note("/symbolize after idle exit (s)", post(server.url, body))
