@@ -19,6 +19,3 @@ class BuildPool:
         proxy.errors.WorkerLost if the worker died."""
         async with self._builds:
             return await self.pool.run(build_symbol_table, source, out, build_id)
-
-    def close(self) -> None:
-        self.pool.close()

@@ -15,7 +15,7 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
@@ -51,25 +51,35 @@ def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any,
     return executor
 
 
-def retire(executor: ProcessPoolExecutor, *, cancel: bool = False) -> None:
+def retire(executor: ProcessPoolExecutor, *, cancel: bool = False) -> Future[None]:
     """Shut the pool down (its workers finish their jobs, or drop the queued ones if `cancel`),
-    and once they have exited, stop the helpers if no other pool is left. Returns at once."""
+    and once they have exited, stop the helpers if no other pool is left. Returns at once;
+    the future is done once all that is.
+
+    A process must not end before that future: multiprocessing's exit in a spawned process
+    (`serve --workers N`) stops the pool's queue feeder and then waits for the workers, which
+    a shutdown begun too late can then no longer reach.
+    """
+    done: Future[None] = Future()
     held = [executor]  # dropped by the thread once shut down, freeing the pool's semaphores
-    threading.Thread(target=_retire, args=(held, cancel), name="symgate-retire-workers",
+    threading.Thread(target=_retire, args=(held, cancel, done), name="symgate-retire-workers",
                      daemon=True).start()
+    return done
 
 
-def _retire(held: list[ProcessPoolExecutor], cancel: bool) -> None:
+def _retire(held: list[ProcessPoolExecutor], cancel: bool, done: Future[None]) -> None:
     global _pools
-    held.pop().shutdown(wait=True, cancel_futures=cancel)
-    with _lock:
-        _pools -= 1
-        if _pools:
-            return
-        # The pools' queues hold named semaphores that unregister from the resource tracker
-        # when they are freed, as they were with their pool (by reference counting, without
-        # a collection that would hold the event loop some 50 ms).
-        _stop_helpers()
+    try:
+        held.pop().shutdown(wait=True, cancel_futures=cancel)
+        with _lock:
+            _pools -= 1
+            if not _pools:
+                # The pools' queues hold named semaphores that unregister from the resource
+                # tracker when they are freed, as they were with their pool (by reference
+                # counting, without a collection that would hold the event loop some 50 ms).
+                _stop_helpers()
+    finally:
+        done.set_result(None)
 
 
 def _stop_helpers() -> None:

@@ -92,8 +92,7 @@ class SymbolResolver:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self._pool.close()
-        self.workers.close()
+        await self.workers.pool.close()  # builds' and profiles' alike
 
     def provider(self, req: RequestScope) -> SymbolProvider:
         """What the symbolization pipeline asks, for one request."""

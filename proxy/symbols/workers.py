@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any, TypeVar
@@ -46,10 +47,14 @@ class WorkerPool:
         self.workers = workers
         self._idle_s = idle_s
         self._initargs = (os.getpid(), init, args)
+        # Set by the thread that starts the pool too: whatever the order of a start and a close
+        # (even one that the loop's end leaves unawaited), no pool is left running unowned.
+        self._lock = threading.Lock()
         self._executor: ProcessPoolExecutor | None = None
-        self._starting: asyncio.Future[ProcessPoolExecutor] | None = None
+        self._starting: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._closed = False
+        self._retiring: list[Future[None]] = []  # pools shutting down, until their workers exit
         self._warming: asyncio.Future[None] | None = None
         self.in_flight = 0  # calls made and not yet answered, waiting for a start included
 
@@ -81,10 +86,12 @@ class WorkerPool:
                 self._idle = asyncio.get_running_loop().call_later(self._idle_s, self._retire)
 
     def _retire_broken(self, executor: ProcessPoolExecutor) -> None:
-        if self._executor is executor:  # the first to notice retires it
-            log.error("a worker process died; the next job starts new ones")
+        with self._lock:
+            if self._executor is not executor:  # the first to notice retires it
+                return
             self._executor = None
-            executors.retire(executor, cancel=True)
+        log.error("a worker process died; the next job starts new ones")
+        self._retire_pool(executor, cancel=True)
 
     async def start(self) -> None:
         """A worker started now rather than by the first job (for tests: its pid)."""
@@ -104,52 +111,73 @@ class WorkerPool:
         self._warming.add_done_callback(done)
 
     async def _running(self) -> ProcessPoolExecutor:
-        while self._executor is None:
+        while (executor := self._executor) is None:
             if self._closed:
                 raise WorkerLost("the worker processes are shutting down")
             if self._starting is None:
-                # In a thread: the first start waits for the forkserver's imports.
-                self._starting = asyncio.ensure_future(asyncio.to_thread(
-                    executors.start, self.workers, worker_process.init, self._initargs))
+                # In a thread: the first start waits for the forkserver's imports. A plain
+                # future, not a task: the loop's end must not cancel it and lose the pool.
+                self._starting = asyncio.get_running_loop().run_in_executor(None, self._start)
                 self._starting.add_done_callback(self._started)
             try:
                 await asyncio.shield(self._starting)
             except Exception as e:
                 raise WorkerLost(f"the worker processes could not start: {e}") from e
-        return self._executor
+        return executor
 
-    def _started(self, starting: asyncio.Future[ProcessPoolExecutor]) -> None:
+    def _start(self) -> None:
+        """In a thread."""
+        executor = executors.start(self.workers, worker_process.init, self._initargs)
+        with self._lock:
+            if not self._closed:
+                self._executor = executor
+                return
+        self._retire_pool(executor, cancel=True)
+        raise WorkerLost("the worker processes are shutting down")
+
+    def _started(self, starting: asyncio.Future[None]) -> None:
         self._starting = None
-        if starting.cancelled() or starting.exception() is not None:
-            return
-        if self._closed:
-            executors.retire(starting.result())
-        else:
-            self._executor = starting.result()
+        if not starting.cancelled():
+            starting.exception()  # retrieved: the callers that wait for it are told
 
     def _retire(self) -> None:
         self._idle = None
-        if self.in_flight or self._executor is None:
-            return
+        with self._lock:
+            executor = self._executor
+            if self.in_flight or executor is None:
+                return
+            self._executor = None
         log.info("worker processes idle for %g s: they exit until the next job", self._idle_s)
-        executors.retire(self._executor)
-        self._executor = None
+        self._retire_pool(executor)
+
+    def _retire_pool(self, executor: ProcessPoolExecutor, *, cancel: bool = False) -> None:
+        retiring = executors.retire(executor, cancel=cancel)
+        with self._lock:
+            self._retiring = [f for f in self._retiring if not f.done()] + [retiring]
 
     def pids(self) -> list[int]:
         """The live workers' pids (for tests and the status of the pool)."""
         processes = getattr(self._executor, "_processes", None) or {}
         return list(processes)
 
-    def close(self) -> None:
-        self._closed = True
+    async def close(self) -> None:
+        """Stop the workers and wait until they have exited: the jobs in them end first, the
+        queued ones are dropped."""
         if self._warming is not None:
             self._warming.cancel()
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
-        if self._executor is not None:
-            executors.retire(self._executor, cancel=True)
-            self._executor = None
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            self._retire_pool(executor, cancel=True)
+        if self._starting is not None:  # its pool is retired as it comes up
+            await asyncio.wait([self._starting])
+        with self._lock:
+            retiring = list(self._retiring)
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in retiring))
 
 
 def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
@@ -198,6 +226,3 @@ class SymbolizeWorkers:
                      answers: dict[str, Answer]) -> Finished:
         async with self._jobs:
             return await self.pool.run(worker.finish, body, limits, answers)
-
-    def close(self) -> None:
-        self.pool.close()
