@@ -275,6 +275,9 @@ class SymbolizeConfig:
     build_workers: AtLeastOne = 2
     # Worker processes that decode, rewrite and encode profiles, off the event loop.
     workers: AtLeastOne = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    # Seconds without a job after which the worker processes exit (started again by the next
+    # job): an idle server is one process. 0: they start with the server and stay.
+    worker_idle_s: Seconds = 60.0
     # Profiles in work at once, and waiting for a slot; past both, 429 with Retry-After.
     max_concurrent: AtLeastOne = 4
     max_waiting: Count = 16

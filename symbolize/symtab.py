@@ -59,10 +59,6 @@ U64 = npt.NDArray[np.uint64]
 _MAX_DEPTH = 255
 
 
-def warm_up() -> None:
-    """Run once in each fresh worker: importing this module loaded symbolic already."""
-
-
 def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildResult:
     """Write the SymCache of `elf_path` to `out_path` (atomically); blocking.
 

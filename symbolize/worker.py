@@ -162,10 +162,6 @@ def init_worker(open_tables: int) -> None:
     _workspace = Workspace(open_tables)
 
 
-def warm_up() -> None:
-    """Run once in each fresh worker: importing this module loaded numpy, protobuf, symbolic."""
-
-
 def finish(body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
     """`Workspace.finish` in a worker process started with `init_worker`."""
     if _workspace is None:

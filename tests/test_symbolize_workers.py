@@ -6,11 +6,9 @@ is refused without being inflated into memory."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import zlib
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -20,6 +18,7 @@ from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
@@ -33,21 +32,9 @@ def _workers(sg: Symgate) -> list[int]:
     return sg.runner.app[STATE].symbols.workers.pool.pids()
 
 
-@contextlib.contextmanager
-def _stopped(pids: list[int]) -> Iterator[None]:
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
 async def _started(sg: Symgate) -> list[int]:
-    """The symbolize workers' pids, once each has started."""
-    await eventually(lambda: _true(len(_workers(sg)) == sg.config.symbolize.workers))
+    """The symbolize workers' pids, a worker started (they start with the first job)."""
+    await sg.runner.app[STATE].symbols.workers.pool.start()
     return _workers(sg)
 
 
@@ -64,7 +51,7 @@ async def test_profiles_are_rewritten_off_the_event_loop(
     hit = f"/buildid/{elfs.prog.build_id}/executable"
     assert (await sg.get(hit))[0] == 200
     state = sg.runner.app[STATE]
-    with _stopped(await _started(sg)):
+    with stopped(await _started(sg)):
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
         await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
         for _ in range(3):
@@ -81,13 +68,29 @@ async def test_a_worker_killed_mid_profile_is_a_503_and_the_pool_recovers(
     sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
     state = sg.runner.app[STATE]
     pids = await _started(sg)
-    with _stopped(pids):
+    with stopped(pids):
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
         await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
     status, headers, text = await pending
     assert status == 503 and "Retry-After" in headers and b"worker process died" in text
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert set(_workers(sg)).isdisjoint(pids)
+
+
+async def test_a_worker_that_died_idle_costs_no_request_a_503(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    pool = sg.runner.app[STATE].symbols.workers.pool
+    pids = await _started(sg)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    # Once the pool has seen it (ProcessPoolExecutor marks itself broken), the next job is
+    # taken by new workers: it never ran in the broken pool.
+    await eventually(lambda: _true(bool(getattr(pool._executor, "_broken", False))))
     status, headers, _ = await post(sg, _profile(elfs))
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert set(_workers(sg)).isdisjoint(pids)

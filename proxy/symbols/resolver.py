@@ -23,6 +23,7 @@ from proxy.errors import NotFound, SymgateError
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
 from proxy.store.repository import SymbolTableRecord
+from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
@@ -70,26 +71,28 @@ class SymbolResolver:
         self._layouts: dict[tuple[str, str], asyncio.Future[_Layout]] = {}
         # Keyed by (the source's scope, build ID): one build of each table file at a time.
         self._building: dict[tuple[str, str], asyncio.Future[_Found]] = {}
+        # Builds waiting for another process's build of the same table (for tests and status).
+        self.builds_waiting = 0
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
     async def start(self) -> None:
-        """Start the workers, and have SQLAlchemy compile the symbol-table query, now rather
-        than on the first cold profile (about 10 ms)."""
+        """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
+        profile (about 10 ms). The workers start with the first job that needs one, unless
+        they are kept for good (symbolize.worker_idle_s 0)."""
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
-        self._pool.start()
-        self.workers.start()
         await self._tables.get(SHARED, "")
+        self.workers.pool.start_soon()
 
     async def close(self) -> None:
         pending: list[asyncio.Future[Any]] = [*self._resolving.values(),
-                                              *self._layouts.values()]
+                                              *self._layouts.values(),
+                                              *self._building.values()]
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self._pool.close()
-        self.workers.close()
+        await self.workers.pool.close()  # builds' and profiles' alike
 
     def provider(self, req: RequestScope) -> SymbolProvider:
         """What the symbolization pipeline asks, for one request."""
@@ -247,16 +250,50 @@ class SymbolResolver:
         return await asyncio.shield(running)
 
     async def _build_now(self, build_id: str, source: _Source) -> _Found:
+        """Build the table, unless another process on this data dir is building it: then wait
+        for that build and take what it recorded."""
+        scope = source.scope
+        with self._leased(source):
+            before = await self._tables.get(scope, build_id)
+            self.builds_waiting += 1
+            try:
+                lock = await build_lock.acquire(self._tables.lock_path(scope, build_id))
+            finally:
+                self.builds_waiting -= 1
+            try:
+                if lock.waited and (found := await self._built_elsewhere(
+                        build_id, source, before)) is not None:
+                    return found
+                return await self._build_locked(build_id, source)
+            finally:
+                lock.release()  # once the row is written: a waiter reads it next
+
+    async def _built_elsewhere(self, build_id: str, source: _Source,
+                               before: SymbolTableRecord | None) -> _Found | None:
+        """What the build another process made while this one waited recorded, if it serves
+        this build too; None: build after all."""
+        scope = source.scope
+        rec = await self._tables.usable(scope, build_id)
+        if rec is None or (before is not None and rec.built_at == before.built_at):
+            return None  # no build recorded meanwhile (its builder died, or had nothing)
+        if rec.outcome != Outcome.OK:
+            # A failure speaks for the file that failed, not for another one.
+            return Outcome(rec.outcome) if rec.source_key == source.source_key else None
+        if _from_executable(rec.source_key) and not _from_executable(source.source_key):
+            return None  # a debug file has the lines that a table from the executable lacks
+        log.info("symbol table for %s: built by another process", build_id)
+        return scope, self._remember(rec)
+
+    async def _build_locked(self, build_id: str, source: _Source) -> _Found:
         scope = source.scope
         outcome, error, result = Outcome.OK, None, None
-        with self._leased(source):
-            try:
-                result = await self._pool.build(source.path, self._tables.path(scope, build_id),
-                                                build_id)
-            except NoSymbols as e:
-                outcome, error = Outcome.NO_SYMBOLS, str(e)
-            except MalformedObject as e:
-                outcome, error = Outcome.MALFORMED, str(e)
+        try:
+            result = await self._pool.build(source.path, self._tables.path(scope, build_id),
+                                            build_id)
+        except NoSymbols as e:
+            outcome, error = Outcome.NO_SYMBOLS, str(e)
+        except MalformedObject as e:
+            outcome, error = Outcome.MALFORMED, str(e)
         rec = await self._tables.record(scope, build_id, outcome, source.source_key, result,
                                         error)
         # Counted once recorded and open, so the metric never runs ahead of the table.
@@ -309,13 +346,13 @@ class SymbolResolver:
             # A tenant's file adds nothing where a shared table with lines exists already.
             shared = await self._tables.usable(SHARED, bid)
             if (shared is not None and shared.outcome == Outcome.OK
-                    and not shared.source_key.endswith("/executable")):
+                    and not _from_executable(shared.source_key)):
                 return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
         rec = await self._tables.get(scope, bid)
         cached = self._artifacts.cache.peek(scope, key)
         if cached is None:
             return Outcome.NOT_FOUND
-        from_executable = rec is not None and rec.source_key.endswith("/executable")
+        from_executable = rec is not None and _from_executable(rec.source_key)
         if (rec is None or rec.format != FORMAT or rec.outcome != Outcome.OK
                 or (key.kind is Kind.DEBUGINFO and from_executable)):
             self._open.drop(scope, bid)
@@ -334,6 +371,10 @@ class SymbolResolver:
         if rec is not None and rec.source_key == key.id:
             self._open.drop(scope, key.build_id)
             await self._tables.drop(scope, key.build_id)
+
+
+def _from_executable(source_key: str) -> bool:
+    return source_key.endswith("/executable")
 
 
 class _ScopedProvider:

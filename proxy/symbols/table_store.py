@@ -42,6 +42,11 @@ class TableStore:
     def path(self, scope: str, build_id: str) -> Path:
         return self._store.symtab_path(scope, build_id)
 
+    def lock_path(self, scope: str, build_id: str) -> Path:
+        """Beside the table: held by the process that builds it (build_lock.py)."""
+        table = self.path(scope, build_id)
+        return table.with_name(table.name + ".lock")
+
     async def usable(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         """The row of a built table in this format, or of an outcome still believed; None when
         a build is worth trying."""

@@ -1,130 +1,189 @@
 """Worker processes: the CPU-bound work kept off the event loop, and what keeps them in check.
 
-Every worker dies with the server, however the server dies: its parent is the forkserver, not
-the server, so it watches the server's pid itself (a pidfd), and takes the parent-death signal
-for the forkserver. Once the workers are gone, the forkserver and the resource tracker see
-their pipes close and exit too: a SIGKILLed server leaves nothing behind.
+One set of processes does both kinds of work, symbol-table builds and profiles, so that a
+profile whose table is built on the way is scanned, built for and rewritten in one worker,
+not two; each kind keeps its own limit (build_workers, workers), and there are as many
+processes as both together, so neither waits for the other's. Workers start with the first
+job that needs one, not with the server, and exit after `worker_idle_s` without a job (with
+multiprocessing's helper processes: executors.py): an idle server costs no more than its own
+process. Every worker dies with the server, however the server dies (worker_process.py).
 
 A worker that dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for
-good: the pool is replaced, and the work that was in it ends in WorkerLost (a 503).
+good: the pool is retired, the work that was in it, of either kind, ends in WorkerLost (a 503;
+for a build, that build ID's outcome is `internal` and it is built again next time), and the
+next job starts new workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import multiprocessing
 import os
-import select
-import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
 from proxy.errors import Overloaded, WorkerLost
+from proxy.symbols import executors, worker_process
 from symbolize import worker
 from symbolize.worker import Answer, Finished, Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with(server_pid: int) -> None:
-    """Kill this process when the server or the forkserver (its parent) exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    try:
-        pidfd = os.pidfd_open(server_pid)
-    except ProcessLookupError:  # gone before this worker started
-        os._exit(1)
-    except OSError:  # no pidfd (Linux before 5.3): look every second instead
-        threading.Thread(target=_poll, args=(server_pid,), daemon=True).start()
-        return
-    threading.Thread(target=_watch, args=(pidfd,), daemon=True).start()
-
-
-def _watch(pidfd: int) -> None:
-    select.select([pidfd], [], [])  # readable once the process has exited
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _poll(pid: int) -> None:
-    while True:
-        time.sleep(1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-# Workers yield the CPU to the server's event loop: on a machine whose cores they fill, a
-# /buildid hit still gets its share at once (CFS weight 1024 against 335).
-_NICENESS = 5
-
-
-def _init(server_pid: int, init: Callable[..., None] | None, args: tuple[Any, ...]) -> None:
-    _die_with(server_pid)
-    with contextlib.suppress(OSError):
-        os.nice(_NICENESS)
-    if init is not None:
-        init(*args)
 
 
 class WorkerPool:
-    """A pool of worker processes that survives the death of one and dies with the server."""
+    """Up to `workers` worker processes, started on demand, exited when idle, replaced when
+    one dies, and dying with the server. 0 `idle_s`: they start with the server (start_soon)
+    and never exit for idleness."""
 
-    def __init__(self, workers: int, name: str, init: Callable[..., None] | None = None,
+    def __init__(self, workers: int, *, idle_s: float, init: Callable[..., None] | None = None,
                  args: tuple[Any, ...] = ()) -> None:
         self.workers = workers
-        self._name = name
-        self._init = init
-        self._args = args
-        self._executor = self._new()
-        self.in_flight = 0  # calls submitted and not yet answered
-
-    def _new(self) -> ProcessPoolExecutor:
-        # forkserver: never fork a process that runs an event loop and threads. The forkserver
-        # imports numpy, protobuf and symbolic once, so a new worker is a fork, ready at once,
-        # not a second of imports on the first profile (or after a worker died).
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["proxy.symbols.workers", "symbolize.symtab"])
-        return ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=context,
-            initializer=_init, initargs=(os.getpid(), self._init, self._args))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Fire and forget (warming up)."""
-        self._executor.submit(fn, *args)
+        self._idle_s = idle_s
+        self._initargs = (os.getpid(), init, args)
+        # Set by the thread that starts the pool too: whatever the order of a start and a close
+        # (even one that the loop's end leaves unawaited), no pool is left running unowned.
+        self._lock = threading.Lock()
+        self._executor: ProcessPoolExecutor | None = None
+        self._starting: asyncio.Future[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._retiring: list[Future[None]] = []  # pools shutting down, until their workers exit
+        self._warming: asyncio.Future[None] | None = None
+        self.in_flight = 0  # calls made and not yet answered, waiting for a start included
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        executor = self._executor
         self.in_flight += 1
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-        except BrokenProcessPool as e:
-            if self._executor is executor:  # the first to notice replaces it
-                log.error("a %s worker process died; starting new ones", self._name)
-                executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._new()
-            raise WorkerLost(f"a {self._name} worker process died; try again") from e
+            for _attempt in range(2):
+                executor = await self._running()
+                try:
+                    job = asyncio.get_running_loop().run_in_executor(
+                        executor, worker_process.run, fn, *args)
+                except BrokenProcessPool:
+                    # Broken before this job (a worker died while idle): the job never ran,
+                    # and new workers take it.
+                    self._retire_broken(executor)
+                    continue
+                try:
+                    return await job
+                except BrokenProcessPool as e:
+                    self._retire_broken(executor)
+                    raise WorkerLost("a worker process died; try again") from e
+            raise WorkerLost("worker processes die as they start; try again")
         finally:
             self.in_flight -= 1
+            if not self.in_flight and self._idle_s and not self._closed:
+                self._idle = asyncio.get_running_loop().call_later(self._idle_s, self._retire)
+
+    def _retire_broken(self, executor: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._executor is not executor:  # the first to notice retires it
+                return
+            self._executor = None
+        log.error("a worker process died; the next job starts new ones")
+        self._retire_pool(executor, cancel=True)
+
+    async def start(self) -> None:
+        """A worker started now rather than by the first job (for tests: its pid)."""
+        await self.run(worker_process.ready)
+
+    def start_soon(self) -> None:
+        """Where workers are kept for good (0 `idle_s`), start one in the background now, so
+        that the first profile waits for no start; otherwise the first job starts them."""
+        if self._idle_s or self._warming is not None:
+            return
+        self._warming = asyncio.ensure_future(self.start())
+
+        def done(warming: asyncio.Future[None]) -> None:
+            if not warming.cancelled() and (error := warming.exception()) is not None:
+                log.warning("worker processes did not start: %s", error)
+
+        self._warming.add_done_callback(done)
+
+    async def _running(self) -> ProcessPoolExecutor:
+        while (executor := self._executor) is None:
+            if self._closed:
+                raise WorkerLost("the worker processes are shutting down")
+            if self._starting is None:
+                # In a thread: the first start waits for the forkserver's imports. A plain
+                # future, not a task: the loop's end must not cancel it and lose the pool.
+                self._starting = asyncio.get_running_loop().run_in_executor(None, self._start)
+                self._starting.add_done_callback(self._started)
+            try:
+                await asyncio.shield(self._starting)
+            except Exception as e:
+                raise WorkerLost(f"the worker processes could not start: {e}") from e
+        return executor
+
+    def _start(self) -> None:
+        """In a thread."""
+        executor = executors.start(self.workers, worker_process.init, self._initargs)
+        with self._lock:
+            if not self._closed:
+                self._executor = executor
+                return
+        self._retire_pool(executor, cancel=True)
+        raise WorkerLost("the worker processes are shutting down")
+
+    def _started(self, starting: asyncio.Future[None]) -> None:
+        self._starting = None
+        if not starting.cancelled():
+            starting.exception()  # retrieved: the callers that wait for it are told
+
+    def _retire(self) -> None:
+        self._idle = None
+        with self._lock:
+            executor = self._executor
+            if self.in_flight or executor is None:
+                return
+            self._executor = None
+        log.info("worker processes idle for %g s: they exit until the next job", self._idle_s)
+        self._retire_pool(executor)
+
+    def _retire_pool(self, executor: ProcessPoolExecutor, *, cancel: bool = False) -> None:
+        retiring = executors.retire(executor, cancel=cancel)
+        with self._lock:
+            self._retiring = [f for f in self._retiring if not f.done()] + [retiring]
 
     def pids(self) -> list[int]:
         """The live workers' pids (for tests and the status of the pool)."""
         processes = getattr(self._executor, "_processes", None) or {}
         return list(processes)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    async def close(self) -> None:
+        """Stop the workers and wait until they have exited: the jobs in them end first, the
+        queued ones are dropped."""
+        if self._warming is not None:
+            self._warming.cancel()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            self._retire_pool(executor, cancel=True)
+        if self._starting is not None:  # its pool is retired as it comes up
+            await asyncio.wait([self._starting])
+        with self._lock:
+            retiring = list(self._retiring)
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in retiring))
+
+
+def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
+    """The one set of worker processes of a server, for builds and profiles alike."""
+    return WorkerPool(cfg.build_workers + cfg.workers, idle_s=cfg.worker_idle_s,
+                      init=worker.init_worker, args=(cfg.open_tables,))
 
 
 class SymbolizeWorkers:
@@ -132,16 +191,13 @@ class SymbolizeWorkers:
     `max_concurrent` profiles in work and `max_waiting` waiting; past that, Overloaded (429)
     at once, before the body is read."""
 
-    def __init__(self, cfg: SymbolizeConfig) -> None:
-        self.pool = WorkerPool(cfg.workers, "symbolize", worker.init_worker, (cfg.open_tables,))
+    def __init__(self, cfg: SymbolizeConfig, pool: WorkerPool) -> None:
+        self.pool = pool
+        self._jobs = asyncio.Semaphore(cfg.workers)  # in the pool at once
         self._max_concurrent = cfg.max_concurrent
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
-
-    def start(self) -> None:
-        for _ in range(self.pool.workers):
-            self.pool.submit(worker.warm_up)
 
     @property
     def admitted_count(self) -> int:
@@ -163,11 +219,10 @@ class SymbolizeWorkers:
             self._admitted -= 1
 
     async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
-        return await self.pool.run(worker.scan, body, limits)
+        async with self._jobs:
+            return await self.pool.run(worker.scan, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
-        return await self.pool.run(worker.finish, body, limits, answers)
-
-    def close(self) -> None:
-        self.pool.close()
+        async with self._jobs:
+            return await self.pool.run(worker.finish, body, limits, answers)

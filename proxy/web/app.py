@@ -32,7 +32,7 @@ from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTables
 from proxy.symbols.resolver import SymbolResolver
 from proxy.symbols.table_store import TableStore
-from proxy.symbols.workers import SymbolizeWorkers
+from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from proxy.web import artifacts, logs, ops
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
@@ -138,11 +138,12 @@ def _lifecycle(
         )
         await service.warm_up()
         symbolize_metrics = SymbolizeMetrics(registry)
+        processes = worker_pool(config.symbolize)
         symbols = SymbolResolver(
             artifacts=service, tables=TableStore(repo, store, expiry),
             open_tables=OpenTables(config.symbolize.open_tables),
-            pool=BuildPool(config.symbolize.build_workers),
-            workers=SymbolizeWorkers(config.symbolize),
+            pool=BuildPool(processes, config.symbolize.build_workers),
+            workers=SymbolizeWorkers(config.symbolize, processes),
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
         )
         await symbols.start()

@@ -1,0 +1,104 @@
+"""One build of a symbol table at a time among the processes on one data dir.
+
+A process that builds a table holds an flock(2) on `<table>.lock`, beside the table, from
+before the build until its row is written; another process that needs the same table waits
+for that lock rather than building the table again, and then reads the row. The kernel drops
+the lock of a process that dies, however it dies: the waiter then builds the table itself.
+
+The holder removes the lock file as it lets go, so none pile up beside the tables (one left by
+a killed holder is removed by the next build of that table). A waiter that gets the lock of a
+file removed meanwhile opens the path again: only a lock on the file at the path counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+
+class BuildLock:
+    """A held lock, until release()."""
+
+    def __init__(self, path: Path, fd: int, *, waited: bool) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        # Whether another process held it first: its build may have made the table meanwhile.
+        self.waited = waited
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _release(self.path, self._fd)
+            self._fd = None
+
+
+async def acquire(path: Path) -> BuildLock:
+    """The lock of `path`, at once if no other process holds it, else once it lets go."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _lock(path, blocking=False)
+    if fd is not None:
+        return BuildLock(path, fd, waited=False)
+    # Waited for in a thread of its own, not the loop's pool: a wait cannot be cancelled, and
+    # a process that stops while another builds must not wait for that build to end.
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[int] = loop.create_future()
+
+    def hand_over(fd: int | None, error: OSError | None) -> None:
+        if got.cancelled():  # the waiter gave up meanwhile
+            if fd is not None:
+                _release(path, fd)
+        elif fd is not None:
+            got.set_result(fd)
+        else:
+            got.set_exception(error or OSError(f"no lock on {path}"))
+
+    def wait() -> None:
+        try:
+            fd, error = _lock(path, blocking=True), None
+        except OSError as e:
+            fd, error = None, e
+        try:
+            loop.call_soon_threadsafe(hand_over, fd, error)
+        except RuntimeError:  # the loop is closed: nobody to hand it to
+            if fd is not None:
+                _release(path, fd)
+
+    threading.Thread(target=wait, name="symgate-build-lock", daemon=True).start()
+    return BuildLock(path, await got, waited=True)
+
+
+def _lock(path: Path, *, blocking: bool) -> int | None:
+    """A descriptor holding the lock of the file now at `path`; None if another holds it
+    (when not `blocking`)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # its holder removed it as it let go: lock the file there now
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _release(path: Path, fd: int) -> None:
+    # Removed while held, so that whoever locks it next knows to open the path again.
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    os.close(fd)

@@ -1,0 +1,99 @@
+"""Process pools made and retired, and multiprocessing's helper processes with them: the
+forkserver (whose forks the workers are) and the resource tracker run only while some pool of
+this process has workers, so that an idle server is one process.
+
+Both helpers are process-wide singletons of multiprocessing, shared by every pool of the
+process (tests run several servers in one): they are stopped once the last pool is retired
+and its workers have exited, and started again by the next pool. Starting and stopping are
+blocking (a start waits for the forkserver's imports; a stop waits for the helpers to exit),
+so they run in threads, one at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import forkserver, resource_tracker
+from typing import Any
+
+from proxy.symbols import worker_process
+
+log = logging.getLogger(__name__)
+# Loaded once by the forkserver, whose forks the workers are: see that module.
+_PRELOAD = "proxy.symbols.forkserver_preload"
+# Held while a pool is made or the helpers are stopped: a stop never overlaps a start.
+_lock = threading.Lock()
+_pools = 0  # pools made and not yet retired, in this process
+
+
+def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any, ...]
+          ) -> ProcessPoolExecutor:
+    """A pool of up to `processes` workers, with one of them started; blocking (on the first
+    pool, until the forkserver has imported the workers' modules, some 0.2 s)."""
+    global _pools
+    with _lock:
+        # forkserver: never fork a process that runs an event loop and threads.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([_PRELOAD])
+        executor = ProcessPoolExecutor(max_workers=processes, mp_context=context,
+                                       initializer=initializer, initargs=initargs)
+        _pools += 1
+    try:
+        # A worker up and idle: the caller's first job neither waits for the forkserver on the
+        # event loop (submit blocks until the fork) nor starts a second worker beside it.
+        executor.submit(worker_process.ready).result()
+    except BaseException:
+        retire(executor, cancel=True)
+        raise
+    return executor
+
+
+def retire(executor: ProcessPoolExecutor, *, cancel: bool = False) -> Future[None]:
+    """Shut the pool down (its workers finish their jobs, or drop the queued ones if `cancel`),
+    and once they have exited, stop the helpers if no other pool is left. Returns at once;
+    the future is done once all that is.
+
+    A process must not end before that future: multiprocessing's exit in a spawned process
+    (`serve --workers N`) stops the pool's queue feeder and then waits for the workers, which
+    a shutdown begun too late can then no longer reach.
+    """
+    done: Future[None] = Future()
+    held = [executor]  # dropped by the thread once shut down, freeing the pool's semaphores
+    threading.Thread(target=_retire, args=(held, cancel, done), name="symgate-retire-workers",
+                     daemon=True).start()
+    return done
+
+
+def _retire(held: list[ProcessPoolExecutor], cancel: bool, done: Future[None]) -> None:
+    global _pools
+    try:
+        held.pop().shutdown(wait=True, cancel_futures=cancel)
+        with _lock:
+            _pools -= 1
+            if not _pools:
+                # The pools' queues hold named semaphores that unregister from the resource
+                # tracker when they are freed, as they were with their pool (by reference
+                # counting, without a collection that would hold the event loop some 50 ms).
+                _stop_helpers()
+    finally:
+        done.set_result(None)
+
+
+def _stop_helpers() -> None:
+    # Private to multiprocessing, and stable since 3.8: what its own tests call. Without them
+    # (a later Python), the helpers stay up, idle, as they did before pools were retired.
+    tracker = resource_tracker._resource_tracker
+    # A serving process started by `serve --workers N` (multiprocessing's spawn) uses the
+    # supervisor's resource tracker, shared by all: not its own to stop (it has no pid of it).
+    own_tracker = getattr(tracker, "_pid", None) is not None
+    for helper in (forkserver._forkserver, *([tracker] if own_tracker else [])):
+        stop = getattr(helper, "_stop", None)
+        if stop is None:
+            continue
+        try:
+            stop()
+        except Exception:  # the helper stays up, idle: no reason to fail anything else
+            log.exception("stopping multiprocessing's %s", type(helper).__name__)

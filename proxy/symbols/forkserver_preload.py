@@ -1,0 +1,34 @@
+"""Imported by name in the forkserver, and only there (never by the server): what every worker
+process forked from it shares.
+
+It imports the modules the workers run (numpy, protobuf, symbolic: some 50 MB), so that a new
+worker is a fork, ready at once, and their pages are shared by every worker rather than
+copied into each. Two things keep them shared:
+
+- multiprocessing starts each child by importing the parent's main module (as __mp_main__),
+  which for `symgate serve` is the whole server: aiohttp, SQLAlchemy, pydantic, about 50 MB
+  private to every worker. Workers only run functions of importable modules, so the
+  forkserver's children skip that step.
+- gc.freeze(): the cyclic collector in a worker never writes to the headers of the objects
+  imported here, which would copy their pages into it one by one.
+"""
+
+from __future__ import annotations
+
+import gc
+from multiprocessing import spawn
+from typing import Any
+
+from proxy.symbols import worker_process
+from symbolize import symtab, worker
+
+LOADED = (worker_process, symtab, worker)  # what the workers run
+
+
+def _no_main(_main: Any) -> None:
+    """In place of spawn's _fixup_main_from_name/_path: the main module stays unimported."""
+
+
+spawn._fixup_main_from_name = _no_main  # type: ignore[attr-defined]
+spawn._fixup_main_from_path = _no_main  # type: ignore[attr-defined]
+gc.freeze()

@@ -1,0 +1,83 @@
+"""Serving processes on one data dir build each symbol table once: a process that needs a
+table another one is building waits for that build and reads its row, and builds the table
+itself if the builder dies holding the lock."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from proxy.web.state import STATE
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.processes import stopped
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+# A process that holds a table's build lock until it is killed, as a server building it does.
+_HOLD = ("import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\n"
+         "time.sleep(600)\n")
+
+
+def _profile(elfs: ElfSet) -> bytes:
+    return make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:5])]).SerializeToString()
+
+
+def _lock_file(sg: Symgate, build_id: str) -> Path:
+    return (sg.config.server.data_dir / "symtabs" / build_id[:2] / f"{build_id}.symc.lock")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_table_another_process_is_building_is_waited_for_not_built_again(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    # Two servers on one data dir and database, as `serve --workers 2` runs them.
+    builder = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    waiter = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    pool = builder.runner.app[STATE].symbols.workers.pool
+    waiting = waiter.runner.app[STATE].symbols
+    await pool.start()
+    with stopped(pool.pids()):
+        # The builder takes the lock and hands the build to a worker that cannot run it.
+        assert (await builder.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+        await eventually(lambda: _true(pool.in_flight > 0))
+        pending = asyncio.ensure_future(post(waiter, _profile(elfs)))
+        await eventually(lambda: _true(waiting.builds_waiting == 1))
+        assert not pending.done()
+    status, headers, _ = await pending
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await builder.metric("symgate_symtab_builds_total", result="ok") == 1
+    assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 0
+    assert not _lock_file(builder, elfs.prog.build_id).exists()
+
+
+async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the_table(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    symbols = sg.runner.app[STATE].symbols
+    lock = _lock_file(sg, elfs.prog.build_id)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLD, str(lock), stdout=asyncio.subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        assert await holder.stdout.readline() == b"held\n"
+        pending = asyncio.ensure_future(post(sg, _profile(elfs)))
+        await eventually(lambda: _true(symbols.builds_waiting == 1))
+        assert not pending.done()
+    finally:
+        holder.kill()
+        await holder.wait()
+    status, headers, _ = await pending
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1
+    assert not lock.exists()

@@ -1,0 +1,88 @@
+"""Worker processes start with the first job that needs one and exit after
+`symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
+with them: a `symgate serve` that is not symbolizing is its serving processes alone (and, with
+`--workers N`, the supervisor's resource tracker, which they share). The next job starts them
+again, at nice 5 as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, eventually
+from tests.processes import descendants, niceness, start_serve, stop_serve
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES
+
+
+async def _symbolized(base: str, body: bytes) -> str:
+    async with aiohttp.ClientSession() as s, s.post(
+            base + "/symbolize", data=body,
+            headers={"Content-Type": "application/octet-stream"}) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["X-Symgate-Mappings-Symbolized"]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("serving", [1, 2])
+async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when_idle(
+    tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet, serving: int
+) -> None:
+    base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, workers=serving,
+        extra="[symbolize]\nbuild_workers = 1\nworkers = 1\nworker_idle_s = 1\n")
+    body = make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:5])]).SerializeToString()
+    # The serving processes, and the resource tracker of a supervisor: there from the start.
+    at_start = descendants(proc.pid)
+
+    async def idle() -> bool:
+        return descendants(proc.pid) == at_start
+
+    try:
+        assert all(niceness(pid) == 0 for pid in at_start), "a worker started before any job"
+        assert len({pid for pid in at_start if _parent(pid) == proc.pid}) == (
+            0 if serving == 1 else serving + 1)
+        assert await _symbolized(base, body) == "1"
+        helpers = descendants(proc.pid) - at_start
+        # The forkserver (and the resource tracker of a lone server), and the workers that
+        # built and rewrote: one set of them.
+        assert len(helpers) >= 2, helpers
+        workers = {pid for pid in helpers if niceness(pid) == 5}
+        assert workers and len(workers) <= 2, helpers
+        await eventually(idle)
+        assert await _symbolized(base, body) == "1"
+        again = descendants(proc.pid) - at_start
+        assert again and again.isdisjoint(helpers), (helpers, again)
+        assert any(niceness(pid) == 5 for pid in again)
+        await eventually(idle)
+    finally:
+        await stop_serve([proc])
+    assert proc.stdout is not None
+    out = await proc.stdout.read()
+    assert b"Traceback" not in out, out.decode()
+
+
+async def test_workers_kept_for_good_start_with_the_server(
+    tmp_path: Path, debuginfod: Debuginfod
+) -> None:
+    """worker_idle_s = 0: the first profile after a start waits for no worker to start."""
+    _base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, extra="[symbolize]\nworker_idle_s = 0\n")
+
+    async def a_worker() -> bool:
+        return any(niceness(pid) == 5 for pid in descendants(proc.pid))
+
+    try:
+        await eventually(a_worker)  # with no request at all
+    finally:
+        await stop_serve([proc])
