@@ -143,6 +143,7 @@ async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
         return await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
 
     await eventually(built)
+    await sg.settled()  # the fetch's own files tidied up: they would free inodes later
     fillers = _use_up_inodes(few_inodes / "filler")
     path = f"/buildid/{elfs.other.build_id}/debuginfo"
     section = f"/buildid/{elfs.prog.build_id}/section/.debug_info"  # cut from a cached file

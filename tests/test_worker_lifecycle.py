@@ -1,8 +1,8 @@
 """Worker processes start with the first job that needs one and exit after
 `symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
 with them: a `symgate serve` that is not symbolizing is its serving processes alone (and, with
-`--workers N`, the supervisor's resource tracker, which they share). The next job starts them
-again, at nice 5 as before."""
+`--workers N`, the supervisor that forked them). The next job starts them again, at nice 5 as
+before."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
         extra="[symbolize]\nbuild_workers = 1\nworkers = 1\nworker_idle_s = 1\n")
     body = make_profile([(place(elfs.prog, BASES["prog"]),
                           code_addresses(elfs.prog)[:5])]).SerializeToString()
-    # The serving processes, and the resource tracker of a supervisor: there from the start.
+    # The serving processes (forked by the supervisor): there from the start.
     at_start = descendants(proc.pid)
 
     async def idle() -> bool:
@@ -50,7 +50,7 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
     try:
         assert all(niceness(pid) == 0 for pid in at_start), "a worker started before any job"
         assert len({pid for pid in at_start if _parent(pid) == proc.pid}) == (
-            0 if serving == 1 else serving + 1)
+            0 if serving == 1 else serving)
         assert await _symbolized(base, body) == "1"
         helpers = descendants(proc.pid) - at_start
         # The forkserver (and the resource tracker of a lone server), and the workers that

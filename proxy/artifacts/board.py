@@ -75,8 +75,11 @@ class Claim:
         self.ident = uuid.uuid4().hex
         # The lock file names its holder: followers trust only the state of that fetch, never
         # what an earlier one of the key left.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, self.ident.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self.ident.encode(), 0)
+        except OSError:  # a full disk: followers then wait for the end, and look in SQL
+            pass
         self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
         # The last fetch of the key ended well, lately: its file may be in the cache now.
         self.previous_settled = (board.read_state(kh) or {}).get("state") == SETTLED

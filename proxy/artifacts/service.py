@@ -161,7 +161,14 @@ class ArtifactService:
         claim = await self._claim_or_join(kh, req, key, names, local_has)
         if isinstance(claim, (Hit, Streaming)):
             return claim
-        path, fd = self._new_temp()
+        try:
+            path, fd = self._new_temp()
+        except BaseException as e:  # a full disk: the claim must not outlive this request
+            if claim is not None:
+                claim.failed(e if isinstance(e, SymgateError)
+                             else SymgateError("cannot make a temp file"))
+                claim.release()
+            raise
         flight = Flight(fd)
         self._flights[kh] = flight
         self._start(self._fetch(key, scope, flight, path,
