@@ -168,33 +168,7 @@ def probe_main(url: str, sha: str, max_s: float) -> None:
 # ------------------------------------------------------------------------------------------
 # Processes: everything started here is tracked, and the whole tree is killed by pid on exit.
 
-
-def proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """(ppid, state, start time) of a live process, None if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = text.rsplit(")", 1)[1].split()
-    return int(rest[1]), rest[0], int(rest[19])
-
-
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live descendant of `root`."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (st := proc_stat(int(entry.name))) and st[1] != "Z":
-            children.setdefault(st[0], []).append(int(entry.name))
-            starts[int(entry.name)] = st[2]
-    out: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out[c] = starts[c]
-                todo.append(c)
-    return out
+from procs import descendants, proc_stat  # noqa: E402  (bench/ is the script's folder)
 
 
 def still_alive(snapshot: dict[int, int]) -> list[int]:

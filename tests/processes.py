@@ -125,3 +125,17 @@ def stopped(pids: list[int]) -> Iterator[None]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+async def reap_all(pids: set[int], what: str) -> None:
+    """Wait up to 10 s for `pids` to be gone; kill what is left (no orphans of a failed run
+    either) and fail naming it."""
+    left = pids
+    for _ in range(100):
+        left = {pid for pid in pids if alive(pid)}
+        if not left:
+            return
+        await asyncio.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"still running after {what} was killed: {sorted(left)}")

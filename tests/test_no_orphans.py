@@ -12,7 +12,7 @@ import aiohttp
 
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, free_port
-from tests.processes import alive, descendants, wait_until_serving
+from tests.processes import descendants, reap_all, wait_until_serving
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES
 
@@ -42,11 +42,4 @@ async def test_sigkilled_server_leaves_no_helper_processes(
     finally:
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
-    for _ in range(100):
-        left = {pid for pid in helpers if alive(pid)}
-        if not left:
-            break
-        await asyncio.sleep(0.1)
-    for pid in left:  # leave no orphans of a failed run either
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"still running after the server was killed: {sorted(left)}"
+    await reap_all(helpers, "the server")

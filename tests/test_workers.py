@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod
-from tests.processes import alive, descendants, start_serve, stop_serve
+from tests.processes import descendants, reap_all, start_serve, stop_serve
 
 Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
 
@@ -113,14 +113,7 @@ async def test_a_sigkilled_supervisor_takes_its_workers_along(
     assert len(_workers_of(proc)) == 2
     proc.kill()
     await proc.wait()
-    for _ in range(100):
-        left = {pid for pid in tree if alive(pid)}
-        if not left:
-            break
-        await asyncio.sleep(0.1)
-    for pid in left:  # leave no orphans of a failed run either
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"still running after the supervisor was killed: {sorted(left)}"
+    await reap_all(tree, "the supervisor")
 
 
 async def test_a_second_server_on_the_same_port_is_refused(

@@ -29,7 +29,7 @@ from proxy import errors
 from proxy.artifacts.flight import Flight
 from proxy.errors import SymgateError, UpstreamUnavailable
 from proxy.sources.base import ArtifactMeta
-from proxy.store.disk import same_file
+from proxy.store.disk import held, same_file
 
 log = logging.getLogger(__name__)
 # A follower looks at the writer's progress this often at first, backing off to the longest
@@ -225,17 +225,7 @@ class FlightBoard:
 
     def held(self, kh: str) -> bool:
         """Whether a live process holds the key's lock."""
-        try:
-            fd = os.open(self._lock(kh), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return held(self._lock(kh))
 
     def write_state(self, kh: str, state: dict[str, Any]) -> None:
         temp = self.folder / f"{kh}.json.{os.getpid()}"

@@ -165,7 +165,7 @@ class DiskStore:
         """Whether another live store (another process, mostly) holds a lock here: it may have
         renamed a file into objects/ whose row it has not written yet."""
         own = self._own_tmp.with_suffix(".lock") if self._own_tmp is not None else None
-        return any(lock != own and _held(lock) for lock in self.tmp.glob("*.lock"))
+        return any(lock != own and held(lock) for lock in self.tmp.glob("*.lock"))
 
     def try_budget_lock(self) -> int | None:
         """The lock one process at a time holds to judge the whole cache against its budget
@@ -259,7 +259,8 @@ def _release(folder: Path, lock: Path, fd: int) -> None:
     os.close(fd)
 
 
-def _held(lock: Path) -> bool:
+def held(lock: Path) -> bool:
+    """Whether a live process holds an flock(2) on `lock`."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:

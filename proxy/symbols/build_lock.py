@@ -19,6 +19,8 @@ import os
 import threading
 from pathlib import Path
 
+from proxy.store.disk import same_file
+
 
 class BuildLock:
     """A held lock, until release()."""
@@ -83,18 +85,9 @@ def _lock(path: Path, *, blocking: bool) -> int | None:
         except BaseException:
             os.close(fd)
             raise
-        if _same_file(fd, path):
+        if same_file(fd, path):
             return fd
         os.close(fd)  # its holder removed it as it let go: lock the file there now
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _release(path: Path, fd: int) -> None:
