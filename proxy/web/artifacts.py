@@ -6,6 +6,7 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import logging
 import os
@@ -91,6 +92,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             break
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
+        hot = None
         if not _CONDITIONAL.intersection(request.headers):
             kh = key_hash(result.artifact.scope, key)
             hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
@@ -106,6 +108,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             # Evicted by another process, or deleted: find it again (fetched anew).
             await state.service.vanished(result.artifact)
             continue
+        if hot is not None and request.method == "GET":
+            return _SentFile(state, key, result.artifact, fd, hot.headers)
         return _LeasedFileResponse(state, key, result.artifact, fd)
     else:
         raise OutOfResources("the cached file kept disappearing while being sent; retry")
@@ -154,6 +158,36 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
     hot = HotFile({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body)
     state.hot.put(kh, hot)
     return hot
+
+
+class _SentFile(web.StreamResponse):
+    """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
+    from the descriptor opened when the hit was found: none of FileResponse's trips to the
+    thread pool to open, stat and close it. Ranges and conditional requests go to
+    _LeasedFileResponse, which knows them."""
+
+    def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact, fd: int,
+                 headers: dict[str, str]) -> None:
+        super().__init__(headers=headers)
+        self._symgate = state
+        self._key = key
+        self._scope = artifact.scope
+        self._size = artifact.record.size
+        self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            with self._symgate.service.cache.lease(self._scope, self._key):
+                writer = await super().prepare(request)
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("Connection lost")
+                await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
+                await super().write_eof()
+        finally:
+            self._file.close()
+        self._symgate.metrics.served_bytes.labels("cache").inc(self._size)
+        return writer
 
 
 class _LeasedFileResponse(web.FileResponse):
