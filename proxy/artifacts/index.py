@@ -107,13 +107,7 @@ class ArtifactCache:
             if total <= held:
                 return True
             over = self._bytes + self.reserved_bytes - held + total - self.max_bytes
-            victims: list[ArtifactRecord] = []
-            for kh, rec in self._entries.items():
-                if over <= 0:
-                    break
-                if kh not in self._leases:
-                    victims.append(rec)
-                    over -= rec.size
+            victims, over = self._victims(self._entries.values(), over)
             if over > 0:
                 self._reserved.pop(download, None)
                 return False
@@ -304,15 +298,22 @@ class ArtifactCache:
             over = self._bytes + self.reserved_bytes - self.max_bytes
             if over <= 0:
                 return
-            victims: list[ArtifactRecord] = []
-            for kh, rec in self._entries.items():
-                if over <= 0:
-                    break
-                if kh in self._leases or kh == keep:
-                    continue
-                victims.append(rec)
-                over -= rec.size
+            victims, _ = self._victims(self._entries.values(), over, keep)
             await self._remove_victims(victims)
+
+    def _victims(self, records: Iterable[ArtifactRecord], over: int, keep: str | None = None
+                 ) -> tuple[list[ArtifactRecord], int]:
+        """The first of `records` (least recently used first) to evict for `over` bytes,
+        passing over files being sent and `keep`; and the bytes still over after them."""
+        victims: list[ArtifactRecord] = []
+        for rec in records:
+            if over <= 0:
+                break
+            if rec.key_hash in self._leases or rec.key_hash == keep:
+                continue
+            victims.append(rec)
+            over -= rec.size
+        return victims, over
 
     async def _remove_victims(self, victims: list[ArtifactRecord], *, rows_later: bool = False
                               ) -> None:
@@ -384,14 +385,9 @@ class ArtifactCache:
                 count, total = await self._repo.totals()
                 self._shared_totals = (count, total)
                 over = total + self.reserved_bytes - self.max_bytes
-                victims: list[ArtifactRecord] = []
                 if over > 0:
-                    for rec in await self._repo.least_recently_used(SHARED_EVICTION_BATCH):
-                        if over <= 0:
-                            break
-                        if rec.key_hash not in self._leases:
-                            victims.append(rec)
-                            over -= rec.size
+                    victims, _ = self._victims(
+                        await self._repo.least_recently_used(SHARED_EVICTION_BATCH), over)
                     await self._remove_victims(victims)
                     self._shared_totals = (count - len(victims),
                                            total - sum(r.size for r in victims))
@@ -414,16 +410,9 @@ class ArtifactCache:
         """Evict least recently used artifacts not being sent until `wanted` bytes are freed,
         whatever the budget: the disk is full. The bytes freed."""
         async with self._evict_lock:
-            victims: list[ArtifactRecord] = []
-            freed = 0
-            for kh, rec in self._entries.items():
-                if freed >= wanted:
-                    break
-                if kh not in self._leases:
-                    victims.append(rec)
-                    freed += rec.size
+            victims, _ = self._victims(self._entries.values(), wanted)
             await self._remove_victims(victims, rows_later=True)
-            return freed
+            return sum(r.size for r in victims)
 
 
 def _size(path: Path) -> int | None:
