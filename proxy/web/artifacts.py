@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from proxy.artifacts.flight import FlightFailed
-from proxy.artifacts.index import CachedArtifact, key_hash
+from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
 from proxy.headers import decimal
@@ -94,7 +94,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         hot = None
         if not _CONDITIONAL.intersection(request.headers):
-            kh = key_hash(result.artifact.scope, key)
+            kh = result.artifact.record.key_hash
             hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
             if hot is not None:
                 if request.method == "HEAD":

@@ -61,6 +61,8 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     metrics_dir = Path(tempfile.mkdtemp(prefix="symgate-metrics-"))
     _multiprocess_metrics(metrics_dir)
     # What every worker runs, imported once here and shared by the forks.
+    from prometheus_client.multiprocess import mark_process_dead
+
     from proxy.web import app as _server  # noqa: F401
 
     gc.freeze()
@@ -88,7 +90,8 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
                 time.sleep(REAP_EVERY_S)
                 continue
             index, pid, status = died
-            _forget_metrics(metrics_dir, pid)
+            # Its live gauges (fetches under way, breaker states) no longer count.
+            mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
             if keeper.stopping:
                 break
             if not keeper.may_restart(index):
@@ -289,11 +292,3 @@ def _one_server_per_port(listen: str, host: str, port: int) -> socket.socket:
         raise CannotStart(f"cannot listen on {listen}: address already in use "
                           "(by another symgate)") from None
     return sock
-
-
-def _forget_metrics(metrics_dir: Path, pid: int | None) -> None:
-    """A dead worker's live gauges (fetches under way, breaker states) no longer count."""
-    if pid is None:
-        return
-    for path in metrics_dir.glob(f"gauge_live*_{pid}.db"):
-        path.unlink(missing_ok=True)
