@@ -191,6 +191,8 @@ async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
     sg = await start_symgate([faults.url_for("ok")])
     # The client's connection is kept alive from this request on: the next needs no socket.
     assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    # Its commit closes descriptors; done during the fill, it would leave holes in it.
+    await sg.settled()
     path = f"/buildid/{elfs.other.build_id}/debuginfo"
     with _no_descriptor_left():
         status, headers, body = await sg.get(path)

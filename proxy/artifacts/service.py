@@ -173,7 +173,7 @@ class ArtifactService:
         self._flights[kh] = flight
         self._start(self._fetch(key, scope, flight, path,
                                 [u for u in ups if u.name not in known_missing], req.hop, claim))
-        return await _join(flight)
+        return await self._join(flight)
 
     async def _claim_or_join(self, kh: str, req: RequestScope, key: ArtifactKey,
                              names: list[str], local_has: bool
@@ -210,7 +210,7 @@ class ArtifactService:
             return None
         if (flight := self._flights.get(kh)) is not None:  # another client got here first
             os.close(followed.fd)
-            return await _join(flight)
+            return await self._join(flight)
         flight = Flight(followed.fd)
         flight.started(followed.meta)
         self._flights[kh] = flight
@@ -224,7 +224,7 @@ class ArtifactService:
                     del self._flights[kh]
 
         self._start(mirror())
-        return await _join(flight)
+        return await self._join(flight)
 
     def _start(self, job: Coroutine[object, object, None]) -> None:
         task = asyncio.create_task(job)
@@ -252,7 +252,7 @@ class ArtifactService:
         if (flight := self._flights.get(kh)) is not None:
             if not flight.succeeded:
                 self._metrics.singleflight_joins.inc()
-                return await _join(flight)
+                return await self._join(flight)
             # Verified and being committed (a matter of an fsync and a row): a hit in a moment.
             await flight.wait_settled()
         if not local_has and self.misses.memo_covers(scope, key, names):
@@ -572,6 +572,22 @@ class ArtifactService:
         nobody = ArtifactKey("00" * 20, Kind.DEBUGINFO)
         await asyncio.gather(self.stored(("",), nobody), self.misses.live("", nobody))
 
+    async def _join(self, flight: Flight) -> Streaming:
+        # The descriptor is duplicated now, while the flight certainly holds it open.
+        try:
+            reader = flight.reader()
+        except OSError as e:
+            self._raise_os_failure(e)
+            raise
+        try:
+            # shield: a client that goes away must not cancel the future the other waiters
+            # share.
+            meta = await asyncio.shield(flight.meta)
+        except BaseException:
+            reader.close()
+            raise
+        return Streaming(flight, reader, meta)
+
     async def wait_idle(self) -> None:
         """Until no fetch is under way (shutdown, tests)."""
         while self._tasks:
@@ -587,18 +603,6 @@ class ArtifactService:
         for task in list(self._tasks):
             task.cancel()
         await self.wait_idle()
-
-
-async def _join(flight: Flight) -> Streaming:
-    # The descriptor is duplicated now, while the flight certainly holds it open.
-    reader = flight.reader()
-    try:
-        # shield: a client that goes away must not cancel the future the other waiters share.
-        meta = await asyncio.shield(flight.meta)
-    except BaseException:
-        reader.close()
-        raise
-    return Streaming(flight, reader, meta)
 
 
 def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
