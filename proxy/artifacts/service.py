@@ -344,6 +344,9 @@ class ArtifactService:
                                          f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
             await self._write(fd, chunk, flight.written)
             flight.wrote(len(chunk))
+            # A body already in the socket's buffer is read without a pause: let the clients
+            # send what was written before the next chunk, or the first byte waits for all.
+            await asyncio.sleep(0)
         flight.body_ended()
         if meta.size is not None and flight.written != meta.size:
             self._reject(key, "truncated")

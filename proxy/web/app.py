@@ -172,6 +172,7 @@ def _lifecycle(
             with contextlib.suppress(Exception):
                 await cache.flush_access()
             await session.close()
+            board.close()
             await repo.close()
             store.close()
 
