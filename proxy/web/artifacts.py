@@ -62,7 +62,10 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
     """What to tell upstream of the way this request came, and whether it may go upstream:
     not past `limit` forwarding hops (elfutils' --forwarded-ttl-limit), and never when it has
     passed this server already (a loop of caches, which would wait on its own fetch)."""
-    incoming = request.headers.get("X-Forwarded-For", "")
+    headers = request.headers
+    if "X-Forwarded-For" not in headers and "Via" not in headers:
+        return Hop(request.remote or "unknown", f"1.1 {via_name}"), limit > 0
+    incoming = headers.get("X-Forwarded-For", "")
     hops = [h.strip() for h in incoming.split(",") if h.strip()]
     via = [v.strip() for v in ",".join(request.headers.getall("Via", [])).split(",")
            if v.strip()]
@@ -100,7 +103,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
                 if request.method == "HEAD":
                     return web.Response(headers=hot.headers)
                 if hot.body is not None:
-                    state.metrics.served_bytes.labels("cache").inc(len(hot.body))
+                    state.metrics.served_from_cache.inc(len(hot.body))
                     return web.Response(body=hot.body, headers=hot.headers)
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -186,7 +189,7 @@ class _SentFile(web.StreamResponse):
                 await super().write_eof()
         finally:
             self._file.close()
-        self._symgate.metrics.served_bytes.labels("cache").inc(self._size)
+        self._symgate.metrics.served_from_cache.inc(self._size)
         return writer
 
 
@@ -217,7 +220,7 @@ class _LeasedFileResponse(web.FileResponse):
         finally:
             self._fd_closer()
         if request.method != "HEAD":
-            self._symgate.metrics.served_bytes.labels("cache").inc(self.content_length or 0)
+            self._symgate.metrics.served_from_cache.inc(self.content_length or 0)
         return writer
 
 
@@ -261,6 +264,6 @@ async def _send_streaming(
             request.transport.abort()
         return response
     finally:
-        state.metrics.served_bytes.labels("upstream").inc(sent)
+        state.metrics.served_from_upstream.inc(sent)
     await response.write_eof()
     return response
