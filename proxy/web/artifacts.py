@@ -78,7 +78,7 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
 async def buildid(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     m = request.match_info
-    kind = m["kind"] if m["kind"] in Kind.__members__.values() else "invalid"
+    kind = m["kind"] if m["kind"] in _KINDS else "invalid"
     annotate(request, endpoint="buildid", kind=kind)
     key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
     max_size = _max_size(request)
@@ -96,7 +96,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         hot = None
-        if not _CONDITIONAL.intersection(request.headers):
+        if not any(name in request.headers for name in _CONDITIONAL):
             kh = result.artifact.record.key_hash
             hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
             if hot is not None:
@@ -124,11 +124,13 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         result.reader.close()
 
 
+_KINDS = frozenset(str(k) for k in Kind)
 # Times a hit whose file another process evicts in between is looked up again.
 _VANISHED_RETRIES = 3
 # Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
-_CONDITIONAL = frozenset({"If-None-Match", "If-Modified-Since", "If-Match",
-                          "If-Unmodified-Since", "If-Range", "Range"})
+# Looked up in the request's headers, which compare names without regard to case.
+_CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified-Since",
+                "If-Range", "Range")
 
 
 def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
