@@ -46,11 +46,13 @@ log = logging.getLogger(__name__)
 
 def add_routes(app: web.Application) -> None:
     for method in ("GET", "HEAD"):
+        # The one-segment kinds (debuginfo, executable: nearly every request) are tried first;
+        # no path of the other two routes has that shape.
+        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}",
                              artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
                              artifacts.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
     app.router.add_post("/symbolize", symbolize)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/healthz", ops.healthz)
