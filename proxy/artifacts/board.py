@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import functools
 import json
 import logging
 import os
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,9 +70,11 @@ class Followed:
 class Claim:
     """This process's right to fetch one key; say each step, release at the end.
 
-    What it says is written by the board's writer thread, in order, and the lock is released
-    there after the last of it: publishing a state costs a file written and renamed (~0.3 ms
-    each), which the first byte of a cold fetch should not wait for. Followers poll anyway.
+    Publishing a state costs a file written and renamed (~0.3 ms each): the first two (asking,
+    streaming), which a cold fetch's first byte would wait for, are written by the board's
+    writer thread. The rest, and the release, happen here once that thread has written what it
+    was given, so that no earlier state lands after a later one, and the lock is free the
+    moment the fetch is over (a request right after it must not find it held).
     """
 
     def __init__(self, board: FlightBoard, kh: str, fd: int) -> None:
@@ -104,7 +105,11 @@ class Claim:
             except OSError as e:  # followers then see no progress and fail; it goes on
                 log.warning("cannot publish the state of a fetch: %s", e)
 
-        self._board.post(publish)
+        if state in (ASKING, STREAMING):
+            self._board.post(publish)
+        else:
+            self._board.drain()
+            publish()
 
     def streaming(self, part: Path, meta: ArtifactMeta) -> None:
         self.say(STREAMING, part=str(part), meta=[meta.upstream, meta.size, meta.filename,
@@ -115,7 +120,8 @@ class Claim:
 
     def release(self) -> None:
         if self._fd >= 0:
-            self._board.post(functools.partial(os.close, self._fd))  # the lock goes with it
+            self._board.drain()
+            os.close(self._fd)  # the lock goes with it
             self._fd = -1
 
 
@@ -125,9 +131,16 @@ class FlightBoard:
         folder.mkdir(parents=True, exist_ok=True)
         # One thread: what claims say is written in the order they say it.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="symgate-board")
+        self._last: Future[None] = Future()
+        self._last.set_result(None)
 
     def post(self, job: Callable[[], None]) -> None:
-        self._writer.submit(job)
+        self._last = self._writer.submit(job)
+
+    def drain(self) -> None:
+        """Until what was posted is written: blocks only while the writer is behind, which a
+        fetch's end (its first states are long written by then) almost never finds."""
+        self._last.result()
 
     def close(self) -> None:
         """Write what is left (a stopping server's last states, its locks released)."""
@@ -222,7 +235,8 @@ class FlightBoard:
         """Remove a fetch's files once its followers have had time to read how it ended;
         not if another fetch of the key has begun since."""
         await asyncio.sleep(LINGER_S)
-        # In the writer's turn: after the fetch's last state and its lock's release.
+        # In the writer's thread: off the event loop, and after any state that a newer fetch
+        # of the key (whose id then differs) has posted.
         await asyncio.wrap_future(self._writer.submit(self._tidy, kh, ident))
 
     def _tidy(self, kh: str, ident: str) -> None:
