@@ -1,11 +1,15 @@
 """Worker processes start with the first job that needs one and exit after
-`symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
-with them: a `symgate serve` that is not symbolizing is its serving processes alone (and, with
-`--workers N`, the supervisor that forked them). The next job starts them again, at nice 5 as
-before."""
+`symbolize.worker_idle_s` without a job. A lone `symgate serve` starts multiprocessing's
+forkserver and resource tracker with them and stops them with them: when not symbolizing it
+is one process. With `--workers N` the supervisor forks one forkserver and one tracker for all
+serving processes before it forks them (proxy.symbols.forked_helpers): they stay, sharing the
+supervisor's memory, and a worker is a fork away. The next job starts workers again, at nice 5
+as before."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import aiohttp
@@ -49,15 +53,18 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
 
     try:
         assert all(niceness(pid) == 0 for pid in at_start), "a worker started before any job"
+        # Alone: nothing but the server. Supervised: the serving processes, and the shared
+        # forkserver and resource tracker, all the supervisor's children.
         assert len({pid for pid in at_start if _parent(pid) == proc.pid}) == (
-            0 if serving == 1 else serving)
+            0 if serving == 1 else serving + 2)
+        assert len(at_start) == (0 if serving == 1 else serving + 2)
         assert await _symbolized(base, body) == "1"
         helpers = descendants(proc.pid) - at_start
-        # The forkserver (and the resource tracker of a lone server), and the workers that
-        # built and rewrote: one set of them.
-        assert len(helpers) >= 2, helpers
         workers = {pid for pid in helpers if niceness(pid) == 5}
+        # The workers that built and rewrote: one set of them; alone, with the forkserver and
+        # tracker started for them.
         assert workers and len(workers) <= 2, helpers
+        assert len(helpers - workers) == (2 if serving == 1 else 0), helpers
         await eventually(idle)
         assert await _symbolized(base, body) == "1"
         again = descendants(proc.pid) - at_start
@@ -86,3 +93,64 @@ async def test_workers_kept_for_good_start_with_the_server(
         await eventually(a_worker)  # with no request at all
     finally:
         await stop_serve([proc])
+
+
+def _named(root: int, name: str) -> set[int]:
+    """The supervisor's children of that name (its forks' workers are named anew)."""
+    found = set()
+    for pid in descendants(root):
+        if _parent(pid) != root:
+            continue
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.add(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+async def test_serving_processes_share_the_supervisors_forkserver_and_survive_its_death(
+    tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, workers=2, extra="[symbolize]\nworker_idle_s = 30\n")
+    body = make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:5])]).SerializeToString()
+    try:
+        forkservers = _named(proc.pid, "symgate-forksrv")
+        assert len(forkservers) == 1 and len(_named(proc.pid, "symgate-tracker")) == 1
+        (forkserver,) = forkservers
+
+        # Profiles on new connections reach both serving processes (SO_REUSEPORT); every
+        # worker any of them starts is a fork of the one forkserver.
+        async def both_have_workers() -> bool:
+            assert await _symbolized(base, body) == "1"
+            workers = {pid for pid in descendants(proc.pid) if niceness(pid) == 5}
+            assert all(_parent(pid) == forkserver for pid in workers), workers
+            assert all(Path(f"/proc/{pid}/comm").read_text().strip() == "symgate-worker"
+                       for pid in workers)
+            return len(workers) >= 2
+
+        await eventually(both_have_workers)
+        assert _named(proc.pid, "symgate-forksrv") == {forkserver}
+
+        # The forkserver killed: running workers go on; a serving process that needs another
+        # worker starts its own forkserver, the usual way.
+        os.kill(forkserver, signal.SIGKILL)
+        for pid in {pid for pid in descendants(proc.pid) if niceness(pid) == 5}:
+            os.kill(pid, signal.SIGKILL)  # its pool is then broken and replaced
+
+        async def serves_again() -> bool:
+            async with aiohttp.ClientSession() as s, s.post(
+                    base + "/symbolize", data=body,
+                    headers={"Content-Type": "application/octet-stream"}) as r:
+                return r.status == 200
+
+        for _ in range(4):
+            await eventually(serves_again)
+    finally:
+        await stop_serve([proc])
+    assert proc.stdout is not None
+    out = await proc.stdout.read()
+    assert b"Traceback" not in out, out.decode()

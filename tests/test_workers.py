@@ -50,11 +50,12 @@ def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        # Forked: the supervisor's command line; its helpers (a forkserver) have their own.
-        if parent == proc.pid and b"multiprocessing" not in cmdline:
+        # Forked: the supervisor's command line; its helpers, the shared forkserver and
+        # resource tracker, are named (proxy.symbols.forked_helpers).
+        if parent == proc.pid and not name.startswith("symgate-"):
             found.append(pid)
     return sorted(found)
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
-from proxy.symbols import worker_process
+from proxy.symbols import forked_helpers, worker_process
 
 log = logging.getLogger(__name__)
 # Loaded once by the forkserver, whose forks the workers are: see that module.
@@ -89,6 +89,8 @@ def _stop_helpers() -> None:
     # A serving process started by `serve --workers N` (multiprocessing's spawn) uses the
     # supervisor's resource tracker, shared by all: not its own to stop (it has no pid of it).
     own_tracker = getattr(tracker, "_pid", None) is not None
+    if forked_helpers.inherited():
+        return  # the supervisor's, shared by every serving process (forked_helpers.py)
     for helper in (forkserver._forkserver, *([tracker] if own_tracker else [])):
         stop = getattr(helper, "_stop", None)
         if stop is None:

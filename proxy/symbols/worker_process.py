@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 # Workers yield the CPU to the server's event loop: on a machine whose cores they fill, a
 # /buildid hit still gets its share at once (CFS weight 1024 against 335).
 _NICENESS = 5
@@ -34,6 +35,8 @@ def init(server_pid: int, then: Callable[..., None] | None, args: tuple[Any, ...
     """A ProcessPoolExecutor initializer: die with the server, lower the priority, then
     `then(*args)`."""
     _die_with(server_pid)
+    with contextlib.suppress(OSError, AttributeError):  # what top and ps -o comm show
+        _LIBC.prctl(_PR_SET_NAME, b"symgate-worker", 0, 0, 0)
     with contextlib.suppress(OSError):
         os.nice(_NICENESS)
     if then is not None:

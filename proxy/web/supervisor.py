@@ -63,9 +63,12 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     # What every worker runs, imported once here and shared by the forks.
     from prometheus_client.multiprocess import mark_process_dead
 
+    from proxy.symbols import forked_helpers
     from proxy.web import app as _server  # noqa: F401
 
     gc.freeze()
+    # Before any serving process exists: they inherit them, and so fork no helpers of their own.
+    forked_helpers.fork_helpers()
     keeper = _Keeper(config, port, access_log, json_logs)
 
     def stop(signum: int, _frame: object) -> None:
@@ -114,6 +117,7 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
         guard.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        forked_helpers.stop_helpers()
 
 
 def _multiprocess_metrics(folder: Path) -> None:
@@ -240,6 +244,9 @@ def _worker(config: Config, port: int, index: int, supervisor: int, ready: int,
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != supervisor:  # gone before the line above could take effect
         return 1
+    from proxy.symbols import forked_helpers
+
+    forked_helpers.adopt()
     logs.configure(json_logs)
 
     def serving() -> None:
