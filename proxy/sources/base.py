@@ -7,7 +7,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from proxy import __version__
 from proxy.keys import ArtifactKey
+
+USER_AGENT = f"symgate/{__version__}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,9 @@ class ArtifactMeta:
     filename: str | None
     archive: str | None
     last_modified: str | None
+    # X-DEBUGINFOD-IMASIGNATURE: kept with the file, so clients that enforce IMA work through
+    # symgate on hits too.
+    ima_signature: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +35,16 @@ class Hop:
 
     forwarded_for: str = ""
     via: str = ""
+    # The client's User-Agent, relayed as a federating elfutils debuginfod does: upstream
+    # operators count their users' tools by it.
+    user_agent: str = ""
 
     def headers(self) -> dict[str, str]:
         out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
         if self.via:
             out["Via"] = self.via
+        if self.user_agent:
+            out["User-Agent"] = f"{self.user_agent} {USER_AGENT}"
         return out
 
 

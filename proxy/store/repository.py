@@ -86,6 +86,9 @@ class ArtifactRecord:
     fetched_at: datetime
     last_access: datetime
     hits: int
+    ima_signature: str | None = None
+    # An upload: outside the LRU budget, never evicted; removed only by DELETE or an operator.
+    pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,7 @@ def _record(row: Artifact) -> ArtifactRecord:
     return ArtifactRecord(
         row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
         row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
-        row.hits,
+        row.hits, row.ima_signature, row.pinned,
     )
 
 
@@ -150,6 +153,19 @@ class Repository:
             query = query.where(Artifact.build_id == build_id)
         async with self._session() as s:
             return [_record(r) for r in (await s.scalars(query)).all()]
+
+    async def named(self, scopes: Sequence[str], *, build_id: str | None = None,
+                    filenames: Sequence[str] = ()) -> Sequence[ArtifactRecord]:
+        """Cached ELF files (debuginfo, executable) of these scopes, of one build ID or of
+        these file names (all of them when neither is given): what /metadata lists."""
+        query = select(Artifact).where(Artifact.scope.in_(list(scopes)),
+                                       Artifact.kind.in_(("debuginfo", "executable")))
+        if build_id is not None:
+            query = query.where(Artifact.build_id == build_id)
+        if filenames:
+            query = query.where(Artifact.filename.in_(list(filenames)))
+        async with self._session() as s:
+            return [_record(r) for r in (await s.scalars(query.order_by(Artifact.key))).all()]
 
     async def all_artifacts(self) -> Sequence[ArtifactRecord]:
         """Least recently used first: the order eviction works in."""

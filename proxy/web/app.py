@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy import __version__
 from proxy.artifacts.board import FlightBoard
+from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.service import ArtifactService
@@ -36,6 +37,7 @@ from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from proxy.web import artifacts, logs, ops
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
+from proxy.web.metadata import metadata
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
@@ -51,6 +53,9 @@ def add_routes(app: web.Application) -> None:
         app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
                              artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
+        # elfutils answers a trailing slash as if it were not there.
+        app.router.add_route(method, "/buildid/{build_id}/{kind}/", artifacts.buildid)
+    app.router.add_get("/metadata", metadata)
     app.router.add_post("/symbolize", symbolize)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/healthz", ops.healthz)
@@ -148,7 +153,8 @@ def _lifecycle(
         )
         await symbols.start()
         app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
-                              symbolize_metrics, Tenancy(config, shared, private))
+                              symbolize_metrics, Tenancy(config, shared, private),
+                              Catalogue(repo, local_dirs))
         cache.evicted.append(app[STATE].hot.forget)
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),

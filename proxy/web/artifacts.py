@@ -19,10 +19,11 @@ from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
-from proxy.headers import decimal
+from proxy.headers import decimal, printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
+from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.hot_files import HotFile
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
@@ -30,10 +31,12 @@ from proxy.web.state import STATE, AppState
 log = logging.getLogger(__name__)
 # Hits up to this size are read and sent from memory rather than with sendfile.
 SMALL_FILE_BYTES = 256 * 1024
+# A longer User-Agent is not relayed upstream (elfutils' own is some 40 characters).
+MAX_USER_AGENT = 256
 
 
 def _artifact_headers(
-    size: int | None, filename: str, archive: str | None
+    size: int | None, filename: str, archive: str | None, ima_signature: str | None = None
 ) -> dict[str, str]:
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
                "X-DEBUGINFOD-FILE": filename}
@@ -41,6 +44,8 @@ def _artifact_headers(
         headers["X-DEBUGINFOD-SIZE"] = str(size)
     if archive:
         headers["X-DEBUGINFOD-ARCHIVE"] = archive
+    if ima_signature:
+        headers[IMA_SIGNATURE] = ima_signature
     return headers
 
 
@@ -68,7 +73,8 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
            if v.strip()]
     looped = any(v.split()[-1] == via_name for v in via if v.split())
     hop = Hop(", ".join([*hops, request.remote or "unknown"]),
-              ", ".join([*via, f"1.1 {via_name}"]))
+              ", ".join([*via, f"1.1 {via_name}"]),
+              printable(request.headers.get("User-Agent"), MAX_USER_AGENT) or "")
     return hop, len(hops) < limit and not looped
 
 
@@ -131,7 +137,7 @@ _CONDITIONAL = frozenset({"If-None-Match", "If-Modified-Since", "If-Match",
 def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
     """What FileResponse says of a file, for the responses that do without it."""
     rec = artifact.record
-    headers = _artifact_headers(rec.size, rec.filename, rec.archive)
+    headers = _artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature)
     headers.update({
         "ETag": f'"{st.st_mtime_ns:x}-{st.st_size:x}"',
         "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
@@ -202,8 +208,8 @@ class _LeasedFileResponse(web.FileResponse):
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
                  fd: int) -> None:
         rec = artifact.record
-        super().__init__(f"/proc/self/fd/{fd}",
-                         headers=_artifact_headers(rec.size, rec.filename, rec.archive))
+        super().__init__(f"/proc/self/fd/{fd}", headers=_artifact_headers(
+            rec.size, rec.filename, rec.archive, rec.ima_signature))
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
@@ -235,7 +241,8 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.written
-    headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive)
+    headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive,
+                                meta.ima_signature)
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified
     response = web.StreamResponse(headers=headers)

@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
+from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.service import ArtifactService
 from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
@@ -33,6 +34,7 @@ class AppState:
     symbols: SymbolResolver
     symbolize_metrics: SymbolizeMetrics
     tenancy: Tenancy
+    catalogue: Catalogue
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)
