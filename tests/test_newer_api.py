@@ -137,7 +137,7 @@ async def test_a_trailing_slash_is_answered_as_elfutils_answers_it(
             path = f"/buildid/{prog.build_id}/{kind}/"
             async with s.get(debuginfod.url + path) as r:
                 theirs = r.status, await r.read()
-            status, headers, body = await sg.get(path)
+            status, _, body = await sg.get(path)
             assert (status, body) == theirs == (200, expected.read_bytes())
             status, _, body = await sg.get(path)  # and as a hit
             assert (status, body) == (200, expected.read_bytes())
@@ -241,7 +241,7 @@ async def test_malformed_metadata_queries_are_400_and_never_go_upstream(
     sg = await start_symgate([f"{modern.url}/ok"])
     status, _ = await _metadata(sg.url, **query)
     assert status == 400
-    async with aiohttp.ClientSession() as s:
-        async with s.get(sg.url + "/metadata?key=glob&key=file&value=x") as r:
-            assert r.status == 400
+    async with aiohttp.ClientSession() as s, \
+            s.get(sg.url + "/metadata?key=glob&key=file&value=x") as r:
+        assert r.status == 400
     assert modern.metadata_queries == []
