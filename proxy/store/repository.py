@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, func, select, tuple_, update
+from sqlalchemy import delete, event, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -173,17 +173,21 @@ class Repository:
             rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
             return [_record(r) for r in rows]
 
-    async def totals(self) -> tuple[int, int]:
-        """(artifacts, bytes) of the whole cache, as every process on it has written it."""
+    async def totals(self, *, pinned: bool = False) -> tuple[int, int]:
+        """(artifacts, bytes) of the whole cache under its budget, as every process on it has
+        written it; with `pinned`, of the uploads instead."""
         async with self._session() as s:
             count, size = (await s.execute(select(
-                func.count(), func.coalesce(func.sum(Artifact.size), 0)))).one()
+                func.count(), func.coalesce(func.sum(Artifact.size), 0)
+            ).where(Artifact.pinned == pinned))).one()
             return int(count), int(size)
 
     async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
+        """The files eviction may take (uploads are pinned), least recently used first."""
         async with self._session() as s:
             rows = (await s.scalars(
-                select(Artifact).order_by(Artifact.last_access).limit(limit))).all()
+                select(Artifact).where(Artifact.pinned.is_(False))
+                .order_by(Artifact.last_access).limit(limit))).all()
             return [_record(r) for r in rows]
 
     def _upsert(
@@ -196,7 +200,12 @@ class Repository:
             index_elements=list(keys), set_={c: values[c] for c in columns})
 
     async def put_artifact(self, rec: ArtifactRecord) -> None:
-        stmt = self._upsert(Artifact, _columns(rec), ["key_hash"])
+        values = _columns(rec)
+        insert = self._insert(Artifact).values(**values)
+        # A download committed over an upload of the same key leaves it an upload.
+        stmt = insert.on_conflict_do_update(index_elements=["key_hash"], set_={
+            **{c: values[c] for c in values if c != "key_hash"},
+            "pinned": or_(Artifact.pinned, insert.excluded.pinned)})
         async with self._session.begin() as s:
             await s.execute(stmt)
             # Having the file now makes any remembered miss for it wrong.
@@ -256,6 +265,13 @@ class Repository:
             stmt = stmt.where(Negative.build_id == build_id)
         async with self._session.begin() as s:
             return int((await s.execute(stmt)).rowcount or 0)  # type: ignore[attr-defined]
+
+    async def delete_negatives_of_key(self, key: str) -> int:
+        """Forget every scope's remembered misses of one artifact key (an upload answers
+        them all: the uploader's tenant, and everyone for a shared upload)."""
+        async with self._session.begin() as s:
+            return int((await s.execute(  # type: ignore[attr-defined]
+                delete(Negative).where(Negative.key == key))).rowcount or 0)
 
     async def delete_expired_negatives(self, before: datetime, keep_misses_s: float) -> int:
         """Drop negatives expired for longer than keep_misses_s.

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.errors import (
+    Conflict,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -25,7 +26,9 @@ from proxy.errors import (
     SymgateError,
     TooLarge,
     Unauthorized,
+    UnprocessableUpload,
     UnsupportedMediaType,
+    UploadBudgetFull,
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
@@ -52,6 +55,8 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (RequestTimeout, 408),
     (UnsupportedMediaType, 415),
     (OverLimit, 422),
+    (UnprocessableUpload, 422),
+    (Conflict, 409),
     (Overloaded, 429),
     (NotCached, 504),  # what RFC 9111 prescribes for only-if-cached; nothing is retried
     (UpstreamTimeout, 504),
@@ -94,7 +99,8 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
     status = status_of(error, user_agent)
     headers: dict[str, str] = {}
-    if status in (429, 502, 503, 504, 507) and not isinstance(error, NotCached):
+    if status in (429, 502, 503, 504, 507) and not isinstance(error, (NotCached,
+                                                                       UploadBudgetFull)):
         headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="symgate"'

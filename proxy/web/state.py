@@ -14,6 +14,7 @@ from sqlalchemy import text
 
 from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.service import ArtifactService
+from proxy.artifacts.uploads import Uploads
 from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.store.repository import Repository
@@ -35,6 +36,7 @@ class AppState:
     symbolize_metrics: SymbolizeMetrics
     tenancy: Tenancy
     catalogue: Catalogue
+    uploads: Uploads
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)
