@@ -35,6 +35,9 @@ DEFAULT_UPSTREAM = "https://debuginfod.elfutils.org/"
 DEFAULT_LISTEN = "127.0.0.1:8002"
 
 FetchPolicy = Literal["in_order", "race"]
+# What /symbolize names frames it cannot symbolize: nothing (bare addresses), or
+# `libfoo.so+0x1a2b` (the file offset, stable across runs).
+Fallback = Literal["none", "module-offset"]
 LogFormat = Literal["text", "json"]
 
 
@@ -297,6 +300,8 @@ class SymbolizeConfig:
     # one with them (like a 404, retried); a malformed one rarely is, so symbolicator waits a day.
     no_symbols_retry_s: Seconds = 600.0
     malformed_retry_s: Seconds = 86400.0
+    # Names for frames that stay unsymbolized; ?fallback= on a request overrides it.
+    fallback: Fallback = "none"
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -322,6 +327,8 @@ class TenantConfig:
     """Per X-Scope-OrgID settings; a tenant not listed gets the defaults."""
 
     symbolize: Flag = True
+    # This tenant's [symbolize] fallback, where it differs from the global one.
+    fallback: Fallback | None = None
     # Upstreams for this tenant's symbolization, instead of the global list.
     upstreams: Annotated[tuple[UpstreamConfig, ...], BeforeValidator(_servers)] = ()
     # Bearer tokens that name this tenant, for sites without a gateway that sets the header.

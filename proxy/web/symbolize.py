@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
+from typing import get_args
 
 from aiohttp import web
 
-from proxy.config import SymbolizeConfig
-from proxy.errors import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from proxy.config import Fallback, SymbolizeConfig, TenantConfig
+from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
+from symbolize import fallback
 from symbolize.pipeline import Limits, Symbolized, symbolize_profile
 from symbolize.rewrite import Report
 
@@ -75,21 +78,35 @@ async def symbolize(request: web.Request) -> web.Response:
         annotate(request, outcome="disabled")
         return web.Response(body=body, content_type="application/octet-stream",
                             headers={"X-Symgate-Symbolize": "disabled"})
+    limits = replace(limits_of(cfg), fallback=_fallback(request, cfg, settings))
     async with state.symbols.workers.admitted() as take_slot:
         body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
         async with take_slot():
-            done = await symbolize_profile(body, state.symbols.provider(req), limits_of(cfg),
+            done = await symbolize_profile(body, state.symbols.provider(req), limits,
                                            state.symbols.workers)
     _count(state, done)
-    result = "symbolized" if done.changed else "unchanged"
+    result = "symbolized" if done.changed else \
+        "named" if done.report.locations_unresolved[fallback.NAMED] else "unchanged"
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
              locations_symbolized=done.report.locations_symbolized)
     # Nothing filled in: the client gets its own bytes back, untouched.
     return web.Response(body=done.body, content_type="application/octet-stream",
                         headers=_headers(done.report, result))
+
+
+def _fallback(request: web.Request, cfg: SymbolizeConfig, settings: TenantConfig | None
+              ) -> bool:
+    """Whether frames left unsymbolized are named `module+0xoffset`: the request's
+    ?fallback=, else its tenant's setting, else the global one."""
+    asked = request.query.getall("fallback", [])
+    if len(asked) > 1 or (asked and asked[0] not in get_args(Fallback)):
+        raise InvalidRequest(f"fallback must be one of {', '.join(get_args(Fallback))}")
+    chosen = asked[0] if asked else (settings.fallback if settings is not None
+                                     and settings.fallback is not None else cfg.fallback)
+    return chosen == fallback.MODULE_OFFSET
 
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
