@@ -39,6 +39,7 @@ from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
 from proxy.web.metadata import metadata
+from proxy.web.otlp import symbolize_otlp
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
@@ -62,6 +63,7 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
             app.router.add_route(method, "/buildid/{build_id}/{kind:debuginfo|executable}",
                                  handler)
     app.router.add_post("/symbolize", symbolize)
+    app.router.add_post("/symbolize/otlp", symbolize_otlp)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/healthz", ops.healthz)
     app.router.add_get("/", ops.status_page)

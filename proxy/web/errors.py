@@ -37,6 +37,7 @@ from proxy.errors import (
 from proxy.metrics import ABORTED, Served
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
+from symbolize.otlp import TooManyLocations
 from symbolize.outcome import Outcome
 from symbolize.pipeline import TooManyBuildIds, TooMuchWork
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge
@@ -78,7 +79,7 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return error
     if isinstance(error, ProfileTooLarge):
         return PayloadTooLarge(str(error))
-    if isinstance(error, (TooManyBuildIds, TooMuchWork)):
+    if isinstance(error, (TooManyBuildIds, TooMuchWork, TooManyLocations)):
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
