@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory, eventually, free_port
+from tests.harness import Debuginfod, SymgateFactory, eventually, free_port, serve_loopback
 from tests.processes import debuginfod_find
 
 SIGNATURE = "030204" + "ab" * 40  # the hex of an IMA v2 signature, as RPM headers carry it
@@ -39,11 +39,7 @@ class ModernUpstream:
         app = web.Application()
         app.router.add_get("/{mode}/metadata", self.metadata)
         app.router.add_get("/{mode}/buildid/{build_id}/{kind}", self.artifact)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_loopback(app)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import aiohttp
 from proxy import __version__
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
+from proxy.tools.prefetch import progress_bar
 
 CHUNK = 256 * 1024
 UPLOADED, PRESENT, FAILED = "uploaded", "already there", "failed"
@@ -129,19 +129,9 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
 
 
 def terminal_progress(summary: Summary, total: int) -> None:
-    """A one-line progress bar, redrawn in place; only on a terminal."""
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    done = len(summary.results)
-    filled = width * done // max(total, 1)
     c = summary.counts()
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  "
-                     f"uploaded={c[UPLOADED]} there={c[PRESENT]} failed={c[FAILED]}  "
-                     f"{summary.sent / 1e6:.1f} MB sent")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+    progress_bar(len(summary.results), total, f"uploaded={c[UPLOADED]} there={c[PRESENT]} "
+                 f"failed={c[FAILED]}  {summary.sent / 1e6:.1f} MB sent")
 
 
 def report(summary: Summary) -> str:
