@@ -109,7 +109,7 @@ class InsufficientStorage(SymgateError):
     outcome = Outcome.INTERNAL
 
 
-class UploadBudgetFull(InsufficientStorage):
+class UploadBudgetFull(SymgateError):
     """The uploads together would pass upload.max_bytes: answered 507 until some are deleted
     (no Retry-After: time alone does not free it)."""
 

@@ -63,7 +63,8 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (UpstreamTimeout, 504),
     (UpstreamUnavailable, 502),
     (VerificationFailed, 502),
-    (InsufficientStorage, 507),  # RFC 4918: the server cannot store what it must to answer
+    (InsufficientStorage, 507),
+    (UploadBudgetFull, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
     (OutOfResources, 503),
     (SymgateError, 500),
