@@ -99,9 +99,11 @@ async def test_upload_cli_then_the_real_client_reads_it_through_symgate(
         assert got.returncode == 0, got.stderr
         assert Path(got.stdout.strip()).read_bytes() == expected.read_bytes()
 
-    async def built() -> bool:  # its symbol table, as for any committed debug file
+    async def built() -> bool:  # its symbol table, from the debug file (with lines), though
+        # the executable, uploaded at the same time, may have been committed first
         rec = await state.repo.get_symbol_table("", own.build_id)
-        return rec is not None and rec.outcome == "ok"
+        return rec is not None and rec.outcome == "ok" and rec.has_lines \
+            and rec.source_key == f"{own.build_id}/debuginfo"
 
     await eventually(built)
     config = tmp_path / "admin.toml"
