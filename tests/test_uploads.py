@@ -250,3 +250,34 @@ async def test_an_upload_onto_a_full_disk_is_507_and_leaves_no_temp_file(
     assert status == 507, body
     assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
     assert b"degraded" in (await sg.get("/healthz"))[2]
+
+
+async def _expect(sg: Symgate, build_id: str, size: int, token: str | None) -> bytes:
+    """The status line a PUT with `Expect: 100-continue` gets before it sends its body."""
+    port = int(sg.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    writer.write((f"PUT /buildid/{build_id}/debuginfo HTTP/1.1\r\nHost: x\r\n{auth}"
+                  f"Content-Length: {size}\r\nExpect: 100-continue\r\n\r\n").encode())
+    await writer.drain()
+    line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    return line
+
+
+async def test_expect_continue_refuses_before_the_body_is_sent(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    size = own.debug.stat().st_size
+    sg = await _start(start_symgate, tmp_path, database_url, [], max_file_bytes=size)
+    assert (await _expect(sg, own.build_id, size, None)).startswith(b"HTTP/1.1 401")
+    assert (await _expect(sg, own.build_id, size, "an-unknown-token-0123")).startswith(
+        b"HTTP/1.1 401")
+    assert (await _expect(sg, own.build_id, size + 1, ADMIN)).startswith(b"HTTP/1.1 413")
+    assert (await _expect(sg, own.build_id, size, ADMIN)).startswith(b"HTTP/1.1 100")
+    # And curl, which sends Expect for any body past a KiB, uploads through it.
+    done = await run_in_thread(["curl", "-s", "-w", "%{http_code}", "-X", "PUT",
+                                "--data-binary", f"@{own.debug}", "-H",
+                                f"Authorization: Bearer {ADMIN}",
+                                f"{sg.url}/buildid/{own.build_id}/debuginfo"])
+    assert done.stdout.endswith("201"), done.stdout

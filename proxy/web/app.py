@@ -61,7 +61,7 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
     if enable_uploads:
         for method, handler in (("PUT", upload.put), ("DELETE", upload.delete)):
             app.router.add_route(method, "/buildid/{build_id}/{kind:debuginfo|executable}",
-                                 handler)
+                                 handler, expect_handler=upload.expect_continue)
     app.router.add_post("/symbolize", symbolize)
     app.router.add_post("/symbolize/otlp", symbolize_otlp)
     app.router.add_get("/metrics", ops.metrics)

@@ -5,15 +5,38 @@ from __future__ import annotations
 
 import posixpath
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
+from proxy.errors import PayloadTooLarge, SymgateError
 from proxy.headers import printable
 from proxy.keys import ArtifactKey
 from proxy.sources.debuginfod import IMA_SIGNATURE, MAX_IMA_SIGNATURE
+from proxy.web.errors import error_response
 from proxy.web.logs import annotate
 from proxy.web.state import STATE
 
 CHUNK = 256 * 1024
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` (curl sends it for any upload past a KiB): say what will be
+    refused anyway (no token, too large) before the client sends the body, not after."""
+    state = request.app[STATE]
+    try:
+        state.tenancy.uploader(request)
+        limit = state.config.upload.max_file_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"{request.content_length} bytes; uploads are at most "
+                                  f"{limit} (upload.max_file_bytes)")
+    except SymgateError as e:
+        return error_response(e, request.headers.get("User-Agent", ""),
+                              state.config.server.retry_after_s)
+    if request.version == HttpVersion11 \
+            and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # what aiohttp's own handler does: no body sent yet
+        return None
+    raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect')}")
 
 
 def _key(request: web.Request) -> ArtifactKey:
