@@ -281,3 +281,28 @@ async def test_expect_continue_refuses_before_the_body_is_sent(
                                 f"Authorization: Bearer {ADMIN}",
                                 f"{sg.url}/buildid/{own.build_id}/debuginfo"])
     assert done.stdout.endswith("201"), done.stdout
+
+
+async def test_an_uploader_that_hangs_up_midway_leaves_nothing_and_no_error(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    data = own.debug.read_bytes()
+    port = int(sg.url.rsplit(":", 1)[1])
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((f"PUT /buildid/{own.build_id}/debuginfo HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(data)}\r\n\r\n"
+                  ).encode() + data[:len(data) // 2])
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the server is reading the body into its temp file by now
+    assert [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+    writer.close()
+
+    async def cleaned() -> bool:
+        return not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+
+    await eventually(cleaned)
+    assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
