@@ -116,8 +116,10 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
         addresses = native.get(i, [])
         runtime = bool(m.memory_start) and bool(addresses) and all(
             m.memory_start <= a < m.memory_limit for a in addresses)
+        # A mapping with no frame to fill in (only kernel frames, say, or all with lines) is
+        # as good as symbolized: nothing is fetched for it.
         p.mapping.add(id=i, filename=_string(strings, m.filename_strindex, f"mapping {i}"),
-                      build_id=build_id,
+                      build_id=build_id, has_functions=not addresses,
                       **({"memory_start": m.memory_start, "memory_limit": m.memory_limit,
                           "file_offset": m.file_offset} if runtime else {}))
     for j, loc in enumerate(d.location_table):

@@ -193,6 +193,23 @@ async def test_an_otlp_request_with_nothing_to_fill_comes_back_byte_for_byte(
     assert [f.function for f in _frames(named, 1)] == [f"{elfs.prog.executable.name}+0x1139"]
 
 
+async def test_mappings_with_no_native_frame_to_fill_cost_no_fetch(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+) -> None:
+    """A kernel mapping with a build ID, reached only by kernel frames: nothing to fetch."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    b = Builder()
+    kernel = b.mapping(Path("/vmlinux"), elfs.other.build_id, (0, 0, 0))
+    b.location(kernel, 0x1139, "kernel")
+    body = b.finish().SerializeToString()
+    status, headers, out = await _post(sg, body)
+    assert status == 200 and out == body
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "has_functions=1"
+    asked = {k: v for k, v in (await sg.metrics()).items()
+             if k[0] == "symgate_upstream_requests_total"}
+    assert asked and sum(asked.values()) == 0, asked
+
+
 async def test_hostile_otlp_requests_get_their_precise_status(
     start_symgate: SymgateFactory, elfs: ElfSet,
 ) -> None:
