@@ -126,10 +126,15 @@ async def test_uploads_are_pinned_outside_the_lru_budget(
                        cache=CacheConfig(max_bytes=budget))
     sg = await start_symgate(config=_config(base))
     assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes()))[0] == 201
-    for elf in (elfs.prog, elfs.other, elfs.shlib):  # each evicts the one before
+    for n, elf in enumerate((elfs.prog, elfs.other, elfs.shlib), start=2):
         status, _, _ = await sg.get(f"/buildid/{elf.build_id}/debuginfo")
         assert status == 200
         await sg.settled()
+
+        async def built(n: int = n) -> bool:  # a build leases its file: eviction passes it by
+            return await sg.metric("symgate_symtab_builds_total", result="ok") >= n
+
+        await eventually(built)  # so each download evicts the one before
     cache = sg.runner.app[STATE].service.cache
 
     async def within() -> bool:  # once the symbol-table builds let go of what they read
