@@ -60,6 +60,14 @@ class ModernUpstream:
         self.metadata_queries.append(dict(request.query))
         if mode == "hang":
             await asyncio.sleep(3600)
+        if mode == "huge":  # past what symgate reads of an answer
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"results": [' + b" " * (1 << 20))
+            for _ in range(17):
+                await response.write(b" " * (1 << 20))
+            await response.write(b'], "complete": true}')
+            return response
         if mode == "notjson":
             return web.Response(text="<html>maintenance</html>", content_type="text/html")
         results: list[object] = [{"type": "executable", "buildid": self.elfs.other.build_id,
@@ -215,7 +223,7 @@ async def test_metadata_merges_a_modern_upstreams_answer(
     assert modern.metadata_queries[-1] == {"key": "glob", "value": "*"}
 
 
-@pytest.mark.parametrize("mode", ["notjson", "junk", "hang"])
+@pytest.mark.parametrize("mode", ["notjson", "junk", "hang", "huge"])
 async def test_metadata_from_a_broken_upstream_is_incomplete_never_an_error(
     start_symgate: SymgateFactory, modern: ModernUpstream, elfs: ElfSet, mode: str
 ) -> None:

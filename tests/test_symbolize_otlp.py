@@ -213,7 +213,9 @@ async def test_mappings_with_no_native_frame_to_fill_cost_no_fetch(
 async def test_hostile_otlp_requests_get_their_precise_status(
     start_symgate: SymgateFactory, elfs: ElfSet,
 ) -> None:
-    sg = await start_symgate([], symbolize=symbolize_config(max_profile_locations=3))
+    sg = await start_symgate([], symbolize=symbolize_config(max_profile_locations=3,
+                                                            max_request_bytes=64 * 1024))
+    assert (await _post(sg, bytes(64 * 1024 + 1)))[0] == 413
     b = Builder()
     m = b.mapping(elfs.prog.executable, elfs.prog.build_id, (0, 0, 0))
     for a in range(4):

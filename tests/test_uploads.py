@@ -158,6 +158,10 @@ async def test_a_tenants_upload_is_its_own_and_delete_takes_it_back(
     status, _, body = await sg.get(path, headers=_auth(ACME))
     assert status == 200 and body == own.debug.read_bytes()
     assert (await sg.get(path))[0] == 404  # nobody else sees it
+    query = f"/metadata?key=buildid&value={own.build_id}"
+    assert json.loads((await sg.get(query, headers=_auth(ACME)))[2])["results"] == [
+        {"type": "debuginfo", "buildid": own.build_id, "file": f"{own.build_id}.debug"}]
+    assert json.loads((await sg.get(query))[2])["results"] == []
     assert (await sg.get(path, headers=_auth(GLOBEX)))[0] == 404
     assert (await sg.request("DELETE", path, headers=_auth(GLOBEX)))[0] == 404
     assert (await sg.request("DELETE", path))[0] == 401
