@@ -65,6 +65,10 @@ def normalize_section(raw: str) -> str:
     return raw
 
 
+_PARSED_MAX = 4096
+_PARSED: dict[tuple[str, str], ArtifactKey] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class ArtifactKey:
     build_id: str
@@ -74,6 +78,22 @@ class ArtifactKey:
 
     @classmethod
     def parse(cls, build_id: str, kind: str, detail: str = "") -> ArtifactKey:
+        """InvalidRequest for what debuginfod would refuse. Keys are immutable, and a hot key is
+        asked for thousands of times a second: what parsed well is remembered (not sources'
+        and sections' keys, whose paths could make the memo large)."""
+        if detail:
+            return cls._parse(build_id, kind, detail)
+        memo = _PARSED.get((build_id, kind))
+        if memo is not None:
+            return memo
+        key = cls._parse(build_id, kind, detail)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()  # bounded; refilled by what is asked for now
+        _PARSED[(build_id, kind)] = key
+        return key
+
+    @classmethod
+    def _parse(cls, build_id: str, kind: str, detail: str) -> ArtifactKey:
         bid = normalize_build_id(build_id)
         try:
             k = Kind(kind)

@@ -141,8 +141,8 @@ class ProxyMetrics:
         # visible share of what a remembered 404 costs.
         self._buildid_requests = {(kind, outcome): self.requests.labels("buildid", kind, outcome)
                                   for kind in ARTIFACT_KINDS for outcome in REQUEST_OUTCOMES}
-        for source in ("cache", "upstream"):
-            self.served_bytes.labels(source)
+        self.served_from_cache = self.served_bytes.labels("cache")
+        self.served_from_upstream = self.served_bytes.labels("upstream")
         for kind in ("debuginfo", "executable"):
             for reason in VERIFICATION_REASONS:
                 self.verification_failures.labels(kind, reason)

@@ -184,6 +184,20 @@ async def test_range_requests_on_cached_artifacts(
     assert status == 206
     assert body == elfs.prog.debug.read_bytes()[16:48]
     assert headers["Content-Range"] == f"bytes 16-47/{elfs.prog.debug.stat().st_size}"
+    # Header names are case-insensitive: a lower-case one (curl -H sends it as typed; aiohttp's
+    # client would capitalise it) asks for a range all the same, hot file or not.
+    host, port = sg.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for name in ("range", "RANGE"):
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n{name}: bytes=16-47\r\n\r\n"
+                         .encode())
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            assert head.startswith("HTTP/1.1 206"), (name, head)
+            length = int(head.lower().split("content-length: ")[1].split("\r\n")[0])
+            assert await reader.readexactly(length) == elfs.prog.debug.read_bytes()[16:48]
+    finally:
+        writer.close()
 
 
 async def test_maxsize_is_406_cold_and_warm(

@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,31 +68,48 @@ class Followed:
 
 
 class Claim:
-    """This process's right to fetch one key; say each step, release at the end."""
+    """This process's right to fetch one key; say each step, release at the end.
+
+    Publishing a state costs a file written and renamed (~0.3 ms each): the first two (asking,
+    streaming), which a cold fetch's first byte would wait for, are written by the board's
+    writer thread. The rest, and the release, happen here once that thread has written what it
+    was given, so that no earlier state lands after a later one, and the lock is free the
+    moment the fetch is over (a request right after it must not find it held).
+    """
 
     def __init__(self, board: FlightBoard, kh: str, fd: int) -> None:
         self._board = board
         self._kh = kh
         self._fd = fd
         self.ident = uuid.uuid4().hex
+        self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
+        # The last fetch of the key ended well, lately: its file may be in the cache now.
+        self.previous_settled = (board.read_state(kh) or {}).get("state") == SETTLED
         # The lock file names its holder: followers trust only the state of that fetch, never
-        # what an earlier one of the key left.
+        # what an earlier one of the key left. Written here, not by the writer thread: a
+        # follower reading an earlier holder's name would take that fetch's end for this one's.
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, self.ident.encode(), 0)
         except OSError:  # a full disk: followers then wait for the end, and look in SQL
             pass
-        self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
-        # The last fetch of the key ended well, lately: its file may be in the cache now.
-        self.previous_settled = (board.read_state(kh) or {}).get("state") == SETTLED
         self.say(ASKING)
 
     def say(self, state: str, **fields: Any) -> None:
         self._state.update(fields, state=state)
-        try:
-            self._board.write_state(self._kh, self._state)
-        except OSError as e:  # followers then see no progress and fail; this fetch goes on
-            log.warning("cannot publish the state of a fetch: %s", e)
+        snapshot = dict(self._state)
+
+        def publish() -> None:
+            try:
+                self._board.write_state(self._kh, snapshot)
+            except OSError as e:  # followers then see no progress and fail; it goes on
+                log.warning("cannot publish the state of a fetch: %s", e)
+
+        if state in (ASKING, STREAMING):
+            self._board.post(publish)
+        else:
+            self._board.drain()
+            publish()
 
     def streaming(self, part: Path, meta: ArtifactMeta) -> None:
         self.say(STREAMING, part=str(part), meta=[meta.upstream, meta.size, meta.filename,
@@ -101,6 +120,7 @@ class Claim:
 
     def release(self) -> None:
         if self._fd >= 0:
+            self._board.drain()
             os.close(self._fd)  # the lock goes with it
             self._fd = -1
 
@@ -109,6 +129,22 @@ class FlightBoard:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
+        # One thread: what claims say is written in the order they say it.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="symgate-board")
+        self._last: Future[None] = Future()
+        self._last.set_result(None)
+
+    def post(self, job: Callable[[], None]) -> None:
+        self._last = self._writer.submit(job)
+
+    def drain(self) -> None:
+        """Until what was posted is written: blocks only while the writer is behind, which a
+        fetch's end (its first states are long written by then) almost never finds."""
+        self._last.result()
+
+    def close(self) -> None:
+        """Write what is left (a stopping server's last states, its locks released)."""
+        self._writer.shutdown(wait=True)
 
     def claim(self, kh: str) -> Claim | None:
         """The right to fetch `kh`, or None while another process holds it."""
@@ -199,6 +235,11 @@ class FlightBoard:
         """Remove a fetch's files once its followers have had time to read how it ended;
         not if another fetch of the key has begun since."""
         await asyncio.sleep(LINGER_S)
+        # In the writer's thread: off the event loop, and after any state that a newer fetch
+        # of the key (whose id then differs) has posted.
+        await asyncio.wrap_future(self._writer.submit(self._tidy, kh, ident))
+
+    def _tidy(self, kh: str, ident: str) -> None:
         lock = self._lock(kh)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)

@@ -211,12 +211,15 @@ class ArtifactCache:
         path = self.store.artifact_path(scope, key)
         rec = self._entries.get(kh)
         if rec is None:
+            # No file, no hit, whatever SQL says: a stat spares a cold fetch the query.
+            if (size := _size(path)) is None:
+                return None
             try:
                 rec = await self._repo.get_artifact(kh)
             except DATABASE_ERRORS as e:  # a miss then: fetching it beats failing the request
                 self.sql_failed("looking up an artifact", e)
                 return None
-            if rec is None or _size(path) != rec.size:
+            if rec is None or size != rec.size:
                 return None
             self._add(rec)
         hit = CachedArtifact(rec, path)

@@ -119,6 +119,17 @@ class ArtifactService:
         """
         if key.kind is Kind.SECTION:
             return await self._section(key, req, cache_only)
+        visible = req.visible
+        for seen in visible if self._flights else ():
+            done = self._flights.get(key_hash(seen, key))
+            if done is not None and done.succeeded:
+                # Its clients have their bytes; the commit (an fsync and a row) makes it a hit.
+                await done.wait_settled()
+        if (hit := self.cache.peek_any(visible, key)) is not None:
+            if not check_file or hit.path.is_file():
+                self.cache.touch(hit)
+                return Hit(hit)
+            await self.vanished(hit)
         ups = req.sources
         scope = req.scope
         # Only sources whose misses are remembered can make a request a negative hit; one that
@@ -126,16 +137,6 @@ class ArtifactService:
         names = [u.name for u in ups if u.remembers_misses]
         local_has = any(u.has(key) for u in ups if not u.remembers_misses)
         kh = key_hash(scope, key)
-        for visible in req.visible:
-            done = self._flights.get(key_hash(visible, key))
-            if done is not None and done.succeeded:
-                # Its clients have their bytes; the commit (an fsync and a row) makes it a hit.
-                await done.wait_settled()
-        if (hit := self.cache.peek_any(req.visible, key)) is not None:
-            if not check_file or hit.path.is_file():
-                self.cache.touch(hit)
-                return Hit(hit)
-            await self.vanished(hit)
         if not req.may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if cache_only:
@@ -344,6 +345,9 @@ class ArtifactService:
                                          f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
             await self._write(fd, chunk, flight.written)
             flight.wrote(len(chunk))
+            # A body already in the socket's buffer is read without a pause: let the clients
+            # send what was written before the next chunk, or the first byte waits for all.
+            await asyncio.sleep(0)
         flight.body_ended()
         if meta.size is not None and flight.written != meta.size:
             self._reject(key, "truncated")

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy import __version__
+from proxy.headers import printable
 from proxy.keys import ArtifactKey
 
 USER_AGENT = f"symgate/{__version__}"
+# A longer client User-Agent is not relayed upstream (elfutils' own is some 40 characters).
+MAX_USER_AGENT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,16 +38,16 @@ class Hop:
 
     forwarded_for: str = ""
     via: str = ""
-    # The client's User-Agent, relayed as a federating elfutils debuginfod does: upstream
-    # operators count their users' tools by it.
+    # The client's User-Agent as it came, relayed as a federating elfutils debuginfod does:
+    # upstream operators count their users' tools by it. Checked only when it goes upstream.
     user_agent: str = ""
 
     def headers(self) -> dict[str, str]:
         out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
         if self.via:
             out["Via"] = self.via
-        if self.user_agent:
-            out["User-Agent"] = f"{self.user_agent} {USER_AGENT}"
+        if ua := printable(self.user_agent, MAX_USER_AGENT):
+            out["User-Agent"] = f"{ua} {USER_AGENT}"
         return out
 
 

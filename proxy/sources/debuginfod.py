@@ -20,6 +20,7 @@ from proxy.metrics import BreakerState, ProxyMetrics
 from proxy.sources import redirects
 from proxy.sources.base import USER_AGENT, ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
+from proxy.sources.env_routes import EnvironmentRoutes
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,10 @@ class Upstream:
 
     def __init__(
         self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics,
-        scope: str = "",
+        routes: EnvironmentRoutes, scope: str = "",
     ) -> None:
         self.cfg = cfg
+        self._routes = routes
         self.name = cfg.url if not scope else f"{cfg.url} [{scope}]"
         self.scope = scope
         self.base = cfg.url.rstrip("/")
@@ -234,9 +236,15 @@ class Upstream:
                        "Accept-Encoding": "identity"}
             if redirects.origin(url) == redirects.origin(self._base_url):
                 headers.update(self.cfg.headers)  # credentials go to the upstream alone
+            route = await self._routes.route(url)
+            if route.authorization and not any(k.lower() == "authorization" for k in headers):
+                headers["Authorization"] = route.authorization
+            if route.proxy_headers and url.scheme == "http":
+                headers.update(route.proxy_headers)
             try:
-                response = await self._session.get(url, headers=headers, timeout=self._timeout,
-                                                   allow_redirects=False)
+                response = await self._session.get(
+                    url, headers=headers, timeout=self._timeout, allow_redirects=False,
+                    proxy=route.proxy, proxy_headers=route.proxy_headers)
             except aiohttp.ClientConnectorError as e:
                 # The connector's resolver applies the address rule to the answer it connects
                 # to, which may not be the one _refusal was given (DNS rebinding).

@@ -9,12 +9,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, event, func, or_, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Row,
+    bindparam,
+    delete,
+    event,
+    func,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from proxy.store.local_reads import LocalReads
 from proxy.store.models import Artifact, Base, Negative, SymbolTableRow
 
 
@@ -123,7 +135,7 @@ def _columns(rec: ArtifactRecord | SymbolTableRecord) -> dict[str, Any]:
     return {name: getattr(rec, name) for name in rec.__slots__}
 
 
-def _record(row: Artifact) -> ArtifactRecord:
+def _record(row: Artifact | Row[Any]) -> ArtifactRecord:
     return ArtifactRecord(
         row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
         row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
@@ -131,20 +143,34 @@ def _record(row: Artifact) -> ArtifactRecord:
     )
 
 
+# Built once: making a statement anew costs more than running it on a local SQLite.
+_ARTIFACT_BY_HASH = select(Artifact.__table__).where(Artifact.key_hash == bindparam("kh"))
+_NEGATIVES_BY_HASH = select(Negative.upstream, Negative.outcome, Negative.misses,
+                            Negative.expires_at).where(Negative.key_hash == bindparam("kh"))
+
+
 class Repository:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._session = async_sessionmaker(engine, expire_on_commit=False)
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        self._local = LocalReads.of(engine)
 
     async def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
         await self.engine.dispose()
 
     # -- artifacts ---------------------------------------------------------------------------
     async def get_artifact(self, key_hash: str) -> ArtifactRecord | None:
-        async with self._session() as s:
-            row = await s.get(Artifact, key_hash)
+        def query(c: Connection) -> ArtifactRecord | None:
+            row = c.execute(_ARTIFACT_BY_HASH, {"kh": key_hash}).first()
             return _record(row) if row else None
+
+        if self._local is not None and (got := self._local.read(query))[0]:
+            return got[1]
+        async with self.engine.connect() as c:
+            return await c.run_sync(query)
 
     async def artifacts_of(self, build_id: str | None) -> Sequence[ArtifactRecord]:
         """All artifacts, or those of one build ID; most recently used first."""
@@ -232,11 +258,16 @@ class Repository:
 
     # -- negatives ---------------------------------------------------------------------------
     async def get_negatives(self, key_hash: str) -> Sequence[NegativeRecord]:
-        async with self._session() as s:
-            rows = (await s.scalars(select(Negative).where(Negative.key_hash == key_hash))).all()
+        def query(c: Connection) -> list[NegativeRecord]:
+            rows = c.execute(_NEGATIVES_BY_HASH, {"kh": key_hash})
             return [
                 NegativeRecord(r.upstream, r.outcome, r.misses, aware(r.expires_at)) for r in rows
             ]
+
+        if self._local is not None and (got := self._local.read(query))[0]:
+            return got[1] or []
+        async with self.engine.connect() as c:
+            return await c.run_sync(query)
 
     async def put_negative(
         self, *, key_hash: str, scope: str, key: str, build_id: str, upstream: str,

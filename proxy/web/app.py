@@ -25,6 +25,7 @@ from proxy.expiry import Expiry
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Upstream
+from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
 from proxy.sources.redirects import GuardedResolver
 from proxy.store import migrate
@@ -50,11 +51,13 @@ log = logging.getLogger(__name__)
 
 def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
     for method in ("GET", "HEAD"):
+        # The one-segment kinds (debuginfo, executable: nearly every request) are tried first;
+        # no path of the other two routes has that shape.
+        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}",
                              artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
                              artifacts.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
         # elfutils answers a trailing slash as if it were not there.
         app.router.add_route(method, "/buildid/{build_id}/{kind}/", artifacts.buildid)
     app.router.add_get("/metadata", metadata)
@@ -91,9 +94,10 @@ def _sources(
     config: Config, session: aiohttp.ClientSession, metrics: ProxyMetrics
 ) -> tuple[list[Source], dict[str, list[Source]]]:
     """The global sources, and each tenant's own (a global one where the URL is the same)."""
+    routes = EnvironmentRoutes()
     shared: list[Source] = [
         LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
-        else Upstream(u, session, metrics)
+        else Upstream(u, session, metrics, routes)
         for u in config.upstreams
     ]
     # A tenant's upstream is the global one only when configured the same in every respect:
@@ -105,7 +109,7 @@ def _sources(
             # The config allows servers only here: a tenant's directory would be a shared one.
             private[name] = [
                 next((s for cfg, s in configured if cfg == u), None)
-                or Upstream(u, session, metrics, scope=name)
+                or Upstream(u, session, metrics, routes, scope=name)
                 for u in tenant.upstreams]
     return shared, private
 
@@ -131,8 +135,9 @@ def _lifecycle(
                 # Redirect targets are connected to only at addresses their rules allow.
                 resolver=GuardedResolver([*config.upstreams, *(
                     u for t in config.tenants.values() for u in t.upstreams)])),
-            # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual.
-            trust_env=True,
+            # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual: the sources
+            # apply it (proxy.sources.env_routes), looked up once rather than per request.
+            trust_env=False,
             headers={"User-Agent": f"symgate/{__version__}"},
         )
         shared, private = _sources(config, session, metrics)
@@ -186,6 +191,7 @@ def _lifecycle(
             with contextlib.suppress(Exception):
                 await cache.flush_access()
             await session.close()
+            board.close()
             await repo.close()
             store.close()
 

@@ -19,7 +19,7 @@ from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
-from proxy.headers import decimal, printable
+from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
@@ -31,8 +31,6 @@ from proxy.web.state import STATE, AppState
 log = logging.getLogger(__name__)
 # Hits up to this size are read and sent from memory rather than with sendfile.
 SMALL_FILE_BYTES = 256 * 1024
-# A longer User-Agent is not relayed upstream (elfutils' own is some 40 characters).
-MAX_USER_AGENT = 256
 
 
 def _artifact_headers(
@@ -67,21 +65,24 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
     """What to tell upstream of the way this request came, and whether it may go upstream:
     not past `limit` forwarding hops (elfutils' --forwarded-ttl-limit), and never when it has
     passed this server already (a loop of caches, which would wait on its own fetch)."""
-    incoming = request.headers.get("X-Forwarded-For", "")
+    headers = request.headers
+    if "X-Forwarded-For" not in headers and "Via" not in headers:
+        return Hop(request.remote or "unknown", f"1.1 {via_name}",
+                   headers.get("User-Agent", "")), limit > 0
+    incoming = headers.get("X-Forwarded-For", "")
     hops = [h.strip() for h in incoming.split(",") if h.strip()]
     via = [v.strip() for v in ",".join(request.headers.getall("Via", [])).split(",")
            if v.strip()]
     looped = any(v.split()[-1] == via_name for v in via if v.split())
     hop = Hop(", ".join([*hops, request.remote or "unknown"]),
-              ", ".join([*via, f"1.1 {via_name}"]),
-              printable(request.headers.get("User-Agent"), MAX_USER_AGENT) or "")
+              ", ".join([*via, f"1.1 {via_name}"]), headers.get("User-Agent", ""))
     return hop, len(hops) < limit and not looped
 
 
 async def buildid(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     m = request.match_info
-    kind = m["kind"] if m["kind"] in Kind.__members__.values() else "invalid"
+    kind = m["kind"] if m["kind"] in _KINDS else "invalid"
     annotate(request, endpoint="buildid", kind=kind)
     key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
     max_size = _max_size(request)
@@ -99,14 +100,14 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
         hot = None
-        if not _CONDITIONAL.intersection(request.headers):
+        if not any(name in request.headers for name in _CONDITIONAL):
             kh = result.artifact.record.key_hash
             hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
             if hot is not None:
                 if request.method == "HEAD":
                     return web.Response(headers=hot.headers)
                 if hot.body is not None:
-                    state.metrics.served_bytes.labels("cache").inc(len(hot.body))
+                    state.metrics.served_from_cache.inc(len(hot.body))
                     return web.Response(body=hot.body, headers=hot.headers)
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -127,11 +128,13 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         result.reader.close()
 
 
+_KINDS = frozenset(str(k) for k in Kind)
 # Times a hit whose file another process evicts in between is looked up again.
 _VANISHED_RETRIES = 3
 # Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
-_CONDITIONAL = frozenset({"If-None-Match", "If-Modified-Since", "If-Match",
-                          "If-Unmodified-Since", "If-Range", "Range"})
+# Looked up in the request's headers, which compare names without regard to case.
+_CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified-Since",
+                "If-Range", "Range")
 
 
 def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
@@ -192,7 +195,7 @@ class _SentFile(web.StreamResponse):
                 await super().write_eof()
         finally:
             self._file.close()
-        self._symgate.metrics.served_bytes.labels("cache").inc(self._size)
+        self._symgate.metrics.served_from_cache.inc(self._size)
         return writer
 
 
@@ -223,7 +226,7 @@ class _LeasedFileResponse(web.FileResponse):
         finally:
             self._fd_closer()
         if request.method != "HEAD":
-            self._symgate.metrics.served_bytes.labels("cache").inc(self.content_length or 0)
+            self._symgate.metrics.served_from_cache.inc(self.content_length or 0)
         return writer
 
 
@@ -268,6 +271,6 @@ async def _send_streaming(
             request.transport.abort()
         return response
     finally:
-        state.metrics.served_bytes.labels("upstream").inc(sent)
+        state.metrics.served_from_upstream.inc(sent)
     await response.write_eof()
     return response

@@ -99,14 +99,22 @@ class AccessLogger(AbstractAccessLogger):
             sent = response.content_length
         else:
             sent = response.body_length
+        sink = self.sink
+        user_agent = request.headers.get("User-Agent", "")
+        if not self.json_lines and sink is not None:  # the default, and every hit's: cheap
+            extra = " ".join(f"{k}={v}" for k in ("kind", "outcome", "upstream")
+                             if (v := fields_in.get(k)))
+            sink.write(f'{sink.stamp(time.time())} INFO {self.logger.name}: {request.remote} '
+                       f'"{request.method} {request.path}" {response.status} {sent} '
+                       f'{time_s:.3f}s {extra} "{user_agent}"\n')
+            return
         fields: dict[str, Any] = {
             "remote": request.remote, "method": request.method, "path": request.path,
             "status": response.status, "bytes": sent,
             "duration_s": round(time_s, 6),
             **{k: v for k, v in fields_in.items() if k != "sent"},
-            "user_agent": request.headers.get("User-Agent", ""),
+            "user_agent": user_agent,
         }
-        sink = self.sink
         if self.json_lines:
             if sink is None:
                 self.logger.info(json.dumps(fields))
@@ -117,14 +125,9 @@ class AccessLogger(AbstractAccessLogger):
             return
         extra = " ".join(f"{k}={fields[k]}" for k in ("kind", "outcome", "upstream")
                          if fields.get(k))
-        if sink is None:
-            self.logger.info('%s "%s %s" %d %d %.3fs %s "%s"', fields["remote"],
-                             request.method, request.path, response.status, sent, time_s,
-                             extra, fields["user_agent"])
-            return
-        sink.write(f'{sink.stamp(time.time())} INFO {self.logger.name}: {fields["remote"]} '
-                   f'"{request.method} {request.path}" {response.status} {sent} {time_s:.3f}s '
-                   f'{extra} "{fields["user_agent"]}"\n')
+        self.logger.info('%s "%s %s" %d %d %.3fs %s "%s"', fields["remote"],
+                         request.method, request.path, response.status, sent, time_s,
+                         extra, user_agent)
 
 
 class JsonAccessLogger(AccessLogger):

@@ -1,0 +1,54 @@
+"""How the environment says to reach an upstream: the HTTP proxy (HTTPS_PROXY, HTTP_PROXY,
+NO_PROXY) and ~/.netrc credentials, what aiohttp's `trust_env` would apply.
+
+aiohttp looks both up again for every request, each in a thread of the default executor: two
+thread hops, ~0.8 ms of every upstream request, a visible share of a cold fetch's time to its
+first byte. The environment and ~/.netrc do not change while symgate runs (a site that edits
+them restarts it), so each origin's route is looked up once, in a thread, and remembered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp.helpers import basicauth_from_netrc, get_env_proxy_for_url, netrc_from_env
+from yarl import URL
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    proxy: URL | None = None
+    # Proxy-Authorization, from credentials in the proxy's URL: a header of the request itself
+    # for http://, of the CONNECT for https:// (aiohttp sends proxy_headers only there).
+    proxy_headers: dict[str, str] | None = None
+    # Authorization from ~/.netrc (or $NETRC): used only where the request carries none.
+    authorization: str | None = None
+
+
+class EnvironmentRoutes:
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, str | None, int | None], Route] = {}
+
+    async def route(self, url: URL) -> Route:
+        origin = (url.scheme, url.host, url.port)
+        known = self._known.get(origin)
+        if known is None:
+            known = self._known[origin] = await asyncio.to_thread(_look_up, url)
+        return known
+
+
+def _look_up(url: URL) -> Route:
+    proxy: URL | None = None
+    proxy_auth: aiohttp.BasicAuth | None = None
+    with suppress(LookupError):  # none set, or NO_PROXY exempts this host
+        proxy, proxy_auth = get_env_proxy_for_url(url)
+    authorization: str | None = None
+    netrc = netrc_from_env()
+    if netrc is not None and url.host is not None:
+        with suppress(LookupError):
+            authorization = basicauth_from_netrc(netrc, url.host).encode()
+    proxy_headers = {"Proxy-Authorization": proxy_auth.encode()} if proxy_auth else None
+    return Route(proxy, proxy_headers, authorization)

@@ -1,0 +1,109 @@
+"""Sites whose one way out is an HTTP proxy set HTTP(S)_PROXY: upstream requests go through
+it, looked up once per origin (proxy.sources.env_routes), and NO_PROXY still exempts hosts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, fast_upstream
+
+
+class ForwardProxy:
+    """A plain HTTP forward proxy on loopback: takes absolute-form requests, passes them on,
+    and keeps the URLs it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.authorizations: list[str] = []
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.asked.append(str(request.url))
+        self.authorizations.append(request.headers.get("Proxy-Authorization", ""))
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "proxy-authorization", "proxy-connection")}
+        async with aiohttp.ClientSession() as s, s.get(request.url, headers=headers,
+                                                       allow_redirects=False) as r:
+            body = await r.read()
+            passed = {k: v for k, v in r.headers.items()
+                      if k.lower() not in ("transfer-encoding", "content-length",
+                                           "content-encoding", "connection")}
+            return web.Response(status=r.status, body=body, headers=passed)
+
+
+@pytest.fixture
+async def forward_proxy() -> AsyncIterator[ForwardProxy]:
+    proxy = ForwardProxy()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    proxy.url = f"http://127.0.0.1:{port}"
+    yield proxy
+    await runner.cleanup()
+
+
+async def test_upstream_requests_go_through_http_proxy(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    forward_proxy: ForwardProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", forward_proxy.url.replace("://", "://user:secret@"))
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    sg = await start_symgate([faults.url_for("ok")])
+    for build_id in (elfs.prog.build_id, elfs.other.build_id):
+        status, _, body = await sg.get(f"/buildid/{build_id}/debuginfo")
+        assert status == 200 and body[:4] == b"\x7fELF"
+    upstream = faults.url_for("ok")
+    assert forward_proxy.asked == [f"{upstream}/buildid/{elfs.prog.build_id}/debuginfo",
+                                   f"{upstream}/buildid/{elfs.other.build_id}/debuginfo"]
+    assert all(a.startswith("Basic ") for a in forward_proxy.authorizations)
+    # A miss goes the same way, and is still remembered.
+    missing = "/buildid/" + "ab" * 20 + "/debuginfo"
+    assert (await sg.get(missing))[0] == 404
+    assert (await sg.get(missing))[0] == 404
+    assert len(forward_proxy.asked) == 3
+
+
+async def test_no_proxy_exempts_an_upstream(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    forward_proxy: ForwardProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", forward_proxy.url)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    sg = await start_symgate([faults.url_for("ok")])
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200
+    assert forward_proxy.asked == []
+    assert faults.count("ok") == 1
+
+
+async def test_netrc_credentials_reach_the_upstream_unless_it_has_its_own(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login site password s3cret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    sg = await start_symgate([faults.url_for("ok")])
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    expected = aiohttp.encode_basic_auth("site", "s3cret")
+    assert faults.headers[-1].get("Authorization") == expected
+    # An upstream configured with its own Authorization keeps it: netrc does not override.
+    own = fast_upstream(faults.url_for("ok"))
+    own = dataclasses.replace(own, headers={"Authorization": "Bearer configured"})
+    sg2 = await start_symgate([own])
+    assert (await sg2.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
+    assert faults.headers[-1].get("Authorization") == "Bearer configured"
