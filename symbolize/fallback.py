@@ -1,8 +1,9 @@
 """Names for frames that cannot be symbolized, on request: `libfoo.so+0x1a2b`.
 
 A location left without lines (no build ID, no debug info anywhere, a stripped file) is given
-one line whose function is its mapping's file name and the address's offset in that file: the
-same across runs and address-space layouts, so profiles aggregate by it. The mapping keeps
+one line whose function is its mapping's file name and the address's offset in that file (an
+ELF-relative address, in a mapping without a range, is taken as it is): the same across runs
+and address-space layouts, so profiles aggregate by it. The mapping keeps
 has_functions false, so a later pass (once debug info exists) still symbolizes it: such names
 are recognised and taken away again before a rewrite (`strip`), and never stand in its way.
 """
