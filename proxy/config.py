@@ -35,6 +35,9 @@ DEFAULT_UPSTREAM = "https://debuginfod.elfutils.org/"
 DEFAULT_LISTEN = "127.0.0.1:8002"
 
 FetchPolicy = Literal["in_order", "race"]
+# What /symbolize names frames it cannot symbolize: nothing (bare addresses), or
+# `libfoo.so+0x1a2b` (the file offset, stable across runs).
+Fallback = Literal["none", "module-offset"]
 LogFormat = Literal["text", "json"]
 
 
@@ -297,6 +300,26 @@ class SymbolizeConfig:
     # one with them (like a 404, retried); a malformed one rarely is, so symbolicator waits a day.
     no_symbols_retry_s: Seconds = 600.0
     malformed_retry_s: Seconds = 86400.0
+    # Names for frames that stay unsymbolized; ?fallback= on a request overrides it.
+    fallback: Fallback = "none"
+
+
+@dataclass(frozen=True, config=_SECTION)
+class UploadConfig:
+    """PUT /buildid/ID/debuginfo|executable: a site's own debug files, pinned."""
+
+    enabled: Flag = True
+    # Every upload together; they are never evicted and do not count against cache.max_bytes.
+    # A PUT past it is a 507 until uploads are deleted.
+    max_bytes: Size = 20 * 1024**3
+    # The largest file one PUT may send: 413, before the body when its size is announced.
+    max_file_bytes: Size = 4 * 1024**3
+    # The whole body must arrive within this (else 408): a stalled uploader holds no temp file
+    # for ever.
+    body_timeout_s: Seconds = 600.0
+    # Bearer tokens that upload into the shared scope (or a tenant's, named by X-Scope-OrgID).
+    admin_tokens: Annotated[tuple[Text, ...], BeforeValidator(_tokens)] = field(
+        default=(), repr=False)
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -304,6 +327,8 @@ class TenantConfig:
     """Per X-Scope-OrgID settings; a tenant not listed gets the defaults."""
 
     symbolize: Flag = True
+    # This tenant's [symbolize] fallback, where it differs from the global one.
+    fallback: Fallback | None = None
     # Upstreams for this tenant's symbolization, instead of the global list.
     upstreams: Annotated[tuple[UpstreamConfig, ...], BeforeValidator(_servers)] = ()
     # Bearer tokens that name this tenant, for sites without a gateway that sets the header.
@@ -329,18 +354,20 @@ class Config:
     negative: NegativeConfig = field(default_factory=NegativeConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
     symbolize: SymbolizeConfig = field(default_factory=SymbolizeConfig)
+    upload: UploadConfig = field(default_factory=UploadConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(url=DEFAULT_UPSTREAM),)
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_tenant_per_token(self) -> Config:
-        owner: dict[str, str] = {}
+        owner: dict[str, str] = dict.fromkeys(self.upload.admin_tokens, "")
         for name, tenant in self.tenants.items():
             for token in tenant.tokens:
                 if (first := owner.setdefault(token, name)) != name:
                     raise _Invalid(("tenants", name, "tokens"),
-                                   f"a token of tenant {first!r} is listed here too; "
-                                   "a token may belong to one tenant only")
+                                   (f"a token of tenant {first!r}" if first
+                                    else "an upload.admin_tokens token") + " is listed here "
+                                   "too; a token may belong to one tenant only")
         return self
 
     @property

@@ -66,6 +66,18 @@ class OverLimit(SymgateError):
     outcome = Outcome.REJECTED
 
 
+class UnprocessableUpload(SymgateError):
+    """An upload that is not the file its URL names: no ELF build-ID note, or another one."""
+
+    outcome = Outcome.REJECTED
+
+
+class Conflict(SymgateError):
+    """An upload of another file under a key that already has one: delete that first."""
+
+    outcome = Outcome.REJECTED
+
+
 class UpstreamUnavailable(SymgateError):
     """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker."""
 
@@ -95,6 +107,13 @@ class InsufficientStorage(SymgateError):
     Retry-After, since space comes back as eviction and operators free it."""
 
     outcome = Outcome.INTERNAL
+
+
+class UploadBudgetFull(SymgateError):
+    """The uploads together would pass upload.max_bytes: answered 507 until some are deleted
+    (no Retry-After: time alone does not free it)."""
+
+    outcome = Outcome.REJECTED
 
 
 class RequestTimeout(SymgateError):

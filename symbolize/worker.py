@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
 from .outcome import Outcome
@@ -47,6 +48,8 @@ class Limits:
     max_profile_locations: int | None = None
     max_profile_functions: int | None = None
     max_profile_samples: int | None = None
+    # Name what stays unsymbolized `module+0xoffset` (symbolize.fallback).
+    fallback: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +150,11 @@ class Workspace:
                 report.mappings_skipped[outcomes[bid]] += 1
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
         if usable:
+            fallback.strip(profile, usable)  # names an earlier pass gave in their stead
             rewrite(profile, usable, symbols, self.ids, report)
-        if not report.changed:
+        if limits.fallback and (named := fallback.fill(profile)):
+            report.locations_unresolved[fallback.NAMED] += named
+        if not report.changed and not report.locations_unresolved[fallback.NAMED]:
             return Finished(None, report)
         return Finished(encode(profile, gzipped), report)
 

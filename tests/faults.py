@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tests.elfs import Elf, ElfSet
+from tests.harness import serve_loopback
 
 HALF = 0.5
 MIB = 1024 * 1024
@@ -76,11 +77,7 @@ class FaultUpstream:
 
         app = web.Application(middlewares=[record])
         app.router.add_get("/{mode}/buildid/{build_id}/{kind}{rest:.*}", self.handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_loopback(app)
 
     async def stop(self) -> None:
         if self._runner is not None:

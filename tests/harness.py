@@ -26,6 +26,14 @@ from proxy.config import (
 )
 
 
+async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Run a test's own server (an upstream that misbehaves) on a free loopback port."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ import pytest
 
 from proxy import errors
 from proxy.errors import (
+    Conflict,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -23,7 +24,9 @@ from proxy.errors import (
     SymgateError,
     TooLarge,
     Unauthorized,
+    UnprocessableUpload,
     UnsupportedMediaType,
+    UploadBudgetFull,
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
@@ -41,6 +44,8 @@ STATUS = {
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     OverLimit: 422,
+    UnprocessableUpload: 422,
+    Conflict: 409,
     Overloaded: 429,
     UpstreamUnavailable: 502,
     VerificationFailed: 502,
@@ -49,6 +54,7 @@ STATUS = {
     OutOfResources: 503,  # out of file descriptors: they come back
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
     InsufficientStorage: 507,  # the cache's disk is full: space comes back
+    UploadBudgetFull: 507,  # uploads past upload.max_bytes: deleting them makes room
     SymgateError: 500,
 }
 # The upstream's failures: the same request may well succeed soon.

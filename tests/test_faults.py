@@ -187,9 +187,10 @@ async def test_user_agent_and_forwarded_for_go_upstream(
 ) -> None:
     sg = await start_symgate([faults.url_for("ok")])
     await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
-                 headers={"X-Forwarded-For": "10.1.2.3"})
+                 headers={"X-Forwarded-For": "10.1.2.3", "User-Agent": "gdb/13.1"})
     sent = faults.headers[-1]
-    assert sent["User-Agent"].startswith("symgate/")
+    # The client's, with symgate's appended, as a federating elfutils debuginfod relays it.
+    assert sent["User-Agent"] == "gdb/13.1 symgate/0.1.0"
     assert sent["X-Forwarded-For"] == "10.1.2.3, 127.0.0.1"
     assert sent["Via"].startswith("1.1 symgate-")  # how a loop of caches is recognised
 

@@ -73,7 +73,8 @@ class ArtifactCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, ArtifactRecord] = OrderedDict()
         self._paths: dict[str, Path] = {}  # of the entries, as hits ask for them
-        self._bytes = 0
+        self._bytes = 0  # of the files under the budget: uploads (pinned) are not
+        self.pinned_bytes = 0
         self._leases: dict[str, int] = {}
         # Budget held by downloads under way (by their flight), so that the files being
         # written and the files kept together stay within max_bytes.
@@ -118,7 +119,8 @@ class ArtifactCache:
     def could_fit(self, download: object, total: int) -> bool:
         """Whether `total` bytes could be held for a download by evicting every file not being
         sent; evicts nothing."""
-        pinned = sum(self._entries[kh].size for kh in self._leases if kh in self._entries)
+        pinned = sum(self._entries[kh].size for kh in self._leases
+                     if kh in self._entries and not self._entries[kh].pinned)
         held = self._reserved.get(download, 0)
         return pinned + self.reserved_bytes - held + total <= self.max_bytes
 
@@ -157,16 +159,26 @@ class ArtifactCache:
     def _add(self, rec: ArtifactRecord) -> None:
         old = self._entries.pop(rec.key_hash, None)
         if old is not None:
-            self._bytes -= old.size
+            self._count(old, -1)
+            if old.pinned and not rec.pinned:
+                # A download committed over an upload of the same ID (its file has the same
+                # build ID): it stays an upload, out of eviction's way.
+                rec = replace(rec, pinned=True)
         self._entries[rec.key_hash] = rec
-        self._bytes += rec.size
+        self._count(rec, 1)
         self._publish()
+
+    def _count(self, rec: ArtifactRecord, sign: int) -> None:
+        if rec.pinned:
+            self.pinned_bytes += sign * rec.size
+        else:
+            self._bytes += sign * rec.size
 
     def _drop(self, kh: str) -> ArtifactRecord | None:
         self._paths.pop(kh, None)
         rec = self._entries.pop(kh, None)
         if rec is not None:
-            self._bytes -= rec.size
+            self._count(rec, -1)
             self._pending_access.pop(kh, None)
             self._publish()
         return rec
@@ -312,7 +324,7 @@ class ArtifactCache:
         for rec in records:
             if over <= 0:
                 break
-            if rec.key_hash in self._leases or rec.key_hash == keep:
+            if rec.key_hash in self._leases or rec.key_hash == keep or rec.pinned:
                 continue
             victims.append(rec)
             over -= rec.size

@@ -30,5 +30,7 @@ class RequestScope:
 
     @property
     def visible(self) -> tuple[str, ...]:
-        """The scopes whose cached artifacts and tables answer this request, own first."""
-        return (self.scope,) if self.scope == SHARED else (self.scope, SHARED)
+        """The scopes whose cached artifacts and tables answer this request, own first: the
+        tenant's (what its own sources gave, and its uploads, even where it has no sources of
+        its own), then the shared one."""
+        return (self.tenant, SHARED) if self.tenant else (SHARED,)

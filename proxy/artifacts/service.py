@@ -395,7 +395,7 @@ class ArtifactService:
             kind=str(key.kind),
             size=flight.written, sha256=digest, upstream=meta.upstream,
             filename=meta.filename or key.default_filename, archive=meta.archive,
-            fetched_at=now, last_access=now, hits=0,
+            fetched_at=now, last_access=now, hits=0, ima_signature=meta.ima_signature,
         ))
         self.misses.forget(scope, key)
         for listener in self.committed:

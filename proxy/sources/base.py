@@ -7,7 +7,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from proxy import __version__
+from proxy.headers import printable
 from proxy.keys import ArtifactKey
+
+USER_AGENT = f"symgate/{__version__}"
+# A longer client User-Agent is not relayed upstream (elfutils' own is some 40 characters).
+MAX_USER_AGENT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +25,9 @@ class ArtifactMeta:
     filename: str | None
     archive: str | None
     last_modified: str | None
+    # X-DEBUGINFOD-IMASIGNATURE: kept with the file, so clients that enforce IMA work through
+    # symgate on hits too.
+    ima_signature: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +38,16 @@ class Hop:
 
     forwarded_for: str = ""
     via: str = ""
+    # The client's User-Agent as it came, relayed as a federating elfutils debuginfod does:
+    # upstream operators count their users' tools by it. Checked only when it goes upstream.
+    user_agent: str = ""
 
     def headers(self) -> dict[str, str]:
         out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
         if self.via:
             out["Via"] = self.via
+        if ua := printable(self.user_agent, MAX_USER_AGENT):
+            out["User-Agent"] = f"{ua} {USER_AGENT}"
         return out
 
 

@@ -12,22 +12,23 @@ from collections.abc import AsyncIterator
 import aiohttp
 from yarl import URL
 
-from proxy import __version__
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import BreakerState, ProxyMetrics
 from proxy.sources import redirects
-from proxy.sources.base import ArtifactMeta, Body, Hop
+from proxy.sources.base import USER_AGENT, ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
 from proxy.sources.env_routes import EnvironmentRoutes
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
 
-USER_AGENT = f"symgate/{__version__}"
 CHUNK = 256 * 1024
+# elfutils' spelling in its code (its man page says X-DEBUGINFOD-IMA-SIGNATURE): a hex string.
+IMA_SIGNATURE = "X-DEBUGINFOD-IMASIGNATURE"
+MAX_IMA_SIGNATURE = 4096
 _NOT_FOUND = frozenset({404, 410})
 _TRANSIENT_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 _REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
@@ -58,6 +59,7 @@ class UpstreamBody:
             filename=printable(h.get("X-DEBUGINFOD-FILE"), 4096),
             archive=printable(h.get("X-DEBUGINFOD-ARCHIVE"), 4096),
             last_modified=printable(h.get("Last-Modified"), 64),
+            ima_signature=printable(h.get(IMA_SIGNATURE), MAX_IMA_SIGNATURE),
         )
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -163,6 +165,23 @@ class Upstream:
                 last = e
         assert last is not None
         raise last
+
+    async def query(self, path_qs: str, hop: Hop) -> aiohttp.ClientResponse:
+        """A GET of another API path (/metadata?...), with this upstream's credentials,
+        redirect rules and first-byte limit; the caller reads and releases the response.
+        UpstreamUnavailable (or UpstreamTimeout) when none came. Not counted towards the
+        breaker: a server too old to know the path is not an outage; an open one is skipped."""
+        if self.breaker.state is BreakerState.OPEN:
+            raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
+        try:
+            async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
+                return await self._follow(URL(self.base + path_qs, encoded=True), hop)
+        except TimeoutError as e:
+            raise UpstreamTimeout(f"{self.name}: no response in time") from e
+        except _Permanent as e:
+            raise e.error from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}") from e
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         started = time.perf_counter()

@@ -45,7 +45,7 @@ class _Seen:
     kinds: tuple[Kind, ...]
 
 
-def _classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
+def classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
     """(build ID, what it can serve as) of a plain ELF file; (None, ()) for anything else."""
     try:
         with path.open("rb") as f:
@@ -84,6 +84,10 @@ class LocalDirectory:
         self._seen: dict[Path, _Seen] = {}
         self._index: dict[tuple[str, Kind], Path] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def catalogue(self) -> list[tuple[str, Kind, Path]]:
+        """Every (build ID, kind, file) the last walk found: what /metadata lists of it."""
+        return [(build_id, kind, path) for (build_id, kind), path in self._index.items()]
 
     async def start(self) -> None:
         await self.rescan()
@@ -127,7 +131,7 @@ class LocalDirectory:
                     continue
                 prev = self._seen.get(path)
                 if prev is None or (prev.mtime_ns, prev.size) != (st.st_mtime_ns, st.st_size):
-                    prev = _Seen(st.st_mtime_ns, st.st_size, *_classify(path))
+                    prev = _Seen(st.st_mtime_ns, st.st_size, *classify(path))
                 seen[path] = prev
                 if prev.build_id is not None:
                     for kind in prev.kinds:

@@ -60,6 +60,8 @@ class Store(Protocol):
 
     def try_budget_lock(self) -> int | None: ...
 
+    def upload_lock(self) -> int: ...
+
     def stored_names(self) -> Iterator[str]: ...
 
     def free_bytes(self) -> int: ...
@@ -178,6 +180,19 @@ class DiskStore:
         except BlockingIOError:
             os.close(fd)
             return None
+        return fd
+
+    def upload_lock(self) -> int:
+        """The lock every process holds while it commits an upload or removes one, so that
+        the upload budget and a key's file and row change together. Blocking: take it in a
+        thread; close the descriptor to release it."""
+        fd = os.open(self.objects.parent / "uploads.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def free_bytes(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, DateTime, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -33,6 +33,10 @@ class Artifact(Base):
     fetched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    # X-DEBUGINFOD-IMASIGNATURE as the upstream (or uploader) sent it, served with every hit.
+    ima_signature: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # An upload: kept outside the LRU budget (under upload.max_bytes) and never evicted.
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
 
 
 class Negative(Base):

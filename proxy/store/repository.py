@@ -9,7 +9,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, delete, event, func, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Row,
+    bindparam,
+    delete,
+    event,
+    func,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -87,6 +98,9 @@ class ArtifactRecord:
     fetched_at: datetime
     last_access: datetime
     hits: int
+    ima_signature: str | None = None
+    # An upload: outside the LRU budget, never evicted; removed only by DELETE or an operator.
+    pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +139,7 @@ def _record(row: Artifact | Row[Any]) -> ArtifactRecord:
     return ArtifactRecord(
         row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
         row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
-        row.hits,
+        row.hits, row.ima_signature, row.pinned,
     )
 
 
@@ -166,23 +180,40 @@ class Repository:
         async with self._session() as s:
             return [_record(r) for r in (await s.scalars(query)).all()]
 
+    async def named(self, scopes: Sequence[str], *, build_id: str | None = None,
+                    filenames: Sequence[str] = ()) -> Sequence[ArtifactRecord]:
+        """Cached ELF files (debuginfo, executable) of these scopes, of one build ID or of
+        these file names (all of them when neither is given): what /metadata lists."""
+        query = select(Artifact).where(Artifact.scope.in_(list(scopes)),
+                                       Artifact.kind.in_(("debuginfo", "executable")))
+        if build_id is not None:
+            query = query.where(Artifact.build_id == build_id)
+        if filenames:
+            query = query.where(Artifact.filename.in_(list(filenames)))
+        async with self._session() as s:
+            return [_record(r) for r in (await s.scalars(query.order_by(Artifact.key))).all()]
+
     async def all_artifacts(self) -> Sequence[ArtifactRecord]:
         """Least recently used first: the order eviction works in."""
         async with self._session() as s:
             rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
             return [_record(r) for r in rows]
 
-    async def totals(self) -> tuple[int, int]:
-        """(artifacts, bytes) of the whole cache, as every process on it has written it."""
+    async def totals(self, *, pinned: bool = False) -> tuple[int, int]:
+        """(artifacts, bytes) of the whole cache under its budget, as every process on it has
+        written it; with `pinned`, of the uploads instead."""
         async with self._session() as s:
             count, size = (await s.execute(select(
-                func.count(), func.coalesce(func.sum(Artifact.size), 0)))).one()
+                func.count(), func.coalesce(func.sum(Artifact.size), 0)
+            ).where(Artifact.pinned == pinned))).one()
             return int(count), int(size)
 
     async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
+        """The files eviction may take (uploads are pinned), least recently used first."""
         async with self._session() as s:
             rows = (await s.scalars(
-                select(Artifact).order_by(Artifact.last_access).limit(limit))).all()
+                select(Artifact).where(Artifact.pinned.is_(False))
+                .order_by(Artifact.last_access).limit(limit))).all()
             return [_record(r) for r in rows]
 
     def _upsert(
@@ -195,7 +226,12 @@ class Repository:
             index_elements=list(keys), set_={c: values[c] for c in columns})
 
     async def put_artifact(self, rec: ArtifactRecord) -> None:
-        stmt = self._upsert(Artifact, _columns(rec), ["key_hash"])
+        values = _columns(rec)
+        insert = self._insert(Artifact).values(**values)
+        # A download committed over an upload of the same key leaves it an upload.
+        stmt = insert.on_conflict_do_update(index_elements=["key_hash"], set_={
+            **{c: values[c] for c in values if c != "key_hash"},
+            "pinned": or_(Artifact.pinned, insert.excluded.pinned)})
         async with self._session.begin() as s:
             await s.execute(stmt)
             # Having the file now makes any remembered miss for it wrong.
@@ -260,6 +296,13 @@ class Repository:
             stmt = stmt.where(Negative.build_id == build_id)
         async with self._session.begin() as s:
             return int((await s.execute(stmt)).rowcount or 0)  # type: ignore[attr-defined]
+
+    async def delete_negatives_of_key(self, key: str) -> int:
+        """Forget every scope's remembered misses of one artifact key (an upload answers
+        them all: the uploader's tenant, and everyone for a shared upload)."""
+        async with self._session.begin() as s:
+            return int((await s.execute(  # type: ignore[attr-defined]
+                delete(Negative).where(Negative.key == key))).rowcount or 0)
 
     async def delete_expired_negatives(self, before: datetime, keep_misses_s: float) -> int:
         """Drop negatives expired for longer than keep_misses_s.

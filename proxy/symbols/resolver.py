@@ -334,9 +334,22 @@ class SymbolResolver:
 
     # -- cache events --------------------------------------------------------------------------
     def _on_committed(self, scope: str, key: ArtifactKey) -> None:
-        """Pre-extract as soon as an ELF artifact is cached, off the request path."""
-        if key.kind.is_elf and (scope, key.build_id) not in self._resolving:
+        """Pre-extract as soon as an ELF artifact is cached, off the request path. A debug
+        file committed while a table is under way (one from the executable, committed a moment
+        before: an upload of both, a prefetch) is judged again once that is done, so that its
+        lines are not lost to the executable's bare symbols."""
+        if not key.kind.is_elf:
+            return
+        pending = self._resolving.get((scope, key.build_id))
+        if pending is None:
             self._track((scope, key.build_id), self._prebuild(scope, key))
+        elif key.kind is Kind.DEBUGINFO:
+            self._track((scope, key.build_id), self._prebuild_after(pending, scope, key))
+
+    async def _prebuild_after(self, pending: asyncio.Future[_Found], scope: str,
+                              key: ArtifactKey) -> _Found:
+        await asyncio.wait([pending])
+        return await self._prebuild(scope, key)
 
     async def _prebuild(self, scope: str, key: ArtifactKey) -> _Found:
         bid = key.build_id

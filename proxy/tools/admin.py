@@ -25,6 +25,9 @@ class CacheStats:
     by_kind: dict[str, tuple[int, int]]  # kind -> (entries, bytes)
     hits: int
     symbol_tables: int
+    pinned_entries: int  # uploads: not in entries and bytes, which the LRU budget holds
+    pinned_bytes: int
+    upload_max_bytes: int
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class Admin:
         return list(await self.repo.artifacts_of(bid))
 
     async def stats(self) -> CacheStats:
-        rows = await self.repo.artifacts_of(None)
+        every = await self.repo.artifacts_of(None)
+        rows = [r for r in every if not r.pinned]
+        pinned = [r for r in every if r.pinned]
         counts: Counter[str] = Counter()
         sizes: Counter[str] = Counter()
         for r in rows:
@@ -63,7 +68,8 @@ class Admin:
         tables = self.store.count_symtabs()
         return CacheStats(len(rows), sum(r.size for r in rows), self.config.cache.max_bytes,
                           {k: (counts[k], sizes[k]) for k in sorted(counts)},
-                          sum(r.hits for r in rows), tables)
+                          sum(r.hits for r in rows), tables, len(pinned),
+                          sum(r.size for r in pinned), self.config.upload.max_bytes)
 
     async def purge(self, build_id: str | None) -> list[ArtifactRecord]:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables."""

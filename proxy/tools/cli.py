@@ -180,6 +180,29 @@ def _prefetch(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _upload(args: argparse.Namespace) -> int:
+    import os
+
+    from proxy.tools.upload import Summary, find_items, report, terminal_progress, upload
+
+    token = (args.token_file.read_text().strip() if args.token_file
+             else os.environ.get("SYMGATE_TOKEN", ""))
+    if not token:
+        print("symgate: uploads need a bearer token: SYMGATE_TOKEN, or --token-file",
+              file=sys.stderr)
+        return 2
+    summary = Summary()
+    items = find_items(args.paths, summary)
+    if not items:
+        print(report(summary), end="", file=sys.stderr)
+        print("symgate: nothing to upload", file=sys.stderr)
+        return 2
+    asyncio.run(upload(args.server, token, args.tenant, items, args.concurrency, summary,
+                       terminal_progress))
+    print(report(summary), end="")
+    return 1 if summary.counts()["failed"] else 0
+
+
 def _admin(args: argparse.Namespace) -> int:
     import json
 
@@ -188,6 +211,9 @@ def _admin(args: argparse.Namespace) -> int:
 
     admin = Admin(_config(args))
     target: str | None = getattr(args, "build_id", None)
+    if getattr(args, "pinned", False) and args.action != "ls":
+        print("symgate: --pinned goes with cache ls", file=sys.stderr)
+        return 2
     if args.action in ("purge", "clear") and target is None and not args.all:
         print(f"symgate: {args.command} {args.action} needs a BUILD_ID, or --all",
               file=sys.stderr)
@@ -210,21 +236,27 @@ def _admin(args: argparse.Namespace) -> int:
                 print(f"entries {st.entries}, {st.bytes} bytes of {st.max_bytes} "
                       f"({100 * st.bytes / max(st.max_bytes, 1):.1f}%), {st.hits} hits, "
                       f"{st.symbol_tables} symbol tables")
+                print(f"uploads (pinned, outside that budget) {st.pinned_entries}, "
+                      f"{st.pinned_bytes} bytes of {st.upload_max_bytes}")
                 for kind, (n, size) in st.by_kind.items():
                     print(f"  {kind:<11} {n:>7} entries {size:>14} bytes")
             return 0
         rows = await (admin.purge(target) if args.action == "purge" else admin.artifacts(target))
+        if args.pinned:
+            rows = [r for r in rows if r.pinned]
         if args.json:
             print(json.dumps([{"key": r.key, "scope": r.scope, "size": r.size,
-                               "upstream": r.upstream, "hits": r.hits,
+                               "upstream": r.upstream, "hits": r.hits, "pinned": r.pinned,
                                "fetched_at": r.fetched_at.isoformat(),
                                "last_access": r.last_access.isoformat()} for r in rows]))
         elif args.action == "purge":
             print(f"purged {len(rows)} artifacts ({sum(r.size for r in rows)} bytes)")
         else:
-            print(render_table([[r.key, str(r.size), str(r.hits), r.last_access.strftime("%F %T"),
-                           r.upstream] for r in rows],
-                         ["KEY", "SIZE", "HITS", "LAST ACCESS (UTC)", "UPSTREAM"]))
+            print(render_table([[r.key, r.scope or "-", str(r.size), str(r.hits),
+                                 r.last_access.strftime("%F %T"), r.upstream,
+                                 "yes" if r.pinned else "no"] for r in rows],
+                               ["KEY", "SCOPE", "SIZE", "HITS", "LAST ACCESS (UTC)", "UPSTREAM",
+                                "PINNED"]))
         return 0
 
     async def _negative(admin: Admin, args: argparse.Namespace, target: str | None) -> int:
@@ -302,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="machine-readable summary")
     pre.set_defaults(func=_prefetch)
 
+    up = sub.add_parser("upload", help="upload a site's own debug files to a symgate")
+    up.add_argument("paths", nargs="+", type=Path, help="ELF files, or directories of them")
+    up.add_argument("--server", default="http://127.0.0.1:8002", help="the symgate to fill")
+    up.add_argument("--token-file", type=Path,
+                    help="a file holding the bearer token (default: $SYMGATE_TOKEN)")
+    up.add_argument("--tenant", help="X-Scope-OrgID: with an admin token, the tenant to "
+                                     "upload for (default: the shared scope)")
+    up.add_argument("--concurrency", type=int, default=4)
+    up.set_defaults(func=_upload)
+
     for name, actions, help_text in (
         ("cache", ("ls", "stats", "purge"), "see and purge cached artifacts"),
         ("negative", ("ls", "clear"), "see and clear remembered misses"),
@@ -312,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("build_id", nargs="?", help="only this build ID")
         p.add_argument("--all", action="store_true", help="with purge/clear: everything")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "cache":
+            p.add_argument("--pinned", action="store_true",
+                           help="with ls: only uploads, which are never evicted")
         p.set_defaults(func=_admin)
 
     db = sub.add_parser("db", help="database schema")

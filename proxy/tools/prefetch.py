@@ -75,15 +75,18 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
 
 
 def terminal_progress(done: int, total: int, summary: Summary) -> None:
+    c = summary.counts()
+    progress_bar(done, total, f"ok={c['200']} missing={c['404']} "
+                              f"failed={done - c['200'] - c['404']}  {summary.bytes / 1e6:.1f} MB")
+
+
+def progress_bar(done: int, total: int, detail: str) -> None:
     """A one-line progress bar, redrawn in place; only on a terminal."""
     if not sys.stderr.isatty():
         return
     width = 30
     filled = width * done // max(total, 1)
-    c = summary.counts()
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  "
-                     f"ok={c['200']} missing={c['404']} "
-                     f"failed={done - c['200'] - c['404']}  {summary.bytes / 1e6:.1f} MB")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {detail}")
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()

@@ -15,9 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from proxy import __version__
 from proxy.artifacts.board import FlightBoard
+from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.service import ArtifactService
+from proxy.artifacts.uploads import Uploads
 from proxy.config import Config, parse_listen
 from proxy.expiry import Expiry
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
@@ -34,9 +36,11 @@ from proxy.symbols.open_tables import OpenTables
 from proxy.symbols.resolver import SymbolResolver
 from proxy.symbols.table_store import TableStore
 from proxy.symbols.workers import SymbolizeWorkers, worker_pool
-from proxy.web import artifacts, logs, ops
+from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
+from proxy.web.metadata import metadata
+from proxy.web.otlp import symbolize_otlp
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
@@ -45,7 +49,7 @@ from proxy.web.tenancy import Tenancy
 log = logging.getLogger(__name__)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
     for method in ("GET", "HEAD"):
         # The one-segment kinds (debuginfo, executable: nearly every request) are tried first;
         # no path of the other two routes has that shape.
@@ -54,7 +58,15 @@ def add_routes(app: web.Application) -> None:
                              artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
                              artifacts.buildid)
+        # elfutils answers a trailing slash as if it were not there.
+        app.router.add_route(method, "/buildid/{build_id}/{kind}/", artifacts.buildid)
+    app.router.add_get("/metadata", metadata)
+    if enable_uploads:
+        for method, handler in (("PUT", upload.put), ("DELETE", upload.delete)):
+            app.router.add_route(method, "/buildid/{build_id}/{kind:debuginfo|executable}",
+                                 handler, expect_handler=upload.expect_continue)
     app.router.add_post("/symbolize", symbolize)
+    app.router.add_post("/symbolize/otlp", symbolize_otlp)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/healthz", ops.healthz)
     app.router.add_get("/", ops.status_page)
@@ -66,7 +78,7 @@ def create_app(config: Config, registry: CollectorRegistry | None = None, *,
     metrics go to prometheus-client's multiprocess files (/metrics then shows all of them)
     and whose cache figures are the whole cache's."""
     app = web.Application(middlewares=[error_edge])
-    add_routes(app)
+    add_routes(app, config.upload.enabled)
     registry = registry or CollectorRegistry()
     exposed = registry
     if one_of_several:
@@ -153,7 +165,9 @@ def _lifecycle(
         )
         await symbols.start()
         app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
-                              symbolize_metrics, Tenancy(config, shared, private))
+                              symbolize_metrics, Tenancy(config, shared, private),
+                              Catalogue(repo, local_dirs),
+                              Uploads(service, repo, config.upload))
         cache.evicted.append(app[STATE].hot.forget)
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),

@@ -23,6 +23,7 @@ from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
+from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.hot_files import HotFile
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
@@ -33,7 +34,7 @@ SMALL_FILE_BYTES = 256 * 1024
 
 
 def _artifact_headers(
-    size: int | None, filename: str, archive: str | None
+    size: int | None, filename: str, archive: str | None, ima_signature: str | None = None
 ) -> dict[str, str]:
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
                "X-DEBUGINFOD-FILE": filename}
@@ -41,6 +42,8 @@ def _artifact_headers(
         headers["X-DEBUGINFOD-SIZE"] = str(size)
     if archive:
         headers["X-DEBUGINFOD-ARCHIVE"] = archive
+    if ima_signature:
+        headers[IMA_SIGNATURE] = ima_signature
     return headers
 
 
@@ -64,14 +67,15 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
     passed this server already (a loop of caches, which would wait on its own fetch)."""
     headers = request.headers
     if "X-Forwarded-For" not in headers and "Via" not in headers:
-        return Hop(request.remote or "unknown", f"1.1 {via_name}"), limit > 0
+        return Hop(request.remote or "unknown", f"1.1 {via_name}",
+                   headers.get("User-Agent", "")), limit > 0
     incoming = headers.get("X-Forwarded-For", "")
     hops = [h.strip() for h in incoming.split(",") if h.strip()]
     via = [v.strip() for v in ",".join(request.headers.getall("Via", [])).split(",")
            if v.strip()]
     looped = any(v.split()[-1] == via_name for v in via if v.split())
     hop = Hop(", ".join([*hops, request.remote or "unknown"]),
-              ", ".join([*via, f"1.1 {via_name}"]))
+              ", ".join([*via, f"1.1 {via_name}"]), headers.get("User-Agent", ""))
     return hop, len(hops) < limit and not looped
 
 
@@ -136,7 +140,7 @@ _CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified
 def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
     """What FileResponse says of a file, for the responses that do without it."""
     rec = artifact.record
-    headers = _artifact_headers(rec.size, rec.filename, rec.archive)
+    headers = _artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature)
     headers.update({
         "ETag": f'"{st.st_mtime_ns:x}-{st.st_size:x}"',
         "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
@@ -207,8 +211,8 @@ class _LeasedFileResponse(web.FileResponse):
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
                  fd: int) -> None:
         rec = artifact.record
-        super().__init__(f"/proc/self/fd/{fd}",
-                         headers=_artifact_headers(rec.size, rec.filename, rec.archive))
+        super().__init__(f"/proc/self/fd/{fd}", headers=_artifact_headers(
+            rec.size, rec.filename, rec.archive, rec.ima_signature))
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
@@ -240,7 +244,8 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.written
-    headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive)
+    headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive,
+                                meta.ima_signature)
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified
     response = web.StreamResponse(headers=headers)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.errors import (
+    Conflict,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -25,7 +26,9 @@ from proxy.errors import (
     SymgateError,
     TooLarge,
     Unauthorized,
+    UnprocessableUpload,
     UnsupportedMediaType,
+    UploadBudgetFull,
     UpstreamTimeout,
     UpstreamUnavailable,
     VerificationFailed,
@@ -34,6 +37,7 @@ from proxy.errors import (
 from proxy.metrics import ABORTED, Served
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
+from symbolize.otlp import TooManyLocations
 from symbolize.outcome import Outcome
 from symbolize.pipeline import TooManyBuildIds, TooMuchWork
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge
@@ -52,12 +56,15 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (RequestTimeout, 408),
     (UnsupportedMediaType, 415),
     (OverLimit, 422),
+    (UnprocessableUpload, 422),
+    (Conflict, 409),
     (Overloaded, 429),
     (NotCached, 504),  # what RFC 9111 prescribes for only-if-cached; nothing is retried
     (UpstreamTimeout, 504),
     (UpstreamUnavailable, 502),
     (VerificationFailed, 502),
-    (InsufficientStorage, 507),  # RFC 4918: the server cannot store what it must to answer
+    (InsufficientStorage, 507),
+    (UploadBudgetFull, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
     (OutOfResources, 503),
     (SymgateError, 500),
@@ -73,7 +80,7 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return error
     if isinstance(error, ProfileTooLarge):
         return PayloadTooLarge(str(error))
-    if isinstance(error, (TooManyBuildIds, TooMuchWork)):
+    if isinstance(error, (TooManyBuildIds, TooMuchWork, TooManyLocations)):
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
@@ -94,7 +101,8 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
     status = status_of(error, user_agent)
     headers: dict[str, str] = {}
-    if status in (429, 502, 503, 504, 507) and not isinstance(error, NotCached):
+    if status in (429, 502, 503, 504, 507) and not isinstance(error, (NotCached,
+                                                                       UploadBudgetFull)):
         headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="symgate"'

@@ -12,7 +12,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
+from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.service import ArtifactService
+from proxy.artifacts.uploads import Uploads
 from proxy.config import Config
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.store.repository import Repository
@@ -33,6 +35,8 @@ class AppState:
     symbols: SymbolResolver
     symbolize_metrics: SymbolizeMetrics
     tenancy: Tenancy
+    catalogue: Catalogue
+    uploads: Uploads
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)

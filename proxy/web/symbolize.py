@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import get_args
 
 from aiohttp import web
 
-from proxy.config import SymbolizeConfig
-from proxy.errors import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from proxy.config import Fallback, SymbolizeConfig, TenantConfig
+from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
-from symbolize.pipeline import Limits, Symbolized, symbolize_profile
+from symbolize import fallback
+from symbolize.pipeline import Limits, Symbolized, SymbolProvider, Work, symbolize_profile
 from symbolize.rewrite import Report
 
 ACCEPTED_TYPES = ("application/octet-stream", "application/x-protobuf",
                   "application/vnd.google.protobuf", "")
 
 
-async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     # read(n) returns what is buffered, not n bytes: read to the end, stopping past the limit.
@@ -43,7 +47,7 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     return b"".join(chunks)
 
 
-def _headers(report: Report, state: str) -> dict[str, str]:
+def report_headers(report: Report, state: str) -> dict[str, str]:
     def fmt(counts: Counter[str]) -> str:
         return ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
 
@@ -56,14 +60,41 @@ def _headers(report: Report, state: str) -> dict[str, str]:
     }
 
 
+# A format's whole symbolization: the request's body in, the answer's and the report out.
+Run = Callable[[bytes, SymbolProvider, Limits, Work], Awaitable[tuple[bytes, Symbolized]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """What one kind of profile is sent as, and how it goes through the pipeline."""
+
+    accepted: tuple[str, ...]  # Content-Types
+    content_type: str  # of the answer
+    hint: str  # what to send, for a 415
+    run: Run
+
+
+async def _pprof(body: bytes, provider: SymbolProvider, limits: Limits, work: Work
+                 ) -> tuple[bytes, Symbolized]:
+    done = await symbolize_profile(body, provider, limits, work)
+    return done.body, done
+
+
+PPROF = Format(ACCEPTED_TYPES, "application/octet-stream",
+               "a pprof profile as application/octet-stream or application/x-protobuf", _pprof)
+
+
 async def symbolize(request: web.Request) -> web.Response:
+    return await symbolize_as(request, PPROF)
+
+
+async def symbolize_as(request: web.Request, fmt: Format) -> web.Response:
     state = request.app[STATE]
     annotate(request, endpoint="symbolize")
     cfg = state.config.symbolize
     ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if ctype not in ACCEPTED_TYPES:
-        raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send a pprof profile "
-                                   "as application/octet-stream or application/x-protobuf")
+    if ctype not in fmt.accepted:
+        raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send {fmt.hint}")
     # Admitted before the body is read: a full server answers 429 at once, and holds only the
     # bodies of the profiles it admitted. A worker slot is taken only once the body is in.
     tenant = state.tenancy.tenant_of(request)
@@ -71,25 +102,39 @@ async def symbolize(request: web.Request) -> web.Response:
     annotate(request, tenant=tenant or None)
     if not cfg.enabled or (settings is not None and not settings.symbolize):
         # Passed through untouched: no work, so no place among the admitted to take.
-        body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
         annotate(request, outcome="disabled")
-        return web.Response(body=body, content_type="application/octet-stream",
+        return web.Response(body=body, content_type=fmt.content_type,
                             headers={"X-Symgate-Symbolize": "disabled"})
+    limits = replace(limits_of(cfg), fallback=fallback_of(request, cfg, settings))
     async with state.symbols.workers.admitted() as take_slot:
-        body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
         async with take_slot():
-            done = await symbolize_profile(body, state.symbols.provider(req), limits_of(cfg),
-                                           state.symbols.workers)
-    _count(state, done)
-    result = "symbolized" if done.changed else "unchanged"
+            answer, done = await fmt.run(body, state.symbols.provider(req), limits,
+                                         state.symbols.workers)
+    count(state, done)
+    result = "symbolized" if done.changed else \
+        "named" if done.report.locations_unresolved[fallback.NAMED] else "unchanged"
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
              locations_symbolized=done.report.locations_symbolized)
     # Nothing filled in: the client gets its own bytes back, untouched.
-    return web.Response(body=done.body, content_type="application/octet-stream",
-                        headers=_headers(done.report, result))
+    return web.Response(body=answer, content_type=fmt.content_type,
+                        headers=report_headers(done.report, result))
+
+
+def fallback_of(request: web.Request, cfg: SymbolizeConfig, settings: TenantConfig | None
+              ) -> bool:
+    """Whether frames left unsymbolized are named `module+0xoffset`: the request's
+    ?fallback=, else its tenant's setting, else the global one."""
+    asked = request.query.getall("fallback", [])
+    if len(asked) > 1 or (asked and asked[0] not in get_args(Fallback)):
+        raise InvalidRequest(f"fallback must be one of {', '.join(get_args(Fallback))}")
+    chosen = asked[0] if asked else (settings.fallback if settings is not None
+                                     and settings.fallback is not None else cfg.fallback)
+    return chosen == fallback.MODULE_OFFSET
 
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
@@ -101,7 +146,7 @@ def limits_of(cfg: SymbolizeConfig) -> Limits:
                   max_profile_samples=cfg.max_profile_samples or None)
 
 
-def _count(state: AppState, done: Symbolized) -> None:
+def count(state: AppState, done: Symbolized) -> None:
     m = state.symbolize_metrics
     report = done.report
     if report.mappings_symbolized:

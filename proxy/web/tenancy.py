@@ -30,6 +30,7 @@ class Tenancy:
         self._tokens = [(token.encode(), name) for name, t in config.tenants.items()
                         for token in t.tokens]
         self._needs_token = {name for name, t in config.tenants.items() if t.tokens}
+        self._admin_tokens = [token.encode() for token in config.upload.admin_tokens]
 
     @property
     def shared_sources(self) -> tuple[Source, ...]:
@@ -42,24 +43,39 @@ class Tenancy:
         """The tenant the request is for, "" for none; Unauthorized, InvalidRequest."""
         if not self._tokens and "X-Scope-OrgID" not in request.headers:
             return ""  # the common case of a site without tenants, at no cost
-        given = request.headers.getall("X-Scope-OrgID", [])
-        if len(given) > 1:  # a gateway that appends rather than replaces: trust neither
-            raise InvalidRequest("more than one X-Scope-OrgID")
-        claimed = given[0].strip() if given else ""
-        if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed):
-            raise InvalidRequest("invalid X-Scope-OrgID")
-        if self._tokens:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                owner = self._owner_of(token.strip())
-                if owner is None:
-                    raise Unauthorized("unknown bearer token")
-                if claimed and claimed != owner:
-                    raise Unauthorized("the bearer token is not X-Scope-OrgID's")
-                return owner
+        claimed = _claimed(request)
+        if self._tokens and (token := _bearer(request)):
+            if self._is_admin(token):
+                return claimed  # an admin may act for any tenant
+            return self._owner(token, claimed)
         if claimed in self._needs_token:
             raise Unauthorized(f"tenant {claimed!r} needs its bearer token")
         return claimed
+
+    def uploader(self, request: web.BaseRequest) -> str:
+        """The scope an upload (or its deletion) acts on: its token's tenant, or with an
+        admin token the tenant X-Scope-OrgID names, else the shared scope. Unauthorized
+        without a token: X-Scope-OrgID alone proves nothing to write with."""
+        token = _bearer(request)
+        if not token:
+            raise Unauthorized("uploads need a tenant's or an admin's bearer token")
+        claimed = _claimed(request)
+        if self._is_admin(token):
+            return claimed
+        return self._owner(token, claimed)
+
+    def _owner(self, token: str, claimed: str) -> str:
+        owner = self._owner_of(token)
+        if owner is None:
+            raise Unauthorized("unknown bearer token")
+        if claimed and claimed != owner:
+            raise Unauthorized("the bearer token is not X-Scope-OrgID's")
+        return owner
+
+    def _is_admin(self, token: str) -> bool:
+        given = token.encode()
+        # Every one compared, in constant time, as for tenants' tokens.
+        return sum(hmac.compare_digest(given, admin) for admin in self._admin_tokens) > 0
 
     def _owner_of(self, token: str) -> str | None:
         """Compared with every token, in constant time: a mismatch tells nothing of where."""
@@ -78,3 +94,19 @@ class Tenancy:
         # A list of global sources only keeps the shared scope: one fetch serves everyone.
         scope = tenant if any(s.scope == tenant for s in own) else SHARED
         return RequestScope(tenant, scope, own, hop, may_fetch)
+
+
+def _claimed(request: web.BaseRequest) -> str:
+    """The tenant X-Scope-OrgID names, "" for none; InvalidRequest for a bad one."""
+    given = request.headers.getall("X-Scope-OrgID", [])
+    if len(given) > 1:  # a gateway that appends rather than replaces: trust neither
+        raise InvalidRequest("more than one X-Scope-OrgID")
+    claimed = given[0].strip() if given else ""
+    if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed):
+        raise InvalidRequest("invalid X-Scope-OrgID")
+    return claimed
+
+
+def _bearer(request: web.BaseRequest) -> str:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

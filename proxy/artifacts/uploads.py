@@ -1,0 +1,199 @@
+"""Uploads: a site's own debug files, put by PUT /buildid/ID/debuginfo|executable.
+
+An upload is checked (its build-ID note must be the one in the URL), committed like a fetched
+file (fsync, rename, row, sha256) into its uploader's scope, and pinned: never evicted, not
+counted against cache.max_bytes but against upload.max_bytes. Its symbol table is built as for
+any committed file, and remembered misses of its key are forgotten, so the next request finds it.
+
+Every process on the data dir commits and removes uploads under one flock (cache/uploads.lock):
+concurrent PUTs of one key end with one whole file and its own row, and the budget is judged
+from SQL with no other upload between the check and the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from proxy.artifacts.index import key_hash
+from proxy.artifacts.service import ArtifactService
+from proxy.config import UploadConfig
+from proxy.errors import (
+    Conflict,
+    InsufficientStorage,
+    NotFound,
+    OutOfResources,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnprocessableUpload,
+    UploadBudgetFull,
+)
+from proxy.health import DISK
+from proxy.keys import ArtifactKey
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository
+from symbolize.elf import build_id_of_file
+
+log = logging.getLogger(__name__)
+UPSTREAM = "upload"  # what the artifact's row names as where it came from
+
+
+@dataclass(frozen=True, slots=True)
+class Uploaded:
+    size: int
+    sha256: str
+    created: bool  # False: the very same file was uploaded before
+
+
+class Uploads:
+    def __init__(self, service: ArtifactService, repo: Repository, config: UploadConfig
+                 ) -> None:
+        self._service = service
+        self._cache = service.cache
+        self._repo = repo
+        self._config = config
+
+    async def put(self, scope: str, key: ArtifactKey, body: AsyncIterator[bytes],
+                  announced: int | None, filename: str, ima_signature: str | None
+                  ) -> Uploaded:
+        limit = self._config.max_file_bytes
+        if announced is not None and announced > limit:
+            raise PayloadTooLarge(f"{announced} bytes; uploads are at most {limit} "
+                                  "(upload.max_file_bytes)")
+        if announced is not None:
+            await self._check_budget(scope, key, announced)
+        temp, fd = self._new_temp()
+        try:
+            size, digest = await self._receive(body, fd, limit)
+            found = await asyncio.to_thread(build_id_of_file, temp)
+            if found != key.build_id:
+                raise UnprocessableUpload(
+                    f"the file's build ID is {found}, not {key.build_id}" if found
+                    else "not an ELF file with a GNU build-ID note")
+            lock = await asyncio.to_thread(self._cache.store.upload_lock)
+            try:
+                return await self._commit(scope, key, temp, fd, size, digest, filename,
+                                          ima_signature)
+            finally:
+                os.close(lock)
+        finally:
+            os.close(fd)
+            temp.unlink(missing_ok=True)  # gone already once committed
+
+    async def _receive(self, body: AsyncIterator[bytes], fd: int, limit: int
+                       ) -> tuple[int, str]:
+        """The body written to `fd`: its size and sha256. A client slower than
+        upload.body_timeout_s is cut off (408); one that sends more than it may, at once (413)."""
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            async with asyncio.timeout(self._config.body_timeout_s or None):
+                async for chunk in body:
+                    if size + len(chunk) > limit:
+                        raise PayloadTooLarge(f"more than {limit} bytes; uploads are at most "
+                                              f"{limit} (upload.max_file_bytes)")
+                    self._write(fd, chunk, size)
+                    digest.update(chunk)
+                    size += len(chunk)
+        except TimeoutError:
+            raise RequestTimeout(f"the upload did not arrive within "
+                                 f"{self._config.body_timeout_s:g} s") from None
+        return size, digest.hexdigest()
+
+    async def _commit(self, scope: str, key: ArtifactKey, temp: Path, fd: int, size: int,
+                      digest: str, filename: str, ima_signature: str | None) -> Uploaded:
+        old = await self._check_budget(scope, key, size, digest)
+        if old is not None and old.pinned:
+            return Uploaded(size, digest, created=False)  # the same file again: done
+        if await self._cache.get(scope, key) is not None:
+            # A download of the same ID in this scope: the upload takes its place.
+            await self._cache.remove(scope, key)
+        try:
+            await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
+        except OSError as e:
+            raise self._os_failure(e) from e
+        now = datetime.now(UTC)
+        await self._cache.add(ArtifactRecord(
+            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
+            kind=str(key.kind), size=size, sha256=digest, upstream=UPSTREAM, filename=filename,
+            archive=None, fetched_at=now, last_access=now, hits=0,
+            ima_signature=ima_signature, pinned=True))
+        await self._forget_misses(scope, key)
+        for listener in self._service.committed:
+            listener(scope, key)
+        log.info("upload of %s into %s: %d bytes", key.id, scope or "the shared scope", size)
+        return Uploaded(size, digest, created=True)
+
+    async def _check_budget(self, scope: str, key: ArtifactKey, size: int,
+                            digest: str | None = None) -> ArtifactRecord | None:
+        """UploadBudgetFull unless `size` more bytes fit upload.max_bytes, counting every
+        process's uploads (from SQL) less the upload of this key it would replace; Conflict
+        when that upload is another file than `digest` says. The row of this key and scope,
+        if any."""
+        try:
+            _, total = await self._repo.totals(pinned=True)
+            old = await self._repo.get_artifact(key_hash(scope, key))
+        except DATABASE_ERRORS as e:
+            self._cache.sql_failed("judging the upload budget", e)
+            raise OutOfResources("the database cannot be reached to judge the upload "
+                                 "budget; retry later") from e
+        replaced = old.size if old is not None and old.pinned else 0
+        if replaced and digest is not None and old is not None and old.sha256 != digest:
+            # Serving processes keep small files' bytes in memory by key: a different file
+            # under the same key would leave some answering with the old one.
+            raise Conflict(f"a different upload of {key.id} is here; DELETE it first")
+        if total - replaced + size > self._config.max_bytes:
+            raise UploadBudgetFull(
+                f"uploads hold {total} bytes of upload.max_bytes {self._config.max_bytes}; "
+                f"{size} more do not fit: delete uploads first")
+        return old
+
+    async def _forget_misses(self, scope: str, key: ArtifactKey) -> None:
+        try:
+            await self._repo.delete_negatives_of_key(key.id)
+        except DATABASE_ERRORS as e:  # the misses then expire by themselves
+            self._cache.sql_failed("forgetting remembered misses of an upload", e)
+        for s in {scope, ""}:
+            self._service.misses.forget(s, key)
+
+    async def delete(self, scope: str, key: ArtifactKey) -> None:
+        """Remove the upload of `key` in `scope`; NotFound when there is none (a downloaded
+        file is the cache's to evict, not an uploader's to delete)."""
+        lock = await asyncio.to_thread(self._cache.store.upload_lock)
+        try:
+            cached = self._cache.peek(scope, key) or await self._cache.get(scope, key)
+            if cached is None or not cached.record.pinned:
+                raise NotFound(f"no upload of {key.id} here")
+            await self._cache.remove(scope, key)
+        finally:
+            os.close(lock)
+
+    def _new_temp(self) -> tuple[Path, int]:
+        try:
+            return self._cache.store.new_temp()
+        except OSError as e:
+            raise self._os_failure(e) from e
+
+    def _write(self, fd: int, chunk: bytes, offset: int) -> None:
+        view = memoryview(chunk)
+        try:
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise self._os_failure(e) from e
+
+    def _os_failure(self, error: OSError) -> Exception:
+        """A full disk is a 507 (and /healthz says so); no descriptor left, a 503."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._cache.health.fail(DISK, f"no space left for an upload ({error})")
+            return InsufficientStorage("insufficient storage: the cache's disk is full")
+        if error.errno in (errno.EMFILE, errno.ENFILE):
+            return OutOfResources("the server is out of file descriptors; retry later")
+        return error

@@ -1,0 +1,145 @@
+"""`symgate upload FILE|DIR...`: put a site's own debug files on a symgate.
+
+Each ELF file is known by its build-ID note and uploaded as what it can serve as (a debug file
+as debuginfo, a program or library with code as executable, an unstripped one as both). The
+server is asked first (HEAD, only from its cache) whether it has each one already, so running
+the same command again sends nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from proxy import __version__
+from proxy.keys import Kind
+from proxy.sources.localdir import classify
+from proxy.tools.prefetch import progress_bar
+
+CHUNK = 256 * 1024
+UPLOADED, PRESENT, FAILED = "uploaded", "already there", "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    path: Path
+    build_id: str
+    kind: Kind
+    size: int
+
+
+@dataclass
+class Summary:
+    files: int = 0
+    results: dict[Item, str] = field(default_factory=dict)  # UPLOADED, PRESENT, or why failed
+    sent: int = 0
+    skipped: list[str] = field(default_factory=list)  # given files that are not ELF with an ID
+
+    def counts(self) -> Counter[str]:
+        return Counter(r if r in (UPLOADED, PRESENT) else FAILED for r in self.results.values())
+
+
+def find_items(paths: Iterable[Path], summary: Summary) -> list[Item]:
+    """Every (build ID, kind) the given files and the files under the given directories can
+    serve, once each, in the order found. Files given by name that cannot serve as anything
+    go to summary.skipped; such files met in a directory walk are passed over."""
+    items: dict[tuple[str, Kind], Item] = {}
+
+    def add(path: Path, named: bool) -> None:
+        build_id, kinds = classify(path)
+        if build_id is None or not kinds:
+            if named:
+                summary.skipped.append(f"{path}: not an ELF file with a GNU build-ID note")
+            return
+        summary.files += 1
+        size = path.stat().st_size
+        for kind in kinds:
+            items.setdefault((build_id, kind), Item(path, build_id, kind, size))
+
+    for root in paths:
+        if root.is_dir():
+            for dirpath, dirs, names in os.walk(root):
+                dirs.sort()
+                for name in sorted(names):
+                    p = Path(dirpath) / name
+                    if p.is_file() and not p.is_symlink():
+                        add(p, named=False)
+        elif root.is_file():
+            add(root, named=True)
+        else:
+            summary.skipped.append(f"{root}: no such file or directory")
+    return list(items.values())
+
+
+async def upload(server: str, token: str, tenant: str | None, items: list[Item],
+                 concurrency: int, summary: Summary,
+                 progress: Callable[[Summary, int], None]) -> None:
+    headers = {"User-Agent": f"symgate-upload/{__version__}", "Authorization": f"Bearer {token}"}
+    if tenant:
+        headers["X-Scope-OrgID"] = tenant
+    limit = asyncio.Semaphore(concurrency)
+    base = server.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+
+        async def one(item: Item) -> None:
+            url = f"{base}/buildid/{item.build_id}/{item.kind}"
+            async with limit:
+                try:
+                    summary.results[item] = await _one(session, url, item, summary, progress,
+                                                       len(items))
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    summary.results[item] = f"{type(e).__name__}: {e}"
+            progress(summary, len(items))
+
+        await asyncio.gather(*(one(i) for i in items))
+
+
+async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Summary,
+               progress: Callable[[Summary, int], None], total: int) -> str:
+    # Only from its cache: a HEAD that made it fetch from its upstreams would cost a download.
+    async with session.head(url, headers={"Cache-Control": "only-if-cached"}) as r:
+        if r.status == 200:
+            return PRESENT
+        if r.status in (400, 401):
+            return f"HEAD {r.status}: {r.headers.get('WWW-Authenticate', '') or 'refused'}"
+
+    async def body() -> AsyncIterator[bytes]:
+        with item.path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                summary.sent += len(chunk)
+                progress(summary, total)
+                yield chunk
+
+    async with session.put(url, data=body(), headers={
+            "Content-Length": str(item.size), "Content-Type": "application/octet-stream",
+            "X-DEBUGINFOD-FILE": item.path.name}) as r:
+        text = (await r.text()).strip()
+        if r.status == 201:
+            return UPLOADED
+        if r.status == 200:
+            return PRESENT  # the very same file was there
+        return f"{r.status}: {text[:200]}"
+
+
+def terminal_progress(summary: Summary, total: int) -> None:
+    c = summary.counts()
+    progress_bar(len(summary.results), total, f"uploaded={c[UPLOADED]} there={c[PRESENT]} "
+                 f"failed={c[FAILED]}  {summary.sent / 1e6:.1f} MB sent")
+
+
+def report(summary: Summary) -> str:
+    c = summary.counts()
+    lines = [f"{len(summary.results)} artifacts from {summary.files} files: {c[UPLOADED]} "
+             f"uploaded, {c[PRESENT]} already there, {c[FAILED]} failed; "
+             f"{summary.sent} bytes sent"]
+    lines += [f"  {i.build_id} {i.kind} ({i.path}): {why}"
+              for i, why in summary.results.items() if why not in (UPLOADED, PRESENT)]
+    lines += [f"  skipped {s}" for s in summary.skipped]
+    return "\n".join(lines) + "\n"

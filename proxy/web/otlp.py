@@ -1,0 +1,41 @@
+"""POST /symbolize/otlp: an OpenTelemetry ExportProfilesServiceRequest (protobuf) in, the same
+request out with native frames' functions, lines and inline frames filled in, by the pipeline
+that symbolizes pprof profiles (symbolize.otlp converts between the two)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from proxy.web.symbolize import Format, symbolize_as
+from symbolize import otlp
+from symbolize.pipeline import Limits, Symbolized, SymbolProvider, Work, symbolize_profile
+
+OTLP_TYPES = ("application/x-protobuf", "application/octet-stream", "")
+
+
+async def _run(body: bytes, provider: SymbolProvider, limits: Limits, work: Work
+               ) -> tuple[bytes, Symbolized]:
+    # The conversions are Python loops over the request's tables: off the event loop.
+    converted = await asyncio.to_thread(otlp.decode, body, limits.max_profile_locations)
+    done = await symbolize_profile(converted.pprof, provider, limits, work)
+    if done.body is converted.pprof:  # nothing filled in: the request's own bytes
+        return body, done
+
+    def back() -> bytes:
+        otlp.from_pprof(converted.request, done.body)
+        return converted.request.SerializeToString()
+
+    return await asyncio.to_thread(back), done
+
+
+OTLP = Format(OTLP_TYPES, "application/x-protobuf",
+              "an OTLP ExportProfilesServiceRequest as application/x-protobuf (OTLP/JSON is "
+              "not taken)", _run)
+
+
+async def symbolize_otlp(request: web.Request) -> web.Response:
+    response = await symbolize_as(request, OTLP)
+    response.enable_compression()  # as the client accepts: OTLP/HTTP's gzip
+    return response

@@ -1,0 +1,141 @@
+"""Names for frames that cannot be symbolized, on request: `libfoo.so+0x1a2b`.
+
+A location left without lines (no build ID, no debug info anywhere, a stripped file) is given
+one line whose function is its mapping's file name and the address's offset in that file (an
+ELF-relative address, in a mapping without a range, is taken as it is): the same across runs
+and address-space layouts, so profiles aggregate by it. The mapping keeps
+has_functions false, so a later pass (once debug info exists) still symbolizes it: such names
+are recognised and taken away again before a rewrite (`strip`), and never stand in its way.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+from .pprof import varint
+from .pprof.columns import location_columns
+from .pprof.profile_pb2 import Location
+from .pprof.profile_raw_pb2 import RawProfile
+
+MODULE_OFFSET = "module-offset"
+# The count of named locations, among the unresolved ones of the report.
+NAMED = "module_offset"
+_NAME = re.compile(r"(.+)\+0x[0-9a-f]+")
+# Pages the kernel maps into every process: the same code at the same offsets each run.
+_KERNEL_FILES = ("[vdso]", "[vsyscall]")
+_LINE = 0x22  # Location.line: field 4, length-delimited
+
+
+def _module(profile: RawProfile, filename_index: int) -> str:
+    """What a mapping's frames are named after: its file's base name, "" for memory that is
+    no file (heap, stack, anonymous or JIT memory), whose offsets mean nothing across runs."""
+    strings = profile.string_table
+    name = strings[filename_index] if 0 < filename_index < len(strings) else ""
+    if name in _KERNEL_FILES:
+        return name
+    if not name or name.startswith(("[", "//anon", "memfd:", "/memfd:")):
+        return ""
+    return posixpath.basename(name)
+
+
+def _named_functions(profile: RawProfile) -> dict[int, str]:
+    """Function id -> the module it names, for functions this module wrote."""
+    strings = profile.string_table
+    out: dict[int, str] = {}
+    for f in profile.function:
+        if not (0 < f.name < len(strings)) or f.system_name != f.name or f.filename:
+            continue
+        if m := _NAME.fullmatch(strings[f.name]):
+            out[f.id] = m.group(1)
+    return out
+
+
+def strip(profile: RawProfile, mapping_ids: Iterable[int]) -> int:
+    """Take the names this module gave back off the locations of these mappings (which are
+    about to be symbolized), so that the rewrite sees them as it saw them before. The
+    locations stripped."""
+    ids = set(mapping_ids)
+    unsymbolized = {m.id: _module(profile, m.filename) for m in profile.mapping
+                    if m.id in ids and not m.has_functions}
+    if not unsymbolized or not profile.function:
+        return 0
+    named = _named_functions(profile)
+    if not named:
+        return 0
+    encoded = list(profile.location)
+    columns = location_columns(encoded)
+    candidates = np.flatnonzero(columns.has_lines & np.isin(
+        columns.mapping_id, np.array(list(unsymbolized), dtype=np.uint64)))
+    stripped = 0
+    for i in candidates.tolist():
+        loc = Location.FromString(encoded[i])
+        module = unsymbolized[loc.mapping_id]
+        if module and loc.line and all(named.get(ln.function_id) == module for ln in loc.line):
+            loc.ClearField("line")
+            encoded[i] = loc.SerializeToString()
+            stripped += 1
+    if stripped:
+        _replace(profile, encoded)
+    return stripped
+
+
+def fill(profile: RawProfile) -> int:
+    """Give every location without lines, of a mapping without functions that names a file,
+    its `module+0xoffset` function. The locations named."""
+    modules = {m.id: (_module(profile, m.filename), m) for m in profile.mapping
+               if not m.has_functions}
+    modules = {mid: v for mid, v in modules.items() if v[0]}
+    if not modules:
+        return 0
+    encoded = list(profile.location)
+    columns = location_columns(encoded)
+    wanted = np.flatnonzero(~columns.has_lines & np.isin(
+        columns.mapping_id, np.array(list(modules), dtype=np.uint64)))
+    if not len(wanted):
+        return 0
+    names: list[tuple[int, str]] = []
+    for i, mid, address in zip(wanted.tolist(), columns.mapping_id[wanted].tolist(),
+                               columns.address[wanted].tolist(), strict=True):
+        module, m = modules[mid]
+        if m.memory_limit > m.memory_start and not m.memory_start <= address < m.memory_limit:
+            continue  # not in its mapping: no offset to name it by
+        names.append((i, f"{module}+0x{address - m.memory_start + m.file_offset:x}"))
+    ids = _function_ids(profile, (name for _i, name in names))
+    for i, name in names:
+        line = varint.encode_one(1 << 3) + varint.encode_one(ids[name])  # Line.function_id
+        encoded[i] += bytes([_LINE]) + varint.encode_one(len(line)) + line
+    if names:
+        _replace(profile, encoded)
+    return len(names)
+
+
+def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
+    """A Function for each name (name and system_name alike, no file), the profile's own where
+    it has one already (a profile named before), else new ones after its highest id."""
+    strings = profile.string_table
+    if not strings:
+        strings.append("")
+    index = {s: i for i, s in reversed(list(enumerate(strings)))}
+    own = {(f.name, f.system_name, f.filename): f.id for f in profile.function}
+    next_id = max((f.id for f in profile.function), default=0) + 1
+    ids: dict[str, int] = {}
+    for name in dict.fromkeys(names):
+        if name not in index:
+            index[name] = len(strings)
+            strings.append(name)
+        key = (index[name], index[name], 0)
+        if key not in own:
+            f = profile.function.add(id=next_id, name=index[name], system_name=index[name])
+            own[key] = f.id
+            next_id += 1
+        ids[name] = own[key]
+    return ids
+
+
+def _replace(profile: RawProfile, encoded: list[bytes]) -> None:
+    del profile.location[:]
+    profile.location.extend(encoded)

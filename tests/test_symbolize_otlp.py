@@ -1,0 +1,235 @@
+"""POST /symbolize/otlp: OpenTelemetry profiles (ExportProfilesServiceRequest) made from live
+processes, as the eBPF profiler reports them (ELF virtual addresses, build IDs as mapping
+attributes) and with runtime addresses, symbolized by the pprof pipeline and scored against
+llvm-symbolizer. Everything that is not a native frame's lines comes back as it was sent."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import (
+    ExportProfilesServiceRequest,
+)
+from opentelemetry.proto.profiles.v1development.profiles_pb2 import (
+    ProfilesDictionary,
+)
+
+from symbolize.elf import LoadSegment, layout_of_file
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, Symgate, SymgateFactory
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions
+from tests.profiles import Expected, code_addresses, llvm_symbolize, symbol_aliases
+from tests.symbolize_helpers import same_frames, symbolize_config
+
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
+def _text(path: Path) -> LoadSegment:
+    layout = layout_of_file(path)
+    assert layout is not None
+    return next(s for s in layout.segments if s.executable)
+
+
+def _maps(pid: int, name: str) -> tuple[int, int, int]:
+    """(start, end, file offset) of the executable mapping of `name` in live process `pid`."""
+    for _ in range(500):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            if " r-xp " in line and line.rstrip().endswith(name):
+                addresses, _perms, offset = line.split()[:3]
+                start, end = (int(a, 16) for a in addresses.split("-"))
+                return start, end, int(offset, 16)
+        subprocess.run(["sleep", "0.01"], check=True)
+    raise AssertionError(f"{name} is not mapped in {pid}")
+
+
+@pytest.fixture
+def live_prog(elfs: ElfSet) -> Iterator[dict[str, tuple[int, int, int]]]:
+    """The gcc-built program, running: where it and libc are mapped."""
+    proc = subprocess.Popen([str(elfs.prog.executable), "2000000000"], stdout=subprocess.DEVNULL)
+    try:
+        yield {"prog": _maps(proc.pid, "/" + elfs.prog.executable.name),
+               "libc": _maps(proc.pid, "libc.so.6")}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class Builder:
+    """An ExportProfilesServiceRequest as the OpenTelemetry eBPF profiler sends one."""
+
+    def __init__(self) -> None:
+        self.request = ExportProfilesServiceRequest()
+        self.d: ProfilesDictionary = self.request.dictionary
+        for table in (self.d.mapping_table, self.d.location_table, self.d.function_table,
+                      self.d.attribute_table, self.d.stack_table):
+            table.add()  # entry 0 of every table is the empty one
+        self.d.string_table.append("")
+        self.stack: list[int] = []
+
+    def string(self, s: str) -> int:
+        self.d.string_table.append(s)
+        return len(self.d.string_table) - 1
+
+    def attribute(self, key: str, value: str) -> int:
+        a = self.d.attribute_table.add(key_strindex=self.string(key))
+        a.value.string_value = value
+        return len(self.d.attribute_table) - 1
+
+    def mapping(self, path: Path, build_id: str, where: tuple[int, int, int]) -> int:
+        self.d.mapping_table.add(
+            memory_start=where[0], memory_limit=where[1], file_offset=where[2],
+            filename_strindex=self.string(str(path)),
+            attribute_indices=[self.attribute("process.executable.build_id.gnu", build_id)])
+        return len(self.d.mapping_table) - 1
+
+    def location(self, mapping: int, address: int, frame_type: str = "native") -> int:
+        self.d.location_table.add(mapping_index=mapping, address=address, attribute_indices=[
+            self.attribute("profile.frame.type", frame_type)])
+        self.stack.append(len(self.d.location_table) - 1)
+        return self.stack[-1]
+
+    def finish(self) -> ExportProfilesServiceRequest:
+        self.d.stack_table.add(location_indices=self.stack)
+        profile = self.request.resource_profiles.add().scope_profiles.add().profiles.add()
+        profile.sample_type.type_strindex = self.string("samples")
+        profile.sample_type.unit_strindex = self.string("count")
+        profile.samples.add(stack_index=1, values=[7], timestamps_unix_nano=[123])
+        return self.request
+
+
+def _frames(r: ExportProfilesServiceRequest, index: int) -> list[Expected]:
+    d = r.dictionary
+    s = d.string_table
+    return [Expected(s[d.function_table[ln.function_index].name_strindex],
+                     s[d.function_table[ln.function_index].system_name_strindex],
+                     s[d.function_table[ln.function_index].filename_strindex], ln.line)
+            for ln in d.location_table[index].lines]
+
+
+async def _post(sg: Symgate, body: bytes, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    return await sg.request("POST", "/symbolize/otlp", data=body, headers={**PROTOBUF, **headers})
+
+
+@pytest.mark.parametrize("runtime", [False, True], ids=["elf-relative", "runtime-addresses"])
+async def test_otlp_from_a_live_process_matches_llvm_symbolizer(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+    live_prog: dict[str, tuple[int, int, int]], runtime: bool,
+) -> None:
+    debug_dirs = (Path("/usr/lib/debug"),) if LIBC_DEBUG.exists() else ()
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(debug_dirs=debug_dirs))
+    prog = elfs.prog
+    b = Builder()
+    placed = {"prog": (prog.executable, prog.build_id), "libc": (LIBC, LIBC_ID)}
+    where = {name: b.mapping(path, bid, live_prog[name]) for name, (path, bid) in placed.items()}
+
+    def address(name: str, vaddr: int) -> int:
+        if not runtime:
+            return vaddr  # as the eBPF profiler reports native frames
+        start, _end, offset = live_prog[name]
+        text = _text(placed[name][0])
+        return start + vaddr - text.vaddr + text.offset - offset
+
+    prog_vaddrs = code_addresses(prog)
+    at = {v: b.location(where["prog"], address("prog", v)) for v in prog_vaddrs}
+    libc_vaddrs = libc_functions(300) if LIBC_DEBUG.exists() else []
+    libc_at = {v: b.location(where["libc"], address("libc", v)) for v in libc_vaddrs}
+    python = b.location(0, 0, "python")
+    fn = b.d.function_table.add(name_strindex=b.string("handler"),
+                                filename_strindex=b.string("app.py"))
+    b.d.location_table[python].lines.add(function_index=len(b.d.function_table) - 1, line=42)
+    assert fn is not None
+    sent = b.finish()
+    status, headers, body = await _post(sg, gzip.compress(sent.SerializeToString()),
+                                        **{"Content-Encoding": "gzip"})
+    assert status == 200, body
+    assert headers["X-Symgate-Symbolize"] == "symbolized"
+    got = ExportProfilesServiceRequest.FromString(body)
+
+    expected = llvm_symbolize(prog.debug, prog_vaddrs)
+    assert len(expected) > 20
+    wrong = [(hex(v), _frames(got, at[v]), want) for v, want in expected.items()
+             if not same_frames(_frames(got, at[v]), want)]
+    assert not wrong, wrong[:5]
+    if libc_vaddrs:
+        aliases = symbol_aliases(LIBC_DEBUG)
+        for v, want in llvm_symbolize(LIBC_DEBUG, libc_vaddrs).items():
+            names = [f.function for f in _frames(got, libc_at[v])]
+            llvm = [f.function for f in want]
+            assert names[:-1] == llvm[:-1] and (
+                names[-1] == llvm[-1] or names[-1] in aliases.get(llvm[-1], set())), (
+                hex(v), names, llvm)
+    # What is not a native frame's lines is what was sent.
+    assert _frames(got, python) == [Expected("handler", "", "app.py", 42)]
+    assert got.resource_profiles == sent.resource_profiles
+    assert got.dictionary.stack_table == sent.dictionary.stack_table
+    assert got.dictionary.mapping_table == sent.dictionary.mapping_table
+    assert got.dictionary.attribute_table == sent.dictionary.attribute_table
+    assert got.dictionary.string_table[:len(sent.dictionary.string_table)] == \
+        sent.dictionary.string_table
+    assert [loc.address for loc in got.dictionary.location_table] == \
+        [loc.address for loc in sent.dictionary.location_table]
+
+
+async def test_an_otlp_request_with_nothing_to_fill_comes_back_byte_for_byte(
+    start_symgate: SymgateFactory, elfs: ElfSet,
+) -> None:
+    sg = await start_symgate([], symbolize=symbolize_config())
+    b = Builder()
+    m = b.mapping(elfs.prog.executable, elfs.prog.build_id, (0x5500000000, 0x5500010000, 0))
+    b.location(m, 0x1139)
+    body = b.finish().SerializeToString()
+    status, headers, out = await _post(sg, body)
+    assert status == 200 and out == body
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "not_found=1"
+    # On request, the frame is named by its file offset, as in pprof profiles.
+    status, headers, out = await sg.request("POST", "/symbolize/otlp?fallback=module-offset",
+                                            data=body, headers=PROTOBUF)
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "named"
+    named = ExportProfilesServiceRequest.FromString(out)
+    assert [f.function for f in _frames(named, 1)] == [f"{elfs.prog.executable.name}+0x1139"]
+
+
+async def test_mappings_with_no_native_frame_to_fill_cost_no_fetch(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+) -> None:
+    """A kernel mapping with a build ID, reached only by kernel frames: nothing to fetch."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    b = Builder()
+    kernel = b.mapping(Path("/vmlinux"), elfs.other.build_id, (0, 0, 0))
+    b.location(kernel, 0x1139, "kernel")
+    body = b.finish().SerializeToString()
+    status, headers, out = await _post(sg, body)
+    assert status == 200 and out == body
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "has_functions=1"
+    asked = {k: v for k, v in (await sg.metrics()).items()
+             if k[0] == "symgate_upstream_requests_total"}
+    assert asked and sum(asked.values()) == 0, asked
+
+
+async def test_hostile_otlp_requests_get_their_precise_status(
+    start_symgate: SymgateFactory, elfs: ElfSet,
+) -> None:
+    sg = await start_symgate([], symbolize=symbolize_config(max_profile_locations=3,
+                                                            max_request_bytes=64 * 1024))
+    assert (await _post(sg, bytes(64 * 1024 + 1)))[0] == 413
+    b = Builder()
+    m = b.mapping(elfs.prog.executable, elfs.prog.build_id, (0, 0, 0))
+    for a in range(4):
+        b.location(m, 0x1139 + a)
+    too_many = b.finish().SerializeToString()
+    assert (await _post(sg, too_many))[0] == 422
+    assert (await _post(sg, b"\xff\xff\xff not protobuf"))[0] == 400
+    assert (await _post(sg, b""))[0] == 400
+    status, _, _ = await sg.request("POST", "/symbolize/otlp", data=b"{}",
+                                    headers={"Content-Type": "application/json"})
+    assert status == 415
+    bad = Builder()
+    bad.d.location_table.add(mapping_index=9, address=1)  # no such mapping
+    assert (await _post(sg, bad.finish().SerializeToString()))[0] == 400
+    worse = Builder()
+    worse.d.mapping_table.add(filename_strindex=999)
+    assert (await _post(sg, worse.finish().SerializeToString()))[0] == 400

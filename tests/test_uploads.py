@@ -1,0 +1,317 @@
+"""Uploads of a site's own debug files: PUT and DELETE /buildid/ID/debuginfo|executable with a
+tenant's or an admin's bearer token, `symgate upload`, and the real debuginfod-find reading
+them back through symgate. Hostile uploads get their precise status and leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig
+from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
+from tests.elfs import Elf, ElfSet, build_program
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
+from tests.processes import debuginfod_find, run_in_thread
+from tests.test_disk_full import _fill, _tmpfs
+
+ADMIN = "admin-token-of-sixteen-or-more"
+ACME = "acme-token-of-sixteen-or-more"
+GLOBEX = "globex-token-of-sixteen-or-more"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory: pytest.TempPathFactory) -> Elf:
+    """A program no upstream has: the site's own."""
+    root = tmp_path_factory.mktemp("own")
+    out = root / "bin"
+    out.mkdir()
+    return build_program(root / "src", out, "inhouse", 77)
+
+
+def _config(base: Config, **upload: object) -> Config:
+    return replace(base, upload=UploadConfig(admin_tokens=(ADMIN,), **upload),  # type: ignore[arg-type]
+                   tenants={"acme": TenantConfig(tokens=(ACME,)),
+                            "globex": TenantConfig(tokens=(GLOBEX,))})
+
+
+async def _start(start_symgate: SymgateFactory, tmp_path: Path, database_url: str,
+                 upstreams: list[str], **upload: object) -> Symgate:
+    base = make_config(tmp_path / "data", database_url, upstreams)
+    return await start_symgate(config=_config(base, **upload))
+
+
+def _auth(token: str, **more: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", **more}
+
+
+async def _put(sg: Symgate, build_id: str, kind: str, data: bytes | object, token: str = ADMIN,
+               **headers: str) -> tuple[int, dict[str, str], bytes]:
+    return await sg.request("PUT", f"/buildid/{build_id}/{kind}", data=data,
+                            headers=_auth(token, **headers))
+
+
+def _cli_env(token: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "SYMGATE_TOKEN": token}
+
+
+async def _cli(*args: str, token: str = ADMIN) -> subprocess.CompletedProcess[str]:
+    return await run_in_thread([sys.executable, "-m", "proxy.tools.cli", *args],
+                               env=_cli_env(token), timeout=120)
+
+
+async def test_upload_cli_then_the_real_client_reads_it_through_symgate(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, own: Elf, tmp_path: Path,
+    database_url: str,
+) -> None:
+    sg = await _start(start_symgate, tmp_path, database_url, [debuginfod.url])
+    # Asked before it is uploaded: the upstream's 404 is remembered.
+    miss = await asyncio.to_thread(debuginfod_find, sg.url, tmp_path / "c0", "debuginfo",
+                                   own.build_id)
+    assert miss.returncode != 0
+    state = sg.runner.app[STATE]
+    assert await state.repo.negatives_of(own.build_id)
+
+    first = await _cli("upload", str(own.executable.parent), "--server", sg.url)
+    assert first.returncode == 0, first.stderr
+    size = own.debug.stat().st_size + own.executable.stat().st_size
+    assert first.stdout.splitlines()[0] == (
+        f"2 artifacts from 2 files: 2 uploaded, 0 already there, 0 failed; {size} bytes sent")
+    again = await _cli("upload", str(own.executable), str(own.debug), "--server", sg.url)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[0] == (
+        "2 artifacts from 2 files: 0 uploaded, 2 already there, 0 failed; 0 bytes sent")
+
+    assert await state.repo.negatives_of(own.build_id) == []
+    for kind, expected in (("debuginfo", own.debug), ("executable", own.executable)):
+        got = await asyncio.to_thread(debuginfod_find, sg.url, tmp_path / f"c-{kind}", kind,
+                                      own.build_id)
+        assert got.returncode == 0, got.stderr
+        assert Path(got.stdout.strip()).read_bytes() == expected.read_bytes()
+
+    async def built() -> bool:  # its symbol table, from the debug file (with lines), though
+        # the executable, uploaded at the same time, may have been committed first
+        rec = await state.repo.get_symbol_table("", own.build_id)
+        return rec is not None and rec.outcome == "ok" and rec.has_lines \
+            and rec.source_key == f"{own.build_id}/debuginfo"
+
+    await eventually(built)
+    config = tmp_path / "admin.toml"
+    config.write_text(f'[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
+                      f'[database]\nurl = "{sg.config.database_url}"\n')
+    listed = await _cli("cache", "ls", "--pinned", "--json", "--config", str(config))
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert sorted((r["key"], r["pinned"], r["upstream"]) for r in rows) == [
+        (f"{own.build_id}/debuginfo", True, "upload"),
+        (f"{own.build_id}/executable", True, "upload")]
+
+
+async def test_uploads_are_pinned_outside_the_lru_budget(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, own: Elf, elfs: ElfSet,
+    tmp_path: Path, database_url: str,
+) -> None:
+    budget = elfs.prog.debug.stat().st_size + 1024  # room for one downloaded file
+    base = make_config(tmp_path / "data", database_url, [debuginfod.url],
+                       cache=CacheConfig(max_bytes=budget))
+    sg = await start_symgate(config=_config(base))
+    assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes()))[0] == 201
+    for n, elf in enumerate((elfs.prog, elfs.other, elfs.shlib), start=2):
+        status, _, _ = await sg.get(f"/buildid/{elf.build_id}/debuginfo")
+        assert status == 200
+        await sg.settled()
+
+        async def built(n: int = n) -> bool:  # a build leases its file: eviction passes it by
+            return await sg.metric("symgate_symtab_builds_total", result="ok") >= n
+
+        await eventually(built)  # so each download evicts the one before
+    cache = sg.runner.app[STATE].service.cache
+
+    async def within() -> bool:  # once the symbol-table builds let go of what they read
+        return cache.total_bytes <= budget and await sg.metric(
+            "symgate_cache_evictions_total") >= 1
+
+    await eventually(within)
+    assert cache.pinned_bytes == own.debug.stat().st_size
+    assert cache.total_bytes + cache.pinned_bytes > budget  # the upload is outside the budget
+    uploaded = cache.peek("", ArtifactKey.parse(own.build_id, "debuginfo"))
+    assert uploaded is not None and uploaded.path.read_bytes() == own.debug.read_bytes()
+
+
+async def test_a_tenants_upload_is_its_own_and_delete_takes_it_back(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}/debuginfo"
+    status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes(), ACME)
+    assert status == 201 and json.loads(body)["scope"] == "acme"
+    status, _, body = await sg.get(path, headers=_auth(ACME))
+    assert status == 200 and body == own.debug.read_bytes()
+    assert (await sg.get(path))[0] == 404  # nobody else sees it
+    query = f"/metadata?key=buildid&value={own.build_id}"
+    assert json.loads((await sg.get(query, headers=_auth(ACME)))[2])["results"] == [
+        {"type": "debuginfo", "buildid": own.build_id, "file": f"{own.build_id}.debug"}]
+    assert json.loads((await sg.get(query))[2])["results"] == []
+    assert (await sg.get(path, headers=_auth(GLOBEX)))[0] == 404
+    assert (await sg.request("DELETE", path, headers=_auth(GLOBEX)))[0] == 404
+    assert (await sg.request("DELETE", path))[0] == 401
+    # An admin may act for a tenant by naming it.
+    status, _, _ = await sg.get(path, headers=_auth(ADMIN, **{"X-Scope-OrgID": "acme"}))
+    assert status == 200
+    assert (await sg.request("DELETE", path, headers=_auth(ACME)))[0] == 204
+    assert (await sg.get(path, headers=_auth(ACME)))[0] == 404
+    assert (await sg.request("DELETE", path, headers=_auth(ACME)))[0] == 404
+
+
+async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
+    start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,
+) -> None:
+    small = own.debug.stat().st_size + own.executable.stat().st_size + 10
+    sg = await _start(start_symgate, tmp_path, database_url, [], max_bytes=small,
+                      max_file_bytes=small)
+    bid, data = own.build_id, own.debug.read_bytes()
+    assert (await sg.request("PUT", f"/buildid/{bid}/debuginfo", data=data))[0] == 401
+    assert (await _put(sg, bid, "debuginfo", data, "not-a-known-token-at-all"))[0] == 401
+    assert (await _put(sg, bid, "debuginfo", data, ACME, **{"X-Scope-OrgID": "globex"}))[0] \
+        == 401
+    assert (await _put(sg, "zz", "debuginfo", data))[0] == 400
+    assert (await _put(sg, bid, "source", data))[0] == 405  # only ELF files are uploaded
+    status, _, body = await _put(sg, bid, "debuginfo", elfs.prog.debug.read_bytes())
+    assert status == 422 and elfs.prog.build_id.encode() in body
+    assert (await _put(sg, bid, "debuginfo", b"not an ELF file"))[0] == 422
+    assert (await _put(sg, bid, "debuginfo", b""))[0] == 422
+    status, _, body = await _put(sg, elfs.big.build_id, "debuginfo", elfs.big.debug.read_bytes())
+    assert status == 413, body
+
+    async def chunked() -> AsyncIterator[bytes]:  # no size announced: cut off when past it
+        with elfs.big.debug.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                yield chunk
+
+    try:
+        status = (await _put(sg, elfs.big.build_id, "debuginfo", chunked()))[0]
+    except aiohttp.ClientError:  # answered before the rest of the body was taken
+        status = 413
+    assert status == 413
+    assert (await _put(sg, bid, "debuginfo", data))[0] == 201
+    assert (await _put(sg, bid, "debuginfo", data))[0] == 200  # the same file: nothing to do
+    status, _, _ = await _put(sg, bid, "debuginfo", own.executable.read_bytes())
+    assert status == 409  # another file of that ID: DELETE first
+    assert (await _put(sg, bid, "executable", own.executable.read_bytes()))[0] == 201
+    status, headers, _ = await _put(sg, elfs.prog.build_id, "debuginfo",
+                                    elfs.prog.debug.read_bytes())
+    assert status == 507 and "Retry-After" not in headers  # past upload.max_bytes
+    cfg = sg.config
+    assert not [p for p in (cfg.cache_dir / "tmp").rglob("*.part")]
+    rows = await sg.runner.app[STATE].repo.artifacts_of(None)
+    assert sorted((r.key, r.pinned) for r in rows) == [
+        (f"{bid}/debuginfo", True), (f"{bid}/executable", True)]
+
+
+async def test_a_stalled_upload_is_408_and_concurrent_uploads_of_one_id_end_whole(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    sg = await _start(start_symgate, tmp_path, database_url, [], body_timeout_s=1.0)
+    data = own.debug.read_bytes()
+
+    # Half a body, then silence: the answer comes while the client still holds its socket.
+    port = int(sg.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((f"PUT /buildid/{own.build_id}/debuginfo HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(data)}\r\n\r\n"
+                  ).encode() + data[:1000])
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status_line.split()[1] == b"408", status_line
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+    answers = await asyncio.gather(*(_put(sg, own.build_id, "debuginfo", data)
+                                     for _ in range(6)))
+    assert sorted(a[0] for a in answers) == [200] * 5 + [201]
+    status, _, body = await sg.get(f"/buildid/{own.build_id}/debuginfo")
+    assert status == 200 and body == data
+    rows = await sg.runner.app[STATE].repo.artifacts_of(own.build_id)
+    assert len(rows) == 1 and rows[0].size == len(data)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path / "mnt", "size=8m")
+
+
+async def test_an_upload_onto_a_full_disk_is_507_and_leaves_no_temp_file(
+    start_symgate: SymgateFactory, elfs: ElfSet, small_disk: Path, database_url: str,
+) -> None:
+    base = make_config(small_disk / "data", database_url, [])
+    sg = await start_symgate(config=_config(base))
+    _fill(small_disk / "filler")
+    status, _, body = await _put(sg, elfs.big.build_id, "debuginfo", elfs.big.debug.read_bytes())
+    assert status == 507, body
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+    assert b"degraded" in (await sg.get("/healthz"))[2]
+
+
+async def _expect(sg: Symgate, build_id: str, size: int, token: str | None) -> bytes:
+    """The status line a PUT with `Expect: 100-continue` gets before it sends its body."""
+    port = int(sg.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    writer.write((f"PUT /buildid/{build_id}/debuginfo HTTP/1.1\r\nHost: x\r\n{auth}"
+                  f"Content-Length: {size}\r\nExpect: 100-continue\r\n\r\n").encode())
+    await writer.drain()
+    line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    return line
+
+
+async def test_expect_continue_refuses_before_the_body_is_sent(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    size = own.debug.stat().st_size
+    sg = await _start(start_symgate, tmp_path, database_url, [], max_file_bytes=size)
+    assert (await _expect(sg, own.build_id, size, None)).startswith(b"HTTP/1.1 401")
+    assert (await _expect(sg, own.build_id, size, "an-unknown-token-0123")).startswith(
+        b"HTTP/1.1 401")
+    assert (await _expect(sg, own.build_id, size + 1, ADMIN)).startswith(b"HTTP/1.1 413")
+    assert (await _expect(sg, own.build_id, size, ADMIN)).startswith(b"HTTP/1.1 100")
+    # And curl, which sends Expect for any body past a KiB, uploads through it.
+    done = await run_in_thread(["curl", "-s", "-w", "%{http_code}", "-X", "PUT",
+                                "--data-binary", f"@{own.debug}", "-H",
+                                f"Authorization: Bearer {ADMIN}",
+                                f"{sg.url}/buildid/{own.build_id}/debuginfo"])
+    assert done.stdout.endswith("201"), done.stdout
+
+
+async def test_an_uploader_that_hangs_up_midway_leaves_nothing_and_no_error(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    data = own.debug.read_bytes()
+    port = int(sg.url.rsplit(":", 1)[1])
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((f"PUT /buildid/{own.build_id}/debuginfo HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(data)}\r\n\r\n"
+                  ).encode() + data[:len(data) // 2])
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the server is reading the body into its temp file by now
+    assert [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+    writer.close()
+
+    async def cleaned() -> bool:
+        return not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+
+    await eventually(cleaned)
+    assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
