@@ -42,7 +42,7 @@ _MAX_CHAINS = 1_000_000
 
 _LOCATION_LINE = 0x22  # field 4, length-delimited
 
-FunctionKey = tuple[str, str, str]  # name, system_name, filename
+FunctionKey = tuple[str, str, str, int]  # name, system_name, filename, start_line
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
@@ -309,22 +309,19 @@ class Chains:
         used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
-    def encoded(self, remap: dict[int, int]) -> tuple[ObjectArray, I64]:
-        """Per address, its Line entries (b"" for none), with function ids as `remap` says,
-        and their lengths."""
+    def encoded(self, old: U64, new: U64) -> tuple[ObjectArray, I64]:
+        """Per address, its Line entries (b"" for none), with each function id of `old`
+        (sorted, every id the chains use) written as the one of `new` at its place, and their
+        lengths."""
         out: ObjectArray = self._c.encoded[self.numbers]
         length: I64 = self._c.length[self.numbers]
-        if not remap:
-            return out, length
         at, owners = self._frames_of(self._used)
         ids = self._c.function_ids[at]
-        old = np.array(sorted(remap), dtype=np.uint64)
-        new = np.array([remap[k] for k in old.tolist()], dtype=np.uint64)
-        moved = np.isin(ids, old)
+        moved = ids != new[np.searchsorted(old, ids)]
         touched = np.unique(owners[moved])  # positions in self._used
         if not len(touched):
             return out, length
-        ids[moved] = new[np.searchsorted(old, ids[moved])]
+        ids = new[np.searchsorted(old, ids)]
         keep = np.isin(owners, touched)
         renumbered = np.searchsorted(touched, owners[keep])
         reencoded = np.empty(len(touched), dtype=object)

@@ -12,7 +12,6 @@ objects cost about a microsecond each to touch from Python: the locations are re
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping as MappingT
@@ -88,8 +87,11 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
 class _Functions:
     """The profile's Function entries for the chain function ids a rewrite used.
 
-    An id becomes the profile's own Function where the profile has one with the same name,
-    system name and file already, and is renumbered where the profile uses the id itself.
+    The ids a profile gets depend on that profile and the functions' names alone, never on
+    what the process symbolized before: the same profile and debug files give the same bytes
+    from any server, after a restart, and offline. An id becomes the profile's own Function
+    where the profile has one with the same name, system name, file and start line already;
+    the others are numbered after the profile's highest id, in the order of their names.
     """
 
     def __init__(self, profile: RawProfile, ids: FunctionIds) -> None:
@@ -106,44 +108,46 @@ class _Functions:
             key = (self._strings[table[f.name]], self._strings[table[f.system_name]],
                    self._strings[table[f.filename]], f.start_line)
             self._own.setdefault(key, f.id)
-        self._own_ids = {f.id for f in profile.function}
+        self._next_id = max((f.id for f in profile.function), default=0) + 1
 
-    def add(self, used: U64) -> dict[int, int]:
-        """Add a Function for each id (sorted); return the ids that must be written as others.
-        """
+    def add(self, used: U64) -> U64:
+        """Add a Function for each id of `used` (sorted) that the profile lacks; return the id
+        each is written as."""
         keys = [self._ids.key_of(fid) for fid in used.tolist()]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
         table = self._profile.string_table
         strings = self._strings
         new_strings: list[str] = []
-        for text in dict.fromkeys(itertools.chain.from_iterable(keys)):  # in order of first use
-            if text not in strings:
-                strings[text] = len(table) + len(new_strings)
-                new_strings.append(text)
-        indices = np.array([[strings[text] for text in key] for key in keys],
-                           dtype=np.uint64).reshape(-1, 3)
-        written = used.copy()
-        new = np.ones(len(used), dtype=np.bool_)
-        remap: dict[int, int] = {}
-        if self._own_ids:
-            next_free = max(max(self._own_ids), int(used.max(initial=0))) + 1
-            for i, (fid, row) in enumerate(zip(used.tolist(), indices.tolist(), strict=True)):
-                key = (row[0], row[1], row[2], 0)
-                own = self._own.get(key)
-                if own is None:
-                    own = fid
-                    if fid in self._own_ids:
-                        own, next_free = next_free, next_free + 1
-                    self._own[key] = own
-                else:
-                    new[i] = False
-                if own != fid:
-                    remap[fid] = own
-                    written[i] = own
+        rows = []
+        for i in order:
+            name, system_name, filename, start_line = keys[i]
+            at = []
+            for text in (name, system_name, filename):
+                index = strings.get(text)
+                if index is None:
+                    index = strings[text] = len(table) + len(new_strings)
+                    new_strings.append(text)
+                at.append(index)
+            rows.append((at[0], at[1], at[2], start_line))
+        written = np.zeros(len(used), dtype=np.uint64)
+        new = np.zeros(len(used), dtype=np.bool_)
+        for i, row in zip(order, rows, strict=True):
+            own = self._own.get(row)
+            if own is None:
+                own = self._own[row] = self._next_id
+                self._next_id += 1
+                new[i] = True
+            written[i] = own
         table.extend(new_strings)
+        # Appended in the order of their names too.
+        fields = np.array(rows, dtype=np.uint64).reshape(-1, 4)
+        by_name = np.array(order, dtype=np.intp)
+        fresh = new[by_name]
         functions, _ends = varint.messages(_PROFILE_FUNCTION, [
-            (1, written[new]), (2, indices[new, 0]), (3, indices[new, 1]), (4, indices[new, 2])])
+            (1, written[by_name][fresh]), (2, fields[fresh, 0]), (3, fields[fresh, 1]),
+            (4, fields[fresh, 2]), (5, fields[fresh, 3])])
         self._profile.MergeFromString(functions.tobytes())  # appends them
-        return remap
+        return written
 
 
 def rewrite(
@@ -202,13 +206,13 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
 
     used = np.unique(np.concatenate([c.function_ids() for _w, c, _m in found]
                                     or [np.zeros(0, np.uint64)]))
-    remap = _Functions(profile, ids).add(used)
+    written = _Functions(profile, ids).add(used)
 
     # Each location comes out as its own bytes and then its chain's Line entries.
     tails = np.full(len(encoded), b"", dtype=object)
     length = columns.length.copy()
     for where, chains, shares in found:
-        tails[where], tail_length = chains.encoded(remap)
+        tails[where], tail_length = chains.encoded(used, written)
         length[where] += tail_length
         start = 0
         for mid, count in shares:
