@@ -20,11 +20,13 @@ import bisect
 import ctypes
 import ctypes.util
 import os
+import posixpath
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+_DW_AT_COMP_DIR = 0x1B
 _DW_AT_LINKAGE_NAME = 0x6E
 _DW_AT_MIPS_LINKAGE_NAME = 0x2007
 
@@ -110,6 +112,10 @@ class DwarfFunctions:
 
     by_entry: dict[int, Subprogram] = field(default_factory=dict)
     decl_lines: dict[str, int] = field(default_factory=dict)
+    # DW_AT_name by DW_AT_linkage_name, where the linkage name is not mangled (C functions
+    # with an asm label, such as glibc's `__GI___sigpause` for `__sigpause`), for inlined
+    # frames, which symbolic names by the linkage name.
+    names_by_linkage: dict[str, str] = field(default_factory=dict)
     # [start, end) ranges that a CU covers and none of its subprograms does, and the rows of
     # those CUs' line tables (sorted by address within each CU, CUs one after another).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -210,6 +216,8 @@ class _Reader:
         self._int.value = 0
         lib.dwarf_decl_line(die, ctypes.byref(self._int))
         line = max(self._int.value, 0)
+        if linkage and name and not linkage.startswith(("_Z", "_R")):
+            self._out.names_by_linkage.setdefault(linkage, name)
         if line:  # a declaration without one says nothing, an abstract instance says it
             for key in {name, linkage} - {""}:
                 self._lines.setdefault(key, set()).add(line)
@@ -229,6 +237,8 @@ class _Reader:
         address, number, column = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_int()
         end = ctypes.c_bool()
         rows = []
+        comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+        paths: dict[bytes, str] = {}
         for i in range(count.value):
             row = lib.dwarf_onesrcline(lines, i)
             lib.dwarf_lineaddr(row, ctypes.byref(address))
@@ -236,9 +246,19 @@ class _Reader:
             lib.dwarf_linecol(row, ctypes.byref(column))
             lib.dwarf_lineendsequence(row, ctypes.byref(end))
             source = lib.dwarf_linesrc(row, None, None)
-            rows.append(LineRow(address.value, source.decode(errors="replace") if source else "",
-                                max(number.value, 0), max(column.value, 0), bool(end.value)))
+            path = paths.get(source)
+            if path is None:
+                path = paths[source] = _clean(comp_dir, source.decode(errors="replace")) \
+                    if source else ""
+            rows.append(LineRow(address.value, path, max(number.value, 0),
+                                max(column.value, 0), bool(end.value)))
         return rows
+
+
+def _clean(comp_dir: str, path: str) -> str:
+    """A line row's file as symbolic writes its paths: joined to the CU's directory, `.` and
+    `..` resolved (`./malloc/./malloc/mcheck.c` is `malloc/malloc/mcheck.c`)."""
+    return posixpath.normpath(posixpath.join(comp_dir, path))
 
 
 def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]

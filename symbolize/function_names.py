@@ -38,7 +38,8 @@ class OrphanRow:
 
 @dataclass
 class TableExtras:
-    # Function index -> (name, system name) for the outermost frame of its code.
+    # Function index -> (name, system name) for its frames (but an outermost one in a cold
+    # part, named after the .cold symbol as llvm-symbolizer does).
     names: dict[int, tuple[str, str]] = field(default_factory=dict)
     start_lines: list[int] = field(default_factory=list)  # per function index; 0: unknown
     # Sorted [start, end) ranges of code outside every subprogram, and their rows (sorted;
@@ -61,8 +62,10 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
     name_at = columns.function_name.tolist()
     for f, entry in enumerate(entries):
         own = columns.string(name_at[f]) if name_at[f] != NONE else ""
-        if entry == NONE:  # known only inlined: symbolic's name is the DWARF one
+        if entry == NONE:  # known only inlined: symbolic's name is the DWARF linkage name
             extras.start_lines[f] = dwarf.decl_lines.get(own, 0)
+            if (name := dwarf.names_by_linkage.get(own)) is not None and name != own:
+                extras.names[f] = (name, own)
             continue
         address = entry + load_address
         sub = dwarf.by_entry.get(address)

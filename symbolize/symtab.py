@@ -142,10 +142,10 @@ class SymbolTable:
     An address's frames are named by a key: 0 for none; 1 + the index of its innermost source
     location for the frames as symbolic gives them, which are those of an address inside a
     GCC `.cold` part; that plus the number of locations for any other address, whose outermost
-    frame has the name function_names.py chose (where it chose one; else, when symbolic
-    names it after a `.cold` part, the function itself's). Past those, 1 + 2 * locations +
-    the index of the line row that gives the line of code outside every subprogram
-    (function_names.py).
+    frame, when symbolic names it after a `.cold` part, is renamed to the function itself.
+    Frames but the outermost one of a cold part have the names function_names.py chose. Past
+    those, 1 + 2 * locations + the index of the line row that gives the line of code outside
+    every subprogram (function_names.py).
     """
 
     def __init__(
@@ -254,9 +254,11 @@ class SymbolTable:
             file[from_row] = self._orphan_files[row[owner[from_row]]]
             line[from_row] = self._orphan_lines[row[owner[from_row]]]
         outermost = np.append(owner[1:] != owner[:-1], True)
-        # One FunctionKey per (function, file, renamed), and frames without a name dropped.
-        triple = (function * self._file_span + np.where(file == NONE, c.files, file)) * 2 \
-            + (outermost & renamed[owner])
+        # One FunctionKey per (function, file, outermost in a hot or a cold part), and frames
+        # without a name dropped.
+        hot = outermost & renamed[owner]
+        triple = (function * self._file_span + np.where(file == NONE, c.files, file)) * 4 \
+            + hot + 2 * (outermost & ~hot)
         unique, first, inverse = np.unique(triple, return_index=True, return_inverse=True)
         functions: list[FunctionKey] = []
         named = np.ones(len(unique), dtype=np.bool_)
@@ -266,13 +268,13 @@ class SymbolTable:
             system_name, name = self._function_names[f]
             if not system_name:
                 named[u] = False
-            elif unique[u] & 1 and (chosen := extras.names.get(f)) is not None:
+            elif not unique[u] & 2 and (chosen := extras.names.get(f)) is not None:
                 name, system_name = chosen
-            elif unique[u] & 1 and (hot := cold_part(system_name)) is not None:
+            elif unique[u] & 1 and (hot_name := cold_part(system_name)) is not None:
                 # symbolic names a function split by GCC after the symbol at its lowest
                 # address, the .cold part; the hot body is the function itself (as
                 # llvm-symbolizer says).
-                system_name, name = hot, demangle(hot)
+                system_name, name = hot_name, demangle(hot_name)
             functions.append((name, system_name, self._paths[int(file[at])],
                               extras.start_line(f)))
         index = np.cumsum(named) - 1
