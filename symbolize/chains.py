@@ -184,13 +184,17 @@ class ChainStore:
     def chains(self, keys: I64, resolve: Callable[[I64], FrameColumns]) -> Chains:
         """The chain of each key; `resolve` gives the frames of keys not seen before."""
         with self._lock:
-            if (self._generation != self._ids.generation
-                    or self._encoded.size + len(keys) > self._limit):
+            if self._generation != self._ids.generation:
                 self._start_over()
             numbers = self._numbers[keys].astype(np.int64)
             missing = (numbers == 0) & (keys != 0)
             if missing.any():
                 fresh = np.unique(keys[missing])
+                # Judged by the chains to add, not by the addresses: a profile of a million
+                # addresses whose chains are all known must not throw them away.
+                if self._encoded.size + len(fresh) > self._limit:
+                    self._start_over()
+                    fresh = np.unique(keys[keys != 0])
                 self._numbers[fresh] = self._number(resolve(fresh))
                 numbers = self._numbers[keys].astype(np.int64)
             return Chains(numbers, self._snapshot(), self._ids)
@@ -312,24 +316,26 @@ class Chains:
     def encoded(self, old: U64, new: U64) -> tuple[ObjectArray, I64]:
         """Per address, its Line entries (b"" for none), with each function id of `old`
         (sorted, every id the chains use) written as the one of `new` at its place, and their
-        lengths."""
-        out: ObjectArray = self._c.encoded[self.numbers]
-        length: I64 = self._c.length[self.numbers]
-        at, owners = self._frames_of(self._used)
+        lengths.
+
+        Every chain used is encoded again: a profile's ids are its own (rewrite._Functions),
+        so the encodings kept with the chains hardly ever fit as they are. The work is per
+        chain, the per-address part two gathers.
+        """
+        used = self._used
+        at, owners = self._frames_of(used)
         ids = self._c.function_ids[at]
-        moved = ids != new[np.searchsorted(old, ids)]
-        touched = np.unique(owners[moved])  # positions in self._used
-        if not len(touched):
-            return out, length
-        ids = new[np.searchsorted(old, ids)]
-        keep = np.isin(owners, touched)
-        renumbered = np.searchsorted(touched, owners[keep])
-        reencoded = np.empty(len(touched), dtype=object)
-        reencoded[:] = encode_lines(renumbered, ids[keep], self._c.lines[at[keep]],
-                                    len(touched))
-        chains = self._used[touched]
-        where = np.isin(self.numbers, chains)
-        replaced = reencoded[np.searchsorted(chains, self.numbers[where])]
-        out[where] = replaced
-        length[where] = np.fromiter(map(len, replaced), dtype=np.int64, count=len(replaced))
-        return out, length
+        # Global ids are dense from FIRST_ID: a table finds each one's new id.
+        written = np.zeros(len(self._ids) + 1, dtype=np.uint64)
+        written[(old - np.uint64(FIRST_ID)).astype(np.int64)] = new
+        ids = written[(ids - np.uint64(FIRST_ID)).astype(np.int64)]
+        per_chain = np.empty(len(used) + 1, dtype=object)
+        per_chain[0] = b""
+        per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], len(used))
+        lengths = np.zeros(len(used) + 1, dtype=np.int64)
+        lengths[1:] = np.fromiter(map(len, per_chain[1:]), dtype=np.int64, count=len(used))
+        # Chain number -> its place in per_chain (0: none).
+        place = np.zeros(len(self._c.id_count), dtype=np.int64)
+        place[used] = np.arange(1, len(used) + 1)
+        where = place[self.numbers]
+        return per_chain[where], lengths[where]

@@ -38,6 +38,8 @@ ObjectArray = npt.NDArray[np.object_]
 _PROFILE_LOCATION = b"\x22"  # field 4, length-delimited
 _PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
 # The tag and length of a location of each size up to 16 KiB (two-byte lengths).
+# Locations written back at a time (see _replace_locations).
+_BATCH = 1 << 16
 _LOCATION_HEADERS = np.array([_PROFILE_LOCATION + varint.encode_one(n) for n in range(1 << 14)],
                              dtype=object)
 
@@ -247,20 +249,25 @@ def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
 
 def _replace_locations(profile: RawProfile, heads: list[bytes], tails: ObjectArray,
                        length: I64) -> None:
-    """Make location i `heads[i] + tails[i]`, `length[i]` bytes long, in one parse.
+    """Make location i `heads[i] + tails[i]`, `length[i]` bytes long.
 
-    The new locations are written as the profile's field 4 and merged in: joining bytes and
-    one parse in C costs less than 100,000 concatenations and a list protobuf copies.
+    The new locations are written as the profile's field 4 and merged in, a batch at a time:
+    joining bytes and one parse in C costs less than 100,000 concatenations and a list
+    protobuf copies, and a batch's pieces are all the memory it takes beside the profile.
     """
-    short = length < len(_LOCATION_HEADERS)
-    if short.all():
-        headers = _LOCATION_HEADERS[length].tolist()
-    else:
-        headers = [_LOCATION_HEADERS[n] if ok else _PROFILE_LOCATION + varint.encode_one(n)
-                   for n, ok in zip(length.tolist(), short.tolist(), strict=True)]
-    pieces: list[bytes] = [b""] * (3 * len(heads))
-    pieces[0::3] = headers
-    pieces[1::3] = heads
-    pieces[2::3] = tails.tolist()
     del profile.location[:]
-    profile.MergeFromString(b"".join(pieces))
+    for start in range(0, len(heads), _BATCH):
+        end = start + _BATCH
+        size = length[start:end]
+        short = size < len(_LOCATION_HEADERS)
+        if short.all():
+            headers = _LOCATION_HEADERS[size].tolist()
+        else:
+            headers = [_LOCATION_HEADERS[n] if ok else _PROFILE_LOCATION + varint.encode_one(n)
+                       for n, ok in zip(size.tolist(), short.tolist(), strict=True)]
+        batch = heads[start:end]
+        pieces: list[bytes] = [b""] * (3 * len(batch))
+        pieces[0::3] = headers
+        pieces[1::3] = batch
+        pieces[2::3] = tails[start:end].tolist()
+        profile.MergeFromString(b"".join(pieces))
