@@ -57,11 +57,19 @@ class FunctionIds:
 
     def __init__(self, limit: int = _MAX_FUNCTIONS) -> None:
         self._limit = limit
-        self._ids: dict[FunctionKey, int] = {}
-        self._keys: list[FunctionKey] = []
         self._lock = threading.Lock()
         self._users = 0
         self.generation = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._ids: dict[FunctionKey, int] = {}
+        self._keys: list[FunctionKey] = []
+        # Every function's name, system name and file as numbers of `texts`, and its start
+        # line, four a function: a rewrite reads its functions' rows in bulk.
+        self._text_ids: dict[str, int] = {}
+        self.texts: list[str] = []
+        self._rows = _Growing(np.int64)
 
     def id_of(self, key: FunctionKey) -> int:
         fid = self._ids.get(key)
@@ -71,10 +79,24 @@ class FunctionIds:
                 if fid is None:
                     fid = self._ids[key] = FIRST_ID + len(self._keys)
                     self._keys.append(key)
+                    row = []
+                    for text in key[:3]:
+                        at = self._text_ids.get(text)
+                        if at is None:
+                            at = self._text_ids[text] = len(self.texts)
+                            self.texts.append(text)
+                        row.append(at)
+                    self._rows.extend(np.array([*row, key[3]], dtype=np.int64))
         return fid
 
     def key_of(self, fid: int) -> FunctionKey:
         return self._keys[fid - FIRST_ID]
+
+    def rows(self, fids: U64) -> I64:
+        """Per id: its name, system name and file (numbers of `texts`) and start line."""
+        at = (fids - np.uint64(FIRST_ID)).astype(np.int64)
+        rows: I64 = self._rows.data[: self._rows.size].reshape(-1, 4)[at]
+        return rows
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -84,8 +106,7 @@ class FunctionIds:
         """Ids stay valid inside; the reset of a full registry happens between sessions."""
         with self._lock:
             if self._users == 0 and len(self._keys) >= self._limit:
-                self._ids.clear()
-                self._keys.clear()
+                self._clear()
                 self.generation += 1
             self._users += 1
         try:

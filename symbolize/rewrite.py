@@ -115,38 +115,45 @@ class _Functions:
     def add(self, used: U64) -> U64:
         """Add a Function for each id of `used` (sorted) that the profile lacks; return the id
         each is written as."""
-        keys = [self._ids.key_of(fid) for fid in used.tolist()]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
+        rows = self._ids.rows(used)
+        texts, at = np.unique(rows[:, :3], return_inverse=True)
+        at = at.reshape(-1, 3)
+        words = [self._ids.texts[t] for t in texts.tolist()]
+        rank = np.empty(len(words), dtype=np.int64)
+        rank[sorted(range(len(words)), key=words.__getitem__)] = np.arange(len(words))
+        ranked = rank[at]
+        # By name, system name, file and start line: an order of their own, not the ids'.
+        order = np.lexsort((rows[:, 3], ranked[:, 2], ranked[:, 1], ranked[:, 0]))
+        # The profile's string of each text, new ones appended in the order of first use.
+        first_use = np.unique(at[order].ravel(), return_index=True)[1]
+        in_use_order = at[order].ravel()[np.sort(first_use)].tolist()
         table = self._profile.string_table
-        strings = self._strings
-        new_strings: list[str] = []
-        rows = []
-        for i in order:
-            name, system_name, filename, start_line = keys[i]
-            at = []
-            for text in (name, system_name, filename):
-                index = strings.get(text)
-                if index is None:
-                    index = strings[text] = len(table) + len(new_strings)
-                    new_strings.append(text)
-                at.append(index)
-            rows.append((at[0], at[1], at[2], start_line))
+        in_order = [words[t] for t in in_use_order]
+        found = np.array([self._strings.get(w, -1) for w in in_order], dtype=np.int64)
+        missing = found < 0
+        new_strings = [w for w, m in zip(in_order, missing.tolist(), strict=True) if m]
+        found[missing] = len(table) + np.arange(len(new_strings))
+        self._strings.update(zip(new_strings, found[missing].tolist(), strict=True))
+        index = np.zeros(len(words), dtype=np.uint64)
+        index[in_use_order] = found
+        fields = np.column_stack((index[at], rows[:, 3].astype(np.uint64)))[order]
         written = np.zeros(len(used), dtype=np.uint64)
-        new = np.zeros(len(used), dtype=np.bool_)
-        for i, row in zip(order, rows, strict=True):
-            own = self._own.get(row)
-            if own is None:
-                own = self._own[row] = self._next_id
-                self._next_id += 1
-                new[i] = True
-            written[i] = own
+        fresh = np.ones(len(used), dtype=np.bool_)  # in `order`
+        if self._own:
+            for k, row in enumerate(fields.tolist()):
+                own = self._own.get((row[0], row[1], row[2], row[3]))
+                if own is None:
+                    own = self._own[(row[0], row[1], row[2], row[3])] = self._next_id
+                    self._next_id += 1
+                else:
+                    fresh[k] = False
+                written[order[k]] = own
+        else:
+            written[order] = self._next_id + np.arange(len(used), dtype=np.uint64)
+            self._next_id += len(used)
         table.extend(new_strings)
-        # Appended in the order of their names too.
-        fields = np.array(rows, dtype=np.uint64).reshape(-1, 4)
-        by_name = np.array(order, dtype=np.intp)
-        fresh = new[by_name]
         functions, _ends = varint.messages(_PROFILE_FUNCTION, [
-            (1, written[by_name][fresh]), (2, fields[fresh, 0]), (3, fields[fresh, 1]),
+            (1, written[order][fresh]), (2, fields[fresh, 0]), (3, fields[fresh, 1]),
             (4, fields[fresh, 2]), (5, fields[fresh, 3])])
         self._profile.MergeFromString(functions.tobytes())  # appends them
         return written
