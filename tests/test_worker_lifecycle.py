@@ -1,5 +1,5 @@
-"""Worker processes start with the first job that needs one and exit after
-`symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
+"""Worker processes start with the server and with the first job that needs one after they
+exited, and exit after `symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
 with them: a `symgate serve` that is not symbolizing is its serving processes alone (and, with
 `--workers N`, the supervisor that forked them). The next job starts them again, at nice 5 as
 before."""
@@ -41,14 +41,24 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
         extra="[symbolize]\nbuild_workers = 1\nworkers = 1\nworker_idle_s = 1\n")
     body = make_profile([(place(elfs.prog, BASES["prog"]),
                           code_addresses(elfs.prog)[:5])]).SerializeToString()
-    # The serving processes (forked by the supervisor): there from the start.
-    at_start = descendants(proc.pid)
 
-    async def idle() -> bool:
-        return descendants(proc.pid) == at_start
+    async def serving_alone() -> bool:
+        return len(descendants(proc.pid)) == (0 if serving == 1 else serving)
+
+    async def a_worker() -> bool:
+        return any(niceness(pid) == 5 for pid in descendants(proc.pid))
 
     try:
-        assert all(niceness(pid) == 0 for pid in at_start), "a worker started before any job"
+        # A worker started with the server (the first profile must not wait for one), and
+        # exited without a job, with its helpers.
+        await eventually(a_worker)
+        await eventually(serving_alone)
+        at_start = descendants(proc.pid)
+
+        async def idle() -> bool:
+            return descendants(proc.pid) == at_start
+
+        assert all(niceness(pid) == 0 for pid in at_start)
         assert len({pid for pid in at_start if _parent(pid) == proc.pid}) == (
             0 if serving == 1 else serving)
         assert await _symbolized(base, body) == "1"
@@ -69,6 +79,24 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
     assert proc.stdout is not None
     out = await proc.stdout.read()
     assert b"Traceback" not in out, out.decode()
+
+
+async def test_a_worker_starts_with_the_server(
+    tmp_path: Path, debuginfod: Debuginfod
+) -> None:
+    """Issue 14 (5): the first /symbolize after a start waited 3-4.7 s for the workers, while
+    /healthz said ok. One starts with the server now, before any request."""
+    _base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, extra="[symbolize]\nworker_idle_s = 30\n")
+
+    async def a_worker() -> bool:
+        return any(niceness(pid) == 5 for pid in descendants(proc.pid))
+
+    try:
+        await eventually(a_worker)  # with no request at all
+    finally:
+        await stop_serve([proc])
 
 
 async def test_workers_kept_for_good_start_with_the_server(
