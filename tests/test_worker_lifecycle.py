@@ -1,8 +1,8 @@
 """Worker processes start with the server and with the first job that needs one after they
-exited, and exit after `symbolize.worker_idle_s` without a job, and multiprocessing's forkserver and resource tracker
-with them: a `symgate serve` that is not symbolizing is its serving processes alone (and, with
-`--workers N`, the supervisor that forked them). The next job starts them again, at nice 5 as
-before."""
+exited, and exit after `symbolize.worker_idle_s` without a job, and multiprocessing's
+forkserver and resource tracker with them: a `symgate serve` that is not symbolizing is its
+serving processes alone (and, with `--workers N`, the supervisor that forked them). The next
+job starts them again, at nice 5 as before."""
 
 from __future__ import annotations
 

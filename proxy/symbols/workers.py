@@ -6,7 +6,8 @@ not two; each kind keeps its own limit (build_workers, workers), and there are a
 processes as both together, so neither waits for the other's. A worker starts with the
 server, so that the first profile does not wait for one, and workers start with the job that
 needs one after that; they exit after `worker_idle_s` without a job (with multiprocessing's
-helper processes: executors.py): an idle server costs no more than its own process. Every worker dies with the server, however the server dies (worker_process.py).
+helper processes: executors.py): an idle server costs no more than its own process. Every
+worker dies with the server, however the server dies (worker_process.py).
 
 A worker that dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for
 good: the pool is retired, the work that was in it, of either kind, ends in WorkerLost (a 503;
