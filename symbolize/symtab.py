@@ -29,6 +29,7 @@ from .demangle import demangle
 from .dwarf import DwarfFunctions, read_functions
 from .elf import FunctionSymbol, LoadSegment, cold_part, function_symbols, layout_of_file
 from .function_names import TableExtras, append_to, choose, read_from
+from .lld_layout import lld_layout
 from .range_index import RangeIndex
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
@@ -54,7 +55,8 @@ class BuildResult:
     seconds: float
     size: int
     # The source's program headers when their file offsets are real (an executable, or an
-    # unstripped binary); None for a detached debug file, whose offsets objcopy zeroed.
+    # unstripped binary) or derived exactly (an lld-linked program's debug file: lld_layout);
+    # None for another detached debug file, whose offsets objcopy cut to their residues.
     file_layout: tuple[LoadSegment, ...] | None
 
 
@@ -107,7 +109,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
-        file_layout=layout.segments if layout.has_file_layout else None,
+        file_layout=layout.segments if layout.has_file_layout else lld_layout(elf_path),
     )
 
 

@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 import gzip
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import ElfSet, build_id_tree
+from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions, libc_placement
 from tests.profiles import (
@@ -118,3 +119,34 @@ async def test_real_libc_of_a_running_process(
     assert not wrong, wrong[:5]
     guesses = await sg.metric("symgate_symtab_layout_guesses_total")
     assert guesses == (0 if with_executable else 1)
+
+
+@pytest.mark.skipif(shutil.which("ld.lld") is None, reason="needs lld (Debian's lld)")
+async def test_an_lld_linked_pie_from_its_debug_file_alone(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """Issue 14 (4): with only a `.debug` tree (a site's own build output), an lld-linked PIE
+    got none of its addresses: GNU ld's layout, guessed where no executable could be had, puts
+    its code a page away from where lld does. The layout is derived from the debug file."""
+    elf = build_program(tmp_path / "src", tmp_path, "lldprog", 7, extra_flags=("-fuse-ld=lld",))
+    layout = layout_of_file(elf.executable)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    assert text.offset != text.vaddr - layout.load_address  # not GNU ld's layout
+    tree = tmp_path / "debug" / ".build-id" / elf.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)  # and no executable
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    placed = place(elf, 0x55D0C0DE0000)
+    vaddrs = code_addresses(elf)
+    expected = llvm_symbolize(elf.debug, vaddrs)
+    assert len(expected) > 20
+    status, headers, body = await post(sg, make_profile([(placed, vaddrs)]).SerializeToString())
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    out = parse(body)
+    by_address = {loc.address: loc for loc in out.location}
+    wrong = [hex(v) for v, frames in expected.items()
+             if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+    assert not wrong, wrong[:5]
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == 0
