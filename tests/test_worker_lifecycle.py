@@ -81,31 +81,16 @@ async def test_workers_start_with_the_first_job_and_exit_with_their_helpers_when
     assert b"Traceback" not in out, out.decode()
 
 
+@pytest.mark.parametrize("idle_s", [30, 0])
 async def test_a_worker_starts_with_the_server(
-    tmp_path: Path, debuginfod: Debuginfod
+    tmp_path: Path, debuginfod: Debuginfod, idle_s: int
 ) -> None:
     """Issue 14 (5): the first /symbolize after a start waited 3-4.7 s for the workers, while
-    /healthz said ok. One starts with the server now, before any request."""
+    /healthz said ok. One starts with the server now, before any request, whether workers
+    exit when idle or (worker_idle_s = 0) are kept for good."""
     _base, proc = await start_serve(
         tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
-        debuginfod.url, extra="[symbolize]\nworker_idle_s = 30\n")
-
-    async def a_worker() -> bool:
-        return any(niceness(pid) == 5 for pid in descendants(proc.pid))
-
-    try:
-        await eventually(a_worker)  # with no request at all
-    finally:
-        await stop_serve([proc])
-
-
-async def test_workers_kept_for_good_start_with_the_server(
-    tmp_path: Path, debuginfod: Debuginfod
-) -> None:
-    """worker_idle_s = 0: the first profile after a start waits for no worker to start."""
-    _base, proc = await start_serve(
-        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
-        debuginfod.url, extra="[symbolize]\nworker_idle_s = 0\n")
+        debuginfod.url, extra=f"[symbolize]\nworker_idle_s = {idle_s}\n")
 
     async def a_worker() -> bool:
         return any(niceness(pid) == 5 for pid in descendants(proc.pid))
