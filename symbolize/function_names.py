@@ -70,10 +70,14 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
         address = entry + load_address
         sub = dwarf.by_entry.get(address)
         if sub is not None:
-            system = sub.linkage_name or sub.name
-            mangled = system.startswith(("_Z", "_R"))
-            chosen = (demangle(system) if mangled else sub.name or system, system)
             extras.start_lines[f] = sub.decl_line
+            system = sub.linkage_name or sub.name
+            if system.startswith(("_Z", "_R")):
+                if system == own:  # symbolic's name, demangled knowing the language
+                    continue
+                chosen = (demangle(system), system)
+            else:
+                chosen = (sub.name or system, system)
         else:
             best = _best_alias(aliases.get(address, []))
             if best is None:
