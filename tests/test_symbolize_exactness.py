@@ -6,6 +6,7 @@ them."""
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +18,7 @@ from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions, libc_placement
+from tests.processes import run_in_thread
 from tests.profiles import (
     code_addresses,
     frames_of,
@@ -141,9 +143,17 @@ async def test_an_lld_linked_pie_from_its_debug_file_alone(
     vaddrs = code_addresses(elf)
     expected = llvm_symbolize(elf.debug, vaddrs)
     assert len(expected) > 20
-    status, headers, body = await post(sg, make_profile([(placed, vaddrs)]).SerializeToString())
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    status, headers, body = await post(sg, sent)
     assert status == 200, body
     assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    # And `symgate inspect`, over the same tree, says so too.
+    (tmp_path / "cpu.pb").write_bytes(sent)
+    (tmp_path / "inspect.toml").write_text(f'[[upstreams]]\npath = "{tmp_path / "debug"}"\n')
+    inspected = await run_in_thread(["symgate", "inspect", str(tmp_path / "cpu.pb"), "--config",
+                                     str(tmp_path / "inspect.toml"), "--json"], timeout=60)
+    assert inspected.returncode == 0, inspected.stderr
+    assert [r["would_symbolize"] for r in json.loads(inspected.stdout)] == [True]
     out = parse(body)
     by_address = {loc.address: loc for loc in out.location}
     wrong = [hex(v) for v, frames in expected.items()
