@@ -105,7 +105,7 @@ def wait_healthy(url: str) -> None:
             time.sleep(0.1)
 
 
-def serve_tree(tree: Path, *, settle_s: float = 0.0) -> tuple[subprocess.Popen[bytes], str]:
+def serve_tree(tree: Path, settle_s: float = 0.0) -> tuple[subprocess.Popen[bytes], str]:
     """A fresh `symgate serve` over the debug tree `tree`, once /healthz answers (and
     `settle_s` later)."""
     work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
