@@ -6,11 +6,12 @@ entries of its frames (innermost first). A warm rewrite then looks up numbers an
 in bulk with numpy, instead of building protobuf messages; a cold one encodes the new chains
 together, also with numpy.
 
-The entries name functions by ids that stay the same across profiles: `FunctionIds` gives
-every (name, system name, file) one, from FIRST_ID up, for all tables alike, so a function two
-binaries share (an inline function from a header) has one id. A rewrite adds a Function to the
-profile for each id it used, or maps the id to the profile's own where the profile already has
-that function or that id.
+The entries kept name functions by ids of the process: `FunctionIds` gives every (name,
+system name, file, start line) one, from FIRST_ID up, for all tables alike, so a function two
+binaries share (an inline function from a header) has one id. They never reach a profile: a
+rewrite numbers the functions it used as that profile's own (rewrite._Functions) and encodes
+the chains it used again with those numbers (`Chains.encoded`), so that what a profile gets
+does not depend on what the process symbolized before.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import numpy.typing as npt
 
 from .pprof import varint
 
-# Above the ids of any profile's own functions (they count from 1), and a three-byte varint up
-# to 2**21: the ids cost a byte more per line than small ones would.
+# The first id of the process's numbering (never written to a profile).
 FIRST_ID = 1 << 20
 # Functions remembered before the ids start over: about 200 bytes each, 50 MiB in all.
 _MAX_FUNCTIONS = 1 << 18

@@ -122,10 +122,6 @@ class DwarfFunctions:
     orphan_rows: list[LineRow] = field(default_factory=list)
 
 
-def available() -> bool:
-    return _LIB is not None
-
-
 def read_functions(path: Path, symbol_starts: Sequence[int]) -> DwarfFunctions:
     """The DWARF facts of the file at `path`; empty when it has no DWARF or libdw is missing
     (names then come from the symbol table alone).
