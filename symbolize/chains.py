@@ -1,10 +1,10 @@
-"""What a symbolized address becomes in a pprof profile: its Line entries, encoded once.
+"""What a symbolized address becomes in a pprof profile: its Line entries.
 
 A symbol table names the chain of frames of each address by a key (an int: which source
-location, see symtab.py) and remembers, per key, a numbered chain: the encoded `Location.line`
-entries of its frames (innermost first). A warm rewrite then looks up numbers and copies bytes,
-in bulk with numpy, instead of building protobuf messages; a cold one encodes the new chains
-together, also with numpy.
+location, see symtab.py) and remembers, per key, a numbered chain: the function ids and lines
+of its frames (innermost first). A rewrite then looks up numbers and encodes the
+`Location.line` entries of the chains it used, in bulk with numpy, instead of building protobuf
+messages.
 
 The entries kept name functions by ids of the process: `FunctionIds` gives every (name,
 system name, file, start line) one, from FIRST_ID up, for all tables alike, so a function two
@@ -161,10 +161,8 @@ class _Growing:
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """Per chain number: its encoding, where its function ids and lines are, its flags."""
+    """Per chain number: where its function ids and lines are, its flags."""
 
-    encoded: ObjectArray
-    length: I64  # of the encoding
     first_id: I64
     id_count: I64
     function_ids: U64
@@ -190,17 +188,16 @@ class ChainStore:
         self._generation = self._ids.generation
         # Zeroed pages cost no memory until touched: a key's number is found by indexing.
         self._numbers = np.zeros(self._keys, dtype=np.int32)
+        # Chains by their encoding with the process's ids: chains encoded alike are one.
         self._by_encoding: dict[bytes, int] = {b"": 0}
-        self._encoded = _Growing(np.object_)
-        self._length = _Growing(np.int64)
         self._first_id = _Growing(np.int64)
         self._id_count = _Growing(np.int64)
         self._function_ids = _Growing(np.uint64)
         self._lines = _Growing(np.uint64)
         self._has_filenames = _Growing(np.bool_)
         self._has_line_numbers = _Growing(np.bool_)
-        self._append([b""], np.zeros(1, np.int64), np.zeros(0, np.uint64),
-                     np.zeros(0, np.uint64), np.zeros(1, np.bool_), np.zeros(1, np.bool_))
+        self._append(np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                     np.zeros(1, np.bool_), np.zeros(1, np.bool_))
 
     def chains(self, keys: I64, resolve: Callable[[I64], FrameColumns]) -> Chains:
         """The chain of each key; `resolve` gives the frames of keys not seen before."""
@@ -213,7 +210,7 @@ class ChainStore:
                 fresh = np.unique(keys[missing])
                 # Judged by the chains to add, not by the addresses: a profile of a million
                 # addresses whose chains are all known must not throw them away.
-                if self._encoded.size + len(fresh) > self._limit:
+                if self._id_count.size + len(fresh) > self._limit:
                     self._start_over()
                     fresh = np.unique(keys[keys != 0])
                 self._numbers[fresh] = self._number(resolve(fresh))
@@ -228,7 +225,7 @@ class ChainStore:
         known = self._by_encoding
         numbers = [known.get(enc, -1) for enc in encoded]
         new: list[int] = []
-        next_number = self._encoded.size
+        next_number = self._id_count.size
         for chain in [c for c, n in enumerate(numbers) if n < 0]:
             enc = encoded[chain]
             number = known.get(enc)
@@ -245,11 +242,10 @@ class ChainStore:
                                 minlength=frames.chains)[new] > 0
             lines = np.bincount(owner, weights=frames.line[chosen] > 0,
                                 minlength=frames.chains)[new] > 0
-            self._append([encoded[c] for c in new], counts, function_ids[chosen],
-                         frames.line[chosen], files, lines)
+            self._append(counts, function_ids[chosen], frames.line[chosen], files, lines)
         return np.array(numbers, dtype=np.int64)
 
-    def _append(self, encoded: list[bytes], id_count: I64, function_ids: U64, lines: U64,
+    def _append(self, id_count: I64, function_ids: U64, lines: U64,
                 has_filenames: npt.NDArray[np.bool_],
                 has_line_numbers: npt.NDArray[np.bool_]) -> None:
         self._first_id.extend(self._function_ids.size + np.cumsum(id_count) - id_count)
@@ -258,17 +254,12 @@ class ChainStore:
         self._lines.extend(lines)
         self._has_filenames.extend(has_filenames)
         self._has_line_numbers.extend(has_line_numbers)
-        objects = np.empty(len(encoded), dtype=object)
-        objects[:] = encoded
-        self._encoded.extend(objects)
-        self._length.extend(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
 
     def _snapshot(self) -> _Columns:
         # Arrays only grow, and a grown one is a new array: these stay true for the numbers
         # handed out so far, whatever later lookups add.
-        return _Columns(self._encoded.data, self._length.data, self._first_id.data,
-                        self._id_count.data, self._function_ids.data, self._lines.data,
-                        self._has_filenames.data, self._has_line_numbers.data)
+        return _Columns(self._first_id.data, self._id_count.data, self._function_ids.data,
+                        self._lines.data, self._has_filenames.data, self._has_line_numbers.data)
 
 
 class Chains:
