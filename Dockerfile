@@ -12,6 +12,12 @@ COPY migrations ./migrations
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm
+# libdw1: elfutils' DWARF reader, for function names, start lines and the lines symbolic's
+# SymCache lacks (symbolize/dwarf.py; without it those fall back to the symbol table).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libdw1 \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --home-dir /data --shell /usr/sbin/nologin symgate \
     && mkdir -p /data \
     && chown symgate /data

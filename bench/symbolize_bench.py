@@ -15,6 +15,7 @@ ratios of the medians over --repeat fresh servers; writes bench/results/symboliz
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.symbolize_targets import main_targets  # noqa: E402
 from symbolize.elf import layout_of_file  # noqa: E402
 from symbolize.pprof.profile_pb2 import Profile  # noqa: E402
 
@@ -103,28 +105,45 @@ def wait_healthy(url: str) -> None:
             time.sleep(0.1)
 
 
+def serve_tree(tree: Path, settle_s: float = 0.0) -> tuple[subprocess.Popen[bytes], str]:
+    """A fresh `symgate serve` over the debug tree `tree`, once /healthz answers (and
+    `settle_s` later)."""
+    work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
+    port = free_port()
+    (work / "symgate.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n'
+        f'access_log = false\n[symbolize]\ndebug_dirs = ["{tree}"]\n'
+        f'max_request_bytes = "512MiB"\nmax_decompressed_bytes = "1GiB"\ndeadline_s = 600\n')
+    proc = subprocess.Popen(["symgate", "serve", "--config", str(work / "symgate.toml")],
+                            stdout=(work / "log").open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "DEBUGINFOD_URLS": "http://127.0.0.1:9/"})
+    proc.work = work  # type: ignore[attr-defined]
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    time.sleep(settle_s)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    shutil.rmtree(proc.work, ignore_errors=True)  # type: ignore[attr-defined]
+
+
 def serve(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     tree = work / "debug" / ".build-id" / LIBC_ID[:2]
     tree.mkdir(parents=True)
     (tree / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
     (tree / LIBC_ID[2:]).symlink_to(LIBC)
-    port = free_port()
-    (work / "symgate.toml").write_text(
-        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n'
-        f'access_log = false\n[symbolize]\ndebug_dirs = ["{work / "debug"}"]\n'
-        f'max_request_bytes = "512MiB"\nmax_decompressed_bytes = "1GiB"\ndeadline_s = 600\n')
-    proc = subprocess.Popen(["symgate", "serve", "--config", str(work / "symgate.toml")],
-                            stdout=(work / "log").open("wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "DEBUGINFOD_URLS": "http://127.0.0.1:9/"})
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    time.sleep(1.0)  # let the build workers start, as a long-running server has them
-    return proc, url
+    # The build workers started, as a long-running server has them.
+    return serve_tree(work / "debug", settle_s=1.0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,100000")
+    ap.add_argument("--targets", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure issue 14's targets (symbolize_targets.py)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="fresh servers (and llvm-symbolizer runs) per size; medians reported")
     args = ap.parse_args()
@@ -145,8 +164,7 @@ def main() -> None:
                 cold_s, cold_h, cold_body = post(url, body)
                 warm = [post(url, body) for _ in range(3)]
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+                stop(proc)
                 shutil.rmtree(work, ignore_errors=True)
             assert cold_h["X-Symgate-Mappings-Symbolized"] == "1", cold_h
             assert all(w[2] == cold_body for w in warm), "warm and cold answers differ"
@@ -166,9 +184,19 @@ def main() -> None:
         print(f"N = {n} (medians of {args.repeat})")
         for k, v in r.items():
             print(f"  {k:<24} {v:10.4f}")
+    # Linear in N: the warm cost per address at each N over that at the N before.
+    sizes = sorted(int(n) for n in results)
+    for small, large in itertools.pairwise(sizes):
+        growth = (results[str(large)]["symgate_warm_s"] / large) \
+            / (results[str(small)]["symgate_warm_s"] / small)
+        results[str(large)]["warm_per_address_vs_previous_n"] = growth
+        print(f"warm per address, N {small} -> {large}: x{growth:.2f}")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    (out / "symbolize.json").write_text(json.dumps(results, indent=2))
+    report: dict[str, object] = {"sizes": results}
+    if args.targets:
+        report["targets"] = main_targets(LIBC, LIBC_ID, serve_tree, post, stop)
+    (out / "symbolize.json").write_text(json.dumps(report, indent=2))
 
 if __name__ == "__main__":
     main()

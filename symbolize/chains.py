@@ -1,16 +1,17 @@
-"""What a symbolized address becomes in a pprof profile: its Line entries, encoded once.
+"""What a symbolized address becomes in a pprof profile: its Line entries.
 
 A symbol table names the chain of frames of each address by a key (an int: which source
-location, see symtab.py) and remembers, per key, a numbered chain: the encoded `Location.line`
-entries of its frames (innermost first). A warm rewrite then looks up numbers and copies bytes,
-in bulk with numpy, instead of building protobuf messages; a cold one encodes the new chains
-together, also with numpy.
+location, see symtab.py) and remembers, per key, a numbered chain: the function ids and lines
+of its frames (innermost first). A rewrite then looks up numbers and encodes the
+`Location.line` entries of the chains it used, in bulk with numpy, instead of building protobuf
+messages.
 
-The entries name functions by ids that stay the same across profiles: `FunctionIds` gives
-every (name, system name, file) one, from FIRST_ID up, for all tables alike, so a function two
-binaries share (an inline function from a header) has one id. A rewrite adds a Function to the
-profile for each id it used, or maps the id to the profile's own where the profile already has
-that function or that id.
+The entries kept name functions by ids of the process: `FunctionIds` gives every (name,
+system name, file, start line) one, from FIRST_ID up, for all tables alike, so a function two
+binaries share (an inline function from a header) has one id. They never reach a profile: a
+rewrite numbers the functions it used as that profile's own (rewrite._Functions) and encodes
+the chains it used again with those numbers (`Chains.encoded`), so that what a profile gets
+does not depend on what the process symbolized before.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import numpy.typing as npt
 
 from .pprof import varint
 
-# Above the ids of any profile's own functions (they count from 1), and a three-byte varint up
-# to 2**21: the ids cost a byte more per line than small ones would.
+# The first id of the process's numbering (never written to a profile).
 FIRST_ID = 1 << 20
 # Functions remembered before the ids start over: about 200 bytes each, 50 MiB in all.
 _MAX_FUNCTIONS = 1 << 18
@@ -42,7 +42,7 @@ _MAX_CHAINS = 1_000_000
 
 _LOCATION_LINE = 0x22  # field 4, length-delimited
 
-FunctionKey = tuple[str, str, str]  # name, system_name, filename
+FunctionKey = tuple[str, str, str, int]  # name, system_name, filename, start_line
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
@@ -57,11 +57,19 @@ class FunctionIds:
 
     def __init__(self, limit: int = _MAX_FUNCTIONS) -> None:
         self._limit = limit
-        self._ids: dict[FunctionKey, int] = {}
-        self._keys: list[FunctionKey] = []
         self._lock = threading.Lock()
         self._users = 0
         self.generation = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._ids: dict[FunctionKey, int] = {}
+        self._keys: list[FunctionKey] = []
+        # Every function's name, system name and file as numbers of `texts`, and its start
+        # line, four a function: a rewrite reads its functions' rows in bulk.
+        self._text_ids: dict[str, int] = {}
+        self.texts: list[str] = []
+        self._rows = _Growing(np.int64)
 
     def id_of(self, key: FunctionKey) -> int:
         fid = self._ids.get(key)
@@ -71,10 +79,24 @@ class FunctionIds:
                 if fid is None:
                     fid = self._ids[key] = FIRST_ID + len(self._keys)
                     self._keys.append(key)
+                    row = []
+                    for text in key[:3]:
+                        at = self._text_ids.get(text)
+                        if at is None:
+                            at = self._text_ids[text] = len(self.texts)
+                            self.texts.append(text)
+                        row.append(at)
+                    self._rows.extend(np.array([*row, key[3]], dtype=np.int64))
         return fid
 
     def key_of(self, fid: int) -> FunctionKey:
         return self._keys[fid - FIRST_ID]
+
+    def rows(self, fids: U64) -> I64:
+        """Per id: its name, system name and file (numbers of `texts`) and start line."""
+        at = (fids - np.uint64(FIRST_ID)).astype(np.int64)
+        rows: I64 = self._rows.data[: self._rows.size].reshape(-1, 4)[at]
+        return rows
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -84,8 +106,7 @@ class FunctionIds:
         """Ids stay valid inside; the reset of a full registry happens between sessions."""
         with self._lock:
             if self._users == 0 and len(self._keys) >= self._limit:
-                self._ids.clear()
-                self._keys.clear()
+                self._clear()
                 self.generation += 1
             self._users += 1
         try:
@@ -140,10 +161,8 @@ class _Growing:
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """Per chain number: its encoding, where its function ids and lines are, its flags."""
+    """Per chain number: where its function ids and lines are, its flags."""
 
-    encoded: ObjectArray
-    length: I64  # of the encoding
     first_id: I64
     id_count: I64
     function_ids: U64
@@ -169,28 +188,31 @@ class ChainStore:
         self._generation = self._ids.generation
         # Zeroed pages cost no memory until touched: a key's number is found by indexing.
         self._numbers = np.zeros(self._keys, dtype=np.int32)
+        # Chains by their encoding with the process's ids: chains encoded alike are one.
         self._by_encoding: dict[bytes, int] = {b"": 0}
-        self._encoded = _Growing(np.object_)
-        self._length = _Growing(np.int64)
         self._first_id = _Growing(np.int64)
         self._id_count = _Growing(np.int64)
         self._function_ids = _Growing(np.uint64)
         self._lines = _Growing(np.uint64)
         self._has_filenames = _Growing(np.bool_)
         self._has_line_numbers = _Growing(np.bool_)
-        self._append([b""], np.zeros(1, np.int64), np.zeros(0, np.uint64),
-                     np.zeros(0, np.uint64), np.zeros(1, np.bool_), np.zeros(1, np.bool_))
+        self._append(np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                     np.zeros(1, np.bool_), np.zeros(1, np.bool_))
 
     def chains(self, keys: I64, resolve: Callable[[I64], FrameColumns]) -> Chains:
         """The chain of each key; `resolve` gives the frames of keys not seen before."""
         with self._lock:
-            if (self._generation != self._ids.generation
-                    or self._encoded.size + len(keys) > self._limit):
+            if self._generation != self._ids.generation:
                 self._start_over()
             numbers = self._numbers[keys].astype(np.int64)
             missing = (numbers == 0) & (keys != 0)
             if missing.any():
                 fresh = np.unique(keys[missing])
+                # Judged by the chains to add, not by the addresses: a profile of a million
+                # addresses whose chains are all known must not throw them away.
+                if self._id_count.size + len(fresh) > self._limit:
+                    self._start_over()
+                    fresh = np.unique(keys[keys != 0])
                 self._numbers[fresh] = self._number(resolve(fresh))
                 numbers = self._numbers[keys].astype(np.int64)
             return Chains(numbers, self._snapshot(), self._ids)
@@ -203,7 +225,7 @@ class ChainStore:
         known = self._by_encoding
         numbers = [known.get(enc, -1) for enc in encoded]
         new: list[int] = []
-        next_number = self._encoded.size
+        next_number = self._id_count.size
         for chain in [c for c, n in enumerate(numbers) if n < 0]:
             enc = encoded[chain]
             number = known.get(enc)
@@ -220,11 +242,10 @@ class ChainStore:
                                 minlength=frames.chains)[new] > 0
             lines = np.bincount(owner, weights=frames.line[chosen] > 0,
                                 minlength=frames.chains)[new] > 0
-            self._append([encoded[c] for c in new], counts, function_ids[chosen],
-                         frames.line[chosen], files, lines)
+            self._append(counts, function_ids[chosen], frames.line[chosen], files, lines)
         return np.array(numbers, dtype=np.int64)
 
-    def _append(self, encoded: list[bytes], id_count: I64, function_ids: U64, lines: U64,
+    def _append(self, id_count: I64, function_ids: U64, lines: U64,
                 has_filenames: npt.NDArray[np.bool_],
                 has_line_numbers: npt.NDArray[np.bool_]) -> None:
         self._first_id.extend(self._function_ids.size + np.cumsum(id_count) - id_count)
@@ -233,17 +254,12 @@ class ChainStore:
         self._lines.extend(lines)
         self._has_filenames.extend(has_filenames)
         self._has_line_numbers.extend(has_line_numbers)
-        objects = np.empty(len(encoded), dtype=object)
-        objects[:] = encoded
-        self._encoded.extend(objects)
-        self._length.extend(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
 
     def _snapshot(self) -> _Columns:
         # Arrays only grow, and a grown one is a new array: these stay true for the numbers
         # handed out so far, whatever later lookups add.
-        return _Columns(self._encoded.data, self._length.data, self._first_id.data,
-                        self._id_count.data, self._function_ids.data, self._lines.data,
-                        self._has_filenames.data, self._has_line_numbers.data)
+        return _Columns(self._first_id.data, self._id_count.data, self._function_ids.data,
+                        self._lines.data, self._has_filenames.data, self._has_line_numbers.data)
 
 
 class Chains:
@@ -309,30 +325,29 @@ class Chains:
         used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
-    def encoded(self, remap: dict[int, int]) -> tuple[ObjectArray, I64]:
-        """Per address, its Line entries (b"" for none), with function ids as `remap` says,
-        and their lengths."""
-        out: ObjectArray = self._c.encoded[self.numbers]
-        length: I64 = self._c.length[self.numbers]
-        if not remap:
-            return out, length
-        at, owners = self._frames_of(self._used)
+    def encoded(self, old: U64, new: U64) -> tuple[ObjectArray, I64]:
+        """Per address, its Line entries (b"" for none), with each function id of `old`
+        (sorted, every id the chains use) written as the one of `new` at its place, and their
+        lengths.
+
+        Every chain used is encoded again: a profile's ids are its own (rewrite._Functions),
+        so the encodings kept with the chains hardly ever fit as they are. The work is per
+        chain, the per-address part two gathers.
+        """
+        used = self._used
+        at, owners = self._frames_of(used)
         ids = self._c.function_ids[at]
-        old = np.array(sorted(remap), dtype=np.uint64)
-        new = np.array([remap[k] for k in old.tolist()], dtype=np.uint64)
-        moved = np.isin(ids, old)
-        touched = np.unique(owners[moved])  # positions in self._used
-        if not len(touched):
-            return out, length
-        ids[moved] = new[np.searchsorted(old, ids[moved])]
-        keep = np.isin(owners, touched)
-        renumbered = np.searchsorted(touched, owners[keep])
-        reencoded = np.empty(len(touched), dtype=object)
-        reencoded[:] = encode_lines(renumbered, ids[keep], self._c.lines[at[keep]],
-                                    len(touched))
-        chains = self._used[touched]
-        where = np.isin(self.numbers, chains)
-        replaced = reencoded[np.searchsorted(chains, self.numbers[where])]
-        out[where] = replaced
-        length[where] = np.fromiter(map(len, replaced), dtype=np.int64, count=len(replaced))
-        return out, length
+        # Global ids are dense from FIRST_ID: a table finds each one's new id.
+        written = np.zeros(len(self._ids) + 1, dtype=np.uint64)
+        written[(old - np.uint64(FIRST_ID)).astype(np.int64)] = new
+        ids = written[(ids - np.uint64(FIRST_ID)).astype(np.int64)]
+        per_chain = np.empty(len(used) + 1, dtype=object)
+        per_chain[0] = b""
+        per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], len(used))
+        lengths = np.zeros(len(used) + 1, dtype=np.int64)
+        lengths[1:] = np.fromiter(map(len, per_chain[1:]), dtype=np.int64, count=len(used))
+        # Chain number -> its place in per_chain (0: none).
+        place = np.zeros(len(self._c.id_count), dtype=np.int64)
+        place[used] = np.arange(1, len(used) + 1)
+        where = place[self.numbers]
+        return per_chain[where], lengths[where]

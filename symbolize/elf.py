@@ -134,8 +134,18 @@ def cold_part(name: str) -> str | None:
     return _COLD_SUFFIX.sub("", name) if _COLD_SUFFIX.search(name) else None
 
 
-def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
-    """[start, end) of every `*.cold` function symbol in .symtab.
+@dataclass(frozen=True, slots=True)
+class FunctionSymbol:
+    """An STT_FUNC symbol of .symtab with a size, in the order the table lists them."""
+
+    value: int
+    size: int
+    bind: int  # STB_LOCAL 0, STB_GLOBAL 1, STB_WEAK 2
+    name: str
+
+
+def function_symbols(path: Path) -> tuple[FunctionSymbol, ...]:
+    """The sized STT_FUNC symbols of .symtab, in table order; () without one.
 
     pyelftools locates the sections; the symbol array is read with struct, because building a
     pyelftools object per symbol costs 0.2 s for libc's 9,000 symbols.
@@ -162,10 +172,19 @@ def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
         if sym[info_i] & 0xF != STT_FUNC or not sym[size_i]:
             continue
         start = sym[name_i]
-        name = strtab[start: strtab.find(b"\0", start)]
-        if b".cold" in name and cold_part(name.decode(errors="replace")) is not None:
-            found.append((sym[value_i], sym[value_i] + sym[size_i]))
-    return tuple(sorted(found))
+        name = strtab[start: strtab.find(b"\0", start)].decode(errors="replace")
+        found.append(FunctionSymbol(sym[value_i], sym[size_i], sym[info_i] >> 4, name))
+    return tuple(found)
+
+
+def cold_ranges(symbols: tuple[FunctionSymbol, ...]) -> tuple[tuple[int, int], ...]:
+    """[start, end) of every `*.cold` function symbol."""
+    return tuple(sorted((s.value, s.value + s.size) for s in symbols
+                        if ".cold" in s.name and cold_part(s.name) is not None))
+
+
+def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
+    return cold_ranges(function_symbols(path))
 
 
 def section_extent(path: Path, name: str) -> tuple[int, int] | None:

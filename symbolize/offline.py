@@ -44,7 +44,8 @@ class LocalDebugDirs:
             return Resolved(None, outcome=Outcome.MALFORMED)
         table = TableSpec(out, built.load_address, built.code_ranges, built.cold_ranges,
                           built.has_lines)
-        return Resolved(table, executable_segments(exe, build_id) if needs_layout else None)
+        segments = executable_segments(exe, build_id) or built.file_layout
+        return Resolved(table, segments if needs_layout else None)
 
 
 def symbolize_bytes(body: bytes, dirs: Sequence[Path], limits: Limits) -> tuple[bytes, Report]:

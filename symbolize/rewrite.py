@@ -12,7 +12,6 @@ objects cost about a microsecond each to touch from Python: the locations are re
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping as MappingT
@@ -39,6 +38,8 @@ ObjectArray = npt.NDArray[np.object_]
 _PROFILE_LOCATION = b"\x22"  # field 4, length-delimited
 _PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
 # The tag and length of a location of each size up to 16 KiB (two-byte lengths).
+# Locations written back at a time (see _replace_locations).
+_BATCH = 1 << 16
 _LOCATION_HEADERS = np.array([_PROFILE_LOCATION + varint.encode_one(n) for n in range(1 << 14)],
                              dtype=object)
 
@@ -88,8 +89,11 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
 class _Functions:
     """The profile's Function entries for the chain function ids a rewrite used.
 
-    An id becomes the profile's own Function where the profile has one with the same name,
-    system name and file already, and is renumbered where the profile uses the id itself.
+    The ids a profile gets depend on that profile and the functions' names alone, never on
+    what the process symbolized before: the same profile and debug files give the same bytes
+    from any server, after a restart, and offline. An id becomes the profile's own Function
+    where the profile has one with the same name, system name, file and start line already;
+    the others are numbered after the profile's highest id, in the order of their names.
     """
 
     def __init__(self, profile: RawProfile, ids: FunctionIds) -> None:
@@ -106,44 +110,53 @@ class _Functions:
             key = (self._strings[table[f.name]], self._strings[table[f.system_name]],
                    self._strings[table[f.filename]], f.start_line)
             self._own.setdefault(key, f.id)
-        self._own_ids = {f.id for f in profile.function}
+        self._next_id = max((f.id for f in profile.function), default=0) + 1
 
-    def add(self, used: U64) -> dict[int, int]:
-        """Add a Function for each id (sorted); return the ids that must be written as others.
-        """
-        keys = [self._ids.key_of(fid) for fid in used.tolist()]
+    def add(self, used: U64) -> U64:
+        """Add a Function for each id of `used` (sorted) that the profile lacks; return the id
+        each is written as."""
+        rows = self._ids.rows(used)
+        texts, at = np.unique(rows[:, :3], return_inverse=True)
+        at = at.reshape(-1, 3)
+        words = [self._ids.texts[t] for t in texts.tolist()]
+        rank = np.empty(len(words), dtype=np.int64)
+        rank[sorted(range(len(words)), key=words.__getitem__)] = np.arange(len(words))
+        ranked = rank[at]
+        # By name, system name, file and start line: an order of their own, not the ids'.
+        order = np.lexsort((rows[:, 3], ranked[:, 2], ranked[:, 1], ranked[:, 0]))
+        # The profile's string of each text, new ones appended in the order of first use.
+        first_use = np.unique(at[order].ravel(), return_index=True)[1]
+        in_use_order = at[order].ravel()[np.sort(first_use)].tolist()
         table = self._profile.string_table
-        strings = self._strings
-        new_strings: list[str] = []
-        for text in dict.fromkeys(itertools.chain.from_iterable(keys)):  # in order of first use
-            if text not in strings:
-                strings[text] = len(table) + len(new_strings)
-                new_strings.append(text)
-        indices = np.array([[strings[text] for text in key] for key in keys],
-                           dtype=np.uint64).reshape(-1, 3)
-        written = used.copy()
-        new = np.ones(len(used), dtype=np.bool_)
-        remap: dict[int, int] = {}
-        if self._own_ids:
-            next_free = max(max(self._own_ids), int(used.max(initial=0))) + 1
-            for i, (fid, row) in enumerate(zip(used.tolist(), indices.tolist(), strict=True)):
-                key = (row[0], row[1], row[2], 0)
-                own = self._own.get(key)
+        in_order = [words[t] for t in in_use_order]
+        found = np.array([self._strings.get(w, -1) for w in in_order], dtype=np.int64)
+        missing = found < 0
+        new_strings = [w for w, m in zip(in_order, missing.tolist(), strict=True) if m]
+        found[missing] = len(table) + np.arange(len(new_strings))
+        self._strings.update(zip(new_strings, found[missing].tolist(), strict=True))
+        index = np.zeros(len(words), dtype=np.uint64)
+        index[in_use_order] = found
+        fields = np.column_stack((index[at], rows[:, 3].astype(np.uint64)))[order]
+        written = np.zeros(len(used), dtype=np.uint64)
+        fresh = np.ones(len(used), dtype=np.bool_)  # in `order`
+        if self._own:
+            for k, row in enumerate(fields.tolist()):
+                own = self._own.get((row[0], row[1], row[2], row[3]))
                 if own is None:
-                    own = fid
-                    if fid in self._own_ids:
-                        own, next_free = next_free, next_free + 1
-                    self._own[key] = own
+                    own = self._own[(row[0], row[1], row[2], row[3])] = self._next_id
+                    self._next_id += 1
                 else:
-                    new[i] = False
-                if own != fid:
-                    remap[fid] = own
-                    written[i] = own
+                    fresh[k] = False
+                written[order[k]] = own
+        else:
+            written[order] = self._next_id + np.arange(len(used), dtype=np.uint64)
+            self._next_id += len(used)
         table.extend(new_strings)
         functions, _ends = varint.messages(_PROFILE_FUNCTION, [
-            (1, written[new]), (2, indices[new, 0]), (3, indices[new, 1]), (4, indices[new, 2])])
+            (1, written[order][fresh]), (2, fields[fresh, 0]), (3, fields[fresh, 1]),
+            (4, fields[fresh, 2]), (5, fields[fresh, 3])])
         self._profile.MergeFromString(functions.tobytes())  # appends them
-        return remap
+        return written
 
 
 def rewrite(
@@ -202,13 +215,13 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
 
     used = np.unique(np.concatenate([c.function_ids() for _w, c, _m in found]
                                     or [np.zeros(0, np.uint64)]))
-    remap = _Functions(profile, ids).add(used)
+    written = _Functions(profile, ids).add(used)
 
     # Each location comes out as its own bytes and then its chain's Line entries.
     tails = np.full(len(encoded), b"", dtype=object)
     length = columns.length.copy()
     for where, chains, shares in found:
-        tails[where], tail_length = chains.encoded(remap)
+        tails[where], tail_length = chains.encoded(used, written)
         length[where] += tail_length
         start = 0
         for mid, count in shares:
@@ -243,20 +256,25 @@ def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
 
 def _replace_locations(profile: RawProfile, heads: list[bytes], tails: ObjectArray,
                        length: I64) -> None:
-    """Make location i `heads[i] + tails[i]`, `length[i]` bytes long, in one parse.
+    """Make location i `heads[i] + tails[i]`, `length[i]` bytes long.
 
-    The new locations are written as the profile's field 4 and merged in: joining bytes and
-    one parse in C costs less than 100,000 concatenations and a list protobuf copies.
+    The new locations are written as the profile's field 4 and merged in, a batch at a time:
+    joining bytes and one parse in C costs less than 100,000 concatenations and a list
+    protobuf copies, and a batch's pieces are all the memory it takes beside the profile.
     """
-    short = length < len(_LOCATION_HEADERS)
-    if short.all():
-        headers = _LOCATION_HEADERS[length].tolist()
-    else:
-        headers = [_LOCATION_HEADERS[n] if ok else _PROFILE_LOCATION + varint.encode_one(n)
-                   for n, ok in zip(length.tolist(), short.tolist(), strict=True)]
-    pieces: list[bytes] = [b""] * (3 * len(heads))
-    pieces[0::3] = headers
-    pieces[1::3] = heads
-    pieces[2::3] = tails.tolist()
     del profile.location[:]
-    profile.MergeFromString(b"".join(pieces))
+    for start in range(0, len(heads), _BATCH):
+        end = start + _BATCH
+        size = length[start:end]
+        short = size < len(_LOCATION_HEADERS)
+        if short.all():
+            headers = _LOCATION_HEADERS[size].tolist()
+        else:
+            headers = [_LOCATION_HEADERS[n] if ok else _PROFILE_LOCATION + varint.encode_one(n)
+                       for n, ok in zip(size.tolist(), short.tolist(), strict=True)]
+        batch = heads[start:end]
+        pieces: list[bytes] = [b""] * (3 * len(batch))
+        pieces[0::3] = headers
+        pieces[1::3] = batch
+        pieces[2::3] = tails[start:end].tolist()
+        profile.MergeFromString(b"".join(pieces))

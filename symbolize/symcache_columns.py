@@ -52,6 +52,23 @@ class SymCacheColumns:
     inlined_into: U32
     files: int
     functions: int
+    # Per function: where its name is in `strings`, and its entry address (NONE for a function
+    # known only as inlined)
+    function_name: U32
+    function_entry: U32
+    strings: npt.NDArray[np.uint8]
+
+    def string(self, offset: int) -> str:
+        """The string at `offset`: a LEB128 length, then UTF-8 bytes."""
+        size, shift, at = 0, 0, offset
+        while True:
+            byte = int(self.strings[at])
+            size |= (byte & 0x7F) << shift
+            at += 1
+            shift += 7
+            if not byte & 0x80:
+                break
+        return bytes(self.strings[at: at + size]).decode(errors="replace")
 
     @property
     def first_range_location(self) -> int:
@@ -80,6 +97,7 @@ def read_columns(path: Path) -> SymCacheColumns:
         head, _PREAMBLE.size)
     offset = _align(_PREAMBLE.size + _HEADER.size)
     offset = _align(offset + files * _FILE_SIZE)
+    function_offset = offset
     offset = _align(offset + functions * _FUNCTION_SIZE)
     location_offset = offset
     offset = _align(offset + locations * 16)
@@ -89,10 +107,13 @@ def read_columns(path: Path) -> SymCacheColumns:
         raise UnreadableSymCache(f"{path.name}: header counts do not fit the file")
     table = data[location_offset: location_offset + locations * 16].view("<u4")
     table = table.reshape(locations, 4)
+    function_table = data[function_offset: function_offset + functions * _FUNCTION_SIZE]
+    function_table = function_table.view("<u4").reshape(functions, 4)
     columns = SymCacheColumns(
         range_starts=data[range_offset: range_offset + ranges * 4].view("<u4"),
         file=table[:, 0], line=table[:, 1], function=table[:, 2], inlined_into=table[:, 3],
-        files=files, functions=functions)
+        files=files, functions=functions, function_name=function_table[:, 0],
+        function_entry=function_table[:, 2], strings=data[offset: offset + string_bytes])
     _check(path, columns)
     return columns
 

@@ -23,13 +23,19 @@ from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
+from . import elf
 from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
-from .elf import LoadSegment, cold_part, cold_ranges_of_file, layout_of_file
+from .dwarf import DwarfFunctions, read_functions
+from .elf import FunctionSymbol, LoadSegment, cold_part, function_symbols, layout_of_file
+from .function_names import TableExtras, append_to, choose, read_from
+from .lld_layout import lld_layout
 from .range_index import RangeIndex
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}"
+# The SymCache's version, and that of what symgate writes behind it (function_names.py): a
+# table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-1"
 
 
 class NoSymbols(Exception):
@@ -49,7 +55,8 @@ class BuildResult:
     seconds: float
     size: int
     # The source's program headers when their file offsets are real (an executable, or an
-    # unstripped binary); None for a detached debug file, whose offsets objcopy zeroed.
+    # unstripped binary) or derived exactly (an lld-linked program's debug file: lld_layout);
+    # None for another detached debug file, whose offsets objcopy cut to their residues.
     file_layout: tuple[LoadSegment, ...] | None
 
 
@@ -70,9 +77,9 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         raise MalformedObject(f"{elf_path.name}: not an ELF file")
     if layout.build_id != build_id:
         raise MalformedObject(f"{elf_path.name}: build ID {layout.build_id}, not {build_id}")
-    # symbolic's build releases the GIL: the .symtab scan for cold parts runs beside it.
+    # symbolic's build releases the GIL: the second reading of the file runs beside it.
     with ThreadPoolExecutor(max_workers=1) as beside:
-        cold_ranges = beside.submit(cold_ranges_of_file, elf_path)
+        second = beside.submit(_second_reading, elf_path)
         try:
             archive = Archive.open(str(elf_path))
             obj = next(iter(archive.iter_objects()))
@@ -87,7 +94,10 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     try:
         with tmp.open("wb") as f:
             cache.dump_into(f)  # type: ignore[no-untyped-call]
-        read_columns(tmp)  # a symbolic that writes another layout fails here, not per lookup
+        # A symbolic that writes another layout fails here, not per lookup.
+        columns = read_columns(tmp)
+        symbols, dwarf = second.result()
+        append_to(tmp, choose(columns, layout.load_address, dwarf, symbols))
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -95,12 +105,17 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     return BuildResult(
         load_address=layout.load_address,
         code_ranges=tuple((s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable),
-        cold_ranges=cold_ranges.result(),
+        cold_ranges=elf.cold_ranges(symbols),
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
-        file_layout=layout.segments if layout.has_file_layout else None,
+        file_layout=layout.segments if layout.has_file_layout else lld_layout(elf_path),
     )
+
+
+def _second_reading(path: Path) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions]:
+    symbols = function_symbols(path)
+    return symbols, read_functions(path, sorted({s.value for s in symbols}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,9 @@ class SymbolTable:
     location for the frames as symbolic gives them, which are those of an address inside a
     GCC `.cold` part; that plus the number of locations for any other address, whose outermost
     frame, when symbolic names it after a `.cold` part, is renamed to the function itself.
+    Frames but the outermost one of a cold part have the names function_names.py chose. Past
+    those, 1 + 2 * locations + the index of the line row that gives the line of code outside
+    every subprogram (function_names.py).
     """
 
     def __init__(
@@ -138,16 +156,28 @@ class SymbolTable:
     ) -> None:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
         self._columns = read_columns(path)
+        self._extras = read_from(path) or TableExtras()
         self._ranges = RangeIndex(self._columns.range_starts)
         self.load_address = load_address
         self.code_ranges = code_ranges
         self._cold = np.array(cold_ranges, dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
         self._locations = len(self._columns.file)
+        extras = self._extras
+        self._orphan_ranges = np.array(extras.orphan_ranges, dtype=np.uint64).reshape(-1, 2)
+        self._orphan_rows = np.array([r.address for r in extras.orphan_rows], dtype=np.uint64)
+        self._orphan_lines = np.array([r.line for r in extras.orphan_rows], dtype=np.uint64)
+        orphan_files = sorted({r.file for r in extras.orphan_rows})
+        # Their files are numbered after the SymCache's, and after NONE's stand-in.
+        first = self._columns.files + 1
+        self._orphan_files = np.array([first + orphan_files.index(r.file)
+                                       for r in extras.orphan_rows], dtype=np.int64)
         # symbolic's names: function index -> (system name, demangled); file index -> path.
         self._function_names: dict[int, tuple[str, str]] = {NONE: ("", "")}
-        self._paths: dict[int, str] = {NONE: ""}
-        self._chains = ChainStore(ids, keys=2 * self._locations + 1)
+        self._paths: dict[int, str] = {NONE: "", **{first + i: f
+                                                    for i, f in enumerate(orphan_files)}}
+        self._file_span = first + len(orphan_files)
+        self._chains = ChainStore(ids, keys=2 * self._locations + 1 + len(extras.orphan_rows))
 
     @classmethod
     def open(cls, spec: TableSpec, ids: FunctionIds) -> SymbolTable:
@@ -179,8 +209,23 @@ class SymbolTable:
                     & (c.line[location] == NONE) & (c.inlined_into[location] == NONE))
         keys = location + 1
         keys[~self._in_cold_part(vaddrs)] += self._locations
+        if len(self._orphan_rows):
+            row = self._orphan_row(relative)
+            lineless = (c.file[location] == NONE) & (c.inlined_into[location] == NONE)
+            orphan = inside & lineless & (row >= 0)
+            keys[orphan] = 1 + 2 * self._locations + row[orphan]
         keys[~inside] = 0
         return keys
+
+    def _orphan_row(self, relative: U64) -> I64:
+        """The line row of each address in code outside every subprogram, else -1."""
+        spans = self._orphan_ranges
+        i = np.searchsorted(spans[:, 0], relative, side="right") - 1
+        within = (i >= 0) & (relative < spans[np.maximum(i, 0), 1])
+        row = np.searchsorted(self._orphan_rows, relative, side="right") - 1
+        ok = within & (row >= 0)
+        ok[ok] &= self._orphan_lines[row[ok]] > 0  # past a sequence's end: no line
+        return np.where(ok, row, -1)
 
     def _in_cold_part(self, vaddrs: U64) -> npt.NDArray[np.bool_]:
         i = np.searchsorted(self._cold[:, 0], vaddrs, side="right") - 1
@@ -191,31 +236,49 @@ class SymbolTable:
         """The frames of the keys' chains: innermost (inlined callee) first, the function the
         code is in last."""
         c = self._columns
-        renamed = keys > self._locations
-        leaf = keys - 1 - np.where(renamed, self._locations, 0)
+        locations = self._locations
+        orphan = keys > 2 * locations
+        row = np.where(orphan, keys - 1 - 2 * locations, 0)
+        if orphan.any():  # the SymCache's own location of the row's address, for its name
+            at = self._ranges.find(self._orphan_rows[row[orphan]].astype(np.uint32))
+            keys = keys.copy()
+            keys[orphan] = c.first_range_location + np.maximum(at, 0) + 1 + locations
+        renamed = keys > locations
+        leaf = keys - 1 - np.where(renamed, locations, 0)
         owner, location = self._walk(leaf)
         function = c.function[location].astype(np.int64)
         file = c.file[location].astype(np.int64)
         line = c.line[location].astype(np.uint64)
         line[line == NONE] = 0
         self._learn_names(leaf, owner, function, file, line)
+        if orphan.any():  # chains of one frame: its line is the row's
+            from_row = orphan[owner]
+            file[from_row] = self._orphan_files[row[owner[from_row]]]
+            line[from_row] = self._orphan_lines[row[owner[from_row]]]
         outermost = np.append(owner[1:] != owner[:-1], True)
-        # One FunctionKey per (function, file, renamed), and frames without a name dropped.
-        triple = (function * (c.files + 1) + np.minimum(file, c.files)) * 2 \
-            + (outermost & renamed[owner])
+        # One FunctionKey per (function, file, outermost in a hot or a cold part), and frames
+        # without a name dropped.
+        hot = outermost & renamed[owner]
+        triple = (function * self._file_span + np.where(file == NONE, c.files, file)) * 4 \
+            + hot + 2 * (outermost & ~hot)
         unique, first, inverse = np.unique(triple, return_index=True, return_inverse=True)
         functions: list[FunctionKey] = []
         named = np.ones(len(unique), dtype=np.bool_)
+        extras = self._extras
         for u, at in enumerate(first.tolist()):
-            system_name, name = self._function_names[int(function[at])]
+            f = int(function[at])
+            system_name, name = self._function_names[f]
             if not system_name:
                 named[u] = False
-            elif unique[u] & 1 and (hot := cold_part(system_name)) is not None:
+            elif not unique[u] & 2 and (chosen := extras.names.get(f)) is not None:
+                name, system_name = chosen
+            elif unique[u] & 1 and (hot_name := cold_part(system_name)) is not None:
                 # symbolic names a function split by GCC after the symbol at its lowest
                 # address, the .cold part; the hot body is the function itself (as
                 # llvm-symbolizer says).
-                system_name, name = hot, demangle(hot)
-            functions.append((name, system_name, self._paths[int(file[at])]))
+                system_name, name = hot_name, demangle(hot_name)
+            functions.append((name, system_name, self._paths[int(file[at])],
+                              extras.start_line(f)))
         index = np.cumsum(named) - 1
         keep = named[inverse]
         return FrameColumns(chains=len(keys), owner=owner[keep], function=index[inverse][keep],

@@ -88,13 +88,19 @@ class Expected:
     system_name: str
     file: str
     line: int
+    start_line: int = 0  # DW_AT_decl_line of the frame's function; 0: unknown
 
 
-def llvm_symbolize(debug: Path, vaddrs: list[int]) -> dict[int, list[Expected]]:
-    """llvm-symbolizer's frames per address (innermost first); unresolved addresses left out."""
+def llvm_symbolize(debug: Path, vaddrs: list[int], functions: str = "linkage"
+                   ) -> dict[int, list[Expected]]:
+    """llvm-symbolizer's frames per address (innermost first); unresolved addresses left out.
+
+    functions="short" names every frame by its DWARF subprogram's DW_AT_name, never by the
+    symbol table (which "linkage", the default, takes for the outermost frame).
+    """
     def run(demangle: bool) -> list[dict[str, object]]:
         cmd = ["llvm-symbolizer", f"--obj={debug}", "--inlining", "--output-style=JSON",
-               "--demangle" if demangle else "--no-demangle"]
+               "--demangle" if demangle else "--no-demangle", f"--functions={functions}"]
         out = subprocess.run(cmd, input="\n".join(hex(v) for v in vaddrs), capture_output=True,
                              text=True, check=True).stdout
         return [json.loads(line) for line in out.splitlines() if line.strip()]
@@ -103,7 +109,7 @@ def llvm_symbolize(debug: Path, vaddrs: list[int]) -> dict[int, list[Expected]]:
     for named, raw in zip(run(True), run(False), strict=True):
         frames = [
             Expected(str(a["FunctionName"]), str(b["FunctionName"]), str(a["FileName"]),
-                     int(a["Line"]))  # type: ignore[call-overload]
+                     int(a["Line"]), int(a["StartLine"]))  # type: ignore[call-overload]
             for a, b in zip(named["Symbol"], raw["Symbol"], strict=True)  # type: ignore[call-overload]
         ]
         if frames and frames[0].function not in ("??", ""):
@@ -115,7 +121,8 @@ def frames_of(profile: Profile, location: Location) -> list[Expected]:
     s = profile.string_table
     functions = {f.id: f for f in profile.function}
     return [Expected(s[functions[ln.function_id].name], s[functions[ln.function_id].system_name],
-                     s[functions[ln.function_id].filename], ln.line) for ln in location.line]
+                     s[functions[ln.function_id].filename], ln.line,
+                     functions[ln.function_id].start_line) for ln in location.line]
 
 
 def symbol_aliases(elf_file: Path) -> dict[str, set[str]]:

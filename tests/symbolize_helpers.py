@@ -35,7 +35,8 @@ def same_frames(got: list[Expected], want: list[Expected]) -> bool:
     Raw names alone would differ where a symbol has aliases (GCC gives a destructor's one body
     both its D1 and D2 names; llvm takes the .symtab alias, symbolic the DWARF linkage name).
     For functions known only from .symtab (crt startup code) llvm-symbolizer takes a file
-    name from the STT_FILE symbol, which symbolic does not; both report line 0.
+    name from the STT_FILE symbol, which symbolic does not; both report line 0. Start lines
+    are compared where llvm-symbolizer knows one.
     """
     if len(got) != len(want):
         return False
@@ -44,5 +45,7 @@ def same_frames(got: list[Expected], want: list[Expected]) -> bool:
         if (g.function if demangled_by_llvm else g.system_name) != w.function:
             return False
         if w.line and (g.file, g.line) != (w.file, w.line):
+            return False
+        if w.start_line and g.start_line != w.start_line:
             return False
     return True

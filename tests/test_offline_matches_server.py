@@ -53,3 +53,32 @@ async def test_offline_and_server_give_the_same_bytes(
             "POST", "/symbolize", data=body, headers={"Content-Type": "application/octet-stream"})
         assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "3", upstreams
         assert served == offline, upstreams
+
+
+async def test_the_same_bytes_whatever_the_server_symbolized_before(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Issue 14 (7): function ids were numbered in the order a process first met the functions,
+    so a server that had symbolized another profile first answered with other bytes. Here: a
+    fresh server, one that symbolized another profile first, the first again after a restart,
+    and the CLI, all give the same bytes."""
+    body = profile(elfs)
+    first = gzip.compress(make_profile([(place(elfs.shlib, BASES["shlib"]),
+                                         code_addresses(elfs.shlib)[1::2])]).SerializeToString(),
+                          mtime=0)
+    tree = build_id_tree(tmp_path / "debug", [elfs.prog, elfs.shlib, elfs.nopie])
+    config = SymbolizeConfig(build_workers=1, workers=1, debug_dirs=(tree,))
+    answers = []
+    for name, before in (("fresh", []), ("seasoned", [first]), ("fresh", [])):
+        sg = await start_symgate([], data_dir=tmp_path / f"data-{name}", symbolize=config)
+        for request in [*before, body]:
+            status, _headers, served = await sg.request(
+                "POST", "/symbolize", data=request,
+                headers={"Content-Type": "application/octet-stream"})
+            assert status == 200
+        answers.append(served)
+        await sg.stop()  # the third is the first server's data dir again: a restart
+    limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+    offline, _report = await asyncio.to_thread(symbolize_bytes, body, [tree], limits)
+    assert answers[0] != body
+    assert answers == [offline] * 3

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
-from symbolize.chains import FIRST_ID, FunctionIds
+from symbolize.chains import FunctionIds
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.rewrite import MappingSymbols
@@ -60,23 +61,49 @@ def test_a_profiles_own_ids_and_functions_are_kept_and_reused(
         libc: tuple[str, SymbolTable, FunctionIds]) -> None:
     plain = _profile(libc[0])
     first = _run(plain.SerializeToString(), libc)
-    theirs = next(f for f in first.function if f.id >= FIRST_ID)
-    # The same profile, owning FIRST_ID for a function of its own and one of libc's functions
+    theirs = first.function[len(first.function) // 2]
+    # The same profile, owning id 1 for a function of its own and one of libc's functions
     # already, under id 7, with its strings appearing twice in the string table.
     p = _profile(libc[0])
     p.string_table.append("their own")
-    p.function.add(id=FIRST_ID, name=len(p.string_table) - 1)
+    p.function.add(id=1, name=len(p.string_table) - 1)
     for k in ("name", "system_name", "filename"):
         p.string_table.append(first.string_table[getattr(theirs, k)])
     n = len(p.string_table)
-    p.function.add(id=7, name=n - 3, system_name=n - 2, filename=n - 1)
+    p.function.add(id=7, name=n - 3, system_name=n - 2, filename=n - 1,
+                   start_line=theirs.start_line)
     second = _run(p.SerializeToString(), libc)
 
     ids = [f.id for f in second.function]
     assert len(ids) == len(set(ids))
+    assert min(ids[2:]) == 8  # new functions numbered after the profile's own
     s = second.string_table
     keys = [(s[f.name], s[f.system_name], s[f.filename]) for f in second.function]
     assert len(keys) == len(set(keys))
     assert _frames(second) == _frames(first)
-    assert {f.id: s[f.name] for f in second.function}[FIRST_ID] == "their own"
+    assert {f.id: s[f.name] for f in second.function}[1] == "their own"
     assert any(ln.function_id == 7 for loc in second.location for ln in loc.line)
+
+
+def test_ids_do_not_depend_on_what_the_process_symbolized_before(
+        libc: tuple[str, SymbolTable, FunctionIds], tmp_path: Path) -> None:
+    """Issue 14 (7): two fresh servers gave one profile different function ids (numbered
+    from 1048576 on one, 1048578 on the other). Here one process has symbolized another
+    profile first, and the other has not: the bytes must be the same."""
+    body = _profile(libc[0]).SerializeToString()
+    build_id, table, ids = libc
+    layout = layout_of_file(LIBC)
+    assert layout is not None
+    other = _profile(libc[0])
+    other.location[0].address += 1  # another first address: other functions seen first
+    del other.location[1:250]
+    _run(other.SerializeToString(), libc)
+    seasoned = run_rewrite(body, {build_id: MappingSymbols(table, layout.segments)}, ids)[0]
+
+    fresh_ids = FunctionIds()
+    out = tmp_path / "libc.symc"
+    built = build_symbol_table(LIBC_DEBUG, out, LIBC_ID)
+    fresh = run_rewrite(body, {build_id: MappingSymbols(open_table(out, built, fresh_ids),
+                                                        layout.segments)}, fresh_ids)[0]
+    assert fresh.SerializeToString() == seasoned.SerializeToString()
+    assert sorted(f.id for f in fresh.function) == list(range(1, len(fresh.function) + 1))

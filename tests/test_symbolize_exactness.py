@@ -6,6 +6,8 @@ them."""
 from __future__ import annotations
 
 import gzip
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -13,9 +15,10 @@ import pytest
 
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import ElfSet, build_id_tree
+from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions, libc_placement
+from tests.processes import run_in_thread
 from tests.profiles import (
     code_addresses,
     frames_of,
@@ -100,15 +103,60 @@ async def test_real_libc_of_a_running_process(
     assert len(expected) > 500
     by_address = {loc.address: loc for loc in out.location}
     # glibc defines many functions under several names (__gnu_get_libc_release and
-    # gnu_get_libc_release); symbolic names the outer frame from .symtab, llvm from DWARF.
+    # gnu_get_libc_release); symgate names the outer frame after its DWARF subprogram (as
+    # --functions=short does), llvm after the last of its .symtab aliases.
     aliases = symbol_aliases(LIBC_DEBUG)
+    dwarf = llvm_symbolize(LIBC_DEBUG, vaddrs, functions="short")
     wrong = []
     for v, want in expected.items():
-        got = [f.function for f in frames_of(out, by_address[runtime[v]])]
+        frames = frames_of(out, by_address[runtime[v]])
+        got = [f.function for f in frames]
         names = [f.function for f in want]
-        if got[:-1] != names[:-1] or not got or (
-                got[-1] != names[-1] and got[-1] not in aliases.get(names[-1], set())):
+        # Inlined frames: llvm prints the linkage name, which is symgate's system name.
+        if [f.system_name for f in frames[:-1]] != [f.system_name for f in want[:-1]] \
+                or not got or (
+                got[-1] not in {names[-1], dwarf[v][-1].function}
+                and got[-1] not in aliases.get(names[-1], set())):
             wrong.append((hex(v), got, names))
     assert not wrong, wrong[:5]
     guesses = await sg.metric("symgate_symtab_layout_guesses_total")
     assert guesses == (0 if with_executable else 1)
+
+
+@pytest.mark.skipif(shutil.which("ld.lld") is None, reason="needs lld (Debian's lld)")
+async def test_an_lld_linked_pie_from_its_debug_file_alone(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """Issue 14 (4): with only a `.debug` tree (a site's own build output), an lld-linked PIE
+    got none of its addresses: GNU ld's layout, guessed where no executable could be had, puts
+    its code a page away from where lld does. The layout is derived from the debug file."""
+    elf = build_program(tmp_path / "src", tmp_path, "lldprog", 7, extra_flags=("-fuse-ld=lld",))
+    layout = layout_of_file(elf.executable)
+    assert layout is not None
+    text = next(s for s in layout.segments if s.executable)
+    assert text.offset != text.vaddr - layout.load_address  # not GNU ld's layout
+    tree = tmp_path / "debug" / ".build-id" / elf.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)  # and no executable
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    placed = place(elf, 0x55D0C0DE0000)
+    vaddrs = code_addresses(elf)
+    expected = llvm_symbolize(elf.debug, vaddrs)
+    assert len(expected) > 20
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    status, headers, body = await post(sg, sent)
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    # And `symgate inspect`, over the same tree, says so too.
+    (tmp_path / "cpu.pb").write_bytes(sent)
+    (tmp_path / "inspect.toml").write_text(f'[[upstreams]]\npath = "{tmp_path / "debug"}"\n')
+    inspected = await run_in_thread(["symgate", "inspect", str(tmp_path / "cpu.pb"), "--config",
+                                     str(tmp_path / "inspect.toml"), "--json"], timeout=60)
+    assert inspected.returncode == 0, inspected.stderr
+    assert [r["would_symbolize"] for r in json.loads(inspected.stdout)] == [True]
+    out = parse(body)
+    by_address = {loc.address: loc for loc in out.location}
+    wrong = [hex(v) for v, frames in expected.items()
+             if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+    assert not wrong, wrong[:5]
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == 0

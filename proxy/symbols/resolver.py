@@ -78,8 +78,8 @@ class SymbolResolver:
 
     async def start(self) -> None:
         """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
-        profile (about 10 ms). The workers start with the first job that needs one, unless
-        they are kept for good (symbolize.worker_idle_s 0)."""
+        profile (about 10 ms), and start a worker (it exits after symbolize.worker_idle_s
+        unless a job comes)."""
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
         await self._tables.get(SHARED, "")

@@ -3,10 +3,11 @@
 One set of processes does both kinds of work, symbol-table builds and profiles, so that a
 profile whose table is built on the way is scanned, built for and rewritten in one worker,
 not two; each kind keeps its own limit (build_workers, workers), and there are as many
-processes as both together, so neither waits for the other's. Workers start with the first
-job that needs one, not with the server, and exit after `worker_idle_s` without a job (with
-multiprocessing's helper processes: executors.py): an idle server costs no more than its own
-process. Every worker dies with the server, however the server dies (worker_process.py).
+processes as both together, so neither waits for the other's. A worker starts with the
+server, so that the first profile does not wait for one, and workers start with the job that
+needs one after that; they exit after `worker_idle_s` without a job (with multiprocessing's
+helper processes: executors.py): an idle server costs no more than its own process. Every
+worker dies with the server, however the server dies (worker_process.py).
 
 A worker that dies (the OOM killer, a crash in native code) breaks its ProcessPoolExecutor for
 good: the pool is retired, the work that was in it, of either kind, ends in WorkerLost (a 503;
@@ -38,9 +39,9 @@ T = TypeVar("T")
 
 
 class WorkerPool:
-    """Up to `workers` worker processes, started on demand, exited when idle, replaced when
-    one dies, and dying with the server. 0 `idle_s`: they start with the server (start_soon)
-    and never exit for idleness."""
+    """Up to `workers` worker processes, started with the server (start_soon) and on demand,
+    exited when idle, replaced when one dies, and dying with the server. 0 `idle_s`: they
+    never exit for idleness."""
 
     def __init__(self, workers: int, *, idle_s: float, init: Callable[..., None] | None = None,
                  args: tuple[Any, ...] = ()) -> None:
@@ -98,9 +99,10 @@ class WorkerPool:
         await self.run(worker_process.ready)
 
     def start_soon(self) -> None:
-        """Where workers are kept for good (0 `idle_s`), start one in the background now, so
-        that the first profile waits for no start; otherwise the first job starts them."""
-        if self._idle_s or self._warming is not None:
+        """Start a worker in the background now, so that the first profile after a start waits
+        for no start (the forkserver's imports took 3-4.7 s of it); like any job's, it exits
+        after `idle_s` if no job comes."""
+        if self._warming is not None:
             return
         self._warming = asyncio.ensure_future(self.start())
 

@@ -1,0 +1,275 @@
+"""A second reader of a file's DWARF, beside symbolic's: elfutils' libdw, through ctypes.
+
+symbolic's SymCache keeps what a lookup needs, but not three things a profile's user expects:
+the subprogram's own name where the symbol table has several aliases for it (`__nanosleep`,
+not the `__GI___nanosleep` that symbolic takes from .symtab), its DW_AT_decl_line (pprof's
+Function.start_line), and lines for code that a CU's line table covers but that no
+subprogram's address range does. GCC emits the last for a function whose DW_TAG_subprogram
+carries no DW_AT_low_pc/DW_AT_ranges (glibc's `mcheck_pedantic`, `mtrace`, ...): symbolic
+takes a CU's lines only inside its subprograms' ranges and leaves such code without a line,
+while llvm-symbolizer reads the CU's line table.
+
+Only subprogram DIEs are visited (dwarf_getfuncs), and line tables only of the few CUs with
+code outside every subprogram: reading every line row through ctypes would cost a second for
+libc, five times symbolic's whole build.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import os
+import posixpath
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DW_AT_COMP_DIR = 0x1B
+_DW_AT_LINKAGE_NAME = 0x6E
+_DW_AT_MIPS_LINKAGE_NAME = 0x2007
+
+
+class _Die(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("cu", ctypes.c_void_p),
+                ("abbrev", ctypes.c_void_p), ("padding", ctypes.c_long)]
+
+
+class _Attribute(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint), ("form", ctypes.c_uint),
+                ("valp", ctypes.c_void_p), ("cu", ctypes.c_void_p)]
+
+
+_DieP = ctypes.POINTER(_Die)
+_U64P = ctypes.POINTER(ctypes.c_uint64)
+_Callback = ctypes.CFUNCTYPE(ctypes.c_int, _DieP, ctypes.c_void_p)
+
+
+def _load() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("dw") or "libdw.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    sig = {
+        "dwarf_begin": (ctypes.c_void_p, [ctypes.c_int, ctypes.c_int]),
+        "dwarf_end": (ctypes.c_int, [ctypes.c_void_p]),
+        "dwarf_nextcu": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, _U64P,
+                                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p]),
+        "dwarf_offdie": (_DieP, [ctypes.c_void_p, ctypes.c_uint64, _DieP]),
+        "dwarf_getfuncs": (ctypes.c_ssize_t, [_DieP, _Callback, ctypes.c_void_p,
+                                              ctypes.c_ssize_t]),
+        "dwarf_diename": (ctypes.c_char_p, [_DieP]),
+        "dwarf_decl_line": (ctypes.c_int, [_DieP, ctypes.POINTER(ctypes.c_int)]),
+        "dwarf_attr_integrate": (ctypes.c_void_p, [_DieP, ctypes.c_uint,
+                                                   ctypes.POINTER(_Attribute)]),
+        "dwarf_formstring": (ctypes.c_char_p, [ctypes.c_void_p]),
+        "dwarf_ranges": (ctypes.c_ssize_t, [_DieP, ctypes.c_ssize_t, _U64P, _U64P, _U64P]),
+        "dwarf_getsrclines": (ctypes.c_int, [_DieP, ctypes.POINTER(ctypes.c_void_p),
+                                             ctypes.POINTER(ctypes.c_size_t)]),
+        "dwarf_onesrcline": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
+        "dwarf_lineaddr": (ctypes.c_int, [ctypes.c_void_p, _U64P]),
+        "dwarf_lineno": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]),
+        "dwarf_linecol": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]),
+        "dwarf_lineendsequence": (ctypes.c_int, [ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_bool)]),
+        "dwarf_linesrc": (ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p]),
+    }
+    for fn, (restype, argtypes) in sig.items():
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = argtypes
+    return lib
+
+
+_LIB = _load()
+
+
+@dataclass(frozen=True, slots=True)
+class Subprogram:
+    name: str  # DW_AT_name
+    linkage_name: str  # DW_AT_linkage_name, or "" (C functions without an asm label)
+    decl_line: int  # 0: unknown
+
+
+@dataclass(frozen=True, slots=True)
+class LineRow:
+    address: int
+    file: str
+    line: int
+    column: int
+    end_sequence: bool
+
+
+@dataclass
+class DwarfFunctions:
+    """What the second reader found: subprograms with code by the start of each of their
+    address ranges (symbolic's entry of a function is one of them), the declared line of
+    every name (0 where subprograms of one name disagree), and the line rows of code outside
+    every subprogram."""
+
+    by_entry: dict[int, Subprogram] = field(default_factory=dict)
+    decl_lines: dict[str, int] = field(default_factory=dict)
+    # DW_AT_name by DW_AT_linkage_name, where the linkage name is not mangled (C functions
+    # with an asm label, such as glibc's `__GI___sigpause` for `__sigpause`), for inlined
+    # frames, which symbolic names by the linkage name.
+    names_by_linkage: dict[str, str] = field(default_factory=dict)
+    # [start, end) ranges that a CU covers and none of its subprograms does, and the rows of
+    # those CUs' line tables (sorted by address within each CU, CUs one after another).
+    orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
+    orphan_rows: list[LineRow] = field(default_factory=list)
+
+
+def read_functions(path: Path, symbol_starts: Sequence[int]) -> DwarfFunctions:
+    """The DWARF facts of the file at `path`; empty when it has no DWARF or libdw is missing
+    (names then come from the symbol table alone).
+
+    `symbol_starts` (sorted): where .symtab's functions start. A CU's code outside its
+    subprograms matters where a function starts in it; elsewhere it is the padding between
+    functions, and reading those CUs' line tables would cost a second for libc.
+    """
+    out = DwarfFunctions()
+    if _LIB is None:
+        return out
+    with _opened(path) as dbg:
+        if dbg:
+            _Reader(_LIB, out, symbol_starts).read(dbg)
+    return out
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[int]:
+    assert _LIB is not None
+    fd = os.open(path, os.O_RDONLY)
+    dbg = 0
+    try:
+        dbg = _LIB.dwarf_begin(fd, 0) or 0  # DWARF_C_READ; NULL: no DWARF
+        yield dbg
+    finally:
+        if dbg:
+            _LIB.dwarf_end(dbg)
+        os.close(fd)
+
+
+class _Reader:
+    def __init__(self, lib: ctypes.CDLL, out: DwarfFunctions, starts: Sequence[int]) -> None:
+        self._lib = lib
+        self._out = out
+        self._starts = starts
+        self._attr = _Attribute()
+        self._int = ctypes.c_int()
+        self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
+            ctypes.c_uint64()
+        self._cu_ranges: list[tuple[int, int]] = []
+        self._lines: dict[str, set[int]] = {}
+
+    def read(self, dbg: int) -> None:
+        lib = self._lib
+        callback = _Callback(self._subprogram)
+        offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
+        die = _Die()
+        while lib.dwarf_nextcu(dbg, offset, ctypes.byref(following), ctypes.byref(header),
+                               None, None, None) == 0:
+            cu = lib.dwarf_offdie(dbg, offset + header.value, ctypes.byref(die))
+            if cu:
+                self._cu_ranges = []
+                lib.dwarf_getfuncs(cu, callback, None, 0)
+                outside = [(a, b) for a, b in _subtract(self._ranges(cu), self._cu_ranges)
+                           if bisect.bisect_left(self._starts, a) < len(self._starts)
+                           and self._starts[bisect.bisect_left(self._starts, a)] < b]
+                if outside:
+                    self._out.orphan_ranges += outside
+                    self._out.orphan_rows += self._rows(cu)
+            offset = following.value
+        self._out.decl_lines = {name: next(iter(lines)) if len(lines) == 1 else 0
+                                for name, lines in self._lines.items()}
+        self._out.orphan_rows.sort(key=lambda r: (r.address, not r.end_sequence))
+
+    def _ranges(self, die: ctypes._Pointer[_Die]) -> list[tuple[int, int]]:
+        found: list[tuple[int, int]] = []
+        offset = 0
+        while True:
+            offset = self._lib.dwarf_ranges(die, offset, ctypes.byref(self._base),
+                                            ctypes.byref(self._start), ctypes.byref(self._end))
+            if offset <= 0:
+                return found
+            if self._end.value > self._start.value:
+                found.append((self._start.value, self._end.value))
+
+    def _string(self, die: ctypes._Pointer[_Die], attribute: int) -> str:
+        raw = self._lib.dwarf_formstring(
+            self._lib.dwarf_attr_integrate(die, attribute, ctypes.byref(self._attr)))
+        return raw.decode(errors="replace") if raw else ""
+
+    def _subprogram(self, die: ctypes._Pointer[_Die], _arg: object) -> int:
+        lib = self._lib
+        raw = lib.dwarf_diename(die)
+        name = raw.decode(errors="replace") if raw else ""
+        linkage = (self._string(die, _DW_AT_LINKAGE_NAME)
+                   or self._string(die, _DW_AT_MIPS_LINKAGE_NAME))
+        self._int.value = 0
+        lib.dwarf_decl_line(die, ctypes.byref(self._int))
+        line = max(self._int.value, 0)
+        if linkage and name and not linkage.startswith(("_Z", "_R")):
+            self._out.names_by_linkage.setdefault(linkage, name)
+        if line:  # a declaration without one says nothing, an abstract instance says it
+            for key in {name, linkage} - {""}:
+                self._lines.setdefault(key, set()).add(line)
+        ranges = self._ranges(die)
+        if ranges:
+            self._cu_ranges += ranges
+            found = Subprogram(name, linkage, line)
+            for start, _end in ranges:  # symbolic's entry is one of them: a hot or cold part's
+                self._out.by_entry.setdefault(start, found)
+        return 0  # DWARF_CB_OK
+
+    def _rows(self, cu: ctypes._Pointer[_Die]) -> list[LineRow]:
+        lib = self._lib
+        lines, count = ctypes.c_void_p(), ctypes.c_size_t()
+        if lib.dwarf_getsrclines(cu, ctypes.byref(lines), ctypes.byref(count)) != 0:
+            return []
+        address, number, column = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_int()
+        end = ctypes.c_bool()
+        rows = []
+        comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+        paths: dict[bytes, str] = {}
+        for i in range(count.value):
+            row = lib.dwarf_onesrcline(lines, i)
+            lib.dwarf_lineaddr(row, ctypes.byref(address))
+            lib.dwarf_lineno(row, ctypes.byref(number))
+            lib.dwarf_linecol(row, ctypes.byref(column))
+            lib.dwarf_lineendsequence(row, ctypes.byref(end))
+            source = lib.dwarf_linesrc(row, None, None)
+            path = paths.get(source)
+            if path is None:
+                path = paths[source] = _clean(comp_dir, source.decode(errors="replace")) \
+                    if source else ""
+            rows.append(LineRow(address.value, path, max(number.value, 0),
+                                max(column.value, 0), bool(end.value)))
+        return rows
+
+
+def _clean(comp_dir: str, path: str) -> str:
+    """A line row's file as symbolic writes its paths: joined to the CU's directory, `.` and
+    `..` resolved (`./malloc/./malloc/mcheck.c` is `malloc/malloc/mcheck.c`)."""
+    return posixpath.normpath(posixpath.join(comp_dir, path))
+
+
+def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]
+              ) -> list[tuple[int, int]]:
+    """The parts of `ranges` that no range of `holes` covers."""
+    out = []
+    cut = sorted(holes)
+    for start, end in sorted(ranges):
+        at = start
+        for h_start, h_end in cut:
+            if h_end <= at or h_start >= end:
+                continue
+            if h_start > at:
+                out.append((at, h_start))
+            at = max(at, h_end)
+        if at < end:
+            out.append((at, end))
+    return out
