@@ -104,10 +104,10 @@ class Builder:
 def _frames(r: ExportProfilesServiceRequest, index: int) -> list[Expected]:
     d = r.dictionary
     s = d.string_table
-    return [Expected(s[d.function_table[ln.function_index].name_strindex],
-                     s[d.function_table[ln.function_index].system_name_strindex],
-                     s[d.function_table[ln.function_index].filename_strindex], ln.line)
-            for ln in d.location_table[index].lines]
+    functions = [d.function_table[ln.function_index] for ln in d.location_table[index].lines]
+    return [Expected(s[f.name_strindex], s[f.system_name_strindex], s[f.filename_strindex],
+                     ln.line, f.start_line)
+            for f, ln in zip(functions, d.location_table[index].lines, strict=True)]
 
 
 async def _post(sg: Symgate, body: bytes, **headers: str) -> tuple[int, dict[str, str], bytes]:
@@ -155,12 +155,18 @@ async def test_otlp_from_a_live_process_matches_llvm_symbolizer(
              if not same_frames(_frames(got, at[v]), want)]
     assert not wrong, wrong[:5]
     if libc_vaddrs:
+        # As for pprof (test_symbolize_exactness): the outer frame is named after its DWARF
+        # subprogram (llvm's --functions=short), llvm after one of its .symtab aliases; an
+        # inlined frame's linkage name, which llvm prints, is symgate's system name.
         aliases = symbol_aliases(LIBC_DEBUG)
+        dwarf = llvm_symbolize(LIBC_DEBUG, libc_vaddrs, functions="short")
         for v, want in llvm_symbolize(LIBC_DEBUG, libc_vaddrs).items():
-            names = [f.function for f in _frames(got, libc_at[v])]
+            frames = _frames(got, libc_at[v])
+            names = [f.function for f in frames]
             llvm = [f.function for f in want]
-            assert names[:-1] == llvm[:-1] and (
-                names[-1] == llvm[-1] or names[-1] in aliases.get(llvm[-1], set())), (
+            assert [f.system_name for f in frames[:-1]] == [f.system_name for f in want[:-1]] \
+                and names and (names[-1] in {llvm[-1], dwarf[v][-1].function}
+                               or names[-1] in aliases.get(llvm[-1], set())), (
                 hex(v), names, llvm)
     # What is not a native frame's lines is what was sent.
     assert _frames(got, python) == [Expected("handler", "", "app.py", 42)]
