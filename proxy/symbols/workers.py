@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
 from proxy.errors import Overloaded, WorkerLost
-from proxy.symbols import executors, worker_process
+from proxy.symbols import executors, forked_helpers, worker_process
 from symbolize import worker
 from symbolize.worker import Answer, Finished, Limits
 
@@ -101,8 +101,10 @@ class WorkerPool:
     def start_soon(self) -> None:
         """Start a worker in the background now, so that the first profile after a start waits
         for no start (the forkserver's imports took 3-4.7 s of it); like any job's, it exits
-        after `idle_s` if no job comes."""
-        if self._warming is not None:
+        after `idle_s` if no job comes. Not where the supervisor's forkserver is shared
+        (forked_helpers.py): a worker is a fork of it away, and N serving processes would
+        otherwise each hold one from the start (kept for good, with 0 `idle_s`, all the same)."""
+        if self._warming is not None or (self._idle_s and forked_helpers.inherited()):
             return
         self._warming = asyncio.ensure_future(self.start())
 
