@@ -235,9 +235,11 @@ class FlightBoard:
         """Remove a fetch's files once its followers have had time to read how it ended;
         not if another fetch of the key has begun since."""
         await asyncio.sleep(LINGER_S)
-        # In the writer's thread: off the event loop, and after any state that a newer fetch
-        # of the key (whose id then differs) has posted.
-        await asyncio.wrap_future(self._writer.submit(self._tidy, kh, ident))
+        # On the loop's thread, between two of its steps: the lock it takes for a moment is
+        # then never seen held by this process's own claims, which would take it for a fetch
+        # under way and replay that fetch's end. After what the writer has yet to write.
+        self.drain()
+        self._tidy(kh, ident)
 
     def _tidy(self, kh: str, ident: str) -> None:
         lock = self._lock(kh)
