@@ -143,7 +143,7 @@ class FlightBoard:
         self._last.result()
 
     def close(self) -> None:
-        """Write what is left (a stopping server's last states, its locks released)."""
+        """Write what is left: a stopping server's last posted states."""
         self._writer.shutdown(wait=True)
 
     def claim(self, kh: str) -> Claim | None:
