@@ -168,35 +168,8 @@ def probe_main(url: str, sha: str, max_s: float) -> None:
 # ------------------------------------------------------------------------------------------
 # Processes: everything started here is tracked, and the whole tree is killed by pid on exit.
 
-from procs import descendants, proc_stat  # noqa: E402  (bench/ is the script's folder)
-
-
-def still_alive(snapshot: dict[int, int]) -> list[int]:
-    alive = []
-    for pid, start in snapshot.items():
-        st = proc_stat(pid)
-        if st is not None and st[1] != "Z" and st[2] == start:
-            alive.append(pid)
-    return alive
-
-
-def reap(pid: int) -> None:
-    # Orphans re-parented to this subreaper would stay zombies otherwise.
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in pids:
-        for _ in range(50):
-            reap(pid)
-            st = proc_stat(pid)
-            if st is None or (st[1] == "Z" and st[0] != os.getpid()):
-                break
-            time.sleep(0.02)
+import procs  # noqa: E402  (bench/ is the script's folder)
+from procs import descendants, kill_alive  # noqa: E402
 
 
 def tree_rss_kib(pid: int) -> tuple[int, int]:
@@ -219,38 +192,17 @@ def tree_rss_kib(pid: int) -> tuple[int, int]:
     return field(pid, "VmRSS:", "status"), pss(pid) + sum(pss(p) for p in descendants(pid))
 
 
-class Procs:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
+class Procs(procs.Procs):
     def start(self, cmd: list[str], log: Path, *, pipe: bool = False, **kw: Any
               ) -> subprocess.Popen[bytes]:
         """Output to `log`; with pipe, stdout is kept for the caller and stderr goes there."""
+        if not pipe:
+            return super().start(cmd, log, **kw)
         with log.open("ab") as out:
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE if pipe else out,
-                                 stderr=out if pipe else subprocess.STDOUT,
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out,
                                  stdin=subprocess.DEVNULL, **kw)
         self.procs.append(p)
         return p
-
-    def cleanup(self) -> int:
-        """Kills everything this script started, and their descendants; returns how many
-        processes had to be killed after their parent was gone or stopped."""
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, deadline - time.monotonic()))
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        # Being a subreaper, every orphan of what we started is our descendant.
-        left = list(descendants(os.getpid()))
-        kill_pids(left)
-        return len(left)
 
 
 _PROXY_VARS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "debuginfod_urls"}
@@ -377,9 +329,7 @@ breaker_cooldown_s = 30.0
             server.proc.kill()
             await asyncio.to_thread(server.proc.wait)
         await asyncio.sleep(1.0)
-        left = still_alive(tree)
-        kill_pids(left)
-        return len(left)
+        return kill_alive(tree)
 
     async def own_upstream_requests(self, sg: Server) -> float:
         """symgate's own count (symgate_upstream_requests_total, every result), as a check."""
@@ -747,9 +697,7 @@ async def kill_loop(world: World, report: Report, keys: list[str], debug_dir: Pa
             results = await asyncio.gather(*tasks)
         outcomes.update(what for what, _ in results)
         await asyncio.sleep(1.5)  # what dies with its parent has had time to
-        left = still_alive(tree)
-        orphans.append(len(left))
-        kill_pids(left)
+        orphans.append(kill_alive(tree))
     # Once more, to the end: everything must now be served, and right.
     sg = await world.serve(data, debug_dir)
     async with session(120) as s:
