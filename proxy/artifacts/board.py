@@ -239,9 +239,6 @@ class FlightBoard:
         # then never seen held by this process's own claims, which would take it for a fetch
         # under way and replay that fetch's end. After what the writer has yet to write.
         self.drain()
-        self._tidy(kh, ident)
-
-    def _tidy(self, kh: str, ident: str) -> None:
         lock = self._lock(kh)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)

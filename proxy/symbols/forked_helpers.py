@@ -18,13 +18,13 @@ forked and each serving process starts its own helpers, as before.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import socket
 from multiprocessing import connection, forkserver, resource_tracker, util
 from typing import Any
 
-_PR_SET_NAME = 15
+from proxy.symbols import worker_process
+
 # pids of the helpers this process (the supervisor) forked; empty elsewhere.
 _forked: list[int] = []
 # In a serving process: the pid of the supervisor's forkserver, not this process's to stop.
@@ -136,12 +136,10 @@ def _alive(pid: int) -> bool:
 
 def _run_child(name: str, run: Any, keep: set[int]) -> None:
     """The forked helper's whole life: only its own descriptors (not the supervisor's port
-    or guard sockets), then its main loop; never returns into the supervisor's frames. Named
-    (what top and ps -o comm show): its command line is the supervisor's."""
+    or guard sockets), then its main loop; never returns into the supervisor's frames."""
     code = 0
     try:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        worker_process.name_process(name)
         for fd in _open_fds():
             if fd > 2 and fd not in keep:
                 with contextlib.suppress(OSError):

@@ -35,12 +35,18 @@ def init(server_pid: int, then: Callable[..., None] | None, args: tuple[Any, ...
     """A ProcessPoolExecutor initializer: die with the server, lower the priority, then
     `then(*args)`."""
     _die_with(server_pid)
-    with contextlib.suppress(OSError, AttributeError):  # what top and ps -o comm show
-        _LIBC.prctl(_PR_SET_NAME, b"symgate-worker", 0, 0, 0)
+    name_process("symgate-worker")
     with contextlib.suppress(OSError):
         os.nice(_NICENESS)
     if then is not None:
         then(*args)
+
+
+def name_process(name: str) -> None:
+    """What top and ps -o comm show for this process (15 bytes at most): the workers and the
+    helpers have the command line of the process they were forked from."""
+    with contextlib.suppress(OSError, AttributeError):
+        _LIBC.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _die_with(server_pid: int) -> None:
