@@ -14,6 +14,7 @@ import pytest
 
 from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
+from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, make_config
@@ -144,3 +145,38 @@ async def test_files_without_a_row_are_removed_only_when_no_other_process_is_ali
             await holder.wait()
     await start_symgate(config=cfg)  # alone now: a file without its row is a crash's
     assert not orphan.exists()
+
+
+async def test_a_miss_remembered_by_another_process_between_look_and_claim_is_the_answer(
+    start_symgate: SymgateFactory, faults: FaultUpstream, tmp_path: Path
+) -> None:
+    """The second server looks in SQL (nothing remembered yet), the first's fetch ends in a
+    404 it remembers and frees the key, then the second claims it: it must answer from what
+    the first remembered, not ask upstream again. Two servers in this process on one data
+    dir; the await point between the second's look and its claim is injected."""
+    first = await start_symgate([faults.url_for("hold")], data_dir=tmp_path / "d")
+    second = await start_symgate([faults.url_for("hold")], data_dir=tmp_path / "d")
+    looked, go_on = asyncio.Event(), asyncio.Event()
+    misses = second.runner.app[STATE].service.misses
+    real_live = misses.live
+
+    async def live_then_pause(scope: str, key: ArtifactKey) -> frozenset[str]:
+        found = await real_live(scope, key)
+        looked.set()
+        await go_on.wait()
+        return found
+
+    misses.live = live_then_pause  # type: ignore[method-assign]
+    path = f"/buildid/{'cd' * 20}/debuginfo"
+    asking = asyncio.create_task(first.get(path))
+    async def asked() -> bool:
+        return faults.count("hold") == 1
+
+    await eventually(asked)
+    following = asyncio.create_task(second.get(path))
+    await asyncio.wait_for(looked.wait(), 30)
+    faults.release.set()
+    assert (await asking)[0] == 404  # remembered, and the key freed, by now
+    go_on.set()
+    assert (await following)[0] == 404
+    assert faults.count("hold") == 1

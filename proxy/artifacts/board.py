@@ -83,8 +83,9 @@ class Claim:
         self._fd = fd
         self.ident = uuid.uuid4().hex
         self._state: dict[str, Any] = {"id": self.ident, "pid": os.getpid()}
-        # The last fetch of the key ended well, lately: its file may be in the cache now.
-        self.previous_settled = (board.read_state(kh) or {}).get("state") == SETTLED
+        # Another fetch of the key ran lately (its files linger): what it found may be in SQL
+        # now, after the claimant looked there.
+        self.after_another = board.read_state(kh) is not None
         # The lock file names its holder: followers trust only the state of that fetch, never
         # what an earlier one of the key left. Written here, not by the writer thread: a
         # follower reading an earlier holder's name would take that fetch's end for this one's.

@@ -166,9 +166,8 @@ class ArtifactService:
             path, fd = self._new_temp()
         except BaseException as e:  # a full disk: the claim must not outlive this request
             if claim is not None:
-                claim.failed(e if isinstance(e, SymgateError)
-                             else SymgateError("cannot make a temp file"))
-                claim.release()
+                self._end_claim(kh, claim, e if isinstance(e, SymgateError)
+                                else SymgateError("cannot make a temp file"))
             raise
         flight = Flight(fd)
         self._flights[kh] = flight
@@ -185,12 +184,9 @@ class ArtifactService:
         for _ in range(CLAIM_ROUNDS):
             claim = self._claim(kh)
             if claim is not None:
-                if claim.previous_settled and (
-                        stored := await self.stored(req.visible, key)) is not None:
-                    # Committed by another process since this request looked in SQL.
-                    claim.say(SETTLED)
-                    claim.release()
-                    return Hit(stored)
+                if claim.after_another:
+                    return await self._answered_meanwhile(kh, claim, req, key, names,
+                                                          local_has) or claim
                 return claim
             # Another process is fetching it: follow its download.
             if (followed := await self._follow(kh)) is not None:
@@ -202,6 +198,37 @@ class ArtifactService:
                 return joined
             # Ended without a file for us (not kept, or its writer died): claim it again.
         return None
+
+    async def _answered_meanwhile(self, kh: str, claim: Claim, req: RequestScope,
+                                  key: ArtifactKey, names: list[str], local_has: bool
+                                  ) -> Hit | None:
+        """What another process's fetch of the key, ended between this request's look in SQL
+        and its claim, left in SQL: the file it committed, or the miss it remembered. Its
+        files linger a while after its end, which is how the claim knows to look again."""
+        try:
+            stored, missing = await asyncio.gather(
+                self.stored(req.visible, key), self.misses.live(req.scope, key))
+        except BaseException:
+            self._end_claim(kh, claim, None)  # not kept: a follower looks, then claims
+            raise
+        if stored is not None:
+            self._end_claim(kh, claim, None)
+            return Hit(stored)
+        if names and not local_has and missing.issuperset(names):
+            error = RememberedNotFound("not found (remembered miss)")
+            self._end_claim(kh, claim, error)
+            raise error
+        return None
+
+    def _end_claim(self, kh: str, claim: Claim, error: SymgateError | None) -> None:
+        """Say how the claimed fetch ended, free the key, and tidy its files once its
+        followers have read that."""
+        if error is not None:
+            claim.failed(error)
+        else:
+            claim.say(SETTLED)
+        claim.release()
+        self._start(self._board.tidy(kh, claim.ident))
 
     async def _follow(self, kh: str) -> Streaming | None:
         """Join another process's fetch of `kh` through a local mirror flight, which this
@@ -298,12 +325,7 @@ class ArtifactService:
             if not flight.finished:  # cancelled: server shutting down
                 flight.fail(UpstreamUnavailable("server shutting down"))
             if claim is not None:
-                if flight.error is not None:
-                    claim.failed(flight.error)
-                else:
-                    claim.say(SETTLED)
-                claim.release()
-                self._start(self._board.tidy(key_hash(scope, key), claim.ident))
+                self._end_claim(key_hash(scope, key), claim, flight.error)
             if self._flights.get(key_hash(scope, key)) is flight:
                 del self._flights[key_hash(scope, key)]
             flight.close_fd()
