@@ -1,14 +1,21 @@
-"""Run alembic migrations programmatically (serve at start-up, `symgate db upgrade`)."""
+"""Run alembic migrations programmatically (serve at start-up, `symgate db upgrade`).
+
+alembic is imported only when a migration runs: with mako and pygments behind it, it weighs
+~12 MiB that a serving process never needs again (`serve --workers N` migrates in a
+short-lived fork, proxy.web.supervisor)."""
 
 from __future__ import annotations
 
 from importlib.resources import files
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config as AlembicConfig
+if TYPE_CHECKING:
+    from alembic.config import Config as AlembicConfig
 
 
 def alembic_config(url: str) -> AlembicConfig:
+    from alembic.config import Config as AlembicConfig
+
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(files("migrations")))
     # "%" is alembic's interpolation character; URLs may contain it in passwords.
@@ -18,8 +25,12 @@ def alembic_config(url: str) -> AlembicConfig:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Blocking: call it before the event loop starts or from a worker thread."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 
 def current(url: str) -> None:
+    from alembic import command
+
     command.current(alembic_config(url), verbose=True)

@@ -262,7 +262,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
         try:
             await runner.setup()
         except Exception as e:
-            raise _startup_error(config, e) from None
+            raise startup_error(config, e) from None
         await server.start_serving()
         if serving is not None:
             serving()
@@ -305,7 +305,7 @@ async def _drain(server: web.Server, grace_s: float) -> None:
                          return_exceptions=True)
 
 
-def _startup_error(config: Config, e: Exception) -> Exception:
+def startup_error(config: Config, e: Exception) -> Exception:
     """A failure while the components start, as one line where it is a known fault."""
     from sqlalchemy.exc import SQLAlchemyError
 

@@ -243,6 +243,9 @@ def configure(json_lines: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    # alembic is imported when a migration runs, after this: its import-time chatter ("setup
+    # plugin ...", five lines) says nothing to an operator.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, OneLineClientErrors) for f in server_log.filters):
         server_log.addFilter(OneLineClientErrors())

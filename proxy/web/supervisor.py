@@ -10,8 +10,8 @@ lock for eviction). Metrics go to prometheus-client's multiprocess files, so any
 Workers are forked from the supervisor once it has imported the server's modules (and frozen
 them out of the garbage collector's reach): their pages stay shared, and each worker costs
 its own heap only. The supervisor binds the port first (its socket, bound but never
-listening, keeps the port and tells port 0's real number), runs the migrations through the
-first worker alone before the others start, says a start-up fault once, restarts a worker
+listening, keeps the port and tells port 0's real number), runs the migrations in a
+short-lived fork before any worker starts, says a start-up fault once, restarts a worker
 that dies, and on SIGTERM or SIGINT passes the signal on and waits for the workers' drains.
 Workers die with it if it is killed.
 """
@@ -69,6 +69,8 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     gc.freeze()
     # Before any serving process exists: they inherit them, and so fork no helpers of their own.
     forked_helpers.fork_helpers()
+    if config.database.migrate_on_start:
+        _migrate_in_a_fork(config)
     keeper = _Keeper(config, port, access_log, json_logs)
 
     def stop(signum: int, _frame: object) -> None:
@@ -77,13 +79,10 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
 
     previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
-        # The first worker migrates the database alone; the others start once it serves.
-        keeper.start(0, migrate=config.database.migrate_on_start)
-        keeper.wait_ready(0)
-        for index in range(1, workers):
+        for index in range(workers):
             if not keeper.stopping:
-                keeper.start(index, migrate=False)
-        for index in range(1, workers):
+                keeper.start(index)
+        for index in range(workers):
             keeper.wait_ready(index)
         if not keeper.stopping:
             log.info("symgate serving with %d workers on port %d", workers, port)
@@ -103,7 +102,7 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
                 keeper.wait_all()
                 return 1
             log.warning("worker %d %s; starting another", index, status)
-            keeper.start(index, migrate=False)
+            keeper.start(index)
         keeper.wait_all()
         return 0
     except BaseException:
@@ -118,6 +117,41 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
         shutil.rmtree(metrics_dir, ignore_errors=True)
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         forked_helpers.stop_helpers()
+
+
+def _migrate_in_a_fork(config: Config) -> None:
+    """Migrate the database in a short-lived fork, before any worker starts: alembic and
+    what it imports (~12 MiB) then never enter a long-lived process. CannotStart with the
+    reason if it cannot."""
+    from proxy.store import migrate
+    from proxy.web.app import startup_error
+
+    theirs, ours = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # never returns
+        os.close(theirs)
+        code = 1
+        try:
+            migrate.upgrade(config.database_url)
+            code = 0
+        except Exception as e:
+            error = startup_error(config, e)
+            if isinstance(error, CannotStart):
+                os.write(ours, str(error).encode())
+            else:
+                log.exception("migrating the database failed")
+        finally:
+            logging.shutdown()
+            os._exit(code)
+    os.close(ours)
+    chunks = []
+    while chunk := _read(theirs):
+        chunks.append(chunk)
+    os.close(theirs)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise CannotStart(b"".join(chunks).decode(errors="replace")
+                          or f"migrating the database failed: the migration {_how(status)}")
 
 
 def _multiprocess_metrics(folder: Path) -> None:
@@ -143,10 +177,10 @@ class _Keeper:
         self._deaths: dict[int, list[float]] = {}
         self.stopping = False  # SIGTERM or SIGINT came: a worker that ends is no fault
 
-    def start(self, index: int, *, migrate: bool) -> None:
-        config = dataclasses.replace(
+    def start(self, index: int) -> None:
+        config = dataclasses.replace(  # migrated already, by _migrate_in_a_fork
             self._config, database=dataclasses.replace(self._config.database,
-                                                       migrate_on_start=migrate))
+                                                       migrate_on_start=False))
         theirs, ours = os.pipe()
         supervisor = os.getpid()
         # A SIGTERM between the fork and the worker's own handlers must not run the
