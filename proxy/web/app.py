@@ -39,6 +39,7 @@ from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
+from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
 from proxy.web.startup import CannotStart, make_data_dirs, reason
@@ -175,6 +176,7 @@ def _lifecycle(
             asyncio.create_task(_every(config.server.access_flush_s,
                                        cache.enforce_shared_budget)),
             asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
+            asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
         ]
         log.info("symgate %s: cache %s, database %s, upstreams %s", __version__,
                  config.cache_dir, _safe_url(config.database_url),
