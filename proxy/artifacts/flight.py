@@ -41,7 +41,9 @@ class Flight:
         self.written = 0
         self._state = _State.RUNNING
         self.error: SymgateError | None = None
-        self.meta: asyncio.Future[ArtifactMeta] = asyncio.get_running_loop().create_future()
+        self._meta: ArtifactMeta | None = None
+        # One future per client waiting for the upstream's headers (see wait_meta).
+        self._meta_waiters: list[asyncio.Future[None]] = []
         self._progress = asyncio.Event()
         self._finished = asyncio.Event()
         self._settled = asyncio.Event()
@@ -50,8 +52,9 @@ class Flight:
 
     # -- writer side (the fetch task) -----------------------------------------------------------
     def started(self, meta: ArtifactMeta) -> None:
-        if not self.meta.done():
-            self.meta.set_result(meta)
+        if self._meta is None and self._state is _State.RUNNING:
+            self._meta = meta
+            self._release_meta_waiters()
 
     def wrote(self, n: int) -> None:
         self.written += n
@@ -74,9 +77,7 @@ class Flight:
             return  # verified and released: what fails after (the commit) is not the clients'
         self._state = _State.FAILED
         self.error = error
-        if not self.meta.done():
-            self.meta.set_exception(error)
-            self.meta.exception()  # retrieved: nobody may be waiting for it
+        self._release_meta_waiters()
         self._end()
 
     @property
@@ -88,6 +89,12 @@ class Flight:
         if self._fd_open:
             os.close(self._fd)
             self._fd_open = False
+
+    def _release_meta_waiters(self) -> None:
+        for waiter in self._meta_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._meta_waiters.clear()
 
     def _wake(self) -> None:
         self._progress.set()
@@ -105,6 +112,25 @@ class Flight:
     @property
     def succeeded(self) -> bool:
         return self._state is _State.DONE
+
+    async def wait_meta(self) -> ArtifactMeta:
+        """The upstream's headers once it has answered; raises what the fetch failed with
+        before that. Each client waits on a future of its own: one whose client goes away
+        cancels nobody else's wait (a shared future would need a shield, and its wake-up then
+        takes two steps of the loop, in which the download reads on and the first byte
+        waits)."""
+        if self._meta is None and self.error is None:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._meta_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._meta_waiters:
+                    self._meta_waiters.remove(waiter)
+        if self._meta is not None:
+            return self._meta
+        assert self.error is not None
+        raise self.error
 
     async def wait_finished(self) -> None:
         await self._finished.wait()

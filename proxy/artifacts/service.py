@@ -606,9 +606,7 @@ class ArtifactService:
             self._raise_os_failure(e)
             raise
         try:
-            # shield: a client that goes away must not cancel the future the other waiters
-            # share.
-            meta = await asyncio.shield(flight.meta)
+            meta = await flight.wait_meta()
         except BaseException:
             reader.close()
             raise
