@@ -369,7 +369,11 @@ class ArtifactService:
             flight.wrote(len(chunk))
             # A body already in the socket's buffer is read without a pause: let the clients
             # send what was written before the next chunk, or the first byte waits for all.
-            await asyncio.sleep(0)
+            # Not once the announced size is in: the body has ended, and its clients must see
+            # that before they start, so that a small file's verdict (a build ID that does
+            # not match) reaches them as a status line, not as a cut-off body.
+            if meta.size is None or flight.written < meta.size:
+                await asyncio.sleep(0)
         flight.body_ended()
         if meta.size is not None and flight.written != meta.size:
             self._reject(key, "truncated")
