@@ -194,6 +194,7 @@ def _lifecycle(
                 await cache.flush_access()
             await session.close()
             board.close()
+            app[STATE].sender.close()
             await repo.close()
             store.close()
 

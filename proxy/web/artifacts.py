@@ -6,7 +6,6 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import logging
 import os
@@ -171,9 +170,9 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
 
 class _SentFile(web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
-    from the descriptor opened when the hit was found: none of FileResponse's trips to the
-    thread pool to open, stat and close it. Ranges and conditional requests go to
-    _LeasedFileResponse, which knows them."""
+    (proxy.web.sendfile_pool) from the descriptor opened when the hit was found: none of
+    FileResponse's trips to the thread pool to open, stat and close it. Ranges and
+    conditional requests go to _LeasedFileResponse, which knows them."""
 
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact, fd: int,
                  headers: dict[str, str]) -> None:
@@ -191,7 +190,7 @@ class _SentFile(web.StreamResponse):
                 transport = request.transport
                 if transport is None:
                     raise ConnectionResetError("Connection lost")
-                await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
+                await self._symgate.sender.send(transport, self._file, 0, self._size)
                 await super().write_eof()
         finally:
             self._file.close()

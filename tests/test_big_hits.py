@@ -1,0 +1,96 @@
+"""A cached file of MBs is sent with sendfile(2) from a small thread pool (proxy.web.sendfile_pool):
+clients that stop reading never hold those threads, others' big and small hits go on meanwhile,
+and every client ends with the whole file, byte for byte, whether it read fast or slowly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory
+
+# More clients that stop reading than the pool has threads.
+STALLED = 5
+
+
+async def _stalled_client(host: str, port: int, path: str
+                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A client with a small receive buffer that sends its request, reads the head and then
+    stops reading: its connection holds what the server could not send."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return reader, writer, length
+
+
+async def test_clients_that_stop_reading_hold_no_thread_and_still_get_every_byte(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    big = f"/buildid/{elfs.big.build_id}/debuginfo"
+    small = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    assert len(expected) > 16 * 1024 * 1024  # far more than any socket buffer holds
+    for path, body in ((big, expected), (small, elfs.prog.debug.read_bytes())):
+        status, _, got = await sg.get(path)  # cached now: hits from here on
+        assert status == 200 and got == body
+    host, port = sg.url.removeprefix("http://").rsplit(":", 1)
+    stalled = [await _stalled_client(host, int(port), big) for _ in range(STALLED)]
+    try:
+        # Served while every stalled client's response waits on its socket.
+        async def whole(path: str) -> bytes:
+            status, _, body = await sg.get(path)
+            assert status == 200
+            return body
+
+        fast = await asyncio.wait_for(asyncio.gather(
+            *(whole(big) for _ in range(4)), *(whole(small) for _ in range(8))), 60)
+        assert all(body == expected for body in fast[:4])
+        assert all(body == elfs.prog.debug.read_bytes() for body in fast[4:])
+        # Then they read: each gets the whole file, what the thread sent and what the loop
+        # sent after it, in order.
+        for reader, _, length in stalled:
+            assert length == len(expected)
+            assert await asyncio.wait_for(reader.readexactly(length), 60) == expected
+    finally:
+        for _, writer, _ in stalled:
+            writer.close()
+
+
+async def test_a_client_gone_mid_file_leaves_the_server_serving(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    big = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    assert (await sg.get(big))[2] == expected
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            async with s.get(sg.url + big) as r:
+                assert r.status == 200
+                await r.content.readexactly(1024 * 1024)
+                r.close()  # gone with most of the file unsent
+    status, _, body = await sg.get(big)
+    assert status == 200 and body == expected
+
+
+async def test_many_clients_at_once_get_the_same_big_file(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    big = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    assert (await sg.get(big))[2] == expected
+    bodies = await asyncio.gather(*(sg.get(big) for _ in range(16)))
+    assert all(status == 200 and body == expected for status, _, body in bodies)
