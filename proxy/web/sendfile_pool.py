@@ -36,9 +36,10 @@ class SendfilePool:
         loop = asyncio.get_running_loop()
         sent = 0
         sock = transport.get_extra_info("socket")
-        # Only with nothing queued on the transport: the thread's bytes must follow the
-        # headers, never overtake them.
-        if sock is not None and count and transport.get_write_buffer_size() == 0:
+        # Only with nothing queued on the transport (the thread's bytes must follow the
+        # headers, never overtake them), and never under TLS, whose bytes are not the file's.
+        if (sock is not None and count and transport.get_write_buffer_size() == 0
+                and transport.get_extra_info("sslcontext") is None):
             reading = transport.is_reading()
             if reading:  # nothing the loop reads meanwhile may make it write on this socket
                 transport.pause_reading()
