@@ -1,6 +1,6 @@
-"""A cached file of MBs is sent with sendfile(2) from a small thread pool (proxy.web.sendfile_pool):
-clients that stop reading never hold those threads, others' big and small hits go on meanwhile,
-and every client ends with the whole file, byte for byte, whether it read fast or slowly."""
+"""A cached file of MBs is sent with sendfile(2): clients that stop reading hold nothing the
+others need, whose big and small hits go on meanwhile, and every client ends with the whole
+file, byte for byte, whether it read fast or slowly, left early or came with many others."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import aiohttp
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 
-# More clients that stop reading than the pool has threads.
+# More clients that stop reading than the server has cores, or any pool would have threads.
 STALLED = 5
 
 
@@ -34,7 +34,7 @@ async def _stalled_client(host: str, port: int, path: str
     return reader, writer, length
 
 
-async def test_clients_that_stop_reading_hold_no_thread_and_still_get_every_byte(
+async def test_clients_that_stop_reading_hold_up_nobody_and_still_get_every_byte(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
     sg = await start_symgate([debuginfod.url])
@@ -58,8 +58,7 @@ async def test_clients_that_stop_reading_hold_no_thread_and_still_get_every_byte
             *(whole(big) for _ in range(4)), *(whole(small) for _ in range(8))), 60)
         assert all(body == expected for body in fast[:4])
         assert all(body == elfs.prog.debug.read_bytes() for body in fast[4:])
-        # Then they read: each gets the whole file, what the thread sent and what the loop
-        # sent after it, in order.
+        # Then they read: each gets the whole file, in order.
         for reader, _, length in stalled:
             assert length == len(expected)
             assert await asyncio.wait_for(reader.readexactly(length), 60) == expected

@@ -194,7 +194,6 @@ def _lifecycle(
                 await cache.flush_access()
             await session.close()
             board.close()
-            app[STATE].sender.close()
             await repo.close()
             store.close()
 

@@ -6,6 +6,7 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import logging
 import os
@@ -170,9 +171,9 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
 
 class _SentFile(web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
-    (proxy.web.sendfile_pool) from the descriptor opened when the hit was found: none of
-    FileResponse's trips to the thread pool to open, stat and close it. Ranges and
-    conditional requests go to _LeasedFileResponse, which knows them."""
+    from the descriptor opened when the hit was found: none of FileResponse's trips to the
+    thread pool to open, stat and close it. Ranges and conditional requests go to
+    _LeasedFileResponse, which knows them."""
 
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact, fd: int,
                  headers: dict[str, str]) -> None:
@@ -190,7 +191,7 @@ class _SentFile(web.StreamResponse):
                 transport = request.transport
                 if transport is None:
                     raise ConnectionResetError("Connection lost")
-                await self._symgate.sender.send(transport, self._file, 0, self._size)
+                await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
                 await super().write_eof()
         finally:
             self._file.close()

@@ -20,7 +20,6 @@ from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.store.repository import Repository
 from proxy.symbols.resolver import SymbolResolver
 from proxy.web.hot_files import HotFiles
-from proxy.web.sendfile_pool import SendfilePool
 from proxy.web.status_page import RecentMisses
 from proxy.web.tenancy import Tenancy
 
@@ -40,7 +39,6 @@ class AppState:
     uploads: Uploads
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
-    sender: SendfilePool = field(default_factory=SendfilePool)
     started: float = field(default_factory=time.time)
     # This process's name in Via headers: a request that names it has come round a loop.
     via_name: str = field(default_factory=lambda: f"symgate-{uuid.uuid4().hex[:16]}")
