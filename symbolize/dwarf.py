@@ -221,8 +221,11 @@ class _Reader:
         if ranges:
             self._cu_ranges += ranges
             found = Subprogram(name, linkage, line)
-            for start, _end in ranges:  # symbolic's entry is one of them: a hot or cold part's
-                self._out.by_entry.setdefault(start, found)
+            # symbolic's entry is one of the starts: a hot or cold part's. Of subprograms
+            # sharing a start (gas's, one per alias: `__memmove_ssse3`, `__memcpy_ssse3`), the
+            # later one, which llvm-symbolizer names the code after.
+            for start, _end in ranges:
+                self._out.by_entry[start] = found
         return 0  # DWARF_CB_OK
 
     def _rows(self, cu: ctypes._Pointer[_Die]) -> list[LineRow]:

@@ -3,10 +3,12 @@ lines for code outside every subprogram. Chosen once, when the table is built, a
 table file behind the SymCache's own bytes (symbolic reads only as far as its header says).
 
 The name of a function with code: the DWARF subprogram's (demangled linkage name, or
-DW_AT_name for C; the raw linkage name is the system name), else the best of the symbol
-table's aliases at its entry: not an internal one (glibc's `__GI_*` and `*_alias*` hidden
-names, GCC's `.cold` parts), global or weak before local, the later listed of equals.
-symbolic takes the first alias listed, `__GI___nanosleep` for what gdb calls `__nanosleep`.
+DW_AT_name for C; the raw linkage name is the system name), but the name a shared library
+exports it under where it hides the DWARF one (`getcwd` for `__getcwd`, as llvm-symbolizer
+given the executable says); else the best of the symbol table's aliases at its entry: not an
+internal one (glibc's `__GI_*` and `*_alias*` hidden names, GCC's `.cold` parts), global or
+weak before local, the later listed of equals. symbolic takes the first alias listed,
+`__GI___nanosleep` for what gdb calls `__nanosleep`.
 """
 
 from __future__ import annotations
@@ -78,11 +80,17 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                 chosen = (demangle(system), system)
             else:
                 chosen = (sub.name or system, system)
+            exported = _exported(aliases.get(address, []))
+            if exported and not {sub.name, system} & set(exported):
+                # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`) and
+                # exports the function as `getcwd`, `pthread_create`: what its callers wrote,
+                # and what llvm-symbolizer says given the executable (from its .dynsym).
+                chosen = (demangle(exported[-1]), system)
         else:
             best = _best_alias(aliases.get(address, []))
             if best is None:
                 continue
-            chosen = (demangle(best), best)
+            chosen = (demangle(best.partition("@")[0]), best)
         if chosen != (demangle(own), own):
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)
@@ -100,6 +108,14 @@ def _best_alias(found: list[FunctionSymbol]) -> str | None:
         if here >= rank:
             best, rank = s.name, here
     return best
+
+
+def _exported(found: list[FunctionSymbol]) -> list[str]:
+    """The names a shared library exports at one address, in .symtab's order, without the
+    version that .symtab appends to an old one (`__libc_start_main@GLIBC_2.2.5`): .dynsym, which
+    a detached debug file lacks, holds the global and weak symbols that are not internal."""
+    return [s.name.partition("@")[0] for s in found
+            if s.bind != 0 and not (_INTERNAL.search(s.name) or cold_part(s.name))]
 
 
 def append_to(path: Path, extras: TableExtras) -> None:

@@ -35,7 +35,7 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py): a
 # table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-1"
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-2"
 
 
 class NoSymbols(Exception):
