@@ -12,7 +12,7 @@ while llvm-symbolizer reads the CU's line table.
 Only subprogram DIEs are visited (dwarf_getfuncs). Every line table is decoded (by libdw,
 0.1 s for libc), for the columns symbolic's SymCache drops; but read row by row through ctypes
 they would cost 0.9 s for libc, so their addresses and columns are taken from libdw's row
-array in bulk (`_RowLayout`), checked against libdw's accessors in every CU. Line rows as
+array in bulk (`_RowLayout`), checked against libdw's accessors. Line rows as
 objects are made only for the few CUs with code outside every subprogram.
 """
 
@@ -212,16 +212,17 @@ class _Reader:
                 or not count.value:
             return
         n = count.value
+        checked = {n - 1}  # a row a CU: the layout is libdw's, the same for every CU
         if self._layout is None:
             if n < 2:
                 return
             self._layout = _RowLayout(lib.dwarf_onesrcline(lines, 1)
                                       - lib.dwarf_onesrcline(lines, 0))
+            checked |= set(range(n))
         layout = self._layout
         first = lib.dwarf_onesrcline(lines, 0)
         raw = ctypes.string_at(first, n * layout.stride)
-        if all(layout.agrees(lib, lib.dwarf_onesrcline(lines, i), raw, i)
-               for i in {0, n // 2, n - 1}):
+        if all(layout.agrees(lib, lib.dwarf_onesrcline(lines, i), raw, i) for i in checked):
             self._row_arrays.append(raw)
         else:  # another libdw's layout: the columns are not known
             self._layout = None
@@ -298,8 +299,9 @@ class _RowLayout:
     """Where elfutils' `struct Dwarf_Line_s` keeps a row's address, column and end-of-sequence
     flag (libdwP.h, unchanged from 0.173 to 0.191): `files` pointer, `addr`, `file`, `line`,
     then the unsigned short `column` and the bit fields that follow it in the same word,
-    `end_sequence` the third. Taken as a fact to check: every CU's rows are compared with
-    libdw's own accessors, and the columns dropped where one disagrees."""
+    `end_sequence` the third. Taken as a fact to check: the first CU's rows, and the last row
+    of every other, are compared with libdw's own accessors, and the columns dropped where one
+    disagrees."""
 
     _ADDRESS, _COLUMN, _END_BIT = 8, 24, 18
 
