@@ -334,14 +334,13 @@ class Chains:
         used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
-    def encoded(self, old: U64, new: U64) -> tuple[ObjectArray, I64]:
+    def encoded(self, old: U64, new: U64) -> ObjectArray:
         """Per address, its Line entries (b"" for none), with each function id of `old`
-        (sorted, every id the chains use) written as the one of `new` at its place, and their
-        lengths.
+        (sorted, every id the chains use) written as the one of `new` at its place.
 
         Every chain used is encoded again: a profile's ids are its own (rewrite._Functions),
         so the encodings kept with the chains hardly ever fit as they are. The work is per
-        chain, the per-address part two gathers.
+        chain, the per-address part a gather.
         """
         used = self._used
         at, owners = self._frames_of(used)
@@ -354,10 +353,8 @@ class Chains:
         per_chain[0] = b""
         per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], self._c.columns[at],
                                      len(used))
-        lengths = np.zeros(len(used) + 1, dtype=np.int64)
-        lengths[1:] = np.fromiter(map(len, per_chain[1:]), dtype=np.int64, count=len(used))
         # Chain number -> its place in per_chain (0: none).
         place = np.zeros(len(self._c.id_count), dtype=np.int64)
         place[used] = np.arange(1, len(used) + 1)
-        where = place[self.numbers]
-        return per_chain[where], lengths[where]
+        tails: ObjectArray = per_chain[place[self.numbers]]
+        return tails
