@@ -210,6 +210,8 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
             continue
         found.append((np.concatenate([w for _m, w, _v in members]), chains,
                       [(mid, len(w)) for mid, w, _v in members]))
+    # The columns and addresses are done with: not held beside the encodings to come.
+    del batches, columns, where_of
 
     used = np.unique(np.concatenate([c.function_ids() for _w, c, _m in found]
                                     or [np.zeros(0, np.uint64)]))
