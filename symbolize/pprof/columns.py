@@ -53,7 +53,8 @@ _BATCH = 1 << 16
 def location_columns(encoded: Sequence[bytes]) -> LocationColumns:
     """The columns of encoded Location messages, in their order."""
     if len(encoded) <= _BATCH:
-        return _columns(encoded)
+        # As a list: a protobuf repeated field copies an item out at every reading.
+        return _columns(list(encoded))
     n = len(encoded)
     out = LocationColumns(np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64),
                           np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64))
