@@ -12,6 +12,7 @@ prints them after its own rows; `python bench/symbolize_targets.py --only names`
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
@@ -307,8 +308,7 @@ def cold(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str, work:
 
 
 def main() -> None:
-    import argparse
-
+    # symbolize_bench.py imports this module: its helpers are taken when run on its own.
     from bench.symbolize_bench import LIBC, LIBC_ID, post, serve_tree, stop
 
     ap = argparse.ArgumentParser(description=__doc__,
