@@ -1,5 +1,5 @@
 """Issue 14's targets, measured beside llvm-symbolizer on the same addresses (symbolize_bench.py
-prints them after its own rows):
+prints them after its own rows; `python bench/symbolize_targets.py --only names` measures one):
 
   * exact names: the share of locations whose frames carry llvm-symbolizer's function names
     (and, apart, the DWARF names `--functions=short` gives), lines and inline chains, over a
@@ -12,6 +12,7 @@ prints them after its own rows):
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from symbolize.elf import layout_of_file  # noqa: E402
+from symbolize.elf import cold_part, layout_of_file  # noqa: E402
 from symbolize.pprof.profile_pb2 import Profile  # noqa: E402
 from symbolize.symtab import TableSpec, build_symbol_table  # noqa: E402
 from symbolize.worker import Answer, Limits, Workspace  # noqa: E402
@@ -68,16 +69,30 @@ def text_addresses(exe: Path, n: int, rng: random.Random) -> list[int]:
     return [text.vaddr + rng.randrange(text.filesz) for _ in range(n)]
 
 
-def llvm_frames(pairs: list[tuple[Path, int]], functions: str = "linkage"
-                ) -> tuple[float, list[list[dict[str, object]]]]:
-    """One llvm-symbolizer run over `obj addr` lines: its time and frames per line."""
+def llvm_frames(pairs: list[tuple[Path, int]], functions: str = "linkage",
+                debug_dirs: tuple[Path, ...] = ()) -> tuple[float, list[list[dict[str, object]]]]:
+    """One llvm-symbolizer run over `obj addr` lines: its time and frames per line.
+
+    Given executables, llvm-symbolizer finds their debug files by build ID under `debug_dirs`
+    (a given one replaces its default, /usr/lib/debug) and names the outermost frame from the
+    executable's own symbols, as a profiler that runs it on the mapped file gets them."""
     started = time.perf_counter()
     out = subprocess.run(["llvm-symbolizer", "--inlining", "--output-style=JSON",
-                          f"--functions={functions}"],
+                          f"--functions={functions}",
+                          *(f"--debug-file-directory={d}" for d in debug_dirs)],
                          input="\n".join(f"{p} {hex(a)}" for p, a in pairs),
                          capture_output=True, text=True, check=True).stdout
     elapsed = time.perf_counter() - started
     return elapsed, [json.loads(line)["Symbol"] for line in out.splitlines() if line.strip()]
+
+
+def debug_tree(root: Path, programs: list[tuple[Path, Path, str]]) -> Path:
+    """A .build-id tree of the programs' debug files, for llvm-symbolizer to find them by."""
+    for _exe, debug, bid in programs:
+        d = root / ".build-id" / bid[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / (bid[2:] + ".debug")).symlink_to(debug)
+    return root
 
 
 def placed_profile(files: list[tuple[Path, str, list[int]]], relative: bool) -> Profile:
@@ -108,9 +123,14 @@ def placed_profile(files: list[tuple[Path, str, list[int]]], relative: bool) -> 
     return p
 
 
+Frames = list[tuple[str, str, int]]  # (name, system name, line), innermost first
+
+
 def exactness(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str,
               work: Path) -> dict[str, float]:
-    """Shares of locations with llvm-symbolizer's names, DWARF names, lines and chains."""
+    """Shares of locations with llvm-symbolizer's names, lines and chains, llvm-symbolizer
+    run on the executables (their debug files found by build ID); its names run on the debug
+    files beside, for the record, and why the rest differ."""
     rng = random.Random(14)
     files = [(libc, debug_file(libc_id), libc_id, text_addresses(libc, 3000, rng))]
     files += [(exe, debug, bid, text_addresses(exe, 60, rng)) for exe, debug, bid in programs]
@@ -124,25 +144,81 @@ def exactness(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str,
     assert done.body is not None
     out = Profile.FromString(done.body)
     s, by_id = out.string_table, {f.id: f for f in out.function}
-    ours = [[(s[by_id[ln.function_id].name], ln.line) for ln in loc.line] for loc in out.location]
-    pairs = [(debug, v) for _e, debug, _b, vaddrs in files for v in vaddrs]
-    _t, llvm = llvm_frames(pairs)
-    _t, short = llvm_frames(pairs, "short")
-    counted = names = dwarf = lines = line_total = chains = 0
-    for got, want, plain in zip(ours, llvm, short, strict=True):
+    ours: list[Frames] = [[(s[by_id[ln.function_id].name], s[by_id[ln.function_id].system_name],
+                            ln.line) for ln in loc.line] for loc in out.location]
+    tree = debug_tree(work / "llvm-debug", programs)
+    _t, llvm = llvm_frames([(exe, v) for exe, _d, _b, vaddrs in files for v in vaddrs],
+                           debug_dirs=(tree, Path("/usr/lib/debug")))
+    _t, on_debug = llvm_frames([(debug, v) for _e, debug, _b, vaddrs in files for v in vaddrs])
+    aliases = _aliases([debug for _e, debug, _b, _v in files])
+    counted = names = debug_names = lines = line_total = chains = 0
+    why: dict[str, int] = {}
+    for got, want, dbg in zip(ours, llvm, on_debug, strict=True):
         if not want or want[0]["FunctionName"] in ("", "??"):
             continue
         counted += 1
-        names += [g[0] for g in got] == [w["FunctionName"] for w in want]
-        dwarf += [g[0] for g in got] == [w["FunctionName"] or g[0]
-                                         for g, w in zip(got, plain, strict=False)]
+        wanted = [str(w["FunctionName"]) for w in want]
+        names += [g[0] for g in got] == wanted
+        debug_names += [g[0] for g in got] == [w["FunctionName"] for w in dbg]
         chains += len(got) == len(want)
         if want[0]["Line"]:
             line_total += 1
-            lines += bool(got) and got[0][1] == want[0]["Line"]
+            lines += bool(got) and got[0][2] == want[0]["Line"]
+        if [g[0] for g in got] != wanted:
+            reason = mismatch(got, wanted, aliases)
+            why[reason] = why.get(reason, 0) + 1
     return {"locations": counted, "exact_llvm_names": names / counted,
-            "dwarf_names": dwarf / counted, "lines_where_llvm_has_them": lines / line_total,
-            "inline_chains": chains / counted}
+            "exact_llvm_names_on_debug_files": debug_names / counted,
+            "lines_where_llvm_has_them": lines / line_total,
+            "inline_chains": chains / counted,
+            **{f"differ_{k}": v / counted for k, v in sorted(why.items())}}
+
+
+def _aliases(debug_files: list[Path]) -> dict[str, set[str]]:
+    """Every function symbol's name (its version cut) -> the names defined where it is."""
+    at: dict[tuple[int, int], set[str]] = {}
+    for n, path in enumerate(debug_files):
+        out = subprocess.run(["nm", "--defined-only", str(path)], capture_output=True,
+                             text=True, check=True).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] in "TtWwi":
+                at.setdefault((n, int(parts[0], 16)), set()).add(parts[2].partition("@")[0])
+    found: dict[str, set[str]] = {}
+    for names in at.values():
+        for name in names:
+            found.setdefault(name, set()).update(names)
+    return found
+
+
+def mismatch(got: Frames, wanted: list[str], aliases: dict[str, set[str]]) -> str:
+    """Why symgate's names are not llvm-symbolizer's, where the reason is one of the known:
+
+      * gi_linkage_name: llvm prints a C function's DW_AT_linkage_name, an asm label such as
+        glibc's `__GI___regfree`, for an inlined frame and for an outer one the executable
+        does not export; symgate, by issue 14's rule, its DW_AT_name (`__regfree`);
+      * another_exported_alias: the function is exported under several names (`strxfrm_l`
+        and `__strxfrm_l`); llvm takes the last in the executable's .dynsym, which is in hash
+        order and which a detached debug file lacks; symgate its DWARF name when exported;
+      * cold_part: code in GCC's `.cold` part: llvm names it after the function (no .dynsym
+        symbol covers it), symgate after the `.cold` symbol, as llvm does on the debug file.
+    """
+    names = [g[0] for g in got]
+    if len(names) != len(wanted):
+        return "unexplained"
+    reasons = set()
+    for i, (ours, theirs) in enumerate(zip(names, wanted, strict=True)):
+        if ours == theirs:
+            continue
+        if theirs.startswith("__GI_") and got[i][1] == theirs:
+            reasons.add("gi_linkage_name")
+        elif i == len(names) - 1 and cold_part(ours) == theirs:
+            reasons.add("cold_part")
+        elif i == len(names) - 1 and ours in aliases.get(theirs, set()):
+            reasons.add("another_exported_alias")
+        else:
+            return "unexplained"
+    return "+".join(sorted(reasons))
 
 
 def peak_memory(libc: Path, libc_id: str, work: Path, n: int) -> dict[str, float]:
@@ -229,3 +305,33 @@ def cold(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str, work:
             "llvm_symbolizer_s": llvm_s, "first_after_start_s": times[0],
             "cold_on_a_running_server_s": times[1], "ratio_vs_llvm": times[1] / llvm_s,
             "first_over_running": times[0] / times[1]}
+
+
+def main() -> None:
+    # symbolize_bench.py imports this module: its helpers are taken when run on its own.
+    from bench.symbolize_bench import LIBC, LIBC_ID, post, serve_tree, stop
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("names", "memory", "cold"),
+                    help="measure this target alone (default: all, as symbolize_bench.py)")
+    ap.add_argument("--memory-locations", type=int, default=1_000_000)
+    args = ap.parse_args()
+    if args.only is None:
+        main_targets(LIBC, LIBC_ID, serve_tree, post, stop)
+        return
+    with tempfile.TemporaryDirectory(prefix="symgate-targets-") as tmp:
+        work = Path(tmp)
+        if args.only == "memory":
+            print("memory:", json.dumps(peak_memory(LIBC, LIBC_ID, work, args.memory_locations)))
+            return
+        programs = build_programs(work, 27)
+        if args.only == "names":
+            print("exactness:", json.dumps(exactness(programs, LIBC, LIBC_ID, work), indent=1))
+        else:
+            print("cold:", json.dumps(cold(programs, LIBC, LIBC_ID, work, serve_tree, post,
+                                           stop)))
+
+
+if __name__ == "__main__":
+    main()

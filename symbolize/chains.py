@@ -127,16 +127,19 @@ class FrameColumns:
     owner: I64
     function: I64  # index into `functions`
     line: U64  # 0: unknown
+    column: U64  # 0: unknown
     functions: Sequence[FunctionKey]
 
 
-def encode_lines(owner: I64, function_ids: U64, lines: U64, chains: int) -> list[bytes]:
+def encode_lines(owner: I64, function_ids: U64, lines: U64, columns: U64,
+                 chains: int) -> list[bytes]:
     """Per chain, its Line entries as they follow a Location's other fields in its encoding.
 
-    Byte for byte what protobuf writes for `Location(line=[Line(function_id=f, line=n)])`:
-    each Line is field 4 of the Location, holding its fields 1 and 2.
+    Byte for byte what protobuf writes for
+    `Location(line=[Line(function_id=f, line=n, column=c)])`: each Line is field 4 of the
+    Location, holding its fields 1, 2 and 3.
     """
-    out, end = varint.messages(_LOCATION_LINE, [(1, function_ids), (2, lines)])
+    out, end = varint.messages(_LOCATION_LINE, [(1, function_ids), (2, lines), (3, columns)])
     bounds = np.concatenate(([0], end))[np.searchsorted(owner, np.arange(chains + 1))].tolist()
     blob = out.tobytes()
     return [blob[a:b] for a, b in itertools.pairwise(bounds)]
@@ -167,6 +170,7 @@ class _Columns:
     id_count: I64
     function_ids: U64
     lines: U64
+    columns: U64
     has_filenames: npt.NDArray[np.bool_]
     has_line_numbers: npt.NDArray[np.bool_]
 
@@ -194,10 +198,11 @@ class ChainStore:
         self._id_count = _Growing(np.int64)
         self._function_ids = _Growing(np.uint64)
         self._lines = _Growing(np.uint64)
+        self._columns = _Growing(np.uint64)
         self._has_filenames = _Growing(np.bool_)
         self._has_line_numbers = _Growing(np.bool_)
         self._append(np.zeros(1, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
-                     np.zeros(1, np.bool_), np.zeros(1, np.bool_))
+                     np.zeros(0, np.uint64), np.zeros(1, np.bool_), np.zeros(1, np.bool_))
 
     def chains(self, keys: I64, resolve: Callable[[I64], FrameColumns]) -> Chains:
         """The chain of each key; `resolve` gives the frames of keys not seen before."""
@@ -221,7 +226,8 @@ class ChainStore:
         """Number the chains of `frames`: chains encoded alike share a number."""
         ids = np.array([self._ids.id_of(k) for k in frames.functions], dtype=np.uint64)
         function_ids = ids[frames.function] if len(ids) else np.zeros(0, np.uint64)
-        encoded = encode_lines(frames.owner, function_ids, frames.line, frames.chains)
+        encoded = encode_lines(frames.owner, function_ids, frames.line, frames.column,
+                               frames.chains)
         known = self._by_encoding
         numbers = [known.get(enc, -1) for enc in encoded]
         new: list[int] = []
@@ -242,16 +248,18 @@ class ChainStore:
                                 minlength=frames.chains)[new] > 0
             lines = np.bincount(owner, weights=frames.line[chosen] > 0,
                                 minlength=frames.chains)[new] > 0
-            self._append(counts, function_ids[chosen], frames.line[chosen], files, lines)
+            self._append(counts, function_ids[chosen], frames.line[chosen],
+                         frames.column[chosen], files, lines)
         return np.array(numbers, dtype=np.int64)
 
-    def _append(self, id_count: I64, function_ids: U64, lines: U64,
+    def _append(self, id_count: I64, function_ids: U64, lines: U64, columns: U64,
                 has_filenames: npt.NDArray[np.bool_],
                 has_line_numbers: npt.NDArray[np.bool_]) -> None:
         self._first_id.extend(self._function_ids.size + np.cumsum(id_count) - id_count)
         self._id_count.extend(id_count)
         self._function_ids.extend(function_ids)
         self._lines.extend(lines)
+        self._columns.extend(columns)
         self._has_filenames.extend(has_filenames)
         self._has_line_numbers.extend(has_line_numbers)
 
@@ -259,7 +267,8 @@ class ChainStore:
         # Arrays only grow, and a grown one is a new array: these stay true for the numbers
         # handed out so far, whatever later lookups add.
         return _Columns(self._first_id.data, self._id_count.data, self._function_ids.data,
-                        self._lines.data, self._has_filenames.data, self._has_line_numbers.data)
+                        self._lines.data, self._columns.data, self._has_filenames.data,
+                        self._has_line_numbers.data)
 
 
 class Chains:
@@ -325,14 +334,13 @@ class Chains:
         used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
-    def encoded(self, old: U64, new: U64) -> tuple[ObjectArray, I64]:
+    def encoded(self, old: U64, new: U64) -> ObjectArray:
         """Per address, its Line entries (b"" for none), with each function id of `old`
-        (sorted, every id the chains use) written as the one of `new` at its place, and their
-        lengths.
+        (sorted, every id the chains use) written as the one of `new` at its place.
 
         Every chain used is encoded again: a profile's ids are its own (rewrite._Functions),
         so the encodings kept with the chains hardly ever fit as they are. The work is per
-        chain, the per-address part two gathers.
+        chain, the per-address part a gather.
         """
         used = self._used
         at, owners = self._frames_of(used)
@@ -343,11 +351,10 @@ class Chains:
         ids = written[(ids - np.uint64(FIRST_ID)).astype(np.int64)]
         per_chain = np.empty(len(used) + 1, dtype=object)
         per_chain[0] = b""
-        per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], len(used))
-        lengths = np.zeros(len(used) + 1, dtype=np.int64)
-        lengths[1:] = np.fromiter(map(len, per_chain[1:]), dtype=np.int64, count=len(used))
+        per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], self._c.columns[at],
+                                     len(used))
         # Chain number -> its place in per_chain (0: none).
         place = np.zeros(len(self._c.id_count), dtype=np.int64)
         place[used] = np.arange(1, len(used) + 1)
-        where = place[self.numbers]
-        return per_chain[where], lengths[where]
+        tails: ObjectArray = per_chain[place[self.numbers]]
+        return tails

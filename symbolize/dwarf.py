@@ -9,9 +9,11 @@ carries no DW_AT_low_pc/DW_AT_ranges (glibc's `mcheck_pedantic`, `mtrace`, ...):
 takes a CU's lines only inside its subprograms' ranges and leaves such code without a line,
 while llvm-symbolizer reads the CU's line table.
 
-Only subprogram DIEs are visited (dwarf_getfuncs), and line tables only of the few CUs with
-code outside every subprogram: reading every line row through ctypes would cost a second for
-libc, five times symbolic's whole build.
+Only subprogram DIEs are visited (dwarf_getfuncs). Every line table is decoded (by libdw,
+0.1 s for libc), for the columns symbolic's SymCache drops; but read row by row through ctypes
+they would cost 0.9 s for libc, so their addresses and columns are taken from libdw's row
+array in bulk (`_RowLayout`), checked against libdw's accessors. Line rows as
+objects are made only for the few CUs with code outside every subprogram.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import ctypes
 import ctypes.util
 import os
 import posixpath
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 _DW_AT_COMP_DIR = 0x1B
 _DW_AT_LINKAGE_NAME = 0x6E
@@ -120,6 +126,12 @@ class DwarfFunctions:
     # those CUs' line tables (sorted by address within each CU, CUs one after another).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
     orphan_rows: list[LineRow] = field(default_factory=list)
+    # The column of every address, as llvm-symbolizer gives the innermost frame's: from the
+    # last line row at or below it. Sorted row addresses, and each one's column, a row only
+    # where the column changes (an end of sequence: column 0).
+    column_starts: npt.NDArray[np.uint64] = field(
+        default_factory=lambda: np.zeros(0, np.uint64))
+    columns: npt.NDArray[np.uint16] = field(default_factory=lambda: np.zeros(0, np.uint16))
 
 
 def read_functions(path: Path, symbol_starts: Sequence[int]) -> DwarfFunctions:
@@ -164,6 +176,8 @@ class _Reader:
             ctypes.c_uint64()
         self._cu_ranges: list[tuple[int, int]] = []
         self._lines: dict[str, set[int]] = {}
+        self._row_arrays: list[bytes] = []
+        self._layout: _RowLayout | None = None
 
     def read(self, dbg: int) -> None:
         lib = self._lib
@@ -182,10 +196,37 @@ class _Reader:
                 if outside:
                     self._out.orphan_ranges += outside
                     self._out.orphan_rows += self._rows(cu)
+                self._row_array(cu)
             offset = following.value
         self._out.decl_lines = {name: next(iter(lines)) if len(lines) == 1 else 0
                                 for name, lines in self._lines.items()}
         self._out.orphan_rows.sort(key=lambda r: (r.address, not r.end_sequence))
+        if self._layout is not None:
+            self._out.column_starts, self._out.columns = self._layout.columns(self._row_arrays)
+
+    def _row_array(self, cu: ctypes._Pointer[_Die]) -> None:
+        """Keep the bytes of the CU's line rows, once their layout is known and checked."""
+        lib = self._lib
+        lines, count = ctypes.c_void_p(), ctypes.c_size_t()
+        if lib.dwarf_getsrclines(cu, ctypes.byref(lines), ctypes.byref(count)) != 0 \
+                or not count.value:
+            return
+        n = count.value
+        checked = {n - 1}  # a row a CU: the layout is libdw's, the same for every CU
+        if self._layout is None:
+            if n < 2:
+                return
+            self._layout = _RowLayout(lib.dwarf_onesrcline(lines, 1)
+                                      - lib.dwarf_onesrcline(lines, 0))
+            checked |= set(range(n))
+        layout = self._layout
+        first = lib.dwarf_onesrcline(lines, 0)
+        raw = ctypes.string_at(first, n * layout.stride)
+        if all(layout.agrees(lib, lib.dwarf_onesrcline(lines, i), raw, i) for i in checked):
+            self._row_arrays.append(raw)
+        else:  # another libdw's layout: the columns are not known
+            self._layout = None
+            self._row_arrays = []
 
     def _ranges(self, die: ctypes._Pointer[_Die]) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = []
@@ -221,8 +262,11 @@ class _Reader:
         if ranges:
             self._cu_ranges += ranges
             found = Subprogram(name, linkage, line)
-            for start, _end in ranges:  # symbolic's entry is one of them: a hot or cold part's
-                self._out.by_entry.setdefault(start, found)
+            # symbolic's entry is one of the starts: a hot or cold part's. Of subprograms
+            # sharing a start (gas's, one per alias: `__memmove_ssse3`, `__memcpy_ssse3`), the
+            # later one, which llvm-symbolizer names the code after.
+            for start, _end in ranges:
+                self._out.by_entry[start] = found
         return 0  # DWARF_CB_OK
 
     def _rows(self, cu: ctypes._Pointer[_Die]) -> list[LineRow]:
@@ -249,6 +293,55 @@ class _Reader:
             rows.append(LineRow(address.value, path, max(number.value, 0),
                                 max(column.value, 0), bool(end.value)))
         return rows
+
+
+class _RowLayout:
+    """Where elfutils' `struct Dwarf_Line_s` keeps a row's address, column and end-of-sequence
+    flag (libdwP.h, unchanged from 0.173 to 0.191): `files` pointer, `addr`, `file`, `line`,
+    then the unsigned short `column` and the bit fields that follow it in the same word,
+    `end_sequence` the third. Taken as a fact to check: the first CU's rows, and the last row
+    of every other, are compared with libdw's own accessors, and the columns dropped where one
+    disagrees."""
+
+    _ADDRESS, _COLUMN, _END_BIT = 8, 24, 18
+
+    def __init__(self, stride: int) -> None:
+        self.stride = stride
+        self._address, self._column = ctypes.c_uint64(), ctypes.c_int()
+        self._end = ctypes.c_bool()
+
+    def _fields(self, raw: bytes, i: int) -> tuple[int, int, bool]:
+        at = i * self.stride
+        word = int.from_bytes(raw[at + self._COLUMN: at + self._COLUMN + 4], "little")
+        return (int.from_bytes(raw[at + self._ADDRESS: at + self._ADDRESS + 8], "little"),
+                word & 0xFFFF, bool(word >> self._END_BIT & 1))
+
+    def agrees(self, lib: ctypes.CDLL, row: int, raw: bytes, i: int) -> bool:
+        if self.stride < self._COLUMN + 4 or len(raw) < (i + 1) * self.stride \
+                or sys.byteorder != "little":
+            return False
+        lib.dwarf_lineaddr(row, ctypes.byref(self._address))
+        lib.dwarf_linecol(row, ctypes.byref(self._column))
+        lib.dwarf_lineendsequence(row, ctypes.byref(self._end))
+        return self._fields(raw, i) == (self._address.value, self._column.value,
+                                        bool(self._end.value))
+
+    def columns(self, arrays: list[bytes]
+                ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint16]]:
+        if not arrays:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint16)
+        rows = np.frombuffer(b"".join(arrays), dtype=np.uint8).reshape(-1, self.stride)
+        address = rows[:, self._ADDRESS: self._ADDRESS + 8].copy().view("<u8")[:, 0]
+        word = rows[:, self._COLUMN: self._COLUMN + 4].copy().view("<u4")[:, 0]
+        column = np.where(word >> self._END_BIT & 1, 0, word & 0xFFFF).astype(np.uint16)
+        # Of rows at one address the last one holds (an end of sequence sorts before the
+        # first row of the next): llvm-symbolizer looks up the last row at or below.
+        order = np.lexsort((np.arange(len(address)), ~(word >> self._END_BIT & 1), address))
+        address, column = address[order], column[order]
+        last = np.append(address[1:] != address[:-1], True)
+        address, column = address[last], column[last]
+        changes = np.append(True, column[1:] != column[:-1])
+        return address[changes], column[changes]
 
 
 def _clean(comp_dir: str, path: str) -> str:

@@ -18,6 +18,9 @@ from elftools.elf.elffile import ELFFile
 NT_GNU_BUILD_ID = "NT_GNU_BUILD_ID"
 PF_X = 0x1
 STT_FUNC = 2
+# An indirect function's value is its resolver's code, which .dynsym names after the function
+# (`memcmp` for glibc's `memcmp_ifunc`).
+STT_GNU_IFUNC = 10
 
 
 def _malformed(error: Exception) -> bool:
@@ -136,7 +139,8 @@ def cold_part(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class FunctionSymbol:
-    """An STT_FUNC symbol of .symtab with a size, in the order the table lists them."""
+    """An STT_FUNC or STT_GNU_IFUNC symbol of .symtab with a size, in the order the table
+    lists them."""
 
     value: int
     size: int
@@ -145,7 +149,7 @@ class FunctionSymbol:
 
 
 def function_symbols(path: Path) -> tuple[FunctionSymbol, ...]:
-    """The sized STT_FUNC symbols of .symtab, in table order; () without one.
+    """The sized STT_FUNC and STT_GNU_IFUNC symbols of .symtab, in table order; () without one.
 
     pyelftools locates the sections; the symbol array is read with struct, because building a
     pyelftools object per symbol costs 0.2 s for libc's 9,000 symbols.
@@ -169,7 +173,7 @@ def function_symbols(path: Path) -> tuple[FunctionSymbol, ...]:
     entry = struct.calcsize(fmt)
     found = []
     for sym in struct.iter_unpack(fmt, data[: len(data) - len(data) % entry]):
-        if sym[info_i] & 0xF != STT_FUNC or not sym[size_i]:
+        if sym[info_i] & 0xF not in (STT_FUNC, STT_GNU_IFUNC) or not sym[size_i]:
             continue
         start = sym[name_i]
         name = strtab[start: strtab.find(b"\0", start)].decode(errors="replace")

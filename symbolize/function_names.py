@@ -3,10 +3,12 @@ lines for code outside every subprogram. Chosen once, when the table is built, a
 table file behind the SymCache's own bytes (symbolic reads only as far as its header says).
 
 The name of a function with code: the DWARF subprogram's (demangled linkage name, or
-DW_AT_name for C; the raw linkage name is the system name), else the best of the symbol
-table's aliases at its entry: not an internal one (glibc's `__GI_*` and `*_alias*` hidden
-names, GCC's `.cold` parts), global or weak before local, the later listed of equals.
-symbolic takes the first alias listed, `__GI___nanosleep` for what gdb calls `__nanosleep`.
+DW_AT_name for C; the raw linkage name is the system name), but the name a shared library
+exports it under where it hides the DWARF one (`getcwd` for `__getcwd`, as llvm-symbolizer
+given the executable says); else the best of the symbol table's aliases at its entry: not an
+internal one (glibc's `__GI_*` and `*_alias*` hidden names, GCC's `.cold` parts), global or
+weak before local, the later listed of equals. symbolic takes the first alias listed,
+`__GI___nanosleep` for what gdb calls `__nanosleep`.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from .demangle import demangle
 from .dwarf import DwarfFunctions
 from .elf import FunctionSymbol, cold_part
 from .symcache_columns import NONE, SymCacheColumns
 
-# Behind the SymCache: the extras as JSON, the SymCache's own length, and this mark.
-_TRAILER = struct.Struct("<QQ8s")
-_MARK = b"SGXTRA01"
+# Behind the SymCache: the extras as JSON, the column rows (their u32 addresses, then their
+# u16 columns), then the sizes of both, the SymCache's own length, and this mark.
+_TRAILER = struct.Struct("<QQQ8s")
+_MARK = b"SGXTRA02"
 _INTERNAL = re.compile(r"^__GI_|_alias(?:_\d+)?$")
 
 
@@ -46,6 +52,11 @@ class TableExtras:
     # a row with line 0 ends a sequence).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
     orphan_rows: list[OrphanRow] = field(default_factory=list)
+    # The innermost frame's column at each address: that of the last of these (sorted,
+    # relative) addresses at or below it; 0 where the line table has none.
+    column_starts: npt.NDArray[np.uint32] = field(
+        default_factory=lambda: np.zeros(0, np.uint32))
+    columns: npt.NDArray[np.uint16] = field(default_factory=lambda: np.zeros(0, np.uint16))
 
     def start_line(self, function: int) -> int:
         return self.start_lines[function] if 0 <= function < len(self.start_lines) else 0
@@ -78,11 +89,17 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                 chosen = (demangle(system), system)
             else:
                 chosen = (sub.name or system, system)
+            exported = _exported(aliases.get(address, []))
+            if exported and not {sub.name, system} & set(exported):
+                # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`) and
+                # exports the function as `getcwd`, `pthread_create`: what its callers wrote,
+                # and what llvm-symbolizer says given the executable (from its .dynsym).
+                chosen = (demangle(exported[-1]), system)
         else:
             best = _best_alias(aliases.get(address, []))
             if best is None:
                 continue
-            chosen = (demangle(best), best)
+            chosen = (demangle(best.partition("@")[0]), best)
         if chosen != (demangle(own), own):
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)
@@ -90,6 +107,11 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
     extras.orphan_rows = [OrphanRow(r.address - load_address, r.file,
                                     0 if r.end_sequence else r.line)
                           for r in dwarf.orphan_rows]
+    # SymCache addresses are u32 offsets from the load address: so are these.
+    relative = dwarf.column_starts - np.uint64(load_address)
+    kept = (dwarf.column_starts >= np.uint64(load_address)) & (relative <= np.uint64(NONE))
+    extras.column_starts = relative[kept].astype(np.uint32)
+    extras.columns = dwarf.columns[kept]
     return extras
 
 
@@ -102,6 +124,14 @@ def _best_alias(found: list[FunctionSymbol]) -> str | None:
     return best
 
 
+def _exported(found: list[FunctionSymbol]) -> list[str]:
+    """The names a shared library exports at one address, in .symtab's order, without the
+    version that .symtab appends to an old one (`__libc_start_main@GLIBC_2.2.5`): .dynsym, which
+    a detached debug file lacks, holds the global and weak symbols that are not internal."""
+    return [s.name.partition("@")[0] for s in found
+            if s.bind != 0 and not (_INTERNAL.search(s.name) or cold_part(s.name))]
+
+
 def append_to(path: Path, extras: TableExtras) -> None:
     """Write `extras` behind the SymCache at `path`."""
     blob = json.dumps({
@@ -110,10 +140,12 @@ def append_to(path: Path, extras: TableExtras) -> None:
         "orphan_ranges": extras.orphan_ranges,
         "orphan_rows": [[r.address, r.file, r.line] for r in extras.orphan_rows],
     }, separators=(",", ":")).encode()
+    rows = extras.column_starts.astype("<u4").tobytes() + extras.columns.astype("<u2").tobytes()
     size = path.stat().st_size
     with path.open("ab") as f:
         f.write(blob)
-        f.write(_TRAILER.pack(len(blob), size, _MARK))
+        f.write(rows)
+        f.write(_TRAILER.pack(len(blob), len(rows), size, _MARK))
 
 
 def read_from(path: Path) -> TableExtras | None:
@@ -124,12 +156,16 @@ def read_from(path: Path) -> TableExtras | None:
         if end < _TRAILER.size:
             return None
         f.seek(end - _TRAILER.size)
-        blob_size, _symcache_size, mark = _TRAILER.unpack(f.read(_TRAILER.size))
-        if mark != _MARK or blob_size > end - _TRAILER.size:
+        blob_size, rows_size, _symcache_size, mark = _TRAILER.unpack(f.read(_TRAILER.size))
+        if mark != _MARK or blob_size + rows_size > end - _TRAILER.size or rows_size % 6:
             return None
-        f.seek(end - _TRAILER.size - blob_size)
+        f.seek(end - _TRAILER.size - rows_size - blob_size)
         raw = json.loads(f.read(blob_size))
+        rows = f.read(rows_size)
+    count = rows_size // 6
     return TableExtras(
+        column_starts=np.frombuffer(rows, dtype="<u4", count=count).astype(np.uint32),
+        columns=np.frombuffer(rows, dtype="<u2", offset=4 * count).astype(np.uint16),
         names={int(f): (n, s) for f, n, s in raw["names"]},
         start_lines=[int(x) for x in raw["start_lines"]],
         orphan_ranges=[(int(a), int(b)) for a, b in raw["orphan_ranges"]],

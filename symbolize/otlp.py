@@ -129,7 +129,7 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
         mapping = 0 if not_native.intersection(loc.attribute_indices) else loc.mapping_index
         out = p.location.add(id=j, mapping_id=mapping, address=loc.address)
         for ln in loc.lines:
-            out.line.add(function_id=ln.function_index, line=ln.line)
+            out.line.add(function_id=ln.function_index, line=ln.line, column=ln.column)
     for i, f in enumerate(d.function_table):
         if i:
             p.function.add(id=i, name=_string(strings, f.name_strindex, f"function {i}"),
@@ -166,6 +166,7 @@ def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes) -> int:
         target = d.location_table[loc.id]
         if loc.line and not target.lines:
             for ln in loc.line:
-                target.lines.add(function_index=index[ln.function_id], line=ln.line)
+                target.lines.add(function_index=index[ln.function_id], line=ln.line,
+                                 column=ln.column)
             filled += 1
     return filled

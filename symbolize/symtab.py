@@ -35,7 +35,7 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py): a
 # table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-1"
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-3"
 
 
 class NoSymbols(Exception):
@@ -64,6 +64,7 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 # Inline frames followed out from an address at most; symbolic's own walks stop at 255.
 _MAX_DEPTH = 255
+_KEYS_BATCH = 1 << 16
 
 
 def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildResult:
@@ -141,13 +142,16 @@ class TableSpec:
 class SymbolTable:
     """Lookups in a built SymCache, by ELF virtual address, many at a time.
 
-    An address's frames are named by a key: 0 for none; 1 + the index of its innermost source
-    location for the frames as symbolic gives them, which are those of an address inside a
-    GCC `.cold` part; that plus the number of locations for any other address, whose outermost
-    frame, when symbolic names it after a `.cold` part, is renamed to the function itself.
-    Frames but the outermost one of a cold part have the names function_names.py chose. Past
-    those, 1 + 2 * locations + the index of the line row that gives the line of code outside
-    every subprogram (function_names.py).
+    Code is cut in pieces: at every start of a SymCache range (one innermost source location)
+    and wherever the column of the line table changes, which symbolic does not record. An
+    address's frames are named by a key: 0 for none; 1 + the index of its piece for the
+    frames as symbolic gives them, which are those of an address inside a GCC `.cold` part;
+    that plus the number of pieces for any other address, whose outermost frame, when symbolic
+    names it after a `.cold` part, is renamed to the function itself. Frames but the outermost
+    one of a cold part have the names function_names.py chose. Past those, 1 + 2 * pieces +
+    the index of the line row that gives the line of code outside every subprogram
+    (function_names.py). The innermost frame has its piece's column; the frames it is inlined
+    into none (their DW_AT_call_column is not read).
     """
 
     def __init__(
@@ -157,13 +161,19 @@ class SymbolTable:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
         self._columns = read_columns(path)
         self._extras = read_from(path) or TableExtras()
-        self._ranges = RangeIndex(self._columns.range_starts)
+        starts, extras = self._columns.range_starts, self._extras
+        pieces = np.union1d(starts, extras.column_starts).astype(np.uint32) \
+            if len(extras.column_starts) else starts
+        self._pieces = len(pieces)
+        self._piece_range = (np.searchsorted(starts, pieces, side="right") - 1).astype(np.int32)
+        at = np.searchsorted(extras.column_starts, pieces, side="right") - 1
+        self._piece_column = np.where(at >= 0, extras.columns[np.maximum(at, 0)], 0).astype(
+            np.uint16) if len(extras.columns) else np.zeros(len(pieces), np.uint16)
+        self._ranges = RangeIndex(pieces)
         self.load_address = load_address
         self.code_ranges = code_ranges
         self._cold = np.array(cold_ranges, dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
-        self._locations = len(self._columns.file)
-        extras = self._extras
         self._orphan_ranges = np.array(extras.orphan_ranges, dtype=np.uint64).reshape(-1, 2)
         self._orphan_rows = np.array([r.address for r in extras.orphan_rows], dtype=np.uint64)
         self._orphan_lines = np.array([r.line for r in extras.orphan_rows], dtype=np.uint64)
@@ -177,7 +187,7 @@ class SymbolTable:
         self._paths: dict[int, str] = {NONE: "", **{first + i: f
                                                     for i, f in enumerate(orphan_files)}}
         self._file_span = first + len(orphan_files)
-        self._chains = ChainStore(ids, keys=2 * self._locations + 1 + len(extras.orphan_rows))
+        self._chains = ChainStore(ids, keys=2 * self._pieces + 1 + len(extras.orphan_rows))
 
     @classmethod
     def open(cls, spec: TableSpec, ids: FunctionIds) -> SymbolTable:
@@ -186,7 +196,12 @@ class SymbolTable:
 
     def chains(self, vaddrs: U64) -> Chains:
         """The chains of the addresses, remembered; inside a FunctionIds session."""
-        return self._chains.chains(self.keys(vaddrs), self._frames)
+        keys = np.empty(len(vaddrs), dtype=np.int64)
+        # A batch at a time: a lookup's temporaries are a dozen arrays the size of its input,
+        # 60 MB at once for a million addresses, twice the profile they came in.
+        for start in range(0, len(vaddrs), _KEYS_BATCH):
+            keys[start:start + _KEYS_BATCH] = self.keys(vaddrs[start:start + _KEYS_BATCH])
+        return self._chains.chains(keys, self._frames)
 
     def keys(self, vaddrs: U64) -> I64:
         """The key of each address's frames (see the class).
@@ -201,19 +216,21 @@ class SymbolTable:
         # Code segments lie at or above the load address, so this does not wrap where it counts.
         relative = vaddrs - np.uint64(self.load_address)
         inside &= relative <= np.uint64(NONE)
-        ranges = self._ranges.find(np.where(inside, relative, 0).astype(np.uint32))
+        piece = self._ranges.find(np.where(inside, relative, 0).astype(np.uint32))
+        inside &= piece >= 0
+        ranges = self._piece_range[np.maximum(piece, 0)]
         inside &= ranges >= 0
         location = c.first_range_location + np.maximum(ranges, 0)
         # symbolic ends the last range with a location that is all NONE: no code there.
         inside &= ~((c.function[location] == NONE) & (c.file[location] == NONE)
                     & (c.line[location] == NONE) & (c.inlined_into[location] == NONE))
-        keys = location + 1
-        keys[~self._in_cold_part(vaddrs)] += self._locations
+        keys = piece + 1
+        keys[~self._in_cold_part(vaddrs)] += self._pieces
         if len(self._orphan_rows):
             row = self._orphan_row(relative)
             lineless = (c.file[location] == NONE) & (c.inlined_into[location] == NONE)
             orphan = inside & lineless & (row >= 0)
-            keys[orphan] = 1 + 2 * self._locations + row[orphan]
+            keys[orphan] = 1 + 2 * self._pieces + row[orphan]
         keys[~inside] = 0
         return keys
 
@@ -236,15 +253,15 @@ class SymbolTable:
         """The frames of the keys' chains: innermost (inlined callee) first, the function the
         code is in last."""
         c = self._columns
-        locations = self._locations
-        orphan = keys > 2 * locations
-        row = np.where(orphan, keys - 1 - 2 * locations, 0)
-        if orphan.any():  # the SymCache's own location of the row's address, for its name
-            at = self._ranges.find(self._orphan_rows[row[orphan]].astype(np.uint32))
-            keys = keys.copy()
-            keys[orphan] = c.first_range_location + np.maximum(at, 0) + 1 + locations
-        renamed = keys > locations
-        leaf = keys - 1 - np.where(renamed, locations, 0)
+        pieces = self._pieces
+        orphan = keys > 2 * pieces
+        row = np.where(orphan, keys - 1 - 2 * pieces, 0)
+        renamed = keys > pieces
+        piece = np.where(orphan, 0, keys - 1 - np.where(renamed, pieces, 0))
+        if orphan.any():  # the piece of the row's address: its SymCache location names it
+            piece[orphan] = np.maximum(
+                self._ranges.find(self._orphan_rows[row[orphan]].astype(np.uint32)), 0)
+        leaf = c.first_range_location + np.maximum(self._piece_range[piece], 0).astype(np.int64)
         owner, location = self._walk(leaf)
         function = c.function[location].astype(np.int64)
         file = c.file[location].astype(np.int64)
@@ -256,6 +273,9 @@ class SymbolTable:
             file[from_row] = self._orphan_files[row[owner[from_row]]]
             line[from_row] = self._orphan_lines[row[owner[from_row]]]
         outermost = np.append(owner[1:] != owner[:-1], True)
+        innermost = np.ones(len(owner), dtype=np.bool_)
+        innermost[1:] = owner[1:] != owner[:-1]
+        column = np.where(innermost, self._piece_column[piece][owner], 0).astype(np.uint64)
         # One FunctionKey per (function, file, outermost in a hot or a cold part), and frames
         # without a name dropped.
         hot = outermost & renamed[owner]
@@ -282,7 +302,7 @@ class SymbolTable:
         index = np.cumsum(named) - 1
         keep = named[inverse]
         return FrameColumns(chains=len(keys), owner=owner[keep], function=index[inverse][keep],
-                            line=line[keep], functions=functions)
+                            line=line[keep], column=column[keep], functions=functions)
 
     def _walk(self, leaf: I64) -> tuple[I64, I64]:
         """(chain, source location) of every frame of the chains from `leaf`: chains in order,

@@ -91,15 +91,20 @@ class Expected:
     start_line: int = 0  # DW_AT_decl_line of the frame's function; 0: unknown
 
 
-def llvm_symbolize(debug: Path, vaddrs: list[int], functions: str = "linkage"
+def llvm_symbolize(obj: Path, vaddrs: list[int], functions: str = "linkage"
                    ) -> dict[int, list[Expected]]:
     """llvm-symbolizer's frames per address (innermost first); unresolved addresses left out.
 
+    `obj` is best the executable, as a profiler runs llvm-symbolizer on the mapped file: it
+    finds the debug file by build ID (under /usr/lib/debug) or .gnu_debuglink, and names the
+    outermost frame from the executable's own symbols (.dynsym for a stripped library). Run on
+    a debug file, it names it from that file's full .symtab instead (`nanosleep`,
+    `__libc_start_main@GLIBC_2.2.5`, `str_to_mpn.part.0.constprop.0`).
     functions="short" names every frame by its DWARF subprogram's DW_AT_name, never by the
     symbol table (which "linkage", the default, takes for the outermost frame).
     """
     def run(demangle: bool) -> list[dict[str, object]]:
-        cmd = ["llvm-symbolizer", f"--obj={debug}", "--inlining", "--output-style=JSON",
+        cmd = ["llvm-symbolizer", f"--obj={obj}", "--inlining", "--output-style=JSON",
                "--demangle" if demangle else "--no-demangle", f"--functions={functions}"]
         out = subprocess.run(cmd, input="\n".join(hex(v) for v in vaddrs), capture_output=True,
                              text=True, check=True).stdout
@@ -126,14 +131,17 @@ def frames_of(profile: Profile, location: Location) -> list[Expected]:
 
 
 def symbol_aliases(elf_file: Path) -> dict[str, set[str]]:
-    """Every .symtab name -> all names defined at the same address (weak aliases and the like)."""
+    """Every .symtab name -> all names defined at the same address (weak aliases and the like),
+    each also without the version .symtab appends to an old one (`glob@GLIBC_2.2.5`), as
+    .dynsym names it."""
     out = subprocess.run(["nm", "--defined-only", str(elf_file)], capture_output=True,
                          text=True, check=True).stdout
     by_address: dict[int, set[str]] = {}
     for line in out.splitlines():
         parts = line.split()
         if len(parts) == 3:
-            by_address.setdefault(int(parts[0], 16), set()).add(parts[2])
+            by_address.setdefault(int(parts[0], 16), set()).update(
+                {parts[2], parts[2].partition("@")[0]})
     aliases: dict[str, set[str]] = {}
     for names in by_address.values():
         for name in names:

@@ -40,12 +40,14 @@ def test_messages_are_protobufs_functions() -> None:
 
 def test_encode_lines_is_protobufs_line_entries() -> None:
     rng = random.Random(3)
-    chains = [[(rng.choice([1, 300, 2**20 + rng.randrange(1000)]), rng.choice([0, 7, 99999]))
+    chains = [[(rng.choice([1, 300, 2**20 + rng.randrange(1000)]), rng.choice([0, 7, 99999]),
+                rng.choice([0, 1, 200]))
                for _ in range(rng.randrange(4))] for _ in range(300)]
     owner = np.array([c for c, frames in enumerate(chains) for _ in frames], dtype=np.int64)
-    fids = np.array([f for frames in chains for f, _ in frames], dtype=np.uint64)
-    lines = np.array([n for frames in chains for _, n in frames], dtype=np.uint64)
-    got = encode_lines(owner, fids, lines, len(chains))
-    want = [Location(line=[Line(function_id=f, line=n) for f, n in frames]).SerializeToString()
-            for frames in chains]
+    fids = np.array([f for frames in chains for f, _, _ in frames], dtype=np.uint64)
+    lines = np.array([n for frames in chains for _, n, _ in frames], dtype=np.uint64)
+    columns = np.array([c for frames in chains for _, _, c in frames], dtype=np.uint64)
+    got = encode_lines(owner, fids, lines, columns, len(chains))
+    want = [Location(line=[Line(function_id=f, line=n, column=c) for f, n, c in frames])
+            .SerializeToString() for frames in chains]
     assert got == want

@@ -53,10 +53,17 @@ _BATCH = 1 << 16
 def location_columns(encoded: Sequence[bytes]) -> LocationColumns:
     """The columns of encoded Location messages, in their order."""
     if len(encoded) <= _BATCH:
-        return _columns(encoded)
-    parts = [_columns(encoded[i: i + _BATCH]) for i in range(0, len(encoded), _BATCH)]
-    return LocationColumns(*(np.concatenate([getattr(p, f) for p in parts])
-                             for f in ("mapping_id", "address", "has_lines", "length")))
+        # As a list: a protobuf repeated field copies an item out at every reading.
+        return _columns(list(encoded))
+    n = len(encoded)
+    out = LocationColumns(np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64),
+                          np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64))
+    for i in range(0, n, _BATCH):  # into columns made once: no second copy to join
+        part = _columns(encoded[i: i + _BATCH])
+        for f in ("mapping_id", "address", "has_lines", "length"):
+            getattr(out, f)[i: i + _BATCH] = getattr(part, f)
+        del part  # not alive beside the next batch's
+    return out
 
 
 def _columns(encoded: Sequence[bytes]) -> LocationColumns:
