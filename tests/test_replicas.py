@@ -113,6 +113,8 @@ async def test_restarting_replicas_costs_none_of_them_its_files(
     await a.start()
     await b.start()
     assert a.id != b.id
+    async with aiohttp.ClientSession() as s, s.get(a.base + "/metrics") as r:
+        assert f'symgate_replica_info{{replica="{a.id}"}} 1.0' in await r.text()
     assert await get(a.base, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
     assert await get(b.base, elfs.other.build_id) == (200, elfs.other.debug.read_bytes())
     await b.restart()  # once dropped every row whose file is not on b's disk: a's too
