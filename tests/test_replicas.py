@@ -43,12 +43,13 @@ class Replica:
     database_url: str
     upstream: str
     extra: str = ""  # more of the [cache] section
+    workers: int = 1
     base: str = ""
     procs: list[asyncio.subprocess.Process] = field(default_factory=list)
 
     async def start(self) -> None:
         self.base, proc = await start_serve(
-            self.tmp_path, self.data_dir, self.database_url, self.upstream,
+            self.tmp_path, self.data_dir, self.database_url, self.upstream, workers=self.workers,
             extra=f"access_flush_s = 0.2\n[cache]\npurge_poll_s = {PURGE_POLL_S}\n"
                   f"{self.extra}[negative]\nmemo_s = {MEMO_S}\n")
         self.procs.append(proc)
@@ -110,11 +111,13 @@ async def test_restarting_replicas_costs_none_of_them_its_files(
     replicas: tuple[Replica, Replica], elfs: ElfSet, debuginfod: Debuginfod, database_url: str
 ) -> None:
     a, b = replicas
+    a.workers = 2  # processes on one data dir: one replica
     await a.start()
     await b.start()
     assert a.id != b.id
     async with aiohttp.ClientSession() as s, s.get(a.base + "/metrics") as r:
-        assert f'symgate_replica_info{{replica="{a.id}"}} 1.0' in await r.text()
+        said = re.findall(r"^symgate_replica_info\{(.*)\} (.*)$", await r.text(), re.M)
+    assert said == [(f'replica="{a.id}"', "1.0")]
     assert await get(a.base, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
     assert await get(b.base, elfs.other.build_id) == (200, elfs.other.debug.read_bytes())
     await b.restart()  # once dropped every row whose file is not on b's disk: a's too
