@@ -33,9 +33,9 @@ class PurgeNotices:
         self._seen = 0  # the newest notice applied (ids only grow)
 
     async def start(self) -> None:
-        """Take the notices already there as applied: their rows were deleted before this
-        process loaded its index, so their files were not loaded (and a file fetched again
-        since must not be removed)."""
+        """Take the notices already there as applied; call it before the index loads. Their
+        rows are gone, so the index will not load their files (and a file fetched again since
+        must not be removed)."""
         self._seen = await self._repo.newest_purge_notice()
         await self._repo.delete_purge_notices(datetime.now(UTC) - NOTICE_KEEP)
 

@@ -135,9 +135,11 @@ def _lifecycle(
         store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
         cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
                               shared=one_of_several)
-        await cache.load()
+        # Purges from now on are applied; those before are in what load() reads (their rows
+        # are gone). Taken before load, so a purge made while it runs is not missed.
         purges = PurgeNotices(repo, cache)
         await purges.start()
+        await cache.load()
         board = FlightBoard(store.flights)
         board.clear_stale()
         session = aiohttp.ClientSession(
