@@ -224,6 +224,9 @@ class CacheConfig:
     # The largest artifact fetched: an upstream that sends more (or never stops) is cut off
     # there, not after filling the disk. Pyroscope's client stops at 512 MiB.
     max_artifact_bytes: Size = 4 * 1024**3
+    # How often each process looks for `cache purge`s made on any replica (or by the admin
+    # CLI) and removes its own copy: how long a purged file may still be served.
+    purge_poll_s: Period = 2.0
 
 
 @dataclass(frozen=True, config=_SECTION)

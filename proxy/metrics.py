@@ -101,6 +101,12 @@ class ProxyMetrics:
             f"{p}_cache_entries", "Artifacts in the disk cache", registry=registry,
             multiprocess_mode="livemostrecent",
         )
+        # 1, labelled with the id of this cache directory (proxy.store.replica): which
+        # replica's disk the cache figures describe.
+        self.replica = Gauge(
+            f"{p}_replica_info", "This replica's id, as its rows in the database name it",
+            ["replica"], registry=registry, multiprocess_mode="livemax",
+        )
         self.cache_max = Gauge(
             f"{p}_cache_max_bytes", "The disk cache's size budget", registry=registry,
             multiprocess_mode="livemax",

@@ -3,6 +3,10 @@
 Hits are answered from memory so that serving never waits on SQL; hit counts and access
 times are written back in batches. SQL stays the record across restarts and replicas.
 
+Several replicas (each with a disk of its own) may share the database: each row names the
+replica whose disk holds its file (proxy.store.replica), and this index reads, writes, evicts
+and reconciles only its own replica's rows. Processes on one cache directory are one replica.
+
 While SQL cannot be reached or written (a PostgreSQL that is down, a SQLite file on a full
 disk) the index goes on in memory: rows to write or delete, and hit counts, wait for the next
 flush that works. Files on disk are never left for a row to catch up with: a row written
@@ -131,19 +135,24 @@ class ArtifactCache:
         return len(self._entries)
 
     async def load(self) -> None:
-        """Rebuild the index from SQL, keeping only rows whose file is there and whole."""
+        """Rebuild the index from this replica's rows, keeping only those whose file is here
+        and whole; other replicas' rows describe other disks and are left alone. Rows from
+        before replicas were told apart (migration 0005) whose file is here and whole become
+        this replica's: an upgraded node keeps its files as hits."""
         self.store.clear_temp()
         on_disk = set(self.store.stored_names())
         stale: list[str] = []
         for rec in await self._repo.all_artifacts():
-            key = ArtifactKey.from_id(rec.key)
-            name = self.store.artifact_name(rec.scope, key)
-            if name in on_disk and _size(self.store.artifact_path(rec.scope, key)) == rec.size:
+            if self._whole_here(rec, on_disk):
                 self._add(rec)
-                on_disk.discard(name)
             else:
                 stale.append(rec.key_hash)
         await self._repo.delete_artifacts(stale)
+        claimed = [rec for rec in await self._repo.unclaimed_artifacts()
+                   if self._whole_here(rec, on_disk)]
+        await self._repo.claim_artifacts(r.key_hash for r in claimed)
+        for rec in claimed:
+            self._add(rec)
         # A file without its row: a crash between rename and insert, or another live process
         # that has just renamed it into place, or keeps its row in memory while SQL is down.
         # Only when no other process is alive can it be the first.
@@ -152,9 +161,21 @@ class ArtifactCache:
             for orphan in on_disk:
                 self.store.remove_name(orphan)
             orphans = "removed"
-        log.info("cache index loaded: %d artifacts, %d bytes (%d stale rows, %d orphan files %s)",
-                 len(self._entries), self._bytes, len(stale), len(on_disk), orphans)
+        log.info("cache index loaded for replica %s: %d artifacts, %d bytes (%d stale rows, "
+                 "%d taken from before replicas, %d orphan files %s)", self._repo.replica,
+                 len(self._entries), self._bytes, len(stale), len(claimed), len(on_disk),
+                 orphans)
         await self.evict()
+
+    def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
+        """Whether the row's file is among `on_disk` with the row's size; if so it is taken
+        out of `on_disk` (what is left there has no row)."""
+        key = ArtifactKey.from_id(rec.key)
+        name = self.store.artifact_name(rec.scope, key)
+        if name in on_disk and _size(self.store.artifact_path(rec.scope, key)) == rec.size:
+            on_disk.discard(name)
+            return True
+        return False
 
     def _add(self, rec: ArtifactRecord) -> None:
         old = self._entries.pop(rec.key_hash, None)
@@ -206,7 +227,8 @@ class ArtifactCache:
         return next((hit for s in scopes if (hit := self.peek(s, key)) is not None), None)
 
     async def get(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
-        """A hit from memory; on a memory miss, a row another replica wrote, if its file is here."""
+        """A hit from memory; on a memory miss, a row another process of this replica wrote
+        (one sharing this cache directory), if its file is here."""
         kh = key_hash(scope, key)
         path = self.store.artifact_path(scope, key)
         rec = self._entries.get(kh)
@@ -284,6 +306,13 @@ class ArtifactCache:
         else:
             self.health.fail(DATABASE, reason)
         log.warning("SQL failed %s; going on without it", reason)
+
+    async def purged(self, scope: str, key: ArtifactKey) -> None:
+        """An operator purged this artifact (on any replica): forget it and remove the file,
+        whether or not this process had it in memory (another process of this replica may
+        have fetched it)."""
+        if not await self.remove(scope, key):
+            self.store.remove_artifact(scope, key)
 
     async def remove(self, scope: str, key: ArtifactKey) -> bool:
         kh = key_hash(scope, key)
@@ -388,7 +417,7 @@ class ArtifactCache:
         self.health.ok(DATABASE)
 
     async def enforce_shared_budget(self) -> None:
-        """Judge the whole cache, every process's files on this data dir and database, against
+        """Judge the whole cache, every process's files on this replica's disk, against
         the budget, and evict its least recently used (by SQL's record) until it fits. Each
         process's own eviction only knows the files it has seen; this is what keeps several
         serving processes together within max_bytes. One process at a time does it."""

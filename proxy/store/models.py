@@ -13,13 +13,15 @@ class Base(DeclarativeBase):
 
 
 class Artifact(Base):
-    """A file in the on-disk cache: one row per artifact key."""
+    """A file in a replica's on-disk cache: one row per artifact key and replica."""
 
     __tablename__ = "artifacts"
 
     # sha256 of the scope and key text: source paths can be 4 KiB, longer than a btree index
     # allows (see proxy.artifacts.index.key_hash).
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The replica whose disk holds the file (proxy.store.replica); see migration 0005.
+    replica: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
     # "" for what every client may see; a tenant's name for what came from its own sources.
     scope: Mapped[str] = mapped_column(String(255), default="")
     key: Mapped[str] = mapped_column(Text)
@@ -82,3 +84,16 @@ class SymbolTableRow(Base):
     build_seconds: Mapped[float] = mapped_column(default=0.0)
     # For failed builds: until when the outcome is believed (then a build is tried again).
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Purge(Base):
+    """An operator's `cache purge` of one artifact, for every replica to apply to its own disk
+    and memory; kept for a while (proxy.artifacts.purges), then deleted."""
+
+    __tablename__ = "purges"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    scope: Mapped[str] = mapped_column(String(255))
+    key: Mapped[str] = mapped_column(Text)
+    purged_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

@@ -27,7 +27,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from proxy.store.local_reads import LocalReads
-from proxy.store.models import Artifact, Base, Negative, SymbolTableRow
+from proxy.store.models import Artifact, Base, Negative, Purge, SymbolTableRow
+from proxy.store.replica import UNCLAIMED
 
 
 def create_engine(url: str, timeout_s: float | None = None) -> AsyncEngine:
@@ -143,15 +144,26 @@ def _record(row: Artifact | Row[Any]) -> ArtifactRecord:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PurgeNotice:
+    id: int
+    scope: str
+    key: str
+
+
 # Built once: making a statement anew costs more than running it on a local SQLite.
-_ARTIFACT_BY_HASH = select(Artifact.__table__).where(Artifact.key_hash == bindparam("kh"))
+_ARTIFACT_BY_HASH = select(Artifact.__table__).where(
+    Artifact.key_hash == bindparam("kh"), Artifact.replica == bindparam("replica"))
 _NEGATIVES_BY_HASH = select(Negative.upstream, Negative.outcome, Negative.misses,
                             Negative.expires_at).where(Negative.key_hash == bindparam("kh"))
 
 
 class Repository:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, replica: str = "") -> None:
+        """`replica`: the replica whose artifact rows this one reads and writes (its disk's
+        files, proxy.store.replica); reads marked so cover every replica's."""
         self.engine = engine
+        self.replica = replica
         self._session = async_sessionmaker(engine, expire_on_commit=False)
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self._local = LocalReads.of(engine)
@@ -164,7 +176,7 @@ class Repository:
     # -- artifacts ---------------------------------------------------------------------------
     async def get_artifact(self, key_hash: str) -> ArtifactRecord | None:
         def query(c: Connection) -> ArtifactRecord | None:
-            row = c.execute(_ARTIFACT_BY_HASH, {"kh": key_hash}).first()
+            row = c.execute(_ARTIFACT_BY_HASH, {"kh": key_hash, "replica": self.replica}).first()
             return _record(row) if row else None
 
         if self._local is not None and (got := self._local.read(query))[0]:
@@ -172,9 +184,13 @@ class Repository:
         async with self.engine.connect() as c:
             return await c.run_sync(query)
 
-    async def artifacts_of(self, build_id: str | None) -> Sequence[ArtifactRecord]:
-        """All artifacts, or those of one build ID; most recently used first."""
+    async def artifacts_of(self, build_id: str | None, *, every_replica: bool = True
+                           ) -> Sequence[ArtifactRecord]:
+        """All artifacts, or those of one build ID; most recently used first. Every
+        replica's copies, or with `every_replica=False` this replica's."""
         query = select(Artifact).order_by(Artifact.last_access.desc())
+        if not every_replica:
+            query = query.where(Artifact.replica == self.replica)
         if build_id is not None:
             query = query.where(Artifact.build_id == build_id)
         async with self._session() as s:
@@ -183,7 +199,8 @@ class Repository:
     async def named(self, scopes: Sequence[str], *, build_id: str | None = None,
                     filenames: Sequence[str] = ()) -> Sequence[ArtifactRecord]:
         """Cached ELF files (debuginfo, executable) of these scopes, of one build ID or of
-        these file names (all of them when neither is given): what /metadata lists."""
+        these file names (all of them when neither is given): what /metadata lists. Each
+        artifact once, whichever replicas hold it."""
         query = select(Artifact).where(Artifact.scope.in_(list(scopes)),
                                        Artifact.kind.in_(("debuginfo", "executable")))
         if build_id is not None:
@@ -191,28 +208,49 @@ class Repository:
         if filenames:
             query = query.where(Artifact.filename.in_(list(filenames)))
         async with self._session() as s:
-            return [_record(r) for r in (await s.scalars(query.order_by(Artifact.key))).all()]
+            rows = (await s.scalars(query.order_by(Artifact.key))).all()
+        return list({r.key_hash: _record(r) for r in rows}.values())
 
     async def all_artifacts(self) -> Sequence[ArtifactRecord]:
-        """Least recently used first: the order eviction works in."""
+        """This replica's, least recently used first: the order eviction works in."""
+        return await self._artifacts_of_replica(self.replica)
+
+    async def unclaimed_artifacts(self) -> Sequence[ArtifactRecord]:
+        """Rows from before replicas were told apart (migration 0005), for a replica to take."""
+        return await self._artifacts_of_replica(UNCLAIMED)
+
+    async def _artifacts_of_replica(self, replica: str) -> Sequence[ArtifactRecord]:
         async with self._session() as s:
-            rows = (await s.scalars(select(Artifact).order_by(Artifact.last_access))).all()
+            rows = (await s.scalars(select(Artifact).where(Artifact.replica == replica)
+                                    .order_by(Artifact.last_access))).all()
             return [_record(r) for r in rows]
 
+    async def claim_artifacts(self, key_hashes: Iterable[str]) -> None:
+        """Make these unclaimed rows this replica's: their files are on its disk."""
+        hashes = list(key_hashes)
+        if not hashes:
+            return
+        async with self._session.begin() as s:
+            await s.execute(update(Artifact).where(
+                Artifact.replica == UNCLAIMED, Artifact.key_hash.in_(hashes)
+            ).values(replica=self.replica))
+
     async def totals(self, *, pinned: bool = False) -> tuple[int, int]:
-        """(artifacts, bytes) of the whole cache under its budget, as every process on it has
-        written it; with `pinned`, of the uploads instead."""
+        """(artifacts, bytes) of this replica's cache under its budget, as every process on it
+        has written it; with `pinned`, of the uploads instead."""
         async with self._session() as s:
             count, size = (await s.execute(select(
                 func.count(), func.coalesce(func.sum(Artifact.size), 0)
-            ).where(Artifact.pinned == pinned))).one()
+            ).where(Artifact.pinned == pinned, Artifact.replica == self.replica))).one()
             return int(count), int(size)
 
     async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
-        """The files eviction may take (uploads are pinned), least recently used first."""
+        """The files of this replica eviction may take (uploads are pinned), least recently
+        used first."""
         async with self._session() as s:
             rows = (await s.scalars(
-                select(Artifact).where(Artifact.pinned.is_(False))
+                select(Artifact).where(Artifact.pinned.is_(False),
+                                       Artifact.replica == self.replica)
                 .order_by(Artifact.last_access).limit(limit))).all()
             return [_record(r) for r in rows]
 
@@ -226,11 +264,11 @@ class Repository:
             index_elements=list(keys), set_={c: values[c] for c in columns})
 
     async def put_artifact(self, rec: ArtifactRecord) -> None:
-        values = _columns(rec)
+        values = {**_columns(rec), "replica": self.replica}
         insert = self._insert(Artifact).values(**values)
         # A download committed over an upload of the same key leaves it an upload.
-        stmt = insert.on_conflict_do_update(index_elements=["key_hash"], set_={
-            **{c: values[c] for c in values if c != "key_hash"},
+        stmt = insert.on_conflict_do_update(index_elements=["key_hash", "replica"], set_={
+            **{c: values[c] for c in values if c not in ("key_hash", "replica")},
             "pinned": or_(Artifact.pinned, insert.excluded.pinned)})
         async with self._session.begin() as s:
             await s.execute(stmt)
@@ -238,11 +276,42 @@ class Repository:
             await s.execute(delete(Negative).where(Negative.key_hash == rec.key_hash))
 
     async def delete_artifacts(self, key_hashes: Iterable[str]) -> None:
+        """Delete this replica's rows of these keys: its files are gone."""
         hashes = list(key_hashes)
         if not hashes:
             return
         async with self._session.begin() as s:
-            await s.execute(delete(Artifact).where(Artifact.key_hash.in_(hashes)))
+            await s.execute(delete(Artifact).where(Artifact.key_hash.in_(hashes),
+                                                   Artifact.replica == self.replica))
+
+    async def purge_artifacts(self, records: Iterable[ArtifactRecord], when: datetime) -> None:
+        """Delete every replica's rows of these artifacts, and leave a notice for each serving
+        process to remove its own copy (proxy.artifacts.purges): a replica that is down
+        finds its files without rows at its next start, and removes them then."""
+        recs = {r.key_hash: r for r in records}
+        if not recs:
+            return
+        async with self._session.begin() as s:
+            await s.execute(delete(Artifact).where(Artifact.key_hash.in_(list(recs))))
+            await s.execute(self._insert(Purge), [
+                {"key_hash": kh, "scope": r.scope, "key": r.key, "purged_at": when}
+                for kh, r in recs.items()])
+
+    async def purge_notices(self, after: int) -> Sequence[PurgeNotice]:
+        """Purge notices newer than the notice `after` (0: all of them), oldest first."""
+        async with self._session() as s:
+            rows = (await s.execute(select(Purge.id, Purge.scope, Purge.key)
+                                    .where(Purge.id > after).order_by(Purge.id))).all()
+            return [PurgeNotice(r.id, r.scope, r.key) for r in rows]
+
+    async def newest_purge_notice(self) -> int:
+        """The id of the newest purge notice; 0 when there is none."""
+        async with self._session() as s:
+            return int((await s.execute(select(func.coalesce(func.max(Purge.id), 0)))).scalar_one())
+
+    async def delete_purge_notices(self, before: datetime) -> None:
+        async with self._session.begin() as s:
+            await s.execute(delete(Purge).where(Purge.purged_at < before))
 
     async def record_access(self, batch: Mapping[str, tuple[int, datetime]]) -> None:
         """Apply hit counts and last-access times gathered since the last flush."""
@@ -252,7 +321,7 @@ class Repository:
             for key_hash, (hits, when) in batch.items():
                 await s.execute(
                     update(Artifact)
-                    .where(Artifact.key_hash == key_hash)
+                    .where(Artifact.key_hash == key_hash, Artifact.replica == self.replica)
                     .values(hits=Artifact.hits + hits, last_access=when)
                 )
 

@@ -1,8 +1,10 @@
 """What `symgate cache ...` and `symgate negative ...` do: look at and edit the cache and the
 remembered misses, in SQL and on disk, with the server running or not.
 
-A running server notices a purged file at its next request for it (and fetches it again);
-it trusts its in-memory copy of a cleared miss for at most `negative.memo_s` seconds.
+Listings and stats are of this data dir's replica (proxy.store.replica); a purge reaches
+every replica sharing the database: their rows go now, and each running process removes its
+own copy within `cache.purge_poll_s` (a replica that is down, at its next start). Every
+process trusts its in-memory copy of a cleared miss for at most `negative.memo_s` seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from datetime import UTC, datetime
 from proxy.config import Config
 from proxy.keys import ArtifactKey, normalize_build_id
 from proxy.store.disk import DiskStore
+from proxy.store.replica import replica_id
 from proxy.store.repository import ArtifactRecord, Repository, aware, create_engine
 
 
@@ -46,18 +49,20 @@ class NegativeRow:
 class Admin:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.repo = Repository(create_engine(config.database_url, config.database.timeout_s))
+        self.repo = Repository(create_engine(config.database_url, config.database.timeout_s),
+                               replica=replica_id(config.cache_dir))
         self.store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
 
     async def close(self) -> None:
         await self.repo.close()
 
-    async def artifacts(self, build_id: str | None = None) -> list[ArtifactRecord]:
+    async def artifacts(self, build_id: str | None = None, *, every_replica: bool = False
+                        ) -> list[ArtifactRecord]:
         bid = normalize_build_id(build_id) if build_id else None
-        return list(await self.repo.artifacts_of(bid))
+        return list(await self.repo.artifacts_of(bid, every_replica=every_replica))
 
     async def stats(self) -> CacheStats:
-        every = await self.repo.artifacts_of(None)
+        every = await self.repo.artifacts_of(None, every_replica=False)
         rows = [r for r in every if not r.pinned]
         pinned = [r for r in every if r.pinned]
         counts: Counter[str] = Counter()
@@ -72,16 +77,17 @@ class Admin:
                           sum(r.size for r in pinned), self.config.upload.max_bytes)
 
     async def purge(self, build_id: str | None) -> list[ArtifactRecord]:
-        """Delete cached artifacts (of one build ID, or all) and their symbol tables."""
-        rows = await self.artifacts(build_id)
+        """Delete cached artifacts (of one build ID, or all) and their symbol tables, on every
+        replica: each replica's copy is listed once per replica."""
+        rows = await self.artifacts(build_id, every_replica=True)
         for rec in rows:
             self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
-        await self.repo.delete_artifacts(r.key_hash for r in rows)
+        await self.repo.purge_artifacts(rows, datetime.now(UTC))
         tables = {(r.scope, r.build_id) for r in rows}
         for scope, bid in tables:
             self.store.remove_symtab(scope, bid)
         await self.repo.delete_symbol_tables(tables)
-        return rows
+        return list({r.key_hash: r for r in rows}.values())  # each artifact once
 
     async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:
         bid = normalize_build_id(build_id) if build_id else None

@@ -18,6 +18,7 @@ from proxy.artifacts.board import FlightBoard
 from proxy.artifacts.catalogue import Catalogue
 from proxy.artifacts.index import ArtifactCache
 from proxy.artifacts.misses import RememberedMisses
+from proxy.artifacts.purges import PurgeNotices
 from proxy.artifacts.service import ArtifactService
 from proxy.artifacts.uploads import Uploads
 from proxy.config import Config, parse_listen
@@ -30,6 +31,7 @@ from proxy.sources.localdir import LocalDirectory
 from proxy.sources.redirects import GuardedResolver
 from proxy.store import migrate
 from proxy.store.disk import DiskStore
+from proxy.store.replica import replica_id
 from proxy.store.repository import Repository, create_engine
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTables
@@ -123,10 +125,20 @@ def _lifecycle(
         if config.database.migrate_on_start:
             await asyncio.to_thread(migrate.upgrade, config.database_url)
         metrics = ProxyMetrics(registry)
-        repo = Repository(create_engine(config.database_url, config.database.timeout_s))
+        try:
+            replica = replica_id(config.cache_dir)
+        except (OSError, ValueError) as e:
+            raise CannotStart(f"cannot read or make this cache's replica id: {e}") from None
+        repo = Repository(create_engine(config.database_url, config.database.timeout_s),
+                          replica=replica)
+        metrics.replica.labels(replica=replica).set(1)
         store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
         cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
                               shared=one_of_several)
+        # Purges from now on are applied; those before are in what load() reads (their rows
+        # are gone). Taken before load, so a purge made while it runs is not missed.
+        purges = PurgeNotices(repo, cache)
+        await purges.start()
         await cache.load()
         board = FlightBoard(store.flights)
         board.clear_stale()
@@ -176,10 +188,12 @@ def _lifecycle(
             asyncio.create_task(_every(config.server.access_flush_s,
                                        cache.enforce_shared_budget)),
             asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
+            # Purges made on other replicas, or by the CLI, while this process has the file.
+            asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
             asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
         ]
-        log.info("symgate %s: cache %s, database %s, upstreams %s", __version__,
-                 config.cache_dir, _safe_url(config.database_url),
+        log.info("symgate %s: replica %s, cache %s, database %s, upstreams %s", __version__,
+                 replica, config.cache_dir, _safe_url(config.database_url),
                  " ".join(u.name for u in shared))
         try:
             yield
