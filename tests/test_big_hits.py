@@ -10,7 +10,7 @@ import socket
 import aiohttp
 
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory
+from tests.harness import Debuginfod, Symgate, SymgateFactory
 
 # More clients that stop reading than the server has cores, or any pool would have threads.
 STALLED = 5
@@ -67,13 +67,20 @@ async def test_clients_that_stop_reading_hold_up_nobody_and_still_get_every_byte
             writer.close()
 
 
-async def test_a_client_gone_mid_file_leaves_the_server_serving(
-    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
-) -> None:
+async def _big_cached(start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+                      ) -> tuple[Symgate, str, bytes]:
+    """A server with the big file cached: it, the file's path and its bytes."""
     sg = await start_symgate([debuginfod.url])
     big = f"/buildid/{elfs.big.build_id}/debuginfo"
     expected = elfs.big.debug.read_bytes()
     assert (await sg.get(big))[2] == expected
+    return sg, big, expected
+
+
+async def test_a_client_gone_mid_file_leaves_the_server_serving(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
     async with aiohttp.ClientSession() as s:
         for _ in range(3):
             async with s.get(sg.url + big) as r:
@@ -87,9 +94,6 @@ async def test_a_client_gone_mid_file_leaves_the_server_serving(
 async def test_many_clients_at_once_get_the_same_big_file(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    sg = await start_symgate([debuginfod.url])
-    big = f"/buildid/{elfs.big.build_id}/debuginfo"
-    expected = elfs.big.debug.read_bytes()
-    assert (await sg.get(big))[2] == expected
+    sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
     bodies = await asyncio.gather(*(sg.get(big) for _ in range(16)))
     assert all(status == 200 and body == expected for status, _, body in bodies)
