@@ -109,9 +109,14 @@ def descendants(root: int) -> set[int]:
     return found
 
 
-def niceness(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
+def niceness(pid: int) -> int | None:
+    """Its nice value; None once it has exited (a short-lived child: the supervisor's
+    migration fork lives for a moment at start)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 @contextlib.contextmanager
