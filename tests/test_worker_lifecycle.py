@@ -114,9 +114,9 @@ def _named(root: int, name: str) -> set[int]:
     """The supervisor's children of that name (its forks' workers are named anew)."""
     found = set()
     for pid in descendants(root):
-        if _parent(pid) != root:
-            continue
         try:
+            if _parent(pid) != root:
+                continue
             if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                 found.add(pid)
         except (FileNotFoundError, ProcessLookupError):

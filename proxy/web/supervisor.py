@@ -124,12 +124,14 @@ def _migrate_in_a_fork(config: Config) -> None:
     what it imports (~12 MiB) then never enter a long-lived process. CannotStart with the
     reason if it cannot."""
     from proxy.store import migrate
+    from proxy.symbols import worker_process
     from proxy.web.app import startup_error
 
     theirs, ours = os.pipe()
     pid = os.fork()
     if pid == 0:  # never returns
         os.close(theirs)
+        worker_process.name_process("symgate-migrate")  # in ps, not taken for a worker
         code = 1
         try:
             migrate.upgrade(config.database_url)
