@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 # Often enough that a server gone quiet is back to its size within a minute; a trim of an
@@ -22,8 +21,9 @@ TRIM_EVERY_S = 30.0
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None where the C library has none (musl)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        trim: Callable[[int], int] = libc.malloc_trim
+        # The process's own symbols, as proxy.symbols.worker_process takes prctl: libc is
+        # among them, and find_library would run ldconfig in a subprocess at every start.
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     return trim
