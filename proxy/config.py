@@ -93,6 +93,18 @@ def _url(value: object) -> str:
     return value
 
 
+def _endpoint(value: object) -> str:
+    return "" if value == "" else _url(value)
+
+
+def _bucket_url(value: object) -> str:
+    # Bucket names as S3 allows them; the rest, if any, is a prefix every object key starts with.
+    if not isinstance(value, str) or not re.fullmatch(
+            r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?", value):
+        raise ValueError(f"expected s3://BUCKET or s3://BUCKET/PREFIX, got {value!r}")
+    return value.rstrip("/")
+
+
 def _path(value: object) -> Path:
     if isinstance(value, Path) or (isinstance(value, str) and value):
         return Path(value).expanduser()
@@ -326,6 +338,34 @@ class UploadConfig:
 
 
 @dataclass(frozen=True, config=_SECTION)
+class StorageConfig:
+    """A shared S3-compatible bucket behind every replica's own disk (proxy.bucket).
+    Credentials come from the standard AWS_* environment variables, never from this file."""
+
+    url: Annotated[str, BeforeValidator(_bucket_url)]
+    # MinIO, Ceph RGW, GCS interop, ...; AWS's own endpoint for the region when unset.
+    endpoint: Annotated[str, BeforeValidator(_endpoint)] = ""
+    region: Text = ""
+    connect_timeout_s: Seconds = 2.0
+    # Until a GET's headers, and between two chunks of its body: a bucket that hangs counts
+    # as down this soon, and requests go to the upstreams instead.
+    read_timeout_s: Seconds = 10.0
+    # After a failure the bucket is not asked again for this long (a down bucket must not
+    # cost every miss a timeout).
+    retry_s: Period = 5.0
+    # A replica fetching a key from upstream for the cluster holds a lease this long, renewed
+    # while it works; one that dies loses it then, and another takes the fetch over.
+    lease_s: Period = 15.0
+    # How long a replica waits for another's fetch of a key before fetching it itself.
+    wait_s: Seconds = 300.0
+    # Period of the catch-up (local files the bucket lacks are uploaded) and of eviction.
+    sync_s: Period = 30.0
+    # The bucket's budget (0: none), and the oldest read an object may have (0: none).
+    max_bytes: Size = 0
+    max_age_s: Seconds = 0.0
+
+
+@dataclass(frozen=True, config=_SECTION)
 class TenantConfig:
     """Per X-Scope-OrgID settings; a tenant not listed gets the defaults."""
 
@@ -360,6 +400,8 @@ class Config:
     upload: UploadConfig = field(default_factory=UploadConfig)
     upstreams: tuple[UpstreamConfig, ...] = (UpstreamConfig(url=DEFAULT_UPSTREAM),)
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+    # Unset: a single node, or replicas that share only the database.
+    storage: StorageConfig | None = None
 
     @model_validator(mode="after")
     def _one_tenant_per_token(self) -> Config:
@@ -466,7 +508,8 @@ def load_config(
 ) -> Config:
     """Read the TOML file at `path` (or nothing) into a Config.
 
-    DEBUGINFOD_URLS from `environ` gives the upstream list when the file has none.
+    DEBUGINFOD_URLS from `environ` gives the upstream list when the file has none, and
+    SYMGATE_DATABASE_URL the database when the file names none.
     """
     env = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
@@ -477,6 +520,9 @@ def load_config(
             raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    # A secret is better kept out of a file that a ConfigMap holds (deploy/k8s).
+    if env.get("SYMGATE_DATABASE_URL") and not raw.get("database", {}).get("url"):
+        raw.setdefault("database", {})["url"] = env["SYMGATE_DATABASE_URL"]
     if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
         raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
     try:

@@ -142,6 +142,21 @@ class ProxyMetrics:
             "Responses cut off because the fetch they streamed failed",
             registry=registry,
         )
+        self.bucket_requests = Counter(
+            f"{p}_bucket_requests", "Requests to the shared bucket ([storage])",
+            ["op", "outcome"], registry=registry,
+        )
+        # bucket: a copy in the bucket; upstream: fetched by this replica for the cluster
+        # (holding the key's lease); waited: another replica's fetch, then its bucket copy;
+        # alone: the bucket or the database failing, fetched without asking the cluster.
+        self.cluster_fetches = Counter(
+            f"{p}_cluster_fetches", "This replica's misses, by how the cluster answered them",
+            ["how"], registry=registry,
+        )
+        self.bucket_uploads = Counter(
+            f"{p}_bucket_uploads", "Artifacts and symbol tables written to the shared bucket",
+            ["kind"], registry=registry,
+        )
 
         # The children resolved once: labels() takes a lock and builds a tuple per call, a
         # visible share of what a remembered 404 costs.
@@ -196,7 +211,9 @@ class SymbolizeMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
         self.symtab_cache = Counter(
-            f"{p}_symtab_cache", "Symbol-table lookups: hit (built) or miss (to build)",
+            f"{p}_symtab_cache",
+            "Symbol-table lookups: hit (built), bucket (built by another replica, read from the "
+            "shared bucket) or miss (to build)",
             ["result"], registry=registry,
         )
         self.layout_guesses = Counter(
@@ -217,5 +234,5 @@ class SymbolizeMetrics:
             self.locations.labels(result)
         for result in BUILD_RESULTS:
             self.symtab_builds.labels(result)
-        for result in ("hit", "miss"):
+        for result in ("hit", "bucket", "miss"):
             self.symtab_cache.labels(result)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
 from proxy.artifacts.flight import Flight, FlightReader
@@ -37,10 +38,13 @@ from proxy.errors import (
 from proxy.health import DISK
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
-from proxy.sources.base import ArtifactMeta, Body, Hop, Source
+from proxy.sources.base import ArtifactMeta, Body, Source
 from proxy.sources.policy import ask
 from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, is_disk_full
 from symbolize.elf import build_id_of_file, section_extent
+
+if TYPE_CHECKING:
+    from proxy.bucket.tier import SharedTier
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -91,8 +95,11 @@ class ArtifactService:
         max_artifact_bytes: int,
         metrics: ProxyMetrics,
         board: FlightBoard,
+        tier: SharedTier | None = None,
     ) -> None:
         self.cache = cache
+        # The bucket shared by a cluster's replicas ([storage]); None on a single node.
+        self.tier = tier
         self._board = board
         # Larger than the whole budget is served but not kept (see _download).
         self._max_artifact = max_artifact_bytes
@@ -171,8 +178,9 @@ class ArtifactService:
             raise
         flight = Flight(fd)
         self._flights[kh] = flight
-        self._start(self._fetch(key, scope, flight, path,
-                                [u for u in ups if u.name not in known_missing], req.hop, claim))
+        self._start(self._fetch(key, req, flight, path,
+                                [u for u in ups if u.name not in known_missing], claim,
+                                names, local_has))
         return await self._join(flight)
 
     async def _claim_or_join(self, kh: str, req: RequestScope, key: ArtifactKey,
@@ -288,15 +296,30 @@ class ArtifactService:
         return None
 
     async def _fetch(
-        self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, ups: list[Source],
-        hop: Hop, claim: Claim | None,
+        self, key: ArtifactKey, req: RequestScope, flight: Flight, temp: Path,
+        ups: list[Source], claim: Claim | None, names: list[str], local_has: bool,
     ) -> None:
         """Runs detached from any client: a disconnect does not stop the download. `claim`
         tells the other server processes how it goes (None: another fetches it too)."""
+        scope = req.scope
         self._metrics.inflight_fetches.inc()
+        lease = None
         try:
             async with self._slots:
-                result = await ask(ups, key, hop, self._policy)
+                if self.tier is not None and not local_has:
+                    async def missing() -> bool:
+                        known = await self.misses.live(scope, key)
+                        return bool(names) and known.issuperset(names)
+
+                    obtained = await self.tier.obtain(
+                        key_hash(scope, key), [key_hash(s, key) for s in req.visible], key,
+                        missing)
+                    if (copy := obtained.body) is not None:
+                        await self._download(key, copy.rec.scope, flight, temp, copy, claim,
+                                             publish=False)
+                        return
+                    lease = obtained.lease
+                result = await ask(ups, key, req.hop, self._policy)
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
                 if misses:
@@ -310,7 +333,8 @@ class ArtifactService:
                 owner = next((u.scope for u in ups if u.name == result.body.meta.upstream),
                              scope)
                 try:
-                    await self._download(key, owner, flight, temp, result.body, claim)
+                    await self._download(key, owner, flight, temp, result.body, claim,
+                                         publish=self.tier is not None)
                 finally:
                     result.body.close()
         except SymgateError as e:
@@ -322,6 +346,8 @@ class ArtifactService:
             log.exception("fetch of %s failed", key.id)
             flight.fail(SymgateError("internal error while fetching"))
         finally:
+            if lease is not None:  # after the copy is published, or the miss remembered
+                await lease.release()
             if not flight.finished:  # cancelled: server shutting down
                 flight.fail(UpstreamUnavailable("server shutting down"))
             if claim is not None:
@@ -336,8 +362,9 @@ class ArtifactService:
 
     async def _download(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body,
-        claim: Claim | None,
+        claim: Claim | None, *, publish: bool,
     ) -> None:
+        """`publish`: write the file to the shared bucket once it is committed here."""
         meta = body.meta
         if meta.size is not None and meta.size > self._max_artifact:
             self._reject(key, "too_large")
@@ -416,16 +443,21 @@ class ArtifactService:
             os.utime(final, (when.timestamp(), when.timestamp()))
         now = datetime.now(UTC)
         self.cache.release(flight)  # its bytes are counted as a file from now on
-        await self.cache.add(ArtifactRecord(
+        record = ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
             kind=str(key.kind),
             size=flight.written, sha256=digest, upstream=meta.upstream,
             filename=meta.filename or key.default_filename, archive=meta.archive,
             fetched_at=now, last_access=now, hits=0, ima_signature=meta.ima_signature,
-        ))
+        )
+        await self.cache.add(record)
         self.misses.forget(scope, key)
         for listener in self.committed:
             listener(scope, key)
+        if publish and self.tier is not None:
+            # Under the key's lease: the replicas waiting for it read this copy next.
+            with self.cache.lease(scope, key):
+                await self.tier.publish(record, final)
         if self.cache.shared:
             try:
                 await self.cache.enforce_shared_budget()

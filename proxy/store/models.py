@@ -97,3 +97,40 @@ class Purge(Base):
     scope: Mapped[str] = mapped_column(String(255))
     key: Mapped[str] = mapped_column(Text)
     purged_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class BucketObject(Base):
+    """An object in the shared bucket ([storage]): an artifact, or a symbol table, whole there.
+    Written after the object, deleted before it (migration 0006)."""
+
+    __tablename__ = "bucket_objects"
+
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(255), default="")
+    key: Mapped[str] = mapped_column(Text)
+    build_id: Mapped[str] = mapped_column(String(128), index=True)
+    # An artifact kind (debuginfo, executable, source, section), or "symtab".
+    kind: Mapped[str] = mapped_column(String(32))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    upstream: Mapped[str] = mapped_column(Text)
+    filename: Mapped[str] = mapped_column(Text)
+    archive: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_modified: Mapped[str | None] = mapped_column(Text, nullable=True)
+    ima_signature: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # An upload: never evicted from the bucket either.
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The last time a replica read it: the bucket's eviction goes oldest first.
+    last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class Lease(Base):
+    """A job one replica process does for the cluster (an upstream fetch of a key, the
+    bucket's eviction), held until expires_at unless renewed."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(96), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(96))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

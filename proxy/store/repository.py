@@ -27,7 +27,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from proxy.store.local_reads import LocalReads
-from proxy.store.models import Artifact, Base, Negative, Purge, SymbolTableRow
+from proxy.store.models import (
+    Artifact,
+    Base,
+    BucketObject,
+    Lease,
+    Negative,
+    Purge,
+    SymbolTableRow,
+)
 from proxy.store.replica import UNCLAIMED
 
 
@@ -124,6 +132,27 @@ class SymbolTableRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class BucketRecord:
+    """An object whole in the shared bucket, and what a hit on it serves."""
+
+    key_hash: str
+    scope: str
+    key: str
+    build_id: str
+    kind: str
+    size: int
+    sha256: str
+    upstream: str
+    filename: str
+    archive: str | None
+    last_modified: str | None
+    ima_signature: str | None
+    pinned: bool
+    stored_at: datetime
+    last_access: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class NegativeRecord:
     upstream: str
     outcome: str
@@ -131,7 +160,7 @@ class NegativeRecord:
     expires_at: datetime
 
 
-def _columns(rec: ArtifactRecord | SymbolTableRecord) -> dict[str, Any]:
+def _columns(rec: ArtifactRecord | SymbolTableRecord | BucketRecord) -> dict[str, Any]:
     """A record's fields are named after its table's columns."""
     return {name: getattr(rec, name) for name in rec.__slots__}
 
@@ -142,6 +171,13 @@ def _record(row: Artifact | Row[Any]) -> ArtifactRecord:
         row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
         row.hits, row.ima_signature, row.pinned,
     )
+
+
+def _bucket_record(row: BucketObject) -> BucketRecord:
+    return BucketRecord(
+        row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
+        row.upstream, row.filename, row.archive, row.last_modified, row.ima_signature,
+        row.pinned, aware(row.stored_at), aware(row.last_access))
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,3 +457,94 @@ class Repository:
             async with self._session.begin() as s:
                 await s.execute(delete(SymbolTableRow).where(
                     tuple_(SymbolTableRow.scope, SymbolTableRow.build_id).in_(pairs)))
+
+    # -- the shared bucket's catalogue -------------------------------------------------------
+    async def bucket_objects(self, key_hashes: Sequence[str]) -> dict[str, BucketRecord]:
+        """The rows of these keys' objects that are whole in the bucket, by key hash."""
+        async with self._session() as s:
+            rows = (await s.scalars(select(BucketObject).where(
+                BucketObject.key_hash.in_(list(key_hashes))))).all()
+            return {r.key_hash: _bucket_record(r) for r in rows}
+
+    async def bucket_objects_of(self, build_id: str | None) -> Sequence[BucketRecord]:
+        """Every object of one build ID in the bucket (or all of them)."""
+        query = select(BucketObject)
+        if build_id is not None:
+            query = query.where(BucketObject.build_id == build_id)
+        async with self._session() as s:
+            return [_bucket_record(r) for r in (await s.scalars(query)).all()]
+
+    async def put_bucket_object(self, rec: BucketRecord) -> None:
+        stmt = self._upsert(BucketObject, _columns(rec), ["key_hash"])
+        async with self._session.begin() as s:
+            await s.execute(stmt)
+
+    async def touch_bucket_object(self, key_hash: str, when: datetime) -> None:
+        async with self._session.begin() as s:
+            await s.execute(update(BucketObject).where(BucketObject.key_hash == key_hash)
+                            .values(last_access=when))
+
+    async def delete_bucket_objects(self, key_hashes: Iterable[str]) -> None:
+        hashes = list(key_hashes)
+        if hashes:
+            async with self._session.begin() as s:
+                await s.execute(delete(BucketObject).where(BucketObject.key_hash.in_(hashes)))
+
+    async def bucket_totals(self) -> tuple[int, int]:
+        """(objects, bytes) in the bucket that its eviction may take (uploads are pinned)."""
+        async with self._session() as s:
+            count, size = (await s.execute(select(
+                func.count(), func.coalesce(func.sum(BucketObject.size), 0)
+            ).where(BucketObject.pinned.is_(False)))).one()
+            return int(count), int(size)
+
+    async def oldest_bucket_objects(self, limit: int) -> Sequence[BucketRecord]:
+        """Least recently read first; uploads (pinned) never."""
+        async with self._session() as s:
+            rows = (await s.scalars(select(BucketObject).where(BucketObject.pinned.is_(False))
+                                    .order_by(BucketObject.last_access).limit(limit))).all()
+            return [_bucket_record(r) for r in rows]
+
+    async def unpublished_artifacts(self, limit: int, before: datetime
+                                    ) -> Sequence[ArtifactRecord]:
+        """This replica's files fetched before `before` that the bucket lacks (their upload
+        failed, or came before the bucket did), most recently used first."""
+        in_bucket = select(BucketObject.key_hash).where(
+            BucketObject.key_hash == Artifact.key_hash).exists()
+        async with self._session() as s:
+            rows = (await s.scalars(select(Artifact).where(
+                Artifact.replica == self.replica, Artifact.fetched_at < before, ~in_bucket,
+            ).order_by(Artifact.last_access.desc()).limit(limit))).all()
+            return [_record(r) for r in rows]
+
+    # -- leases ------------------------------------------------------------------------------
+    async def take_lease(self, name: str, holder: str, now: datetime, until: datetime) -> bool:
+        """Hold `name` until `until`: if nobody holds it, its holder's time is up, or `holder`
+        has it already. One statement, so two replicas never both get it."""
+        insert = self._insert(Lease).values(name=name, holder=holder, expires_at=until)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["name"],
+            set_={"holder": insert.excluded.holder, "expires_at": insert.excluded.expires_at},
+            where=or_(Lease.expires_at < now, Lease.holder == holder),
+        ).returning(Lease.holder)
+        async with self._session.begin() as s:
+            return (await s.execute(stmt)).scalar_one_or_none() == holder
+
+    async def renew_lease(self, name: str, holder: str, until: datetime) -> bool:
+        """False when the lease is no longer `holder`'s (it expired and was taken)."""
+        async with self._session.begin() as s:
+            done = await s.execute(update(Lease).where(Lease.name == name,
+                                                       Lease.holder == holder)
+                                   .values(expires_at=until))
+            return bool(done.rowcount)  # type: ignore[attr-defined]
+
+    async def drop_lease(self, name: str, holder: str) -> None:
+        async with self._session.begin() as s:
+            await s.execute(delete(Lease).where(Lease.name == name, Lease.holder == holder))
+
+    async def lease_of(self, name: str) -> tuple[str, datetime] | None:
+        """(holder, until) of the lease, held or lapsed; None when nobody has taken it."""
+        async with self._session() as s:
+            row = (await s.execute(select(Lease.holder, Lease.expires_at)
+                                   .where(Lease.name == name))).first()
+            return (row.holder, aware(row.expires_at)) if row else None

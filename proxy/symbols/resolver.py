@@ -167,9 +167,9 @@ class SymbolResolver:
 
     async def _load_or_build(self, req: RequestScope, build_id: str) -> _Found:
         for scope in req.visible:
-            rec = await self._tables.usable(scope, build_id)
+            rec, from_bucket = await self._tables.find(scope, build_id)
             if rec is not None and rec.outcome == Outcome.OK:
-                self._metrics.symtab_cache.labels("hit").inc()
+                self._metrics.symtab_cache.labels("bucket" if from_bucket else "hit").inc()
                 return scope, self._remember(rec)
             # A failure still believed is believed in any scope the request sees: looking again
             # would find the same file and build the same nothing.

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.expiry import Expiry
 from proxy.store.disk import Store
@@ -14,6 +15,9 @@ from proxy.store.repository import Repository, SymbolTableRecord
 from symbolize.elf import LoadSegment
 from symbolize.outcome import Outcome
 from symbolize.symtab import FORMAT, BuildResult
+
+if TYPE_CHECKING:
+    from proxy.bucket.tier import SharedTier
 
 
 def layout_to_json(segments: Sequence[LoadSegment]) -> str:
@@ -30,10 +34,14 @@ def ranges_from_json(text: str) -> tuple[tuple[int, int], ...]:
 
 
 class TableStore:
-    def __init__(self, repo: Repository, store: Store, expiry: Expiry) -> None:
+    def __init__(self, repo: Repository, store: Store, expiry: Expiry,
+                 shared: SharedTier | None = None) -> None:
+        """`shared`: the cluster's bucket, where tables built on any replica are kept, so
+        that each is built once per cluster (rows are shared in SQL already)."""
         self._repo = repo
         self._store = store
         self._expiry = expiry
+        self._shared = shared
 
     def clear_leftovers(self) -> int:
         """Blocking (walks the folder): half-written tables of dead build workers, removed."""
@@ -50,14 +58,24 @@ class TableStore:
     async def usable(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         """The row of a built table in this format, or of an outcome still believed; None when
         a build is worth trying."""
+        return (await self.find(scope, build_id))[0]
+
+    async def find(self, scope: str, build_id: str) -> tuple[SymbolTableRecord | None, bool]:
+        """usable(), and whether the table came from the shared bucket just now (built by
+        another replica)."""
         rec = await self._repo.get_symbol_table(scope, build_id)
         if rec is None or rec.format != FORMAT:
-            return None
+            return None, False
         if rec.outcome == Outcome.OK:
-            return rec if self.path(scope, build_id).exists() else None
+            path = self.path(scope, build_id)
+            if path.exists():
+                return rec, False
+            if self._shared is not None and await self._shared.table(scope, build_id, path):
+                return rec, True
+            return None, False
         if rec.expires_at is not None and rec.expires_at > datetime.now(UTC):
-            return rec
-        return None
+            return rec, False
+        return None, False
 
     async def get(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         return await self._repo.get_symbol_table(scope, build_id)
@@ -80,6 +98,8 @@ class TableStore:
             expires_at=now + timedelta(seconds=keep) if keep is not None else None,
         )
         await self._repo.put_symbol_table(rec)
+        if outcome == Outcome.OK and self._shared is not None:
+            self._shared.publish_table(scope, build_id, self.path(scope, build_id))
         return rec
 
     async def set_layout(self, scope: str, build_id: str,
@@ -87,5 +107,8 @@ class TableStore:
         await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
 
     async def drop(self, scope: str, build_id: str) -> None:
+        """Its source left this replica's disk. With a shared bucket the table stays the
+        cluster's (its row, its object): only this replica's copy goes."""
         self._store.remove_symtab(scope, build_id)
-        await self._repo.delete_symbol_tables([(scope, build_id)])
+        if self._shared is None:
+            await self._repo.delete_symbol_tables([(scope, build_id)])

@@ -3,7 +3,8 @@ remembered misses, in SQL and on disk, with the server running or not.
 
 Listings and stats are of this data dir's replica (proxy.store.replica); a purge reaches
 every replica sharing the database: their rows go now, and each running process removes its
-own copy within `cache.purge_poll_s` (a replica that is down, at its next start). Every
+own copy within `cache.purge_poll_s` (a replica that is down, at its next start), and the
+shared bucket's copies ([storage]) go with them. Every
 process trusts its in-memory copy of a cleared miss for at most `negative.memo_s` seconds.
 """
 
@@ -87,7 +88,24 @@ class Admin:
         for scope, bid in tables:
             self.store.remove_symtab(scope, bid)
         await self.repo.delete_symbol_tables(tables)
+        await self._purge_bucket(normalize_build_id(build_id) if build_id else None)
         return list({r.key_hash: r for r in rows}.values())  # each artifact once
+
+    async def _purge_bucket(self, build_id: str | None) -> None:
+        """The shared bucket's copies too (artifacts and symbol tables): their rows now, their
+        objects if the bucket answers (a rowless object is never read)."""
+        if self.config.storage is None:
+            return
+        from prometheus_client import CollectorRegistry
+
+        from proxy.bucket.objects import Bucket
+        from proxy.bucket.tier import SharedTier
+        from proxy.metrics import ProxyMetrics
+
+        metrics = ProxyMetrics(CollectorRegistry())
+        tier = SharedTier(Bucket(self.config.storage, metrics), self.repo, self.config.storage,
+                          metrics, self.repo.replica)
+        await tier.forget(await self.repo.bucket_objects_of(build_id))
 
     async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:
         bid = normalize_build_id(build_id) if build_id else None

@@ -8,6 +8,8 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +25,7 @@ from proxy.artifacts.service import ArtifactService
 from proxy.artifacts.uploads import Uploads
 from proxy.config import Config, parse_listen
 from proxy.expiry import Expiry
+from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Upstream
@@ -32,7 +35,7 @@ from proxy.sources.redirects import GuardedResolver
 from proxy.store import migrate
 from proxy.store.disk import DiskStore
 from proxy.store.replica import replica_id
-from proxy.store.repository import Repository, create_engine
+from proxy.store.repository import ArtifactRecord, Repository, create_engine
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTables
 from proxy.symbols.resolver import SymbolResolver
@@ -48,6 +51,9 @@ from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
 from proxy.web.tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from proxy.bucket.tier import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +166,18 @@ def _lifecycle(
         expiry = Expiry.from_config(config)
         misses = RememberedMisses(repo, expiry, memo_s=config.negative.memo_s,
                                   memo_entries=config.negative.memo_entries)
+        tier = _shared_tier(config, repo, metrics, replica)
         service = ArtifactService(
             cache=cache, misses=misses, policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches,
             max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
-            board=board,
+            board=board, tier=tier,
         )
         await service.warm_up()
         symbolize_metrics = SymbolizeMetrics(registry)
         processes = worker_pool(config.symbolize)
         symbols = SymbolResolver(
-            artifacts=service, tables=TableStore(repo, store, expiry),
+            artifacts=service, tables=TableStore(repo, store, expiry, tier),
             open_tables=OpenTables(config.symbolize.open_tables),
             pool=BuildPool(processes, config.symbolize.build_workers),
             workers=SymbolizeWorkers(config.symbolize, processes),
@@ -192,6 +199,12 @@ def _lifecycle(
             asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
             asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
         ]
+        if tier is not None and config.storage is not None:
+            def path_of(rec: ArtifactRecord) -> Path:
+                return store.artifact_path(rec.scope, ArtifactKey.from_id(rec.key))
+
+            jobs.append(asyncio.create_task(_every(config.storage.sync_s,
+                                                   lambda: tier.sync(path_of))))
         log.info("symgate %s: replica %s, cache %s, database %s, upstreams %s", __version__,
                  replica, config.cache_dir, _safe_url(config.database_url),
                  " ".join(u.name for u in shared))
@@ -202,6 +215,8 @@ def _lifecycle(
                 job.cancel()
             await service.cancel_all()
             await symbols.close()
+            if tier is not None:
+                await tier.close()
             for local in local_dirs:
                 await local.stop()
             with contextlib.suppress(Exception):
@@ -212,6 +227,23 @@ def _lifecycle(
             store.close()
 
     return lifecycle
+
+
+def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, replica: str
+                 ) -> SharedTier | None:
+    """The bucket behind this replica's disk, when [storage] names one."""
+    if config.storage is None:
+        return None
+    from proxy.bucket.objects import Bucket
+    from proxy.bucket.tier import SharedTier
+
+    try:
+        bucket = Bucket(config.storage, metrics)
+    except Exception as e:  # obstore's own kinds: an unusable URL or setting
+        raise CannotStart(f"cannot use the bucket {config.storage.url}: {e}") from None
+    log.info("shared bucket %s%s", config.storage.url,
+             f" at {config.storage.endpoint}" if config.storage.endpoint else "")
+    return SharedTier(bucket, repo, config.storage, metrics, replica)
 
 
 async def _every(seconds: float, job: Callable[[], Awaitable[object]]) -> None:

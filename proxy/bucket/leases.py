@@ -1,0 +1,75 @@
+"""Leases in SQL: one replica process at a time does a named job for the whole cluster (the
+upstream fetch of a key, the bucket's eviction).
+
+A lease is a row with a holder and an expiry, taken by one INSERT ... ON CONFLICT statement
+and renewed by its holder while it works. A holder that dies (SIGKILL, a lost machine) stops
+renewing; once its time is up the next taker gets it. Not an advisory lock: those live as long
+as a database connection, which would have to be held out of the pool for a whole download,
+and they exist on PostgreSQL only.
+
+Expiry times are the replicas' wall clocks: they must agree to well within lease_s (NTP does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from proxy.store.repository import DATABASE_ERRORS, Repository
+
+log = logging.getLogger(__name__)
+
+
+class Lease:
+    """A lease this process holds, renewed every third of its time until released."""
+
+    def __init__(self, repo: Repository, name: str, holder: str, lease_s: float) -> None:
+        self._repo = repo
+        self.name = name
+        self._holder = holder
+        self._lease_s = lease_s
+        self.lost = False
+        self._renewing = asyncio.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            until = datetime.now(UTC) + timedelta(seconds=self._lease_s)
+            try:
+                if not await self._repo.renew_lease(self.name, self._holder, until):
+                    # Taken over (this process stalled past its time): the job now runs twice,
+                    # which costs an upstream request, never a wrong file.
+                    log.warning("lost the lease %s to another replica", self.name)
+                    self.lost = True
+                    return
+            except DATABASE_ERRORS as e:  # tried again next time; it may lapse meanwhile
+                log.warning("cannot renew the lease %s: %s", self.name, type(e).__name__)
+
+    async def release(self) -> None:
+        self._renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._renewing
+        try:
+            await self._repo.drop_lease(self.name, self._holder)
+        except DATABASE_ERRORS as e:  # it lapses by itself
+            log.warning("cannot release the lease %s: %s", self.name, type(e).__name__)
+
+
+class Leases:
+    def __init__(self, repo: Repository, replica: str, lease_s: float) -> None:
+        self._repo = repo
+        # Each process its own holder: two processes of one replica must not share a lease.
+        self._holder = f"{replica}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._lease_s = lease_s
+
+    async def take(self, name: str) -> Lease | None:
+        """The lease, or None while another holder has it. Raises DATABASE_ERRORS."""
+        now = datetime.now(UTC)
+        if not await self._repo.take_lease(name, self._holder, now,
+                                           now + timedelta(seconds=self._lease_s)):
+            return None
+        return Lease(self._repo, name, self._holder, self._lease_s)

@@ -1,0 +1,140 @@
+"""The bucket's objects through obstore: streamed both ways, with flat memory.
+
+obstore (object_store's Rust client) is imported only when [storage] is set: a single node
+never pays for it. Every failure to reach or use the bucket is one exception, BucketDown; the
+bucket then counts as down for `retry_s`, so that a dead bucket costs one miss a timeout, not
+every miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from proxy.config import StorageConfig
+from proxy.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+CHUNK = 256 * 1024
+
+
+class BucketDown(Exception):
+    """The bucket could not be reached, or failed a request."""
+
+
+class Bucket:
+    def __init__(self, config: StorageConfig, metrics: ProxyMetrics) -> None:
+        import obstore
+        from obstore.store import S3Store
+
+        self._obstore = obstore
+        self._config = config
+        self._metrics = metrics
+        options: dict[str, Any] = {
+            "connect_timeout": timedelta(seconds=config.connect_timeout_s),
+            # Whole requests may be long (a GiB debug file); stalls are cut by read_timeout_s.
+            "timeout": timedelta(hours=1),
+            "allow_http": config.endpoint.startswith("http://"),
+        }
+        aws: dict[str, Any] = {}
+        if config.endpoint:
+            aws["endpoint"] = config.endpoint
+        if config.region:
+            aws["region"] = config.region
+        self._store = S3Store.from_url(
+            config.url, client_options=options, config=aws or None,  # type: ignore[arg-type]
+            retry_config={"max_retries": 1,
+                          "retry_timeout": timedelta(seconds=config.read_timeout_s)})
+        self._down_until = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False for retry_s after a failure."""
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, error: BaseException) -> BucketDown:
+        self._metrics.bucket_requests.labels(op, "error").inc()
+        if self.available:
+            log.warning("the shared bucket failed a %s (%s); not asked again for %.0f s",
+                        op, _first_line(error), self._config.retry_s)
+        self._down_until = time.monotonic() + self._config.retry_s
+        return BucketDown(f"{op}: {_first_line(error)}")
+
+    def _ok(self, op: str, outcome: str = "ok") -> None:
+        self._metrics.bucket_requests.labels(op, outcome).inc()
+        if self._down_until:
+            self._down_until = 0.0
+            log.info("the shared bucket answers again")
+
+    async def open(self, path: str) -> AsyncIterator[bytes] | None:
+        """The object's bytes as they come; None when there is no such object. The iterator
+        raises BucketDown if the bucket stops sending for read_timeout_s or fails."""
+        try:
+            got = await asyncio.wait_for(self._obstore.get_async(self._store, path),
+                                         self._config.read_timeout_s)
+        except FileNotFoundError:
+            self._ok("get", "not_found")
+            return None
+        except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
+            raise self._failed("get", e) from e
+        self._ok("get")
+        return self._chunks(got.stream(min_chunk_size=CHUNK))
+
+    async def _chunks(self, stream: Any) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), self._config.read_timeout_s)
+                except StopAsyncIteration:
+                    return
+                yield bytes(chunk)
+        except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
+            raise self._failed("get", e) from e
+
+    async def put_file(self, path: str, file: Path) -> None:
+        """Write the object from a file, whole or not at all: S3 shows an object (or the
+        completed multipart upload) only once every byte is in."""
+        try:
+            await self._obstore.put_async(self._store, path, file)
+        except (self._obstore.exceptions.BaseError, OSError) as e:
+            raise self._failed("put", e) from e
+        self._ok("put")
+
+    async def get_file(self, path: str, dest: Path) -> bool:
+        """Download the object to `dest`, which appears only once whole; False when there is
+        no such object."""
+        chunks = await self.open(path)
+        if chunks is None:
+            return False
+        temp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with temp.open("wb") as f:
+                async for chunk in chunks:
+                    await asyncio.to_thread(f.write, chunk)
+            temp.replace(dest)
+        finally:
+            temp.unlink(missing_ok=True)
+        return True
+
+    async def delete(self, paths: list[str]) -> None:
+        if not paths:
+            return
+        try:
+            await self._obstore.delete_async(self._store, paths)
+        except FileNotFoundError:
+            pass
+        except (self._obstore.exceptions.BaseError, OSError) as e:
+            raise self._failed("delete", e) from e
+        self._ok("delete")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0][:300]

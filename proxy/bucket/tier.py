@@ -1,0 +1,327 @@
+"""The shared tier: a replica's local miss is looked for in the bucket before any upstream;
+what a replica fetches from upstream is written to the bucket, then announced in the catalogue
+(bucket_objects); one replica at a time fetches a key from upstream (a lease), and the others
+wait for its bucket copy.
+
+Why wait for the bucket copy, not stream from the fetching replica: replicas then reach only
+the bucket and the database, never each other (pods behind a balancer have no stable address
+to name), a fetch outlives the replica that made it, and the balancer's consistent hashing
+sends a key's clients to one replica, so one key wanted on two replicas at once is the rare
+case. Its price there: the waiting replica's first byte comes after the fetcher's last.
+
+A bucket that is down or hangs is passed by (proxy.bucket.objects): requests go to the
+upstreams as on a single node, files are uploaded later by the catch-up (sync), and no
+client sees an error for it. A copy whose bytes do not match its row is deleted and refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from proxy.bucket.leases import Lease, Leases
+from proxy.bucket.objects import Bucket, BucketDown
+from proxy.config import StorageConfig
+from proxy.errors import RememberedNotFound, UpstreamUnavailable, VerificationFailed
+from proxy.keys import ArtifactKey
+from proxy.metrics import ProxyMetrics
+from proxy.sources.base import ArtifactMeta
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, BucketRecord, Repository
+from symbolize.symtab import FORMAT
+
+log = logging.getLogger(__name__)
+# A replica waiting for another's fetch looks for its copy this often, backing off to the
+# longest: the delay a waiting replica's first byte may have beyond the copy's arrival.
+POLL_FIRST_S = 0.05
+POLL_LONGEST_S = 0.5
+# Files the catch-up uploads per round, and objects eviction deletes per statement.
+SYNC_BATCH = 64
+EVICT_BATCH = 100
+EVICTION_LEASE = "bucket-eviction"
+TABLE = "symtab"
+# What a write to or read from the shared tier can meet that leaves this replica as it was.
+_SHARED_ERRORS: tuple[type[BaseException], ...] = (BucketDown, OSError, *DATABASE_ERRORS)
+
+
+def object_path(kind: str, kh: str) -> str:
+    return f"{TABLE}/{FORMAT}/{kh}" if kind == TABLE else f"{kind}/{kh}"
+
+
+def table_key(build_id: str) -> str:
+    """A symbol table's key: its format is part of it, so a new format is a new object."""
+    return f"{TABLE}/{FORMAT}/{build_id}"
+
+
+def table_hash(scope: str, build_id: str) -> str:
+    text = f"{scope}\0{table_key(build_id)}" if scope else table_key(build_id)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Obtained:
+    """How this replica gets a key it lacks: the bucket's copy (body), or the right to fetch
+    it from upstream for the cluster (lease); neither: fetch it alone (the bucket or the
+    database failing, or the wait too long)."""
+
+    body: BucketBody | None = None
+    lease: Lease | None = None
+
+
+class BucketBody:
+    """A bucket object read as an upstream's answer (proxy.sources.base.Body), checked
+    against its catalogue row as it streams: size and sha256, before the last byte goes."""
+
+    def __init__(self, rec: BucketRecord, chunks: AsyncIterator[bytes],
+                 refuse: Callable[[BucketRecord], None]) -> None:
+        self.rec = rec
+        self.meta = ArtifactMeta(upstream=rec.upstream, size=rec.size, filename=rec.filename,
+                                 archive=rec.archive, last_modified=rec.last_modified,
+                                 ima_signature=rec.ima_signature)
+        self._chunks = chunks
+        self._refuse = refuse
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            async for chunk in self._chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                yield chunk
+        except BucketDown as e:
+            raise UpstreamUnavailable(f"the shared bucket stopped sending {self.rec.key}: {e}"
+                                      ) from e
+        if size != self.rec.size or digest.hexdigest() != self.rec.sha256:
+            self._refuse(self.rec)
+            raise VerificationFailed(f"the shared bucket's copy of {self.rec.key} does not "
+                                     "match what was written there; deleted")
+
+    def close(self) -> None:
+        pass  # the stream ends with its iterator
+
+
+class SharedTier:
+    def __init__(self, bucket: Bucket, repo: Repository, config: StorageConfig,
+                 metrics: ProxyMetrics, replica: str) -> None:
+        self.bucket = bucket
+        self._repo = repo
+        self._config = config
+        self._metrics = metrics
+        self._replica = replica
+        self.leases = Leases(repo, replica, config.lease_s)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._publishing: set[str] = set()  # key hashes this process is writing now
+
+    # -- a local miss ------------------------------------------------------------------------
+    async def obtain(self, kh: str, hashes: Sequence[str], key: ArtifactKey,
+                     missing: Callable[[], Awaitable[bool]]) -> Obtained:
+        """The bucket's copy of `key` under the first of `hashes` (its names in the scopes the
+        request sees) that has one, else the lease to fetch it (`kh`: its name in the
+        request's scope) from upstream, else, while another replica holds that lease, its copy
+        once it lands. Raises RememberedNotFound when the other replica's fetch found nothing
+        (`missing`)."""
+        deadline = asyncio.get_running_loop().time() + self._config.wait_s
+        delay = POLL_FIRST_S
+        waited = False
+        while self.bucket.available:
+            try:
+                if (body := await self._copy(hashes, key)) is not None:
+                    self._metrics.cluster_fetches.labels("waited" if waited else "bucket").inc()
+                    return Obtained(body=body)
+                if not self.bucket.available:
+                    break
+                lease = await self.leases.take(f"fetch:{kh}")
+                if lease is not None:
+                    # The holder before may have published, or found nothing, just now.
+                    body = await self._copy(hashes, key)
+                    if body is not None or await missing():
+                        await lease.release()
+                        if body is None:
+                            raise RememberedNotFound("not found (remembered miss)")
+                        self._metrics.cluster_fetches.labels("waited").inc()
+                        return Obtained(body=body)
+                    self._metrics.cluster_fetches.labels("upstream").inc()
+                    return Obtained(lease=lease)
+                if await missing():
+                    raise RememberedNotFound("not found (remembered miss)")
+            except DATABASE_ERRORS as e:
+                log.warning("cannot ask the cluster for %s (%s): fetching it alone", key.id,
+                            type(e).__name__)
+                break
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("waited %.0f s for another replica's fetch of %s: fetching it too",
+                            self._config.wait_s, key.id)
+                break
+            waited = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_LONGEST_S)
+        self._metrics.cluster_fetches.labels("alone").inc()
+        return Obtained()
+
+    async def _copy(self, hashes: Sequence[str], key: ArtifactKey) -> BucketBody | None:
+        """The first of `hashes`' copies in the bucket, opened; None without one, or with the
+        bucket down. A row whose object is gone (a lifecycle rule, an operator) is dropped."""
+        rows = await self._repo.bucket_objects(hashes)
+        for kh in hashes:
+            if (rec := rows.get(kh)) is None:
+                continue
+            try:
+                chunks = await self.bucket.open(object_path(rec.kind, kh))
+            except BucketDown:
+                return None
+            if chunks is None:
+                log.warning("%s is in the bucket's catalogue but not in the bucket", rec.key)
+                await self._repo.delete_bucket_objects([kh])
+                continue
+            self._start(self._touch(kh))
+            return BucketBody(rec, chunks, self._refuse)
+        return None
+
+    def _refuse(self, rec: BucketRecord) -> None:
+        log.warning("the bucket's copy of %s does not match its row: deleted", rec.key)
+        self._start(self.forget([rec]))
+
+    async def _touch(self, kh: str) -> None:
+        with contextlib.suppress(*DATABASE_ERRORS):  # an access time: eviction's order
+            await self._repo.touch_bucket_object(kh, datetime.now(UTC))
+
+    # -- what this replica has ---------------------------------------------------------------
+    async def publish(self, rec: ArtifactRecord, path: Path) -> bool:
+        """Write a file this replica has to the bucket, then its row; False if it could not
+        be (caught up later by sync)."""
+        if not self.bucket.available or rec.key_hash in self._publishing:
+            return False
+        self._publishing.add(rec.key_hash)
+        try:
+            await self.bucket.put_file(object_path(rec.kind, rec.key_hash), path)
+            mtime = path.stat().st_mtime
+            now = datetime.now(UTC)
+            await self._repo.put_bucket_object(BucketRecord(
+                key_hash=rec.key_hash, scope=rec.scope, key=rec.key, build_id=rec.build_id,
+                kind=rec.kind, size=rec.size, sha256=rec.sha256, upstream=rec.upstream,
+                filename=rec.filename, archive=rec.archive,
+                last_modified=email.utils.formatdate(mtime, usegmt=True),
+                ima_signature=rec.ima_signature, pinned=rec.pinned, stored_at=now,
+                last_access=now))
+        except _SHARED_ERRORS as e:
+            log.info("%s not in the shared bucket yet (%s); the catch-up will retry", rec.key,
+                     type(e).__name__)
+            return False
+        finally:
+            self._publishing.discard(rec.key_hash)
+        self._metrics.bucket_uploads.labels(rec.kind).inc()
+        return True
+
+    async def forget(self, recs: Sequence[BucketRecord | ArtifactRecord]) -> None:
+        """Remove these artifacts from the bucket (a purge, a bad copy): rows first, so that
+        nobody starts reading an object being deleted. Raises DATABASE_ERRORS."""
+        await self._repo.delete_bucket_objects([r.key_hash for r in recs])
+        # Rowless objects are never read, and written over when published again.
+        with contextlib.suppress(BucketDown):
+            await self.bucket.delete([object_path(r.kind, r.key_hash) for r in recs])
+
+    # -- symbol tables -----------------------------------------------------------------------
+    async def table(self, scope: str, build_id: str, dest: Path) -> bool:
+        """Download the table another replica built to `dest`; False if the bucket has none
+        (or is down)."""
+        if not self.bucket.available:
+            return False
+        kh = table_hash(scope, build_id)
+        try:
+            if not (await self._repo.bucket_objects([kh])).get(kh):
+                return False
+            if not await self.bucket.get_file(object_path(TABLE, kh), dest):
+                await self._repo.delete_bucket_objects([kh])
+                return False
+        except _SHARED_ERRORS as e:
+            log.info("symbol table of %s not read from the bucket (%s)", build_id,
+                     type(e).__name__)
+            return False
+        self._start(self._touch(kh))
+        return True
+
+    def publish_table(self, scope: str, build_id: str, path: Path) -> None:
+        """Upload a table just built, in the background: a profile never waits for it."""
+        self._start(self._publish_table(scope, build_id, path))
+
+    async def _publish_table(self, scope: str, build_id: str, path: Path) -> None:
+        kh = table_hash(scope, build_id)
+        try:
+            digest, size = await asyncio.to_thread(_sha256_and_size, path)
+        except OSError:
+            return  # dropped meanwhile
+        rec = ArtifactRecord(
+            key_hash=kh, scope=scope, key=table_key(build_id), build_id=build_id, kind=TABLE,
+            size=size, sha256=digest, upstream="", filename=path.name, archive=None,
+            fetched_at=datetime.now(UTC), last_access=datetime.now(UTC), hits=0)
+        await self.publish(rec, path)
+
+    # -- background --------------------------------------------------------------------------
+    async def sync(self, path_of: Callable[[ArtifactRecord], Path]) -> None:
+        """Upload what this replica has and the bucket lacks (one process of the replica at a
+        time), then evict from the bucket past its budget or age (one replica at a time)."""
+        if not self.bucket.available:
+            return
+        lease = await self.leases.take(f"bucket-sync:{self._replica}")
+        if lease is not None:
+            try:
+                # Not what was fetched just now: its fetcher is publishing it.
+                settled = datetime.now(UTC) - timedelta(seconds=self._config.sync_s)
+                for rec in await self._repo.unpublished_artifacts(SYNC_BATCH, settled):
+                    path = path_of(rec)
+                    if path.is_file() and not await self.publish(rec, path):
+                        break
+            finally:
+                await lease.release()
+        if self._config.max_bytes or self._config.max_age_s:
+            await self._evict()
+
+    async def _evict(self) -> None:
+        lease = await self.leases.take(EVICTION_LEASE)
+        if lease is None:
+            return
+        try:
+            _, size = await self._repo.bucket_totals()
+            cutoff = (datetime.now(UTC) - timedelta(seconds=self._config.max_age_s)
+                      if self._config.max_age_s else None)
+            while True:
+                doomed = []
+                for rec in await self._repo.oldest_bucket_objects(EVICT_BATCH):
+                    over = self._config.max_bytes and size > self._config.max_bytes
+                    if not over and not (cutoff is not None and rec.last_access < cutoff):
+                        break
+                    doomed.append(rec)
+                    size -= rec.size
+                if not doomed:
+                    return
+                log.info("evicting %d objects from the shared bucket", len(doomed))
+                await self.forget(doomed)
+        finally:
+            await lease.release()
+
+    def _start(self, job: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Let background uploads and deletions finish (a stopping replica's last table)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=10)
+
+
+def _sha256_and_size(path: Path) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size

@@ -1,0 +1,315 @@
+"""Replicas sharing a bucket ([storage]): each artifact crosses from upstream once for the
+whole cluster, a replica that dies mid-fetch is taken over, a symbol table is built once, a
+purge reaches the bucket, a bucket that lies or goes down costs clients nothing.
+
+Real parts: moto's S3 server on loopback (tests/buckets.py), PostgreSQL, the real elfutils
+debuginfod as upstream (its own /metrics counts what it was asked), real `symgate serve`
+processes where a process must die, in-process servers elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import signal
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.artifacts.index import key_hash
+from proxy.config import ConfigError, StorageConfig, load_config
+from proxy.keys import ArtifactKey
+from proxy.store.repository import Repository, create_engine
+from tests.buckets import Prefix, S3Server, s3_server, wait_gone
+from tests.elfs import Elf, ElfSet
+from tests.faults import FaultUpstream
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, read_broken
+from tests.processes import run_in_thread, start_serve, stop_serve
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.test_replicas import upstream_requests
+
+# A cluster's replicas share PostgreSQL.
+on_postgresql = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    server = s3_server()
+    yield server
+    server.stop()
+
+
+def _hash(elf: Elf, kind: str = "debuginfo") -> str:
+    return key_hash("", ArtifactKey.from_id(f"{elf.build_id}/{kind}"))
+
+
+def object_of(elf: Elf, kind: str = "debuginfo") -> str:
+    return f"{kind}/{_hash(elf, kind)}"
+
+
+async def get(base: str, build_id: str) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/buildid/{build_id}/debuginfo") as r:
+        return r.status, await r.read()
+
+
+@pytest.fixture
+def prefix(s3: S3Server) -> Prefix:
+    return s3.prefix()
+
+
+async def replicas(start_symgate: SymgateFactory, tmp_path: Path, upstream: str,
+                   names: str, storage: StorageConfig) -> list[Symgate]:
+    """In-process replicas, each a data dir (a disk) of its own, sharing the bucket."""
+    return [await start_symgate([upstream], data_dir=tmp_path / name, storage=storage,
+                                symbolize=symbolize_config()) for name in names]
+
+
+@on_postgresql
+async def test_fifty_cold_requests_over_three_replicas_make_one_upstream_request(
+    tmp_path: Path, database_url: str, debuginfod: Debuginfod, elfs: ElfSet, prefix: Prefix
+) -> None:
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        bases = []
+        for name in "abc":  # real processes: three event loops, as on three machines
+            base, proc = await start_serve(tmp_path, tmp_path / name, database_url,
+                                           debuginfod.url, extra=prefix.toml())
+            bases.append(base)
+            procs.append(proc)
+        elf = elfs.big
+        expected = elf.debug.read_bytes()
+        before = await upstream_requests(debuginfod)
+        spread = itertools.islice(itertools.cycle(bases), 50)
+        got = await asyncio.gather(*(get(base, elf.build_id) for base in spread))
+        assert [status for status, _ in got] == [200] * 50
+        assert all(body == expected for _, body in got), "a body differs from the upstream's"
+        assert await upstream_requests(debuginfod) == before + 1
+        objects = await prefix.objects()
+        assert objects.pop(object_of(elf)) == expected
+        # Besides it, only the symbol table its commit had built; nothing half-written.
+        assert [path.split("/")[0] for path in objects] == ["symtab"]
+    finally:
+        await stop_serve(procs)
+
+
+@on_postgresql
+async def test_a_file_one_replica_fetched_is_read_from_the_bucket_by_the_others(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    before = await upstream_requests(debuginfod)
+    assert await get(a.url, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
+    await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+    status, headers, body = await b.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert (status, body) == (200, elfs.prog.debug.read_bytes())
+    _, on_a, _ = await a.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert _described(headers) == _described(on_a), "the bucket copy lost what upstream said"
+    assert await upstream_requests(debuginfod) == before + 1
+    assert await a.metric("symgate_cluster_fetches_total", how="upstream") == 1
+    assert await b.metric("symgate_cluster_fetches_total", how="bucket") == 1
+    # Now b's own: a hit, the bucket not asked.
+    gets = await b.metric("symgate_bucket_requests_total", op="get", outcome="ok")
+    assert (await b.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    assert await b.metric("symgate_bucket_requests_total", op="get", outcome="ok") == gets
+
+
+def _described(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()
+            if k.lower().startswith("x-debuginfod-") or k.lower() == "last-modified"}
+
+
+async def _has(prefix: Prefix, path: str) -> bool:
+    return path in await prefix.objects()
+
+
+@on_postgresql
+async def test_a_replica_killed_mid_fetch_loses_its_lease_and_another_takes_the_fetch_over(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    fault = FaultUpstream(elfs)
+    await fault.start()
+    held = fault.url_for("held")  # sends half the body, then waits for `release`
+    base, proc = await start_serve(tmp_path, tmp_path / "a", database_url, held,
+                                   extra=prefix.toml())
+    try:
+        cut = asyncio.ensure_future(read_broken(f"{base}/buildid/{elfs.big.build_id}/debuginfo"))
+        await asyncio.wait_for(fault.held_half_sent.wait(), 30)
+        proc.send_signal(signal.SIGKILL)  # holding the key's lease, half the file written
+        await proc.wait()
+        await cut
+        fault.release.set()  # the next request for it is answered whole
+        (b,) = await replicas(start_symgate, tmp_path, held, "b", prefix.config())
+        status, _, body = await b.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+        assert (status, body) == (200, elfs.big.debug.read_bytes())
+        assert fault.count("held") == 2
+        assert await b.metric("symgate_cluster_fetches_total", how="upstream") == 1
+        await b.settled()
+        objects = await prefix.objects()
+        assert objects.pop(object_of(elfs.big)) == elfs.big.debug.read_bytes()
+        assert all(path.startswith("symtab/") for path in objects), "a partial object"
+    finally:
+        await stop_serve([proc])
+        await fault.stop()
+
+
+def _profile(elfs: ElfSet) -> bytes:
+    return make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:5])]).SerializeToString()
+
+
+@on_postgresql
+async def test_a_symbol_table_built_on_one_replica_is_used_by_another_without_a_build(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    status, _, on_a = await post(a, _profile(elfs))
+    assert status == 200
+    assert await a.metric("symgate_symtab_builds_total", result="ok") == 1
+
+    async def table_in_bucket() -> bool:
+        return any(p.startswith("symtab/") for p in await prefix.objects())
+
+    await eventually(table_in_bucket)
+    await a.settled()  # what a fetched for it is in the bucket too
+    before = await upstream_requests(debuginfod)
+    status, _, on_b = await post(b, _profile(elfs))
+    assert status == 200 and on_b == on_a
+    assert await b.metric("symgate_symtab_builds_total", result="ok") == 0
+    assert await b.metric("symgate_symtab_cache_total", result="bucket") == 1
+    assert await upstream_requests(debuginfod) == before
+
+
+@on_postgresql
+async def test_a_purge_on_one_replica_removes_the_bucket_copy_and_reaches_the_others(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
+    elfs: ElfSet, prefix: Prefix
+) -> None:
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    assert (await get(a.url, elfs.prog.build_id))[0] == 200
+    assert (await get(b.url, elfs.prog.build_id))[0] == 200
+    await a.settled()
+    await b.settled()
+    config = tmp_path / "admin.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp_path / "a"}"\n'
+                      f'[database]\nurl = "{database_url}"\n{prefix.toml()}')
+    purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
+                                  "--config", str(config)], timeout=60)
+    assert purged.returncode == 0, purged.stderr
+    objects = await prefix.objects()
+    assert object_of(elfs.prog) not in objects
+    assert not [p for p in objects if p.startswith("symtab/")], "its symbol table stayed"
+    before = await upstream_requests(debuginfod)
+
+    async def b_fetches_it_again() -> bool:
+        assert (await get(b.url, elfs.prog.build_id))[0] == 200
+        return await upstream_requests(debuginfod) == before + 1
+
+    await eventually(b_fetches_it_again, timeout=10)
+
+
+@on_postgresql
+async def test_a_bucket_copy_that_does_not_match_its_row_is_refused_and_deleted(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    assert (await get(a.url, elfs.other.build_id))[0] == 200
+    await eventually(lambda: _has(prefix, object_of(elfs.other)))
+    real = elfs.other.debug.read_bytes()
+    forged = bytearray(real)
+    forged[len(forged) // 2] ^= 0xFF  # the build ID note intact: only the row's sha256 tells
+    await prefix.put(object_of(elfs.other), bytes(forged))
+    status, received, cut = await read_broken(f"{b.url}/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 502 or (status == 200 and cut and received < len(real)), (status, cut)
+    assert (await b.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[2] == real
+
+    async def forged_copy_gone() -> bool:
+        return (await prefix.objects()).get(object_of(elfs.other)) != bytes(forged)
+
+    await eventually(forged_copy_gone)
+
+
+@on_postgresql
+async def test_the_bucket_down_for_ten_seconds_under_load_costs_no_5xx_and_is_caught_up(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    s3: S3Server, prefix: Prefix, database_url: str
+) -> None:
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    assert (await get(a.url, elfs.prog.build_id))[0] == 200  # in the bucket: b will look there
+    await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+    s3.stop()
+    await wait_gone(s3)
+    statuses: list[int] = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10
+    try:
+        while loop.time() < end:
+            # b has none of them: the bucket's row for prog, then upstream for all of them.
+            for replica in (b, a):
+                got = await asyncio.gather(*(get(replica.url, elf.build_id)
+                                             for elf in (elfs.prog, elfs.other, elfs.big)))
+                statuses += [status for status, _ in got]
+            await asyncio.sleep(0.2)
+    finally:
+        s3.start()
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    assert await b.metric("symgate_cluster_fetches_total", how="alone") >= 1
+
+    async def caught_up() -> bool:  # what b fetched while the bucket was down is there now
+        objects = await prefix.objects()
+        return all(object_of(elf) in objects for elf in (elfs.prog, elfs.other, elfs.big))
+
+    await eventually(caught_up, timeout=20)
+    repo = Repository(create_engine(database_url))
+    try:
+        rows = await repo.bucket_objects([_hash(elf) for elf in (elfs.other, elfs.big)])
+    finally:
+        await repo.close()
+    for elf in (elfs.other, elfs.big):
+        assert rows[_hash(elf)].sha256 == hashlib.sha256(elf.debug.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+async def test_a_lease_has_one_holder_until_it_lapses(database_url: str) -> None:
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    repo = Repository(create_engine(database_url))
+    now = datetime.now(UTC)
+    later = now + timedelta(seconds=10)
+    try:
+        assert await repo.take_lease("fetch:k", "a", now, later)
+        assert await repo.take_lease("fetch:k", "a", now, later)  # its holder's already
+        assert not await repo.take_lease("fetch:k", "b", now, later)
+        assert await repo.lease_of("fetch:k") == ("a", later)
+        # Past its time, unrenewed: the next taker has it, and the old holder cannot renew.
+        assert await repo.take_lease("fetch:k", "b", later + timedelta(seconds=1),
+                                     later + timedelta(seconds=11))
+        assert not await repo.renew_lease("fetch:k", "a", later)
+        await repo.drop_lease("fetch:k", "a")  # not a's to drop
+        assert (await repo.lease_of("fetch:k") or ("",))[0] == "b"
+        await repo.drop_lease("fetch:k", "b")
+        assert await repo.lease_of("fetch:k") is None
+    finally:
+        await repo.close()
+
+
+def test_storage_settings_are_checked(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[storage]\nurl = "gs://bucket"\n')
+    with pytest.raises(ConfigError, match=r"storage\.url: expected s3://BUCKET"):
+        load_config(config)
+    config.write_text('[storage]\nurl = "s3://bucket/p/"\nendpoint = "minio:9000"\n')
+    with pytest.raises(ConfigError, match=r"storage\.endpoint: expected an http"):
+        load_config(config)
+    config.write_text('[storage]\nurl = "s3://bucket/p/"\n')
+    loaded = load_config(config, {"SYMGATE_DATABASE_URL": "postgresql+asyncpg://db/symgate"})
+    assert loaded.storage is not None and loaded.storage.url == "s3://bucket/p"
+    assert loaded.database_url == "postgresql+asyncpg://db/symgate"
