@@ -78,13 +78,17 @@ class Prefix:
                                               "retry_timeout": timedelta(seconds=2)})
 
     async def objects(self) -> dict[str, bytes]:
-        """Every object under the prefix and its bytes."""
+        """Every object under the prefix and its bytes (as of the listing, less what was
+        deleted before it could be read)."""
         store = self._store()
         found: dict[str, bytes] = {}
         async for batch in obstore.list(store):
             for meta in batch:
-                got = await obstore.get_async(store, meta["path"])
-                found[meta["path"]] = bytes(await got.bytes_async())
+                try:
+                    got = await obstore.get_async(store, meta["path"])
+                    found[meta["path"]] = bytes(await got.bytes_async())
+                except FileNotFoundError:
+                    pass  # deleted since the listing: an eviction under way
         return found
 
     async def put(self, path: str, data: bytes) -> None:

@@ -20,7 +20,14 @@ import aiohttp
 import pytest
 
 from proxy.artifacts.index import key_hash
-from proxy.config import ConfigError, StorageConfig, load_config
+from proxy.config import (
+    CacheConfig,
+    ConfigError,
+    StorageConfig,
+    SymbolizeConfig,
+    UploadConfig,
+    load_config,
+)
 from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
 from tests.buckets import Prefix, S3Server, s3_server, wait_gone
@@ -125,6 +132,40 @@ def _described(headers: dict[str, str]) -> dict[str, str]:
 
 async def _has(prefix: Prefix, path: str) -> bool:
     return path in await prefix.objects()
+
+
+@on_postgresql
+async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_from_all(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, prefix: Prefix
+) -> None:
+    fault = FaultUpstream(elfs)
+    await fault.start()
+    nowhere = fault.url_for("notfound")  # the upload is the only place it is
+    token = "symgate-test-upload-token"
+    try:
+        a, b = [await start_symgate([nowhere], data_dir=tmp_path / name,
+                                    storage=prefix.config(),
+                                    upload=UploadConfig(admin_tokens=(token,)),
+                                    cache=CacheConfig(purge_poll_s=0.2))
+                for name in "ab"]
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        data = elfs.prog.debug.read_bytes()
+        status, _, _ = await a.request("PUT", path, data=data,
+                                       headers={"Authorization": f"Bearer {token}"})
+        assert status == 201
+        assert (await b.get(path))[::2] == (200, data)  # at once: the PUT waited for the bucket
+        assert fault.count("notfound") == 0
+        status, _, _ = await a.request("DELETE", path,
+                                       headers={"Authorization": f"Bearer {token}"})
+        assert status == 204
+        assert object_of(elfs.prog) not in await prefix.objects()
+
+        async def gone_from_b() -> bool:
+            return (await b.get(path))[0] == 404
+
+        await eventually(gone_from_b, timeout=10)
+    finally:
+        await fault.stop()
 
 
 @on_postgresql
@@ -313,3 +354,29 @@ def test_storage_settings_are_checked(tmp_path: Path) -> None:
     loaded = load_config(config, {"SYMGATE_DATABASE_URL": "postgresql+asyncpg://db/symgate"})
     assert loaded.storage is not None and loaded.storage.url == "s3://bucket/p"
     assert loaded.database_url == "postgresql+asyncpg://db/symgate"
+
+
+@on_postgresql
+async def test_the_bucket_is_kept_under_its_budget_oldest_read_first(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    budget = elfs.other.debug.stat().st_size + elfs.big.debug.stat().st_size
+    a, b = [await start_symgate([debuginfod.url], data_dir=tmp_path / name,
+                                storage=prefix.config(max_bytes=budget),
+                                symbolize=SymbolizeConfig(enabled=False))
+            for name in "ab"]
+    for elf in (elfs.prog, elfs.other, elfs.big):  # prog is read longest ago
+        assert (await get(a.url, elf.build_id))[0] == 200
+        await eventually(lambda elf=elf: _has(prefix, object_of(elf)))  # type: ignore[misc]
+
+    async def prog_evicted() -> bool:
+        return set(await prefix.objects()) == {object_of(elfs.other), object_of(elfs.big)}
+
+    await eventually(prog_evicted, timeout=10)
+    before = await upstream_requests(debuginfod)
+    for elf in (elfs.other, elfs.big):
+        assert (await get(b.url, elf.build_id))[0] == 200
+    assert await upstream_requests(debuginfod) == before
+    assert (await get(b.url, elfs.prog.build_id))[0] == 200
+    assert await upstream_requests(debuginfod) == before + 1

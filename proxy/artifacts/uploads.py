@@ -115,15 +115,21 @@ class Uploads:
             # A download of the same ID in this scope: the upload takes its place.
             await self._cache.remove(scope, key)
         try:
-            await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
+            final = await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
         except OSError as e:
             raise self._os_failure(e) from e
         now = datetime.now(UTC)
-        await self._cache.add(ArtifactRecord(
+        record = ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
             kind=str(key.kind), size=size, sha256=digest, upstream=UPSTREAM, filename=filename,
             archive=None, fetched_at=now, last_access=now, hits=0,
-            ima_signature=ima_signature, pinned=True))
+            ima_signature=ima_signature, pinned=True)
+        await self._cache.add(record)
+        if (tier := self._service.tier) is not None:
+            # Every replica finds it once the PUT has its answer; a bucket that is down gets
+            # it from the catch-up instead.
+            with self._cache.lease(scope, key):
+                await tier.publish(record, final)
         await self._forget_misses(scope, key)
         for listener in self._service.committed:
             listener(scope, key)
@@ -171,6 +177,15 @@ class Uploads:
             if cached is None or not cached.record.pinned:
                 raise NotFound(f"no upload of {key.id} here")
             await self._cache.remove(scope, key)
+            if (tier := self._service.tier) is not None:
+                # The other replicas' copies (taken from the bucket) go as a purge's do.
+                try:
+                    await tier.forget([cached.record])
+                    await self._repo.purge_artifacts([cached.record], datetime.now(UTC))
+                except DATABASE_ERRORS as e:
+                    self._cache.sql_failed("deleting an upload from the shared bucket", e)
+                    raise OutOfResources("the database cannot be reached to delete the "
+                                         "upload everywhere; retry later") from e
         finally:
             os.close(lock)
 
