@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import re
 import signal
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -81,13 +82,16 @@ async def test_fifty_cold_requests_over_three_replicas_make_one_upstream_request
 ) -> None:
     procs: list[asyncio.subprocess.Process] = []
     try:
-        bases = []
-        for name in "abc":  # real processes: three event loops, as on three machines
-            base, proc = await start_serve(tmp_path, tmp_path / name, database_url,
-                                           debuginfod.url, extra=prefix.toml())
-            bases.append(base)
-            procs.append(proc)
-        elf = elfs.big
+        # Real processes: three event loops, as on three machines. The first migrates.
+        base, proc = await start_serve(tmp_path, tmp_path / "a", database_url, debuginfod.url,
+                                       extra=prefix.toml())
+        procs.append(proc)
+        more = await asyncio.gather(*(start_serve(tmp_path, tmp_path / name, database_url,
+                                                  debuginfod.url, extra=prefix.toml())
+                                      for name in "bc"))
+        procs += [proc for _, proc in more]
+        bases = [base, *(b for b, _ in more)]
+        elf = elfs.nopie  # small: fifty bodies of it cost the test process little
         expected = elf.debug.read_bytes()
         before = await upstream_requests(debuginfod)
         spread = itertools.islice(itertools.cycle(bases), 50)
@@ -95,6 +99,9 @@ async def test_fifty_cold_requests_over_three_replicas_make_one_upstream_request
         assert [status for status, _ in got] == [200] * 50
         assert all(body == expected for _, body in got), "a body differs from the upstream's"
         assert await upstream_requests(debuginfod) == before + 1
+        hows = [await _cluster_fetches(base) for base in bases]
+        assert sum(h.get("upstream", 0) for h in hows) == 1, hows
+        assert all(sum(h.values()) == 1 for h in hows), hows  # one fetch per replica
         objects = await prefix.objects()
         assert objects.pop(object_of(elf)) == expected
         # Besides it, only the symbol table its commit had built; nothing half-written.
@@ -123,6 +130,13 @@ async def test_a_file_one_replica_fetched_is_read_from_the_bucket_by_the_others(
     gets = await b.metric("symgate_bucket_requests_total", op="get", outcome="ok")
     assert (await b.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
     assert await b.metric("symgate_bucket_requests_total", op="get", outcome="ok") == gets
+
+
+async def _cluster_fetches(base: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
+        text = await r.text()
+    return {how: float(n) for how, n in re.findall(
+        r'^symgate_cluster_fetches_total\{how="(\w+)"\} (\S+)$', text, re.M) if float(n)}
 
 
 def _described(headers: dict[str, str]) -> dict[str, str]:
@@ -380,3 +394,40 @@ async def test_the_bucket_is_kept_under_its_budget_oldest_read_first(
     assert await upstream_requests(debuginfod) == before
     assert (await get(b.url, elfs.prog.build_id))[0] == 200
     assert await upstream_requests(debuginfod) == before + 1
+
+
+@on_postgresql
+async def test_a_bucket_that_accepts_and_never_answers_costs_a_miss_only_its_timeout(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    held: list[asyncio.StreamWriter] = []
+
+    async def hang(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # reads nothing, answers nothing, closes nothing
+
+    silent = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a", prefix.config())
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+        # b reaches the bucket through an endpoint that hangs: its catalogue says prog is
+        # there, its GET never gets an answer, and its uploads never finish.
+        (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b",
+                              prefix.config(endpoint=f"http://127.0.0.1:{port}",
+                                            read_timeout_s=1.0, retry_s=30.0))
+        got = await asyncio.gather(*(get(b.url, elf.build_id)
+                                     for elf in (elfs.prog, elfs.other, elfs.big)))
+        assert got == [(200, elf.debug.read_bytes())
+                       for elf in (elfs.prog, elfs.other, elfs.big)]
+        assert held, "the bucket was never asked"
+        assert await b.metric("symgate_cluster_fetches_total", how="alone") >= 1
+        # Nothing waits on an upload that hangs: the lease of each key is free again.
+        await b.settled()
+        assert (await get(a.url, elfs.other.build_id))[0] == 200
+    finally:
+        for writer in held:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()

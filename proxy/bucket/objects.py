@@ -22,6 +22,8 @@ from proxy.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
+# Read from the file for an upload; obstore gathers them into parts of 5 MiB.
+PUT_CHUNK = 1024 * 1024
 
 
 class BucketDown(Exception):
@@ -99,11 +101,30 @@ class Bucket:
 
     async def put_file(self, path: str, file: Path) -> None:
         """Write the object from a file, whole or not at all: S3 shows an object (or the
-        completed multipart upload) only once every byte is in."""
+        completed multipart upload) only once every byte is in. A bucket that takes no bytes
+        for read_timeout_s counts as down: the upload holds the key's lease, which other
+        replicas wait on."""
+        loop = asyncio.get_running_loop()
+        last_taken = loop.time()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            nonlocal last_taken
+            with file.open("rb") as f:
+                while data := await asyncio.to_thread(f.read, PUT_CHUNK):
+                    last_taken = loop.time()
+                    yield data
+
+        put = asyncio.ensure_future(self._obstore.put_async(self._store, path, chunks()))
         try:
-            await self._obstore.put_async(self._store, path, file)
-        except (self._obstore.exceptions.BaseError, OSError) as e:
+            while not put.done():
+                await asyncio.wait([put], timeout=self._config.read_timeout_s)
+                if not put.done() and loop.time() - last_taken > self._config.read_timeout_s:
+                    raise TimeoutError(f"no byte taken for {self._config.read_timeout_s:g} s")
+            put.result()
+        except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("put", e) from e
+        finally:
+            put.cancel()
         self._ok("put")
 
     async def get_file(self, path: str, dest: Path) -> bool:

@@ -92,8 +92,10 @@ class BucketBody:
         size = 0
         try:
             async for chunk in self._chunks:
-                digest.update(chunk)
                 size += len(chunk)
+                if size > self.rec.size:  # a bucket that sends more than was written there
+                    break
+                digest.update(chunk)
                 yield chunk
         except BucketDown as e:
             raise UpstreamUnavailable(f"the shared bucket stopped sending {self.rec.key}: {e}"
