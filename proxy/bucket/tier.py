@@ -141,9 +141,10 @@ class SharedTier:
                     break
                 lease = await self.leases.take(f"fetch:{kh}")
                 if lease is not None:
-                    # The holder before may have published, or found nothing, just now.
-                    body = await self._copy(hashes, key)
-                    if body is not None or await missing():
+                    # The holder before may have published, or found nothing, just now: both
+                    # asked at once, a round trip before the upstream is.
+                    body, gone = await asyncio.gather(self._copy(hashes, key), missing())
+                    if body is not None or gone:
                         await lease.release()
                         if body is None:
                             raise RememberedNotFound("not found (remembered miss)")
