@@ -21,11 +21,11 @@ import aiohttp
 import pytest
 
 from proxy.artifacts.index import key_hash
+from proxy.bucket import tier
 from proxy.config import (
     CacheConfig,
     ConfigError,
     StorageConfig,
-    SymbolizeConfig,
     UploadConfig,
     load_config,
 )
@@ -57,6 +57,10 @@ def _hash(elf: Elf, kind: str = "debuginfo") -> str:
 
 def object_of(elf: Elf, kind: str = "debuginfo") -> str:
     return f"{kind}/{_hash(elf, kind)}"
+
+
+def table_object_of(elf: Elf) -> str:
+    return tier.object_path(tier.TABLE, tier.table_hash("", elf.build_id))
 
 
 async def get(base: str, build_id: str) -> tuple[int, bytes]:
@@ -375,17 +379,21 @@ async def test_the_bucket_is_kept_under_its_budget_oldest_read_first(
     start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
     prefix: Prefix
 ) -> None:
-    budget = elfs.other.debug.stat().st_size + elfs.big.debug.stat().st_size
+    # Room for other and big and their symbol tables (some 1.7 KiB each), not for prog's
+    # 8 KiB too: prog and its table, written first, go.
+    budget = sum(elf.debug.stat().st_size for elf in (elfs.other, elfs.big)) + (
+        elfs.prog.debug.stat().st_size // 2)
     a, b = [await start_symgate([debuginfod.url], data_dir=tmp_path / name,
-                                storage=prefix.config(max_bytes=budget),
-                                symbolize=SymbolizeConfig(enabled=False))
+                                storage=prefix.config(max_bytes=budget))
             for name in "ab"]
     for elf in (elfs.prog, elfs.other, elfs.big):  # prog is read longest ago
         assert (await get(a.url, elf.build_id))[0] == 200
-        await eventually(lambda elf=elf: _has(prefix, object_of(elf)))  # type: ignore[misc]
+        for path in (object_of(elf), table_object_of(elf)):  # in this order of writing
+            await eventually(lambda path=path: _has(prefix, path))  # type: ignore[misc]
 
     async def prog_evicted() -> bool:
-        return set(await prefix.objects()) == {object_of(elfs.other), object_of(elfs.big)}
+        files = {p for p in await prefix.objects() if p.startswith("debuginfo/")}
+        return files == {object_of(elfs.other), object_of(elfs.big)}
 
     await eventually(prog_evicted, timeout=10)
     before = await upstream_requests(debuginfod)

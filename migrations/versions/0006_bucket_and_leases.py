@@ -2,6 +2,9 @@
 
 `bucket_objects`: one row per object in the shared S3-compatible bucket ([storage]), written
 only once the object is whole there; what a replica reads before asking any upstream.
+`artifacts.shared`: a replica's copy is in the bucket, or was (read from it or written to
+it): the catch-up that uploads what the bucket lacks leaves it be, so what the bucket's
+eviction took does not come back.
 `leases`: a named job (one upstream fetch of a key, the bucket's eviction) and the replica
 process holding it, until `expires_at` unless renewed: a holder that dies loses it then.
 
@@ -22,6 +25,9 @@ depends_on = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("artifacts") as batch:
+        batch.add_column(sa.Column("shared", sa.Boolean(), nullable=False,
+                                   server_default=sa.false()))
     op.create_table(
         "bucket_objects",
         sa.Column("key_hash", sa.String(64), primary_key=True),
@@ -57,3 +63,5 @@ def downgrade() -> None:
     op.drop_index("ix_bucket_objects_last_access", "bucket_objects")
     op.drop_index("ix_bucket_objects_build_id", "bucket_objects")
     op.drop_table("bucket_objects")
+    with op.batch_alter_table("artifacts") as batch:
+        batch.drop_column("shared")

@@ -449,6 +449,7 @@ class ArtifactService:
             size=flight.written, sha256=digest, upstream=meta.upstream,
             filename=meta.filename or key.default_filename, archive=meta.archive,
             fetched_at=now, last_access=now, hits=0, ima_signature=meta.ima_signature,
+            shared=self.tier is not None and not publish,  # read from the bucket
         )
         await self.cache.add(record)
         self.misses.forget(scope, key)

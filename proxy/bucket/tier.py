@@ -213,6 +213,7 @@ class SharedTier:
                 last_modified=email.utils.formatdate(mtime, usegmt=True),
                 ima_signature=rec.ima_signature, pinned=rec.pinned, stored_at=now,
                 last_access=now))
+            await self._repo.mark_shared(rec.key_hash)
         except _SHARED_ERRORS as e:
             log.info("%s not in the shared bucket yet (%s); the catch-up will retry", rec.key,
                      type(e).__name__)

@@ -39,6 +39,8 @@ class Artifact(Base):
     ima_signature: Mapped[str | None] = mapped_column(Text, nullable=True)
     # An upload: kept outside the LRU budget (under upload.max_bytes) and never evicted.
     pinned: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
+    # In the shared bucket, or was: the catch-up does not upload it (again); migration 0006.
+    shared: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class Negative(Base):

@@ -110,6 +110,9 @@ class ArtifactRecord:
     ima_signature: str | None = None
     # An upload: outside the LRU budget, never evicted; removed only by DELETE or an operator.
     pinned: bool = False
+    # In the shared bucket, or was (read from it, or written to it): the catch-up leaves it be,
+    # so that what the bucket's eviction took does not come back.
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +172,7 @@ def _record(row: Artifact | Row[Any]) -> ArtifactRecord:
     return ArtifactRecord(
         row.key_hash, row.scope, row.key, row.build_id, row.kind, row.size, row.sha256,
         row.upstream, row.filename, row.archive, aware(row.fetched_at), aware(row.last_access),
-        row.hits, row.ima_signature, row.pinned,
+        row.hits, row.ima_signature, row.pinned, row.shared,
     )
 
 
@@ -507,15 +510,21 @@ class Repository:
 
     async def unpublished_artifacts(self, limit: int, before: datetime
                                     ) -> Sequence[ArtifactRecord]:
-        """This replica's files fetched before `before` that the bucket lacks (their upload
-        failed, or came before the bucket did), most recently used first."""
-        in_bucket = select(BucketObject.key_hash).where(
-            BucketObject.key_hash == Artifact.key_hash).exists()
+        """This replica's files fetched before `before` that never were in the bucket (their
+        upload failed, or came before the bucket did), most recently used first."""
         async with self._session() as s:
             rows = (await s.scalars(select(Artifact).where(
-                Artifact.replica == self.replica, Artifact.fetched_at < before, ~in_bucket,
+                Artifact.replica == self.replica, Artifact.fetched_at < before,
+                Artifact.shared.is_(False),
             ).order_by(Artifact.last_access.desc()).limit(limit))).all()
             return [_record(r) for r in rows]
+
+    async def mark_shared(self, key_hash: str) -> None:
+        """This replica's copy of the key is in the bucket now."""
+        async with self._session.begin() as s:
+            await s.execute(update(Artifact).where(
+                Artifact.key_hash == key_hash, Artifact.replica == self.replica
+            ).values(shared=True))
 
     # -- leases ------------------------------------------------------------------------------
     async def take_lease(self, name: str, holder: str, now: datetime, until: datetime) -> bool:
