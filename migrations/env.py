@@ -14,6 +14,10 @@ config = context.config
 target_metadata = Base.metadata
 
 
+# Any constant: the key of the PostgreSQL advisory lock that migrations run under.
+_MIGRATION_LOCK = 0x73796D67617465
+
+
 def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
@@ -21,6 +25,11 @@ def _run(connection: Connection) -> None:
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Replicas started at once on a fresh database would each create the same tables
+            # (and fail on PostgreSQL's catalogue); one at a time, each later one finds the
+            # schema at head. Held until this transaction ends. SQLite locks the file anyway.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         context.run_migrations()
 
 

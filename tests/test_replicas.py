@@ -247,3 +247,19 @@ async def test_a_node_cached_before_replicas_keeps_its_files_as_hits(
     assert await upstream_requests(debuginfod) == before, "the upgrade cost a file"
     await stop_serve(old.procs)
     assert await rows_of(database_url, old.id) == {elfs.prog.build_id}
+
+
+async def test_replicas_started_at_once_on_a_fresh_database_all_migrate_it(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Three replicas (a StatefulSet's pods, a rollout) migrating one new database at once:
+    each waits for the one before, none fails on the tables another just made."""
+    configs = []
+    for name in "abc":
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f'[server]\ndata_dir = "{tmp_path / name}"\n'
+                          f'[database]\nurl = "{database_url}"\n')
+        configs.append(config)
+    runs = await asyncio.gather(*(run_in_thread(["symgate", "db", "upgrade", "--config",
+                                                 str(c)], timeout=120) for c in configs))
+    assert [r.returncode for r in runs] == [0, 0, 0], [r.stderr[-500:] for r in runs]
