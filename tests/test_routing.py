@@ -7,6 +7,7 @@ replica's slice to the others."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import tomllib
@@ -20,6 +21,7 @@ import pytest
 
 from proxy.config import load_config
 from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
 from tests.front import SERVER_LINE, SHIPPED, front_config, nginx_binary, with_replicas
 from tests.harness import Debuginfod, eventually, free_port
 from tests.processes import alive, descendants, run_in_thread, start_serve, stop_serve
@@ -151,19 +153,21 @@ async def serving(url: str, proc: asyncio.subprocess.Process, log: Path) -> None
     raise AssertionError(f"nginx did not come up: {log.read_text(errors='replace')[-2000:]}")
 
 
-@pytest.fixture
-async def front(tmp_path: Path, database_url: str, debuginfod: Debuginfod
-                ) -> AsyncIterator[Front]:
+@contextlib.asynccontextmanager
+async def nginx_in_front(tmp_path: Path, database_url: str, upstream: str
+                         ) -> AsyncIterator[Front]:
+    """Three `symgate serve` replicas of `upstream` on one database, nginx with the shipped
+    config in front of them; all stopped at the end."""
     procs: list[asyncio.subprocess.Process] = []
     nginx: asyncio.subprocess.Process | None = None
     try:
         # The first replica makes the schema on the new database; the others then start
         # together (migrations are not meant to run concurrently).
-        first = await start_serve(tmp_path, tmp_path / "r0", database_url, debuginfod.url,
+        first = await start_serve(tmp_path, tmp_path / "r0", database_url, upstream,
                                   extra="access_flush_s = 0.2\n")
         procs.append(first[1])
         more = await asyncio.gather(*(
-            start_serve(tmp_path, tmp_path / f"r{i}", database_url, debuginfod.url,
+            start_serve(tmp_path, tmp_path / f"r{i}", database_url, upstream,
                         extra="access_flush_s = 0.2\n") for i in (1, 2)))
         procs += [p for _, p in more]
         bases = [first[0], *(b for b, _ in more)]
@@ -185,6 +189,13 @@ async def front(tmp_path: Path, database_url: str, debuginfod: Debuginfod
                 nginx.kill()
                 await nginx.wait()
         await stop_serve(procs)
+
+
+@pytest.fixture
+async def front(tmp_path: Path, database_url: str, debuginfod: Debuginfod
+                ) -> AsyncIterator[Front]:
+    async with nginx_in_front(tmp_path, database_url, debuginfod.url) as running:
+        yield running
 
 
 async def upstream_requests(debuginfod: Debuginfod) -> int:
@@ -282,3 +293,25 @@ async def test_nginx_sends_each_build_id_to_one_replica_and_moves_a_dead_ones_sl
         assert await upstream_requests(debuginfod) == upstream_before + len(moved_ids)
     access = (front.logs / "access.log").read_text()
     assert f"replica={victim.removeprefix('http://')}" in access
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+@needs_nginx
+async def test_a_replicas_502_for_its_upstreams_failure_is_not_retried_on_the_others(
+    tmp_path: Path, database_url: str, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """symgate answers 502 when its upstream fails (and 504 when it times out): every replica
+    would fail alike, each with its own upstream round trips, so nginx passes the answer on
+    (proxy_next_upstream has error, timeout and http_503 only) and counts no failure against a
+    replica that is fine."""
+    upstream = faults.url_for("status500")
+    async with nginx_in_front(tmp_path, database_url, upstream) as front, \
+            aiohttp.ClientSession() as s:
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        asked = faults.count("status500")
+        assert (await fetch(s, front.replicas[0] + path))[0] == 502
+        one_replica = faults.count("status500") - asked  # its tries, retries included
+        for _ in range(3):
+            asked = faults.count("status500")
+            assert (await fetch(s, front.url + path))[0] == 502
+            assert faults.count("status500") - asked == one_replica
