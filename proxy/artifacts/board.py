@@ -40,8 +40,13 @@ POLL_FIRST_S = 0.0005
 POLL_LONGEST_S = 0.01
 # and checks this often whether the writer is still alive.
 ALIVE_CHECK_S = 0.1
-# A fetch's files stay this long after it ends, for its followers to read how it ended.
-LINGER_S = 0.25
+# A fetch's files stay this long after it ends, for its followers to read how it ended, and
+# so that a claim made meanwhile knows to look in SQL again (Claim.after_another): a process
+# that looked in SQL before the fetch ended and claims the key after its end must find what it
+# left there. So it is not a follower's reaction time but the longest stall of a process
+# between its look and its claim that is covered: a loaded machine stalled one for over
+# 0.25 s (a second upstream request in a test run), and lingering files cost nothing.
+LINGER_S = 5.0
 
 ASKING = "asking"
 STREAMING = "streaming"

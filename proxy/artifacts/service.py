@@ -110,6 +110,8 @@ class ArtifactService:
         self._metrics = metrics
         self._flights: dict[str, Flight] = {}  # keyed by key_hash(request scope, key)
         self._tasks: set[asyncio.Task[None]] = set()
+        # Tidying of ended fetches' files (seconds later): not work anybody waits for.
+        self._tidying: set[asyncio.Task[None]] = set()
         self._cuts: dict[str, asyncio.Future[Hit]] = {}  # sections being cut, by key_hash
         # Called with each artifact's scope and key once it is committed to the cache.
         self.committed: list[Callable[[str, ArtifactKey], None]] = []
@@ -236,7 +238,9 @@ class ArtifactService:
         else:
             claim.say(SETTLED)
         claim.release()
-        self._start(self._board.tidy(kh, claim.ident))
+        tidy = asyncio.create_task(self._board.tidy(kh, claim.ident))
+        self._tidying.add(tidy)
+        tidy.add_done_callback(self._tidying.discard)
 
     async def _follow(self, kh: str) -> Streaming | None:
         """Join another process's fetch of `kh` through a local mirror flight, which this
@@ -661,8 +665,9 @@ class ArtifactService:
         if committing:
             await asyncio.wait([asyncio.ensure_future(c) for c in committing],
                                timeout=COMMIT_AT_STOP_S)
-        for task in list(self._tasks):
-            task.cancel()
+        for task in [*self._tasks, *self._tidying]:
+            task.cancel()  # files left untidy are cleared at the next start
+        await asyncio.gather(*self._tidying, return_exceptions=True)
         await self.wait_idle()
 
 
