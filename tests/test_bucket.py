@@ -439,3 +439,23 @@ async def test_a_bucket_that_accepts_and_never_answers_costs_a_miss_only_its_tim
             writer.close()
         silent.close()
         await silent.wait_closed()
+
+
+@on_postgresql
+async def test_objects_unread_for_max_age_leave_the_bucket(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                          prefix.config(max_age_s=1.0))
+    assert (await get(a.url, elfs.cpp.build_id))[0] == 200
+    await eventually(lambda: _has(prefix, object_of(elfs.cpp)))
+
+    async def aged_out() -> bool:
+        return object_of(elfs.cpp) not in await prefix.objects()
+
+    await eventually(aged_out, timeout=10)
+    # Its local copy is this replica's own: still a hit, and not uploaded again.
+    assert (await get(a.url, elfs.cpp.build_id))[0] == 200
+    await asyncio.sleep(1.0)  # three catch-up rounds
+    assert await a.metric("symgate_bucket_uploads_total", kind="debuginfo") == 1

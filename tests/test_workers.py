@@ -96,7 +96,11 @@ async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
         if len(workers) == 2 and victim not in workers:
             break
         await asyncio.sleep(0.1)
-    assert len(workers) == 2 and victim not in workers
+    if not (len(workers) == 2 and victim not in workers):
+        proc.terminate()  # then what it said, for the report
+        said = await asyncio.wait_for(proc.stdout.read(), 60) if proc.stdout else b""
+        pytest.fail(f"workers {workers} after killing {victim}; the server said:\n"
+                    + said.decode(errors="replace")[-3000:])
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
         for _ in range(10):
