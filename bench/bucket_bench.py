@@ -43,8 +43,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from procs import Ports, Procs, become_subreaper, loopback_only_environ  # noqa: E402
-from proxy_bench import BenchError, pad_to, wait_answering  # noqa: E402
+from procs import (  # noqa: E402
+    Ports,
+    Procs,
+    become_subreaper,
+    loopback_only_environ,
+    stop_on_signals,
+)
+from proxy_bench import BenchError, _timed_get, pad_to, wait_answering  # noqa: E402
 
 from tests.elfs import build_program  # noqa: E402
 
@@ -54,20 +60,12 @@ LIBC_BYTES = 4_166_896
 MiB = 1024 * 1024
 
 
-async def timed_get(session: aiohttp.ClientSession, url: str) -> tuple[float, float, bytes]:
+async def timed_get(session: aiohttp.ClientSession, url: str, size: int
+                    ) -> tuple[float, float, bytes]:
     """(seconds to the first body byte, to the last, the body)."""
-    t0 = time.perf_counter()
-    first: float | None = None
     body = bytearray()
-    async with session.get(url) as r:
-        if r.status != 200:
-            raise BenchError(f"GET {url}: {r.status}")
-        async for chunk in r.content.iter_any():
-            if first is None:
-                first = time.perf_counter() - t0
-            body += chunk
-    assert first is not None
-    return first, time.perf_counter() - t0, bytes(body)
+    first, total = await _timed_get(session, url, size, body)
+    return first, total, bytes(body)
 
 
 def upstream_requests(upstream: str) -> float:
@@ -170,7 +168,8 @@ async def per_artifact(cluster: Cluster, ids: dict[str, bytes], requests: int
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         async def one(base: str, bid: str) -> bool:
             async with limit:
-                _, _, body = await timed_get(s, f"{base}/buildid/{bid}/debuginfo")
+                _, _, body = await timed_get(s, f"{base}/buildid/{bid}/debuginfo",
+                                             len(ids[bid]))
                 return body == ids[bid]
 
         right = await asyncio.gather(*(one(base, bid) for base, bid in asks))
@@ -189,13 +188,13 @@ async def first_bytes(cluster: Cluster, ids: dict[str, bytes]) -> dict[str, Any]
             path = f"/buildid/{bid}/debuginfo"
             for name, url in (("upstream fetch (A, cold)", a + path),
                               ("upstream itself", cluster.upstream + path)):
-                first, total, body = await timed_get(s, url)
+                first, total, body = await timed_get(s, url, len(data))
                 if body != data:
                     raise BenchError(f"{url}: wrong body")
                 rows[name].append((first, total))
             await wait_published(s, a, len(rows["local hit (A)"]) + 1)
             for name, url in (("bucket hit (B)", b + path), ("local hit (A)", a + path)):
-                first, total, body = await timed_get(s, url)
+                first, total, body = await timed_get(s, url, len(data))
                 if body != data:
                     raise BenchError(f"{url}: wrong body")
                 rows[name].append((first, total))
@@ -227,6 +226,7 @@ def main() -> int:
     args = ap.parse_args()
     loopback_only_environ()
     become_subreaper()
+    stop_on_signals()
     work = Path(tempfile.mkdtemp(prefix="symgate-bucket-bench-"))
     procs = Procs()
     database = ""

@@ -26,6 +26,17 @@ def loopback_only_environ() -> None:
     os.environ["NO_PROXY"] = "*"
 
 
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, so that a bench's cleanup (its processes,
+    its temp dir) runs. SIGINT too: a shell starts background jobs with it ignored, and Python
+    then leaves it so."""
+    def on_term(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+
 def become_subreaper() -> None:
     # Orphans of the servers we stop (their workers) are re-parented to us, so we can end them.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

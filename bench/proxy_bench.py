@@ -39,7 +39,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from procs import (  # noqa: E402
     listening_sockets,
     loopback_only_environ,
     rss_kib,
+    stop_on_signals,
     tree_pss_kib,
 )
 
@@ -169,9 +169,9 @@ def ab_head(url: str, seconds: int) -> float:
     return float(m.group(1))
 
 
-async def _timed_get(session: aiohttp.ClientSession, url: str, size: int
-                     ) -> tuple[float, float]:
-    """(seconds to the first body byte, seconds to the last)."""
+async def _timed_get(session: aiohttp.ClientSession, url: str, size: int,
+                     body: bytearray | None = None) -> tuple[float, float]:
+    """(seconds to the first body byte, seconds to the last); the bytes into `body`."""
     t0 = time.perf_counter()
     first: float | None = None
     n = 0
@@ -182,6 +182,8 @@ async def _timed_get(session: aiohttp.ClientSession, url: str, size: int
             if first is None:
                 first = time.perf_counter() - t0
             n += len(chunk)
+            if body is not None:
+                body += chunk
     total = time.perf_counter() - t0
     if n != size or first is None:
         raise BenchError(f"GET {url}: {n} bytes, expected {size}")
@@ -832,12 +834,7 @@ def main() -> int:
     loopback_only_environ()
     become_subreaper()
 
-    def on_term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    # SIGINT too: a shell starts background jobs with it ignored, and Python then leaves it so.
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    stop_on_signals()
     work = Path(tempfile.mkdtemp(prefix="symgate-bench-"))
     procs = Procs()
     n = os.cpu_count() or 1

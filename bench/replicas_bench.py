@@ -32,7 +32,6 @@ import asyncio
 import hashlib
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from procs import Ports, Procs, become_subreaper, loopback_only_environ  # noqa: E402
+from procs import Ports, Procs, become_subreaper, loopback_only_environ, stop_on_signals  # noqa: E402
 from proxy_bench import SMALL_BYTES, BenchError, pad_to, wait_answering  # noqa: E402
 
 from symbolize.elf import build_id_of_file  # noqa: E402
@@ -216,11 +215,7 @@ def main() -> int:
     loopback_only_environ()
     become_subreaper()
 
-    def on_term(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    stop_on_signals()
     name = f"symgate_bench_{uuid.uuid4().hex[:12]}"
     try:
         asyncio.run(_admin(f'CREATE DATABASE "{name}"'))

@@ -30,9 +30,10 @@ async def run_in_thread(cmd: list[str], *, timeout: float = 120,
                                    env=env, timeout=timeout)
 
 
-async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process) -> None:
+async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process,
+                             log: Path | None = None) -> None:
     """Return once `base_url`/healthz answers 200; if `proc` exits first or 30 s pass, kill it
-    and fail with what it printed (its stdout must be a pipe)."""
+    and fail with what it printed: its stdout (a pipe), or the tail of `log`."""
     async with aiohttp.ClientSession() as s:
         for _ in range(300):
             try:
@@ -45,8 +46,11 @@ async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process) ->
                 break
             await asyncio.sleep(0.1)
     proc.kill()
-    out = await proc.stdout.read() if proc.stdout else b""
-    raise AssertionError(f"symgate did not come up: {out.decode()}")
+    if log is not None:
+        said = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    else:
+        said = (await proc.stdout.read() if proc.stdout else b"").decode(errors="replace")
+    raise AssertionError(f"the server did not come up: {said}")
 
 
 async def start_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,

@@ -86,15 +86,12 @@ async def test_fifty_cold_requests_over_three_replicas_make_one_upstream_request
 ) -> None:
     procs: list[asyncio.subprocess.Process] = []
     try:
-        # Real processes: three event loops, as on three machines. The first migrates.
-        base, proc = await start_serve(tmp_path, tmp_path / "a", database_url, debuginfod.url,
-                                       extra=prefix.toml())
-        procs.append(proc)
-        more = await asyncio.gather(*(start_serve(tmp_path, tmp_path / name, database_url,
-                                                  debuginfod.url, extra=prefix.toml())
-                                      for name in "bc"))
-        procs += [proc for _, proc in more]
-        bases = [base, *(b for b, _ in more)]
+        # Real processes: three event loops, as on three machines, started at once.
+        started = await asyncio.gather(*(start_serve(tmp_path, tmp_path / name, database_url,
+                                                     debuginfod.url, extra=prefix.toml())
+                                         for name in "abc"))
+        procs += [proc for _, proc in started]
+        bases = [base for base, _ in started]
         elf = elfs.nopie  # small: fifty bodies of it cost the test process little
         expected = elf.debug.read_bytes()
         before = await upstream_requests(debuginfod)
@@ -154,67 +151,56 @@ async def _has(prefix: Prefix, path: str) -> bool:
 
 @on_postgresql
 async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_from_all(
-    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, prefix: Prefix
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
 ) -> None:
-    fault = FaultUpstream(elfs)
-    await fault.start()
-    nowhere = fault.url_for("notfound")  # the upload is the only place it is
+    nowhere = faults.url_for("notfound")  # the upload is the only place it is
     token = "symgate-test-upload-token"
-    try:
-        a, b = [await start_symgate([nowhere], data_dir=tmp_path / name,
-                                    storage=prefix.config(),
-                                    upload=UploadConfig(admin_tokens=(token,)),
-                                    cache=CacheConfig(purge_poll_s=0.2))
-                for name in "ab"]
-        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-        data = elfs.prog.debug.read_bytes()
-        status, _, _ = await a.request("PUT", path, data=data,
-                                       headers={"Authorization": f"Bearer {token}"})
-        assert status == 201
-        assert (await b.get(path))[::2] == (200, data)  # at once: the PUT waited for the bucket
-        assert fault.count("notfound") == 0
-        status, _, _ = await a.request("DELETE", path,
-                                       headers={"Authorization": f"Bearer {token}"})
-        assert status == 204
-        assert object_of(elfs.prog) not in await prefix.objects()
+    a, b = [await start_symgate([nowhere], data_dir=tmp_path / name, storage=prefix.config(),
+                                upload=UploadConfig(admin_tokens=(token,)),
+                                cache=CacheConfig(purge_poll_s=0.2))
+            for name in "ab"]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    auth = {"Authorization": f"Bearer {token}"}
+    assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+    assert (await b.get(path))[::2] == (200, data)  # at once: the PUT waited for the bucket
+    assert faults.count("notfound") == 0
+    assert (await a.request("DELETE", path, headers=auth))[0] == 204
+    assert object_of(elfs.prog) not in await prefix.objects()
 
-        async def gone_from_b() -> bool:
-            return (await b.get(path))[0] == 404
+    async def gone_from_b() -> bool:
+        return (await b.get(path))[0] == 404
 
-        await eventually(gone_from_b, timeout=10)
-    finally:
-        await fault.stop()
+    await eventually(gone_from_b, timeout=10)
 
 
 @on_postgresql
 async def test_a_replica_killed_mid_fetch_loses_its_lease_and_another_takes_the_fetch_over(
     start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
-    prefix: Prefix
+    faults: FaultUpstream, prefix: Prefix
 ) -> None:
-    fault = FaultUpstream(elfs)
-    await fault.start()
-    held = fault.url_for("held")  # sends half the body, then waits for `release`
+    held = faults.url_for("held")  # sends half the body, then waits for `release`
     base, proc = await start_serve(tmp_path, tmp_path / "a", database_url, held,
                                    extra=prefix.toml())
     try:
         cut = asyncio.ensure_future(read_broken(f"{base}/buildid/{elfs.big.build_id}/debuginfo"))
-        await asyncio.wait_for(fault.held_half_sent.wait(), 30)
+        await asyncio.wait_for(faults.held_half_sent.wait(), 30)
         proc.send_signal(signal.SIGKILL)  # holding the key's lease, half the file written
         await proc.wait()
         await cut
-        fault.release.set()  # the next request for it is answered whole
-        (b,) = await replicas(start_symgate, tmp_path, held, "b", prefix.config())
-        status, _, body = await b.get(f"/buildid/{elfs.big.build_id}/debuginfo")
-        assert (status, body) == (200, elfs.big.debug.read_bytes())
-        assert fault.count("held") == 2
-        assert await b.metric("symgate_cluster_fetches_total", how="upstream") == 1
-        await b.settled()
-        objects = await prefix.objects()
-        assert objects.pop(object_of(elfs.big)) == elfs.big.debug.read_bytes()
-        assert all(path.startswith("symtab/") for path in objects), "a partial object"
     finally:
         await stop_serve([proc])
-        await fault.stop()
+    faults.release.set()  # the next request for it is answered whole
+    (b,) = await replicas(start_symgate, tmp_path, held, "b", prefix.config())
+    status, _, body = await b.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert (status, body) == (200, elfs.big.debug.read_bytes())
+    assert faults.count("held") == 2
+    assert await b.metric("symgate_cluster_fetches_total", how="upstream") == 1
+    await b.settled()
+    objects = await prefix.objects()
+    assert objects.pop(object_of(elfs.big)) == elfs.big.debug.read_bytes()
+    assert all(path.startswith("symtab/") for path in objects), "a partial object"
 
 
 def _profile(elfs: ElfSet) -> bytes:

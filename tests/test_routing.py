@@ -24,7 +24,14 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.front import SERVER_LINE, SHIPPED, front_config, nginx_binary
 from tests.harness import Debuginfod, eventually, free_port
-from tests.processes import alive, descendants, run_in_thread, start_serve, stop_serve
+from tests.processes import (
+    alive,
+    descendants,
+    run_in_thread,
+    start_serve,
+    stop_serve,
+    wait_until_serving,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
@@ -139,21 +146,6 @@ class Front:
     logs: Path
 
 
-async def serving(url: str, proc: asyncio.subprocess.Process, log: Path) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(300):
-            try:
-                async with s.get(url + "/healthz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if proc.returncode is not None:
-                break
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"nginx did not come up: {log.read_text(errors='replace')[-2000:]}")
-
-
 @contextlib.asynccontextmanager
 async def nginx_in_front(tmp_path: Path, database_url: str, upstream: str
                          ) -> AsyncIterator[Front]:
@@ -162,16 +154,12 @@ async def nginx_in_front(tmp_path: Path, database_url: str, upstream: str
     procs: list[asyncio.subprocess.Process] = []
     nginx: asyncio.subprocess.Process | None = None
     try:
-        # The first replica makes the schema on the new database; the others then start
-        # together (migrations are not meant to run concurrently).
-        first = await start_serve(tmp_path, tmp_path / "r0", database_url, upstream,
-                                  extra="access_flush_s = 0.2\n")
-        procs.append(first[1])
-        more = await asyncio.gather(*(
+        # All three at once on the new database: each migrates in turn (an advisory lock).
+        started = await asyncio.gather(*(
             start_serve(tmp_path, tmp_path / f"r{i}", database_url, upstream,
-                        extra="access_flush_s = 0.2\n") for i in (1, 2)))
-        procs += [p for _, p in more]
-        bases = [first[0], *(b for b, _ in more)]
+                        extra="access_flush_s = 0.2\n") for i in range(3)))
+        procs += [p for _, p in started]
+        bases = [b for b, _ in started]
         port = free_port()
         prefix = tmp_path / "nginx"
         conf = front_config(prefix, port, [b.removeprefix("http://") for b in bases])
@@ -179,7 +167,7 @@ async def nginx_in_front(tmp_path: Path, database_url: str, upstream: str
             str(NGINX), "-p", str(prefix), "-c", str(conf), stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-        await serving(url, nginx, prefix / "logs" / "error.log")
+        await wait_until_serving(url, nginx, prefix / "logs" / "error.log")
         yield Front(url, bases, procs, prefix / "logs")
     finally:
         if nginx is not None and nginx.returncode is None:
