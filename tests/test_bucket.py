@@ -105,8 +105,8 @@ async def test_fifty_cold_requests_over_three_replicas_make_one_upstream_request
         assert all(sum(h.values()) == 1 for h in hows), hows  # one fetch per replica
         objects = await prefix.objects()
         assert objects.pop(object_of(elf)) == expected
-        # Besides it, only the symbol table its commit had built; nothing half-written.
-        assert [path.split("/")[0] for path in objects] == ["symtab"]
+        # Besides it, at most the symbol table its commit built; nothing half-written.
+        assert all(path.startswith("symtab/") for path in objects), objects.keys()
     finally:
         await stop_serve(procs)
 
