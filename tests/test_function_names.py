@@ -17,6 +17,7 @@ from symbolize.elf import function_symbols, layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.rewrite import MappingSymbols
 from symbolize.symtab import BuildResult, build_symbol_table
+from tests.elfs import ALIASES, build_aliased_library
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions
 from tests.profiles import Expected, frames_of, llvm_symbolize
 from tests.rewriting import open_table, run_rewrite
@@ -207,32 +208,6 @@ def test_names_are_llvm_symbolizers_on_the_executable_but_for_asm_labels(
     assert exact > 0.96 * len(llvm), (exact, len(llvm), asm_labels)
 
 
-_ALIASED_C = r"""
-#include <stdio.h>
-extern void __attribute__((cold)) report(const char *, int);
-/* One function exported under several names; its DWARF name is its own, not exported. */
-static int __attribute__((noinline)) mix_impl(int x) { return x * 3 + (x >> 2); }
-int mix_a(int) __attribute__((alias("mix_impl")));
-int mix_b(int) __attribute__((alias("mix_impl")));
-int mix_c(int) __attribute__((alias("mix_impl")));
-int mix_d(int) __attribute__((alias("mix_impl")));
-/* GCC splits the path to a cold call off, into checked.cold. */
-int checked(int *v, int n) {
-    int s = 0;
-    for (int i = 0; i < n; i++) {
-        if (v[i] < 0) {
-            report("negative", i);
-            report("value", v[i]);
-            s = -s;
-        }
-        s += mix_impl(v[i]);
-    }
-    return s;
-}
-void report(const char *what, int x) { fprintf(stderr, "%s %d\n", what, x); }
-"""
-
-
 def test_exported_names_and_cold_parts_as_llvm_symbolizer_names_them_given_the_executable(
         tmp_path: Path) -> None:
     """A gcc-built shared library exports one function as mix_a..mix_d: .symtab lists them in
@@ -242,18 +217,9 @@ def test_exported_names_and_cold_parts_as_llvm_symbolizer_names_them_given_the_e
     Built with the executable beside the debug file, symgate says the same; from the debug
     file alone, the last name .symtab lists and `checked.cold`, as llvm-symbolizer says on
     the debug file."""
-    (tmp_path / "fx.c").write_text(_ALIASED_C)
-    exe, debug = tmp_path / "libfx.so", tmp_path / "libfx.so.debug"
-    subprocess.run(["gcc", "-g", "-O2", "-fPIC", "-shared", "-Wl,--build-id", "-o", str(exe),
-                    str(tmp_path / "fx.c")], check=True)
-    subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(debug)], check=True)
-    # Stripped as distributions ship libraries: .dynsym alone, which llvm-symbolizer then uses.
-    subprocess.run(["objcopy", "--strip-all", f"--add-gnu-debuglink={debug}", str(exe)],
-                   check=True)
-    layout = layout_of_file(exe)
-    assert layout is not None and layout.build_id
-    bid = layout.build_id
-    aliases = ("mix_a", "mix_b", "mix_c", "mix_d")
+    lib = build_aliased_library(tmp_path)
+    exe, debug, bid = lib.executable, lib.debug, lib.build_id
+    aliases = ALIASES
     in_symtab = [s.name for s in function_symbols(debug) if s.name in aliases]
     in_dynsym = [s.name for s in function_symbols(exe, ".dynsym") if s.name in aliases]
     # What the test is about: the tables' orders differ where it matters.
