@@ -29,7 +29,7 @@ from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable
-from symbolize.elf import LoadSegment, executable_segments, layout_of_file
+from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome
 from symbolize.pipeline import Resolved, SymbolProvider
 from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
@@ -414,10 +414,12 @@ class SymbolResolver:
                     bid, Kind.DEBUGINFO))) is not None \
                 and rec.source_key == ArtifactKey(bid, Kind.DEBUGINFO).id \
                 and not await asyncio.to_thread(names_from_executable,
-                                                self._tables.path(scope, bid)):
+                                                self._tables.path(scope, bid)) \
+                and bool(await asyncio.to_thread(exported_functions, cached.path, bid)):
             # The debug file's table was built before its executable came (a debugger fetched
-            # the debug file alone): built again, to name exported functions by its .dynsym.
-            # Not while a resolution is under way: that one fetched the executable itself.
+            # the debug file alone): built again, to name exported functions by the stripped
+            # executable's .dynsym (one that keeps its .symtab would change no name). Not while
+            # a resolution is under way: that one fetched the executable itself.
             self._open.drop(scope, bid)
             return await self._build(bid, _Source(
                 debug.path, rec.source_key, scope, (scope, ArtifactKey(bid, Kind.DEBUGINFO)),
