@@ -135,8 +135,9 @@ def exactness(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str,
     files = [(libc, debug_file(libc_id), libc_id, text_addresses(libc, 3000, rng))]
     files += [(exe, debug, bid, text_addresses(exe, 60, rng)) for exe, debug, bid in programs]
     workspace, answers = Workspace(64), {}
-    for _exe, debug, bid, _v in files:
-        built = build_symbol_table(debug, work / f"{bid}.symc", bid)
+    for exe, debug, bid, _v in files:
+        # As the server and the CLI build it when both files are at hand.
+        built = build_symbol_table(debug, work / f"{bid}.symc", bid, exe)
         answers[bid] = Answer(TableSpec(work / f"{bid}.symc", built.load_address,
                                         built.code_ranges, built.cold_ranges, built.has_lines))
     profile = placed_profile([(exe, bid, v) for exe, _d, bid, v in files], relative=True)

@@ -334,27 +334,32 @@ class Chains:
         used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
-    def encoded(self, old: U64, new: U64) -> ObjectArray:
-        """Per address, its Line entries (b"" for none), with each function id of `old`
-        (sorted, every id the chains use) written as the one of `new` at its place.
+    def encoded_spans(self, old: U64, new: U64
+                      ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int32],
+                                 npt.NDArray[np.int32]]:
+        """Per address, where its Line entries are in the bytes returned (start, length; 0
+        for none), with each function id of `old` (sorted, every id the chains use) written
+        as the one of `new` at its place.
 
         Every chain used is encoded again: a profile's ids are its own (rewrite._Functions),
         so the encodings kept with the chains hardly ever fit as they are. The work is per
-        chain, the per-address part a gather.
-        """
+        chain, the per-address part a gather (of 32-bit numbers: the bytes of the chains of a
+        profile are far below 2 GB)."""
         used = self._used
         at, owners = self._frames_of(used)
         ids = self._c.function_ids[at]
-        # Global ids are dense from FIRST_ID: a table finds each one's new id.
         written = np.zeros(len(self._ids) + 1, dtype=np.uint64)
         written[(old - np.uint64(FIRST_ID)).astype(np.int64)] = new
         ids = written[(ids - np.uint64(FIRST_ID)).astype(np.int64)]
-        per_chain = np.empty(len(used) + 1, dtype=object)
-        per_chain[0] = b""
-        per_chain[1:] = encode_lines(owners, ids, self._c.lines[at], self._c.columns[at],
-                                     len(used))
-        # Chain number -> its place in per_chain (0: none).
-        place = np.zeros(len(self._c.id_count), dtype=np.int64)
-        place[used] = np.arange(1, len(used) + 1)
-        tails: ObjectArray = per_chain[place[self.numbers]]
-        return tails
+        blob, end = varint.messages(_LOCATION_LINE, [(1, ids), (2, self._c.lines[at]),
+                                                     (3, self._c.columns[at])])
+        if len(blob) >= 1 << 31:
+            raise ValueError("the chains of one profile encode to 2 GB or more")
+        bounds = np.concatenate(([0], end))[np.searchsorted(owners, np.arange(len(used) + 1))]
+        # Per place (0: no chain, then the used ones in order), where its encoding is.
+        starts = np.concatenate(([0], bounds[:-1])).astype(np.int32)
+        lengths = np.concatenate(([0], np.diff(bounds))).astype(np.int32)
+        place = np.zeros(len(self._c.id_count), dtype=np.int32)
+        place[used] = np.arange(1, len(used) + 1, dtype=np.int32)
+        at_place = place[self.numbers]
+        return blob, starts[at_place], lengths[at_place]

@@ -3,12 +3,21 @@ lines for code outside every subprogram. Chosen once, when the table is built, a
 table file behind the SymCache's own bytes (symbolic reads only as far as its header says).
 
 The name of a function with code: the DWARF subprogram's (demangled linkage name, or
-DW_AT_name for C; the raw linkage name is the system name), but the name a shared library
-exports it under where it hides the DWARF one (`getcwd` for `__getcwd`, as llvm-symbolizer
-given the executable says); else the best of the symbol table's aliases at its entry: not an
-internal one (glibc's `__GI_*` and `*_alias*` hidden names, GCC's `.cold` parts), global or
-weak before local, the later listed of equals. symbolic takes the first alias listed,
-`__GI___nanosleep` for what gdb calls `__nanosleep`.
+DW_AT_name for C; the raw linkage name is the system name); else the best of the symbol
+table's aliases at its entry: not an internal one (glibc's `__GI_*` and `*_alias*` hidden
+names, GCC's `.cold` parts), global or weak before local, the later listed of equals.
+symbolic takes the first alias listed, `__GI___nanosleep` for what gdb calls `__nanosleep`.
+
+Where the function is exported, the code from its entry on (the outermost frame, but in a
+GCC `.cold` part) is named as llvm-symbolizer names it given the stripped executable: after
+the executable's .dynsym symbol there, the largest, the last listed of equals (`select`, not
+`__select`; `getcwd` where libc hides the DWARF name `__getcwd`). .dynsym's order is GNU hash
+order, which only the executable carries: a detached debug file keeps the table's header but
+not its contents. Without it, the DWARF name where it is exported, else the last exported name
+that .symtab lists there. Inlined frames keep the DWARF name, and so does a `.cold` part where
+.dynsym named the rest (no .dynsym symbol covers it: llvm-symbolizer names it by DWARF too);
+without .dynsym, a `.cold` part is named after its `.cold` symbol, as llvm-symbolizer names it
+by a .symtab (the debug file's, or an executable's that keeps one).
 """
 
 from __future__ import annotations
@@ -44,9 +53,15 @@ class OrphanRow:
 
 @dataclass
 class TableExtras:
-    # Function index -> (name, system name) for its frames (but an outermost one in a cold
-    # part, named after the .cold symbol as llvm-symbolizer does).
+    # Function index -> (name, system name) for its frames; `dwarf_names` where an inlined
+    # frame's and a cold part's differ (the outermost frame elsewhere is named after an
+    # exported symbol).
     names: dict[int, tuple[str, str]] = field(default_factory=dict)
+    dwarf_names: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # Whether the names were chosen with the executable at hand, and whether by its .dynsym
+    # (a stripped one): then a `.cold` part is named after its function, else after itself.
+    from_executable: bool = False
+    from_dynsym: bool = False
     start_lines: list[int] = field(default_factory=list)  # per function index; 0: unknown
     # Sorted [start, end) ranges of code outside every subprogram, and their rows (sorted;
     # a row with line 0 ends a sequence).
@@ -61,14 +76,27 @@ class TableExtras:
     def start_line(self, function: int) -> int:
         return self.start_lines[function] if 0 <= function < len(self.start_lines) else 0
 
+    def name(self, function: int, outermost_hot: bool) -> tuple[str, str] | None:
+        """(name, system name) of a frame of `function`: the outermost one outside a `.cold`
+        part, or another (inlined, or in a `.cold` part by .dynsym); None: symbolic's."""
+        if outermost_hot:
+            return self.names.get(function)
+        return self.dwarf_names.get(function) or self.names.get(function)
+
 
 def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
-           symbols: Sequence[FunctionSymbol]) -> TableExtras:
-    """The extras of a SymCache, from the second DWARF reader and the symbol table."""
+           symbols: Sequence[FunctionSymbol],
+           exports: Sequence[FunctionSymbol] | None = None) -> TableExtras:
+    """The extras of a SymCache, from the second DWARF reader and the symbol table, and the
+    functions a stripped executable exports (.dynsym, in its order) when it is at hand."""
     aliases: dict[int, list[FunctionSymbol]] = {}
     for s in symbols:
         aliases.setdefault(s.value, []).append(s)
-    extras = TableExtras(start_lines=[0] * columns.functions)
+    picks = _dynsym_picks(exports) if exports is not None else None
+    range_starts: dict[int, list[int]] = {}  # a subprogram's, by the object's id
+    for start, subprogram in sorted(dwarf.by_entry.items()):
+        range_starts.setdefault(id(subprogram), []).append(start)
+    extras = TableExtras(start_lines=[0] * columns.functions, from_dynsym=picks is not None)
     entries = columns.function_entry.tolist()
     name_at = columns.function_name.tolist()
     for f, entry in enumerate(entries):
@@ -80,26 +108,36 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             continue
         address = entry + load_address
         sub = dwarf.by_entry.get(address)
+        pick = None
+        if picks is not None:  # a function split by GCC is exported at its hot part's start
+            pick = next((picks[a] for a in range_starts.get(id(sub), [address]) if a in picks),
+                        None)
         if sub is not None:
             extras.start_lines[f] = sub.decl_line
             system = sub.linkage_name or sub.name
-            if system.startswith(("_Z", "_R")):
-                if system == own:  # symbolic's name, demangled knowing the language
-                    continue
-                chosen = (demangle(system), system)
-            else:
-                chosen = (sub.name or system, system)
+            mangled = system.startswith(("_Z", "_R"))
+            by_dwarf = (demangle(system) if mangled else sub.name or system, system)
+            chosen = by_dwarf
             exported = _exported(aliases.get(address, []))
-            if exported and not {sub.name, system} & set(exported):
+            if pick is not None:
+                chosen = (demangle(pick), system)
+            elif picks is None and exported and not {sub.name, system} & set(exported):
                 # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`) and
                 # exports the function as `getcwd`, `pthread_create`: what its callers wrote,
                 # and what llvm-symbolizer says given the executable (from its .dynsym).
                 chosen = (demangle(exported[-1]), system)
+            if mangled and system == own and chosen == by_dwarf:
+                continue  # symbolic's name, demangled knowing the language
+            if chosen != by_dwarf:
+                extras.dwarf_names[f] = by_dwarf
         else:
             best = _best_alias(aliases.get(address, []))
-            if best is None:
+            if pick is not None:
+                chosen = (demangle(pick), best or pick)
+            elif best is None:
                 continue
-            chosen = (demangle(best.partition("@")[0]), best)
+            else:
+                chosen = (demangle(best.partition("@")[0]), best)
         if chosen != (demangle(own), own):
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)
@@ -124,6 +162,18 @@ def _best_alias(found: list[FunctionSymbol]) -> str | None:
     return best
 
 
+def _dynsym_picks(exports: Sequence[FunctionSymbol]) -> dict[int, str]:
+    """Address -> the exported symbol llvm-symbolizer names the code there after: of those
+    starting there, the largest, the last in .dynsym of equals (it sorts by address and size,
+    stably, and keeps the last of each address)."""
+    picks: dict[int, tuple[int, str]] = {}
+    for s in exports:
+        held = picks.get(s.value)
+        if held is None or s.size >= held[0]:
+            picks[s.value] = (s.size, s.name)
+    return {address: name for address, (_size, name) in picks.items()}
+
+
 def _exported(found: list[FunctionSymbol]) -> list[str]:
     """The names a shared library exports at one address, in .symtab's order, without the
     version that .symtab appends to an old one (`__libc_start_main@GLIBC_2.2.5`): .dynsym, which
@@ -136,6 +186,9 @@ def append_to(path: Path, extras: TableExtras) -> None:
     """Write `extras` behind the SymCache at `path`."""
     blob = json.dumps({
         "names": [[f, n, s] for f, (n, s) in sorted(extras.names.items())],
+        "dwarf_names": [[f, n, s] for f, (n, s) in sorted(extras.dwarf_names.items())],
+        "from_executable": extras.from_executable,
+        "from_dynsym": extras.from_dynsym,
         "start_lines": extras.start_lines,
         "orphan_ranges": extras.orphan_ranges,
         "orphan_rows": [[r.address, r.file, r.line] for r in extras.orphan_rows],
@@ -146,6 +199,15 @@ def append_to(path: Path, extras: TableExtras) -> None:
         f.write(blob)
         f.write(rows)
         f.write(_TRAILER.pack(len(blob), len(rows), size, _MARK))
+
+
+def names_from_executable(path: Path) -> bool:
+    """Whether the table at `path` was built with its executable's .dynsym at hand."""
+    try:
+        extras = read_from(path)
+    except (OSError, ValueError):
+        return False
+    return extras is not None and extras.from_executable
 
 
 def read_from(path: Path) -> TableExtras | None:
@@ -167,6 +229,9 @@ def read_from(path: Path) -> TableExtras | None:
         column_starts=np.frombuffer(rows, dtype="<u4", count=count).astype(np.uint32),
         columns=np.frombuffer(rows, dtype="<u2", offset=4 * count).astype(np.uint16),
         names={int(f): (n, s) for f, n, s in raw["names"]},
+        dwarf_names={int(f): (n, s) for f, n, s in raw.get("dwarf_names", [])},
+        from_executable=bool(raw.get("from_executable", False)),
+        from_dynsym=bool(raw.get("from_dynsym", False)),
         start_lines=[int(x) for x in raw["start_lines"]],
         orphan_ranges=[(int(a), int(b)) for a, b in raw["orphan_ranges"]],
         orphan_rows=[OrphanRow(int(a), str(p), int(n)) for a, p, n in raw["orphan_rows"]],

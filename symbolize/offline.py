@@ -37,7 +37,7 @@ class LocalDebugDirs:
             return Resolved(None, outcome=Outcome.NOT_FOUND)
         out = self._workdir / f"{build_id}.symc"
         try:
-            built = build_symbol_table(source, out, build_id)
+            built = build_symbol_table(source, out, build_id, exe)
         except NoSymbols:
             return Resolved(None, outcome=Outcome.NO_SYMBOLS)
         except MalformedObject:

@@ -28,7 +28,7 @@ from .buildid import InvalidBuildId, normalize_build_id
 from .chains import Chains, FunctionIds
 from .elf import LoadSegment
 from .pprof import varint
-from .pprof.columns import location_columns
+from .pprof.columns import PART, location_columns
 from .pprof.profile_raw_pb2 import RawProfile
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
@@ -39,8 +39,11 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
 _PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
-# Locations written back at a time (see _replace_locations).
-_BATCH = 1 << 16
+# Locations written back at a time (see _replace_locations): a batch's byte positions are
+# some 16 bytes a byte of it.
+_OUT_BATCH = 1 << 14
+assert PART % _OUT_BATCH == 0
+_PROFILE_LOCATION = 4 << 3 | 2  # Profile.location: field 4, length-delimited
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,7 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     if not usable:
         return
     count = len(profile.location)
-    columns = location_columns(profile.location)
+    columns = location_columns(profile.location, keep_encodings=True)
     where_of = _locations_by_mapping(columns.mapping_id, ~columns.has_lines, list(usable))
     nowhere = np.zeros(0, dtype=np.intp)
     # The addresses of every mapping of one table are looked up together: a lookup costs about
@@ -199,6 +202,11 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
         if outside := int(len(ok) - ok.sum()):
             report.locations_unresolved["outside_mapping"] += outside
         batches.setdefault(id(sym.table), (sym.table, []))[1].append((mid, where[ok], vaddrs[ok]))
+    # The columns are done with but the encodings, kept to write the locations out again: not
+    # held beside the lookups' temporaries.
+    encodings, lengths = columns.encodings, columns.length
+    assert encodings is not None
+    del columns, where_of
     # Per table: where its locations are, their chains, and each mapping's share of them.
     found: list[tuple[npt.NDArray[np.intp], Chains, list[tuple[int, int]]]] = []
     for table, members in batches.values():
@@ -210,17 +218,25 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
             continue
         found.append((np.concatenate([w for _m, w, _v in members]), chains,
                       [(mid, len(w)) for mid, w, _v in members]))
-    # The columns and addresses are done with: not held beside the encodings to come.
-    del batches, columns, where_of
+    # The addresses are done with: not held beside the encodings to come.
+    del batches
 
     used = np.unique(np.concatenate([c.function_ids() for _w, c, _m in found]
                                     or [np.zeros(0, np.uint64)]))
     written = _Functions(profile, ids).add(used)
 
-    # Each location comes out as its own bytes and then its chain's Line entries.
-    tails = np.full(count, b"", dtype=object)
+    # Each location comes out as its own bytes and then its chain's Line entries: where those
+    # are, in the bytes of all the tables' chains.
+    blobs: list[npt.NDArray[np.uint8]] = []
+    tail_start = np.zeros(count, dtype=np.int64)
+    tail_length = np.zeros(count, dtype=np.int32)
+    offset = 0
     for where, chains, shares in found:
-        tails[where] = chains.encoded(used, written)
+        blob, starts, lengths_of = chains.encoded_spans(used, written)
+        tail_start[where] = starts + offset
+        tail_length[where] = lengths_of
+        blobs.append(blob)
+        offset += len(blob)
         start = 0
         for mid, count in shares:
             numbers = chains.numbers[start:start + count]
@@ -237,7 +253,12 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                     resolved)
             else:
                 report.mappings_skipped["no_symbols"] += 1
-    _replace_locations(profile, tails)
+    # The chains are done with too (their numbers are a column the size of the input).
+    del found, where, chains, shares, numbers, resolved, starts, lengths_of, blob
+    if tail_length.any():
+        tails = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+        del blobs
+        _replace_locations(profile, encodings, lengths, tails, tail_start, tail_length)
 
 
 def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
@@ -252,13 +273,43 @@ def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
     return dict(zip(ids.tolist(), np.split(at, starts[1:]), strict=True))
 
 
-def _replace_locations(profile: RawProfile, tails: ObjectArray) -> None:
-    """Append `tails[i]` to location i, a batch of the profile's locations at a time (only the
-    batch is ever held as bytes objects)."""
-    locations = profile.location
-    for start in range(0, len(tails), _BATCH):
-        end = start + _BATCH
-        batch = tails[start:end]
-        if not any(batch.tolist()):
-            continue
-        locations[start:end] = list(map(bytes.__add__, locations[start:end], batch.tolist()))
+def _replace_locations(profile: RawProfile, encodings: list[npt.NDArray[np.uint8]],
+                       lengths: I64, tails: npt.NDArray[np.uint8], tail_start: I64,
+                       tail_length: npt.NDArray[np.int32]) -> None:
+    """Write every location again as its own bytes (`lengths` of them, one location after
+    another in `encodings`, parts of columns.PART locations) followed by its tail
+    (`tail_length` bytes at `tail_start` in `tails`), a batch of locations at a time, as
+    encoded Profile.location fields that protobuf appends to the emptied field: no Python
+    object per location, and the same bytes as assigning each location its new encoding."""
+    old_start = np.cumsum(lengths) - lengths
+    profile.ClearField("location")
+    for start in range(0, len(lengths), _OUT_BATCH):  # within one part: PART is a multiple
+        end = start + _OUT_BATCH
+        part = start // PART
+        old, tail = lengths[start:end], tail_length[start:end].astype(np.int64)
+        inner = old + tail
+        width = varint.widths(inner.astype(np.uint64))
+        size = 1 + width + inner
+        at = np.cumsum(size) - size
+        out = np.empty(int(size.sum()), dtype=np.uint8)
+        out[at] = _PROFILE_LOCATION
+        varint.put(out, at + 1, inner.astype(np.uint64), width)
+        body = at + 1 + width
+        _copy_spans(out, body, encodings[part], old_start[start:end] - old_start[part * PART],
+                    old)
+        _copy_spans(out, body + old, tails, tail_start[start:end], tail)
+        profile.MergeFromString(out.tobytes())  # appends them, in order
+
+
+def _copy_spans(out: npt.NDArray[np.uint8], to: I64, source: npt.NDArray[np.uint8],
+                first: I64, length: I64) -> None:
+    """out[to[i]:to[i] + length[i]] = source[first[i]:first[i] + length[i]] for every i."""
+    total = int(length.sum())
+    if not total:
+        return
+    # Positions as 32-bit numbers where they fit (they do in a batch's `out`): half the memory.
+    wide = np.int64 if len(source) >= 1 << 31 else np.int32
+    before = np.cumsum(length) - length
+    step = np.arange(total, dtype=np.int32)
+    out[np.repeat((to - before).astype(np.int32), length) + step] = source[
+        np.repeat((first - before).astype(wide), length) + step]

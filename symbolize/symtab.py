@@ -27,15 +27,23 @@ from . import elf
 from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
 from .dwarf import DwarfFunctions, read_functions
-from .elf import FunctionSymbol, LoadSegment, cold_part, function_symbols, layout_of_file
+from .elf import (
+    FunctionSymbol,
+    LoadSegment,
+    cold_part,
+    exported_functions,
+    function_symbols,
+    layout_of_file,
+)
 from .function_names import TableExtras, append_to, choose, read_from
+from .function_names import names_from_executable as names_from_executable
 from .lld_layout import lld_layout
 from .range_index import RangeIndex
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py): a
 # table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-3"
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-4"
 
 
 class NoSymbols(Exception):
@@ -67,10 +75,14 @@ _MAX_DEPTH = 255
 _KEYS_BATCH = 1 << 16
 
 
-def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildResult:
+def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
+                       executable: Path | None = None) -> BuildResult:
     """Write the SymCache of `elf_path` to `out_path` (atomically); blocking.
 
     The file must carry `build_id`: a stale local debug tree must not give wrong symbols.
+    `executable`, the executable of `build_id` when it is at hand beside a debug file: its
+    .dynsym names exported functions as llvm-symbolizer does (function_names.py); ignored
+    when it is not that executable.
     """
     started = time.perf_counter()
     layout = layout_of_file(elf_path)
@@ -80,7 +92,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
         raise MalformedObject(f"{elf_path.name}: build ID {layout.build_id}, not {build_id}")
     # symbolic's build releases the GIL: the second reading of the file runs beside it.
     with ThreadPoolExecutor(max_workers=1) as beside:
-        second = beside.submit(_second_reading, elf_path)
+        second = beside.submit(_second_reading, elf_path, executable, build_id)
         try:
             archive = Archive.open(str(elf_path))
             obj = next(iter(archive.iter_objects()))
@@ -97,8 +109,10 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
             cache.dump_into(f)  # type: ignore[no-untyped-call]
         # A symbolic that writes another layout fails here, not per lookup.
         columns = read_columns(tmp)
-        symbols, dwarf = second.result()
-        append_to(tmp, choose(columns, layout.load_address, dwarf, symbols))
+        symbols, dwarf, exports = second.result()
+        extras = choose(columns, layout.load_address, dwarf, symbols, exports or None)
+        extras.from_executable = exports is not None
+        append_to(tmp, extras)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -114,9 +128,14 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str) -> BuildRe
     )
 
 
-def _second_reading(path: Path) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions]:
+def _second_reading(path: Path, executable: Path | None, build_id: str
+                    ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
+                               tuple[FunctionSymbol, ...] | None]:
+    """The symbol table, the DWARF facts, and the executable's exports: None without the
+    executable of `build_id`, () when it names code by its .symtab (function_names.py)."""
     symbols = function_symbols(path)
-    return symbols, read_functions(path, sorted({s.value for s in symbols}))
+    exports = exported_functions(executable, build_id) if executable is not None else None
+    return symbols, read_functions(path, sorted({s.value for s in symbols})), exports
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +163,13 @@ class SymbolTable:
 
     Code is cut in pieces: at every start of a SymCache range (one innermost source location)
     and wherever the column of the line table changes, which symbolic does not record. An
-    address's frames are named by a key: 0 for none; 1 + the index of its piece for the
-    frames as symbolic gives them, which are those of an address inside a GCC `.cold` part;
-    that plus the number of pieces for any other address, whose outermost frame, when symbolic
-    names it after a `.cold` part, is renamed to the function itself. Frames but the outermost
-    one of a cold part have the names function_names.py chose. Past those, 1 + 2 * pieces +
+    address's frames are named by a key: 0 for none; 1 + the index of its piece for an
+    address inside a GCC `.cold` part, whose outermost frame is named after its `.cold` symbol
+    (as symbolic does), or, where names came from a stripped executable's .dynsym, after the
+    function, as its inlined frames are (by DWARF); that plus the number of pieces for any
+    other address, whose outermost frame may be named after an exported symbol instead
+    (function_names.py chose both), and after the function where symbolic names it after its
+    `.cold` part. Past those, 1 + 2 * pieces +
     the index of the line row that gives the line of code outside every subprogram
     (function_names.py). The innermost frame has its piece's column; the frames it is inlined
     into none (their DW_AT_call_column is not read).
@@ -288,13 +309,17 @@ class SymbolTable:
         for u, at in enumerate(first.tolist()):
             f = int(function[at])
             system_name, name = self._function_names[f]
+            kind = unique[u] & 3  # 1: outermost in a hot part, 2: in a cold part
             if not system_name:
                 named[u] = False
-            elif not unique[u] & 2 and (chosen := extras.names.get(f)) is not None:
+            elif kind == 2 and not extras.from_dynsym:
+                pass  # after the .cold symbol, as llvm-symbolizer names it by a .symtab
+            elif (chosen := extras.name(f, kind == 1)) is not None:
                 name, system_name = chosen
-            elif unique[u] & 1 and (hot_name := cold_part(system_name)) is not None:
+            elif kind and (hot_name := cold_part(system_name)) is not None:
                 # symbolic names a function split by GCC after the symbol at its lowest
-                # address, the .cold part; the hot body is the function itself (as
+                # address, the .cold part; the hot body is the function itself, and so is the
+                # cold part by a stripped executable's .dynsym, which has no .cold symbol (as
                 # llvm-symbolizer says).
                 system_name, name = hot_name, demangle(hot_name)
             functions.append((name, system_name, self._paths[int(file[at])],

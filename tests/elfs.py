@@ -75,6 +75,7 @@ class ElfSet:
     nopie: Elf  # ET_EXEC
     shlib: Elf  # ET_DYN shared library
     cpp: Elf  # C++, for demangling
+    aliased: Elf  # a stripped shared library exporting one function under several names
 
     @property
     def all(self) -> tuple[Elf, ...]:
@@ -139,6 +140,50 @@ def build_program(src_dir: Path, out_dir: Path, name: str, seed: int,
     return Elf(name, build_id, exe, debug, sources)
 
 
+ALIASED_C = r"""
+#include <stdio.h>
+extern void __attribute__((cold)) report(const char *, int);
+/* One function exported under several names; its DWARF name is its own, not exported. */
+static int __attribute__((noinline)) mix_impl(int x) { return x * 3 + (x >> 2); }
+int mix_a(int) __attribute__((alias("mix_impl")));
+int mix_b(int) __attribute__((alias("mix_impl")));
+int mix_c(int) __attribute__((alias("mix_impl")));
+int mix_d(int) __attribute__((alias("mix_impl")));
+/* GCC splits the path to a cold call off, into checked.cold. */
+int checked(int *v, int n) {
+    int s = 0;
+    for (int i = 0; i < n; i++) {
+        if (v[i] < 0) {
+            report("negative", i);
+            report("value", v[i]);
+            s = -s;
+        }
+        s += mix_impl(v[i]);
+    }
+    return s;
+}
+void report(const char *what, int x) { fprintf(stderr, "%s %d\n", what, x); }
+"""
+
+
+ALIASES = ("mix_a", "mix_b", "mix_c", "mix_d")
+
+
+def build_aliased_library(out_dir: Path) -> Elf:
+    """ALIASED_C as a shared library, its debug file split off and the library stripped as
+    distributions ship them: .dynsym alone, which llvm-symbolizer then names code by."""
+    src = out_dir.parent / "src" / "fx.c" if out_dir.name == "upstream" else out_dir / "fx.c"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    exe, debug = out_dir / "libfx.so", out_dir / "libfx.so.debug"
+    src.write_text(ALIASED_C)
+    _run("gcc", "-g", "-O2", "-fPIC", "-shared", "-Wl,--build-id", "-o", exe, src)
+    _run("objcopy", "--only-keep-debug", exe, debug)
+    _run("objcopy", "--strip-all", f"--add-gnu-debuglink={debug}", exe)
+    build_id = build_id_of_file(exe)
+    assert build_id and build_id == build_id_of_file(debug)
+    return Elf("libfx.so", build_id, exe, debug, (src,))
+
+
 def build_elf_set(root: Path) -> ElfSet:
     upstream_dir = root / "upstream"
     upstream_dir.mkdir()
@@ -151,4 +196,5 @@ def build_elf_set(root: Path) -> ElfSet:
         nopie=build_program(src, upstream_dir, "nopie", 4, extra_flags=("-no-pie", "-fno-pie")),
         shlib=build_program(src, upstream_dir, "libmix.so", 5, shape="shlib"),
         cpp=build_program(src, upstream_dir, "cpp", 6, shape="cpp"),
+        aliased=build_aliased_library(upstream_dir),
     )

@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 from proxy.config import SymbolizeConfig
+from symbolize.elf import function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
+from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf, ElfSet
 from tests.harness import Debuginfod, SymgateFactory
-from tests.profiles import code_addresses, make_profile, place
+from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 
 BASES = {"prog": 0x5555_5555_4000, "shlib": 0x7F00_0000_0000, "nopie": 0}
 
@@ -82,3 +84,35 @@ async def test_the_same_bytes_whatever_the_server_symbolized_before(
     offline, _report = await asyncio.to_thread(symbolize_bytes, body, [tree], limits)
     assert answers[0] != body
     assert answers == [offline] * 3
+
+
+async def test_a_stripped_librarys_exports_are_named_alike_offline_and_served(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Both build a table with the executable found beside the debug file (the server's
+    fetched beside it from its upstream, or in its debug dirs): a function that a stripped
+    library exports under four names is named after the last in its .dynsym, and its `.cold`
+    part after it, as llvm-symbolizer says on the library (from the debug file alone, both
+    would say another alias and `checked.cold`)."""
+    lib = elfs.aliased
+    tree = build_id_tree(tmp_path / "debug", [lib])
+    starts = {s.name: s.value for s in function_symbols(lib.debug)}
+    vaddrs = [starts["mix_a"] + 4, starts["checked"] + 8, starts["checked.cold"] + 4]
+    body = make_profile([(place(lib, BASES["shlib"]), vaddrs)]).SerializeToString()
+    limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+    offline, report = await asyncio.to_thread(symbolize_bytes, body, [tree], limits)
+    assert report.mappings_symbolized == 1
+    out = Profile.FromString(offline)
+    names = {loc.address - BASES["shlib"]: [f.function for f in frames_of(out, loc)]
+             for loc in out.location}
+    llvm = llvm_symbolize(lib.executable, vaddrs)
+    assert names == {v: [f.function for f in llvm[v]] for v in vaddrs}
+    assert names[vaddrs[2]][-1] == "checked"
+
+    for upstreams, dirs in (([], (tree,)), ([debuginfod.url], ())):
+        sg = await start_symgate(upstreams, data_dir=tmp_path / f"data-{len(upstreams)}",
+                                 symbolize=SymbolizeConfig(build_workers=1, debug_dirs=dirs))
+        status, _headers, served = await sg.request(
+            "POST", "/symbolize", data=body,
+            headers={"Content-Type": "application/octet-stream"})
+        assert status == 200 and served == offline, upstreams

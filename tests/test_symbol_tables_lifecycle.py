@@ -1,6 +1,6 @@
 """A symbol table is built in the background as soon as its debug file is cached, serves
-every later profile without being built again, and is deleted, file and row, when that debug
-file leaves the cache."""
+every later profile without being built again (but once, when a stripped executable comes
+after it), and is deleted, file and row, when that debug file leaves the cache."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from pathlib import Path
 
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
+from symbolize.elf import function_symbols
+from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually
-from tests.profiles import code_addresses, make_profile, place
+from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
 
@@ -55,3 +57,29 @@ async def test_start_up_removes_half_written_tables_of_dead_workers_only(
     await start_symgate(data_dir=tmp_path / "data")
     assert not left.exists()
     assert building.exists()
+
+
+async def test_a_debug_files_table_is_built_again_when_its_stripped_executable_comes(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """A debugger fetched the debug file alone: its table names exported functions without
+    the executable's .dynsym. Once the executable is cached, the table is built again with it,
+    and names them as llvm-symbolizer on the stripped library does."""
+    lib = elfs.aliased
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    await sg.get(f"/buildid/{lib.build_id}/debuginfo")
+
+    async def builds(n: int) -> bool:
+        return await sg.metric("symgate_symtab_builds_total", result="ok") == n
+
+    await eventually(lambda: builds(1))
+    await sg.get(f"/buildid/{lib.build_id}/executable")
+    await eventually(lambda: builds(2))
+    mix_a = next(s.value for s in function_symbols(lib.debug) if s.name == "mix_a")
+    profile = make_profile([(place(lib, BASES["libmix.so"]), [mix_a + 4])])
+    _status, headers, body = await post(sg, profile.SerializeToString())
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    out = Profile.FromString(body)
+    assert [f.function for f in frames_of(out, out.location[0])] == [
+        f.function for f in llvm_symbolize(lib.executable, [mix_a + 4])[mix_a + 4]]
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 2

@@ -14,8 +14,9 @@ class BuildPool:
         self.pool = pool
         self._builds = asyncio.Semaphore(workers)  # in the pool at once
 
-    async def build(self, source: Path, out: Path, build_id: str) -> BuildResult:
+    async def build(self, source: Path, out: Path, build_id: str,
+                    executable: Path | None = None) -> BuildResult:
         """Raises symbolize.symtab.NoSymbols or MalformedObject for a file without a table,
-        proxy.errors.WorkerLost if the worker died."""
+        proxy.errors.WorkerLost if the worker died. `executable`: see build_symbol_table."""
         async with self._builds:
-            return await self.pool.run(build_symbol_table, source, out, build_id)
+            return await self.pool.run(build_symbol_table, source, out, build_id, executable)

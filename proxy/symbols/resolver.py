@@ -29,10 +29,10 @@ from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable
-from symbolize.elf import LoadSegment, executable_segments, layout_of_file
+from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec
+from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
 log = logging.getLogger(__name__)
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
@@ -43,14 +43,18 @@ _Layout = tuple[str, Segments] | None
 
 
 class _Source:
-    """The ELF file a table is built from, and the cached artifact it is (to lease), if any."""
+    """The ELF file a table is built from, and the cached artifact it is (to lease), if any;
+    and the executable beside a debug file, whose .dynsym names exported functions as
+    llvm-symbolizer does (symbolize/function_names.py), and its artifact."""
 
     def __init__(self, path: Path, source_key: str, scope: str,
-                 artifact: tuple[str, ArtifactKey] | None) -> None:
+                 artifact: tuple[str, ArtifactKey] | None,
+                 executable: tuple[Path, tuple[str, ArtifactKey] | None] | None = None) -> None:
         self.path = path
         self.source_key = source_key
         self.scope = scope
         self.artifact = artifact
+        self.executable = executable
 
 
 class SymbolResolver:
@@ -196,17 +200,48 @@ class SymbolResolver:
 
     async def _find_source(self, req: RequestScope, build_id: str) -> _Source | None:
         local = find_debug_file(self._debug_dirs, build_id)
-        if local is not None:
-            return _Source(local, f"local:{local}", SHARED, None)
-        for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
-            key = ArtifactKey(build_id, kind)
-            try:
-                scope, path = await self._artifact_path(key, req)
-            except NotFound:
-                continue
-            return _Source(path, key.id, scope, (scope, key))
         local_exe = find_executable(self._debug_dirs, build_id)
-        return _Source(local_exe, f"local:{local_exe}", SHARED, None) if local_exe else None
+        if local is not None:
+            return _Source(local, f"local:{local}", SHARED, None,
+                           (local_exe, None) if local_exe else None)
+        # The executable is fetched beside the debug file (the layout search of a profile with
+        # runtime addresses fetches it too: one upstream fetch for both).
+        exe_key = ArtifactKey(build_id, Kind.EXECUTABLE)
+        exe: asyncio.Future[tuple[str, Path]] | None = None
+        if local_exe is None:
+            exe = asyncio.ensure_future(self._artifact_path(exe_key, req))
+        try:
+            key = ArtifactKey(build_id, Kind.DEBUGINFO)
+            with contextlib.suppress(NotFound):
+                scope, path = await self._artifact_path(key, req)
+                beside = await self._beside(scope, local_exe, exe, exe_key)
+                return _Source(path, key.id, scope, (scope, key), beside)
+            if exe is not None:
+                with contextlib.suppress(NotFound):
+                    scope, path = await exe
+                    return _Source(path, exe_key.id, scope, (scope, exe_key),
+                                   (path, (scope, exe_key)))
+        finally:
+            if exe is not None and not exe.done():  # it fills the cache all the same
+                exe.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if local_exe is None:
+            return None
+        return _Source(local_exe, f"local:{local_exe}", SHARED, None, (local_exe, None))
+
+    @staticmethod
+    async def _beside(scope: str, local_exe: Path | None,
+                      fetching: asyncio.Future[tuple[str, Path]] | None, key: ArtifactKey
+                      ) -> tuple[Path, tuple[str, ArtifactKey] | None] | None:
+        """The executable to build a debug file's table of `scope` with, if there is one: not
+        a tenant's own for a table that others see."""
+        if local_exe is not None:
+            return local_exe, None
+        assert fetching is not None
+        try:
+            exe_scope, path = await fetching
+        except SymgateError:
+            return None
+        return (path, (exe_scope, key)) if exe_scope in (SHARED, scope) else None
 
     async def _artifact_path(self, key: ArtifactKey, req: RequestScope) -> tuple[str, Path]:
         """(scope, path) of the cached artifact, fetched through the request's sources."""
@@ -227,11 +262,11 @@ class SymbolResolver:
 
     @contextlib.contextmanager
     def _leased(self, source: _Source) -> Iterator[None]:
-        if source.artifact is None:
+        with contextlib.ExitStack() as leases:
+            for artifact in (source.artifact, source.executable and source.executable[1]):
+                if artifact is not None:
+                    leases.enter_context(self._artifacts.cache.lease(*artifact))
             yield
-        else:
-            with self._artifacts.cache.lease(*source.artifact):
-                yield
 
     async def _build(self, build_id: str, source: _Source) -> _Found:
         """Build one table file at a time: a request of a tenant and the prebuild that a
@@ -289,7 +324,8 @@ class SymbolResolver:
         outcome, error, result = Outcome.OK, None, None
         try:
             result = await self._pool.build(source.path, self._tables.path(scope, build_id),
-                                            build_id)
+                                            build_id,
+                                            source.executable and source.executable[0])
         except NoSymbols as e:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
@@ -369,7 +405,25 @@ class SymbolResolver:
         if (rec is None or rec.format != FORMAT or rec.outcome != Outcome.OK
                 or (key.kind is Kind.DEBUGINFO and from_executable)):
             self._open.drop(scope, bid)
-            return await self._build(bid, _Source(cached.path, key.id, scope, (scope, key)))
+            beside = self._cached_executable(scope, bid) if key.kind is Kind.DEBUGINFO \
+                else (cached.path, (scope, key))
+            return await self._build(bid, _Source(cached.path, key.id, scope, (scope, key),
+                                                  beside))
+        if key.kind is Kind.EXECUTABLE and not from_executable \
+                and (debug := self._artifacts.cache.peek(scope, ArtifactKey(
+                    bid, Kind.DEBUGINFO))) is not None \
+                and rec.source_key == ArtifactKey(bid, Kind.DEBUGINFO).id \
+                and not await asyncio.to_thread(names_from_executable,
+                                                self._tables.path(scope, bid)) \
+                and bool(await asyncio.to_thread(exported_functions, cached.path, bid)):
+            # The debug file's table was built before its executable came (a debugger fetched
+            # the debug file alone): built again, to name exported functions by the stripped
+            # executable's .dynsym (one that keeps its .symtab would change no name). Not while
+            # a resolution is under way: that one fetched the executable itself.
+            self._open.drop(scope, bid)
+            return await self._build(bid, _Source(
+                debug.path, rec.source_key, scope, (scope, ArtifactKey(bid, Kind.DEBUGINFO)),
+                (cached.path, (scope, key))))
         opened = self._open.get(scope, bid) or self._remember(rec)
         if key.kind is Kind.EXECUTABLE and rec.file_layout is None:
             layout = await asyncio.to_thread(layout_of_file, cached.path)
@@ -378,6 +432,17 @@ class SymbolResolver:
                 opened.segments = layout.segments
                 opened.layout_searched = True
         return scope, opened
+
+    def _cached_executable(self, scope: str, build_id: str
+                           ) -> tuple[Path, tuple[str, ArtifactKey] | None] | None:
+        """The executable of `build_id` on local disk or in the cache, for a table of `scope`."""
+        if (local := find_executable(self._debug_dirs, build_id)) is not None:
+            return local, None
+        key = ArtifactKey(build_id, Kind.EXECUTABLE)
+        for exe_scope in dict.fromkeys((scope, SHARED)):
+            if (cached := self._artifacts.cache.peek(exe_scope, key)) is not None:
+                return cached.path, (exe_scope, key)
+        return None
 
     async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
         rec = await self._tables.get(scope, key.build_id)

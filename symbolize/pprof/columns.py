@@ -13,7 +13,7 @@ one at a time, and so is validated by it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -43,30 +43,39 @@ class LocationColumns:
     address: U64
     has_lines: npt.NDArray[np.bool_]
     length: I64  # of the encoding
+    # The encodings one after another, when asked for (`keep_encodings`): in parts, each of
+    # PART locations but the last (not joined: that would hold them twice at once).
+    encodings: list[npt.NDArray[np.uint8]] | None = None
 
 
 # Locations read at a time: the positions of a batch's varint ends are eight bytes for each
 # byte of it, which for a whole profile of a million locations was 160 MB at once.
 _BATCH = 1 << 16
+PART = _BATCH  # locations of a part of LocationColumns.encodings
 
 
-def location_columns(encoded: Sequence[bytes]) -> LocationColumns:
-    """The columns of encoded Location messages, in their order."""
+def location_columns(encoded: Sequence[bytes], keep_encodings: bool = False
+                     ) -> LocationColumns:
+    """The columns of encoded Location messages, in their order; with `keep_encodings`, their
+    bytes too (the rewrite writes the locations out again from them)."""
     if len(encoded) <= _BATCH:
         # As a list: a protobuf repeated field copies an item out at every reading.
-        return _columns(list(encoded))
+        one = _columns(list(encoded), keep_encodings)
+        return replace(one, encodings=one.encodings and [one.encodings[0]])
     n = len(encoded)
     out = LocationColumns(np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64),
                           np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64))
+    kept = []
     for i in range(0, n, _BATCH):  # into columns made once: no second copy to join
-        part = _columns(encoded[i: i + _BATCH])
+        part = _columns(encoded[i: i + _BATCH], keep_encodings)
         for f in ("mapping_id", "address", "has_lines", "length"):
             getattr(out, f)[i: i + _BATCH] = getattr(part, f)
+        kept += part.encodings or []
         del part  # not alive beside the next batch's
-    return out
+    return replace(out, encodings=kept) if keep_encodings else out
 
 
-def _columns(encoded: Sequence[bytes]) -> LocationColumns:
+def _columns(encoded: Sequence[bytes], keep_encodings: bool) -> LocationColumns:
     n = len(encoded)
     mapping_id = np.zeros(n, dtype=np.uint64)
     address = np.zeros(n, dtype=np.uint64)
@@ -87,7 +96,8 @@ def _columns(encoded: Sequence[bytes]) -> LocationColumns:
         except DecodeError as e:
             raise MalformedLocation(f"location {i}: {e}") from None
         mapping_id[i], address[i], has_lines[i] = loc.mapping_id, loc.address, bool(loc.line)
-    return LocationColumns(mapping_id, address, has_lines, lengths)
+    return LocationColumns(mapping_id, address, has_lines, lengths,
+                           [buf] if keep_encodings else None)
 
 
 class _Stops:
