@@ -238,6 +238,7 @@ async def test_a_purge_on_one_replica_removes_the_bucket_copy_and_reaches_the_ot
 ) -> None:
     a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
     assert (await get(a.url, elfs.prog.build_id))[0] == 200
+    await eventually(lambda: _has(prefix, table_object_of(elfs.prog)))  # a's prebuild's
     assert (await get(b.url, elfs.prog.build_id))[0] == 200
     await a.settled()
     await b.settled()

@@ -398,6 +398,10 @@ class SymbolResolver:
                     and not _from_executable(shared.source_key)):
                 return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
         rec = await self._tables.get(scope, bid)
+        if (rec is not None and rec.outcome == Outcome.OK and rec.format == FORMAT
+                and not self._tables.path(scope, bid).exists()):
+            # Built on another replica: its copy from the shared bucket, or (None) build it.
+            rec = await self._tables.usable(scope, bid)
         cached = self._artifacts.cache.peek(scope, key)
         if cached is None:
             return Outcome.NOT_FOUND
