@@ -143,7 +143,11 @@ class SharedTier:
                 if lease is not None:
                     # The holder before may have published, or found nothing, just now: both
                     # asked at once, a round trip before the upstream is.
-                    body, gone = await asyncio.gather(self._copy(hashes, key), missing())
+                    try:
+                        body, gone = await asyncio.gather(self._copy(hashes, key), missing())
+                    except BaseException:
+                        await lease.release()  # or it is renewed, and held, for ever
+                        raise
                     if body is not None or gone:
                         await lease.release()
                         if body is None:
