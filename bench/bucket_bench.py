@@ -187,13 +187,14 @@ async def first_bytes(cluster: Cluster, ids: dict[str, bytes]) -> dict[str, Any]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         for bid, data in ids.items():
             path = f"/buildid/{bid}/debuginfo"
+            before = await uploads(s, a)
             for name, url in (("upstream fetch (A, cold)", a + path),
                               ("upstream itself", cluster.upstream + path)):
                 first, total, body = await timed_get(s, url, len(data))
                 if body != data:
                     raise BenchError(f"{url}: wrong body")
                 rows[name].append((first, total))
-            await wait_published(s, a, len(rows["local hit (A)"]) + 1)
+            await wait_published(s, a, before)
             # The object as the bucket serves it (moto takes unsigned requests).
             key = hashlib.sha256(f"{bid}/debuginfo".encode()).hexdigest()
             bucket = f"{cluster.s3}/{BUCKET}/bench/debuginfo/{key}"
@@ -208,17 +209,22 @@ async def first_bytes(cluster: Cluster, ids: dict[str, bytes]) -> dict[str, Any]
             for name, v in rows.items()}
 
 
-async def wait_published(s: aiohttp.ClientSession, base: str, count: int) -> None:
-    """Until replica `base` has written `count` debug files and their symbol tables to the
-    bucket (its metrics): the bucket hit is then timed on a quiet replica, not beside the
-    fetcher's table build and uploads."""
+async def uploads(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """What replica `base` has written to the bucket, by kind (its metrics)."""
+    async with s.get(base + "/metrics") as r:
+        return {kind: float(line.split()[-1]) for line in (await r.text()).splitlines()
+                for kind in ("debuginfo", "symtab")
+                if line.startswith(f'symgate_bucket_uploads_total{{kind="{kind}"}}')}
+
+
+async def wait_published(s: aiohttp.ClientSession, base: str, before: dict[str, float]
+                         ) -> None:
+    """Until replica `base` has written one more debug file and symbol table to the bucket
+    than `before`: the bucket hit is then timed on a quiet replica, with the copy there."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        async with s.get(base + "/metrics") as r:
-            done = {kind: float(line.split()[-1]) for line in (await r.text()).splitlines()
-                    for kind in ("debuginfo", "symtab")
-                    if line.startswith(f'symgate_bucket_uploads_total{{kind="{kind}"}}')}
-        if done.get("debuginfo", 0) >= count and done.get("symtab", 0) >= count:
+        done = await uploads(s, base)
+        if all(done.get(kind, 0) > before.get(kind, 0) for kind in ("debuginfo", "symtab")):
             return
         await asyncio.sleep(0.05)
     raise BenchError(f"{base} did not publish its file and table to the bucket")
