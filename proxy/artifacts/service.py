@@ -217,18 +217,27 @@ class ArtifactService:
         files linger a while after its end, which is how the claim knows to look again."""
         try:
             stored, missing = await asyncio.gather(
-                self.stored(req.visible, key), self.misses.live(req.scope, key))
+                self.stored(req.visible, key),
+                self._remembered_missing(req.scope, key, names, local_has))
         except BaseException:
             self._end_claim(kh, claim, None)  # not kept: a follower looks, then claims
             raise
         if stored is not None:
             self._end_claim(kh, claim, None)
             return Hit(stored)
-        if names and not local_has and missing.issuperset(names):
+        if missing:
             error = RememberedNotFound("not found (remembered miss)")
             self._end_claim(kh, claim, error)
             raise error
         return None
+
+    async def _remembered_missing(self, scope: str, key: ArtifactKey, names: list[str],
+                                  local_has: bool) -> bool:
+        """Whether SQL (or the memo) remembers a miss of `key` from every remote source
+        `names` the request asks, and no local source has it: a remembered 404."""
+        if not names or local_has:
+            return False
+        return (await self.misses.live(scope, key)).issuperset(names)
 
     def _end_claim(self, kh: str, claim: Claim, error: SymgateError | None) -> None:
         """Say how the claimed fetch ended, free the key, and tidy its files once its
@@ -311,13 +320,9 @@ class ArtifactService:
         try:
             async with self._slots:
                 if self.tier is not None and not local_has:
-                    async def missing() -> bool:
-                        known = await self.misses.live(scope, key)
-                        return bool(names) and known.issuperset(names)
-
                     obtained = await self.tier.obtain(
                         key_hash(scope, key), [key_hash(s, key) for s in req.visible], key,
-                        missing)
+                        lambda: self._remembered_missing(scope, key, names, local_has))
                     if (copy := obtained.body) is not None:
                         await self._download(key, copy.rec.scope, flight, temp, copy, claim,
                                              publish=False)

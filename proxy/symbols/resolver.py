@@ -397,11 +397,7 @@ class SymbolResolver:
             if (shared is not None and shared.outcome == Outcome.OK
                     and not _from_executable(shared.source_key)):
                 return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
-        rec = await self._tables.get(scope, bid)
-        if (rec is not None and rec.outcome == Outcome.OK and rec.format == FORMAT
-                and not self._tables.path(scope, bid).exists()):
-            # Built on another replica: its copy from the shared bucket, or (None) build it.
-            rec = await self._tables.usable(scope, bid)
+        rec = await self._tables.here(scope, bid)  # another replica's build: from the bucket
         cached = self._artifacts.cache.peek(scope, key)
         if cached is None:
             return Outcome.NOT_FOUND

@@ -67,18 +67,34 @@ class TableStore:
         if rec is None or rec.format != FORMAT:
             return None, False
         if rec.outcome == Outcome.OK:
-            path = self.path(scope, build_id)
-            if path.exists():
-                return rec, False
-            if self._shared is not None and await self._shared.table(scope, build_id, path):
-                return rec, True
-            return None, False
+            present, from_bucket = await self._bring(rec)
+            return (rec if present else None), from_bucket
         if rec.expires_at is not None and rec.expires_at > datetime.now(UTC):
             return rec, False
         return None, False
 
     async def get(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         return await self._repo.get_symbol_table(scope, build_id)
+
+    async def here(self, scope: str, build_id: str) -> SymbolTableRecord | None:
+        """The row, as get(); for a built table in this format whose file another replica
+        made, only once its copy from the shared bucket is on this disk (None when it cannot
+        be had: build it)."""
+        rec = await self.get(scope, build_id)
+        if (rec is not None and rec.outcome == Outcome.OK and rec.format == FORMAT
+                and not (await self._bring(rec))[0]):
+            return None
+        return rec
+
+    async def _bring(self, rec: SymbolTableRecord) -> tuple[bool, bool]:
+        """Whether the built table's file is on this disk, copied from the shared bucket if
+        need be; and whether it was copied just now."""
+        path = self.path(rec.scope, rec.build_id)
+        if path.exists():
+            return True, False
+        if self._shared is not None and await self._shared.table(rec.scope, rec.build_id, path):
+            return True, True
+        return False, False
 
     async def record(self, scope: str, build_id: str, outcome: Outcome, source_key: str,
                      result: BuildResult | None, error: str | None) -> SymbolTableRecord:
