@@ -45,7 +45,8 @@ async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process,
             if proc.returncode is not None:
                 break
             await asyncio.sleep(0.1)
-    proc.kill()
+    if proc.returncode is None:
+        proc.kill()
     if log is not None:
         said = log.read_text(errors="replace")[-2000:] if log.exists() else ""
     else:
@@ -55,8 +56,17 @@ async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process,
 
 async def start_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,
                       workers: int = 1, extra: str = "") -> tuple[str, asyncio.subprocess.Process]:
-    """`symgate serve --workers N` on a free port, its output in a pipe; (base URL, process).
-    The caller stops it (stop_serve)."""
+    """`symgate serve --workers N` on a free port, its output in a pipe, once one of its
+    workers serves; (base URL, process). The caller stops it (stop_serve)."""
+    base, proc = await spawn_serve(tmp_path, data_dir, database_url, upstream,
+                                   workers=workers, extra=extra)
+    await wait_until_serving(base, proc)
+    return base, proc
+
+
+async def spawn_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,
+                      workers: int = 1, extra: str = "") -> tuple[str, asyncio.subprocess.Process]:
+    """start_serve without the wait: the process may not serve yet."""
     from tests.harness import free_port
 
     port = free_port()
@@ -69,9 +79,7 @@ async def start_serve(tmp_path: Path, data_dir: Path, database_url: str, upstrea
         "symgate", "serve", "--config", str(config), "--workers", str(workers),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "HOME": str(tmp_path)})
-    base = f"http://127.0.0.1:{port}"
-    await wait_until_serving(base, proc)
-    return base, proc
+    return f"http://127.0.0.1:{port}", proc
 
 
 async def stop_serve(procs: list[asyncio.subprocess.Process]) -> None:

@@ -10,6 +10,7 @@ board (proxy.artifacts.board) is what workers of one server share.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,7 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod
-from tests.processes import descendants, reap_all, start_serve, stop_serve
+from tests.processes import (
+    descendants,
+    reap_all,
+    spawn_serve,
+    start_serve,
+    stop_serve,
+    stopped,
+    wait_until_serving,
+)
 
 Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
 
@@ -97,7 +106,8 @@ async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
             break
         await asyncio.sleep(0.1)
     if not (len(workers) == 2 and victim not in workers):
-        proc.terminate()  # then what it said, for the report
+        if proc.returncode is None:  # the supervisor itself may have given up
+            proc.terminate()  # then what it said, for the report
         said = await asyncio.wait_for(proc.stdout.read(), 60) if proc.stdout else b""
         pytest.fail(f"workers {workers} after killing {victim}; the server said:\n"
                     + said.decode(errors="replace")[-3000:])
@@ -108,6 +118,70 @@ async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
                 assert r.status == 200 and await r.read() == elfs.prog.debug.read_bytes()
     proc.terminate()
     assert await asyncio.wait_for(proc.wait(), 60) == 0
+
+
+def _listening_on(pid: int, port: int) -> bool:
+    """Whether the process has a socket listening on the port: a worker does once it serves
+    (the supervisor's own socket on it is bound and never listens)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+    except FileNotFoundError:
+        return False
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(int(row[1].split(":")[1], 16) == port and row[3] == "0A" and row[9] in inodes
+               for row in rows)
+
+
+async def test_a_worker_killed_while_it_starts_is_replaced_not_taken_for_a_fault(
+    tmp_path: Path, database_url: str, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The OOM killer or an operator may kill a worker before it serves: that says nothing
+    of the configuration, so the server replaces it instead of giving up. Both workers are
+    frozen as soon as they exist, so which one has not started serving yet is known."""
+    for _ in range(5):  # bounded: a try where a worker was serving before it was frozen
+        base, proc = await spawn_serve(tmp_path, tmp_path / "d", database_url, debuginfod.url,
+                                       workers=2)
+        port = int(base.rsplit(":", 1)[1])
+        workers: list[int] = []
+        for _ in range(3000):
+            workers = _workers_of(proc)
+            if len(workers) == 2 or proc.returncode is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert len(workers) == 2, f"workers {workers}"
+        with stopped(workers):
+            starting = [pid for pid in workers if not _listening_on(pid, port)]
+            if starting:
+                os.kill(starting[0], signal.SIGKILL)
+        if starting:
+            break
+        await stop_serve([proc])
+    else:
+        pytest.fail("every worker was serving before it could be frozen, five times")
+    await wait_until_serving(base, proc)
+    for _ in range(300):  # bounded: until the supervisor has started another
+        workers = _workers_of(proc)
+        if len(workers) == 2 and starting[0] not in workers:
+            break
+        await asyncio.sleep(0.1)
+    try:
+        assert len(workers) == 2 and starting[0] not in workers, f"workers {workers}"
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            for _ in range(10):
+                async with s.get(f"{base}/buildid/{elfs.prog.build_id}/debuginfo") as r:
+                    assert r.status == 200 and await r.read() == elfs.prog.debug.read_bytes()
+    finally:
+        await stop_serve([proc])
+    said = (await proc.stdout.read() if proc.stdout else b"").decode(errors="replace")
+    assert proc.returncode == 0, said
+    assert "killed by SIGKILL while starting; starting another" in said, said
 
 
 async def test_a_sigkilled_supervisor_takes_its_workers_along(

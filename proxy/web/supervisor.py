@@ -83,7 +83,14 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
             if not keeper.stopping:
                 keeper.start(index)
         for index in range(workers):
-            keeper.wait_ready(index)
+            while (killed := keeper.wait_ready(index)) is not None:
+                # Killed from outside while it started (the OOM killer, an operator): not
+                # a fault of the configuration, so it is replaced as a serving one would be.
+                mark_process_dead(killed[0], str(metrics_dir))  # type: ignore[no-untyped-call]
+                if not keeper.may_restart(index):
+                    raise CannotStart(f"worker {index} keeps dying while starting ({killed[1]})")
+                log.warning("worker %d %s while starting; starting another", index, killed[1])
+                keeper.start(index)
         if not keeper.stopping:
             log.info("symgate serving with %d workers on port %d", workers, port)
         while not keeper.stopping:
@@ -205,14 +212,17 @@ class _Keeper:
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(ours)
+        if index in self._pipes:  # a worker restarted while serving: nobody waits on it
+            os.close(self._pipes[index])
         self._pids[index] = pid
         self._pipes[index] = theirs
 
-    def wait_ready(self, index: int) -> None:
-        """Until worker `index` serves; CannotStart with its reason if it cannot (unless the
-        server is stopping, which may have stopped it before it served)."""
+    def wait_ready(self, index: int) -> tuple[int, str] | None:
+        """Until worker `index` serves: None then, or (pid, how it ended) if a signal killed
+        it first. CannotStart with its reason if it could not start (unless the server is
+        stopping, which may have stopped it before it served)."""
         if index not in self._pipes:
-            return  # never started: the server was stopping
+            return None  # never started: the server was stopping
         fd = self._pipes.pop(index)
         chunks = []
         while chunk := _read(fd):
@@ -221,9 +231,15 @@ class _Keeper:
                 break
         os.close(fd)
         message = b"".join(chunks)
-        if message != _READY and not self.stopping:
-            raise CannotStart(message.decode(errors="replace")
-                              or f"worker {index} exited while starting (see the log above)")
+        if message == _READY or self.stopping:
+            return None
+        if not message:
+            pid = self._pids.pop(index)
+            _, status = os.waitpid(pid, 0)
+            if os.WIFSIGNALED(status):
+                return pid, _how(status)
+        raise CannotStart(message.decode(errors="replace")
+                          or f"worker {index} exited while starting (see the log above)")
 
     def reap(self) -> tuple[int, int, str] | None:
         """A worker that has exited, if any: (index, pid, how it ended)."""
