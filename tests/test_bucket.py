@@ -150,6 +150,35 @@ async def _has(prefix: Prefix, path: str) -> bool:
 
 
 @on_postgresql
+async def test_a_file_too_big_for_every_replicas_disk_still_crosses_from_upstream_once(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """Served and not kept on each disk, but kept in the bucket: a replica waiting on the
+    fetching one's lease reads the bucket's copy rather than fetch it upstream itself."""
+    held = faults.url_for("held")  # sends half the body, then waits for `release`
+    small = CacheConfig(max_bytes=elfs.big.debug.stat().st_size // 2)
+    a, b = [await start_symgate([held], data_dir=tmp_path / name, storage=prefix.config(),
+                                cache=small) for name in "ab"]
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    on_a = asyncio.ensure_future(a.get(path))
+    await asyncio.wait_for(faults.held_half_sent.wait(), 30)  # a holds the key's lease
+    on_b = asyncio.ensure_future(b.get(path))
+    await asyncio.sleep(0.5)  # b waits on the lease by now; if not, it finds the copy later
+    faults.release.set()
+    expected = elfs.big.debug.read_bytes()
+    assert [(r[0], r[2]) for r in await asyncio.gather(on_a, on_b)] == [(200, expected)] * 2
+    assert faults.count("held") == 1
+    assert await a.metric("symgate_cache_not_kept_total") == 1
+    assert (await b.metric("symgate_cluster_fetches_total", how="waited")
+            + await b.metric("symgate_cluster_fetches_total", how="bucket")) == 1
+    assert (await prefix.objects())[object_of(elfs.big)] == expected
+    # Neither disk keeps it, and each answers it again from the bucket, not upstream.
+    assert (await a.get(path))[::2] == (200, expected)
+    assert faults.count("held") == 1
+
+
+@on_postgresql
 async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_from_all(
     start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
     prefix: Prefix

@@ -431,8 +431,16 @@ class ArtifactService:
             log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
                      key.id, flight.written)
             self._metrics.not_kept.inc()
-            temp.unlink(missing_ok=True)
             flight.succeed()
+            try:
+                if publish and self.tier is not None:
+                    # Too big for this disk need not be for the bucket: the replicas waiting
+                    # on this key's lease read it there rather than each fetch it upstream.
+                    digest = await asyncio.to_thread(_sha256_of, fd)
+                    await self.tier.publish(self._record(key, scope, meta, flight.written,
+                                                         digest, publish), temp)
+            finally:
+                temp.unlink(missing_ok=True)
             return
         # The bytes are right: every client gets its last byte now, and the commit below
         # (fsync, rename, the row) is the cache's business, not theirs.
@@ -450,16 +458,8 @@ class ArtifactService:
         self.cache.health.ok(DISK)
         if meta.last_modified and (when := _http_date(meta.last_modified)) is not None:
             os.utime(final, (when.timestamp(), when.timestamp()))
-        now = datetime.now(UTC)
         self.cache.release(flight)  # its bytes are counted as a file from now on
-        record = ArtifactRecord(
-            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
-            kind=str(key.kind),
-            size=flight.written, sha256=digest, upstream=meta.upstream,
-            filename=meta.filename or key.default_filename, archive=meta.archive,
-            fetched_at=now, last_access=now, hits=0, ima_signature=meta.ima_signature,
-            shared=self.tier is not None and not publish,  # read from the bucket
-        )
+        record = self._record(key, scope, meta, flight.written, digest, publish)
         await self.cache.add(record)
         self.misses.forget(scope, key)
         for listener in self.committed:
@@ -634,6 +634,17 @@ class ArtifactService:
         self.cache.health.fail(DISK, reason)
         log.warning("%s", reason)
         return InsufficientStorage("insufficient storage: the cache's disk is full")
+
+    def _record(self, key: ArtifactKey, scope: str, meta: ArtifactMeta, size: int,
+                digest: str, publish: bool) -> ArtifactRecord:
+        now = datetime.now(UTC)
+        return ArtifactRecord(
+            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
+            kind=str(key.kind), size=size, sha256=digest, upstream=meta.upstream,
+            filename=meta.filename or key.default_filename, archive=meta.archive,
+            fetched_at=now, last_access=now, hits=0, ima_signature=meta.ima_signature,
+            shared=self.tier is not None and not publish,  # read from the bucket
+        )
 
     def _reject(self, key: ArtifactKey, reason: str) -> None:
         self._metrics.verification_failures.labels(str(key.kind), reason).inc()
