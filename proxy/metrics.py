@@ -153,6 +153,11 @@ class ProxyMetrics:
             f"{p}_cluster_fetches", "This replica's misses, by how the cluster answered them",
             ["how"], registry=registry,
         )
+        self.bucket_copies_resumed = Counter(
+            f"{p}_bucket_copies_resumed",
+            "Bucket copies that broke off mid-body and were finished from an upstream",
+            registry=registry,
+        )
         self.bucket_uploads = Counter(
             f"{p}_bucket_uploads", "Artifacts and symbol tables written to the shared bucket",
             ["kind"], registry=registry,

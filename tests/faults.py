@@ -158,6 +158,9 @@ class FaultUpstream:
         if path is None:
             return web.Response(status=404, text="not found")
         data = path.read_bytes()
+        if mode == "flipped-head":  # the same size and build ID, one byte of its head wrong
+            at = len(data) // 4
+            data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
         response = web.StreamResponse(headers={
             "Content-Type": "application/octet-stream", "X-DEBUGINFOD-FILE": path.name})
         if mode != "chunked":  # chunked: an upstream that does not say how big the file is

@@ -9,6 +9,7 @@ processes where a process must die, in-process servers elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import re
@@ -455,6 +456,100 @@ async def test_a_bucket_that_accepts_and_never_answers_costs_a_miss_only_its_tim
             writer.close()
         silent.close()
         await silent.wait_closed()
+
+
+class _DyingBucket:
+    """A way to the S3 server that forwards everything until a response has carried `after`
+    bytes, then cuts that response and refuses every later connection: a bucket that dies
+    in the middle of a copy (and is not back when the client library retries)."""
+
+    def __init__(self, endpoint: str, after: int) -> None:
+        self._host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+        self._port = int(port)
+        self._after = after
+        self.cut = False
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, client_r: asyncio.StreamReader,
+                      client_w: asyncio.StreamWriter) -> None:
+        if self.cut:
+            client_w.transport.abort()
+            return
+        s3_r, s3_w = await asyncio.open_connection(self._host, self._port)
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, limit: bool) -> None:
+            passed = 0
+            while data := await r.read(65536):
+                if limit and passed + len(data) > self._after:
+                    w.write(data[:self._after - passed])
+                    await w.drain()
+                    self.cut = True
+                    client_w.transport.abort()
+                    s3_w.transport.abort()
+                    return
+                passed += len(data)
+                w.write(data)
+                await w.drain()
+            w.close()
+
+        with contextlib.suppress(ConnectionError):
+            await asyncio.gather(pump(client_r, s3_w, False), pump(s3_r, client_w, True))
+
+
+@on_postgresql
+async def test_a_bucket_copy_that_breaks_off_is_finished_from_upstream_not_cut(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a", prefix.config())
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    assert (await a.get(path))[::2] == (200, expected)
+    await eventually(lambda: _has(prefix, object_of(elfs.big)))
+    before = await upstream_requests(debuginfod)
+    dying = _DyingBucket(s3.endpoint, after=len(expected) // 2)
+    async with dying as endpoint:
+        (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b",
+                              prefix.config(endpoint=endpoint, retry_s=30.0))
+        assert (await b.get(path))[::2] == (200, expected)
+        assert dying.cut, "the copy was never cut"
+    assert await b.metric("symgate_bucket_copies_resumed_total") == 1
+    assert await upstream_requests(debuginfod) == before + 1
+    await b.settled()
+    assert (await b.get(path))[::2] == (200, expected)  # kept: a hit now
+    assert await upstream_requests(debuginfod) == before + 1
+
+
+@on_postgresql
+async def test_a_broken_off_copy_is_not_finished_with_an_upstreams_different_bytes(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server, faults: FaultUpstream
+) -> None:
+    """The head already sent must be the upstream's head too, or the client would get one
+    file's start and another's end: cut off then, and nothing kept."""
+    (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a", prefix.config())
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    assert (await a.get(path))[0] == 200
+    await eventually(lambda: _has(prefix, object_of(elfs.big)))
+    async with _DyingBucket(s3.endpoint, after=size // 2) as endpoint:
+        (b,) = await replicas(start_symgate, tmp_path, faults.url_for("flipped-head"), "b",
+                              prefix.config(endpoint=endpoint, retry_s=30.0))
+        status, got, cut = await read_broken(b.url + path)
+    assert (status, cut) == (200, True) and got < size
+    assert faults.count("flipped-head") == 1
+    assert await b.metric("symgate_bucket_copies_resumed_total") == 1
+    await b.settled()
+    only_cached = {"Cache-Control": "only-if-cached"}
+    assert (await b.request("GET", path, headers=only_cached))[0] == 504  # not cached
 
 
 @on_postgresql

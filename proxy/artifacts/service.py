@@ -22,6 +22,7 @@ from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
+from proxy.artifacts.resume import ResumedBody
 from proxy.artifacts.scope import RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
@@ -324,8 +325,13 @@ class ArtifactService:
                         key_hash(scope, key), [key_hash(s, key) for s in req.visible], key,
                         lambda: self._remembered_missing(scope, key, names, local_has))
                     if (copy := obtained.body) is not None:
-                        await self._download(key, copy.rec.scope, flight, temp, copy, claim,
-                                             publish=False)
+                        body = ResumedBody(copy, lambda: self._upstream_body(ups, key, req),
+                                           self._metrics.bucket_copies_resumed.inc)
+                        try:
+                            await self._download(key, copy.rec.scope, flight, temp, body,
+                                                 claim, publish=False)
+                        finally:
+                            body.close()
                         return
                     lease = obtained.lease
                 result = await ask(ups, key, req.hop, self._policy)
@@ -368,6 +374,12 @@ class ArtifactService:
             temp.unlink(missing_ok=True)  # gone already, unless it was not committed
             flight.settle()
             self._metrics.inflight_fetches.dec()
+
+    async def _upstream_body(self, ups: list[Source], key: ArtifactKey,
+                             req: RequestScope) -> Body | None:
+        """The key's body from the upstreams, asked as a miss would ask them: for a bucket
+        copy that broke off."""
+        return (await ask(ups, key, req.hop, self._policy)).body
 
     async def _download(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body,
