@@ -79,7 +79,7 @@ class BucketBody:
     against its catalogue row as it streams: size and sha256, before the last byte goes."""
 
     def __init__(self, rec: BucketRecord, chunks: AsyncIterator[bytes],
-                 refuse: Callable[[BucketRecord], None]) -> None:
+                 refuse: Callable[[BucketRecord], Awaitable[None]]) -> None:
         self.rec = rec
         self.meta = ArtifactMeta(upstream=rec.upstream, size=rec.size, filename=rec.filename,
                                  archive=rec.archive, last_modified=rec.last_modified,
@@ -101,7 +101,7 @@ class BucketBody:
             raise UpstreamUnavailable(f"the shared bucket stopped sending {self.rec.key}: {e}"
                                       ) from e
         if size != self.rec.size or digest.hexdigest() != self.rec.sha256:
-            self._refuse(self.rec)
+            await self._refuse(self.rec)
             raise VerificationFailed(f"the shared bucket's copy of {self.rec.key} does not "
                                      "match what was written there; deleted")
 
@@ -191,9 +191,13 @@ class SharedTier:
             return BucketBody(rec, chunks, self._refuse)
         return None
 
-    def _refuse(self, rec: BucketRecord) -> None:
+    async def _refuse(self, rec: BucketRecord) -> None:
+        """A copy that does not match its row: its row is gone before the client's response
+        is cut, so the retry the client makes next cannot be sent the same copy again."""
         log.warning("the bucket's copy of %s does not match its row: deleted", rec.key)
-        self._start(self.forget([rec]))
+        with contextlib.suppress(*DATABASE_ERRORS):
+            await self._repo.delete_bucket_objects([rec.key_hash])
+        self._start(self.forget([rec]))  # the object, and the row if the database failed
 
     async def _touch(self, kh: str) -> None:
         with contextlib.suppress(*DATABASE_ERRORS):  # an access time: eviction's order
