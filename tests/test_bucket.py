@@ -17,6 +17,7 @@ import signal
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import pytest
@@ -26,6 +27,7 @@ from proxy.bucket import tier
 from proxy.config import (
     CacheConfig,
     ConfigError,
+    DatabaseConfig,
     StorageConfig,
     UploadConfig,
     load_config,
@@ -35,10 +37,18 @@ from proxy.store.repository import Repository, create_engine
 from tests.buckets import Prefix, S3Server, s3_server, wait_gone
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, read_broken
+from tests.harness import (
+    Debuginfod,
+    Symgate,
+    SymgateFactory,
+    eventually,
+    make_config,
+    read_broken,
+)
 from tests.processes import run_in_thread, start_serve, stop_serve
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.test_database_down import Forwarder
 from tests.test_replicas import upstream_requests
 
 # A cluster's replicas share PostgreSQL.
@@ -552,6 +562,39 @@ async def test_a_broken_off_copy_is_not_finished_with_an_upstreams_different_byt
     await b.settled()
     only_cached = {"Cache-Control": "only-if-cached"}
     assert (await b.request("GET", path, headers=only_cached))[0] == 504  # not cached
+
+
+@on_postgresql
+async def test_the_database_lost_mid_fetch_under_the_lease_costs_no_client_its_file(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
+    faults: FaultUpstream, prefix: Prefix
+) -> None:
+    """The lease's holder can no longer renew it, the waiting replica can no longer look
+    for the copy: each serves its clients all the same, from upstream, and once the
+    database is back the file reaches the bucket."""
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=f"127.0.0.1:{forwarder.port}"))
+    held = faults.url_for("held")  # sends half the body, then waits for `release`
+    a, b = [await start_symgate(config=make_config(
+        tmp_path / name, via, [held], storage=prefix.config(), symbolize=symbolize_config(),
+        database=DatabaseConfig(url=via, timeout_s=1.0))) for name in "ab"]
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    on_a = asyncio.ensure_future(a.get(path))
+    await asyncio.wait_for(faults.held_half_sent.wait(), 30)  # a holds the key's lease
+    on_b = asyncio.ensure_future(b.get(path))
+    await asyncio.sleep(0.3)  # b waits on a's lease, polling the database
+    await forwarder.cut()
+    await asyncio.sleep(1.5)  # past a's renewal (lease_s / 3) and b's next looks
+    faults.release.set()
+    assert [(r[0], r[2]) for r in await asyncio.gather(on_a, on_b)] == [(200, expected)] * 2
+    assert await b.metric("symgate_cluster_fetches_total", how="alone") == 1
+    assert faults.count("held") == 2  # the price of the outage: b could not wait for a
+    await forwarder.start()
+    await eventually(lambda: _has(prefix, object_of(elfs.big)), timeout=30)
+    assert (await prefix.objects())[object_of(elfs.big)] == expected
 
 
 @on_postgresql
