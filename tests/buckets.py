@@ -77,6 +77,10 @@ class Prefix:
                                 retry_config={"max_retries": 0,
                                               "retry_timeout": timedelta(seconds=2)})
 
+    async def paths(self) -> set[str]:
+        """The objects under the prefix, listed, not read."""
+        return {meta["path"] async for batch in obstore.list(self._store()) for meta in batch}
+
     async def objects(self) -> dict[str, bytes]:
         """Every object under the prefix and its bytes (as of the listing, less what was
         deleted before it could be read)."""
