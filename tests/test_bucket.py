@@ -361,6 +361,10 @@ async def test_the_bucket_down_for_ten_seconds_under_load_costs_no_5xx_and_is_ca
         await repo.close()
     for elf in (elfs.other, elfs.big):
         assert rows[_hash(elf)].sha256 == hashlib.sha256(elf.debug.read_bytes()).hexdigest()
+    # Both replicas fetched other and big alone, and both caught up: one upload each still.
+    await asyncio.sleep(1.0)  # a few more catch-up rounds (sync_s 0.3 s) on each
+    uploads = [await r.metric("symgate_bucket_uploads_total", kind="debuginfo") for r in (a, b)]
+    assert sum(uploads) == 3, uploads
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)

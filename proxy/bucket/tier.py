@@ -54,6 +54,11 @@ def object_path(kind: str, kh: str) -> str:
     return f"{TABLE}/{FORMAT}/{kh}" if kind == TABLE else f"{kind}/{kh}"
 
 
+def fetch_lease(kh: str) -> str:
+    """The lease of the replica fetching (or catching up) a key for the cluster."""
+    return f"fetch:{kh}"
+
+
 def table_key(build_id: str) -> str:
     """A symbol table's key: its format is part of it, so a new format is a new object."""
     return f"{TABLE}/{FORMAT}/{build_id}"
@@ -139,7 +144,7 @@ class SharedTier:
                     return Obtained(body=body)
                 if not self.bucket.available:
                     break
-                lease = await self.leases.take(f"fetch:{kh}")
+                lease = await self.leases.take(fetch_lease(kh))
                 if lease is not None:
                     # The holder before may have published, or found nothing, just now: both
                     # asked at once, a round trip before the upstream is.
@@ -288,12 +293,28 @@ class SharedTier:
                 settled = datetime.now(UTC) - timedelta(seconds=self._config.sync_s)
                 for rec in await self._repo.unpublished_artifacts(SYNC_BATCH, settled):
                     path = path_of(rec)
-                    if path.is_file() and not await self.publish(rec, path):
+                    if path.is_file() and not await self._catch_up(rec, path):
                         break
             finally:
                 await lease.release()
         if self._config.max_bytes or self._config.max_age_s:
             await self._evict()
+
+    async def _catch_up(self, rec: ArtifactRecord, path: Path) -> bool:
+        """Upload a file this replica has, unless another replica has uploaded it meanwhile
+        or is fetching or uploading it now (it holds the key's lease): after an outage every
+        replica that fetched a file alone has it, and one upload is enough. False if the
+        bucket failed."""
+        lease = await self.leases.take(fetch_lease(rec.key_hash))
+        if lease is None:
+            return True  # looked at again next round, when its row is likely there
+        try:
+            if (await self._repo.bucket_objects([rec.key_hash])).get(rec.key_hash) is not None:
+                await self._repo.mark_shared(rec.key_hash)
+                return True
+            return await self.publish(rec, path)
+        finally:
+            await lease.release()
 
     async def _evict(self) -> None:
         lease = await self.leases.take(EVICTION_LEASE)
