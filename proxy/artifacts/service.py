@@ -451,6 +451,9 @@ class ArtifactService:
                     digest = await asyncio.to_thread(_sha256_of, fd)
                     await self.tier.publish(self._record(key, scope, meta, flight.written,
                                                          digest, publish), temp)
+            except OSError as e:  # its clients have it: only the bucket goes without
+                log.warning("%s was served but could not be hashed for the bucket: %s",
+                            key.id, e)
             finally:
                 temp.unlink(missing_ok=True)
             return

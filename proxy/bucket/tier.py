@@ -304,17 +304,21 @@ class SharedTier:
         """Upload a file this replica has, unless another replica has uploaded it meanwhile
         or is fetching or uploading it now (it holds the key's lease): after an outage every
         replica that fetched a file alone has it, and one upload is enough. False if the
-        bucket failed."""
-        lease = await self.leases.take(fetch_lease(rec.key_hash))
-        if lease is None:
-            return True  # looked at again next round, when its row is likely there
+        bucket or the database failed: the round ends, the next one tries again."""
         try:
-            if (await self._repo.bucket_objects([rec.key_hash])).get(rec.key_hash) is not None:
-                await self._repo.mark_shared(rec.key_hash)
-                return True
-            return await self.publish(rec, path)
-        finally:
-            await lease.release()
+            lease = await self.leases.take(fetch_lease(rec.key_hash))
+            if lease is None:
+                return True  # looked at again next round, when its row is likely there
+            try:
+                if (await self._repo.bucket_objects([rec.key_hash])).get(rec.key_hash):
+                    await self._repo.mark_shared(rec.key_hash)
+                    return True
+                return await self.publish(rec, path)
+            finally:
+                await lease.release()
+        except DATABASE_ERRORS as e:
+            log.info("catch-up of %s put off: %s", rec.key, type(e).__name__)
+            return False
 
     async def _evict(self) -> None:
         lease = await self.leases.take(EVICTION_LEASE)
