@@ -38,6 +38,7 @@ def init(server_pid: int, then: Callable[..., None] | None, args: tuple[Any, ...
     name_process("symgate-worker")
     with contextlib.suppress(OSError):
         os.nice(_NICENESS)
+    _trimmer.start()
     if then is not None:
         then(*args)
 
@@ -90,26 +91,55 @@ def run(fn: Callable[..., T], *args: Any) -> T:
     kernel one fault at a time. A trim after every job cost a warm profile of 100,000
     locations some 10,000 page faults in its finish (and its scan's too), 20 ms of 80-90.
     """
-    global _trim_timer
-    with _trim_lock:
-        if _trim_timer is not None:
-            _trim_timer.cancel()
-            _trim_timer = None
+    _trimmer.job_started()
     try:
         return fn(*args)
     finally:
-        timer = threading.Timer(_TRIM_AFTER_S, _trim)
-        timer.daemon = True
-        with _trim_lock:
-            _trim_timer = timer
-        timer.start()
+        _trimmer.job_done()
 
 
 # The heap is trimmed once no job has come for this long (a /symbolize's scan and finish, and
 # profiles sent back to back, come sooner).
 _TRIM_AFTER_S = 1.0
-_trim_lock = threading.Lock()
-_trim_timer: threading.Timer | None = None
+
+
+class _Trimmer:
+    """One thread per worker that trims the heap `_TRIM_AFTER_S` after the last job ended,
+    unless another has started since. A job only sets a time and notifies: no thread is
+    started per job (a start waits for the thread to run, which a loaded machine makes long)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._due: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._changed:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="symgate-trim",
+                                                daemon=True)
+                self._thread.start()
+
+    def job_started(self) -> None:
+        with self._changed:
+            self._due = None
+
+    def job_done(self) -> None:
+        self.start()  # started by `init` in a worker; here for a process that ran no init
+        with self._changed:
+            self._due = time.monotonic() + _TRIM_AFTER_S
+            self._changed.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while self._due is None or (left := self._due - time.monotonic()) > 0:
+                    self._changed.wait(None if self._due is None else left)
+                self._due = None
+            _trim()  # outside the lock: a job that starts meanwhile does not wait for it
+
+
+_trimmer = _Trimmer()
 
 
 def _trim() -> None:
