@@ -18,6 +18,7 @@ from proxy.symbols import shared_bodies, worker_process
 from proxy.symbols.shared_bodies import SharedBytes, Unshareable
 from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from symbolize.elf import executable_segments
+from symbolize.pprof.profile_pb2 import Profile
 from symbolize.symtab import TableSpec, build_symbol_table
 from symbolize.worker import Answer, Limits
 from tests.elfs import ElfSet
@@ -75,6 +76,20 @@ async def test_a_profile_through_memory_files_gives_the_bytes_the_pipes_give(
     assert shared.body == by_pipes.body and shared.body is not None
     assert shared.report == by_pipes.report and shared.report.locations_symbolized > 40
     assert not _open_memfds()  # closed with the request
+
+
+async def test_a_large_profile_is_written_and_read_beside_the_event_loop(
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
+    body, answers = _request(elfs, tmp_path)
+    profile = Profile.FromString(body)
+    profile.string_table.append("x" * (5 << 20))  # past what is copied on the event loop
+    body = profile.SerializeToString()
+    expected = await workers.finish(body, LIMITS, answers)
+    with workers.for_request() as work:
+        await work.scan(body, LIMITS)
+        done = await work.finish(body, LIMITS, answers)
+    assert done.body == expected.body and done.body is not None and len(done.body) > 5 << 20
+    assert not _open_memfds()
 
 
 async def test_nothing_filled_in_comes_back_as_none(

@@ -250,8 +250,8 @@ class SymbolizeWorkers:
             return await self.pool.run(fn, *args)
 
 
-# Bodies past this size are written into their memory file by a thread: a write is a copy,
-# some 0.2 ms a megabyte, and a body may be hundreds of them.
+# Bodies and answers past this size are written into or read from their memory file by a
+# thread: each is a copy, some 0.2-0.5 ms a megabyte, and a body may be hundreds of them.
 _WRITE_INLINE = 1 << 22
 
 
@@ -273,7 +273,9 @@ class RequestWork:
             fd = shared_bodies.create("symgate-profile")
             self._body, self._shared = body, SharedBytes(os.getpid(), fd, len(body))
             if len(body) > _WRITE_INLINE:
-                await asyncio.to_thread(shared_bodies.write_all, fd, body)
+                # On a descriptor of the thread's own: a request cancelled meanwhile closes
+                # `fd`, whose number may then be another file's before the thread is done.
+                await asyncio.to_thread(_write_closing, os.dup(fd), body)
             else:
                 shared_bodies.write_all(fd, body)
         return self._shared if body is self._body else None
@@ -303,7 +305,11 @@ class RequestWork:
                     answers)
                 if written.size is None:
                     return Finished(None, written.report)
-                return Finished(shared_bodies.read_all(out, written.size), written.report)
+                if written.size > _WRITE_INLINE:
+                    answer = await asyncio.to_thread(_read_closing, os.dup(out), written.size)
+                else:
+                    answer = shared_bodies.read_all(out, written.size)
+                return Finished(answer, written.report)
             except Unshareable as e:
                 self._unshareable(e)
             finally:
@@ -314,3 +320,17 @@ class RequestWork:
         if self._shared is not None:
             os.close(self._shared.fd)
             self._shared = self._body = None
+
+
+def _write_closing(fd: int, data: bytes) -> None:
+    try:
+        shared_bodies.write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _read_closing(fd: int, size: int) -> bytes:
+    try:
+        return shared_bodies.read_all(fd, size)
+    finally:
+        os.close(fd)
