@@ -101,19 +101,16 @@ async def test_nothing_filled_in_comes_back_as_none(
 
 
 async def test_where_a_worker_cannot_open_them_the_pipes_carry_the_profile(
-        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
     body, answers = _request(elfs, tmp_path)
     expected = await workers.finish(body, LIMITS, answers)
-    real = os.getpid()
-    # A pid whose memory files no worker can open: as where /proc or ptrace forbids it.
-    monkeypatch.setattr(os, "getpid", lambda: 0x3FFFFFFF)
-    try:
-        with workers.for_request() as work:
-            assert await work.scan(body, LIMITS) == {elfs.prog.build_id: True}
-            done = await work.finish(body, LIMITS, answers)
-    finally:
-        monkeypatch.setattr(os, "getpid", lambda: real)
+    with workers.for_request() as work:
+        # A pid whose memory files no worker can open: as where /proc or ptrace forbids it.
+        # (Not os.getpid patched: multiprocessing would take the workers it starts meanwhile
+        # for another process's children and never join them.)
+        work._pid = 0x3FFFFFFF
+        assert await work.scan(body, LIMITS) == {elfs.prog.build_id: True}
+        done = await work.finish(body, LIMITS, answers)
     assert not workers.sharing  # said once, and not tried again
     assert done.body == expected.body
     with workers.for_request() as work:

@@ -263,6 +263,7 @@ class RequestWork:
 
     def __init__(self, workers: SymbolizeWorkers) -> None:
         self._workers = workers
+        self._pid = os.getpid()  # whose memory files the workers open
         self._body: bytes | None = None
         self._shared: SharedBytes | None = None
 
@@ -271,7 +272,7 @@ class RequestWork:
             return None
         if self._body is None:
             fd = shared_bodies.create("symgate-profile")
-            self._body, self._shared = body, SharedBytes(os.getpid(), fd, len(body))
+            self._body, self._shared = body, SharedBytes(self._pid, fd, len(body))
             if len(body) > _WRITE_INLINE:
                 # On a descriptor of the thread's own: a request cancelled meanwhile closes
                 # `fd`, whose number may then be another file's before the thread is done.
@@ -301,7 +302,7 @@ class RequestWork:
             out = shared_bodies.create("symgate-answer")
             try:
                 written = await self._workers.run(
-                    shared_bodies.finish, shared, SharedBytes(os.getpid(), out, 0), limits,
+                    shared_bodies.finish, shared, SharedBytes(self._pid, out, 0), limits,
                     answers)
                 if written.size is None:
                     return Finished(None, written.report)
