@@ -44,6 +44,7 @@ _PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
 _OUT_BATCH = 1 << 14
 assert PART % _OUT_BATCH == 0
 _PROFILE_LOCATION = 4 << 3 | 2  # Profile.location: field 4, length-delimited
+_PARTS = np.tile(np.arange(3, dtype=np.uint8), _OUT_BATCH)  # see _replace_locations
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,27 +290,33 @@ def _replace_locations(profile: RawProfile, encodings: list[npt.NDArray[np.uint8
         old, tail = lengths[start:end], tail_length[start:end].astype(np.int64)
         inner = old + tail
         width = varint.widths(inner.astype(np.uint64))
-        size = 1 + width + inner
+        head = 1 + width
+        size = head + inner
         at = np.cumsum(size) - size
         out = np.empty(int(size.sum()), dtype=np.uint8)
+        # Which of its location's parts each byte of `out` is: 0 its head (tag and length),
+        # 1 its own bytes, 2 its tail. The own bytes come in order, so a mask places them all
+        # without a position per byte (a gather and a scatter by positions took 16 ms of the
+        # rewrite of 100,000 locations).
+        part_of = np.repeat(_PARTS[: 3 * len(old)], np.column_stack((head, old, tail)).ravel())
+        first = int(old_start[start] - old_start[part * PART])
+        out[part_of == 1] = encodings[part][first: first + int(old.sum())]
+        out[part_of == 2] = _gather_spans(tails, tail_start[start:end], tail)
         out[at] = _PROFILE_LOCATION
         varint.put(out, at + 1, inner.astype(np.uint64), width)
-        body = at + 1 + width
-        _copy_spans(out, body, encodings[part], old_start[start:end] - old_start[part * PART],
-                    old)
-        _copy_spans(out, body + old, tails, tail_start[start:end], tail)
         profile.MergeFromString(out.tobytes())  # appends them, in order
 
 
-def _copy_spans(out: npt.NDArray[np.uint8], to: I64, source: npt.NDArray[np.uint8],
-                first: I64, length: I64) -> None:
-    """out[to[i]:to[i] + length[i]] = source[first[i]:first[i] + length[i]] for every i."""
+def _gather_spans(source: npt.NDArray[np.uint8], first: I64, length: I64
+                  ) -> npt.NDArray[np.uint8]:
+    """source[first[i]:first[i] + length[i]] for every i, one after another."""
     total = int(length.sum())
-    if not total:
-        return
-    # Positions as 32-bit numbers where they fit (they do in a batch's `out`): half the memory.
+    # Positions as 32-bit numbers where they fit: half the memory.
     wide = np.int64 if len(source) >= 1 << 31 else np.int32
     before = np.cumsum(length) - length
-    step = np.arange(total, dtype=np.int32)
-    out[np.repeat((to - before).astype(np.int32), length) + step] = source[
-        np.repeat((first - before).astype(wide), length) + step]
+    # np.take rather than source[positions]: half the time for bytes (0.28 against 0.57 ms
+    # for 350,000).
+    positions: I64 = np.repeat((first - before).astype(wide), length) \
+        + np.arange(total, dtype=wide)
+    out: npt.NDArray[np.uint8] = np.take(source, positions)
+    return out

@@ -19,10 +19,10 @@ import gc
 from multiprocessing import spawn
 from typing import Any
 
-from proxy.symbols import worker_process
+from proxy.symbols import shared_bodies, worker_process
 from symbolize import symtab, worker
 
-LOADED = (worker_process, symtab, worker)  # what the workers run
+LOADED = (worker_process, shared_bodies, symtab, worker)  # what the workers run
 
 
 def _no_main(_main: Any) -> None:

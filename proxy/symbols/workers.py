@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from proxy.config import SymbolizeConfig
 from proxy.errors import Overloaded, WorkerLost
-from proxy.symbols import executors, forked_helpers, worker_process
+from proxy.symbols import executors, forked_helpers, shared_bodies, worker_process
+from proxy.symbols.shared_bodies import SharedBytes, Unshareable
 from symbolize import worker
 from symbolize.worker import Answer, Finished, Limits
 
@@ -202,6 +203,8 @@ class SymbolizeWorkers:
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        # Until a worker could not open a memory file of this process (shared_bodies.py).
+        self.sharing = hasattr(os, "memfd_create")
 
     @property
     def admitted_count(self) -> int:
@@ -230,3 +233,105 @@ class SymbolizeWorkers:
                      answers: dict[str, Answer]) -> Finished:
         async with self._jobs:
             return await self.pool.run(worker.finish, body, limits, answers)
+
+    @contextlib.contextmanager
+    def for_request(self) -> Iterator[RequestWork]:
+        """The Work of one request: its profile's bytes cross to the workers once, in a
+        memory file, not twice through the pipes (shared_bodies.py); freed at the end."""
+        work = RequestWork(self)
+        try:
+            yield work
+        finally:
+            work.close()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a worker, in the place of a profile's job."""
+        async with self._jobs:
+            return await self.pool.run(fn, *args)
+
+
+# Bodies and answers past this size are written into or read from their memory file by a
+# thread: each is a copy, some 0.2-0.5 ms a megabyte, and a body may be hundreds of them.
+_WRITE_INLINE = 1 << 22
+
+
+class RequestWork:
+    """symbolize.pipeline.Work for one request. The body it is first given goes into a
+    memory file of this process, which its scan and finish both read; an answer comes back
+    through another. Any other body, or where workers cannot open this process's memory files,
+    goes through the pipes as SymbolizeWorkers sends it."""
+
+    def __init__(self, workers: SymbolizeWorkers) -> None:
+        self._workers = workers
+        self._pid = os.getpid()  # whose memory files the workers open
+        self._body: bytes | None = None
+        self._shared: SharedBytes | None = None
+
+    async def _share(self, body: bytes) -> SharedBytes | None:
+        if not self._workers.sharing or not body:
+            return None
+        if self._body is None:
+            fd = shared_bodies.create("symgate-profile")
+            self._body, self._shared = body, SharedBytes(self._pid, fd, len(body))
+            if len(body) > _WRITE_INLINE:
+                # On a descriptor of the thread's own: a request cancelled meanwhile closes
+                # `fd`, whose number may then be another file's before the thread is done.
+                await asyncio.to_thread(_write_closing, os.dup(fd), body)
+            else:
+                shared_bodies.write_all(fd, body)
+        return self._shared if body is self._body else None
+
+    def _unshareable(self, error: Unshareable) -> None:
+        if self._workers.sharing:
+            log.warning("profiles go to the workers through pipes: %s", error)
+        self._workers.sharing = False
+
+    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
+        shared = await self._share(body)
+        if shared is not None:
+            try:
+                return await self._workers.run(shared_bodies.scan, shared, limits)
+            except Unshareable as e:
+                self._unshareable(e)
+        return await self._workers.scan(body, limits)
+
+    async def finish(self, body: bytes, limits: Limits,
+                     answers: dict[str, Answer]) -> Finished:
+        shared = await self._share(body)
+        if shared is not None:
+            out = shared_bodies.create("symgate-answer")
+            try:
+                written = await self._workers.run(
+                    shared_bodies.finish, shared, SharedBytes(self._pid, out, 0), limits,
+                    answers)
+                if written.size is None:
+                    return Finished(None, written.report)
+                if written.size > _WRITE_INLINE:
+                    answer = await asyncio.to_thread(_read_closing, os.dup(out), written.size)
+                else:
+                    answer = shared_bodies.read_all(out, written.size)
+                return Finished(answer, written.report)
+            except Unshareable as e:
+                self._unshareable(e)
+            finally:
+                os.close(out)
+        return await self._workers.finish(body, limits, answers)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            os.close(self._shared.fd)
+            self._shared = self._body = None
+
+
+def _write_closing(fd: int, data: bytes) -> None:
+    try:
+        shared_bodies.write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _read_closing(fd: int, size: int) -> bytes:
+    try:
+        return shared_bodies.read_all(fd, size)
+    finally:
+        os.close(fd)

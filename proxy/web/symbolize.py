@@ -113,8 +113,8 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.Response:
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
         async with take_slot():
-            answer, done = await fmt.run(body, state.symbols.provider(req), limits,
-                                         state.symbols.workers)
+            with state.symbols.workers.for_request() as work:
+                answer, done = await fmt.run(body, state.symbols.provider(req), limits, work)
     count(state, done)
     result = "symbolized" if done.changed else \
         "named" if done.report.locations_unresolved[fallback.NAMED] else "unchanged"

@@ -141,7 +141,7 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     for j, tag in ((0, 0x08), (2, _MAPPING_ID), (4, _ADDRESS)):
         if j:
             ok &= run[j] == run[j - 1] + 1
-        ok &= buf[np.minimum(run[j], len(buf) - 1)] == tag
+        ok &= np.take(buf, np.minimum(run[j], len(buf) - 1)) == tag
         ok &= run[j + 1] - run[j] <= _MAX_VARINT
     ok &= run[5] == ends[which] - 1
     for j, column in ((2, mapping_id), (4, address)):

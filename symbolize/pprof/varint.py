@@ -37,7 +37,8 @@ def get(buf: U8, first: I64, width: I64) -> U64:
     values = np.zeros(len(first), dtype=np.uint64)
     last = len(buf) - 1
     for k in range(int(width.max(initial=0))):
-        byte = buf[np.minimum(first + k, last)] & 0x7F
+        # np.take: half the time of buf[positions] for bytes.
+        byte = np.take(buf, np.minimum(first + k, last)) & 0x7F
         values |= np.where(width > k, byte, 0).astype(np.uint64) << np.uint64(7 * k)
     return values
 

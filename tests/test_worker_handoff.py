@@ -1,0 +1,142 @@
+"""How a profile reaches a worker process and comes back: through memory files of the serving
+process (proxy/symbols/shared_bodies.py), the same bytes as through the pool's pipes, the
+pipes again where a worker cannot open them, and nothing left open after the request; and a
+worker's heap trimmed once it idles, not between a request's two jobs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from proxy.config import SymbolizeConfig
+from proxy.symbols import shared_bodies, worker_process
+from proxy.symbols.shared_bodies import SharedBytes, Unshareable
+from proxy.symbols.workers import SymbolizeWorkers, worker_pool
+from symbolize.elf import executable_segments
+from symbolize.pprof.profile_pb2 import Profile
+from symbolize.symtab import TableSpec, build_symbol_table
+from symbolize.worker import Answer, Limits
+from tests.elfs import ElfSet
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES
+
+LIMITS = Limits(1 << 30, 16)
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[SymbolizeWorkers]:
+    cfg = SymbolizeConfig(workers=1, build_workers=1)
+    pool = worker_pool(cfg)
+    try:
+        yield SymbolizeWorkers(cfg, pool)
+    finally:
+        await pool.close()
+
+
+def _request(elfs: ElfSet, tmp_path: Path) -> tuple[bytes, dict[str, Answer]]:
+    prog = elfs.prog
+    built = build_symbol_table(prog.debug, tmp_path / "prog.symc", prog.build_id,
+                               prog.executable)
+    spec = TableSpec(tmp_path / "prog.symc", built.load_address, built.code_ranges,
+                     built.cold_ranges, built.has_lines)
+    segments = executable_segments(prog.executable, prog.build_id)
+    assert segments
+    body = make_profile([(place(prog, BASES["prog"]), code_addresses(prog)[:50])]
+                        ).SerializeToString()
+    return body, {prog.build_id: Answer(spec, segments)}
+
+
+def _open_memfds() -> list[str]:
+    return [target for fd in os.listdir("/proc/self/fd")
+            if "symgate-" in (target := _target(fd))]
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+async def test_a_profile_through_memory_files_gives_the_bytes_the_pipes_give(
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
+    body, answers = _request(elfs, tmp_path)
+    by_pipes = await workers.finish(body, LIMITS, answers)
+    with workers.for_request() as work:
+        layouts = await work.scan(body, LIMITS)
+        assert _open_memfds()  # the body, written once for both jobs
+        shared = await work.finish(body, LIMITS, answers)
+    assert workers.sharing
+    assert layouts == await workers.scan(body, LIMITS) == {elfs.prog.build_id: True}
+    assert shared.body == by_pipes.body and shared.body is not None
+    assert shared.report == by_pipes.report and shared.report.locations_symbolized > 40
+    assert not _open_memfds()  # closed with the request
+
+
+async def test_a_large_profile_is_written_and_read_beside_the_event_loop(
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
+    body, answers = _request(elfs, tmp_path)
+    profile = Profile.FromString(body)
+    profile.string_table.append("x" * (5 << 20))  # past what is copied on the event loop
+    body = profile.SerializeToString()
+    expected = await workers.finish(body, LIMITS, answers)
+    with workers.for_request() as work:
+        await work.scan(body, LIMITS)
+        done = await work.finish(body, LIMITS, answers)
+    assert done.body == expected.body and done.body is not None and len(done.body) > 5 << 20
+    assert not _open_memfds()
+
+
+async def test_nothing_filled_in_comes_back_as_none(
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
+    body, answers = _request(elfs, tmp_path)
+    with workers.for_request() as work:
+        done = await work.finish(body, LIMITS, {bid: Answer(None) for bid in answers})
+    assert done.body is None and not done.report.changed
+
+
+async def test_where_a_worker_cannot_open_them_the_pipes_carry_the_profile(
+        workers: SymbolizeWorkers, elfs: ElfSet, tmp_path: Path) -> None:
+    body, answers = _request(elfs, tmp_path)
+    expected = await workers.finish(body, LIMITS, answers)
+    with workers.for_request() as work:
+        # A pid whose memory files no worker can open: as where /proc or ptrace forbids it.
+        # (Not os.getpid patched: multiprocessing would take the workers it starts meanwhile
+        # for another process's children and never join them.)
+        work._pid = 0x3FFFFFFF
+        assert await work.scan(body, LIMITS) == {elfs.prog.build_id: True}
+        done = await work.finish(body, LIMITS, answers)
+    assert not workers.sharing  # said once, and not tried again
+    assert done.body == expected.body
+    with workers.for_request() as work:
+        assert (await work.finish(body, LIMITS, answers)).body == expected.body
+        assert not _open_memfds()
+
+
+def test_a_memory_file_that_cannot_be_opened_is_unshareable() -> None:
+    with pytest.raises(Unshareable):
+        shared_bodies.scan(SharedBytes(0x3FFFFFFF, 3, 10), LIMITS)
+
+
+def test_a_worker_trims_its_heap_once_no_job_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+    trims: list[float] = []
+    trimmed = threading.Event()
+
+    def trim() -> None:
+        trims.append(time.monotonic())
+        trimmed.set()
+
+    monkeypatch.setattr(worker_process, "_trim", trim)
+    monkeypatch.setattr(worker_process, "_TRIM_AFTER_S", 0.3)
+    for _ in range(5):  # jobs back to back: the next one comes before any trim
+        assert worker_process.run(len, b"abc") == 3
+    assert not trims
+    started = time.monotonic()
+    assert trimmed.wait(5)
+    time.sleep(0.5)
+    assert len(trims) == 1 and trims[0] - started >= 0.2
