@@ -137,8 +137,9 @@ async def test_circuit_breaker_opens_skips_and_recovers(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
     up = faults.url_for("gate")
+    # A cooldown that outlasts the checks below on a loaded machine (0.5 s did not, once).
     sg = await start_symgate([fast_upstream(up, retries=0, breaker_failures=2,
-                                            breaker_cooldown_s=0.5)])
+                                            breaker_cooldown_s=2.0)])
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     for _ in range(2):
         assert (await sg.get(path))[0] == 502
@@ -148,7 +149,7 @@ async def test_circuit_breaker_opens_skips_and_recovers(
     assert status == 502 and b"circuit breaker open" in body
     assert faults.count("gate") == 2  # the open breaker kept the third request local
     faults.gate_open = True
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(2.1)
     status, _, _ = await sg.get(path)
     assert status == 200 and faults.count("gate") == 3
     assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
