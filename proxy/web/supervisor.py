@@ -87,6 +87,8 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
                 # Killed from outside while it started (the OOM killer, an operator): not
                 # a fault of the configuration, so it is replaced as a serving one would be.
                 mark_process_dead(killed[0], str(metrics_dir))  # type: ignore[no-untyped-call]
+                if keeper.stopping:  # SIGTERM came meanwhile: a new worker would miss it
+                    break
                 if not keeper.may_restart(index):
                     raise CannotStart(f"worker {index} keeps dying while starting ({killed[1]})")
                 log.warning("worker %d %s while starting; starting another", index, killed[1])
