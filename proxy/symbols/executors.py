@@ -58,10 +58,9 @@ def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any,
 
 def _widen_pipes(executor: ProcessPoolExecutor) -> None:
     """The pipes that carry jobs to the workers and results back, 1 MB rather than 64 KB
-    (at most the system's pipe-max-size): a profile's bytes went through them three times for
-    a /symbolize (to scan, to finish, and back; now they cross in memfds, shared_bodies.py,
-    and through the pipes only where workers cannot open those), some 2.5 MB each for 100,000
-    locations, and
+    (at most the system's pipe-max-size): a profile's bytes go through them where workers
+    cannot open the serving process's memfds (shared_bodies.py), three times for a
+    /symbolize (to scan, to finish, and back), some 2.5 MB each for 100,000 locations, and
     at 64 KB a time each side woke some forty times: 2.5 MB to a worker and back took 12 ms
     (median of 30), 6 ms with 1 MB pipes. Private to concurrent.futures (stable since 3.8);
     without them, the pipes stay as they are."""

@@ -226,13 +226,11 @@ class SymbolizeWorkers:
             self._admitted -= 1
 
     async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
-        async with self._jobs:
-            return await self.pool.run(worker.scan, body, limits)
+        return await self.run(worker.scan, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
-        async with self._jobs:
-            return await self.pool.run(worker.finish, body, limits, answers)
+        return await self.run(worker.finish, body, limits, answers)
 
     @contextlib.contextmanager
     def for_request(self) -> Iterator[RequestWork]:
