@@ -84,7 +84,8 @@ class SymbolTableRow(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     built_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     build_seconds: Mapped[float] = mapped_column(default=0.0)
-    # For failed builds: until when the outcome is believed (then a build is tried again).
+    # For failed builds: until when the outcome is believed (then a build is tried again); for
+    # a table from an executable: until its debug file is asked for again.
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 

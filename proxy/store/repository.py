@@ -193,6 +193,8 @@ class PurgeNotice:
 # Built once: making a statement anew costs more than running it on a local SQLite.
 _ARTIFACT_BY_HASH = select(Artifact.__table__).where(
     Artifact.key_hash == bindparam("kh"), Artifact.replica == bindparam("replica"))
+_SYMBOL_TABLE = select(SymbolTableRow.__table__).where(
+    SymbolTableRow.scope == bindparam("scope"), SymbolTableRow.build_id == bindparam("bid"))
 _NEGATIVES_BY_HASH = select(Negative.upstream, Negative.outcome, Negative.misses,
                             Negative.expires_at).where(Negative.key_hash == bindparam("kh"))
 
@@ -428,8 +430,10 @@ class Repository:
 
     # -- symbol tables -----------------------------------------------------------------------
     async def get_symbol_table(self, scope: str, build_id: str) -> SymbolTableRecord | None:
-        async with self._session() as s:
-            row = await s.get(SymbolTableRow, (scope, build_id))
+        # A cold profile asks this of every one of its build IDs at once: through aiosqlite
+        # 30 of them took 0.1-0.19 s, queued on its one thread.
+        def query(c: Connection) -> SymbolTableRecord | None:
+            row = c.execute(_SYMBOL_TABLE, {"scope": scope, "bid": build_id}).first()
             if row is None:
                 return None
             return SymbolTableRecord(
@@ -439,6 +443,11 @@ class Repository:
                 aware(row.built_at), row.build_seconds,
                 aware(row.expires_at) if row.expires_at else None,
             )
+
+        if self._local is not None and (got := self._local.read(query))[0]:
+            return got[1]
+        async with self.engine.connect() as c:
+            return await c.run_sync(query)
 
     async def put_symbol_table(self, rec: SymbolTableRecord) -> None:
         stmt = self._upsert(SymbolTableRow, _columns(rec), ["scope", "build_id"])

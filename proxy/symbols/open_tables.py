@@ -18,6 +18,8 @@ class OpenTable:
     layout_searched: bool = False
     # Program headers from a tenant's own executable, for that tenant's requests only.
     scoped_segments: dict[str, tuple[LoadSegment, ...]] = field(default_factory=dict)
+    # A table from an executable: when (wall clock) its debug file is asked for again.
+    recheck_at: float | None = None
 
 
 class OpenTables:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,14 @@ from proxy.store.repository import SymbolTableRecord
 from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
-from proxy.symbols.table_store import TableStore, layout_from_json, ranges_from_json
+from proxy.symbols.table_store import (
+    TableStore,
+    from_executable,
+    layout_from_json,
+    local_source_key,
+    ranges_from_json,
+    stale,
+)
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
@@ -114,6 +122,8 @@ class SymbolResolver:
     def _open_for(self, req: RequestScope, build_id: str) -> tuple[str, OpenTable] | None:
         for scope in req.visible:
             if (opened := self._open.get(scope, build_id)) is not None:
+                if opened.recheck_at is not None and opened.recheck_at <= time.time():
+                    return None  # its debug file is asked for again: _load_or_build
                 return scope, opened
         return None
 
@@ -170,9 +180,13 @@ class SymbolResolver:
         return future
 
     async def _load_or_build(self, req: RequestScope, build_id: str) -> _Found:
+        recheck: SymbolTableRecord | None = None
         for scope in req.visible:
             rec, from_bucket = await self._tables.find(scope, build_id)
             if rec is not None and rec.outcome == Outcome.OK:
+                if stale(rec):
+                    recheck = recheck or rec
+                    continue
                 self._metrics.symtab_cache.labels("bucket" if from_bucket else "hit").inc()
                 return scope, self._remember(rec)
             # A failure still believed is believed in any scope the request sees: looking again
@@ -187,6 +201,10 @@ class SymbolResolver:
             return e.outcome
         if source is None:
             return Outcome.NOT_FOUND
+        if (recheck is not None and recheck.source_key == source.source_key
+                and recheck.scope == source.scope):
+            # Still no debug file: the table from the executable is as good as a new build.
+            return recheck.scope, self._remember(await self._tables.renew(recheck))
         return await self._build(build_id, source)
 
     def _remember(self, rec: SymbolTableRecord) -> OpenTable:
@@ -194,7 +212,10 @@ class SymbolResolver:
                           ranges_from_json(rec.code_ranges), ranges_from_json(rec.cold_ranges),
                           rec.has_lines)
         segments = layout_from_json(rec.file_layout) if rec.file_layout else None
-        opened = OpenTable(table, segments, layout_searched=segments is not None)
+        recheck_at = rec.expires_at.timestamp() \
+            if rec.outcome == Outcome.OK and rec.expires_at is not None else None
+        opened = OpenTable(table, segments, layout_searched=segments is not None,
+                           recheck_at=recheck_at)
         self._open.put(rec.scope, rec.build_id, opened)
         return opened
 
@@ -202,7 +223,7 @@ class SymbolResolver:
         local = find_debug_file(self._debug_dirs, build_id)
         local_exe = find_executable(self._debug_dirs, build_id)
         if local is not None:
-            return _Source(local, f"local:{local}", SHARED, None,
+            return _Source(local, local_source_key(local, executable=False), SHARED, None,
                            (local_exe, None) if local_exe else None)
         # The executable is fetched beside the debug file (the layout search of a profile with
         # runtime addresses fetches it too: one upstream fetch for both).
@@ -213,7 +234,16 @@ class SymbolResolver:
         try:
             key = ArtifactKey(build_id, Kind.DEBUGINFO)
             with contextlib.suppress(NotFound):
-                scope, path = await self._artifact_path(key, req)
+                try:
+                    scope, path = await self._artifact_path(key, req)
+                except SymgateError as e:
+                    if local_exe is None:
+                        raise
+                    # A site cut off from its upstreams still has its own executables: their
+                    # table serves until the debug file is asked for again (stale()).
+                    log.info("debug file of %s not had (%s): its table is built from the "
+                             "local executable", build_id, e.reason)
+                    raise NotFound(e.reason) from e
                 beside = await self._beside(scope, local_exe, exe, exe_key)
                 return _Source(path, key.id, scope, (scope, key), beside)
             if exe is not None:
@@ -226,7 +256,8 @@ class SymbolResolver:
                 exe.add_done_callback(lambda f: f.cancelled() or f.exception())
         if local_exe is None:
             return None
-        return _Source(local_exe, f"local:{local_exe}", SHARED, None, (local_exe, None))
+        return _Source(local_exe, local_source_key(local_exe, executable=True), SHARED, None,
+                       (local_exe, None))
 
     @staticmethod
     async def _beside(scope: str, local_exe: Path | None,
@@ -314,7 +345,7 @@ class SymbolResolver:
         if rec.outcome != Outcome.OK:
             # A failure speaks for the file that failed, not for another one.
             return Outcome(rec.outcome) if rec.source_key == source.source_key else None
-        if _from_executable(rec.source_key) and not _from_executable(source.source_key):
+        if from_executable(rec.source_key) and not from_executable(source.source_key):
             return None  # a debug file has the lines that a table from the executable lacks
         log.info("symbol table for %s: built by another process", build_id)
         return scope, self._remember(rec)
@@ -395,21 +426,21 @@ class SymbolResolver:
             # A tenant's file adds nothing where a shared table with lines exists already.
             shared = await self._tables.usable(SHARED, bid)
             if (shared is not None and shared.outcome == Outcome.OK
-                    and not _from_executable(shared.source_key)):
+                    and not from_executable(shared.source_key)):
                 return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
         rec = await self._tables.here(scope, bid)  # another replica's build: from the bucket
         cached = self._artifacts.cache.peek(scope, key)
         if cached is None:
             return Outcome.NOT_FOUND
-        from_executable = rec is not None and _from_executable(rec.source_key)
+        exe_table = rec is not None and from_executable(rec.source_key)
         if (rec is None or rec.format != FORMAT or rec.outcome != Outcome.OK
-                or (key.kind is Kind.DEBUGINFO and from_executable)):
+                or (key.kind is Kind.DEBUGINFO and exe_table)):
             self._open.drop(scope, bid)
             beside = self._cached_executable(scope, bid) if key.kind is Kind.DEBUGINFO \
                 else (cached.path, (scope, key))
             return await self._build(bid, _Source(cached.path, key.id, scope, (scope, key),
                                                   beside))
-        if key.kind is Kind.EXECUTABLE and not from_executable \
+        if key.kind is Kind.EXECUTABLE and not exe_table \
                 and (debug := self._artifacts.cache.peek(scope, ArtifactKey(
                     bid, Kind.DEBUGINFO))) is not None \
                 and rec.source_key == ArtifactKey(bid, Kind.DEBUGINFO).id \
@@ -449,10 +480,6 @@ class SymbolResolver:
         if rec is not None and rec.source_key == key.id:
             self._open.drop(scope, key.build_id)
             await self._tables.drop(scope, key.build_id)
-
-
-def _from_executable(source_key: str) -> bool:
-    return source_key.endswith("/executable")
 
 
 class _ScopedProvider:

@@ -3,6 +3,7 @@ when) and their files, which the Store places. No other module reads or writes e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -98,9 +99,12 @@ class TableStore:
 
     async def record(self, scope: str, build_id: str, outcome: Outcome, source_key: str,
                      result: BuildResult | None, error: str | None) -> SymbolTableRecord:
-        """Write a build's outcome, believed for as long as the expiry policy says."""
+        """Write a build's outcome, believed for as long as the expiry policy says; a table
+        built from an executable until the debug file is worth asking for again (stale())."""
         now = datetime.now(UTC)
-        keep = self._expiry.seconds(outcome)
+        keep = self._expiry.seconds(
+            Outcome.NOT_FOUND if outcome == Outcome.OK and from_executable(source_key)
+            else outcome)
         rec = SymbolTableRecord(
             scope=scope, build_id=build_id, outcome=outcome, format=FORMAT,
             source_key=source_key, size=result.size if result else 0,
@@ -118,6 +122,14 @@ class TableStore:
             self._shared.publish_table(scope, build_id, self.path(scope, build_id))
         return rec
 
+    async def renew(self, rec: SymbolTableRecord) -> SymbolTableRecord:
+        """A stale table from an executable, believed again: its debug file is still not had."""
+        keep = self._expiry.seconds(Outcome.NOT_FOUND)
+        assert keep is not None
+        renewed = dataclasses.replace(rec, expires_at=datetime.now(UTC) + timedelta(seconds=keep))
+        await self._repo.put_symbol_table(renewed)
+        return renewed
+
     async def set_layout(self, scope: str, build_id: str,
                          segments: Sequence[LoadSegment]) -> None:
         await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
@@ -128,3 +140,24 @@ class TableStore:
         self._store.remove_symtab(scope, build_id)
         if self._shared is None:
             await self._repo.delete_symbol_tables([(scope, build_id)])
+
+
+def from_executable(source_key: str) -> bool:
+    """Whether a table was built from an executable (its bare symbols, no lines)."""
+    return source_key.endswith("/executable") or source_key.startswith(_LOCAL_EXECUTABLE)
+
+
+# The source key of a table built from an executable of the local debug directories.
+_LOCAL_EXECUTABLE = "local-executable:"
+
+
+def local_source_key(path: Path, *, executable: bool) -> str:
+    return f"{_LOCAL_EXECUTABLE if executable else 'local:'}{path}"
+
+
+def stale(rec: SymbolTableRecord) -> bool:
+    """A table from an executable whose debug file is worth asking for again: one may have
+    been published, or the upstream that failed may answer now. Its table still serves
+    until a debug file is had."""
+    return (rec.outcome == Outcome.OK and rec.expires_at is not None
+            and rec.expires_at <= datetime.now(UTC))
