@@ -110,8 +110,10 @@ def serve_tree(tree: Path, settle_s: float = 0.0) -> tuple[subprocess.Popen[byte
     `settle_s` later)."""
     work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
     port = free_port()
+    # No upstream: llvm-symbolizer reads the same local files and asks nobody, and a dead
+    # one would charge a debug file missing from the tree (libstdc++'s) the retries' backoff.
     (work / "symgate.toml").write_text(
-        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n'
+        f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n'
         f'access_log = false\n[symbolize]\ndebug_dirs = ["{tree}"]\n'
         f'max_request_bytes = "512MiB"\nmax_decompressed_bytes = "1GiB"\ndeadline_s = 600\n')
     proc = subprocess.Popen(["symgate", "serve", "--config", str(work / "symgate.toml")],
