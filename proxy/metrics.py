@@ -162,6 +162,12 @@ class ProxyMetrics:
             f"{p}_bucket_uploads", "Artifacts and symbol tables written to the shared bucket",
             ["kind"], registry=registry,
         )
+        self.quick_hits = Counter(
+            f"{p}_quick_hits",
+            "Hits answered from the connection's first read of the request, before aiohttp "
+            "parsed it (proxy/web/fast_hits.py); counted in requests_total too",
+            registry=registry,
+        )
 
         # The children resolved once: labels() takes a lock and builds a tuple per call, a
         # visible share of what a remembered 404 costs.

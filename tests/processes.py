@@ -55,17 +55,19 @@ async def wait_until_serving(base_url: str, proc: asyncio.subprocess.Process,
 
 
 async def start_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,
-                      workers: int = 1, extra: str = "") -> tuple[str, asyncio.subprocess.Process]:
+                      workers: int = 1, extra: str = "", access_log: bool = False
+                      ) -> tuple[str, asyncio.subprocess.Process]:
     """`symgate serve --workers N` on a free port, its output in a pipe, once one of its
     workers serves; (base URL, process). The caller stops it (stop_serve)."""
     base, proc = await spawn_serve(tmp_path, data_dir, database_url, upstream,
-                                   workers=workers, extra=extra)
+                                   workers=workers, extra=extra, access_log=access_log)
     await wait_until_serving(base, proc)
     return base, proc
 
 
 async def spawn_serve(tmp_path: Path, data_dir: Path, database_url: str, upstream: str, *,
-                      workers: int = 1, extra: str = "") -> tuple[str, asyncio.subprocess.Process]:
+                      workers: int = 1, extra: str = "", access_log: bool = False
+                      ) -> tuple[str, asyncio.subprocess.Process]:
     """start_serve without the wait: the process may not serve yet."""
     from tests.harness import free_port
 
@@ -73,7 +75,7 @@ async def spawn_serve(tmp_path: Path, data_dir: Path, database_url: str, upstrea
     config = tmp_path / f"symgate-{port}.toml"
     config.write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{data_dir}"\n'
-        f'access_log = false\n{extra}[database]\nurl = "{database_url}"\n'
+        f'access_log = {str(access_log).lower()}\n{extra}[database]\nurl = "{database_url}"\n'
         f'[[upstreams]]\nurl = "{upstream}"\nbreaker_failures = 0\n')
     proc = await asyncio.create_subprocess_exec(
         "symgate", "serve", "--config", str(config), "--workers", str(workers),

@@ -186,6 +186,13 @@ class ArtifactService:
                                 names, local_has))
         return await self._join(flight)
 
+    def hit_now(self, visible: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
+        """What find() answers at once for a hit in memory (not stat()ed), not yet counted
+        (cache.touch); None where find() would wait (a fetch of it settling) or go further."""
+        if self._flights and any(key_hash(s, key) in self._flights for s in visible):
+            return None
+        return self.cache.peek_any(visible, key)
+
     async def _claim_or_join(self, kh: str, req: RequestScope, key: ArtifactKey,
                              names: list[str], local_has: bool
                              ) -> Claim | Hit | Streaming | None:

@@ -44,6 +44,7 @@ from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
+from proxy.web.fast_hits import FastHits
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
@@ -311,6 +312,8 @@ async def serve(config: Config, access_log: logging.Logger | None,
             await runner.setup()
         except Exception as e:
             raise startup_error(config, e) from None
+        guard.quick = FastHits(runner.app[STATE], None if access_log is None
+                               else access_log_class(access_log, ""))
         await server.start_serving()
         if serving is not None:
             serving()

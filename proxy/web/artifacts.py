@@ -24,7 +24,7 @@ from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
-from proxy.web.hot_files import HotFile
+from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 
@@ -164,7 +164,7 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
         return None
     if body is not None and len(body) != st.st_size:  # changed by another process meanwhile
         return None
-    hot = HotFile({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body)
+    hot = hot_file({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body)
     state.hot.put(kh, hot)
     return hot
 

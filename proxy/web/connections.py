@@ -15,6 +15,7 @@ import asyncio
 import logging
 import resource
 from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
         % len(_BUSY_TEXT)) + _BUSY_TEXT.replace(b"%", b"%%")
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                    b"Connection: close\r\n\r\n")
+
+
+class QuickAnswers(Protocol):
+    """proxy.web.fast_hits.FastHits, as a connection sees it."""
+
+    def answer(self, data: bytes, remote: str | None) -> bytes | None: ...
 
 
 def raise_fd_limit() -> int:
@@ -69,34 +76,55 @@ class ConnectionGuard:
         self.lingering = 0
         self.shed = 0
         self._busy = BUSY % retry_after_s
+        # Set once the app is up: hits answered before aiohttp parses them (fast_hits.py).
+        self.quick: QuickAnswers | None = None
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open >= self.limit:
             self.shed += 1
             return _Shed(self)
         self.open += 1
-        return _Counted(self._factory(), self)
+        return _Counted(self._factory(), self, self.quick)
 
 
 class _Counted(asyncio.Protocol):
     """aiohttp's protocol, counted and with its first request head timed: every call is passed
-    on unchanged."""
+    on, but for the requests `quick` answers while aiohttp has seen none on this connection.
 
-    def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard) -> None:
+    Once a request goes to aiohttp the connection is aiohttp's for good: what it reads, answers
+    and times is its own business, and a response written beside it could come out of turn.
+    Until then the connection's idle time between requests is timed here, as aiohttp's
+    keep-alive timer would (header_timeout_s), and a head that comes in pieces after such
+    answers is timed as a first one is."""
+
+    def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard,
+                 quick: QuickAnswers | None = None) -> None:
         self._inner = inner
         self._guard: ConnectionGuard | None = guard
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tail = b""  # the last bytes seen, for a blank line split across reads
         self._head_bytes = 0
+        self._quick = quick
+        self._remote: str | None = None
+        self._answered = False  # whether `quick` answered a request here
+        self._idle: asyncio.TimerHandle | None = None  # after its answers, until a next request
+        self._paused = False  # the client is not reading: no more answers written past aiohttp
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        if self._quick is not None:
+            peer = transport.get_extra_info("peername")
+            self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        self._time_head()
+        self._inner.connection_made(transport)
+
+    def _time_head(self) -> None:
         if self._guard is not None and self._guard.header_timeout_s > 0:
+            self._tail, self._head_bytes = b"", 0
             self._timer = asyncio.get_running_loop().call_later(
                 self._guard.header_timeout_s, self._head_too_slow)
-        self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._timer is not None:
@@ -107,7 +135,30 @@ class _Counted(asyncio.Protocol):
                 self._stop_timer()
             else:
                 self._tail = seen[-3:]
+        if self._quick is not None:
+            if self._idle is not None:
+                self._idle.cancel()
+                self._idle = None
+            transport = self._transport
+            if not self._paused and transport is not None and not transport.is_closing() \
+                    and (answer := self._quick.answer(data, self._remote)) is not None:
+                transport.write(answer)
+                self._answered = True
+                if self._guard is not None and self._guard.header_timeout_s > 0:
+                    self._idle = asyncio.get_running_loop().call_later(
+                        self._guard.header_timeout_s, self._idle_too_long)
+                return
+            self._quick = None  # aiohttp's from here on
+            if self._answered and self._timer is None and b"\r\n\r\n" not in data \
+                    and b"\n\n" not in data:
+                self._time_head()  # aiohttp times heads only after its own answers
+                self._head_bytes, self._tail = len(data), data[-3:]
         self._inner.data_received(data)  # type: ignore[attr-defined]
+
+    def _idle_too_long(self) -> None:
+        self._idle = None
+        if self._transport is not None:
+            self._transport.close()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -126,13 +177,18 @@ class _Counted(asyncio.Protocol):
         return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
 
     def pause_writing(self) -> None:
+        self._paused = True
         self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._paused = False
         self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._guard is not None:
             self._guard.open -= 1
             self._guard = None

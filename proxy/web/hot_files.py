@@ -24,6 +24,13 @@ HOT_ENTRIES = 16384
 class HotFile:
     headers: dict[str, str]  # with Content-Length: what HEAD answers
     body: bytes | None  # a small file's bytes; None for a file sent with sendfile
+    # The header lines, encoded once: what proxy.web.fast_hits writes before Date and Server.
+    head: bytes = b""
+
+
+def hot_file(headers: dict[str, str], body: bytes | None) -> HotFile:
+    # UTF-8, as aiohttp encodes headers (their values were made printable when stored).
+    return HotFile(headers, body, "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode())
 
 
 class HotFiles:

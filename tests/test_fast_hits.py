@@ -1,0 +1,354 @@
+"""Hits answered before aiohttp parses them (proxy/web/fast_hits.py), against a real
+`symgate serve` over a real elfutils debuginfod, with a raw-socket client: the same bytes as
+aiohttp's answer, and every request that needs more than a plain hit still gets aiohttp's."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, eventually
+from tests.processes import start_serve, stop_serve
+
+HEADER_TIMEOUT_S = 1
+N_UNREAD = 1500  # requests sent unread: more answers than the sockets' buffers hold
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]  # in order, Date left out
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+
+@dataclass
+class Server:
+    base: str
+    proc: asyncio.subprocess.Process
+    config: Path
+    output: list[bytes]  # what it printed so far: its access lines among them
+    reading: asyncio.Future[None]  # done once it has exited and all it printed is read
+
+    @property
+    def port(self) -> int:
+        return int(self.base.rsplit(":", 1)[1])
+
+    async def metric(self, name: str, **labels: str) -> float:
+        async with aiohttp.ClientSession() as s, s.get(self.base + "/metrics") as r:
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return 0.0
+
+    async def quick(self) -> float:
+        return await self.metric("symgate_quick_hits_total")
+
+
+@pytest.fixture
+async def server(tmp_path: Path, database_url: str, debuginfod: Debuginfod
+                 ) -> AsyncIterator[Server]:
+    base, proc = await start_serve(
+        tmp_path, tmp_path / "data", database_url, debuginfod.url, access_log=True,
+        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n")
+    output: list[bytes] = []
+
+    async def drain() -> None:
+        # Read all along: a server whose output pipe is full blocks on its next log line.
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            output.append(line)
+
+    reading = asyncio.ensure_future(drain())
+    yield Server(base, proc, next(tmp_path.glob("symgate-*.toml")), output, reading)
+    await stop_serve([proc])
+    await reading
+
+
+class Conn:
+    """One kept-alive connection, written to and read from by hand."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, srv: Server) -> Conn:
+        return cls(*await asyncio.open_connection("127.0.0.1", srv.port))
+
+    async def send(self, raw: bytes) -> None:
+        self.writer.write(raw)
+        await self.writer.drain()
+
+    async def answer(self, head_only: bool = False) -> Answer:
+        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = [tuple(line.split(": ", 1)) for line in lines[1:] if line]
+        size = int(next((v for k, v in headers if k.lower() == "content-length"), "0"))
+        body = b"" if head_only or status in (204, 304) else \
+            await asyncio.wait_for(self.reader.readexactly(size), 10)
+        return Answer(status, [(k, v) for k, v in headers if k != "Date"], body)
+
+    async def closed(self, within: float) -> bool:
+        try:
+            return await asyncio.wait_for(self.reader.read(1), within) == b""
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def get(path: str, *extra: str, method: str = "GET", version: str = "1.1") -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: symgate", "User-Agent: fast-test/1",
+             "Accept: */*", *extra]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def hot(srv: Server, path: str) -> None:
+    """Fetched (a miss), then hit once through aiohttp, which keeps its answer in memory."""
+    conn = await Conn.open(srv)
+    for _ in range(2):
+        await conn.send(get(path))
+        assert (await conn.answer()).status == 200
+    conn.close()
+
+
+async def test_a_hot_hit_is_answered_as_aiohttp_answers_it(
+    server: Server, elfs: ElfSet
+) -> None:
+    for kind, elf in (("debuginfo", elfs.prog), ("executable", elfs.prog),
+                      ("debuginfo", elfs.other)):
+        path = f"/buildid/{elf.build_id}/{kind}"
+        await hot(server, path)
+        conn = await Conn.open(server)
+        before = await server.quick()
+        await conn.send(get(path))
+        quick = await conn.answer()
+        await conn.send(get(path, method="HEAD"))
+        quick_head = await conn.answer(head_only=True)
+        assert await server.quick() == before + 2
+        # The same requests with a header the quick path leaves to aiohttp (one that changes
+        # nothing in a hit's answer): aiohttp's own answers.
+        slow = Conn(*await asyncio.open_connection("127.0.0.1", server.port))
+        await slow.send(get(path, "Cache-Control: no-cache"))
+        usual = await slow.answer()
+        await slow.send(get(path, "Cache-Control: no-cache", method="HEAD"))
+        usual_head = await slow.answer(head_only=True)
+        assert await server.quick() == before + 2
+        want = (elf.debug if kind == "debuginfo" else elf.executable).read_bytes()
+        assert quick.status == usual.status == 200
+        assert quick.body == usual.body == want
+        assert quick.headers == usual.headers
+        assert quick_head.headers == usual_head.headers == usual.headers
+        conn.close()
+        slow.close()
+    # Counted as hits like any, and logged with the same line.
+    hits = await server.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                               outcome="hit")
+    assert hits >= 8
+
+
+async def test_an_access_line_is_the_same_either_way(server: Server, elfs: ElfSet) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await conn.answer()
+    await conn.send(get(path, "Cache-Control: no-cache"))  # aiohttp's from here on
+    await conn.answer()
+    conn.close()
+    await stop_serve([server.proc])  # its access lines are flushed as it stops
+    await server.reading
+    out = b"".join(server.output).decode()
+    lines = [re.sub(r"^\S+ \S+ ", "", line) for line in out.splitlines()
+             if "symgate.access" in line and path in line]
+    quick, usual = lines[-2:]
+    assert re.sub(r" \d\.\d{3}s ", " ", quick) == re.sub(r" \d\.\d{3}s ", " ", usual)
+    assert "outcome=hit" in quick and '"fast-test/1"' in quick
+
+
+@pytest.mark.parametrize("extra, status, size", [
+    (("Range: bytes=0-9",), 206, 10),
+    (("X-DEBUGINFOD-MAXSIZE: 10",), 406, None),
+    (("X-Scope-OrgID: team-a",), 200, None),
+    (("Via: 1.1 other-cache",), 200, None),
+    (("X-Forwarded-For: 10.0.0.1",), 200, None),
+    (("Connection: close",), 200, None),
+    (("Content-Length: 0",), 200, None),
+    (("Authorization: Bearer nobody",), 200, None),
+    (("Host symgate",), 400, None),  # a header line without its colon
+])
+async def test_requests_that_need_more_than_a_plain_hit_get_aiohttps_answer(
+    server: Server, elfs: ElfSet, extra: tuple[str, ...], status: int, size: int | None
+) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    await conn.send(get(path, *extra))
+    got = await conn.answer()
+    assert got.status == status
+    if size is not None:
+        assert len(got.body) == size
+    assert await server.quick() == before
+    if "Connection: close" in extra:
+        assert await conn.closed(5)
+    conn.close()
+
+
+async def test_a_maxsize_the_file_fits_is_answered_quickly(server: Server, elfs: ElfSet
+                                                          ) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    await conn.send(get(path, f"X-DEBUGINFOD-MAXSIZE: {elfs.prog.debug.stat().st_size}"))
+    assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+    assert await server.quick() == before + 1
+    conn.close()
+
+
+async def test_http_1_0_and_pipelined_and_split_heads_go_to_aiohttp(
+    server: Server, elfs: ElfSet
+) -> None:
+    a, b = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    await hot(server, a)
+    await hot(server, b)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    await conn.send(get(a) + get(b))  # two requests in one write: answered in turn
+    assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+    assert (await conn.answer()).body == elfs.other.debug.read_bytes()
+    conn.close()
+    conn = await Conn.open(server)
+    raw = get(a)
+    await conn.send(raw[:20])
+    await asyncio.sleep(0.05)
+    await conn.send(raw[20:])
+    assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+    conn.close()
+    conn = await Conn.open(server)
+    await conn.send(get(a, version="1.0"))
+    assert (await conn.answer()).status == 200
+    conn.close()
+    assert await server.quick() == before
+
+
+async def test_a_connection_handed_to_aiohttp_stays_in_order(server: Server, elfs: ElfSet
+                                                            ) -> None:
+    """Quick answers, then a request aiohttp must answer, then plain hits again: every answer
+    in the order asked, on one connection."""
+    a, b = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    await hot(server, a)
+    await hot(server, b)
+    conn = await Conn.open(server)
+    before = await server.quick()
+    await conn.send(get(a))
+    assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+    await conn.send(get(b, "Range: bytes=1-4"))
+    assert (await conn.answer()).body == elfs.other.debug.read_bytes()[1:5]
+    await conn.send(get(a))
+    await conn.send(get(b))
+    assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+    assert (await conn.answer()).body == elfs.other.debug.read_bytes()
+    assert await server.quick() == before + 1
+    conn.close()
+
+
+async def test_a_client_that_stops_reading_gets_every_answer_in_order(
+    server: Server, elfs: ElfSet
+) -> None:
+    """Requests sent one by one and not read: the quick path stops writing once the socket's
+    buffer is full, aiohttp takes the connection and reads no further until its answers go
+    out; once the client reads, every answer comes, in order, and others are served meanwhile."""
+    a, b = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    await hot(server, a)
+    await hot(server, b)
+    want = {a: elfs.prog.debug.read_bytes(), b: elfs.other.debug.read_bytes()}
+    conn = await Conn.open(server)
+    before = await server.quick()
+    asked = [a if i % 3 else b for i in range(N_UNREAD)]
+    for path in asked:
+        conn.writer.write(get(path))
+        await asyncio.sleep(0.0005)  # one request a write, as a client that waits for nothing
+    other = await Conn.open(server)  # the server still answers others
+    await other.send(get(a))
+    assert (await other.answer()).body == want[a]
+    other.close()
+    handed_over = await server.quick() - before - 1
+    for i, path in enumerate(asked):
+        got = await conn.answer()
+        same = got.body == want[path]  # not asserted as such: pytest's diff of two 20 KB
+        assert same, (i, path, got.status, len(got.body))  # bodies would take minutes
+    conn.close()
+    assert handed_over < len(asked)  # the rest went to aiohttp once the socket was full
+
+
+async def test_many_clients_at_once(server: Server, elfs: ElfSet) -> None:
+    a = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, a)
+    before = await server.quick()
+    body = elfs.prog.debug.read_bytes()
+
+    async def client() -> None:
+        conn = await Conn.open(server)
+        for _ in range(20):
+            await conn.send(get(a))
+            assert (await conn.answer()).body == body
+        conn.close()
+
+    await asyncio.gather(*(client() for _ in range(40)))
+    assert await server.quick() == before + 800
+
+
+async def test_an_idle_quick_connection_is_closed_after_the_header_timeout(
+    server: Server, elfs: ElfSet
+) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await conn.answer()
+    assert await server.quick() == before + 1
+    assert await conn.closed(HEADER_TIMEOUT_S + 3)
+    # A head that trickles in after quick answers is timed as a first head is.
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await conn.answer()
+    await conn.send(get(path)[:10])
+    assert await conn.closed(HEADER_TIMEOUT_S + 3)
+
+
+async def test_a_purged_file_is_not_answered_from_memory(
+    server: Server, elfs: ElfSet, debuginfod: Debuginfod
+) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    subprocess.run(["symgate", "cache", "purge", elfs.prog.build_id, "--config",
+                    str(server.config)], check=True, capture_output=True)
+
+    async def fetched_again() -> bool:
+        conn = await Conn.open(server)
+        await conn.send(get(path))
+        got = await conn.answer()
+        conn.close()
+        assert got.body == elfs.prog.debug.read_bytes()
+        return await server.metric("symgate_requests_total", endpoint="buildid",
+                                   kind="debuginfo", outcome="miss") >= 2
+
+    await eventually(fetched_again)
