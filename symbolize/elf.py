@@ -6,6 +6,7 @@ never with ELFFile.load_from_path, which follows .gnu_debuglink names from the f
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -69,6 +70,77 @@ def build_id_of_stream(stream: BinaryIO) -> str | None:
 def build_id_of_file(path: Path) -> str | None:
     with path.open("rb") as f:
         return build_id_of_stream(f)
+
+
+_SHT_NOTE = 7
+NT_GNU_BUILD_ID_TYPE = 3
+# At most this many section headers and note bytes are read: a build-ID note is a few dozen
+# bytes in one of the first sections, and a file that claims more is left to pyelftools.
+_MAX_SECTIONS = 65535
+_MAX_NOTES_BYTES = 1 << 16
+
+
+def build_id_of_notes(fd: int) -> str | None:
+    """The build ID from the section headers' notes, as build_id_of_stream finds it first, read
+    with pread and struct: ~30 us where pyelftools takes 1-2 ms (its structs are built per
+    file), on the path of every download's last byte (proxy.artifacts.service). None when
+    it is not found so, or anything about the file is unusual: ask build_id_of_stream then."""
+    try:
+        head = os.pread(fd, 64, 0)
+        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
+                or head[5] not in (1, 2):
+            return None
+        order = "<" if head[5] == 1 else ">"
+        if head[4] == 2:
+            shoff, = struct.unpack_from(order + "Q", head, 0x28)
+            shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+            fmt, type_i, offset_i, size_i, align_i = order + "IIQQQQIIQQ", 1, 4, 5, 8
+        else:
+            shoff, = struct.unpack_from(order + "I", head, 0x20)
+            shentsize, shnum = struct.unpack_from(order + "HH", head, 0x2E)
+            fmt, type_i, offset_i, size_i, align_i = order + "IIIIIIIIII", 1, 4, 5, 8
+        entry = struct.calcsize(fmt)
+        if not shoff or shentsize != entry or not 0 < shnum <= _MAX_SECTIONS:
+            return None  # no section headers, or an extended count in section 0
+        table = os.pread(fd, shnum * entry, shoff)
+        if len(table) != shnum * entry:
+            return None
+        notes_read = 0
+        for header in struct.iter_unpack(fmt, table):
+            if header[type_i] != _SHT_NOTE:
+                continue
+            size, align = header[size_i], max(header[align_i], 4)
+            notes_read += size
+            if notes_read > _MAX_NOTES_BYTES or align not in (4, 8):
+                return None
+            data = os.pread(fd, size, header[offset_i])
+            if len(data) != size:
+                return None
+            found = _gnu_build_id(data, order, align)
+            if found is None:
+                return None
+            if found:
+                return found
+    except (OSError, OverflowError):  # offsets past what pread takes: not a file to trust
+        return None
+    return None
+
+
+def _gnu_build_id(data: bytes, order: str, align: int) -> str | None:
+    """The GNU build ID of a note section's notes; "" when it has none; None when its notes
+    do not parse."""
+    at = 0
+    while at + 12 <= len(data):
+        namesz, descsz, kind = struct.unpack_from(order + "III", data, at)
+        name_at = at + 12
+        desc_at = -(-(name_at + namesz) // align) * align  # offsets aligned, from the section
+        end = -(-(desc_at + descsz) // align) * align
+        if desc_at + descsz > len(data):
+            return None
+        if kind == NT_GNU_BUILD_ID_TYPE and data[name_at: name_at + namesz] == b"GNU\0":
+            return data[desc_at: desc_at + descsz].hex() if descsz else None
+        at = end
+    return "" if at >= len(data) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,9 @@ async def test_wrong_build_id_of_a_streamed_file_breaks_the_response(
     status, got, broken = await read_broken(
         f"{sg.url}/buildid/{elfs.prog.build_id}/debuginfo")
     assert status == 200 and broken
-    assert got == elfs.big.debug.stat().st_size - 1  # all but the held-back last byte
+    # Streamed as it came, and cut where the client's stream was when the verdict came (the
+    # build ID is read as the body ends): never the whole body, whose last byte waits for it.
+    assert 0 < got < elfs.big.debug.stat().st_size
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
                            reason="build_id_mismatch") == 1
     assert await sg.metric("symgate_cache_entries") == 0
