@@ -352,3 +352,34 @@ async def test_a_purged_file_is_not_answered_from_memory(
                                    kind="debuginfo", outcome="miss") >= 2
 
     await eventually(fetched_again)
+
+
+async def test_a_busy_quick_connection_outlives_the_keep_alive_timeout(
+    server: Server, elfs: ElfSet
+) -> None:
+    """Requests answered quickly, one every 0.3 s for three header timeouts: the connection
+    stays open (aiohttp's keep-alive timer, which runs from a connection's start, would have
+    closed it after one, never having seen these requests)."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    for _ in range(int(3 * HEADER_TIMEOUT_S / 0.3)):
+        await conn.send(get(path))
+        assert (await conn.answer()).body == elfs.prog.debug.read_bytes()
+        await asyncio.sleep(0.3)
+    assert await server.quick() == before + int(3 * HEADER_TIMEOUT_S / 0.3)
+    conn.close()
+
+
+async def test_a_server_stopping_closes_its_quick_connections(
+    server: Server, elfs: ElfSet
+) -> None:
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await conn.answer()
+    server.proc.terminate()
+    assert await conn.closed(5)
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0

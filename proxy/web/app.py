@@ -326,6 +326,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
         log.info("stopping: responses under way have %.1f s to finish",
                  config.server.shutdown_grace_s)
         server.close()  # no new connections; idle kept-alive ones are closed by the drain
+        guard.close_quick()  # and those aiohttp was never told of
         assert runner.server is not None
         await _drain(runner.server, config.server.shutdown_grace_s)
     finally:

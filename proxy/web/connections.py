@@ -78,6 +78,15 @@ class ConnectionGuard:
         self._busy = BUSY % retry_after_s
         # Set once the app is up: hits answered before aiohttp parses them (fast_hits.py).
         self.quick: QuickAnswers | None = None
+        # Connections aiohttp has not been told of yet (all their requests answered quickly):
+        # closed by close_quick() when the server stops, as aiohttp closes its idle ones.
+        self._quick_only: set[_Counted] = set()
+
+    def close_quick(self) -> None:
+        """Close the connections only quick answers were written to: they are idle whenever
+        the loop runs (an answer is written whole, at once)."""
+        for conn in list(self._quick_only):
+            conn.close()
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open >= self.limit:
@@ -91,11 +100,13 @@ class _Counted(asyncio.Protocol):
     """aiohttp's protocol, counted and with its first request head timed: every call is passed
     on, but for the requests `quick` answers while aiohttp has seen none on this connection.
 
-    Once a request goes to aiohttp the connection is aiohttp's for good: what it reads, answers
-    and times is its own business, and a response written beside it could come out of turn.
-    Until then the connection's idle time between requests is timed here, as aiohttp's
-    keep-alive timer would (header_timeout_s), and a head that comes in pieces after such
-    answers is timed as a first one is."""
+    aiohttp is told of the connection when the first request goes to it, and from then on the
+    connection is aiohttp's for good: what it reads, answers and times is its own business, and
+    a response written beside it could come out of turn. (Told at once, its keep-alive timer,
+    which runs from the connection's start, would close a connection busy with quick answers
+    it never saw.) Until then the connection's idle time between requests is timed here, as
+    aiohttp's keep-alive timer would (header_timeout_s), and a head that comes in pieces after
+    quick answers is timed as a first one is."""
 
     def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard,
                  quick: QuickAnswers | None = None) -> None:
@@ -110,15 +121,34 @@ class _Counted(asyncio.Protocol):
         self._answered = False  # whether `quick` answered a request here
         self._idle: asyncio.TimerHandle | None = None  # after its answers, until a next request
         self._paused = False  # the client is not reading: no more answers written past aiohttp
+        self._handed = False  # whether aiohttp has been told of the connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        if self._quick is not None:
-            peer = transport.get_extra_info("peername")
-            self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
         self._time_head()
-        self._inner.connection_made(transport)
+        if self._quick is None:
+            self._hand_over()
+            return
+        peer = transport.get_extra_info("peername")
+        self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if self._guard is not None:
+            self._guard._quick_only.add(self)
+
+    def _hand_over(self) -> None:
+        self._quick = None
+        if self._handed or self._transport is None:
+            return
+        self._handed = True
+        if self._guard is not None:
+            self._guard._quick_only.discard(self)
+        self._inner.connection_made(self._transport)
+        if self._paused:
+            self._inner.pause_writing()
+
+    def close(self) -> None:
+        if self._transport is not None and not self._handed:
+            self._transport.close()
 
     def _time_head(self) -> None:
         if self._guard is not None and self._guard.header_timeout_s > 0:
@@ -148,7 +178,7 @@ class _Counted(asyncio.Protocol):
                     self._idle = asyncio.get_running_loop().call_later(
                         self._guard.header_timeout_s, self._idle_too_long)
                 return
-            self._quick = None  # aiohttp's from here on
+            self._hand_over()  # aiohttp's from here on
             if self._answered and self._timer is None and b"\r\n\r\n" not in data \
                     and b"\n\n" not in data:
                 self._time_head()  # aiohttp times heads only after its own answers
@@ -174,15 +204,19 @@ class _Counted(asyncio.Protocol):
             self._transport.close()
 
     def eof_received(self) -> bool | None:
+        if not self._handed:
+            return None  # all its requests answered: close
         return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
 
     def pause_writing(self) -> None:
         self._paused = True
-        self._inner.pause_writing()
+        if self._handed:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
         self._paused = False
-        self._inner.resume_writing()
+        if self._handed:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
@@ -191,8 +225,10 @@ class _Counted(asyncio.Protocol):
             self._idle = None
         if self._guard is not None:
             self._guard.open -= 1
+            self._guard._quick_only.discard(self)
             self._guard = None
-        self._inner.connection_lost(exc)
+        if self._handed:
+            self._inner.connection_lost(exc)
 
 
 class _Shed(asyncio.Protocol):
