@@ -100,13 +100,17 @@ class _Counted(asyncio.Protocol):
     """aiohttp's protocol, counted and with its first request head timed: every call is passed
     on, but for the requests `quick` answers while aiohttp has seen none on this connection.
 
-    aiohttp is told of the connection when the first request goes to it, and from then on the
-    connection is aiohttp's for good: what it reads, answers and times is its own business, and
-    a response written beside it could come out of turn. (Told at once, its keep-alive timer,
-    which runs from the connection's start, would close a connection busy with quick answers
-    it never saw.) Until then the connection's idle time between requests is timed here, as
-    aiohttp's keep-alive timer would (header_timeout_s), and a head that comes in pieces after
-    quick answers is timed as a first one is."""
+    aiohttp is told of the connection when the first request goes to it. (Told at once, its
+    keep-alive timer, which runs from the connection's start, would close a connection busy
+    with quick answers it never saw.) Until then the connection's idle time between requests is
+    timed here, as aiohttp's keep-alive timer would (header_timeout_s), and a head that comes in
+    pieces after quick answers is timed as a first one is.
+
+    Once aiohttp has the connection, a request is answered quickly only while aiohttp waits
+    for the next one with nothing under way and nothing half-read (_aiohttp_idle): a client's
+    kept-alive connection whose first request was a miss still gets quick hits after it, and
+    aiohttp's keep-alive timer is then moved on as its own answers move it. A request with a
+    body, or a head in pieces, leaves the connection to aiohttp for good."""
 
     def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard,
                  quick: QuickAnswers | None = None) -> None:
@@ -122,6 +126,9 @@ class _Counted(asyncio.Protocol):
         self._idle: asyncio.TimerHandle | None = None  # after its answers, until a next request
         self._paused = False  # the client is not reading: no more answers written past aiohttp
         self._handed = False  # whether aiohttp has been told of the connection
+        # Whatever aiohttp was given was whole request heads without a body: once it waits
+        # for the next request, it holds nothing of this connection's bytes.
+        self._clean = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -136,7 +143,6 @@ class _Counted(asyncio.Protocol):
             self._guard._quick_only.add(self)
 
     def _hand_over(self) -> None:
-        self._quick = None
         if self._handed or self._transport is None:
             return
         self._handed = True
@@ -165,24 +171,31 @@ class _Counted(asyncio.Protocol):
                 self._stop_timer()
             else:
                 self._tail = seen[-3:]
-        if self._quick is not None:
+        quick = self._quick
+        if quick is not None and (not self._handed or (self._clean
+                                                       and _aiohttp_idle(self._inner))):
             if self._idle is not None:
                 self._idle.cancel()
                 self._idle = None
             transport = self._transport
             if not self._paused and transport is not None and not transport.is_closing() \
-                    and (answer := self._quick.answer(data, self._remote)) is not None:
+                    and (answer := quick.answer(data, self._remote)) is not None:
                 transport.write(answer)
                 self._answered = True
-                if self._guard is not None and self._guard.header_timeout_s > 0:
+                if self._handed:
+                    _keep_alive_from_now(self._inner)
+                elif self._guard is not None and self._guard.header_timeout_s > 0:
                     self._idle = asyncio.get_running_loop().call_later(
                         self._guard.header_timeout_s, self._idle_too_long)
                 return
-            self._hand_over()  # aiohttp's from here on
+        if not self._handed:
+            self._hand_over()
             if self._answered and self._timer is None and b"\r\n\r\n" not in data \
                     and b"\n\n" not in data:
                 self._time_head()  # aiohttp times heads only after its own answers
                 self._head_bytes, self._tail = len(data), data[-3:]
+        if self._clean and not _bodiless_heads(data):
+            self._clean = False
         self._inner.data_received(data)  # type: ignore[attr-defined]
 
     def _idle_too_long(self) -> None:
@@ -229,6 +242,41 @@ class _Counted(asyncio.Protocol):
             self._guard = None
         if self._handed:
             self._inner.connection_lost(exc)
+
+
+def _bodiless_heads(data: bytes) -> bool:
+    """Whether `data` is whole GET or HEAD request heads and nothing else (no body)."""
+    if not data.endswith(b"\r\n\r\n"):
+        return False
+    for head in data[:-4].split(b"\r\n\r\n"):
+        lower = head.lower()
+        if not head.startswith((b"GET ", b"HEAD ")) or b"\r\ncontent-length:" in lower \
+                or b"\r\ntransfer-encoding:" in lower or b"\r\nupgrade:" in lower:
+            return False
+    return True
+
+
+def _aiohttp_idle(inner: asyncio.BaseProtocol) -> bool:
+    """Whether aiohttp's request handler waits for a next request, nothing parsed and not yet
+    handled, no answer under way, and the connection kept alive. These are private attributes
+    of aiohttp's RequestHandler (web_protocol.py, the same from 3.9 to 3.14): one that is
+    missing reads as busy, and the connection then stays aiohttp's as before."""
+    waiter = getattr(inner, "_waiter", None)
+    return (isinstance(waiter, asyncio.Future) and not waiter.done()
+            and getattr(inner, "_request_in_progress", True) is False
+            and not getattr(inner, "_messages", True)
+            and getattr(inner, "_force_close", True) is False
+            and getattr(inner, "_keepalive", False) is True
+            and isinstance(getattr(inner, "_next_keepalive_close_time", None), float)
+            and isinstance(getattr(inner, "_keepalive_timeout", None), (int, float)))
+
+
+def _keep_alive_from_now(inner: asyncio.BaseProtocol) -> None:
+    """Move aiohttp's keep-alive deadline on, as its own answers do: its timer, when it fires
+    early, waits for the new one."""
+    timeout = getattr(inner, "_keepalive_timeout", 0)
+    inner._next_keepalive_close_time = (  # type: ignore[attr-defined]
+        asyncio.get_running_loop().time() + timeout)
 
 
 class _Shed(asyncio.Protocol):
