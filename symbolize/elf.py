@@ -189,7 +189,8 @@ def layout_of_file(path: Path) -> ElfLayout | None:
                 AssertionError):
             return None
         f.seek(0)
-        return ElfLayout(build_id_of_stream(f), elf_type, segments)
+        return ElfLayout(build_id_of_notes(f.fileno()) or build_id_of_stream(f), elf_type,
+                         segments)
 
 
 _COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")
