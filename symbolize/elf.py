@@ -6,6 +6,7 @@ never with ELFFile.load_from_path, which follows .gnu_debuglink names from the f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import struct
@@ -44,8 +45,12 @@ def build_id_of_stream(stream: BinaryIO) -> str | None:
     """The GNU build ID of an ELF file, or None if it is not ELF or has no build-ID note.
 
     Section headers are tried first: detached debug files keep the note section but their
-    program headers may point at contents that objcopy dropped.
+    program headers may point at contents that objcopy dropped. A file's are read with
+    build_id_of_notes first; pyelftools reads what that cannot.
     """
+    with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
+        if found := build_id_of_notes(stream.fileno()):
+            return found
     try:
         elf = ELFFile(stream)
         for section in elf.iter_sections():
@@ -73,7 +78,7 @@ def build_id_of_file(path: Path) -> str | None:
 
 
 _SHT_NOTE = 7
-NT_GNU_BUILD_ID_TYPE = 3
+_NT_GNU_BUILD_ID = 3  # n_type of the note that NT_GNU_BUILD_ID names for pyelftools
 # At most this many section headers and note bytes are read: a build-ID note is a few dozen
 # bytes in one of the first sections, and a file that claims more is left to pyelftools.
 _MAX_SECTIONS = 65535
@@ -82,9 +87,10 @@ _MAX_NOTES_BYTES = 1 << 16
 
 def build_id_of_notes(fd: int) -> str | None:
     """The build ID from the section headers' notes, as build_id_of_stream finds it first, read
-    with pread and struct: ~30 us where pyelftools takes 1-2 ms (its structs are built per
-    file), on the path of every download's last byte (proxy.artifacts.service). None when
-    it is not found so, or anything about the file is unusual: ask build_id_of_stream then."""
+    with pread and struct: 6.5 us on libc's debug file where pyelftools takes 0.56 ms (its
+    structs are built per file), on the path of every download's last byte
+    (proxy.artifacts.service) and of every symbol-table build. None when it is not found so,
+    or anything about the file is unusual: pyelftools is asked then."""
     try:
         head = os.pread(fd, 64, 0)
         if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
@@ -137,7 +143,7 @@ def _gnu_build_id(data: bytes, order: str, align: int) -> str | None:
         end = -(-(desc_at + descsz) // align) * align
         if desc_at + descsz > len(data):
             return None
-        if kind == NT_GNU_BUILD_ID_TYPE and data[name_at: name_at + namesz] == b"GNU\0":
+        if kind == _NT_GNU_BUILD_ID and data[name_at: name_at + namesz] == b"GNU\0":
             return data[desc_at: desc_at + descsz].hex() if descsz else None
         at = end
     return "" if at >= len(data) else None
@@ -189,8 +195,7 @@ def layout_of_file(path: Path) -> ElfLayout | None:
                 AssertionError):
             return None
         f.seek(0)
-        return ElfLayout(build_id_of_notes(f.fileno()) or build_id_of_stream(f), elf_type,
-                         segments)
+        return ElfLayout(build_id_of_stream(f), elf_type, segments)
 
 
 _COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")

@@ -142,13 +142,13 @@ class TableStore:
             await self._repo.delete_symbol_tables([(scope, build_id)])
 
 
+# The source key of a table built from an executable of the local debug directories.
+_LOCAL_EXECUTABLE = "local-executable:"
+
+
 def from_executable(source_key: str) -> bool:
     """Whether a table was built from an executable (its bare symbols, no lines)."""
     return source_key.endswith("/executable") or source_key.startswith(_LOCAL_EXECUTABLE)
-
-
-# The source key of a table built from an executable of the local debug directories.
-_LOCAL_EXECUTABLE = "local-executable:"
 
 
 def local_source_key(path: Path, *, executable: bool) -> str:

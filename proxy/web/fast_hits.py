@@ -10,10 +10,11 @@ symgate_requests_total, the same hit on the cache index, the same access line.
 
 Only what needs nothing else is taken: one complete request head in one read, GET or HEAD of
 /buildid/<id>/debuginfo or /executable over HTTP/1.1, and no header but those that change
-nothing in a hit's answer. Anything else (a tenant's header or token, conditional and range
-requests, forwarding headers, Cache-Control, X-DEBUGINFOD-MAXSIZE, a body, pipelined requests, a
-head split across reads, a miss, a file not yet hot) goes to aiohttp as before, and the
-connection stays aiohttp's from then on (proxy.web.connections).
+nothing in a hit's answer (and an X-DEBUGINFOD-MAXSIZE the file fits). Anything else (a
+tenant's header or token, conditional and range requests, forwarding headers, Cache-Control, a
+body, pipelined requests, a head split across reads, a miss, a file not yet hot) goes to
+aiohttp as before; proxy.web.connections says when a connection aiohttp has had gets quick
+answers again.
 """
 
 from __future__ import annotations
