@@ -4,6 +4,7 @@ waiting for background work. Fixtures live in conftest.py and build on these."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -34,10 +35,40 @@ async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
+_PORTS_PER_WORKER = 400
+_next_port = 0
+
+
 def free_port() -> int:
+    """A loopback port for a server the test starts as a process. Port 0's answer is free only
+    until the socket closes: under xdist another test could take it before our server binds,
+    or a symgate still shutting down could hold it. So each xdist worker hands out the ports of
+    its own range, below the kernel's ephemeral range, in turn, skipping any that is taken."""
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 21000 + (index % 25) * _PORTS_PER_WORKER
+    for _ in range(_PORTS_PER_WORKER):
+        port = base + _next_port % _PORTS_PER_WORKER
+        _next_port += 1
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER - 1}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    # A symgate holds this name for as long as it lives, even after closing its port.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as u:
+        try:
+            u.bind(f"\0symgate-listen-127.0.0.1-{port}")
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
