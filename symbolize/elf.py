@@ -1,4 +1,6 @@
-"""ELF structure via pyelftools: build-ID notes.
+"""ELF structure: build-ID notes, program headers, function symbols.
+
+Read through elf_headers' quick tables where it can, through pyelftools where it cannot.
 
 Files come from upstreams we do not control, so they are opened with ELFFile(stream) and
 never with ELFFile.load_from_path, which follows .gnu_debuglink names from the file's bytes.
@@ -16,6 +18,18 @@ from typing import BinaryIO
 
 from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
+
+from .elf_headers import (
+    E_TYPES,
+    PT_LOAD,
+    SHF_COMPRESSED,
+    SHT_DYNSYM,
+    SHT_NOBITS,
+    SHT_NOTE,
+    SHT_SYMTAB,
+    ElfHeaders,
+    read_headers,
+)
 
 NT_GNU_BUILD_ID = "NT_GNU_BUILD_ID"
 PF_X = 0x1
@@ -77,11 +91,9 @@ def build_id_of_file(path: Path) -> str | None:
         return build_id_of_stream(f)
 
 
-_SHT_NOTE = 7
 _NT_GNU_BUILD_ID = 3  # n_type of the note that NT_GNU_BUILD_ID names for pyelftools
-# At most this many section headers and note bytes are read: a build-ID note is a few dozen
-# bytes in one of the first sections, and a file that claims more is left to pyelftools.
-_MAX_SECTIONS = 65535
+# At most this many note bytes are read: a build-ID note is a few dozen bytes in one of the
+# first sections, and a file that claims more is left to pyelftools.
 _MAX_NOTES_BYTES = 1 << 16
 
 
@@ -91,44 +103,28 @@ def build_id_of_notes(fd: int) -> str | None:
     structs are built per file), on the path of every download's last byte
     (proxy.artifacts.service) and of every symbol-table build. None when it is not found so,
     or anything about the file is unusual: pyelftools is asked then."""
-    try:
-        head = os.pread(fd, 64, 0)
-        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
-                or head[5] not in (1, 2):
+    headers = read_headers(fd)
+    return build_id_of_headers(headers) if headers is not None else None
+
+
+def build_id_of_headers(headers: ElfHeaders) -> str | None:
+    """build_id_of_notes, for a file whose headers are read."""
+    notes_read = 0
+    for section in headers.sections:
+        if section.type != SHT_NOTE:
+            continue
+        align = max(section.align, 4)
+        notes_read += section.size
+        if notes_read > _MAX_NOTES_BYTES or align not in (4, 8):
             return None
-        order = "<" if head[5] == 1 else ">"
-        if head[4] == 2:
-            shoff, = struct.unpack_from(order + "Q", head, 0x28)
-            shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
-            fmt, type_i, offset_i, size_i, align_i = order + "IIQQQQIIQQ", 1, 4, 5, 8
-        else:
-            shoff, = struct.unpack_from(order + "I", head, 0x20)
-            shentsize, shnum = struct.unpack_from(order + "HH", head, 0x2E)
-            fmt, type_i, offset_i, size_i, align_i = order + "IIIIIIIIII", 1, 4, 5, 8
-        entry = struct.calcsize(fmt)
-        if not shoff or shentsize != entry or not 0 < shnum <= _MAX_SECTIONS:
-            return None  # no section headers, or an extended count in section 0
-        table = os.pread(fd, shnum * entry, shoff)
-        if len(table) != shnum * entry:
+        data = headers.data(section)
+        if data is None:
             return None
-        notes_read = 0
-        for header in struct.iter_unpack(fmt, table):
-            if header[type_i] != _SHT_NOTE:
-                continue
-            size, align = header[size_i], max(header[align_i], 4)
-            notes_read += size
-            if notes_read > _MAX_NOTES_BYTES or align not in (4, 8):
-                return None
-            data = os.pread(fd, size, header[offset_i])
-            if len(data) != size:
-                return None
-            found = _gnu_build_id(data, order, align)
-            if found is None:
-                return None
-            if found:
-                return found
-    except (OSError, OverflowError):  # offsets past what pread takes: not a file to trust
-        return None
+        found = _gnu_build_id(data, headers.order, align)
+        if found is None:
+            return None
+        if found:
+            return found
     return None
 
 
@@ -180,6 +176,13 @@ class ElfLayout:
 def layout_of_file(path: Path) -> ElfLayout | None:
     """Program headers and build ID of an ELF file, or None if it is not a usable ELF file."""
     with path.open("rb") as f:
+        headers = read_headers(f.fileno())
+        if headers is not None and headers.e_type in E_TYPES:
+            segments = tuple(LoadSegment(p.offset, p.vaddr, p.filesz, p.memsz,
+                                         bool(p.flags & PF_X))
+                             for p in headers.programs if p.type == PT_LOAD)
+            build_id = build_id_of_headers(headers) or build_id_of_stream(f)
+            return ElfLayout(build_id, E_TYPES[headers.e_type], segments)
         try:
             elf = ELFFile(f)
             segments = tuple(
@@ -230,23 +233,45 @@ def function_symbols(path: Path, section: str = ".symtab") -> tuple[FunctionSymb
     """The sized, defined STT_FUNC and STT_GNU_IFUNC symbols of `section` (.symtab, or an
     executable's .dynsym), in table order; () without one.
 
-    pyelftools locates the sections; the symbol array is read with struct, because building a
-    pyelftools object per symbol costs 0.2 s for libc's 9,000 symbols.
+    The symbol array is read with struct, because building a pyelftools object per symbol
+    costs 0.2 s for libc's 9,000 symbols; the sections are found by elf_headers, and by
+    pyelftools in a file that reader leaves to it.
     """
-    kind = "SHT_SYMTAB" if section == ".symtab" else "SHT_DYNSYM"
+    kind = SHT_SYMTAB if section == ".symtab" else SHT_DYNSYM
     with path.open("rb") as f:
+        headers = read_headers(f.fileno())
+        if headers is not None:
+            symtab = headers.section(section)
+            if symtab is None or symtab.type != kind or symtab.link >= len(headers.sections):
+                return ()
+            names = headers.sections[symtab.link]
+            if not (symtab.flags | names.flags) & SHF_COMPRESSED:
+                data, strtab = headers.data(symtab), headers.data(names)
+                if data is None or strtab is None:  # past the end of the file
+                    return ()
+                return _function_symbols(data, strtab, headers.is64, headers.order)
+        # Compressed tables, and files whose headers only pyelftools reads.
         try:
             elf = ELFFile(f)
-            symtab = elf.get_section_by_name(section)
-            if symtab is None or symtab["sh_type"] != kind:
+            table = elf.get_section_by_name(section)
+            if table is None or table["sh_type"] != ("SHT_SYMTAB" if kind == SHT_SYMTAB
+                                                     else "SHT_DYNSYM"):
                 return ()
-            strtab = elf.get_section(symtab["sh_link"]).data()
-            data = symtab.data()
-            little = elf.little_endian
+            names_section = elf.get_section(table["sh_link"])
+            # pyelftools would allocate whatever size a damaged header claims.
+            if max(table["sh_size"], names_section["sh_size"]) > os.fstat(f.fileno()).st_size:
+                return ()
+            strtab = names_section.data()
+            data = table.data()
+            return _function_symbols(data, strtab, elf.elfclass == 64,
+                                     "<" if elf.little_endian else ">")
         except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError):
             return ()
-    order = "<" if little else ">"
-    if elf.elfclass == 64:  # st_name, st_info, st_other, st_shndx, st_value, st_size
+
+
+def _function_symbols(data: bytes, strtab: bytes, is64: bool, order: str
+                      ) -> tuple[FunctionSymbol, ...]:
+    if is64:  # st_name, st_info, st_other, st_shndx, st_value, st_size
         fmt, name_i, info_i, shndx_i, value_i, size_i = order + "IBBHQQ", 0, 1, 3, 4, 5
     else:  # st_name, st_value, st_size, st_info, st_other, st_shndx
         fmt, name_i, info_i, shndx_i, value_i, size_i = order + "IIIBBH", 0, 3, 5, 1, 2
@@ -289,6 +314,12 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     such section, or only an SHT_NOBITS one (no bytes in this file), or is not valid ELF."""
     try:
         with path.open("rb") as f:
+            headers = read_headers(f.fileno())
+            if headers is not None:
+                found = headers.section(name)
+                if found is None or found.type == SHT_NOBITS:
+                    return None
+                return found.offset, found.size
             for section in ELFFile(f).iter_sections():
                 if section.name == name:
                     if section["sh_type"] == "SHT_NOBITS":

@@ -38,7 +38,7 @@ from .elf import (
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
 from .lld_layout import lld_layout
-from .range_index import RangeIndex
+from .range_index import RangeIndex, sorted_union
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py): a
@@ -183,7 +183,7 @@ class SymbolTable:
         self._columns = read_columns(path)
         self._extras = read_from(path) or TableExtras()
         starts, extras = self._columns.range_starts, self._extras
-        pieces = np.union1d(starts, extras.column_starts).astype(np.uint32) \
+        pieces = sorted_union(starts, extras.column_starts) \
             if len(extras.column_starts) else starts
         self._pieces = len(pieces)
         self._piece_range = (np.searchsorted(starts, pieces, side="right") - 1).astype(np.int32)

@@ -1,0 +1,155 @@
+"""The quick header reader (symbolize.elf_headers) against pyelftools: the same program and
+section headers on real files (gcc and lld output, stripped executables, detached debug files,
+libc), and on broken files either the same tables or none (then pyelftools is asked), never
+an exception. And the readers built on it give what they gave through pyelftools alone."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import struct
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from elftools.elf.elffile import ELFFile
+
+from symbolize.elf import function_symbols, layout_of_file, section_extent
+from symbolize.elf_headers import ElfHeaders, read_headers
+from symbolize.lld_layout import lld_layout
+from tests.elfs import ElfSet, build_program
+from tests.libc import LIBC, LIBC_DEBUG
+
+Tables = tuple[list[tuple[int, ...]], list[tuple[object, ...]]]
+
+
+def quick(path: Path) -> ElfHeaders | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_headers(fd)
+    finally:
+        os.close(fd)
+
+
+def tables(h: ElfHeaders) -> Tables:
+    return ([(p.type, p.flags, p.offset, p.vaddr, p.filesz, p.memsz, p.align)
+             for p in h.programs],
+            [(s.name, s.type, s.flags, s.addr, s.offset, s.size, s.link, s.align)
+             for s in h.sections])
+
+
+def by_pyelftools(path: Path) -> Tables:
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        # pyelftools names the types it knows: its own tables turn them back into numbers.
+        p_type = _numbers(elf.structs.Elf_Phdr, "p_type")
+        sh_type = _numbers(elf.structs.Elf_Shdr, "sh_type")
+        programs = [elf._get_segment_header(i) for i in range(elf.num_segments())]
+        sections = [elf.get_section(i) for i in range(elf.num_sections())]
+        return ([(p_type(p["p_type"]), p["p_flags"], p["p_offset"], p["p_vaddr"],
+                  p["p_filesz"], p["p_memsz"], p["p_align"]) for p in programs],
+                [(s.name, sh_type(s["sh_type"]), s["sh_flags"], s["sh_addr"],
+                  s["sh_offset"], s["sh_size"], s["sh_link"], s["sh_addralign"])
+                 for s in sections])
+
+
+def _numbers(struct_: Any, field: str) -> Callable[[object], int]:
+    mapping = next(c for c in struct_.subcons if c.name == field)
+    return lambda value: value if isinstance(value, int) else int(mapping.encoding[value])
+
+
+def real_files(elfs: ElfSet) -> list[Path]:
+    files = [p for e in (*elfs.all, elfs.aliased) for p in (e.executable, e.debug)]
+    return files + [p for p in (LIBC, LIBC_DEBUG, Path("/bin/sh").resolve()) if p.exists()]
+
+
+def test_the_same_tables_as_pyelftools_on_real_files(elfs: ElfSet) -> None:
+    for path in real_files(elfs):
+        headers = quick(path)
+        assert headers is not None, path
+        assert tables(headers) == by_pyelftools(path), path
+
+
+@pytest.mark.skipif(shutil.which("ld.lld") is None, reason="needs lld (Debian's lld)")
+def test_an_lld_linked_program_is_read_as_pyelftools_reads_it(tmp_path: Path) -> None:
+    elf = build_program(tmp_path / "src", tmp_path, "lldprog", 3, extra_flags=("-fuse-ld=lld",))
+    for path in (elf.executable, elf.debug):
+        headers = quick(path)
+        assert headers is not None
+        assert tables(headers) == by_pyelftools(path)
+    layout = lld_layout(elf.debug)
+    real = layout_of_file(elf.executable)
+    assert layout is not None and real is not None
+    assert [s for s in layout if s.executable] == [s for s in real.segments if s.executable]
+
+
+def broken_copies(original: bytes, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    cases = [original[:n] for n in (0, 3, 40, 63, 64, 200, len(original) // 2,
+                                    len(original) - 1)]
+    for _ in range(300):  # bytes flipped anywhere, many in the headers
+        data = bytearray(original)
+        for _ in range(rng.randint(1, 8)):
+            at = rng.randrange(len(data)) if rng.random() < 0.5 else rng.randrange(
+                min(len(data), 4096))
+            data[at] = rng.randrange(256)
+        cases.append(bytes(data))
+    # Tables said to be far past the end, and extended counts (0 sections, PN_XNUM).
+    cases.append(original[:0x20] + struct.pack("<Q", 1 << 62) + original[0x28:])
+    cases.append(original[:0x28] + struct.pack("<Q", 1 << 40) + original[0x30:])
+    cases.append(original[:0x38] + struct.pack("<H", 0xFFFF) + original[0x3A:])
+    cases.append(original[:0x3C] + struct.pack("<H", 0) + original[0x3E:])
+    return cases
+
+
+def test_broken_files_give_pyelftools_tables_or_none(elfs: ElfSet, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    for original in (elfs.prog.debug.read_bytes(), elfs.prog.executable.read_bytes()):
+        for data in broken_copies(original, 7):
+            broken.write_bytes(data)
+            headers = quick(broken)
+            if headers is None:
+                continue
+            try:
+                want = by_pyelftools(broken)
+            except Exception:  # pyelftools raises a spread of types on bad input
+                continue  # pyelftools cannot read what we read: nothing to compare
+            assert tables(headers) == want, data[:8]
+
+
+def test_the_readers_on_broken_files_answer_as_before_or_say_nothing(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """Every reader built on the header tables keeps its contract on damaged input: an answer
+    or its 'nothing' (None, ()), never an exception."""
+    broken = tmp_path / "broken"
+    for data in broken_copies(elfs.prog.debug.read_bytes(), 11):
+        broken.write_bytes(data)
+        layout_of_file(broken)
+        function_symbols(broken)
+        function_symbols(broken, ".dynsym")
+        lld_layout(broken)
+        section_extent(broken, ".debug_info")
+
+
+def test_symbols_and_layout_of_libc_match_its_tools() -> None:
+    """libc's function symbols and program headers as binutils reads them."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    symbols = function_symbols(LIBC_DEBUG)
+    nm = subprocess.run(["nm", "--defined-only", "-S", str(LIBC_DEBUG)], capture_output=True,
+                        text=True, check=True).stdout
+    want = {(int(v, 16), int(size, 16), name) for v, size, kind, name in
+            (line.split() for line in nm.splitlines() if len(line.split()) == 4)
+            if kind in "TtWwi" and int(size, 16)}
+    got = {(s.value, s.size, s.name) for s in symbols}
+    assert got <= want and len(got) >= 0.95 * len(want)
+    layout = layout_of_file(LIBC)
+    readelf = subprocess.run(["readelf", "-lW", str(LIBC)], capture_output=True, text=True,
+                             check=True).stdout
+    loads = [line.split() for line in readelf.splitlines() if line.strip().startswith("LOAD")]
+    assert layout is not None
+    assert [(s.offset, s.vaddr, s.filesz, s.memsz) for s in layout.segments] == [
+        (int(f[1], 16), int(f[2], 16), int(f[4], 16), int(f[5], 16)) for f in loads]
