@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .debugdirs import find_debug_file, find_executable
-from .elf import executable_segments
 from .outcome import Outcome
 from .pipeline import Limits, Resolved, symbolize_profile
 from .rewrite import Report
@@ -44,8 +43,8 @@ class LocalDebugDirs:
             return Resolved(None, outcome=Outcome.MALFORMED)
         table = TableSpec(out, built.load_address, built.code_ranges, built.cold_ranges,
                           built.has_lines)
-        segments = executable_segments(exe, build_id) or built.file_layout
-        return Resolved(table, segments if needs_layout else None)
+        # The executable's program headers when it was at hand (build_symbol_table read them).
+        return Resolved(table, built.file_layout if needs_layout else None)
 
 
 def symbolize_bytes(body: bytes, dirs: Sequence[Path], limits: Limits) -> tuple[bytes, Report]:

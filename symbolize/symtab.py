@@ -31,6 +31,7 @@ from .elf import (
     FunctionSymbol,
     LoadSegment,
     cold_part,
+    executable_segments,
     exported_functions,
     function_symbols,
     layout_of_file,
@@ -63,8 +64,9 @@ class BuildResult:
     seconds: float
     size: int
     # The source's program headers when their file offsets are real (an executable, or an
-    # unstripped binary) or derived exactly (an lld-linked program's debug file: lld_layout);
-    # None for another detached debug file, whose offsets objcopy cut to their residues.
+    # unstripped binary); else the executable's, when it was given beside the debug file; else
+    # derived exactly (an lld-linked program's debug file: lld_layout); None for another
+    # detached debug file, whose offsets objcopy cut to their residues.
     file_layout: tuple[LoadSegment, ...] | None
 
 
@@ -109,7 +111,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
             cache.dump_into(f)  # type: ignore[no-untyped-call]
         # A symbolic that writes another layout fails here, not per lookup.
         columns = read_columns(tmp)
-        symbols, dwarf, exports = second.result()
+        symbols, dwarf, exports, executable_layout = second.result()
         extras = choose(columns, layout.load_address, dwarf, symbols, exports or None)
         extras.from_executable = exports is not None
         append_to(tmp, extras)
@@ -124,18 +126,22 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
-        file_layout=layout.segments if layout.has_file_layout else lld_layout(elf_path),
+        file_layout=(layout.segments if layout.has_file_layout
+                     else executable_layout or lld_layout(elf_path)),
     )
 
 
 def _second_reading(path: Path, executable: Path | None, build_id: str
                     ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
-                               tuple[FunctionSymbol, ...] | None]:
-    """The symbol table, the DWARF facts, and the executable's exports: None without the
-    executable of `build_id`, () when it names code by its .symtab (function_names.py)."""
+                               tuple[FunctionSymbol, ...] | None,
+                               tuple[LoadSegment, ...] | None]:
+    """The symbol table, the DWARF facts, the executable's exports (None without the
+    executable of `build_id`, () when it names code by its .symtab: function_names.py), and
+    its program headers (None without it)."""
     symbols = function_symbols(path)
     exports = exported_functions(executable, build_id) if executable is not None else None
-    return symbols, read_functions(path, sorted({s.value for s in symbols})), exports
+    segments = executable_segments(executable, build_id) if executable is not None else None
+    return symbols, read_functions(path, sorted({s.value for s in symbols})), exports, segments
 
 
 @dataclass(frozen=True, slots=True)
