@@ -80,10 +80,13 @@ class FunctionIds:
             return np.array(found, dtype=np.uint64)
         with self._lock:  # two threads resolving the same new function get one id
             rows: list[int] = []
+            # Published once their rows are in: a reader without the lock (above) must never
+            # see an id whose row is not there yet.
+            fresh: dict[FunctionKey, int] = {}
             for i, key in enumerate(keys):
-                fid = ids.get(key)
+                fid = ids.get(key) or fresh.get(key)
                 if fid is None:
-                    fid = ids[key] = FIRST_ID + len(self._keys)
+                    fid = fresh[key] = FIRST_ID + len(self._keys)
                     self._keys.append(key)
                     for text in key[:3]:
                         at = self._text_ids.get(text)
@@ -95,6 +98,7 @@ class FunctionIds:
                 found[i] = fid
             if rows:
                 self._rows.extend(np.array(rows, dtype=np.int64))
+            ids.update(fresh)
         return np.array(found, dtype=np.uint64)
 
     def key_of(self, fid: int) -> FunctionKey:

@@ -26,6 +26,7 @@ from .elf_headers import (
     SHT_DYNSYM,
     SHT_NOBITS,
     SHT_NOTE,
+    SHT_STRTAB,
     SHT_SYMTAB,
     ElfHeaders,
     read_headers,
@@ -241,8 +242,9 @@ def function_symbols(path: Path, section: str = ".symtab") -> tuple[FunctionSymb
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
         if headers is not None:
-            symtab = headers.section(section)
-            if symtab is None or symtab.type != kind or symtab.link >= len(headers.sections):
+            symtab = headers.section(section, kind)
+            if symtab is None or symtab.link >= len(headers.sections) \
+                    or headers.sections[symtab.link].type != SHT_STRTAB:
                 return ()
             names = headers.sections[symtab.link]
             if not (symtab.flags | names.flags) & SHF_COMPRESSED:

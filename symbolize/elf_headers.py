@@ -19,6 +19,7 @@ from dataclasses import dataclass
 PT_LOAD = 1
 PT_NOTE = 4
 SHT_SYMTAB = 2
+SHT_STRTAB = 3
 SHT_NOTE = 7
 SHT_NOBITS = 8
 SHT_DYNSYM = 11
@@ -66,17 +67,21 @@ class ElfHeaders:
     e_type: int
     programs: tuple[ProgramHeader, ...]
     sections: tuple[SectionHeader, ...]
+    file_size: int
 
-    def section(self, name: str) -> SectionHeader | None:
-        """The first section called `name`."""
-        return next((s for s in self.sections if s.name == name), None)
+    def section(self, name: str, kind: int | None = None) -> SectionHeader | None:
+        """The first section called `name` (and of type `kind`, if given)."""
+        return next((s for s in self.sections
+                     if s.name == name and (kind is None or s.type == kind)), None)
 
     def data(self, section: SectionHeader, limit: int = 1 << 30) -> bytes | None:
         """The section's bytes as stored; b"" for SHT_NOBITS; None when they are compressed,
-        over `limit`, or past the end of the file."""
+        over `limit`, or past the end of the file (checked before any is read: a damaged size
+        must not make us allocate what it claims)."""
         if section.type == SHT_NOBITS:
             return b""
-        if section.flags & SHF_COMPRESSED or section.size > limit:
+        if section.flags & SHF_COMPRESSED or section.size > limit \
+                or section.offset + section.size > self.file_size:
             return None
         return _pread(self.fd, section.size, section.offset)
 
@@ -123,25 +128,31 @@ def read_headers(fd: int) -> ElfHeaders | None:
                                               align))
         sections: list[SectionHeader] = []
         if shoff:
-            if shentsize != struct.calcsize(sfmt) or not 0 < shnum <= _MAX_ENTRIES \
-                    or shstrndx >= shnum:
+            if shentsize != struct.calcsize(sfmt) or not 0 < shnum <= _MAX_ENTRIES:
                 return None
             table = _pread(fd, shnum * shentsize, shoff)
             if table is None:
                 return None
             rows = list(struct.iter_unpack(sfmt, table))
-            names_row = rows[shstrndx]
-            names = _pread(fd, names_row[5], names_row[4]) \
-                if names_row[5] <= _MAX_NAMES_BYTES and names_row[1] != SHT_NOBITS else None
-            if names is None:
-                return None
+            # Sections without a name table (none, or an index past the sections) keep their
+            # other fields: a build-ID note is found by its type, where pyelftools fails.
+            names = b""
+            if shstrndx < shnum:
+                names_row = rows[shstrndx]
+                read = _pread(fd, names_row[5], names_row[4]) \
+                    if names_row[5] <= _MAX_NAMES_BYTES and names_row[1] != SHT_NOBITS \
+                    else None
+                if read is None:
+                    return None
+                names = read
             for name_at, s_type, flags, addr, offset, size, link, _info, align, _entsize \
                     in rows:
                 end = names.find(b"\0", name_at)
                 name = names[name_at:end if end >= 0 else len(names)].decode(errors="replace")
                 sections.append(SectionHeader(name, s_type, flags, addr, offset, size, link,
                                               align))
-        return ElfHeaders(fd, is64, order, e_type, tuple(programs), tuple(sections))
+        return ElfHeaders(fd, is64, order, e_type, tuple(programs), tuple(sections),
+                          os.fstat(fd).st_size)
     except (OSError, struct.error):
         return None
 

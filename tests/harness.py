@@ -35,7 +35,8 @@ async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-_PORTS_PER_WORKER = 400
+# Below the kernel's ephemeral range (32768 up), which port 0 and clients draw from.
+_FIRST_PORT, _END_PORT = 21000, 32768
 _next_port = 0
 
 
@@ -47,13 +48,15 @@ def free_port() -> int:
     global _next_port
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    base = 21000 + (index % 25) * _PORTS_PER_WORKER
-    for _ in range(_PORTS_PER_WORKER):
-        port = base + _next_port % _PORTS_PER_WORKER
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), index + 1)
+    span = (_END_PORT - _FIRST_PORT) // workers
+    base = _FIRST_PORT + index * span
+    for _ in range(span):
+        port = base + _next_port % span
         _next_port += 1
         if _bindable(port):
             return port
-    raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER - 1}")
+    raise RuntimeError(f"no free port in {base}..{base + span - 1}")
 
 
 def _bindable(port: int) -> bool:

@@ -86,3 +86,22 @@ async def test_a_build_cancelled_as_the_slot_reaches_it_passes_the_slot_on(
     await asyncio.wait_for(winner, 30)
     assert (tmp_path / "y.symc").exists() and not (tmp_path / "x.symc").exists()
     assert builds._free == 1 and not builds._waiting
+
+
+async def test_a_build_that_waited_past_patience_goes_next_whatever_its_size(
+        elfs: ElfSet, tmp_path: Path, one_worker: WorkerPool) -> None:
+    """Bigger builds arriving all the time must not hold a small one back for good: past its
+    patience (0 here: at once) the oldest waiting build goes first."""
+    builds = BuildPool(one_worker, 1, patience_s=0)
+    done: list[str] = []
+
+    async def build(name: str, path: Path, build_id: str) -> None:
+        await builds.build(path, tmp_path / f"{name}.symc", build_id)
+        done.append(name)
+
+    async with builds._slot(1):
+        fixtures = sorted(elfs.all, key=lambda e: e.debug.stat().st_size)
+        waiting = [asyncio.create_task(build(e.name, e.debug, e.build_id)) for e in fixtures]
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiting)
+    assert done == [e.name for e in fixtures]  # smallest first: the order they came in

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from symbolize.elf import function_symbols, layout_of_file, section_extent
+from symbolize.elf import build_id_of_file, function_symbols, layout_of_file, section_extent
 from symbolize.elf_headers import ElfHeaders, read_headers
 from symbolize.lld_layout import lld_layout
 from tests.elfs import ElfSet, build_program
@@ -153,3 +153,69 @@ def test_symbols_and_layout_of_libc_match_its_tools() -> None:
     assert layout is not None
     assert [(s.offset, s.vaddr, s.filesz, s.memsz) for s in layout.segments] == [
         (int(f[1], 16), int(f[2], 16), int(f[4], 16), int(f[5], 16)) for f in loads]
+
+
+def _patched_section(original: bytes, index: int, field_at: int, fmt: str, value: int
+                     ) -> bytes:
+    """`original` with one field of section header `index` set (ELF64 little-endian)."""
+    shoff, = struct.unpack_from("<Q", original, 0x28)
+    at = shoff + index * 64 + field_at
+    return original[:at] + struct.pack(fmt, value) + original[at + struct.calcsize(fmt):]
+
+
+def test_a_damaged_name_table_keeps_the_build_id(elfs: ElfSet, tmp_path: Path) -> None:
+    """e_shstrndx past the section count: no section has a name any more, but the build-ID
+    note is still found by its type (pyelftools gives up on such a file)."""
+    original = elfs.prog.debug.read_bytes()
+    path = tmp_path / "no-names"
+    path.write_bytes(original[:0x3E] + struct.pack("<H", 0xFFF0) + original[0x40:])
+    assert build_id_of_file(path) == elfs.prog.build_id
+    layout = layout_of_file(path)
+    assert layout is not None and layout.build_id == elfs.prog.build_id
+    assert function_symbols(path) == ()
+
+
+def test_a_symbol_table_must_link_a_string_table(elfs: ElfSet, tmp_path: Path) -> None:
+    original = elfs.prog.debug.read_bytes()
+    headers = quick(elfs.prog.debug)
+    assert headers is not None and function_symbols(elfs.prog.debug)
+    index = next(i for i, s in enumerate(headers.sections) if s.name == ".symtab")
+    path = tmp_path / "bad-link"
+    for link in (0, index):  # the null section, and the table itself
+        path.write_bytes(_patched_section(original, index, 40, "<I", link))  # sh_link
+        assert function_symbols(path) == ()
+
+
+def test_a_section_named_like_the_symbol_table_is_passed_over(elfs: ElfSet,
+                                                              tmp_path: Path) -> None:
+    """The symbols are those of the SHT_SYMTAB called .symtab, not of the first section
+    called so."""
+    original = elfs.prog.debug.read_bytes()
+    headers = quick(elfs.prog.debug)
+    assert headers is not None
+    symtab = next(i for i, s in enumerate(headers.sections) if s.name == ".symtab")
+    decoy = next(i for i, s in enumerate(headers.sections) if 0 < i < symtab
+                 and s.type not in (2, 3))
+    # The decoy takes the name of .symtab (its sh_name offset).
+    name_at, = struct.unpack_from("<I", original, struct.unpack_from("<Q", original, 0x28)[0]
+                                  + symtab * 64)
+    path = tmp_path / "decoy"
+    path.write_bytes(_patched_section(original, decoy, 0, "<I", name_at))
+    assert quick(path) is not None and quick(path).sections[decoy].name == ".symtab"  # type: ignore[union-attr]
+    assert function_symbols(path) == function_symbols(elfs.prog.debug)
+
+
+def test_a_section_said_to_be_huge_is_not_read(elfs: ElfSet, tmp_path: Path) -> None:
+    original = elfs.prog.debug.read_bytes()
+    headers = quick(elfs.prog.debug)
+    assert headers is not None
+    index = next(i for i, s in enumerate(headers.sections) if s.name == ".symtab")
+    path = tmp_path / "huge"
+    path.write_bytes(_patched_section(original, index, 32, "<Q", 1 << 29))  # sh_size
+    assert function_symbols(path) == ()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        damaged = read_headers(fd)
+        assert damaged is not None and damaged.data(damaged.sections[index]) is None
+    finally:
+        os.close(fd)

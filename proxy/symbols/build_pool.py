@@ -13,13 +13,19 @@ from pathlib import Path
 from proxy.symbols.workers import WorkerPool
 from symbolize.symtab import BuildResult, build_symbol_table
 
+# A build that has waited this long goes next whatever its size: a steady stream of bigger
+# ones must not hold a small one back for good (with its cross-process build lock).
+PATIENCE_S = 10.0
+
 
 class BuildPool:
-    def __init__(self, pool: WorkerPool, workers: int) -> None:
+    def __init__(self, pool: WorkerPool, workers: int, patience_s: float = PATIENCE_S) -> None:
         self.pool = pool
         self._free = workers  # slots in the pool not taken
-        # Builds waiting for a slot, the biggest source first: (-size, arrival, wake-up).
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._patience_s = patience_s
+        # Builds waiting for a slot, the biggest source first:
+        # (-size, arrival, when it came, wake-up).
+        self._waiting: list[tuple[int, int, float, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
 
     async def build(self, source: Path, out: Path, build_id: str,
@@ -37,8 +43,9 @@ class BuildPool:
         if self._free > 0 and not self._waiting:
             self._free -= 1
         else:
-            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (-size, next(self._arrivals), woken)
+            loop = asyncio.get_running_loop()
+            woken: asyncio.Future[None] = loop.create_future()
+            entry = (-size, next(self._arrivals), loop.time(), woken)
             heapq.heappush(self._waiting, entry)
             try:
                 await woken
@@ -56,11 +63,21 @@ class BuildPool:
 
     def _release(self) -> None:
         while self._waiting:
-            _size_key, _arrival, woken = heapq.heappop(self._waiting)
+            entry = self._next()
+            woken = entry[3]
             if not woken.done():
                 woken.set_result(None)  # the slot passes straight to it
                 return
         self._free += 1
+
+    def _next(self) -> tuple[int, int, float, asyncio.Future[None]]:
+        """The biggest waiting build, or the oldest once it has waited past patience."""
+        oldest = min(self._waiting, key=lambda e: e[1])
+        if asyncio.get_running_loop().time() - oldest[2] >= self._patience_s:
+            self._waiting.remove(oldest)
+            heapq.heapify(self._waiting)
+            return oldest
+        return heapq.heappop(self._waiting)
 
 
 def _size(path: Path) -> int:
