@@ -35,6 +35,29 @@ _MAX_NAMES_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class _Class:
+    """Where ELF32 and ELF64 keep what is read here."""
+
+    header_size: int
+    offsets: str  # e_phoff, e_shoff
+    offsets_at: int
+    counts_at: int  # e_phentsize, e_phnum, e_shentsize, e_shnum, e_shstrndx
+    program: str
+    # Of a program header's fields: p_type, p_flags, p_offset, p_vaddr, p_filesz, p_memsz,
+    # p_align (ELF32 puts p_flags after p_memsz, ELF64 after p_type).
+    program_fields: tuple[int, ...]
+    # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, sh_info,
+    # sh_addralign, sh_entsize
+    section: str
+
+
+_CLASSES = {
+    True: _Class(64, "QQ", 0x20, 0x36, "IIQQQQQQ", (0, 1, 2, 3, 5, 6, 7), "IIQQQQIIQQ"),
+    False: _Class(52, "II", 0x1C, 0x2A, "IIIIIIII", (0, 6, 1, 2, 4, 5, 7), "IIIIIIIIII"),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class ProgramHeader:
     type: int
     flags: int
@@ -95,26 +118,14 @@ def read_headers(fd: int) -> ElfHeaders | None:
                 or head[5] not in (1, 2):
             return None
         is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
-        if is64:
-            if len(head) < 64:
-                return None
-            e_type, = struct.unpack_from(order + "H", head, 0x10)
-            phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
-            phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
-                order + "HHHHH", head, 0x36)
-            # p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_align
-            pfmt, pfields = order + "IIQQQQQQ", (0, 1, 2, 3, 5, 6, 7)
-            # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, sh_info,
-            # sh_addralign, sh_entsize
-            sfmt = order + "IIQQQQIIQQ"
-        else:
-            e_type, = struct.unpack_from(order + "H", head, 0x10)
-            phoff, shoff = struct.unpack_from(order + "II", head, 0x1C)
-            phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
-                order + "HHHHH", head, 0x2A)
-            # p_type, p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_flags, p_align
-            pfmt, pfields = order + "IIIIIIII", (0, 6, 1, 2, 4, 5, 7)
-            sfmt = order + "IIIIIIIIII"
+        layout = _CLASSES[is64]
+        if len(head) < layout.header_size:
+            return None
+        e_type, = struct.unpack_from(order + "H", head, 0x10)
+        phoff, shoff = struct.unpack_from(order + layout.offsets, head, layout.offsets_at)
+        phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
+            order + "HHHHH", head, layout.counts_at)
+        pfmt, pfields, sfmt = order + layout.program, layout.program_fields, order + layout.section
         programs: list[ProgramHeader] = []
         if phnum:
             if phentsize != struct.calcsize(pfmt) or phnum > _MAX_ENTRIES:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import random
+import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from symbolize.elf import build_id_of_file
 
@@ -83,6 +88,48 @@ class ElfSet:
 
     def named(self, name: str) -> Elf:
         return next(e for e in self.all if e.name == name)
+
+
+T = TypeVar("T")
+
+
+def on_descriptor(path: Path, read: Callable[[int], T]) -> T:
+    """`read` of a descriptor open on `path`, as the quick ELF readers are called."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read(fd)
+    finally:
+        os.close(fd)
+
+
+def real_elf_files(elfs: ElfSet) -> list[Path]:
+    """Every fixture's executable and debug file, and the machine's libc and shell."""
+    from tests.libc import LIBC, LIBC_DEBUG
+
+    files = [p for e in (*elfs.all, elfs.aliased) for p in (e.executable, e.debug)]
+    return files + [p for p in (LIBC, LIBC_DEBUG, Path("/bin/sh").resolve()) if p.exists()]
+
+
+def broken_copies(original: bytes, seed: int) -> list[bytes]:
+    """Damaged copies of an ELF64 little-endian file's bytes, for the quick readers: cut
+    short, bytes flipped (many in the headers), random bytes, tables moved past the end."""
+    rng = random.Random(seed)
+    cases = [original[:n] for n in (0, 3, 40, 63, 64, 200, len(original) // 2,
+                                    len(original) - 1)]
+    for _ in range(300):  # bytes flipped anywhere, many in the headers
+        data = bytearray(original)
+        for _ in range(rng.randint(1, 8)):
+            at = rng.randrange(len(data)) if rng.random() < 0.5 else rng.randrange(
+                min(len(data), 4096))
+            data[at] = rng.randrange(256)
+        cases.append(bytes(data))
+    cases.append(bytes(rng.randrange(256) for _ in range(5000)))
+    # Tables said to be far past the end, and extended counts (0 sections, PN_XNUM).
+    cases.append(original[:0x20] + struct.pack("<Q", 1 << 62) + original[0x28:])
+    cases.append(original[:0x28] + struct.pack("<Q", 1 << 40) + original[0x30:])
+    cases.append(original[:0x38] + struct.pack("<H", 0xFFFF) + original[0x3A:])
+    cases.append(original[:0x3C] + struct.pack("<H", 0) + original[0x3E:])
+    return cases
 
 
 def build_id_tree(root: Path, build_id: str, debug: Path, executable: Path) -> Path:

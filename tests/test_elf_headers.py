@@ -6,7 +6,6 @@ an exception. And the readers built on it give what they gave through pyelftools
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import struct
 import subprocess
@@ -20,18 +19,14 @@ from elftools.elf.elffile import ELFFile
 from symbolize.elf import build_id_of_file, function_symbols, layout_of_file, section_extent
 from symbolize.elf_headers import ElfHeaders, read_headers
 from symbolize.lld_layout import lld_layout
-from tests.elfs import ElfSet, build_program
+from tests.elfs import ElfSet, broken_copies, build_program, on_descriptor, real_elf_files
 from tests.libc import LIBC, LIBC_DEBUG
 
 Tables = tuple[list[tuple[int, ...]], list[tuple[object, ...]]]
 
 
 def quick(path: Path) -> ElfHeaders | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return read_headers(fd)
-    finally:
-        os.close(fd)
+    return on_descriptor(path, read_headers)
 
 
 def tables(h: ElfHeaders) -> Tables:
@@ -61,13 +56,8 @@ def _numbers(struct_: Any, field: str) -> Callable[[object], int]:
     return lambda value: value if isinstance(value, int) else int(mapping.encoding[value])
 
 
-def real_files(elfs: ElfSet) -> list[Path]:
-    files = [p for e in (*elfs.all, elfs.aliased) for p in (e.executable, e.debug)]
-    return files + [p for p in (LIBC, LIBC_DEBUG, Path("/bin/sh").resolve()) if p.exists()]
-
-
 def test_the_same_tables_as_pyelftools_on_real_files(elfs: ElfSet) -> None:
-    for path in real_files(elfs):
+    for path in real_elf_files(elfs):
         headers = quick(path)
         assert headers is not None, path
         assert tables(headers) == by_pyelftools(path), path
@@ -84,25 +74,6 @@ def test_an_lld_linked_program_is_read_as_pyelftools_reads_it(tmp_path: Path) ->
     real = layout_of_file(elf.executable)
     assert layout is not None and real is not None
     assert [s for s in layout if s.executable] == [s for s in real.segments if s.executable]
-
-
-def broken_copies(original: bytes, seed: int) -> list[bytes]:
-    rng = random.Random(seed)
-    cases = [original[:n] for n in (0, 3, 40, 63, 64, 200, len(original) // 2,
-                                    len(original) - 1)]
-    for _ in range(300):  # bytes flipped anywhere, many in the headers
-        data = bytearray(original)
-        for _ in range(rng.randint(1, 8)):
-            at = rng.randrange(len(data)) if rng.random() < 0.5 else rng.randrange(
-                min(len(data), 4096))
-            data[at] = rng.randrange(256)
-        cases.append(bytes(data))
-    # Tables said to be far past the end, and extended counts (0 sections, PN_XNUM).
-    cases.append(original[:0x20] + struct.pack("<Q", 1 << 62) + original[0x28:])
-    cases.append(original[:0x28] + struct.pack("<Q", 1 << 40) + original[0x30:])
-    cases.append(original[:0x38] + struct.pack("<H", 0xFFFF) + original[0x3A:])
-    cases.append(original[:0x3C] + struct.pack("<H", 0) + original[0x3E:])
-    return cases
 
 
 def test_broken_files_give_pyelftools_tables_or_none(elfs: ElfSet, tmp_path: Path) -> None:
