@@ -314,21 +314,23 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     """(file offset, size) of the first section called `name`, as stored (a compressed
     section stays compressed, as elfutils' elf_rawdata gives it); None when the file has no
     such section, or only an SHT_NOBITS one (no bytes in this file), or is not valid ELF."""
-    try:
-        with path.open("rb") as f:
-            headers = read_headers(f.fileno())
-            if headers is not None:
-                found = headers.section(name)
-                if found is None or found.type == SHT_NOBITS:
-                    return None
-                return found.offset, found.size
+    with path.open("rb") as f:
+        headers = read_headers(f.fileno())
+        if headers is not None:
+            found = headers.section(name)
+            if found is None or found.type == SHT_NOBITS:
+                return None
+            return found.offset, found.size
+        try:
             for section in ELFFile(f).iter_sections():
                 if section.name == name:
                     if section["sh_type"] == "SHT_NOBITS":
                         return None
                     return int(section["sh_offset"]), int(section["sh_size"])
-    except Exception as e:
-        if _malformed(e):
+        except OSError:  # a seek past what the file system takes: an offset made up
             return None
-        raise
+        except Exception as e:
+            if _malformed(e):
+                return None
+            raise
     return None
