@@ -7,7 +7,9 @@ way, 6 of its 7.5 ms. These tables are fixed-size records of the ELF specificati
 are read here in a few microseconds, and nothing past them: DWARF, notes' contents and symbols
 are their callers' business. Whatever this does not expect (extended section or program
 header counts, a table past the end of the file, a header size that is not the standard one)
-gives None, and the callers ask pyelftools, as they did before.
+gives None, and the callers ask pyelftools, as they did before. One damage is read through: a
+name-table index past the sections leaves them nameless but whole, so that a build-ID note is
+still found by its type (pyelftools fails on such a file).
 """
 
 from __future__ import annotations
