@@ -66,6 +66,11 @@ def build_id_of_stream(stream: BinaryIO) -> str | None:
     with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
         if found := build_id_of_notes(stream.fileno()):
             return found
+    return _build_id_by_pyelftools(stream)
+
+
+def _build_id_by_pyelftools(stream: BinaryIO) -> str | None:
+    """build_id_of_stream's second reader: the notes of sections, then of segments."""
     try:
         elf = ELFFile(stream)
         for section in elf.iter_sections():
@@ -182,7 +187,7 @@ def layout_of_file(path: Path) -> ElfLayout | None:
             segments = tuple(LoadSegment(p.offset, p.vaddr, p.filesz, p.memsz,
                                          bool(p.flags & PF_X))
                              for p in headers.programs if p.type == PT_LOAD)
-            build_id = build_id_of_headers(headers) or build_id_of_stream(f)
+            build_id = build_id_of_headers(headers) or _build_id_by_pyelftools(f)
             return ElfLayout(build_id, E_TYPES[headers.e_type], segments)
         try:
             elf = ELFFile(f)
@@ -294,10 +299,12 @@ def exported_functions(path: Path, build_id: str) -> tuple[FunctionSymbol, ...] 
     table's order (GNU hash order, which a detached debug file does not keep: its .dynsym has
     no contents). () when the file keeps its .symtab (which llvm-symbolizer then names code
     by, as the debug file's own .symtab); None when it is not the executable of `build_id`."""
-    layout = layout_of_file(path)
-    if layout is None or not layout.has_file_layout or layout.build_id != build_id:
-        return None
-    return () if function_symbols(path) else function_symbols(path, ".dynsym")
+    return exports_of(path) if executable_segments(path, build_id) is not None else None
+
+
+def exports_of(executable: Path) -> tuple[FunctionSymbol, ...]:
+    """exported_functions, of a file already known to be the executable."""
+    return () if function_symbols(executable) else function_symbols(executable, ".dynsym")
 
 
 def cold_ranges(symbols: tuple[FunctionSymbol, ...]) -> tuple[tuple[int, int], ...]:

@@ -32,7 +32,7 @@ from .elf import (
     LoadSegment,
     cold_part,
     executable_segments,
-    exported_functions,
+    exports_of,
     function_symbols,
     layout_of_file,
 )
@@ -139,8 +139,9 @@ def _second_reading(path: Path, executable: Path | None, build_id: str
     executable of `build_id`, () when it names code by its .symtab: function_names.py), and
     its program headers (None without it)."""
     symbols = function_symbols(path)
-    exports = exported_functions(executable, build_id) if executable is not None else None
-    segments = executable_segments(executable, build_id) if executable is not None else None
+    segments = executable_segments(executable, build_id)
+    exports = exports_of(executable) if executable is not None and segments is not None \
+        else None
     return symbols, read_functions(path, sorted({s.value for s in symbols})), exports, segments
 
 
