@@ -323,6 +323,10 @@ class Chains:
     def flags(self, numbers: I64) -> tuple[bool, bool, bool]:
         """has_filenames, has_line_numbers and has_inline_frames of some of the chains (by
         their numbers, none 0): those of one mapping when a lookup served several."""
+        if len(numbers) > len(self._c.id_count):  # each chain once: gathers of 3 x a million
+            seen = np.zeros(len(self._c.id_count), dtype=np.bool_)
+            seen[numbers] = True
+            numbers = np.flatnonzero(seen)
         return (bool(self._c.has_filenames[numbers].any()),
                 bool(self._c.has_line_numbers[numbers].any()),
                 bool((self._c.id_count[numbers] > 1).any()))

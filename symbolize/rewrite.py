@@ -264,14 +264,24 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
 
 def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
                           mapping_ids: list[int]) -> dict[int, npt.NDArray[np.intp]]:
-    """Mapping id -> the positions (ascending) of its wanted locations, in one sort: a scan of
+    """Mapping id -> the positions (ascending) of its wanted locations, in one pass: a scan of
     every location per mapping costs mappings x locations, minutes for 100,000 of each."""
-    at = np.flatnonzero(wanted & np.isin(mapping_id, np.array(mapping_ids, dtype=np.uint64)))
+    ids = np.unique(np.array(mapping_ids, dtype=np.uint64))
+    if len(ids) == 1:  # the common case: no sort at all
+        at = np.flatnonzero(wanted & (mapping_id == ids[0]))
+        return {int(ids[0]): at} if len(at) else {}
+    slot = np.minimum(np.searchsorted(ids, mapping_id), len(ids) - 1)
+    at = np.flatnonzero(wanted & (ids[slot] == mapping_id))
     if not len(at):
         return {}
-    at = at[np.argsort(mapping_id[at], kind="stable")]
-    ids, starts = np.unique(mapping_id[at], return_index=True)
-    return dict(zip(ids.tolist(), np.split(at, starts[1:]), strict=True))
+    # A counting sort by each location's mapping: as 16-bit keys numpy sorts stably by radix,
+    # in linear time, where 64-bit ones took a merge sort (50 ms for a million locations).
+    key = slot[at].astype(np.uint16 if len(ids) <= 1 << 16 else np.int64)
+    counts = np.bincount(key, minlength=len(ids))
+    at = at[np.argsort(key, kind="stable")]
+    present = np.flatnonzero(counts)
+    parts = np.split(at, np.cumsum(counts[present])[:-1])
+    return dict(zip(ids[present].tolist(), parts, strict=True))
 
 
 def _replace_locations(profile: RawProfile, encodings: list[npt.NDArray[np.uint8]],

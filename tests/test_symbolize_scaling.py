@@ -21,12 +21,19 @@ from tests.rewriting import open_table
 
 
 @pytest.fixture(scope="module")
-def libc(tmp_path_factory: pytest.TempPathFactory) -> SymbolTable:
+def libc_ids(tmp_path_factory: pytest.TempPathFactory) -> tuple[SymbolTable, FunctionIds]:
+    """libc's table, and the function ids it numbers its functions with."""
     assert LIBC_ID
     if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
     out = tmp_path_factory.mktemp("scaling") / "libc.symc"
-    return open_table(out, build_symbol_table(LIBC_DEBUG, out, LIBC_ID), FunctionIds())
+    ids = FunctionIds()
+    return open_table(out, build_symbol_table(LIBC_DEBUG, out, LIBC_ID), ids), ids
+
+
+@pytest.fixture(scope="module")
+def libc(libc_ids: tuple[SymbolTable, FunctionIds]) -> SymbolTable:
+    return libc_ids[0]
 
 
 def _text_addresses(n: int) -> np.ndarray:
@@ -112,3 +119,47 @@ def test_a_warm_rewrite_takes_memory_in_proportion(tmp_path: Path) -> None:
     assert sum(bool(loc.line) for loc in
                Profile.FromString(out.SerializeToString()).location[:100]) > 90
     assert peak < 5 * len(body), (peak, len(body), peak / len(body))
+
+
+
+@pytest.mark.parametrize("mappings", [1, 3, 70_000])
+def test_locations_of_many_mappings_get_the_lines_of_one(
+        libc_ids: tuple[SymbolTable, FunctionIds], mappings: int) -> None:
+    """Locations are grouped by mapping in one pass (a 16-bit radix sort up to 65,536
+    mappings, a general one past that): whatever the mappings' count and interleaving, with
+    locations of mappings not asked for and locations that have lines already among them,
+    each symbolized location gets the lines its address gets in a profile of one mapping."""
+    libc, ids = libc_ids
+    vaddrs = _text_addresses(90_000).tolist()
+    rng = random.Random(mappings)
+
+    def rewritten(mapping_of: list[int]) -> list[list[tuple[str, int]]]:
+        p = Profile()
+        p.string_table.extend(["", str(LIBC), LIBC_ID])
+        for mid in sorted(set(mapping_of)):
+            p.mapping.add(id=mid, filename=1, build_id=2)
+        for i, (v, mid) in enumerate(zip(vaddrs, mapping_of, strict=True), start=1):
+            loc = p.location.add(id=i, mapping_id=mid, address=v)
+            if i % 11 == 0:  # symbolized already: left as it is
+                loc.line.add(function_id=0, line=i)
+        profile = RawProfile.FromString(p.SerializeToString())
+        asked = {m.id: LIBC_ID for m in p.mapping if m.id % 7}  # not every seventh mapping
+        rewrite(profile, asked, {LIBC_ID: MappingSymbols(libc, ())}, ids, Report())
+        out = Profile.FromString(profile.SerializeToString())
+        names = {f.id: out.string_table[f.name] for f in out.function}
+        return [[(names.get(ln.function_id, ""), ln.line) for ln in loc.line]
+                for loc in out.location]
+
+    alone = rewritten([1] * len(vaddrs))
+    mapping_of = [1 + rng.randrange(mappings) for _ in vaddrs]
+    mixed = rewritten(mapping_of)
+    if mappings > 1:
+        assert len(set(mapping_of)) > mappings * 0.6
+    for i, (one, many, mid) in enumerate(zip(alone, mixed, mapping_of, strict=True), start=1):
+        if i % 11 == 0:
+            assert many == [("", i)]
+        elif mid % 7 == 0:
+            assert many == []
+        else:
+            assert many == one, i
+    assert sum(map(bool, alone)) > 0.9 * len(alone)
