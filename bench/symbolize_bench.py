@@ -6,7 +6,9 @@ The same N addresses inside the system libc's code (Debian's libc6-dbg debug fil
 symbolized, with inline frames, by:
   * llvm-symbolizer --obj=DEBUG --inlining, one batch on stdin (its cold run: it parses DWARF);
   * symgate cold: a fresh server whose symbol table for libc is not built yet;
-  * symgate warm: the same server again, the table built (a second, identical request).
+  * symgate warm: the same server again, the table built (a second, identical request);
+  * symgate warm, gzipped: the same profile gzipped, as profilers send them (and answered
+    gzipped).
 symgate runs as `symgate serve` and is sent a pprof profile with one location per address, at
 the runtime addresses of a real process's libc mapping. Prints times, per-address costs and
 ratios of the medians over --repeat fresh servers; writes bench/results/symbolize.json.
@@ -15,6 +17,7 @@ ratios of the medians over --repeat fresh servers; writes bench/results/symboliz
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import os
@@ -155,7 +158,8 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         vaddrs = addresses(n)
         body = profile_for(vaddrs)
-        runs: dict[str, list[float]] = {"llvm": [], "cold": [], "warm": []}
+        gzipped = gzip.compress(body, mtime=0)
+        runs: dict[str, list[float]] = {"llvm": [], "cold": [], "warm": [], "warm_gzip": []}
         symbolized = 0
         for _ in range(args.repeat):
             work = Path(tempfile.mkdtemp(prefix="symgate-symbench-"))
@@ -165,19 +169,26 @@ def main() -> None:
                 runs["llvm"].append(llvm(vaddrs))
                 cold_s, cold_h, cold_body = post(url, body)
                 warm = [post(url, body) for _ in range(3)]
+                warm_gzip = [post(url, gzipped) for _ in range(3)]
             finally:
                 stop(proc)
                 shutil.rmtree(work, ignore_errors=True)
             assert cold_h["X-Symgate-Mappings-Symbolized"] == "1", cold_h
             assert all(w[2] == cold_body for w in warm), "warm and cold answers differ"
+            assert all(gzip.decompress(w[2]) == cold_body for w in warm_gzip), \
+                "gzipped and raw answers differ"
             runs["cold"].append(cold_s)
             runs["warm"].append(min(w[0] for w in warm))
+            runs["warm_gzip"].append(min(w[0] for w in warm_gzip))
             symbolized = int(cold_h["X-Symgate-Locations-Symbolized"])
-        llvm_s, cold_s, warm_s = (statistics.median(runs[k]) for k in ("llvm", "cold", "warm"))
+        llvm_s, cold_s, warm_s, warm_gzip_s = (
+            statistics.median(runs[k]) for k in ("llvm", "cold", "warm", "warm_gzip"))
         results[str(n)] = {
             "llvm_symbolizer_s": llvm_s, "symgate_cold_s": cold_s, "symgate_warm_s": warm_s,
+            "symgate_warm_gzip_s": warm_gzip_s,
             "llvm_us_per_address": llvm_s / n * 1e6, "warm_us_per_address": warm_s / n * 1e6,
             "warm_speedup_vs_llvm": llvm_s / warm_s, "cold_speedup_vs_llvm": llvm_s / cold_s,
+            "warm_gzip_speedup_vs_llvm": llvm_s / warm_gzip_s,
             "locations_symbolized": float(symbolized),
         }
         print(f"N = {n}: " + ", ".join(f"{k} " + " ".join(f"{v:.4f}" for v in vs)

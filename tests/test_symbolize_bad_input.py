@@ -24,7 +24,10 @@ from tests.symbolize_helpers import BASES, post, symbolize_config
     (b"this is not a profile at all", 400, b"not a pprof profile"),
     (gzip.compress(b"x" * 1000)[:20], 400, b"truncated gzip"),
     (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + b"\xff" * 20, 400, b"not valid gzip"),
-], ids=["empty", "not-a-profile", "truncated-gzip", "bad-deflate"])
+    # Whole, but its CRC-32 is not its content's: damaged on the way, so not believed.
+    (gzip.compress(b"\x32\x00" * 500)[:-8] + b"\0\0\0\0" + (1000).to_bytes(4, "little"), 400,
+     b"not valid gzip"),
+], ids=["empty", "not-a-profile", "truncated-gzip", "bad-deflate", "bad-checksum"])
 async def test_bad_bodies_get_a_clear_4xx_and_the_server_survives(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, body: bytes, status: int,
     reason: bytes,

@@ -2,18 +2,24 @@
 
 Profiles are read as RawProfile: samples and locations stay encoded until the rewrite reads the
 locations it symbolizes, and go back out as they came.
+
+gzip is ISA-L's (python-isal), not zlib's: a gzipped profile of 100,000 locations inflated in
+2.4 ms against zlib's 5.0, and its 3.9 MB answer deflated in 8 ms against zlib's 129 at level
+6 (37 at level 1, for the same size as ISA-L's).
 """
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from dataclasses import dataclass
+from typing import cast
 
 from google.protobuf.message import DecodeError
+from isal import igzip, isal_zlib
 
 from .profile_raw_pb2 import RawProfile
 
+# isal's stubs declare its error an instance of Exception; it is the class.
+_GZIP_ERROR = cast("type[Exception]", isal_zlib.error)
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -39,7 +45,7 @@ _CHUNK = 1 << 20
 def _inflated_size(body: bytes, limit: int) -> int:
     """How many bytes `body` inflates to, stopping the moment that passes `limit`; the output
     is thrown away as it comes, so a gzip bomb is refused without ever being held."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
     size, data = 0, body
     try:
         while True:
@@ -50,7 +56,7 @@ def _inflated_size(body: bytes, limit: int) -> int:
             data = inflater.unconsumed_tail
             if inflater.eof or (not out and not data):
                 break
-    except zlib.error as e:
+    except _GZIP_ERROR as e:
         raise ProfileError(f"not valid gzip: {e}") from e
     if not inflater.eof:
         raise ProfileError("truncated gzip stream")
@@ -60,10 +66,10 @@ def _inflated_size(body: bytes, limit: int) -> int:
 def _gunzip(body: bytes, limit: int) -> bytes:
     # Only what is known to fit is inflated whole.
     _inflated_size(body, limit)
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
+    except _GZIP_ERROR as e:
         raise ProfileError(f"not valid gzip: {e}") from e
     if len(out) > limit:
         raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
@@ -103,4 +109,4 @@ def _check(profile: RawProfile) -> None:
 def encode(profile: RawProfile, gzipped: bool) -> bytes:
     raw = profile.SerializeToString()
     # mtime=0: the same profile always encodes to the same bytes.
-    return gzip.compress(raw, compresslevel=6, mtime=0) if gzipped else raw
+    return igzip.compress(raw, mtime=0) if gzipped else raw
