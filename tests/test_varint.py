@@ -11,6 +11,8 @@ from symbolize.pprof import varint
 from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile
 
 EDGES = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**35, 2**63, 2**64 - 1]
+# The last value of each width, and the first: 1 to 10 bytes.
+WIDTHS = [v for k in range(1, 10) for v in (2 ** (7 * k) - 1, 2 ** (7 * k))] + [2**64 - 1]
 
 
 def test_put_and_get_are_protobufs_varints() -> None:
@@ -25,6 +27,22 @@ def test_put_and_get_are_protobufs_varints() -> None:
                                      for v in values.tolist())
     assert out.tobytes() == b"".join(varint.encode_one(v) for v in values.tolist())
     assert varint.get(out, at, width).tolist() == values.tolist()
+
+
+def test_get_reads_every_width_at_every_place_up_to_the_buffers_end() -> None:
+    """get reads eight bytes at a time: a varint of any width, at any offset (the buffer's
+    last bytes included), gives its value, and bytes after it never leak into it."""
+    for value in WIDTHS:
+        one = varint.encode_one(value)
+        for before in range(9):
+            for after in (b"", b"\xff" * 3, b"\x01"):  # continuation bits that are not its own
+                buf = np.frombuffer(b"\x80" * before + one + after, dtype=np.uint8)
+                got = varint.get(buf, np.array([before]), np.array([len(one)]))
+                assert got.tolist() == [value], (value, before, after)
+    assert varint.get(np.zeros(0, np.uint8), np.zeros(0, np.int64),
+                      np.zeros(0, np.int64)).tolist() == []
+    zero_width = varint.get(np.frombuffer(b"\x05", np.uint8), np.array([0]), np.array([0]))
+    assert zero_width.tolist() == [0]
 
 
 def test_messages_are_protobufs_functions() -> None:
