@@ -43,6 +43,8 @@ def get(buf: U8, first: I64, width: I64) -> U64:
     # Each varint's first eight bytes as one little-endian word (a view of the buffer at every
     # byte offset), its 7-bit groups then packed together in three steps for all at once: a
     # sixth of the time of a pass per byte (0.64 against 4.2 ms for 65,000 addresses).
+    if not len(first):
+        return np.zeros(0, dtype=np.uint64)
     padded = np.zeros(len(buf) + 16, dtype=np.uint8)
     padded[: len(buf)] = buf
     words = np.ndarray((len(buf) + 8,), dtype="<u8", buffer=padded, strides=(1,))
