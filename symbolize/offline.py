@@ -51,4 +51,4 @@ def symbolize_bytes(body: bytes, dirs: Sequence[Path], limits: Limits) -> tuple[
     """The rewritten profile (or `body` itself when nothing was filled in) and its report."""
     with tempfile.TemporaryDirectory(prefix="symgate-") as tmp:
         done = asyncio.run(symbolize_profile(body, LocalDebugDirs(dirs, Path(tmp)), limits))
-    return done.body, done.report
+    return bytes(done.body), done.report

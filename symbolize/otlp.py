@@ -140,10 +140,11 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
     return p
 
 
-def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes) -> int:
+def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes | memoryview
+               ) -> int:
     """Put what the rewrite added to the pprof counterpart back into `request`: lines of the
     locations that had none, the functions and strings they use. The locations filled."""
-    p = Profile.FromString(symbolized)
+    p = Profile.FromString(bytes(symbolized))
     d = request.dictionary
     known = len(d.string_table)
     if not known:

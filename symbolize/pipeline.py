@@ -81,7 +81,7 @@ class InThread:
 
 @dataclass(frozen=True, slots=True)
 class Symbolized:
-    body: bytes  # the request's own bytes when nothing was filled in
+    body: bytes | memoryview  # the request's own bytes when nothing was filled in
     report: Report
     layout_guesses: int  # build IDs whose program headers had to be guessed
 

@@ -64,7 +64,9 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    body: bytes | None  # None: nothing was filled in, and the request's own bytes stand
+    # None: nothing was filled in, and the request's own bytes stand. A view where the answer
+    # is mapped from where a worker wrote it (proxy.symbols.shared_bodies).
+    body: bytes | memoryview | None
     report: Report
 
 

@@ -18,6 +18,7 @@ it (forkserver_preload.py).
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -70,6 +71,17 @@ def read_all(fd: int, size: int) -> bytes:
     if len(data) != size:
         raise OSError(f"a memory file of {size} bytes had {len(data)}")
     return data
+
+
+def mapped(fd: int, size: int) -> memoryview:
+    """The `size` bytes of memory file `fd`, mapped rather than copied out: an answer of a
+    million locations is 39 MB, whose reading back took 15 ms beside the event loop. The
+    mapping outlives `fd`, and is gone with the last reference to the view."""
+    if size == 0:
+        return memoryview(b"")
+    if os.fstat(fd).st_size != size:
+        raise OSError(f"a memory file said to hold {size} bytes has {os.fstat(fd).st_size}")
+    return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
 
 
 def _open(ref: SharedBytes, flags: int) -> int:

@@ -248,8 +248,8 @@ class SymbolizeWorkers:
             return await self.pool.run(fn, *args)
 
 
-# Bodies and answers past this size are written into or read from their memory file by a
-# thread: each is a copy, some 0.2-0.5 ms a megabyte, and a body may be hundreds of them.
+# Bodies past this size are written into their memory file by a thread: each is a copy, some
+# 0.2-0.5 ms a megabyte, and a body may be hundreds of them.
 _WRITE_INLINE = 1 << 22
 
 
@@ -304,11 +304,7 @@ class RequestWork:
                     answers)
                 if written.size is None:
                     return Finished(None, written.report)
-                if written.size > _WRITE_INLINE:
-                    answer = await asyncio.to_thread(_read_closing, os.dup(out), written.size)
-                else:
-                    answer = shared_bodies.read_all(out, written.size)
-                return Finished(answer, written.report)
+                return Finished(shared_bodies.mapped(out, written.size), written.report)
             except Unshareable as e:
                 self._unshareable(e)
             finally:
@@ -327,9 +323,3 @@ def _write_closing(fd: int, data: bytes) -> None:
     finally:
         os.close(fd)
 
-
-def _read_closing(fd: int, size: int) -> bytes:
-    try:
-        return shared_bodies.read_all(fd, size)
-    finally:
-        os.close(fd)

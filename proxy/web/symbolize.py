@@ -61,7 +61,8 @@ def report_headers(report: Report, state: str) -> dict[str, str]:
 
 
 # A format's whole symbolization: the request's body in, the answer's and the report out.
-Run = Callable[[bytes, SymbolProvider, Limits, Work], Awaitable[tuple[bytes, Symbolized]]]
+Run = Callable[[bytes, SymbolProvider, Limits, Work],
+               Awaitable[tuple[bytes | memoryview, Symbolized]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ class Format:
 
 
 async def _pprof(body: bytes, provider: SymbolProvider, limits: Limits, work: Work
-                 ) -> tuple[bytes, Symbolized]:
+                 ) -> tuple[bytes | memoryview, Symbolized]:
     done = await symbolize_profile(body, provider, limits, work)
     return done.body, done
 
