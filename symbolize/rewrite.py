@@ -28,7 +28,7 @@ from .buildid import InvalidBuildId, normalize_build_id
 from .chains import Chains, FunctionIds
 from .elf import LoadSegment
 from .pprof import varint
-from .pprof.columns import PART, location_columns
+from .pprof.columns import PART, encoded_locations, location_columns, record_columns
 from .pprof.profile_raw_pb2 import RawProfile
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
@@ -168,24 +168,30 @@ def rewrite(
     symbols: MappingT[str, MappingSymbols],
     ids: FunctionIds,
     report: Report,
+    raw: bytes | None = None,
 ) -> None:
     """Fill in lines for the locations of `mapping_ids` whose build ID has `symbols`.
 
+    `raw`, where given, is the encoding `profile` was parsed from, with its locations as they
+    are in `profile`: they are read from it at once (columns.encoded_locations).
     Mutates `profile` and `report`. A mapping's has_* flags are set to what was filled in.
     Raises MalformedLocation for a location that is not a Location message.
     """
     with ids.session():
-        _rewrite(profile, mapping_ids, symbols, ids, report)
+        _rewrite(profile, mapping_ids, symbols, ids, report, raw)
 
 
 def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
-             symbols: MappingT[str, MappingSymbols], ids: FunctionIds, report: Report) -> None:
+             symbols: MappingT[str, MappingSymbols], ids: FunctionIds, report: Report,
+             raw: bytes | None) -> None:
     by_id = {m.id: m for m in profile.mapping}
     usable = {mid: symbols[bid] for mid, bid in mapping_ids.items() if bid in symbols}
     if not usable:
         return
     count = len(profile.location)
-    columns = location_columns(profile.location, keep_encodings=True)
+    columns = record_columns(encoded_locations(raw), count) if raw is not None else None
+    if columns is None:  # no encoding at hand, or locations of other shapes among them
+        columns = location_columns(profile.location, keep_encodings=True)
     where_of = _locations_by_mapping(columns.mapping_id, ~columns.has_lines, list(usable))
     nowhere = np.zeros(0, dtype=np.intp)
     # The addresses of every mapping of one table are looked up together: a lookup costs about
@@ -205,7 +211,7 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
         batches.setdefault(id(sym.table), (sym.table, []))[1].append((mid, where[ok], vaddrs[ok]))
     # The columns are done with but the encodings, kept to write the locations out again: not
     # held beside the lookups' temporaries.
-    encodings, lengths = columns.encodings, columns.length
+    encodings, lengths, old_head = columns.encodings, columns.length, columns.head
     assert encodings is not None
     del columns, where_of
     # Per table: where its locations are, their chains, and each mapping's share of them.
@@ -259,7 +265,8 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     if tail_length.any():
         tails = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
         del blobs
-        _replace_locations(profile, encodings, lengths, tails, tail_start, tail_length)
+        _replace_locations(profile, encodings, lengths, old_head, tails, tail_start,
+                           tail_length)
 
 
 def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
@@ -285,14 +292,16 @@ def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],
 
 
 def _replace_locations(profile: RawProfile, encodings: list[npt.NDArray[np.uint8]],
-                       lengths: I64, tails: npt.NDArray[np.uint8], tail_start: I64,
-                       tail_length: npt.NDArray[np.int32]) -> None:
+                       lengths: I64, old_head: int, tails: npt.NDArray[np.uint8],
+                       tail_start: I64, tail_length: npt.NDArray[np.int32]) -> None:
     """Write every location again as its own bytes (`lengths` of them, one location after
-    another in `encodings`, parts of columns.PART locations) followed by its tail
-    (`tail_length` bytes at `tail_start` in `tails`), a batch of locations at a time, as
-    encoded Profile.location fields that protobuf appends to the emptied field: no Python
-    object per location, and the same bytes as assigning each location its new encoding."""
-    old_start = np.cumsum(lengths) - lengths
+    another in `encodings`, parts of columns.PART locations, each behind `old_head` bytes of
+    its old field's tag and length) followed by its tail (`tail_length` bytes at `tail_start`
+    in `tails`), a batch of locations at a time, as encoded Profile.location fields that
+    protobuf appends to the emptied field: no Python object per location, and the same bytes
+    as assigning each location its new encoding."""
+    own = lengths + old_head
+    old_start = np.cumsum(own) - own
     profile.ClearField("location")
     for start in range(0, len(lengths), _OUT_BATCH):  # within one part: PART is a multiple
         end = start + _OUT_BATCH
@@ -307,10 +316,12 @@ def _replace_locations(profile: RawProfile, encodings: list[npt.NDArray[np.uint8
         # Which of its location's parts each byte of `out` is: 0 its head (tag and length),
         # 1 its own bytes, 2 its tail. The own bytes come in order, so a mask places them all
         # without a position per byte (a gather and a scatter by positions took 16 ms of the
-        # rewrite of 100,000 locations).
-        part_of = np.repeat(_PARTS[: 3 * len(old)], np.column_stack((head, old, tail)).ravel())
+        # rewrite of 100,000 locations). An old head comes along, at the end of the new one's
+        # place (never shorter: the location only grows), which is then written over it.
+        part_of = np.repeat(_PARTS[: 3 * len(old)],
+                            np.column_stack((head - old_head, old + old_head, tail)).ravel())
         first = int(old_start[start] - old_start[part * PART])
-        out[part_of == 1] = encodings[part][first: first + int(old.sum())]
+        out[part_of == 1] = encodings[part][first: first + int(own[start:end].sum())]
         out[part_of == 2] = _gather_spans(tails, tail_start[start:end], tail)
         out[at] = _PROFILE_LOCATION
         varint.put(out, at + 1, inner.astype(np.uint64), width)

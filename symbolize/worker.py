@@ -19,7 +19,7 @@ from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
 from .outcome import Outcome
-from .pprof.codec import ProfileError, decode, encode
+from .pprof.codec import Decoded, ProfileError, decode, encode
 from .pprof.profile_raw_pb2 import RawProfile
 from .rewrite import MappingSymbols, Report, candidates, rewrite
 from .symcache_columns import UnreadableSymCache
@@ -70,7 +70,7 @@ class Finished:
     report: Report
 
 
-def _decode(body: bytes, limits: Limits) -> tuple[RawProfile, bool]:
+def _decode(body: bytes, limits: Limits) -> Decoded:
     decoded = decode(body, limits.max_decompressed_bytes)
     profile = decoded.profile
     # Samples and locations stay encoded in a RawProfile: counting them costs nothing, and the
@@ -82,7 +82,7 @@ def _decode(body: bytes, limits: Limits) -> tuple[RawProfile, bool]:
             ("samples", len(profile.sample), limits.max_profile_samples)):
         if limit is not None and count > limit:
             raise TooMuchWork(f"profile has {count} {what}; the limit is {limit} per request")
-    return profile, decoded.gzipped
+    return decoded
 
 
 def _needs_layout(profile: RawProfile, wanted: dict[int, str]) -> dict[str, bool]:
@@ -101,7 +101,7 @@ def scan(body: bytes, limits: Limits) -> dict[str, bool]:
     Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
     cannot take.
     """
-    profile, _gzipped = _decode(body, limits)
+    profile = _decode(body, limits).profile
     layouts = _needs_layout(profile, candidates(profile, Report()))
     if len(layouts) > limits.max_build_ids:
         raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
@@ -134,7 +134,8 @@ class Workspace:
 
     def finish(self, body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
         """Rewrite the profile with the tables in `answers` (every build ID `scan` gave)."""
-        profile, gzipped = _decode(body, limits)
+        decoded = _decode(body, limits)
+        profile, gzipped = decoded.profile, decoded.gzipped
         report = Report()
         wanted = candidates(profile, report)
         symbols: dict[str, MappingSymbols] = {}
@@ -152,8 +153,11 @@ class Workspace:
                 report.mappings_skipped[outcomes[bid]] += 1
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
         if usable:
-            fallback.strip(profile, usable)  # names an earlier pass gave in their stead
-            rewrite(profile, usable, symbols, self.ids, report)
+            # Names an earlier pass gave in their stead; the encoding's locations are still the
+            # profile's where it took none.
+            stripped = fallback.strip(profile, usable)
+            rewrite(profile, usable, symbols, self.ids, report,
+                    None if stripped else decoded.raw)
         if limits.fallback and (named := fallback.fill(profile)):
             report.locations_unresolved[fallback.NAMED] += named
         if not report.changed and not report.locations_unresolved[fallback.NAMED]:

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from symbolize.elf import LoadSegment
-from symbolize.pprof.columns import MalformedLocation, location_columns
+from symbolize.pprof.columns import (
+    MalformedLocation,
+    encoded_locations,
+    location_columns,
+    record_columns,
+)
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from symbolize.translate import to_vaddr, to_vaddrs
@@ -69,3 +74,70 @@ def test_six_varints_a_location_that_are_not_all_canonical() -> None:
     assert cols.mapping_id.tolist() == [2, 2, 2, 6]
     assert cols.address.tolist() == [3, 131, 3, 7]
     assert cols.length.tolist() == [len(e) for e in encoded]
+
+
+def _fields(encoded: list[bytes]) -> bytes:
+    """Profile.location fields of these encodings, as a profile has them."""
+    return RawProfile(location=encoded).SerializeToString()
+
+
+def test_record_columns_read_canonical_locations_as_location_columns_does() -> None:
+    """Locations as profilers write them (id, mapping_id, address, all set), taken from a
+    whole profile's encoding, over more than one batch: the same columns as one by one, each
+    field's bytes kept in order behind its two-byte head."""
+    rng = random.Random(8)
+    p = Profile(string_table=["", "x"], comment=[1])
+    p.sample.add(location_id=[1], value=[1])
+    for i in range(1, 150_001):
+        p.location.add(id=rng.choice([i, 2**63 + i]), mapping_id=rng.choice([1, 300, 2**64 - 1]),
+                       address=rng.choice([1, 127, 128, 2**64 - 1, rng.getrandbits(47)]))
+    raw = p.SerializeToString()
+    records = encoded_locations(raw)
+    encoded = list(RawProfile.FromString(raw).location)
+    assert records == _fields(encoded)
+    got = record_columns(records, len(encoded))
+    want = location_columns(encoded, keep_encodings=True)
+    assert got is not None and got.head == 2 and want.encodings is not None
+    for name in ("mapping_id", "address", "has_lines", "length"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    assert got.encodings is not None and len(got.encodings) == len(want.encodings) == 3
+    assert b"".join(part.tobytes() for part in got.encodings) == records
+
+
+@pytest.mark.parametrize("odd", [
+    b"\x08\x01\x10\x02\x18\x03\x22\x02\x08\x01",  # has a line
+    b"\x08\x01\x10\x02\x18\x03\x28\x01",  # is_folded
+    b"\x10\x02\x08\x01\x18\x03",  # fields out of order
+    b"\x08\x01\x18\x03",  # no mapping_id
+    b"\x08\x01\x10\x02\x18\x03\x18\x04",  # a field twice
+    b"\x08\x01\x10\x02\x18" + b"\x80" * 9 + b"\x01",  # a ten-byte address: still canonical
+], ids=["lines", "folded", "order", "missing", "twice", "widest"])
+def test_record_columns_leave_any_other_shape_to_location_columns(odd: bytes) -> None:
+    """One location of another shape among canonical ones, at the start, the middle or the
+    end: record_columns says None (location_columns reads them then), or, for the one that
+    is canonical after all, what location_columns says."""
+    plain = [bytes(Profile(location=[{"id": i, "mapping_id": 1, "address": 0x1000 + i}])
+                   .SerializeToString()[2:]) for i in range(1, 100)]
+    for at in (0, 50, len(plain)):
+        encoded = [*plain[:at], odd, *plain[at:]]
+        got = record_columns(_fields(encoded), len(encoded))
+        if odd.endswith(b"\x80" * 9 + b"\x01"):
+            want = location_columns(encoded)
+            assert got is not None and got.address.tolist() == want.address.tolist()
+        else:
+            assert got is None, odd
+
+
+def test_record_columns_refuse_fields_that_do_not_tile_the_buffer() -> None:
+    plain = [Profile(location=[{"id": i, "mapping_id": 1, "address": 7}])
+             .SerializeToString()[2:] for i in range(1, 10)]
+    records = _fields(plain)
+    assert record_columns(records, len(plain)) is not None
+    assert record_columns(records, len(plain) - 1) is None  # a field more than said
+    assert record_columns(records + b"\x22", len(plain)) is None  # trailing bytes
+    assert record_columns(records[:-1], len(plain)) is None  # cut short
+    assert record_columns(records.replace(b"\x22", b"\x2a", 1), len(plain)) is None
+    long = Profile(location=[{"id": 1, "mapping_id": 1, "address": 7,
+                              "line": [{"function_id": 1, "line": 1}] * 30}])
+    assert record_columns(long.SerializeToString(), 1) is None  # a two-byte length
+    assert record_columns(b"", 0) is not None

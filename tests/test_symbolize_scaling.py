@@ -163,3 +163,28 @@ def test_locations_of_many_mappings_get_the_lines_of_one(
         else:
             assert many == one, i
     assert sum(map(bool, alone)) > 0.9 * len(alone)
+
+
+def test_locations_read_from_the_encoding_give_the_bytes_read_one_by_one_give(
+        libc_ids: tuple[SymbolTable, FunctionIds]) -> None:
+    """A rewrite given the profile's encoding reads its locations from it in bulk
+    (columns.record_columns), and writes them out again from those bytes, heads and all: the
+    same answer, byte for byte, as from the RawProfile's locations one by one. Locations of
+    two mappings, one not asked for, over several batches of the writer."""
+    libc, ids = libc_ids
+    p = Profile()
+    p.string_table.extend(["", str(LIBC), LIBC_ID])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    p.mapping.add(id=2, filename=1)
+    for i, v in enumerate(_text_addresses(70_000).tolist(), start=1):
+        p.location.add(id=i, mapping_id=1 + (i % 5 == 0), address=v)
+        p.sample.add(location_id=[i], value=[i])
+    raw = p.SerializeToString()
+    answers = []
+    for given in (raw, None):
+        profile = RawProfile.FromString(raw)
+        report = Report()
+        rewrite(profile, {1: LIBC_ID}, {LIBC_ID: MappingSymbols(libc, ())}, ids, report, given)
+        answers.append((profile.SerializeToString(), report))
+    assert answers[0] == answers[1]
+    assert answers[0][1].locations_symbolized > 50_000

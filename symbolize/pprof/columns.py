@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from . import varint
 from .codec import ProfileError
 from .profile_pb2 import Location
+from .profile_raw_pb2 import RawLocations
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -46,6 +47,9 @@ class LocationColumns:
     # The encodings one after another, when asked for (`keep_encodings`): in parts, each of
     # PART locations but the last (not joined: that would hold them twice at once).
     encodings: list[npt.NDArray[np.uint8]] | None = None
+    # Bytes before each encoding in `encodings`: 2 where they are Profile.location fields
+    # (record_columns), the tag and a one-byte length.
+    head: int = 0
 
 
 # Locations read at a time: the positions of a batch's varint ends are eight bytes for each
@@ -73,6 +77,70 @@ def location_columns(encoded: Sequence[bytes], keep_encodings: bool = False
         kept += part.encodings or []
         del part  # not alive beside the next batch's
     return replace(out, encodings=kept) if keep_encodings else out
+
+
+def encoded_locations(raw: bytes) -> bytes:
+    """The Profile.location fields of the encoded profile `raw` (tag, length, Location), one
+    after another as protobuf writes them: for 100,000 locations 1.5 ms, against 5.4 for taking
+    them out of a RawProfile as bytes objects and joining them."""
+    locations = RawLocations.FromString(raw)
+    locations.DiscardUnknownFields()  # the rest of the profile
+    return locations.SerializeToString()
+
+
+_LOCATION_FIELD = 0x22  # Profile.location: field 4, length-delimited
+# The varint ends of such a field when its Location is canonical (_read_canonical) and shorter
+# than 128 bytes: the tag, the one-byte length, then the Location's six.
+_RECORD_STOPS = 8
+_MAX_RECORD = 2 + 3 * (1 + _MAX_VARINT)
+
+
+def record_columns(records: bytes, count: int) -> LocationColumns | None:
+    """The columns of `count` Profile.location fields one after another (encoded_locations),
+    their bytes kept as they are (LocationColumns.head 2), when every Location is of the
+    canonical shape (_read_canonical) with a one-byte length, as profilers write them: the
+    varint ends of a batch are then rows of eight, and no location needs reading alone. None
+    when any is not, for location_columns to read them one by one."""
+    buf = np.frombuffer(records, dtype=np.uint8)
+    mapping_id = np.zeros(count, dtype=np.uint64)
+    address = np.zeros(count, dtype=np.uint64)
+    length = np.zeros(count, dtype=np.int64)
+    parts: list[npt.NDArray[np.uint8]] = []
+    at = 0
+    # Fields of a profile are much of a size: a batch's are looked for in a window of their
+    # average size, past which a field at most _MAX_RECORD bytes long is not needed.
+    typical = len(buf) / max(count, 1) * 1.25 + 1
+    for first in range(0, count, _BATCH):
+        n = min(_BATCH, count - first)
+        for reach in (int(typical * n) + _MAX_RECORD, _MAX_RECORD * n):
+            window = buf[at: at + reach]
+            stops = np.flatnonzero(window < 0x80)
+            if len(stops) >= _RECORD_STOPS * n:
+                break
+        else:
+            return None
+        run = _rows(stops[: _RECORD_STOPS * n], _RECORD_STOPS)
+        size = window[run[1]].astype(np.int64)  # the Location's length
+        # The fields tile the window from its start, each a tag, its length and as many bytes.
+        ok = run[7] == run[1] + size
+        ok &= run[0] == np.concatenate(([0], run[7][:-1] + 1))
+        ok &= (window[run[0]] == _LOCATION_FIELD) & (run[1] == run[0] + 1)
+        # The Location: its id, mapping_id and address, in that order.
+        for j, tag in ((2, 0x08), (4, _MAPPING_ID), (6, _ADDRESS)):
+            ok &= (run[j] == run[j - 1] + 1) & (window[run[j]] == tag)
+            ok &= run[j + 1] - run[j] <= _MAX_VARINT
+        if not ok.all():
+            return None
+        for j, column in ((4, mapping_id), (6, address)):
+            column[first: first + n] = varint.get(window, run[j] + 1, run[j + 1] - run[j])
+        length[first: first + n] = size
+        end = int(run[7][-1]) + 1
+        parts.append(window[:end])
+        at += end
+    if at != len(buf):
+        return None
+    return LocationColumns(mapping_id, address, np.zeros(count, dtype=np.bool_), length, parts,
+                           head=2)
 
 
 def _columns(encoded: Sequence[bytes], keep_encodings: bool) -> LocationColumns:
@@ -129,11 +197,11 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     at = starts[which]
     stop = stops.positions
     last = len(stop) - 1  # the sentinel
-    run: list[I64] | I64
+    run: list[I64] | npt.NDArray[np.int32]
     if 6 * len(which) == last:
         # As many stops as if every location were canonical: their six stops are rows of a
         # table (the checks below catch any location for which that is not so).
-        run = stop[:-1].reshape(-1, 6).T
+        run = _rows(stop[:-1], 6)
     else:
         k = stops.index_from(at)
         run = [stop[np.minimum(k + j, last)] for j in range(6)]
@@ -148,6 +216,16 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
         first = run[j][ok] + 1
         column[which[ok]] = varint.get(buf, first, run[j + 1][ok] - first + 1)
     return which[~ok]
+
+
+def _rows(stops: I64, width: int) -> npt.NDArray[np.int32]:
+    """The stops of each location, `width` in a row, as a table of a row per place in the
+    location: contiguous, as the checks on them want them (a comparison of strided ones took
+    ten times as long, 0.32 against 0.03 ms for 65,000, and there are a dozen), and 32-bit
+    (a batch's bytes are far fewer than 2**31): half the memory of the stops themselves."""
+    table = np.empty((width, len(stops) // width), dtype=np.int32)
+    table[...] = stops.reshape(-1, width).T
+    return table
 
 
 def _read_simple(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, starts: I64,

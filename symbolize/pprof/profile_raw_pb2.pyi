@@ -42,3 +42,9 @@ class RawProfile(_message.Message):
     tick_unit: int
     label_set: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, sample_type: _Optional[_Iterable[_Union[_profile_pb2.ValueType, _Mapping]]] = ..., sample: _Optional[_Iterable[bytes]] = ..., mapping: _Optional[_Iterable[_Union[_profile_pb2.Mapping, _Mapping]]] = ..., location: _Optional[_Iterable[bytes]] = ..., function: _Optional[_Iterable[_Union[_profile_pb2.Function, _Mapping]]] = ..., string_table: _Optional[_Iterable[str]] = ..., drop_frames: _Optional[int] = ..., keep_frames: _Optional[int] = ..., time_nanos: _Optional[int] = ..., duration_nanos: _Optional[int] = ..., period_type: _Optional[_Union[_profile_pb2.ValueType, _Mapping]] = ..., period: _Optional[int] = ..., comment: _Optional[_Iterable[int]] = ..., default_sample_type: _Optional[int] = ..., tick_unit: _Optional[int] = ..., label_set: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RawLocations(_message.Message):
+    __slots__ = ("location",)
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    location: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, location: _Optional[_Iterable[bytes]] = ...) -> None: ...
