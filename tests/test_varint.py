@@ -39,6 +39,12 @@ def test_get_reads_every_width_at_every_place_up_to_the_buffers_end() -> None:
                 buf = np.frombuffer(b"\x80" * before + one + after, dtype=np.uint8)
                 got = varint.get(buf, np.array([before]), np.array([len(one)]))
                 assert got.tolist() == [value], (value, before, after)
+    values = np.array(WIDTHS, dtype=np.uint64)
+    assert varint.widths(values).tolist() == [len(varint.encode_one(v)) for v in WIDTHS]
+    for k in range(1, len(WIDTHS) + 1):  # the largest value decides the comparisons made
+        assert varint.widths(values[:k]).tolist() == \
+            [len(varint.encode_one(v)) for v in WIDTHS[:k]]
+    assert varint.widths(np.zeros(0, np.uint64)).tolist() == []
     assert varint.get(np.zeros(0, np.uint8), np.zeros(0, np.int64),
                       np.zeros(0, np.int64)).tolist() == []
     zero_width = varint.get(np.frombuffer(b"\x05", np.uint8), np.array([0]), np.array([0]))
