@@ -15,6 +15,9 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
@@ -152,17 +155,21 @@ class Workspace:
             if bid not in symbols:
                 report.mappings_skipped[outcomes[bid]] += 1
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
+        written: list[npt.NDArray[np.uint8]] = []
         if usable:
             # Names an earlier pass gave in their stead; the encoding's locations are still the
             # profile's where it took none.
             stripped = fallback.strip(profile, usable)
-            rewrite(profile, usable, symbols, self.ids, report,
-                    None if stripped else decoded.raw)
+            # The fallback pass reads the locations back from the profile: only without it
+            # are they kept apart, to be appended to its encoding.
+            written = rewrite(profile, usable, symbols, self.ids, report,
+                              None if stripped else decoded.raw,
+                              locations_apart=not limits.fallback)
         if limits.fallback and (named := fallback.fill(profile)):
             report.locations_unresolved[fallback.NAMED] += named
         if not report.changed and not report.locations_unresolved[fallback.NAMED]:
             return Finished(None, report)
-        return Finished(encode(profile, gzipped), report)
+        return Finished(encode(profile, gzipped, [fields.data for fields in written]), report)
 
 
 # A worker process's own: set by `init_worker`.

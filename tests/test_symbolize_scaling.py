@@ -11,6 +11,7 @@ import pytest
 
 from symbolize.chains import ChainStore, FrameColumns, FunctionIds
 from symbolize.elf import layout_of_file
+from symbolize.pprof.codec import encode
 from symbolize.pprof.columns import location_columns
 from symbolize.pprof.profile_pb2 import Location, Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
@@ -188,3 +189,11 @@ def test_locations_read_from_the_encoding_give_the_bytes_read_one_by_one_give(
         answers.append((profile.SerializeToString(), report))
     assert answers[0] == answers[1]
     assert answers[0][1].locations_symbolized > 50_000
+    # Kept apart and appended to the rest of the encoding: the same profile once parsed.
+    profile = RawProfile.FromString(raw)
+    apart = rewrite(profile, {1: LIBC_ID}, {LIBC_ID: MappingSymbols(libc, ())}, ids, Report(),
+                    raw, locations_apart=True)
+    assert len(apart) > 1 and not profile.location
+    appended = encode(profile, False, [fields.data for fields in apart])
+    assert appended != answers[0][0]  # the locations come last
+    assert Profile.FromString(appended) == Profile.FromString(answers[0][0])

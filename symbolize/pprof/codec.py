@@ -10,6 +10,7 @@ gzip is ISA-L's (python-isal), not zlib's: a gzipped profile of 100,000 location
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -106,7 +107,12 @@ def _check(profile: RawProfile) -> None:
                 raise ProfileError(f"function {f.id}: string index out of range")
 
 
-def encode(profile: RawProfile, gzipped: bool) -> bytes:
+def encode(profile: RawProfile, gzipped: bool, appended: Sequence[bytes | memoryview] = ()
+           ) -> bytes:
+    """The profile's encoding, gzipped as it came; `appended`: encoded fields of it kept apart
+    (rewrite's locations_apart), after the rest."""
     raw = profile.SerializeToString()
+    if appended:
+        raw = b"".join([raw, *appended])
     # mtime=0: the same profile always encodes to the same bytes.
     return igzip.compress(raw, mtime=0) if gzipped else raw
