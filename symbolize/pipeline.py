@@ -13,14 +13,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .elf import LoadSegment
 from .outcome import Outcome
 from .rewrite import Report
 from .symtab import TableSpec
-from .worker import Answer, Finished, Limits, TooManyBuildIds, TooMuchWork, Workspace, scan
+from .worker import (
+    Answer,
+    Finished,
+    Limits,
+    Scanned,
+    TooManyBuildIds,
+    TooMuchWork,
+    Workspace,
+    scan,
+)
 
 __all__ = [
     "InThread",
@@ -59,7 +68,7 @@ class SymbolProvider(Protocol):
 class Work(Protocol):
     """Where the CPU-bound steps (worker.scan, Workspace.finish) run."""
 
-    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]: ...
+    async def scan(self, body: bytes, limits: Limits) -> Scanned: ...
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished: ...
@@ -71,7 +80,7 @@ class InThread:
     def __init__(self, open_tables: int = 512) -> None:
         self._workspace = Workspace(open_tables)
 
-    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
+    async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await asyncio.to_thread(scan, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
@@ -95,7 +104,8 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
     """Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
     cannot take."""
     work = work if work is not None else InThread()
-    layouts = await work.scan(body, limits)
+    scanned = await work.scan(body, limits)
+    layouts = scanned.layouts
     resolved = await _resolve_all(provider, layouts, limits.deadline_s)
     answers: dict[str, Answer] = {}
     guesses = 0
@@ -108,7 +118,7 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
             segments = r.table.guessed_layout() if layouts[bid] else ()
             guesses += layouts[bid]
         answers[bid] = Answer(r.table, segments)
-    done = await work.finish(body, limits, answers)
+    done = await work.finish(body, replace(limits, scanned_size=scanned.size), answers)
     return Symbolized(done.body if done.body is not None else body, done.report, guesses)
 
 

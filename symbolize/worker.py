@@ -53,6 +53,18 @@ class Limits:
     max_profile_samples: int | None = None
     # Name what stays unsymbolized `module+0xoffset` (symbolize.fallback).
     fallback: bool = False
+    # What `scan` measured the profile to decode to (Scanned.size): `finish` inflates a
+    # gzipped one once, to no more than that, without measuring it again.
+    scanned_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scanned:
+    """What `scan` found: the build IDs to resolve, each with whether it needs the
+    executable's program headers, and the size the profile decodes to."""
+
+    layouts: dict[str, bool]
+    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +86,10 @@ class Finished:
 
 
 def _decode(body: bytes, limits: Limits) -> Decoded:
-    decoded = decode(body, limits.max_decompressed_bytes)
+    if limits.scanned_size is not None:
+        decoded = decode(body, limits.scanned_size, measured=True)
+    else:
+        decoded = decode(body, limits.max_decompressed_bytes)
     profile = decoded.profile
     # Samples and locations stay encoded in a RawProfile: counting them costs nothing, and the
     # rewrite, whose cost grows with them, has not started.
@@ -98,18 +113,19 @@ def _needs_layout(profile: RawProfile, wanted: dict[int, str]) -> dict[str, bool
     return needs
 
 
-def scan(body: bytes, limits: Limits) -> dict[str, bool]:
+def scan(body: bytes, limits: Limits) -> Scanned:
     """The build IDs to resolve, each with whether it needs the executable's program headers.
 
     Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
     cannot take.
     """
-    profile = _decode(body, limits).profile
+    decoded = _decode(body, limits)
+    profile = decoded.profile
     layouts = _needs_layout(profile, candidates(profile, Report()))
     if len(layouts) > limits.max_build_ids:
         raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
                               f"{limits.max_build_ids} per request")
-    return layouts
+    return Scanned(layouts, len(decoded.raw))
 
 
 class Workspace:

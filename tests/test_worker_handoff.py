@@ -68,11 +68,11 @@ async def test_a_profile_through_memory_files_gives_the_bytes_the_pipes_give(
     body, answers = _request(elfs, tmp_path)
     by_pipes = await workers.finish(body, LIMITS, answers)
     with workers.for_request() as work:
-        layouts = await work.scan(body, LIMITS)
+        layouts = (await work.scan(body, LIMITS)).layouts
         assert _open_memfds()  # the body, written once for both jobs
         shared = await work.finish(body, LIMITS, answers)
     assert workers.sharing
-    assert layouts == await workers.scan(body, LIMITS) == {elfs.prog.build_id: True}
+    assert layouts == (await workers.scan(body, LIMITS)).layouts == {elfs.prog.build_id: True}
     assert shared.body == by_pipes.body and shared.body is not None
     assert shared.report == by_pipes.report and shared.report.locations_symbolized > 40
     # The body's closed with the request; the answer's is mapped until the answer is gone.
@@ -113,7 +113,7 @@ async def test_where_a_worker_cannot_open_them_the_pipes_carry_the_profile(
         # (Not os.getpid patched: multiprocessing would take the workers it starts meanwhile
         # for another process's children and never join them.)
         work._pid = 0x3FFFFFFF
-        assert await work.scan(body, LIMITS) == {elfs.prog.build_id: True}
+        assert (await work.scan(body, LIMITS)).layouts == {elfs.prog.build_id: True}
         done = await work.finish(body, LIMITS, answers)
     assert not workers.sharing  # said once, and not tried again
     assert done.body == expected.body

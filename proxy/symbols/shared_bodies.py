@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from symbolize import worker
 from symbolize.rewrite import Report
-from symbolize.worker import Answer, Limits
+from symbolize.worker import Answer, Limits, Scanned
 
 # Written or read at a time: a single call of a gigabyte would hold a buffer of that size twice.
 _CHUNK = 1 << 24
@@ -99,7 +99,7 @@ def _body(ref: SharedBytes) -> bytes:
         os.close(fd)
 
 
-def scan(body: SharedBytes, limits: Limits) -> dict[str, bool]:
+def scan(body: SharedBytes, limits: Limits) -> Scanned:
     """worker.scan of the bytes in `body`; in a worker."""
     return worker.scan(_body(body), limits)
 

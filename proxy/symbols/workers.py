@@ -33,7 +33,7 @@ from proxy.errors import Overloaded, WorkerLost
 from proxy.symbols import executors, forked_helpers, shared_bodies, worker_process
 from proxy.symbols.shared_bodies import SharedBytes, Unshareable
 from symbolize import worker
-from symbolize.worker import Answer, Finished, Limits
+from symbolize.worker import Answer, Finished, Limits, Scanned
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -225,7 +225,7 @@ class SymbolizeWorkers:
         finally:
             self._admitted -= 1
 
-    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
+    async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await self.run(worker.scan, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
@@ -284,7 +284,7 @@ class RequestWork:
             log.warning("profiles go to the workers through pipes: %s", error)
         self._workers.sharing = False
 
-    async def scan(self, body: bytes, limits: Limits) -> dict[str, bool]:
+    async def scan(self, body: bytes, limits: Limits) -> Scanned:
         shared = await self._share(body)
         if shared is not None:
             try:

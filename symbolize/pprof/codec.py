@@ -64,9 +64,10 @@ def _inflated_size(body: bytes, limit: int) -> int:
     return size
 
 
-def _gunzip(body: bytes, limit: int) -> bytes:
+def _gunzip(body: bytes, limit: int, measured: bool) -> bytes:
     # Only what is known to fit is inflated whole.
-    _inflated_size(body, limit)
+    if not measured:
+        _inflated_size(body, limit)
     inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, limit + 1)
@@ -79,11 +80,13 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     return out
 
 
-def decode(body: bytes, max_decompressed: int) -> Decoded:
+def decode(body: bytes, max_decompressed: int, *, measured: bool = False) -> Decoded:
+    """`measured`: `body` is known to inflate to no more than `max_decompressed` bytes (its
+    size as a first decode found it): it is inflated at once, not measured first."""
     if not body:
         raise ProfileError("empty body")
     gzipped = body[:2] == GZIP_MAGIC
-    raw = _gunzip(body, max_decompressed) if gzipped else body
+    raw = _gunzip(body, max_decompressed, measured) if gzipped else body
     if len(raw) > max_decompressed:
         raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
     try:

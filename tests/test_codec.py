@@ -1,0 +1,39 @@
+"""A profile's encoding in and out: gzip inflated at most once per decode, and once only where
+a first decode measured it."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from symbolize.pprof.codec import ProfileTooLarge, decode, encode
+from symbolize.pprof.profile_pb2 import Profile
+
+
+def _gzipped_profile() -> tuple[bytes, bytes]:
+    p = Profile(string_table=["", *(f"s{i}" for i in range(5000))])
+    raw = p.SerializeToString()
+    return raw, gzip.compress(raw)
+
+
+def test_a_measured_body_inflates_to_the_same_profile_within_its_size() -> None:
+    """The finish decodes what the scan measured: bounded by that size, not by the limit, so
+    an inflate that would go past it (a body that is not the one measured) stops there."""
+    raw, body = _gzipped_profile()
+    first = decode(body, 1 << 30)
+    assert first.gzipped and first.raw == raw
+    again = decode(body, len(first.raw), measured=True)
+    assert again.raw == raw and again.profile == first.profile
+    with pytest.raises(ProfileTooLarge):
+        decode(body, len(raw) - 1, measured=True)
+    with pytest.raises(ProfileTooLarge):
+        decode(body, len(raw) - 1)
+
+
+def test_encode_keeps_the_encoding_it_came_in() -> None:
+    raw, body = _gzipped_profile()
+    profile = decode(body, 1 << 30).profile
+    assert encode(profile, False) == raw
+    assert gzip.decompress(encode(profile, True)) == raw
+    assert encode(profile, True) == encode(profile, True)  # no timestamp in it
