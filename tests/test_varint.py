@@ -49,6 +49,12 @@ def test_get_reads_every_width_at_every_place_up_to_the_buffers_end() -> None:
                       np.zeros(0, np.int64)).tolist() == []
     zero_width = varint.get(np.frombuffer(b"\x05", np.uint8), np.array([0]), np.array([0]))
     assert zero_width.tolist() == [0]
+    nothing = varint.get(np.zeros(0, np.uint8), np.array([0]), np.array([0]))
+    assert nothing.tolist() == [0]
+    # A byte each, the last at the buffer's end, beside ones of no bytes at all.
+    ones = varint.get(np.frombuffer(b"\x05\x7f\x01", np.uint8), np.array([0, 1, 2, 0]),
+                      np.array([1, 1, 1, 0]))
+    assert ones.tolist() == [5, 127, 1, 0]
 
 
 def test_messages_are_protobufs_functions() -> None:
