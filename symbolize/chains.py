@@ -362,7 +362,7 @@ class Chains:
         chain, the per-address part a gather (of 32-bit numbers: the bytes of the chains of a
         profile are far below 2 GB)."""
         used = self._used
-        at, owners = self._frames_of(used)
+        at, _owners = self._frames_of(used)
         ids = self._c.function_ids[at]
         written = np.zeros(len(self._ids) + 1, dtype=np.uint64)
         written[(old - np.uint64(FIRST_ID)).astype(np.int64)] = new
@@ -371,7 +371,9 @@ class Chains:
                                                      (3, self._c.columns[at])])
         if len(blob) >= 1 << 31:
             raise ValueError("the chains of one profile encode to 2 GB or more")
-        bounds = np.concatenate(([0], end))[np.searchsorted(owners, np.arange(len(used) + 1))]
+        # Where each chain's frames start among the frames, as _frames_of lays them out.
+        first_frame = np.concatenate(([0], np.cumsum(self._c.id_count[used])))
+        bounds = np.concatenate(([0], end))[first_frame]
         # Per place (0: no chain, then the used ones in order), where its encoding is.
         starts = np.concatenate(([0], bounds[:-1])).astype(np.int32)
         lengths = np.concatenate(([0], np.diff(bounds))).astype(np.int32)
