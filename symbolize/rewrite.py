@@ -28,6 +28,7 @@ from .buildid import InvalidBuildId, normalize_build_id
 from .chains import Chains, FunctionIds
 from .elf import LoadSegment
 from .pprof import varint
+from .pprof.codec import Buffer
 from .pprof.columns import PART, encoded_locations, location_columns, record_columns
 from .pprof.profile_raw_pb2 import RawProfile
 from .symcache_columns import UnreadableSymCache
@@ -168,7 +169,7 @@ def rewrite(
     symbols: MappingT[str, MappingSymbols],
     ids: FunctionIds,
     report: Report,
-    raw: bytes | None = None,
+    raw: Buffer | None = None,
     *,
     locations_apart: bool = False,
 ) -> list[npt.NDArray[np.uint8]]:
@@ -195,7 +196,7 @@ def rewrite(
 
 def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
              symbols: MappingT[str, MappingSymbols], ids: FunctionIds, report: Report,
-             raw: bytes | None) -> list[npt.NDArray[np.uint8]]:
+             raw: Buffer | None) -> list[npt.NDArray[np.uint8]]:
     by_id = {m.id: m for m in profile.mapping}
     usable = {mid: symbols[bid] for mid, bid in mapping_ids.items() if bid in symbols}
     if not usable:

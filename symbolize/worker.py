@@ -22,7 +22,7 @@ from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
 from .outcome import Outcome
-from .pprof.codec import Decoded, ProfileError, decode, encode
+from .pprof.codec import Buffer, Decoded, ProfileError, decode, encode
 from .pprof.profile_raw_pb2 import RawProfile
 from .rewrite import MappingSymbols, Report, candidates, rewrite
 from .symcache_columns import UnreadableSymCache
@@ -85,7 +85,7 @@ class Finished:
     report: Report
 
 
-def _decode(body: bytes, limits: Limits) -> Decoded:
+def _decode(body: Buffer, limits: Limits) -> Decoded:
     if limits.scanned_size is not None:
         decoded = decode(body, limits.scanned_size, measured=True)
     else:
@@ -113,7 +113,7 @@ def _needs_layout(profile: RawProfile, wanted: dict[int, str]) -> dict[str, bool
     return needs
 
 
-def scan(body: bytes, limits: Limits) -> Scanned:
+def scan(body: Buffer, limits: Limits) -> Scanned:
     """The build IDs to resolve, each with whether it needs the executable's program headers.
 
     Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
@@ -151,7 +151,7 @@ class Workspace:
         self._tables.move_to_end(key)
         return table
 
-    def finish(self, body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
+    def finish(self, body: Buffer, limits: Limits, answers: dict[str, Answer]) -> Finished:
         """Rewrite the profile with the tables in `answers` (every build ID `scan` gave)."""
         decoded = _decode(body, limits)
         profile, gzipped = decoded.profile, decoded.gzipped
@@ -197,7 +197,7 @@ def init_worker(open_tables: int) -> None:
     _workspace = Workspace(open_tables)
 
 
-def finish(body: bytes, limits: Limits, answers: dict[str, Answer]) -> Finished:
+def finish(body: Buffer, limits: Limits, answers: dict[str, Answer]) -> Finished:
     """`Workspace.finish` in a worker process started with `init_worker`."""
     if _workspace is None:
         raise RuntimeError("init_worker was not called in this process")

@@ -63,16 +63,6 @@ def write_all(fd: int, data: bytes | memoryview, offset: int = 0) -> None:
         done += os.pwrite(fd, view[done:done + _CHUNK], offset + done)
 
 
-def read_all(fd: int, size: int) -> bytes:
-    if size <= _CHUNK:
-        data = os.pread(fd, size, 0)
-    else:
-        data = b"".join(os.pread(fd, min(_CHUNK, size - at), at) for at in range(0, size, _CHUNK))
-    if len(data) != size:
-        raise OSError(f"a memory file of {size} bytes had {len(data)}")
-    return data
-
-
 def mapped(fd: int, size: int) -> memoryview:
     """The `size` bytes of memory file `fd`, mapped rather than copied out: an answer of a
     million locations is 39 MB, whose reading back took 15 ms beside the event loop. The
@@ -91,10 +81,12 @@ def _open(ref: SharedBytes, flags: int) -> int:
         raise Unshareable(f"cannot open the serving process's memory file: {e}") from None
 
 
-def _body(ref: SharedBytes) -> bytes:
+def _body(ref: SharedBytes) -> memoryview:
+    """The request's bytes, mapped rather than read: a copy of 26 MB took 4.4 ms, and the scan
+    and the finish each took one."""
     fd = _open(ref, os.O_RDONLY)
     try:
-        return read_all(fd, ref.size)
+        return mapped(fd, ref.size)
     finally:
         os.close(fd)
 

@@ -19,6 +19,16 @@ from isal import igzip, isal_zlib
 
 from .profile_raw_pb2 import RawProfile
 
+# Bytes, or a view of them: a request's as a worker maps them (proxy.symbols.shared_bodies).
+Buffer = bytes | memoryview
+
+
+def as_bytes(data: Buffer) -> bytes:
+    """`data` for a protobuf parse: upb takes any buffer without a copy, where its stubs
+    say bytes."""
+    return cast(bytes, data)
+
+
 # isal's stubs declare its error an instance of Exception; it is the class.
 _GZIP_ERROR = cast("type[Exception]", isal_zlib.error)
 GZIP_MAGIC = b"\x1f\x8b"
@@ -36,14 +46,14 @@ class ProfileTooLarge(ProfileError):
 class Decoded:
     profile: RawProfile
     gzipped: bool
-    raw: bytes  # the uncompressed protobuf bytes
+    raw: Buffer  # the uncompressed protobuf bytes
 
 
 # Inflated a mebibyte at a time when measuring: a bomb costs this much memory, not its size.
 _CHUNK = 1 << 20
 
 
-def _inflated_size(body: bytes, limit: int) -> int:
+def _inflated_size(body: Buffer, limit: int) -> int:
     """How many bytes `body` inflates to, stopping the moment that passes `limit`; the output
     is thrown away as it comes, so a gzip bomb is refused without ever being held."""
     inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
@@ -64,7 +74,7 @@ def _inflated_size(body: bytes, limit: int) -> int:
     return size
 
 
-def _gunzip(body: bytes, limit: int, measured: bool) -> bytes:
+def _gunzip(body: Buffer, limit: int, measured: bool) -> bytes:
     # Only what is known to fit is inflated whole.
     if not measured:
         _inflated_size(body, limit)
@@ -80,7 +90,7 @@ def _gunzip(body: bytes, limit: int, measured: bool) -> bytes:
     return out
 
 
-def decode(body: bytes, max_decompressed: int, *, measured: bool = False) -> Decoded:
+def decode(body: Buffer, max_decompressed: int, *, measured: bool = False) -> Decoded:
     """`measured`: `body` is known to inflate to no more than `max_decompressed` bytes (its
     size as a first decode found it): it is inflated at once, not measured first."""
     if not body:
@@ -90,7 +100,7 @@ def decode(body: bytes, max_decompressed: int, *, measured: bool = False) -> Dec
     if len(raw) > max_decompressed:
         raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
     try:
-        profile = RawProfile.FromString(raw)
+        profile = RawProfile.FromString(as_bytes(raw))
     except DecodeError as e:
         raise ProfileError(f"not a pprof profile: {e}") from e
     _check(profile)

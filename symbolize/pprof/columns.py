@@ -20,7 +20,7 @@ import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
 from . import varint
-from .codec import ProfileError
+from .codec import Buffer, ProfileError, as_bytes
 from .profile_pb2 import Location
 from .profile_raw_pb2 import RawLocations
 
@@ -79,11 +79,11 @@ def location_columns(encoded: Sequence[bytes], keep_encodings: bool = False
     return replace(out, encodings=kept) if keep_encodings else out
 
 
-def encoded_locations(raw: bytes) -> bytes:
+def encoded_locations(raw: Buffer) -> bytes:
     """The Profile.location fields of the encoded profile `raw` (tag, length, Location), one
     after another as protobuf writes them: for 100,000 locations 1.5 ms, against 5.4 for taking
     them out of a RawProfile as bytes objects and joining them."""
-    locations = RawLocations.FromString(raw)
+    locations = RawLocations.FromString(as_bytes(raw))
     locations.DiscardUnknownFields()  # the rest of the profile
     return locations.SerializeToString()
 
