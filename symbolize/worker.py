@@ -22,7 +22,7 @@ from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
 from .outcome import Outcome
-from .pprof.codec import Buffer, Decoded, ProfileError, decode, encode
+from .pprof.codec import Buffer, Decoded, ProfileError, check, decode, encode
 from .pprof.profile_raw_pb2 import RawProfile
 from .rewrite import MappingSymbols, Report, candidates, rewrite
 from .symcache_columns import UnreadableSymCache
@@ -87,9 +87,9 @@ class Finished:
 
 def _decode(body: Buffer, limits: Limits) -> Decoded:
     if limits.scanned_size is not None:
-        decoded = decode(body, limits.scanned_size, measured=True)
+        decoded = decode(body, limits.scanned_size, measured=True, checked=False)
     else:
-        decoded = decode(body, limits.max_decompressed_bytes)
+        decoded = decode(body, limits.max_decompressed_bytes, checked=False)
     profile = decoded.profile
     # Samples and locations stay encoded in a RawProfile: counting them costs nothing, and the
     # rewrite, whose cost grows with them, has not started.
@@ -100,6 +100,8 @@ def _decode(body: Buffer, limits: Limits) -> Decoded:
             ("samples", len(profile.sample), limits.max_profile_samples)):
         if limit is not None and count > limit:
             raise TooMuchWork(f"profile has {count} {what}; the limit is {limit} per request")
+    # Checked after the counts: 3 million functions took 1.7 s of checks to be refused.
+    check(profile)
     return decoded
 
 
