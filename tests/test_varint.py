@@ -55,6 +55,11 @@ def test_get_reads_every_width_at_every_place_up_to_the_buffers_end() -> None:
     ones = varint.get(np.frombuffer(b"\x05\x7f\x01", np.uint8), np.array([0, 1, 2, 0]),
                       np.array([1, 1, 1, 0]))
     assert ones.tolist() == [5, 127, 1, 0]
+    # Said to be one byte long where that byte has its continuation bit: its seven bits, as
+    # the wider reads take them.
+    for width in ([1], [2]):
+        assert varint.get(np.frombuffer(b"\x85\x00", np.uint8), np.array([0]),
+                          np.array(width)).tolist() == [5]
 
 
 def test_messages_are_protobufs_functions() -> None:

@@ -124,7 +124,37 @@ async def test_where_a_worker_cannot_open_them_the_pipes_carry_the_profile(
 
 def test_a_memory_file_that_cannot_be_opened_is_unshareable() -> None:
     with pytest.raises(Unshareable):
-        shared_bodies.scan(SharedBytes(0x3FFFFFFF, 3, 10), LIMITS)
+        shared_bodies.scan(SharedBytes(0x3FFFFFFF, 3, 10, 0), LIMITS)
+
+
+def test_a_job_whose_descriptor_names_another_file_now_leaves_that_file_alone(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """A job of a request that has ended may run after the serving process closed its memory
+    file and opened another file under the same number: the job refuses it, by its inode,
+    rather than read it (a regular file cut short under a mapping would be a SIGBUS) or write
+    the answer into it."""
+    body, answers = _request(elfs, tmp_path)
+    fd = shared_bodies.create("symgate-profile")
+    shared_bodies.write_all(fd, body)
+    ref = SharedBytes.of(os.getpid(), fd, len(body))
+    assert shared_bodies.scan(ref, LIMITS).layouts == {elfs.prog.build_id: True}
+    os.close(fd)
+    other = tmp_path / "other"
+    other.write_bytes(b"\0" * len(body))
+    opened = os.open(other, os.O_RDWR)
+    if opened != fd:  # the number just closed, as the next open may well take it
+        os.dup2(opened, fd)
+        os.close(opened)
+    reused = fd
+    try:
+        with pytest.raises(OSError, match="another file now"):
+            shared_bodies.scan(ref, LIMITS)
+        out = SharedBytes(os.getpid(), reused, 0, ref.inode)
+        with pytest.raises(OSError, match="another file now"):
+            shared_bodies.finish(ref, out, LIMITS, answers)
+    finally:
+        os.close(reused)
+    assert other.read_bytes() == b"\0" * len(body)
 
 
 def test_a_worker_trims_its_heap_once_no_job_follows(monkeypatch: pytest.MonkeyPatch) -> None:

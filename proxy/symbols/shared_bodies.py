@@ -41,6 +41,14 @@ class SharedBytes:
     pid: int
     fd: int
     size: int
+    # The memfd's own: a job of a request that has ended may run after the serving process
+    # has closed the descriptor and opened another file under its number, which the job must
+    # not read (a file cut short under a mapping is a SIGBUS) or write.
+    inode: int
+
+    @classmethod
+    def of(cls, pid: int, fd: int, size: int) -> SharedBytes:
+        return cls(pid, fd, size, os.fstat(fd).st_ino)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +84,14 @@ def mapped(fd: int, size: int) -> memoryview:
 
 def _open(ref: SharedBytes, flags: int) -> int:
     try:
-        return os.open(f"/proc/{ref.pid}/fd/{ref.fd}", flags | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", flags | os.O_CLOEXEC)
     except OSError as e:
         raise Unshareable(f"cannot open the serving process's memory file: {e}") from None
+    if os.fstat(fd).st_ino != ref.inode:
+        os.close(fd)
+        raise OSError(f"descriptor {ref.fd} of process {ref.pid} is another file now: the "
+                      "request it was for has ended")
+    return fd
 
 
 def _body(ref: SharedBytes) -> memoryview:

@@ -270,7 +270,7 @@ class RequestWork:
             return None
         if self._body is None:
             fd = shared_bodies.create("symgate-profile")
-            self._body, self._shared = body, SharedBytes(self._pid, fd, len(body))
+            self._body, self._shared = body, SharedBytes.of(self._pid, fd, len(body))
             if len(body) > _WRITE_INLINE:
                 # On a descriptor of the thread's own: a request cancelled meanwhile closes
                 # `fd`, whose number may then be another file's before the thread is done.
@@ -300,7 +300,7 @@ class RequestWork:
             out = shared_bodies.create("symgate-answer")
             try:
                 written = await self._workers.run(
-                    shared_bodies.finish, shared, SharedBytes(self._pid, out, 0), limits,
+                    shared_bodies.finish, shared, SharedBytes.of(self._pid, out, 0), limits,
                     answers)
                 if written.size is None:
                     return Finished(None, written.report)

@@ -52,7 +52,7 @@ def get(buf: U8, first: I64, width: I64) -> U64:
     if not len(first) or not len(buf):
         return np.zeros(len(first), dtype=np.uint64)
     if int(width.max()) <= 1:  # a byte each (mapping ids, mostly): the bytes themselves
-        one: U64 = np.where(width > 0, np.take(buf, np.minimum(first, len(buf) - 1)), 0
+        one: U64 = np.where(width > 0, np.take(buf, np.minimum(first, len(buf) - 1)) & 0x7F, 0
                             ).astype(np.uint64)
         return one
     if len(buf) < 8:
