@@ -20,7 +20,7 @@ from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 
 def _profile(elfs: ElfSet) -> bytes:
@@ -251,3 +251,29 @@ async def test_gzip_bombs_are_refused_without_being_inflated(
     # The limit is 256 MiB: inflating up to it, as the counting pass never does, would show.
     grown = {pid: _peak_rss(pid) - rss for pid, rss in before.items()}
     assert max(grown.values()) < 64 * 1024 * 1024, grown
+
+
+async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """An answer is a view of the memory file the worker wrote it into. aiohttp keeps a
+    kept-alive connection's last response until its next request: the view is let go of once
+    the answer is sent, and with it the mapping and its descriptor."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    for _ in range(3):  # over one pooled connection, as the harness's client keeps it
+        status, headers, body = await post(sg, _profile(elfs))
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+        assert all(loc.line for loc in parse(body).location)  # sent whole
+    mine = os.getpid()  # the serving process is this one; its workers map nothing of it
+    held = [target for fd in os.listdir(f"/proc/{mine}/fd")
+            if "symgate-answer" in (target := _readlink(f"/proc/{mine}/fd/{fd}"))]
+    with open(f"/proc/{mine}/maps") as f:
+        mapped = [line for line in f if "symgate-answer" in line]
+    assert not held and not mapped, (held, mapped)
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

@@ -35,7 +35,9 @@ OTLP = Format(OTLP_TYPES, "application/x-protobuf",
               "not taken)", _run)
 
 
-async def symbolize_otlp(request: web.Request) -> web.Response:
+async def symbolize_otlp(request: web.Request) -> web.StreamResponse:
     response = await symbolize_as(request, OTLP)
-    response.enable_compression()  # as the client accepts: OTLP/HTTP's gzip
+    # As the client accepts: OTLP/HTTP's gzip. (An OTLP answer is converted back to bytes,
+    # never a mapped view sent by symbolize_as itself.)
+    response.enable_compression()
     return response
