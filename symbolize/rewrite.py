@@ -29,7 +29,13 @@ from .chains import Chains, FunctionIds
 from .elf import LoadSegment
 from .pprof import varint
 from .pprof.codec import Buffer
-from .pprof.columns import PART, encoded_locations, location_columns, record_columns
+from .pprof.columns import (
+    PART,
+    LocationColumns,
+    encoded_locations,
+    location_columns,
+    record_columns,
+)
 from .pprof.profile_raw_pb2 import RawProfile
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
@@ -40,12 +46,16 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 ObjectArray = npt.NDArray[np.object_]
 _PROFILE_FUNCTION = 0x2A  # field 5, length-delimited
-# Locations written back at a time (see _replace_locations): a batch's byte positions are
+# Locations written back at a time (see _written_locations): a batch's byte positions are
 # some 16 bytes a byte of it.
 _OUT_BATCH = 1 << 14
 assert PART % _OUT_BATCH == 0
 _PROFILE_LOCATION = 4 << 3 | 2  # Profile.location: field 4, length-delimited
-_PARTS = np.tile(np.arange(3, dtype=np.uint8), _OUT_BATCH)  # see _replace_locations
+_PARTS = np.tile(np.arange(3, dtype=np.uint8), _OUT_BATCH)  # see _written_locations
+# Of _from_encoding: the fewest locations worth it, and the fewest bytes of one as a
+# Profile.location field (a tag and a length, then three fields of a tag and a byte).
+_FROM_ENCODING_AT_LEAST = 4096
+_LEAST_LOCATION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +212,7 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     if not usable:
         return []
     count = len(profile.location)
-    columns = record_columns(encoded_locations(raw), count) if raw is not None else None
+    columns = _from_encoding(profile, raw) if raw is not None else None
     if columns is None:  # no encoding at hand, or locations of other shapes among them
         columns = location_columns(profile.location, keep_encodings=True)
     where_of = _locations_by_mapping(columns.mapping_id, ~columns.has_lines, list(usable))
@@ -281,6 +291,21 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     del blobs
     profile.ClearField("location")
     return _written_locations(encodings, lengths, old_head, tails, tail_start, tail_length)
+
+
+def _from_encoding(profile: RawProfile, raw: Buffer) -> LocationColumns | None:
+    """The columns of the profile's locations read from its encoding, where that is worth it:
+    parsing them out of it holds a copy of the whole encoding for a moment, so the locations
+    must be much of the profile (each is at least _LEAST_LOCATION bytes), many (a few
+    thousand are read one by one in a millisecond), and of the shape profilers write (the
+    first one says)."""
+    count = len(profile.location)
+    if count < _FROM_ENCODING_AT_LEAST or count * _LEAST_LOCATION * 4 < len(raw):
+        return None
+    first = profile.location[0]
+    if len(first) >= 0x80 or record_columns(bytes((0x22, len(first))) + first, 1) is None:
+        return None
+    return record_columns(encoded_locations(raw), count)
 
 
 def _locations_by_mapping(mapping_id: U64, wanted: npt.NDArray[np.bool_],

@@ -15,7 +15,7 @@ from symbolize.pprof.codec import encode
 from symbolize.pprof.columns import location_columns
 from symbolize.pprof.profile_pb2 import Location, Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
-from symbolize.rewrite import MappingSymbols, Report, rewrite
+from symbolize.rewrite import MappingSymbols, Report, _from_encoding, rewrite
 from symbolize.symtab import SymbolTable, build_symbol_table
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
 from tests.rewriting import open_table
@@ -181,6 +181,7 @@ def test_locations_read_from_the_encoding_give_the_bytes_read_one_by_one_give(
         p.location.add(id=i, mapping_id=1 + (i % 5 == 0), address=v)
         p.sample.add(location_id=[i], value=[i])
     raw = p.SerializeToString()
+    assert _from_encoding(RawProfile.FromString(raw), raw) is not None  # what is compared
     answers = []
     for given in (raw, None):
         profile = RawProfile.FromString(raw)
@@ -197,3 +198,22 @@ def test_locations_read_from_the_encoding_give_the_bytes_read_one_by_one_give(
     appended = encode(profile, False, [fields.data for fields in apart])
     assert appended != answers[0][0]  # the locations come last
     assert Profile.FromString(appended) == Profile.FromString(answers[0][0])
+
+
+def test_locations_are_read_from_the_encoding_only_where_that_is_worth_it() -> None:
+    """Parsing the locations out of the encoding holds a copy of all of it for a moment: not
+    for a profile whose samples are most of it, nor for a few locations, nor where the first
+    location is not of the shape profilers write."""
+    def profile(locations: int, samples: int, lines: bool = False) -> bytes:
+        p = Profile(string_table=[""])
+        for i in range(1, locations + 1):
+            loc = p.location.add(id=i, mapping_id=1, address=0x1000 + i)
+            if lines and i == 1:
+                loc.line.add(function_id=1, line=1)
+        for _ in range(samples):
+            p.sample.add(location_id=range(1, 40), value=[1])
+        return p.SerializeToString()
+
+    for raw, worth in ((profile(10_000, 100), True), (profile(10_000, 20_000), False),
+                       (profile(1_000, 0), False), (profile(10_000, 100, lines=True), False)):
+        assert (_from_encoding(RawProfile.FromString(raw), raw) is not None) == worth
