@@ -53,3 +53,24 @@ def test_a_profile_past_its_counts_is_refused_before_its_indices_are_checked() -
         scan(body, Limits(1 << 20, 10, max_profile_functions=2))
     with pytest.raises(ProfileError, match="string index out of range"):
         decode(body, 1 << 20)  # the tools' decode checks them itself
+
+
+def test_every_gzip_member_is_read_and_bytes_after_the_last_are_refused() -> None:
+    """`cat a.pb.gz b.pb.gz` is one gzip stream of two members, which gzip and Go's reader
+    inflate one after the other: the two encodings one after the other, that is the two
+    profiles merged. Only the first was read, the rest dropped without a word. Bytes after
+    the last member that begin no other are refused, as Go refuses them."""
+    a = Profile(string_table=["", "a"], comment=[1]).SerializeToString()
+    b = Profile(comment=[2], period=7).SerializeToString()
+    two = gzip.compress(a) + gzip.compress(b, mtime=1)
+    merged = decode(two, 1 << 20)
+    assert merged.gzipped and merged.raw == a + b
+    assert list(merged.profile.comment) == [1, 2] and merged.profile.period == 7
+    assert decode(two, len(a + b), measured=True).raw == a + b
+    with pytest.raises(ProfileTooLarge):
+        decode(two, len(a + b) - 1)
+    for bad, why in ((gzip.compress(a) + b"\0\0", "after its last member"),
+                     (two + b"\x1f", "after its last member"),
+                     (two[:-3], "truncated")):
+        with pytest.raises(ProfileError, match=why):
+            decode(bad, 1 << 20)

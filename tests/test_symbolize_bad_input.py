@@ -27,7 +27,10 @@ from tests.symbolize_helpers import BASES, post, symbolize_config
     # Whole, but its CRC-32 is not its content's: damaged on the way, so not believed.
     (gzip.compress(b"\x32\x00" * 500)[:-8] + b"\0\0\0\0" + (1000).to_bytes(4, "little"), 400,
      b"not valid gzip"),
-], ids=["empty", "not-a-profile", "truncated-gzip", "bad-deflate", "bad-checksum"])
+    # A whole gzip member, then bytes that begin no other: not dropped without a word.
+    (gzip.compress(b"\x32\x00" * 500) + b"\0" * 8, 400, b"after its last member"),
+], ids=["empty", "not-a-profile", "truncated-gzip", "bad-deflate", "bad-checksum",
+        "trailing-bytes"])
 async def test_bad_bodies_get_a_clear_4xx_and_the_server_survives(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, body: bytes, status: int,
     reason: bytes,

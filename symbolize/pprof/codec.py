@@ -53,41 +53,42 @@ class Decoded:
 _CHUNK = 1 << 20
 
 
-def _inflated_size(body: Buffer, limit: int) -> int:
-    """How many bytes `body` inflates to, stopping the moment that passes `limit`; the output
-    is thrown away as it comes, so a gzip bomb is refused without ever being held."""
-    inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
-    size, data = 0, body
+def _inflate(body: Buffer, limit: int, keep: bool) -> tuple[int, bytes]:
+    """How many bytes `body` inflates to, and with `keep` those bytes, stopping the moment
+    they pass `limit`. Without `keep` the output is thrown away as it comes, a mebibyte at a
+    time, so a gzip bomb is refused without ever being held. Every member of the stream is
+    inflated, one after another, as gzip and Go's reader do (`cat a.pb.gz b.pb.gz` is one
+    profile, the two merged); bytes after the last member that begin no other are an error."""
+    size, parts, data = 0, [], body
     try:
-        while True:
-            out = inflater.decompress(data, _CHUNK)
-            size += len(out)
-            if size > limit:
-                raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
-            data = inflater.unconsumed_tail
-            if inflater.eof or (not out and not data):
-                break
+        while True:  # a member at a time
+            inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
+            while True:
+                out = inflater.decompress(data, limit + 1 - size if keep else _CHUNK)
+                size += len(out)
+                if size > limit:
+                    raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
+                if keep and out:
+                    parts.append(out)
+                data = inflater.unconsumed_tail
+                if inflater.eof or (not out and not data):
+                    break
+            if not inflater.eof:
+                raise ProfileError("truncated gzip stream")
+            data = inflater.unused_data
+            if not data:
+                return size, b"".join(parts)
+            if data[:2] != GZIP_MAGIC:
+                raise ProfileError("not valid gzip: bytes after its last member")
     except _GZIP_ERROR as e:
         raise ProfileError(f"not valid gzip: {e}") from e
-    if not inflater.eof:
-        raise ProfileError("truncated gzip stream")
-    return size
 
 
 def _gunzip(body: Buffer, limit: int, measured: bool) -> bytes:
     # Only what is known to fit is inflated whole.
     if not measured:
-        _inflated_size(body, limit)
-    inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except _GZIP_ERROR as e:
-        raise ProfileError(f"not valid gzip: {e}") from e
-    if len(out) > limit:
-        raise ProfileTooLarge(f"profile decompresses to more than {limit} bytes")
-    if not inflater.eof:
-        raise ProfileError("truncated gzip stream")
-    return out
+        _inflate(body, limit, keep=False)
+    return _inflate(body, limit, keep=True)[1]
 
 
 def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
