@@ -18,6 +18,7 @@ from proxy.symbols import shared_bodies, worker_process
 from proxy.symbols.shared_bodies import SharedBytes, Unshareable
 from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from symbolize.elf import executable_segments
+from symbolize.pprof.codec import ProfileError
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.symtab import TableSpec, build_symbol_table
 from symbolize.worker import Answer, Limits
@@ -155,6 +156,23 @@ def test_a_job_whose_descriptor_names_another_file_now_leaves_that_file_alone(
     finally:
         os.close(reused)
     assert other.read_bytes() == b"\0" * len(body)
+
+
+def test_a_failed_job_leaves_the_body_unmapped_though_its_exception_lives_on() -> None:
+    """A job maps the request's bytes. A failed job's exception keeps the frames that had the
+    view (and the pool keeps a worker's last exception until its next): the mapping is let go
+    of when the job ends all the same."""
+    fd = shared_bodies.create("symgate-profile")
+    shared_bodies.write_all(fd, b"not a profile at all")
+    ref = SharedBytes.of(os.getpid(), fd, 20)
+    try:
+        with pytest.raises(ProfileError) as failed:
+            shared_bodies.scan(ref, LIMITS)
+        assert failed.value.__traceback__ is not None  # the frames are still there
+        with open("/proc/self/maps") as f:
+            assert not [line for line in f if "symgate-profile" in line]
+    finally:
+        os.close(fd)
 
 
 def test_a_worker_trims_its_heap_once_no_job_follows(monkeypatch: pytest.MonkeyPatch) -> None:

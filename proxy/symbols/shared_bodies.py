@@ -18,8 +18,10 @@ it (forkserver_preload.py).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from symbolize import worker
@@ -106,7 +108,8 @@ def _body(ref: SharedBytes) -> memoryview:
 
 def scan(body: SharedBytes, limits: Limits) -> Scanned:
     """worker.scan of the bytes in `body`; in a worker."""
-    return worker.scan(_body(body), limits)
+    with _mapped_body(body) as view:
+        return worker.scan(view, limits)
 
 
 def finish(body: SharedBytes, out: SharedBytes, limits: Limits,
@@ -114,10 +117,24 @@ def finish(body: SharedBytes, out: SharedBytes, limits: Limits,
     """worker.finish of the bytes in `body`, its answer written into `out`; in a worker."""
     fd = _open(out, os.O_WRONLY)  # before the work: refused, it is not done for nothing
     try:
-        done = worker.finish(_body(body), limits, answers)
+        with _mapped_body(body) as view:
+            done = worker.finish(view, limits, answers)
         if done.body is None:
             return Written(None, done.report)
         write_all(fd, done.body)
         return Written(len(done.body), done.report)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _mapped_body(ref: SharedBytes) -> Iterator[memoryview]:
+    """The request's bytes, unmapped when the job is done with them, whatever still refers to
+    the view: a failed job's exception keeps the frames that had it, and the pool keeps a
+    worker's last exception until its next."""
+    view = _body(ref)
+    try:
+        yield view
+    finally:
+        with contextlib.suppress(BufferError):  # something still reads it: it goes with that
+            view.release()
