@@ -303,7 +303,8 @@ def _from_encoding(profile: RawProfile, raw: Buffer) -> LocationColumns | None:
     if count < _FROM_ENCODING_AT_LEAST or count * _LEAST_LOCATION * 4 < len(raw):
         return None
     first = profile.location[0]
-    if len(first) >= 0x80 or record_columns(bytes((0x22, len(first))) + first, 1) is None:
+    field = bytes((_PROFILE_LOCATION, len(first))) + first if len(first) < 0x80 else None
+    if field is None or record_columns(field, 1) is None:
         return None
     return record_columns(encoded_locations(raw), count)
 

@@ -197,7 +197,7 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     at = starts[which]
     stop = stops.positions
     last = len(stop) - 1  # the sentinel
-    run: list[I64] | npt.NDArray[np.int32]
+    run: list[I64] | npt.NDArray[np.int32] | I64
     if 6 * len(which) == last:
         # As many stops as if every location were canonical: their six stops are rows of a
         # table (the checks below catch any location for which that is not so).
@@ -218,12 +218,14 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     return which[~ok]
 
 
-def _rows(stops: I64, width: int) -> npt.NDArray[np.int32]:
+def _rows(stops: I64, width: int) -> npt.NDArray[np.int32] | I64:
     """The stops of each location, `width` in a row, as a table of a row per place in the
     location: contiguous, as the checks on them want them (a comparison of strided ones took
     ten times as long, 0.32 against 0.03 ms for 65,000, and there are a dozen), and 32-bit
-    (a batch's bytes are far fewer than 2**31): half the memory of the stops themselves."""
-    table = np.empty((width, len(stops) // width), dtype=np.int32)
+    where a batch's bytes allow it (always, but for locations of tens of kilobytes): half the
+    memory of the stops themselves."""
+    narrow = not len(stops) or int(stops[-1]) < 1 << 31  # sorted: the last is the largest
+    table = np.empty((width, len(stops) // width), dtype=np.int32 if narrow else np.int64)
     table[...] = stops.reshape(-1, width).T
     return table
 
