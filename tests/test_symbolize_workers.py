@@ -264,6 +264,12 @@ async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection
         status, headers, body = await post(sg, _profile(elfs))
         assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
         assert all(loc.line for loc in parse(body).location)  # sent whole
+    # And many at once, over as many connections, some of them gzipped.
+    bodies = [_profile(elfs) for _ in range(12)]
+    bodies = [zlib.compress(b, wbits=31) if i % 3 == 0 else b for i, b in enumerate(bodies)]
+    answers = await asyncio.gather(*(post(sg, b) for b in bodies))
+    assert all(status == 200 and all(loc.line for loc in parse(body).location)
+               for status, _h, body in answers)
     mine = os.getpid()  # the serving process is this one; its workers map nothing of it
     held = [target for fd in os.listdir(f"/proc/{mine}/fd")
             if "symgate-answer" in (target := _readlink(f"/proc/{mine}/fd/{fd}"))]
