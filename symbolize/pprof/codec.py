@@ -24,8 +24,8 @@ Buffer = bytes | memoryview
 
 
 def as_bytes(data: Buffer) -> bytes:
-    """`data` for a protobuf parse: upb takes any buffer without a copy, where its stubs
-    say bytes."""
+    """`data` for a protobuf parse: upb parses any buffer, a memoryview as well as bytes,
+    where its stubs say bytes."""
     return cast(bytes, data)
 
 
