@@ -51,6 +51,10 @@ class Decoded:
 
 # Inflated a mebibyte at a time when measuring: a bomb costs this much memory, not its size.
 _CHUNK = 1 << 20
+# A gzip stream's members: as many as a stream of 64 KiB blocks (BGZF's) up to the default size
+# limit; each costs a decompressor and a copy of its window's unused bytes.
+_MAX_MEMBERS = 4096
+_MEMBER_WINDOW = 1 << 16
 
 
 def _inflate(body: Buffer, limit: int, keep: bool) -> tuple[int, bytes]:
@@ -58,11 +62,21 @@ def _inflate(body: Buffer, limit: int, keep: bool) -> tuple[int, bytes]:
     they pass `limit`. Without `keep` the output is thrown away as it comes, a mebibyte at a
     time, so a gzip bomb is refused without ever being held. Every member of the stream is
     inflated, one after another, as gzip and Go's reader do (`cat a.pb.gz b.pb.gz` is one
-    profile, the two merged); bytes after the last member that begin no other are an error."""
-    size, parts, data = 0, [], body
+    profile, the two merged), up to _MAX_MEMBERS; bytes after the last member that begin no
+    other are an error."""
+    view = memoryview(body)
+    size, parts, at, members = 0, [], 0, 0
     try:
         while True:  # a member at a time
+            members += 1
+            if members > _MAX_MEMBERS:
+                raise ProfileError(f"not valid gzip: more than {_MAX_MEMBERS} members")
             inflater = isal_zlib.decompressobj(wbits=16 + isal_zlib.MAX_WBITS)
+            # The first member is given every byte at once (a profile is one member: one
+            # call); a later one a window at a time, as what a member leaves unused comes
+            # back as a copy: the whole rest, for each of many small members, was quadratic.
+            data: Buffer = view[at:] if members == 1 else view[at: at + _MEMBER_WINDOW]
+            at += len(data)
             while True:
                 out = inflater.decompress(data, limit + 1 - size if keep else _CHUNK)
                 size += len(out)
@@ -71,14 +85,19 @@ def _inflate(body: Buffer, limit: int, keep: bool) -> tuple[int, bytes]:
                 if keep and out:
                     parts.append(out)
                 data = inflater.unconsumed_tail
-                if inflater.eof or (not out and not data):
+                if inflater.eof:
+                    break
+                if not data and at < len(view):
+                    data = view[at: at + _MEMBER_WINDOW]
+                    at += len(data)
+                elif not out and not data:
                     break
             if not inflater.eof:
                 raise ProfileError("truncated gzip stream")
-            data = inflater.unused_data
-            if not data:
+            at -= len(inflater.unused_data)  # the next member's: given back
+            if at >= len(view):
                 return size, b"".join(parts)
-            if data[:2] != GZIP_MAGIC:
+            if view[at: at + 2] != GZIP_MAGIC:
                 raise ProfileError("not valid gzip: bytes after its last member")
     except _GZIP_ERROR as e:
         raise ProfileError(f"not valid gzip: {e}") from e
