@@ -125,7 +125,7 @@ async def test_where_a_worker_cannot_open_them_the_pipes_carry_the_profile(
 
 def test_a_memory_file_that_cannot_be_opened_is_unshareable() -> None:
     with pytest.raises(Unshareable):
-        shared_bodies.scan(SharedBytes(0x3FFFFFFF, 3, 10, 0), LIMITS)
+        shared_bodies.scan(SharedBytes(0x3FFFFFFF, 3, 10, (0, 0)), LIMITS)
 
 
 def test_a_job_whose_descriptor_names_another_file_now_leaves_that_file_alone(
@@ -150,9 +150,14 @@ def test_a_job_whose_descriptor_names_another_file_now_leaves_that_file_alone(
     try:
         with pytest.raises(OSError, match="another file now"):
             shared_bodies.scan(ref, LIMITS)
-        out = SharedBytes(os.getpid(), reused, 0, ref.inode)
+        out = SharedBytes(os.getpid(), reused, 0, ref.identity)
         with pytest.raises(OSError, match="another file now"):
             shared_bodies.finish(ref, out, LIMITS, answers)
+        # The same inode number on another file system (the memfd's) is another file too.
+        st = os.fstat(reused)
+        elsewhere = SharedBytes(os.getpid(), reused, 0, (st.st_dev + 1, st.st_ino))
+        with pytest.raises(OSError, match="another file now"):
+            shared_bodies.finish(ref, elsewhere, LIMITS, answers)
     finally:
         os.close(reused)
     assert other.read_bytes() == b"\0" * len(body)

@@ -43,14 +43,15 @@ class SharedBytes:
     pid: int
     fd: int
     size: int
-    # The memfd's own: a job of a request that has ended may run after the serving process
-    # has closed the descriptor and opened another file under its number, which the job must
-    # not read (a file cut short under a mapping is a SIGBUS) or write.
-    inode: int
+    # The memfd's device and inode: a job of a request that has ended may run after the
+    # serving process has closed the descriptor and opened another file under its number,
+    # which the job must not read (a file cut short under a mapping is a SIGBUS) or write.
+    # The inode alone is not enough: another file system may have a file of the same number.
+    identity: tuple[int, int]
 
     @classmethod
     def of(cls, pid: int, fd: int, size: int) -> SharedBytes:
-        return cls(pid, fd, size, os.fstat(fd).st_ino)
+        return cls(pid, fd, size, _identity(fd))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +90,16 @@ def _open(ref: SharedBytes, flags: int) -> int:
         fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", flags | os.O_CLOEXEC)
     except OSError as e:
         raise Unshareable(f"cannot open the serving process's memory file: {e}") from None
-    if os.fstat(fd).st_ino != ref.inode:
+    if _identity(fd) != ref.identity:
         os.close(fd)
         raise OSError(f"descriptor {ref.fd} of process {ref.pid} is another file now: the "
                       "request it was for has ended")
     return fd
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _body(ref: SharedBytes) -> memoryview:
