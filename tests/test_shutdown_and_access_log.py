@@ -16,6 +16,8 @@ from tests.elfs import ElfSet
 from tests.faults import HALF, FaultUpstream
 from tests.harness import free_port
 from tests.processes import wait_until_serving
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES
 
 
 async def _start(tmp_path: Path, upstream: str, server: str = ""
@@ -79,3 +81,34 @@ async def test_access_log_counts_the_bytes_of_a_cut_off_response(
     assert 0 < got < size
     # What left the server: at most what the upstream sent, at least what the client read.
     assert got <= access[0]["bytes"] <= size * HALF, (got, access[0]["bytes"], size)
+
+
+async def test_a_profile_whose_client_leaves_mid_answer_is_logged(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A symbolized answer is sent from the worker's mapped file as aiohttp prepares the
+    response, as a cached file is: a client that leaves after its first bytes still gets its
+    access line, as one that reads it all does."""
+    base, proc = await _start(tmp_path, faults.url_for("ok"))
+    placed = place(elfs.prog, BASES["prog"])
+    # Every instruction a few hundred times over: an answer of megabytes, more than the
+    # sockets hold, so that the client's leaving cuts it.
+    body = make_profile([(placed, code_addresses(elfs.prog) * 1500)]).SerializeToString()
+    url = f"{base}/symbolize"
+    headers = {"Content-Type": "application/octet-stream"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=body, headers=headers) as r:  # the table built, read whole
+            assert r.status == 200 and len(await r.read()) > 4 << 20
+        async with s.post(url, data=body, headers=headers) as r:
+            assert r.status == 200
+            await r.content.readexactly(1024)
+            r.close()  # leaves, the answer under way
+    await asyncio.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout is not None
+    out = (await proc.stdout.read()).decode()
+    assert await proc.wait() == 0
+    access = [json.loads(ln)["access"] for ln in out.splitlines()
+              if ln.startswith("{") and '"access"' in ln and "/symbolize" in ln]
+    assert len(access) == 2, out
+    assert access[0]["status"] == 200

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import get_args
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from proxy.config import Fallback, SymbolizeConfig, TenantConfig
 from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
@@ -123,27 +124,39 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
              locations_symbolized=done.report.locations_symbolized)
     # Nothing filled in: the client gets its own bytes back, untouched.
-    return await respond(request, answer, fmt.content_type, report_headers(done.report, result))
+    return respond(answer, fmt.content_type, report_headers(done.report, result))
 
 
-async def respond(request: web.Request, answer: bytes | memoryview, content_type: str,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    """The answer, sent; a view of a worker's mapped answer is let go of once it is sent.
-    aiohttp keeps a kept-alive connection's last response until the next request comes:
-    with it a mapping and its descriptor, 39 MB for a profile of a million locations."""
+def respond(answer: bytes | memoryview, content_type: str, headers: dict[str, str]
+            ) -> web.StreamResponse:
+    """The answer as a response: a view of a worker's mapped answer is let go of once sent."""
     if not isinstance(answer, memoryview):
         return web.Response(body=answer, content_type=content_type, headers=headers)
-    response = web.StreamResponse(headers=headers)
-    response.content_type = content_type
-    response.content_length = answer.nbytes
-    try:
-        await response.prepare(request)
-        await response.write(answer)
-        await response.write_eof()
-    finally:
-        with contextlib.suppress(BufferError):  # a transport still holds part of it
-            answer.release()
-    return response
+    return _SentView(answer, content_type, headers)
+
+
+class _SentView(web.StreamResponse):
+    """A worker's answer, mapped from the memory file it wrote (proxy.symbols.workers),
+    written when aiohttp prepares the response (so that a client that leaves mid-answer is
+    logged as aiohttp logs any), then let go of: aiohttp keeps a kept-alive connection's last
+    response until the next request comes, and with it the mapping and its descriptor, 39 MB
+    for a profile of a million locations."""
+
+    def __init__(self, view: memoryview, content_type: str, headers: dict[str, str]) -> None:
+        super().__init__(headers=headers)
+        self.content_type = content_type
+        self.content_length = view.nbytes
+        self._view = view
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            writer = await super().prepare(request)
+            await self.write(self._view)
+            await super().write_eof()
+        finally:
+            with contextlib.suppress(BufferError):  # a transport still holds part of it
+                self._view.release()
+        return writer
 
 
 def fallback_of(request: web.Request, cfg: SymbolizeConfig, settings: TenantConfig | None
