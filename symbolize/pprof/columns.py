@@ -121,14 +121,12 @@ def record_columns(records: bytes, count: int) -> LocationColumns | None:
             return None
         run = _rows(stops[: _RECORD_STOPS * n], _RECORD_STOPS)
         size = window[run[1]].astype(np.int64)  # the Location's length
-        # The fields tile the window from its start, each a tag, its length and as many bytes.
+        # The fields tile the window from its start, each a tag, its length and as many bytes
+        # of a canonical Location.
         ok = run[7] == run[1] + size
         ok &= run[0] == np.concatenate(([0], run[7][:-1] + 1))
         ok &= (window[run[0]] == _LOCATION_FIELD) & (run[1] == run[0] + 1)
-        # The Location: its id, mapping_id and address, in that order.
-        for j, tag in ((2, 0x08), (4, _MAPPING_ID), (6, _ADDRESS)):
-            ok &= (run[j] == run[j - 1] + 1) & (window[run[j]] == tag)
-            ok &= run[j + 1] - run[j] <= _MAX_VARINT
+        ok &= _canonical(window, run[2:], run[1] + 1)
         if not ok.all():
             return None
         for j, column in ((4, mapping_id), (6, address)):
@@ -197,7 +195,7 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     at = starts[which]
     stop = stops.positions
     last = len(stop) - 1  # the sentinel
-    run: list[I64] | npt.NDArray[np.int32] | I64
+    run: Rows
     if 6 * len(which) == last:
         # As many stops as if every location were canonical: their six stops are rows of a
         # table (the checks below catch any location for which that is not so).
@@ -205,17 +203,27 @@ def _read_canonical(buf: npt.NDArray[np.uint8], stops: _Stops, which: I64, start
     else:
         k = stops.index_from(at)
         run = [stop[np.minimum(k + j, last)] for j in range(6)]
-    ok: npt.NDArray[np.bool_] = run[0] == at
+    ok: npt.NDArray[np.bool_] = _canonical(buf, run, at) & (run[5] == ends[which] - 1)
+    for j, column in ((2, mapping_id), (4, address)):
+        first = run[j][ok] + 1
+        column[which[ok]] = varint.get(buf, first, run[j + 1][ok] - first + 1)
+    return which[~ok]
+
+
+Rows = Sequence[I64] | npt.NDArray[np.int32] | I64
+
+
+def _canonical(buf: npt.NDArray[np.uint8], run: Rows, start: I64) -> npt.NDArray[np.bool_]:
+    """Whether the six varint ends in `run` (a row each) are those of a canonical Location
+    beginning at `start`: the tags of its id, mapping_id and address in that order, each
+    where the value before it ends, and values of ten bytes at most."""
+    ok: npt.NDArray[np.bool_] = run[0] == start
     for j, tag in ((0, 0x08), (2, _MAPPING_ID), (4, _ADDRESS)):
         if j:
             ok &= run[j] == run[j - 1] + 1
         ok &= np.take(buf, np.minimum(run[j], len(buf) - 1)) == tag
         ok &= run[j + 1] - run[j] <= _MAX_VARINT
-    ok &= run[5] == ends[which] - 1
-    for j, column in ((2, mapping_id), (4, address)):
-        first = run[j][ok] + 1
-        column[which[ok]] = varint.get(buf, first, run[j + 1][ok] - first + 1)
-    return which[~ok]
+    return ok
 
 
 def _rows(stops: I64, width: int) -> npt.NDArray[np.int32] | I64:
