@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -34,6 +35,19 @@ async def _start(tmp_path: Path, upstream: str, server: str = ""
     base = f"http://127.0.0.1:{port}"
     await wait_until_serving(base, proc)
     return base, proc
+
+
+async def _stopped_access(proc: asyncio.subprocess.Process, path: str
+                          ) -> tuple[list[dict[str, Any]], str]:
+    """Stop the server (SIGTERM, exit 0) and return the access lines of requests to paths
+    with `path` in them, and all it printed."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout is not None
+    out = (await proc.stdout.read()).decode()
+    assert await proc.wait() == 0
+    access = [json.loads(ln)["access"] for ln in out.splitlines()
+              if ln.startswith("{") and '"access"' in ln and path in ln]
+    return access, out
 
 
 async def test_sigterm_exits_within_the_grace_with_a_request_hanging(
@@ -69,12 +83,7 @@ async def test_access_log_counts_the_bytes_of_a_cut_off_response(
                 got += len(chunk)
         except aiohttp.ClientPayloadError:
             pass
-    proc.send_signal(signal.SIGTERM)
-    assert proc.stdout is not None
-    out = (await proc.stdout.read()).decode()
-    assert await proc.wait() == 0
-    access = [json.loads(ln)["access"] for ln in out.splitlines()
-              if ln.startswith("{") and '"access"' in ln and "/buildid/" in ln]
+    access, out = await _stopped_access(proc, "/buildid/")
     assert len(access) == 1, out
     size = elfs.big.debug.stat().st_size
     assert access[0]["outcome"] == "aborted"
@@ -91,8 +100,8 @@ async def test_a_profile_whose_client_leaves_mid_answer_is_logged(
     access line, as one that reads it all does."""
     base, proc = await _start(tmp_path, faults.url_for("ok"))
     placed = place(elfs.prog, BASES["prog"])
-    # Every instruction a few hundred times over: an answer of megabytes, more than the
-    # sockets hold, so that the client's leaving cuts it.
+    # Every instruction 1,500 times over: an answer of megabytes, more than the sockets hold,
+    # so that the client's leaving cuts it.
     body = make_profile([(placed, code_addresses(elfs.prog) * 1500)]).SerializeToString()
     url = f"{base}/symbolize"
     headers = {"Content-Type": "application/octet-stream"}
@@ -104,11 +113,6 @@ async def test_a_profile_whose_client_leaves_mid_answer_is_logged(
             await r.content.readexactly(1024)
             r.close()  # leaves, the answer under way
     await asyncio.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.stdout is not None
-    out = (await proc.stdout.read()).decode()
-    assert await proc.wait() == 0
-    access = [json.loads(ln)["access"] for ln in out.splitlines()
-              if ln.startswith("{") and '"access"' in ln and "/symbolize" in ln]
+    access, out = await _stopped_access(proc, "/symbolize")
     assert len(access) == 2, out
     assert access[0]["status"] == 200
