@@ -124,8 +124,9 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
 
 async def _resolve_all(provider: SymbolProvider, layouts: Mapping[str, bool],
                        deadline_s: float | None) -> dict[str, Resolved]:
+    # In the scan's order (widest mapping first): the first to start is the first to build.
     tasks = {bid: asyncio.ensure_future(provider.resolve(bid, needs_layout=needs))
-             for bid, needs in sorted(layouts.items())}
+             for bid, needs in layouts.items()}
     if tasks:
         await asyncio.wait(tasks.values(), timeout=deadline_s)
     out: dict[str, Resolved] = {}

@@ -1,6 +1,8 @@
 """Builds waiting for a worker go biggest source first: a cold profile's builds arrive all at
 once, and it is answered when the biggest one is done, so that one must not queue behind a
-row of small ones. Real builds in a real worker process, of gcc-built fixtures and libc."""
+row of small ones; and a profile's build IDs are resolved widest mapping first, so that the
+biggest build is the first to arrive. Real builds in a real worker process, of gcc-built
+fixtures and libc."""
 
 from __future__ import annotations
 
@@ -11,8 +13,15 @@ import pytest
 
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.workers import WorkerPool
-from tests.elfs import ElfSet
-from tests.libc import LIBC_DEBUG, LIBC_ID
+from proxy.web.state import STATE
+from symbolize.elf import LoadSegment
+from symbolize.pprof.profile_pb2 import Profile
+from symbolize.worker import Limits, scan
+from tests.elfs import Elf, ElfSet
+from tests.harness import SymgateFactory
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
+from tests.profiles import Placed, code_addresses, make_profile, place
+from tests.symbolize_helpers import post, symbolize_config
 
 
 @pytest.fixture
@@ -105,3 +114,55 @@ async def test_a_build_that_waited_past_patience_goes_next_whatever_its_size(
         await asyncio.sleep(0)
     await asyncio.gather(*waiting)
     assert done == [e.name for e in fixtures]  # smallest first: the order they came in
+
+
+def _tree(root: Path, elfs: list[tuple[str, Path, Path]]) -> Path:
+    """A .build-id tree of (build ID, executable, debug file)."""
+    for bid, exe, debug in elfs:
+        d = root / ".build-id" / bid[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / bid[2:]).symlink_to(exe)
+        (d / (bid[2:] + ".debug")).symlink_to(debug)
+    return root
+
+
+def _libc_and_fixtures(elfs: ElfSet) -> tuple[Profile, list[Elf]]:
+    """A profile of the fixtures and libc, libc's mapping last; and the fixtures whose build
+    IDs sort before libc's (which an order by build ID would build first)."""
+    placed = [(place(e, 0x5500_0000_0000 + (i << 32)), code_addresses(e)[:20])
+              for i, e in enumerate(elfs.all)]
+    libc = Placed(LIBC_ID, str(LIBC), 0x7F00_0000_0000, 0x7F00_0019_0000, 0x28000,
+                  LoadSegment(0x28000, 0x28000, 0x168000, 0x168000, True), 0x7F00_0000_0000)
+    profile = make_profile([*placed, (libc, [0x29000, 0x30000])])
+    return profile, [e for e in elfs.all if e.build_id < LIBC_ID]
+
+
+def test_the_scan_lists_build_ids_widest_mapping_first(elfs: ElfSet) -> None:
+    profile, _before = _libc_and_fixtures(elfs)
+    layouts = scan(profile.SerializeToString(), Limits(1 << 26, 100)).layouts
+    by_width = sorted(((m.memory_limit - m.memory_start, profile.string_table[m.build_id])
+                       for m in profile.mapping), key=lambda x: (-x[0], x[1]))
+    assert by_width[0][1] == LIBC_ID
+    assert list(layouts) == [bid for _w, bid in by_width]
+
+
+async def test_a_cold_profiles_biggest_build_reaches_the_worker_first(
+        start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path) -> None:
+    """One build worker: the first build to ask for it gets it. libc's mapping is the widest,
+    and its build must be the first, though its build ID sorts after fixtures' and its
+    mapping comes last in the profile."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    profile, before = _libc_and_fixtures(elfs)
+    if not before:
+        pytest.skip("no fixture's build ID sorts before libc's in this session")
+    tree = _tree(tmp_path / "debug", [(LIBC_ID, LIBC, LIBC_DEBUG),
+                                      *((e.build_id, e.executable, e.debug) for e in elfs.all)])
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, headers, _body = await post(sg, profile.SerializeToString())
+    assert status == 200
+    assert headers["X-Symgate-Mappings-Symbolized"] == str(len(elfs.all) + 1)
+    repo = sg.runner.app[STATE].repo
+    built = {bid: rec.built_at for bid in (LIBC_ID, *(e.build_id for e in elfs.all))
+             if (rec := await repo.get_symbol_table("", bid)) is not None}
+    assert min(built, key=lambda b: built[b]) == LIBC_ID, sorted(built, key=lambda b: built[b])
