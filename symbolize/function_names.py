@@ -28,6 +28,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,10 +46,32 @@ _INTERNAL = re.compile(r"^__GI_|_alias(?:_\d+)?$")
 
 
 @dataclass(frozen=True, slots=True)
-class OrphanRow:
-    address: int  # relative to the load address, as SymCache addresses are
-    file: str
-    line: int
+class OrphanRows:
+    """Line rows of code outside every subprogram, sorted by address, as columns: libc has
+    some 2,500, and an object each took 8 ms of every opening of its table."""
+
+    address: npt.NDArray[np.uint64]  # relative to the load address, as SymCache addresses are
+    file: tuple[str, ...]
+    line: npt.NDArray[np.uint64]  # 0: the row ends a sequence
+
+    def __len__(self) -> int:
+        return len(self.address)
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[object]]) -> OrphanRows:
+        """From (address, file, line) rows; ValueError for rows that are not."""
+        try:
+            file = tuple(f for r in rows if type(f := r[1]) is str)
+            if len(file) != len(rows) or any(len(r) != 3 for r in rows):
+                raise ValueError("an orphan row is not (address, file, line)")
+            return cls(np.array([r[0] for r in rows], dtype=np.uint64).reshape(-1), file,
+                       np.array([r[2] for r in rows], dtype=np.uint64).reshape(-1))
+        except (TypeError, OverflowError, IndexError, KeyError) as e:  # not rows of three,
+            raise ValueError(f"orphan rows: {e}") from e  # or a number out of range
+
+
+def _no_rows() -> OrphanRows:
+    return OrphanRows(np.zeros(0, np.uint64), (), np.zeros(0, np.uint64))
 
 
 @dataclass
@@ -66,7 +89,7 @@ class TableExtras:
     # Sorted [start, end) ranges of code outside every subprogram, and their rows (sorted;
     # a row with line 0 ends a sequence).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
-    orphan_rows: list[OrphanRow] = field(default_factory=list)
+    orphan_rows: OrphanRows = field(default_factory=_no_rows)
     # The innermost frame's column at each address: that of the last of these (sorted,
     # relative) addresses at or below it; 0 where the line table has none.
     column_starts: npt.NDArray[np.uint32] = field(
@@ -142,9 +165,11 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)
     extras.orphan_ranges = [(a - load_address, b - load_address) for a, b in starts]
-    extras.orphan_rows = [OrphanRow(r.address - load_address, r.file,
-                                    0 if r.end_sequence else r.line)
-                          for r in dwarf.orphan_rows]
+    # Only rows a SymCache address (a u32 offset from the load address) can fall on.
+    extras.orphan_rows = OrphanRows.of([(r.address - load_address, r.file,
+                                         0 if r.end_sequence else r.line)
+                                        for r in dwarf.orphan_rows
+                                        if 0 <= r.address - load_address <= NONE])
     # SymCache addresses are u32 offsets from the load address: so are these.
     relative = dwarf.column_starts - np.uint64(load_address)
     kept = (dwarf.column_starts >= np.uint64(load_address)) & (relative <= np.uint64(NONE))
@@ -191,7 +216,9 @@ def append_to(path: Path, extras: TableExtras) -> None:
         "from_dynsym": extras.from_dynsym,
         "start_lines": extras.start_lines,
         "orphan_ranges": extras.orphan_ranges,
-        "orphan_rows": [[r.address, r.file, r.line] for r in extras.orphan_rows],
+        "orphan_rows": [[a, f, n] for a, f, n in zip(
+            extras.orphan_rows.address.tolist(), extras.orphan_rows.file,
+            extras.orphan_rows.line.tolist(), strict=True)],
     }, separators=(",", ":")).encode()
     rows = extras.column_starts.astype("<u4").tobytes() + extras.columns.astype("<u2").tobytes()
     size = path.stat().st_size
@@ -211,7 +238,8 @@ def names_from_executable(path: Path) -> bool:
 
 
 def read_from(path: Path) -> TableExtras | None:
-    """The extras behind the SymCache at `path`; None for a table written without them."""
+    """The extras behind the SymCache at `path`; None for a table written without them.
+    ValueError where they are damaged."""
     with path.open("rb") as f:
         f.seek(0, 2)
         end = f.tell()
@@ -225,6 +253,13 @@ def read_from(path: Path) -> TableExtras | None:
         raw = json.loads(f.read(blob_size))
         rows = f.read(rows_size)
     count = rows_size // 6
+    try:
+        return _extras(raw, rows, count)
+    except (KeyError, TypeError, AttributeError) as e:  # JSON, but not of this shape
+        raise ValueError(f"extras of another shape: {type(e).__name__}: {e}") from e
+
+
+def _extras(raw: Any, rows: bytes, count: int) -> TableExtras:
     return TableExtras(
         column_starts=np.frombuffer(rows, dtype="<u4", count=count).astype(np.uint32),
         columns=np.frombuffer(rows, dtype="<u2", offset=4 * count).astype(np.uint16),
@@ -234,5 +269,5 @@ def read_from(path: Path) -> TableExtras | None:
         from_dynsym=bool(raw.get("from_dynsym", False)),
         start_lines=[int(x) for x in raw["start_lines"]],
         orphan_ranges=[(int(a), int(b)) for a, b in raw["orphan_ranges"]],
-        orphan_rows=[OrphanRow(int(a), str(p), int(n)) for a, p, n in raw["orphan_rows"]],
+        orphan_rows=OrphanRows.of(raw["orphan_rows"]),
     )

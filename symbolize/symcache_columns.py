@@ -12,9 +12,10 @@ and the last `len(ranges)` source locations belong to the ranges, one each: the 
 frame of every address in that range, whose inlined-into links lead out to the function the
 code is in. So a profile's lookups are one bulk search of the range starts (range_index.py),
 and its frames a walk of links.
-Names and paths are left to symbolic (symtab.py asks it once per function and file), so what
-is read here is structure only, and every walk is checked against symbolic's own answer
-there.
+Function names are read here as symbolic's lookups give them (`symbol`); file paths are left
+to symbolic, whose lookup joins and cleans a file's three parts (symtab.py asks it once per
+file), and every such lookup checks the walk, and the names read here, against symbolic's own
+answer.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class SymCacheColumns:
     inlined_into: U32
     files: int
     functions: int
-    # Per function: where its name is in `strings`, and its entry address (NONE for a function
-    # known only as inlined)
+    # Per function: where its name is in `strings`, its entry address (NONE for a function
+    # known only as inlined), and its language (symbolic_common::Language as a number)
     function_name: U32
     function_entry: U32
+    function_language: U32
     strings: npt.NDArray[np.uint8]
 
     def string(self, offset: int) -> str:
@@ -69,6 +71,32 @@ class SymCacheColumns:
             if not byte & 0x80:
                 break
         return bytes(self.strings[at: at + size]).decode(errors="replace")
+
+    def symbol(self, function: int) -> str:
+        """The function's name as symbolic's lookup gives it (the `symbol` of a frame): "?"
+        for no function, or a name its string table cannot give (out of bounds, not UTF-8)."""
+        if not 0 <= function < self.functions:
+            return "?"
+        at = int(self.function_name[function])
+        size, shift = 0, 0
+        try:
+            while True:
+                byte = int(self.strings[at])
+                size |= (byte & 0x7F) << shift
+                at += 1
+                shift += 7
+                if not byte & 0x80:
+                    break
+            if at + size > len(self.strings):
+                return "?"
+            return bytes(self.strings[at: at + size]).decode()
+        except (IndexError, UnicodeDecodeError):
+            return "?"
+
+    def is_rust(self, function: int) -> bool:
+        """Whether symbolic says the function is Rust's (Language::Rust, 7): its `_ZN` names
+        are then demangled as Rust's legacy scheme."""
+        return 0 <= function < self.functions and int(self.function_language[function]) == 7
 
     @property
     def first_range_location(self) -> int:
@@ -113,7 +141,8 @@ def read_columns(path: Path) -> SymCacheColumns:
         range_starts=data[range_offset: range_offset + ranges * 4].view("<u4"),
         file=table[:, 0], line=table[:, 1], function=table[:, 2], inlined_into=table[:, 3],
         files=files, functions=functions, function_name=function_table[:, 0],
-        function_entry=function_table[:, 2], strings=data[offset: offset + string_bytes])
+        function_entry=function_table[:, 2], function_language=function_table[:, 3],
+        strings=data[offset: offset + string_bytes])
     _check(path, columns)
     return columns
 

@@ -188,7 +188,10 @@ class SymbolTable:
     ) -> None:
         self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
         self._columns = read_columns(path)
-        self._extras = read_from(path) or TableExtras()
+        try:
+            self._extras = read_from(path) or TableExtras()
+        except ValueError as e:  # damaged behind the SymCache: this table alone is unusable
+            raise UnreadableSymCache(f"{path.name}: its extras are unreadable ({e})") from e
         starts, extras = self._columns.range_starts, self._extras
         pieces = sorted_union(starts, extras.column_starts) \
             if len(extras.column_starts) else starts
@@ -214,13 +217,13 @@ class SymbolTable:
         self._cold = np.array(cold_ranges, dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
         self._orphan_ranges = np.array(extras.orphan_ranges, dtype=np.uint64).reshape(-1, 2)
-        self._orphan_rows = np.array([r.address for r in extras.orphan_rows], dtype=np.uint64)
-        self._orphan_lines = np.array([r.line for r in extras.orphan_rows], dtype=np.uint64)
-        orphan_files = sorted({r.file for r in extras.orphan_rows})
+        rows = extras.orphan_rows
+        self._orphan_rows, self._orphan_lines = rows.address, rows.line
+        orphan_files = sorted(set(rows.file))
         # Their files are numbered after the SymCache's, and after NONE's stand-in.
         first = self._columns.files + 1
-        self._orphan_files = np.array([first + orphan_files.index(r.file)
-                                       for r in extras.orphan_rows], dtype=np.int64)
+        number = {f: first + i for i, f in enumerate(orphan_files)}
+        self._orphan_files = np.array([number[f] for f in rows.file], dtype=np.int64)
         # symbolic's names: function index -> (system name, demangled); file index -> path.
         self._function_names: dict[int, tuple[str, str]] = {NONE: ("", "")}
         self._paths: dict[int, str] = {NONE: "", **{first + i: f
@@ -365,25 +368,29 @@ class SymbolTable:
 
     def _learn_names(self, leaf: I64, owner: I64, function: I64, file: I64,
                      line: U64) -> None:
-        """Ask symbolic the names of the functions and files not named yet.
+        """Name the functions and files not named yet.
 
-        One lookup at the start of a chain's range names every frame of that chain. Its
-        answer must have the frames and lines the arrays have, or they were misread.
+        A function's name is read from the SymCache, as symbolic's lookup gives it. A file's
+        path is symbolic's (its lookup joins and cleans the file's three parts): one lookup at
+        the start of a chain's range names every file of that chain. Its answer must have the
+        frames, lines and function names the arrays have, or they were misread.
         """
         c = self._columns
         names, paths = self._function_names, self._paths
-        unknown = []
-        for column, known in ((function, names), (file, paths)):
-            values, first = np.unique(column, return_index=True)
-            unknown += [i for v, i in zip(values.tolist(), first.tolist(), strict=True)
-                        if v not in known]
+        for f in np.unique(function).tolist():
+            if f not in names:
+                symbol = c.symbol(f)
+                names[f] = (symbol, demangle(symbol, "rust" if c.is_rust(f) else ""))
+        values, first = np.unique(file, return_index=True)
+        unknown = [i for v, i in zip(values.tolist(), first.tolist(), strict=True)
+                   if v not in paths]
         if not unknown:
             return
         bounds = np.searchsorted(owner, np.arange(len(leaf) + 1)).tolist()
         functions, files, lines = function.tolist(), file.tolist(), line.tolist()
         owners, leaves = owner.tolist(), leaf.tolist()
         for i in unknown:
-            if functions[i] in names and files[i] in paths:
+            if files[i] in paths:
                 continue
             chain = owners[i]
             start, end = bounds[chain], bounds[chain + 1]
@@ -393,7 +400,8 @@ class SymbolTable:
                     != lines[start:end]:
                 raise UnreadableSymCache(
                     f"symbolic answers {len(found)} frames where the arrays have {end - start}")
-            for f, x, loc in zip(functions[start:end], files[start:end], found, strict=True):
-                symbol = loc.symbol or ""
-                names.setdefault(f, (symbol, demangle(symbol, loc.lang or "")))
+            if any(f != NONE and (loc.symbol or "") != names[f][0]
+                   for f, loc in zip(functions[start:end], found, strict=True)):
+                raise UnreadableSymCache("symbolic names a frame otherwise than its SymCache")
+            for x, loc in zip(files[start:end], found, strict=True):
                 paths.setdefault(x, loc.full_path or "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import random
 import shutil
 import struct
@@ -68,10 +69,12 @@ def symbolic_frames(cache: SymCache, built: BuildResult, vaddr: int,
     relative = vaddr - built.load_address
     if extras and len(frames) == 1 and not frames[0].file and any(
             a <= relative < b for a, b in extras.orphan_ranges):
-        row = max((r for r in extras.orphan_rows if r.address <= relative),
-                  key=lambda r: r.address, default=None)
-        if row is not None and row.line:
-            frames[0] = Expected(frames[0].function, frames[0].system_name, row.file, row.line)
+        rows = extras.orphan_rows
+        row = max((i for i, a in enumerate(rows.address.tolist()) if a <= relative),
+                  key=lambda i: int(rows.address[i]), default=None)
+        if row is not None and rows.line[row]:
+            frames[0] = Expected(frames[0].function, frames[0].system_name, rows.file[row],
+                                 int(rows.line[row]))
     return frames
 
 
@@ -237,3 +240,101 @@ def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path
     assert [m.has_functions for m in out.mapping] == [True, False]
     assert all(not loc.line for loc in out.location if loc.mapping_id == 2)
     assert any(loc.line for loc in out.location if loc.mapping_id == 1)
+
+
+def _symbols_along_walks(path: Path, ranges: list[int]) -> tuple[list[list[str]],
+                                                                 list[list[str]]]:
+    """For each range: the names the columns give its chain's functions, and symbolic's."""
+    c = read_columns(path)
+    cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
+    ours, theirs = [], []
+    for r in ranges:
+        chain, location = [], c.first_range_location + r
+        if c.function[location] == c.file[location] == c.line[location] \
+                == c.inlined_into[location] == NONE:
+            continue  # how symbolic ends its last range: no code, and no frame, there
+        while location != NONE and len(chain) < 256:
+            chain.append(c.symbol(int(c.function[location])))
+            location = int(c.inlined_into[location])
+        ours.append(chain)
+        theirs.append([loc.symbol for loc in cache.lookup(int(c.range_starts[r]))])
+    return ours, theirs
+
+
+def test_function_names_read_from_the_table_are_symbolics(libc: Built, elfs: ElfSet,
+                                                          tmp_path: Path) -> None:
+    """symtab.py takes a frame's function name from the columns, asking symbolic only for
+    file paths: the two must give the same name for every frame, C++ and inlined ones too."""
+    for elf in elfs.all:
+        path = _build(tmp_path, elf.debug, elf.build_id)[0]
+        ours, theirs = _symbols_along_walks(path, list(range(len(read_columns(path)
+                                                                  .range_starts))))
+        assert ours == theirs, elf.name
+    ranges = len(read_columns(libc[0]).range_starts)
+    ours, theirs = _symbols_along_walks(libc[0], random.Random(3).sample(range(ranges), 20_000))
+    assert ours == theirs
+
+
+def test_a_name_the_table_cannot_give_is_a_question_mark_as_symbolics(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """symbolic names a function "?" where its string cannot be read: an offset past the
+    strings, or bytes that are not UTF-8. The columns must say the same."""
+    path = _build(tmp_path, elfs.cpp.debug, elfs.cpp.build_id)[0]
+    c = read_columns(path)
+    files = struct.unpack_from("<I", path.read_bytes()[:80], 8 + 32 + 4)[0]
+    function_table = (80 + files * 24 + 7) & ~7
+    leaf = c.first_range_location
+    f = int(c.function[leaf])
+    assert f != NONE
+    name_at = int(c.function_name[f])
+    strings_at = len(path.read_bytes()) - len(c.strings) - _trailer_bytes(path)
+    cases = {
+        "past the strings": _patched(path, tmp_path / "past.symc", function_table + f * 16,
+                                     struct.pack("<I", 0xFFFFFFF0)),
+        "not UTF-8": _patched(path, tmp_path / "utf8.symc", strings_at + name_at + 1,
+                              b"\xff\xfe"),
+    }
+    for case, bad in cases.items():
+        columns = read_columns(bad)
+        cache = SymCache.open(str(bad))  # type: ignore[no-untyped-call]
+        theirs = cache.lookup(int(columns.range_starts[0]))[0].symbol
+        assert columns.symbol(f) == theirs == "?", case
+
+
+def _trailer_bytes(path: Path) -> int:
+    """What symgate wrote behind the SymCache (function_names.py), which read_columns' view
+    of the strings does not reach."""
+    symcache = struct.unpack("<QQQ8s", path.read_bytes()[-32:])[2]
+    return len(path.read_bytes()) - symcache
+
+
+def test_a_table_whose_extras_are_damaged_fails_its_mapping_alone(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    good_elf, bad_elf = elfs.prog, elfs.shlib
+    good = _build(tmp_path, good_elf.debug, good_elf.build_id)
+    bad_path, bad = _build(tmp_path, bad_elf.debug, bad_elf.build_id)
+    blob, rows, symcache, mark = struct.unpack("<QQQ8s", bad_path.read_bytes()[-32:])
+    data = bad_path.read_bytes()
+    # JSON still, but the orphan rows are not (address, file, line).
+    damaged = json.dumps({**json.loads(data[symcache:symcache + blob]),
+                          "orphan_rows": [[-1, 5, "x"]]}).encode()
+    broken = tmp_path / "broken.symc"
+    broken.write_bytes(data[:symcache] + damaged + data[symcache + blob:-32]
+                       + struct.pack("<QQQ8s", len(damaged), rows, symcache, mark))
+    with pytest.raises(ValueError):
+        read_from(broken)
+
+    ids = FunctionIds()
+    p = Profile()
+    p.string_table.extend(["", "good", good_elf.build_id, "bad", bad_elf.build_id])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    p.mapping.add(id=2, filename=3, build_id=4)
+    for mid, (_path, built) in ((1, good), (2, (broken, bad))):
+        start, _end = built.code_ranges[0]
+        p.location.add(id=len(p.location) + 1, mapping_id=mid, address=start)
+    with pytest.raises(UnreadableSymCache, match="extras"):
+        open_table(broken, bad, ids)
+    out, report = run_rewrite(p.SerializeToString(), {
+        good_elf.build_id: MappingSymbols(open_table(*good, ids), ())}, ids)
+    assert report.mappings_symbolized == 1
+    assert [m.has_functions for m in out.mapping] == [True, False]
