@@ -174,6 +174,11 @@ class _Reader:
         self._int = ctypes.c_int()
         self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
             ctypes.c_uint64()
+        # Made once: libc has some 6,000 subprograms and 8,000 range lists, each read with a
+        # handful of calls through ctypes, and a byref() per argument per call told.
+        self._attr_ref, self._int_ref = ctypes.byref(self._attr), ctypes.byref(self._int)
+        self._range_refs = (ctypes.byref(self._base), ctypes.byref(self._start),
+                            ctypes.byref(self._end))
         self._cu_ranges: list[tuple[int, int]] = []
         self._lines: dict[str, set[int]] = {}
         self._row_arrays: list[bytes] = []
@@ -231,17 +236,18 @@ class _Reader:
     def _ranges(self, die: ctypes._Pointer[_Die]) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = []
         offset = 0
+        ranges, base, start, end = self._lib.dwarf_ranges, *self._range_refs
         while True:
-            offset = self._lib.dwarf_ranges(die, offset, ctypes.byref(self._base),
-                                            ctypes.byref(self._start), ctypes.byref(self._end))
+            offset = ranges(die, offset, base, start, end)
             if offset <= 0:
                 return found
             if self._end.value > self._start.value:
                 found.append((self._start.value, self._end.value))
 
     def _string(self, die: ctypes._Pointer[_Die], attribute: int) -> str:
-        raw = self._lib.dwarf_formstring(
-            self._lib.dwarf_attr_integrate(die, attribute, ctypes.byref(self._attr)))
+        """The attribute's string, "" where the DIE (or the one it comes from) has none."""
+        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_ref)
+        raw = self._lib.dwarf_formstring(attr) if attr else None
         return raw.decode(errors="replace") if raw else ""
 
     def _subprogram(self, die: ctypes._Pointer[_Die], _arg: object) -> int:
@@ -251,7 +257,7 @@ class _Reader:
         linkage = (self._string(die, _DW_AT_LINKAGE_NAME)
                    or self._string(die, _DW_AT_MIPS_LINKAGE_NAME))
         self._int.value = 0
-        lib.dwarf_decl_line(die, ctypes.byref(self._int))
+        lib.dwarf_decl_line(die, self._int_ref)
         line = max(self._int.value, 0)
         if linkage and name and not linkage.startswith(("_Z", "_R")):
             self._out.names_by_linkage.setdefault(linkage, name)
@@ -336,7 +342,13 @@ class _RowLayout:
         column = np.where(word >> self._END_BIT & 1, 0, word & 0xFFFF).astype(np.uint16)
         # Of rows at one address the last one holds (an end of sequence sorts before the
         # first row of the next): llvm-symbolizer looks up the last row at or below.
-        order = np.lexsort((np.arange(len(address)), ~(word >> self._END_BIT & 1), address))
+        end = (word >> self._END_BIT & 1).astype(np.uint64)
+        if len(address) and int(address.max()) < 1 << 63:
+            # One key, address then end of sequence first, in a stable sort of the CUs' own
+            # sorted runs: half lexsort's time over libc's 290,000 rows.
+            order = np.argsort(address << np.uint64(1) | end ^ np.uint64(1), kind="stable")
+        else:
+            order = np.lexsort((np.arange(len(address)), end ^ np.uint64(1), address))
         address, column = address[order], column[order]
         last = np.append(address[1:] != address[:-1], True)
         address, column = address[last], column[last]
