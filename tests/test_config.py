@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from pathlib import Path
 
@@ -217,6 +218,13 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from proxy.tools.cli import main
 
-    rc = main(["serve", "--config", str(write(tmp_path, "[cache]\nmax_bytes = 'x'\n"))])
+    # main() sets up the process's logging, as a command does: a handler on this test's
+    # captured stderr, which later tests in this process would log into once it is closed.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        rc = main(["serve", "--config", str(write(tmp_path, "[cache]\nmax_bytes = 'x'\n"))])
+    finally:
+        root.handlers[:], root.level = handlers, level
     assert rc == 2
     assert "configuration error: cache.max_bytes" in capsys.readouterr().err
