@@ -62,10 +62,12 @@ class OrphanRows:
         """From (address, file, line) rows; ValueError for rows that are not."""
         try:
             file = tuple(f for r in rows if type(f := r[1]) is str)
-            if len(file) != len(rows) or any(len(r) != 3 for r in rows):
+            address = np.array([r[0] for r in rows], dtype=np.uint64)
+            line = np.array([r[2] for r in rows], dtype=np.uint64)
+            if len(file) != len(rows) or any(len(r) != 3 for r in rows) \
+                    or address.shape != (len(rows),) or line.shape != (len(rows),):
                 raise ValueError("an orphan row is not (address, file, line)")
-            return cls(np.array([r[0] for r in rows], dtype=np.uint64).reshape(-1), file,
-                       np.array([r[2] for r in rows], dtype=np.uint64).reshape(-1))
+            return cls(address, file, line)
         except (TypeError, OverflowError, IndexError, KeyError) as e:  # not rows of three,
             raise ValueError(f"orphan rows: {e}") from e  # or a number out of range
 
@@ -250,12 +252,14 @@ def read_from(path: Path) -> TableExtras | None:
         if mark != _MARK or blob_size + rows_size > end - _TRAILER.size or rows_size % 6:
             return None
         f.seek(end - _TRAILER.size - rows_size - blob_size)
-        raw = json.loads(f.read(blob_size))
+        blob = f.read(blob_size)
         rows = f.read(rows_size)
     count = rows_size // 6
     try:
-        return _extras(raw, rows, count)
-    except (KeyError, TypeError, AttributeError) as e:  # JSON, but not of this shape
+        return _extras(json.loads(blob), rows, count)
+    # JSON of another shape, a number past what int() or numpy take, or nested past the
+    # parser's depth: damaged, whichever way.
+    except (KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
         raise ValueError(f"extras of another shape: {type(e).__name__}: {e}") from e
 
 

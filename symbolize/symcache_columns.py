@@ -14,8 +14,8 @@ code is in. So a profile's lookups are one bulk search of the range starts (rang
 and its frames a walk of links.
 Function names are read here as symbolic's lookups give them (`symbol`); file paths are left
 to symbolic, whose lookup joins and cleans a file's three parts (symtab.py asks it once per
-file), and every such lookup checks the walk, and the names read here, against symbolic's own
-answer.
+file it meets). Each of those lookups checks its chain's walk, and the names read here,
+against symbolic's own answer: the chains that bring no new file are not checked.
 """
 
 from __future__ import annotations
@@ -65,16 +65,19 @@ class SymCacheColumns:
 
     def _bytes_at(self, offset: int) -> bytes:
         """The bytes of the string at `offset`: a LEB128 length, then that many bytes.
-        IndexError where either runs past the string table."""
+        IndexError where either runs past the string table, or the length past 64 bits (as
+        the leb128 crate that symbolic reads it with: a tenth byte other than 0 or 1)."""
         strings = self.string_view
         size, shift, at = 0, 0, offset
         while True:
             byte = strings[at]
-            size |= (byte & 0x7F) << shift
             at += 1
-            shift += 7
+            if shift == 63 and byte > 1:
+                raise IndexError(f"string at {offset}: its length overflows 64 bits")
+            size |= (byte & 0x7F) << shift
             if not byte & 0x80:
                 break
+            shift += 7
         if at + size > len(strings):
             raise IndexError(f"string at {offset} runs past the string table")
         return strings[at: at + size].tobytes()

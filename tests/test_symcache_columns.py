@@ -293,6 +293,10 @@ def test_a_name_the_table_cannot_give_is_a_question_mark_as_symbolics(
                                      struct.pack("<I", 0xFFFFFFF0)),
         "not UTF-8": _patched(path, tmp_path / "utf8.symc", strings_at + name_at + 1,
                               b"\xff\xfe"),
+        # "abc" behind a length of 3 written in eleven bytes: the leb128 crate that symbolic
+        # reads it with gives up at the tenth, which may only be 0 or 1.
+        "an over-long length": _patched(path, tmp_path / "long.symc", strings_at + name_at,
+                                        b"\x83" + b"\x80" * 9 + b"\x00abc"),
     }
     for case, bad in cases.items():
         columns = read_columns(bad)
@@ -315,14 +319,24 @@ def test_a_table_whose_extras_are_damaged_fails_its_mapping_alone(
     bad_path, bad = _build(tmp_path, bad_elf.debug, bad_elf.build_id)
     blob, rows, symcache, mark = struct.unpack("<QQQ8s", bad_path.read_bytes()[-32:])
     data = bad_path.read_bytes()
-    # JSON still, but the orphan rows are not (address, file, line).
-    damaged = json.dumps({**json.loads(data[symcache:symcache + blob]),
-                          "orphan_rows": [[-1, 5, "x"]]}).encode()
-    broken = tmp_path / "broken.symc"
-    broken.write_bytes(data[:symcache] + damaged + data[symcache + blob:-32]
-                       + struct.pack("<QQQ8s", len(damaged), rows, symcache, mark))
-    with pytest.raises(ValueError):
-        read_from(broken)
+    extras = json.loads(data[symcache:symcache + blob])
+
+    def with_extras(name: str, raw: bytes = b"", **changed: object) -> Path:
+        damaged = raw or json.dumps({**extras, **changed}).encode()
+        out = tmp_path / name
+        out.write_bytes(data[:symcache] + damaged + data[symcache + blob:-32]
+                        + struct.pack("<QQQ8s", len(damaged), rows, symcache, mark))
+        return out
+
+    # JSON still, but not what was written: orphan rows that are not (address, file, line),
+    # one whose address is a pair, a number past any integer, nesting past the parser's depth.
+    for damaged in (with_extras("file.symc", orphan_rows=[[1, 5, "x"]]),
+                    with_extras("pair.symc", orphan_rows=[[[0, 0], "f", 3]]),
+                    with_extras("inf.symc", start_lines=[float("inf")]),
+                    with_extras("deep.symc", b'{"names":' + b"[" * 5000 + b"]" * 5000 + b"}")):
+        with pytest.raises(ValueError):
+            read_from(damaged)
+    broken = with_extras("broken.symc", orphan_rows=[[-1, 5, "x"]])
 
     ids = FunctionIds()
     p = Profile()
