@@ -210,6 +210,21 @@ def test_files_it_cannot_read_are_refused(libc: Built, tmp_path: Path) -> None:
             read_columns(path)
 
 
+def _good_and_bad(good_id: str, good: BuildResult, bad_id: str, bad: BuildResult,
+                  per_mapping: int) -> Profile:
+    """A profile of two mappings, a good table's and a damaged one's, with up to
+    `per_mapping` addresses each from the start of its code."""
+    p = Profile()
+    p.string_table.extend(["", "good", good_id, "bad", bad_id])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    p.mapping.add(id=2, filename=3, build_id=4)
+    for mid, built in ((1, good), (2, bad)):
+        start, end = built.code_ranges[0]
+        for v in range(start, min(end, start + per_mapping)):
+            p.location.add(id=len(p.location) + 1, mapping_id=mid, address=v)
+    return p
+
+
 def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path: Path) -> None:
     good_elf, bad_elf = elfs.prog, elfs.shlib
     good = _build(tmp_path, good_elf.debug, good_elf.build_id)
@@ -224,14 +239,7 @@ def test_a_table_whose_links_loop_fails_its_mapping_alone(elfs: ElfSet, tmp_path
     looped.write_bytes(bytes(data))
 
     ids = FunctionIds()
-    p = Profile()
-    p.string_table.extend(["", "good", good_elf.build_id, "bad", bad_elf.build_id])
-    p.mapping.add(id=1, filename=1, build_id=2)
-    p.mapping.add(id=2, filename=3, build_id=4)
-    for mid, (_path, built) in ((1, good), (2, (looped, bad))):
-        start, end = built.code_ranges[0]
-        for v in range(start, min(end, start + 200)):
-            p.location.add(id=len(p.location) + 1, mapping_id=mid, address=v)
+    p = _good_and_bad(good_elf.build_id, good[1], bad_elf.build_id, bad, 200)
     tables = {elf.build_id: MappingSymbols(open_table(path, b, ids), ())
               for elf, (path, b) in ((good_elf, good), (bad_elf, (looped, bad)))}
     out, report = run_rewrite(p.SerializeToString(), tables, ids)
@@ -339,13 +347,7 @@ def test_a_table_whose_extras_are_damaged_fails_its_mapping_alone(
     broken = with_extras("broken.symc", orphan_rows=[[-1, 5, "x"]])
 
     ids = FunctionIds()
-    p = Profile()
-    p.string_table.extend(["", "good", good_elf.build_id, "bad", bad_elf.build_id])
-    p.mapping.add(id=1, filename=1, build_id=2)
-    p.mapping.add(id=2, filename=3, build_id=4)
-    for mid, (_path, built) in ((1, good), (2, (broken, bad))):
-        start, _end = built.code_ranges[0]
-        p.location.add(id=len(p.location) + 1, mapping_id=mid, address=start)
+    p = _good_and_bad(good_elf.build_id, good[1], bad_elf.build_id, bad, 1)
     with pytest.raises(UnreadableSymCache, match="extras"):
         open_table(broken, bad, ids)
     out, report = run_rewrite(p.SerializeToString(), {
