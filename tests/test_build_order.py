@@ -7,6 +7,7 @@ fixtures and libc."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from proxy.web.state import STATE
 from symbolize.elf import LoadSegment
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.worker import Limits, scan
-from tests.elfs import Elf, ElfSet
+from tests.elfs import ElfSet
 from tests.harness import SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
 from tests.profiles import Placed, code_addresses, make_profile, place
@@ -126,19 +127,23 @@ def _tree(root: Path, elfs: list[tuple[str, Path, Path]]) -> Path:
     return root
 
 
-def _libc_and_fixtures(elfs: ElfSet) -> tuple[Profile, list[Elf]]:
-    """A profile of the fixtures and libc, libc's mapping last; and the fixtures whose build
-    IDs sort before libc's (which an order by build ID would build first)."""
-    placed = [(place(e, 0x5500_0000_0000 + (i << 32)), code_addresses(e)[:20])
-              for i, e in enumerate(elfs.all)]
+def _libc_and_fixtures(elfs: ElfSet, widened: str = "") -> Profile:
+    """A profile of the fixtures and libc, libc's mapping last and the widest, but for the
+    fixture of build ID `widened`, whose mapping is made wider still (its addresses are the
+    same)."""
+    placed = []
+    for i, e in enumerate(elfs.all):
+        at = place(e, 0x5500_0000_0000 + (i << 32))
+        if e.build_id == widened:
+            at = dataclasses.replace(at, memory_limit=at.memory_start + 0x400_0000)
+        placed.append((at, code_addresses(e)[:20]))
     libc = Placed(LIBC_ID, str(LIBC), 0x7F00_0000_0000, 0x7F00_0019_0000, 0x28000,
                   LoadSegment(0x28000, 0x28000, 0x168000, 0x168000, True), 0x7F00_0000_0000)
-    profile = make_profile([*placed, (libc, [0x29000, 0x30000])])
-    return profile, [e for e in elfs.all if e.build_id < LIBC_ID]
+    return make_profile([*placed, (libc, [0x29000, 0x30000])])
 
 
 def test_the_scan_lists_build_ids_widest_mapping_first(elfs: ElfSet) -> None:
-    profile, _before = _libc_and_fixtures(elfs)
+    profile = _libc_and_fixtures(elfs)
     layouts = scan(profile.SerializeToString(), Limits(1 << 26, 100)).layouts
     by_width = sorted(((m.memory_limit - m.memory_start, profile.string_table[m.build_id])
                        for m in profile.mapping), key=lambda x: (-x[0], x[1]))
@@ -146,16 +151,20 @@ def test_the_scan_lists_build_ids_widest_mapping_first(elfs: ElfSet) -> None:
     assert list(layouts) == [bid for _w, bid in by_width]
 
 
+# On SQLite a table's row is read on the calling thread, so the resolutions reach the build
+# pool in the order they started. On PostgreSQL each is awaited on a pool of connections and
+# may come back in another order (2 of 12 runs): a small build can then take the worker first,
+# which delays the widest by that build's few milliseconds, and this strict order is not owed.
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_a_cold_profiles_biggest_build_reaches_the_worker_first(
         start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path) -> None:
-    """One build worker: the first build to ask for it gets it. libc's mapping is the widest,
-    and its build must be the first, though its build ID sorts after fixtures' and its
-    mapping comes last in the profile."""
+    """One build worker: the first build to ask for it gets it. The widest mapping's build
+    must be the first: that of the build ID that sorts last (libc's, or a fixture's made the
+    widest), whose mapping is not the profile's first either."""
     if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
-    profile, before = _libc_and_fixtures(elfs)
-    if not before:
-        pytest.skip("no fixture's build ID sorts before libc's in this session")
+    last = max(LIBC_ID, *(e.build_id for e in elfs.all))
+    profile = _libc_and_fixtures(elfs, widened=last)
     tree = _tree(tmp_path / "debug", [(LIBC_ID, LIBC, LIBC_DEBUG),
                                       *((e.build_id, e.executable, e.debug) for e in elfs.all)])
     sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
@@ -165,4 +174,4 @@ async def test_a_cold_profiles_biggest_build_reaches_the_worker_first(
     repo = sg.runner.app[STATE].repo
     built = {bid: rec.built_at for bid in (LIBC_ID, *(e.build_id for e in elfs.all))
              if (rec := await repo.get_symbol_table("", bid)) is not None}
-    assert min(built, key=lambda b: built[b]) == LIBC_ID, sorted(built, key=lambda b: built[b])
+    assert min(built, key=lambda b: built[b]) == last, sorted(built, key=lambda b: built[b])
