@@ -54,7 +54,8 @@ class FaultUpstream:
         self.bomb_sent = 0
         self.bomb_finished: bool | None = None
         # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is;
-        # "hold": the answer waits for `release`. The await points a test controls.
+        # "hold": the answer waits for `release` ("hold500": then fails). The await points a
+        # test controls.
         self.held_half_sent = asyncio.Event()
         self.release = asyncio.Event()
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
@@ -123,8 +124,10 @@ class FaultUpstream:
             return web.Response(status=404, text="not found")
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
-        if mode == "hold":
+        if mode in ("hold", "hold500"):
             await self.release.wait()
+        if mode == "hold500":  # a failure that comes when the test says
+            return web.Response(status=500, text="internal error")
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
         if mode == "gate":

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
+import subprocess
+from pathlib import Path
 
 import aiohttp
 
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory
+from tests.harness import SymgateFactory, eventually, fast_upstream
 
 
 async def test_single_flight_50_clients_one_upstream_request_streamed(
@@ -99,3 +102,44 @@ async def test_staggered_clients_over_many_keys_cost_one_request_per_key(
     assert {p for p, s in results if s == 200} == set(found)
     assert {p for p, s in results if s == 404} == set(missing)
     assert faults.count("ok") == len(paths)
+
+
+async def test_a_failed_fetch_is_not_replayed_to_a_later_request_while_a_child_holds_its_lock(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A process forked while a fetch holds its key's lock (the forkserver started beside the
+    first requests) holds a copy of that lock until it execs. A request that comes after the
+    fetch failed must then ask the upstream itself, not take that failure for a fetch under way
+    in another process and be handed it."""
+    sg = await start_symgate([fast_upstream(faults.url_for("hold500"), retries=0)],
+                             data_dir=tmp_path / "data")
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    first = asyncio.create_task(sg.get(path))
+    await eventually(lambda: _true(faults.count("hold500") == 1))
+    flights = str(tmp_path / "data" / "cache" / "flights")
+    locks = [fd for fd in map(int, os.listdir("/proc/self/fd"))
+             if _link(fd).startswith(flights) and _link(fd).endswith(".lock")]
+    assert len(locks) == 1, locks
+    # The child a fork leaves between fork and exec, made lasting: it holds the lock's copy.
+    child = subprocess.Popen(["sleep", "60"], pass_fds=locks)
+    try:
+        faults.release.set()
+        status, _, body = await first
+        assert status == 502 and b"answered 500" in body, body
+        status, _, body = await sg.get(path)
+        assert status == 502 and b"answered 500" in body, body
+        assert faults.count("hold500") == 2  # asked again, not handed the first one's end
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _link(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""

@@ -172,13 +172,21 @@ class FlightBoard:
         caller looks in the cache again, or fetches itself."""
         delay = POLL_FIRST_S
         waited = 0.0
+        first_look = True
         while True:
             holder = self._holder(kh)
             state = self.read_state(kh) or {}
             # Another fetch's state (an earlier one, or none yet from this holder): wait.
             name = state.get("state") if holder and state.get("id") == holder else None
             if name == FAILED:
+                if first_look and state.get("pid") == os.getpid():
+                    # This process's own fetch, failed before the caller's claim (which
+                    # follows at once): its lock is held only by the copy a process forked
+                    # meanwhile keeps until it execs (the forkserver's start). The caller came
+                    # after that failure, so it is not the caller's to report.
+                    return None
                 raise _error(state)
+            first_look = False
             if name in (STREAMING, VERIFIED):
                 try:
                     fd = os.open(state["part"], os.O_RDONLY | os.O_CLOEXEC)
