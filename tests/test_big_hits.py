@@ -5,10 +5,12 @@ file, byte for byte, whether it read fast or slowly, left early or came with man
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import aiohttp
 
+from proxy.web.artifacts import UNSENT_BYTES
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 
@@ -97,3 +99,60 @@ async def test_many_clients_at_once_get_the_same_big_file(
     sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
     bodies = await asyncio.gather(*(sg.get(big) for _ in range(16)))
     assert all(status == 200 and body == expected for status, _, body in bodies)
+
+
+async def test_a_client_socket_holds_little_unsent_and_a_slow_reader_still_gets_every_byte(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """sendfile(2) would queue a whole file in the socket at once; the server's side of a
+    connection a file is sent on keeps at most UNSENT_BYTES unsent, so a big hit goes out in
+    many sendfile calls, each when the socket has drained: none of its bytes lost or
+    repeated, and the next response on the connection whole too."""
+    sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
+    host, port = sg.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for _ in range(2):  # the second on the same connection, its bound already set
+            writer.write(f"GET {big} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            got = bytearray()
+            while len(got) < len(expected):  # small reads, with pauses: the socket drains
+                got += await asyncio.wait_for(
+                    reader.read(min(256 * 1024, len(expected) - len(got))), 30)
+                await asyncio.sleep(0)
+            assert bytes(got) == expected
+            client = writer.get_extra_info("sockname")
+            ours = _own_tcp_sockets()
+            try:
+                server_side = [s for s in ours if s.getpeername() == client]
+                assert len(server_side) == 1
+                assert server_side[0].getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == UNSENT_BYTES
+            finally:
+                for s in ours:
+                    s.close()
+    finally:
+        writer.close()
+
+
+def _own_tcp_sockets() -> list[socket.socket]:
+    """This process's connected TCP sockets (the in-process server's among them), as dups."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family == socket.AF_INET:
+                s.getpeername()
+                found.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    return found

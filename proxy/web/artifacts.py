@@ -7,9 +7,11 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import logging
 import os
+import socket
 import weakref
 
 from aiohttp import web
@@ -169,6 +171,23 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
     return hot
 
 
+# The most a client's socket may hold that TCP has not sent yet (TCP_NOTSENT_LOWAT), while a
+# cached file is sent with sendfile(2). Unbounded, sendfile queues the whole file at once (the
+# send buffer grows to 4 MiB), and the client copies it out long after: a 4.2 MB hit cost wrk
+# 2.4 ms of kernel time (perf: _copy_to_iter) against 1.0 ms with this bound, 0.85x nginx's
+# rate against 1.1-1.3x. What is in flight is not bounded, so a distant client is not slowed,
+# as a fixed SO_SNDBUF would slow it; the loop refills the socket as it drains.
+UNSENT_BYTES = 128 * 1024
+
+
+def _bound_unsent(request: web.BaseRequest) -> None:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):  # a kernel without it: sent as before
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+
+
 class _SentFile(web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
     from the descriptor opened when the hit was found: none of FileResponse's trips to the
@@ -187,6 +206,7 @@ class _SentFile(web.StreamResponse):
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
+                _bound_unsent(request)
                 writer = await super().prepare(request)
                 transport = request.transport
                 if transport is None:
@@ -222,6 +242,7 @@ class _LeasedFileResponse(web.FileResponse):
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
+                _bound_unsent(request)
                 writer = await super().prepare(request)
         finally:
             self._fd_closer()
