@@ -12,10 +12,12 @@ import subprocess
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, fast_upstream
+from tests.processes import start_serve, stop_serve
 
 
 async def test_single_flight_50_clients_one_upstream_request_streamed(
@@ -104,15 +106,17 @@ async def test_staggered_clients_over_many_keys_cost_one_request_per_key(
     assert faults.count("ok") == len(paths)
 
 
+@pytest.mark.parametrize("later", ["same process", "another process"])
 async def test_a_failed_fetch_is_not_replayed_to_a_later_request_while_a_child_holds_its_lock(
-    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    database_url: str, later: str,
 ) -> None:
     """A process forked while a fetch holds its key's lock (the forkserver started beside the
     first requests) holds a copy of that lock until it execs. A request that comes after the
-    fetch failed must then ask the upstream itself, not take that failure for a fetch under way
-    in another process and be handed it."""
-    sg = await start_symgate([fast_upstream(faults.url_for("hold500"), retries=0)],
-                             data_dir=tmp_path / "data")
+    fetch failed, to this server process or to another on the same data dir, must then ask the
+    upstream itself, not take that failure for a fetch under way and be handed it."""
+    upstream = [fast_upstream(faults.url_for("hold500"), retries=0)]
+    sg = await start_symgate(upstream, data_dir=tmp_path / "data")
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     first = asyncio.create_task(sg.get(path))
     await eventually(lambda: _true(faults.count("hold500") == 1))
@@ -126,9 +130,19 @@ async def test_a_failed_fetch_is_not_replayed_to_a_later_request_while_a_child_h
         faults.release.set()
         status, _, body = await first
         assert status == 502 and b"answered 500" in body, body
-        status, _, body = await sg.get(path)
+        if later == "same process":
+            status, _, body = await sg.get(path)
+            assert faults.count("hold500") == 2  # asked again, not handed the first one's end
+        else:  # `symgate serve` on the same data dir and database
+            base, proc = await start_serve(tmp_path, tmp_path / "data", database_url,
+                                           faults.url_for("hold500"))
+            try:
+                async with sg.session.get(base + path) as r:
+                    status, body = r.status, await r.read()
+            finally:
+                await stop_serve([proc])
+            assert faults.count("hold500") > 1  # asked again (and retried), not handed it
         assert status == 502 and b"answered 500" in body, body
-        assert faults.count("hold500") == 2  # asked again, not handed the first one's end
     finally:
         child.kill()
         child.wait()

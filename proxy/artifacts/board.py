@@ -169,7 +169,9 @@ class FlightBoard:
     async def follow(self, kh: str) -> Followed | None:
         """Join the fetch another process has under way, once it streams; raises the error
         it failed with. None when there is none to join (ended, or its writer died): the
-        caller looks in the cache again, or fetches itself."""
+        caller looks in the cache again, or fetches itself.
+
+        Called right after a claim of `kh` failed, with no await in between."""
         delay = POLL_FIRST_S
         waited = 0.0
         first_look = True
@@ -179,11 +181,12 @@ class FlightBoard:
             # Another fetch's state (an earlier one, or none yet from this holder): wait.
             name = state.get("state") if holder and state.get("id") == holder else None
             if name == FAILED:
-                if first_look and state.get("pid") == os.getpid():
-                    # This process's own fetch, failed before the caller's claim (which
-                    # follows at once): its lock is held only by the copy a process forked
-                    # meanwhile keeps until it execs (the forkserver's start). The caller came
-                    # after that failure, so it is not the caller's to report.
+                if first_look:
+                    # Failed before the caller's claim was refused: the caller came after
+                    # that fetch, whose lock is held now only for a moment (its writer about
+                    # to let go) or by the copy a process forked meanwhile keeps until it
+                    # execs (the forkserver's start). Not the caller's failure to report: as
+                    # after a fetch that settled, it looks in SQL again, or claims.
                     return None
                 raise _error(state)
             first_look = False
