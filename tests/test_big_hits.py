@@ -12,7 +12,7 @@ import aiohttp
 
 from proxy.web.artifacts import UNSENT_BYTES
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, Symgate, SymgateFactory
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
 
 # More clients that stop reading than the server has cores, or any pool would have threads.
 STALLED = 5
@@ -104,55 +104,59 @@ async def test_many_clients_at_once_get_the_same_big_file(
 async def test_a_client_socket_holds_little_unsent_and_a_slow_reader_still_gets_every_byte(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    """sendfile(2) would queue a whole file in the socket at once; the server's side of a
-    connection a file is sent on keeps at most UNSENT_BYTES unsent, so a big hit goes out in
-    many sendfile calls, each when the socket has drained: none of its bytes lost or
-    repeated, and the next response on the connection whole too."""
+    """sendfile(2) would queue a whole file in the socket at once; while a cached file is sent,
+    the server's side of the connection keeps at most UNSENT_BYTES unsent, so a big hit goes
+    out in many sendfile calls, each when the socket has drained: a slow reader gets every byte
+    once, in order. After it, the bound is off again, and the next response on the connection
+    is whole too."""
     sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
     host, port = sg.url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
     try:
-        for _ in range(2):  # the second on the same connection, its bound already set
+        for _ in range(2):  # the second on the same connection
             writer.write(f"GET {big} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 200"), head
-            got = bytearray()
-            while len(got) < len(expected):  # small reads, with pauses: the socket drains
+            got = bytearray(await reader.readexactly(1024 * 1024))
+            assert _server_side_bound(sock.getsockname()) == UNSENT_BYTES  # mid-file
+            while len(got) < len(expected):  # slowly: the server waits on a full socket
                 got += await asyncio.wait_for(
-                    reader.read(min(256 * 1024, len(expected) - len(got))), 30)
-                await asyncio.sleep(0)
+                    reader.read(min(64 * 1024, len(expected) - len(got))), 30)
+                await asyncio.sleep(0.0005)
             assert bytes(got) == expected
-            client = writer.get_extra_info("sockname")
-            ours = _own_tcp_sockets()
-            try:
-                server_side = [s for s in ours if s.getpeername() == client]
-                assert len(server_side) == 1
-                assert server_side[0].getsockopt(
-                    socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == UNSENT_BYTES
-            finally:
-                for s in ours:
-                    s.close()
+
+            async def unbounded() -> bool:
+                return _server_side_bound(sock.getsockname()) == 0
+
+            await eventually(unbounded)
     finally:
         writer.close()
 
 
-def _own_tcp_sockets() -> list[socket.socket]:
-    """This process's connected TCP sockets (the in-process server's among them), as dups."""
-    found = []
+def _server_side_bound(client: tuple[str, int]) -> int:
+    """TCP_NOTSENT_LOWAT of the in-process server's end of the connection from `client`."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            s = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:
             continue
         try:
-            if s.type == socket.SOCK_STREAM and s.family == socket.AF_INET:
-                s.getpeername()
-                found.append(s)
-                continue
+            s = socket.socket(fileno=fd)
         except OSError:
-            pass
-        s.close()
-    return found
+            os.close(fd)
+            continue
+        with s:
+            try:
+                if s.family == socket.AF_INET and s.type == socket.SOCK_STREAM \
+                        and s.getpeername() == client:
+                    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+            except OSError:  # not connected, or gone meanwhile
+                continue
+    raise AssertionError(f"no server-side socket for {client}")
