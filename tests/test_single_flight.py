@@ -119,7 +119,11 @@ async def test_a_failed_fetch_is_not_replayed_to_a_later_request_while_a_child_h
     sg = await start_symgate(upstream, data_dir=tmp_path / "data")
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     first = asyncio.create_task(sg.get(path))
-    await eventually(lambda: _true(faults.count("hold500") == 1))
+
+    async def asked() -> bool:
+        return faults.count("hold500") == 1
+
+    await eventually(asked)
     flights = str(tmp_path / "data" / "cache" / "flights")
     locks = [fd for fd in map(int, os.listdir("/proc/self/fd"))
              if _link(fd).startswith(flights) and _link(fd).endswith(".lock")]
@@ -146,10 +150,6 @@ async def test_a_failed_fetch_is_not_replayed_to_a_later_request_while_a_child_h
     finally:
         child.kill()
         child.wait()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def _link(fd: int) -> str:
