@@ -58,16 +58,15 @@ class SymCacheColumns:
     function_name: U32
     function_entry: U32
     function_language: U32
-    strings: npt.NDArray[np.uint8]
-    # The same bytes, whose items are ints at once: a numpy array's are boxed scalars, 10x
-    # slower an item, and libc's table reads some 15,000 names.
-    string_view: memoryview
+    # The string table's bytes, as a memoryview: its items are ints at once, where a numpy
+    # array's are boxed scalars, 10x slower an item, and libc's table reads some 15,000 names.
+    strings: memoryview
 
     def _bytes_at(self, offset: int) -> bytes:
         """The bytes of the string at `offset`: a LEB128 length, then that many bytes.
         IndexError where either runs past the string table, or the length past 64 bits (as
         the leb128 crate that symbolic reads it with: a tenth byte other than 0 or 1)."""
-        strings = self.string_view
+        strings = self.strings
         size, shift, at = 0, 0, offset
         while True:
             byte = strings[at]
@@ -145,8 +144,7 @@ def read_columns(path: Path) -> SymCacheColumns:
         file=table[:, 0], line=table[:, 1], function=table[:, 2], inlined_into=table[:, 3],
         files=files, functions=functions, function_name=function_table[:, 0],
         function_entry=function_table[:, 2], function_language=function_table[:, 3],
-        strings=data[offset: offset + string_bytes],
-        string_view=memoryview(data[offset: offset + string_bytes]))  # type: ignore[arg-type]
+        strings=memoryview(data[offset: offset + string_bytes]))  # type: ignore[arg-type]
     _check(path, columns)
     return columns
 
