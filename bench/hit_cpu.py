@@ -1,16 +1,17 @@
-"""Where a 4.2 MB hit's time goes: CPU per response of the server and of the client (wrk),
-symgate beside nginx serving the same file, in one run.
+"""Where a hit's time goes: CPU per response of the server and of the client (wrk), symgate
+beside nginx serving the same file, in one run.
 
-  python bench/hit_cpu.py [--rounds 3] [--seconds 4] [--workers 1] [--ports 19600-19699]
+  python bench/hit_cpu.py [--small] [--rounds 3] [--seconds 4] [--workers 1]
+                          [--ports 19600-19699]
 
 On 2 cores the server and wrk share the machine, so a response's cost to the client counts as
 much as its cost to the server: rates follow the sum. One elfutils debuginfod serves libc's
-debug file as the upstream; symgate (this checkout, default config, --workers N) caches it;
-nginx (N workers, sendfile on, tcp_nopush on) serves the same bytes. Each round runs
-`wrk -t2 -c16` on each server in turn and reads the CPU time of the server's process tree
-(/proc) and of wrk (getrusage), split into user and system time. Prints per response:
-server ms, wrk ms (user / system), and the rate ratio against nginx. Exits 1 when it could
-not run.
+debug file (with --small, proxy_bench's 17 KiB debug file) as the upstream; symgate (this
+checkout, default config, --workers N) caches it; nginx (N workers, sendfile on, tcp_nopush
+on) serves the same bytes. Each round runs `wrk -t2 -c16` on each server in turn and reads
+the CPU time of the server's process tree (/proc) and of wrk (getrusage), split into user and
+system time. Prints per response: server time, wrk time (user / system), in ms (with --small,
+us), and the rate ratio against nginx. Exits 1 when it could not run.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=4)
     ap.add_argument("--workers", type=int, default=1, help="symgate's and nginx's")
     ap.add_argument("--ports", default=None, help="e.g. 19600-19699 (default: any free)")
+    ap.add_argument("--small", action="store_true",
+                    help="the 17 KiB hit instead of libc's 4.2 MB debug file")
     args = ap.parse_args()
     for tool in ("debuginfod", "nginx", "wrk"):
         if shutil.which(tool) is None:
@@ -76,23 +79,31 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="symgate-hitcpu-"))
     procs = Procs()
     world = pb.World(work, procs, Ports(args.ports), os.cpu_count() or 1, True)
-    path = f"/buildid/{pb.LIBC_ID}/debuginfo"
-    size = pb.LIBC_DEBUG.stat().st_size
     try:
         files = work / "files"
         files.mkdir()
-        shutil.copy(pb.LIBC_DEBUG, files / "libc.debug")
-        docs = work / "docs" / "buildid" / pb.LIBC_ID
+        if args.small:
+            small = pb.build_program(work / "src", files, "small", 21)
+            pb.pad_to(small.debug, pb.SMALL_BYTES)
+            build_id, served = small.build_id, small.debug
+        else:
+            build_id, served = pb.LIBC_ID, files / "libc.debug"
+            shutil.copy(pb.LIBC_DEBUG, served)
+        path = f"/buildid/{build_id}/debuginfo"
+        size = served.stat().st_size
+        docs = work / "docs" / "buildid" / build_id
         docs.mkdir(parents=True)
-        os.link(files / "libc.debug", docs / "debuginfo")
-        world.upstream_server(files, [pb.LIBC_ID])
+        os.link(served, docs / "debuginfo")
+        world.upstream_server(files, [build_id])
         servers = [world.symgate(args.workers), world.nginx(args.workers, work / "docs")]
         for srv in servers:
             pb.expect(srv.url + path, 200, size)
         # What the first fetch set off (symgate builds libc's symbol table) is over.
         pb.idle_servers({s.name: s for s in servers})
-        print(f"{'round':<6} {'server':<11} {'req/s':>7} {'server ms':>10} "
-              f"{'wrk ms (user/sys)':>20} {'vs nginx':>9}")
+        # A small hit costs microseconds.
+        unit, scale = ("us", 1000.0) if args.small else ("ms", 1.0)
+        print(f"{'round':<6} {'server':<11} {'req/s':>7} {'server ' + unit:>10} "
+              f"{'wrk ' + unit + ' (user/sys)':>20} {'vs nginx':>9}")
         for r in range(args.rounds):
             got = {}
             for srv in servers if r % 2 == 0 else servers[::-1]:
@@ -100,10 +111,10 @@ def main() -> int:
                 got[srv.name] = measure(srv.url + path, args.seconds, srv.proc.pid)
             nginx_rate = got[servers[1].name]["rate"]
             for name, m in got.items():
-                wrk_ms = m["wrk_user_ms"] + m["wrk_sys_ms"]
-                print(f"{r + 1:<6} {name:<11} {m['rate']:>7,.0f} {m['server_ms']:>10.2f} "
-                      f"{wrk_ms:>7.2f} ({m['wrk_user_ms']:.2f}/{m['wrk_sys_ms']:.2f}) "
-                      f"{m['rate'] / nginx_rate:>8.2f}x", flush=True)
+                user, system = m["wrk_user_ms"] * scale, m["wrk_sys_ms"] * scale
+                print(f"{r + 1:<6} {name:<11} {m['rate']:>7,.0f} "
+                      f"{m['server_ms'] * scale:>10.2f} {user + system:>7.2f} "
+                      f"({user:.2f}/{system:.2f}) {m['rate'] / nginx_rate:>8.2f}x", flush=True)
     except (pb.BenchError, subprocess.CalledProcessError, OSError) as e:
         print(f"could not run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
