@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -22,7 +23,9 @@ from elftools.elf.elffile import ELFFile
 from .elf_headers import (
     E_TYPES,
     PT_LOAD,
+    SHF_ALLOC,
     SHF_COMPRESSED,
+    SHF_EXECINSTR,
     SHT_DYNSYM,
     SHT_NOBITS,
     SHT_NOTE,
@@ -167,6 +170,9 @@ class ElfLayout:
     build_id: str | None
     elf_type: str  # "ET_EXEC", "ET_DYN", ...
     segments: tuple[LoadSegment, ...]
+    # Whether the file holds its code's bytes (an allocated executable section that is not
+    # SHT_NOBITS); None for a file without section headers, which cannot tell.
+    holds_code: bool | None = None
 
     @property
     def load_address(self) -> int:
@@ -175,8 +181,28 @@ class ElfLayout:
 
     @property
     def has_file_layout(self) -> bool:
-        """Whether p_offset/p_filesz are real. objcopy --only-keep-debug zeroes them."""
-        return any(s.executable and s.filesz > 0 for s in self.segments)
+        """Whether p_offset/p_filesz are real: not a debug file's.
+
+        objcopy --only-keep-debug cuts a segment's file size to the bytes it still holds. That
+        is 0 for a code segment of its own (GNU ld since binutils 2.31, lld), but where the
+        code shares the first segment with the ELF header, program headers and notes (GNU ld
+        -z noseparate-code, the default before 2.31 and on RHEL 8; gold), those are kept and
+        the size is theirs: so the sections say, where the file has them, whether the code is
+        in the file.
+        """
+        return (self.holds_code is not False
+                and any(s.executable and s.filesz > 0 for s in self.segments))
+
+
+def _holds_code(sections: Iterable[tuple[int, int, int]]) -> bool | None:
+    """Of (sh_type, sh_flags, sh_size) rows: whether an allocated executable section has
+    bytes in the file; None without sections."""
+    rows = list(sections)
+    if not rows:
+        return None
+    code = SHF_ALLOC | SHF_EXECINSTR
+    return any(flags & code == code and kind != SHT_NOBITS and size > 0
+               for kind, flags, size in rows)
 
 
 def layout_of_file(path: Path) -> ElfLayout | None:
@@ -188,7 +214,8 @@ def layout_of_file(path: Path) -> ElfLayout | None:
                                          bool(p.flags & PF_X))
                              for p in headers.programs if p.type == PT_LOAD)
             build_id = build_id_of_headers(headers) or _build_id_by_pyelftools(f)
-            return ElfLayout(build_id, E_TYPES[headers.e_type], segments)
+            return ElfLayout(build_id, E_TYPES[headers.e_type], segments,
+                             _holds_code((s.type, s.flags, s.size) for s in headers.sections))
         try:
             elf = ELFFile(f)
             segments = tuple(
@@ -200,11 +227,16 @@ def layout_of_file(path: Path) -> ElfLayout | None:
                 if seg["p_type"] == "PT_LOAD"
             )
             elf_type = str(elf["e_type"])
+            # pyelftools names the types it knows: only SHT_NOBITS matters here.
+            holds_code = _holds_code(
+                (SHT_NOBITS if sec["sh_type"] in ("SHT_NOBITS", SHT_NOBITS) else -1,
+                 int(sec["sh_flags"]), int(sec["sh_size"]))
+                for sec in elf.iter_sections())
         except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError,
                 AssertionError):
             return None
         f.seek(0)
-        return ElfLayout(build_id_of_stream(f), elf_type, segments)
+        return ElfLayout(build_id_of_stream(f), elf_type, segments, holds_code)
 
 
 _COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")

@@ -42,9 +42,10 @@ from .lld_layout import lld_layout
 from .range_index import RangeIndex, sorted_union
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
-# The SymCache's version, and that of what symgate writes behind it (function_names.py): a
-# table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-4"
+# The SymCache's version, and that of what symgate writes behind it (function_names.py) and
+# records beside it (BuildResult; since 5, no debug file's program headers taken for the
+# program's: elf.ElfLayout.has_file_layout): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-5"
 
 
 class NoSymbols(Exception):

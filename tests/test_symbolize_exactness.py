@@ -162,3 +162,48 @@ async def test_an_lld_linked_pie_from_its_debug_file_alone(
              if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
     assert not wrong, wrong[:5]
     assert await sg.metric("symgate_symtab_layout_guesses_total") == 0
+
+
+@pytest.mark.parametrize("linker", ["gnu-ld-noseparate-code", "gold"])
+@pytest.mark.parametrize("with_executable", [True, False], ids=["with-executable", "debug-only"])
+async def test_code_in_the_first_segment_with_the_elf_header(
+    start_symgate: SymgateFactory, tmp_path: Path, linker: str, with_executable: bool
+) -> None:
+    """GNU ld -z noseparate-code (the default before binutils 2.31, and on RHEL 8) and gold
+    put the code in the first PT_LOAD, at file offset 0, with the ELF header and the notes.
+    objcopy --only-keep-debug keeps those bytes, so the debug file's code segment claims a few
+    hundred bytes of file: taken for the program's layout, it left every runtime address past
+    them outside the mapping, even with the executable beside."""
+    flag = "-Wl,-z,noseparate-code" if linker != "gold" else "-fuse-ld=gold"
+    if linker == "gold" and shutil.which("ld.gold") is None:
+        pytest.skip("needs gold (binutils)")
+    elf = build_program(tmp_path / "src", tmp_path, "firstseg", 9, extra_flags=(flag,))
+    exe_layout, debug_layout = layout_of_file(elf.executable), layout_of_file(elf.debug)
+    assert exe_layout is not None and debug_layout is not None
+    text = next(s for s in exe_layout.segments if s.executable)
+    assert text.offset == 0
+    kept = next(s for s in debug_layout.segments if s.executable).filesz
+    assert 0 < kept < text.filesz  # the header's bytes, not the code's
+    assert exe_layout.has_file_layout and not debug_layout.has_file_layout
+    tree = tmp_path / "debug" / ".build-id" / elf.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)
+    if with_executable:
+        (tree / elf.build_id[2:]).symlink_to(elf.executable)
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    placed = place(elf, 0x55D0C0DE0000 if exe_layout.elf_type == "ET_DYN" else 0)
+    vaddrs = code_addresses(elf)
+    assert max(vaddrs) - text.vaddr > kept  # addresses past what the debug file claims
+    expected = llvm_symbolize(elf.debug, vaddrs)
+    assert len(expected) > 20
+    status, headers, body = await post(sg, make_profile([(placed, vaddrs)]).SerializeToString())
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    out = parse(body)
+    by_address = {loc.address: loc for loc in out.location}
+    wrong = [hex(v) for v, frames in expected.items()
+             if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+    assert not wrong, wrong[:5]
+    # Without the executable, GNU ld's layout is guessed, and fits: code at vaddr - base.
+    assert await sg.metric("symgate_symtab_layout_guesses_total") == (0 if with_executable
+                                                                       else 1)
