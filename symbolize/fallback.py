@@ -18,6 +18,7 @@ import numpy as np
 
 from .pprof import varint
 from .pprof.columns import location_columns
+from .pprof.new_ids import NewIds
 from .pprof.profile_pb2 import Location
 from .pprof.profile_raw_pb2 import RawProfile
 
@@ -115,13 +116,13 @@ def fill(profile: RawProfile) -> int:
 
 def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
     """A Function for each name (name and system_name alike, no file), the profile's own where
-    it has one already (a profile named before), else new ones after its highest id."""
+    it has one already (a profile named before), else new ones (NewIds)."""
     strings = profile.string_table
     if not strings:
         strings.append("")
     index = {s: i for i, s in reversed(list(enumerate(strings)))}
     own = {(f.name, f.system_name, f.filename): f.id for f in profile.function}
-    next_id = max((f.id for f in profile.function), default=0) + 1
+    new_ids = NewIds(f.id for f in profile.function)
     ids: dict[str, int] = {}
     for name in dict.fromkeys(names):
         if name not in index:
@@ -129,9 +130,9 @@ def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
             strings.append(name)
         key = (index[name], index[name], 0)
         if key not in own:
-            f = profile.function.add(id=next_id, name=index[name], system_name=index[name])
+            f = profile.function.add(id=new_ids.take_one(), name=index[name],
+                                     system_name=index[name])
             own[key] = f.id
-            next_id += 1
         ids[name] = own[key]
     return ids
 

@@ -36,6 +36,7 @@ from .pprof.columns import (
     location_columns,
     record_columns,
 )
+from .pprof.new_ids import NewIds
 from .pprof.profile_raw_pb2 import RawProfile
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
@@ -124,7 +125,7 @@ class _Functions:
             key = (self._strings[table[f.name]], self._strings[table[f.system_name]],
                    self._strings[table[f.filename]], f.start_line)
             self._own.setdefault(key, f.id)
-        self._next_id = max((f.id for f in profile.function), default=0) + 1
+        self._new_ids = NewIds(f.id for f in profile.function)
 
     def add(self, used: U64) -> U64:
         """Add a Function for each id of `used` (sorted) that the profile lacks; return the id
@@ -157,14 +158,13 @@ class _Functions:
             for k, row in enumerate(fields.tolist()):
                 own = self._own.get((row[0], row[1], row[2], row[3]))
                 if own is None:
-                    own = self._own[(row[0], row[1], row[2], row[3])] = self._next_id
-                    self._next_id += 1
+                    own = self._own[(row[0], row[1], row[2], row[3])] = \
+                        self._new_ids.take_one()
                 else:
                     fresh[k] = False
                 written[order[k]] = own
         else:
-            written[order] = self._next_id + np.arange(len(used), dtype=np.uint64)
-            self._next_id += len(used)
+            written[order] = self._new_ids.take(len(used))
         table.extend(new_strings)
         functions, _ends = varint.messages(_PROFILE_FUNCTION, [
             (1, written[order][fresh]), (2, fields[fresh, 0]), (3, fields[fresh, 1]),

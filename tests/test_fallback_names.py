@@ -124,3 +124,39 @@ async def test_a_tenants_config_key_turns_names_on_and_the_query_overrides_it(
     assert status == 200 and headers["X-Symgate-Symbolize"] == "named"
     for bad in ("?fallback=offsets", "?fallback=none&fallback=module-offset"):
         assert (await ask(bad))[0] == 400
+
+
+async def test_a_profile_owning_the_last_function_id_is_named_not_refused(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """New Functions were numbered from the profile's highest id + 1: a profile owning
+    2**64 - 1 got a 500, with names or symbols (a hostile campaign's find). Both passes now
+    take the lowest ids it does not use."""
+    p, offsets = _profile(elfs)
+    p.string_table.append("their own")
+    p.function.add(id=(1 << 64) - 1, name=len(p.string_table) - 1)
+    body = p.SerializeToString()
+    bare = await start_symgate([], symbolize=symbolize_config(), data_dir=tmp_path / "a")
+    status, _headers, named_body = await bare.request(
+        "POST", "/symbolize?fallback=module-offset", data=body,
+        headers={"Content-Type": "application/octet-stream"})
+    assert status == 200, named_body
+    named = parse(named_body)
+    module = posixpath.basename(str(elfs.prog.executable))
+    got = _names(named, 1)
+    assert got == {lid: [f"{module}+0x{off:x}"] for lid, off in offsets.items() if lid in got}
+    ids = [f.id for f in named.function]
+    assert len(ids) == len(set(ids)) and 0 not in ids and (1 << 64) - 1 in ids
+    await bare.stop()
+
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(),
+                             data_dir=tmp_path / "b")
+    for sent in (body, named_body):
+        status, headers, out_body = await post(sg, sent)
+        assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", out_body
+        out = parse(out_body)
+        ids = [f.id for f in out.function]
+        assert len(ids) == len(set(ids)) and 0 not in ids
+        known = set(ids)
+        assert all(ln.function_id in known for loc in out.location for ln in loc.line)
+        assert next(m for m in out.mapping if m.id == 1).has_functions

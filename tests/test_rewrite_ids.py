@@ -9,6 +9,7 @@ import pytest
 
 from symbolize.chains import FunctionIds
 from symbolize.elf import layout_of_file
+from symbolize.pprof.new_ids import NewIds
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.rewrite import MappingSymbols
 from symbolize.symtab import SymbolTable, build_symbol_table
@@ -107,3 +108,50 @@ def test_ids_do_not_depend_on_what_the_process_symbolized_before(
                                                         layout.segments)}, fresh_ids)[0]
     assert fresh.SerializeToString() == seasoned.SerializeToString()
     assert sorted(f.id for f in fresh.function) == list(range(1, len(fresh.function) + 1))
+
+
+@pytest.mark.parametrize("theirs", [(1 << 64) - 1, (1 << 64) - 3, 1 << 63],
+                         ids=["last", "two-below-last", "half"])
+def test_a_profile_that_owns_ids_near_the_top(
+        libc: tuple[str, SymbolTable, FunctionIds], theirs: int) -> None:
+    """New ids followed max(id) + 1: a profile owning 2**64 - 1 made that 2**64 (a 500, and
+    the CLI crashed), and one owning 2**64 - 3 would have wrapped its new ids to 0 and on,
+    over its own. Past the top, the lowest ids the profile does not use are taken."""
+    p = _profile(libc[0])
+    p.string_table.extend(["their own", "theirs too"])
+    n = len(p.string_table)
+    p.function.add(id=theirs, name=n - 2)
+    p.function.add(id=2, name=n - 1)  # a low one, to be skipped
+    out = _run(p.SerializeToString(), libc)
+    ids = [f.id for f in out.function]
+    assert len(ids) == len(set(ids)) and 0 not in ids
+    assert len(ids) > 100  # libc's functions were added
+    s = out.string_table
+    assert {f.id: s[f.name] for f in out.function}[theirs] == "their own"
+    new = sorted(ids[2:])
+    room = (1 << 64) - 1 - theirs
+    above = [i for i in new if i > theirs]
+    assert above == list(range(theirs + 1, theirs + 1 + min(room, len(new))))
+    below = [i for i in new if i < theirs]
+    assert below == [i for i in range(1, len(below) + 2) if i != 2][:len(below)]
+    assert bool(below) == (room < len(new))
+    known = set(ids)
+    assert all(ln.function_id in known for loc in out.location for ln in loc.line)
+    assert _frames(out) == _frames(_run(_profile(libc[0]).SerializeToString(), libc))
+
+
+@pytest.mark.parametrize("count", [0, 1, 5])
+@pytest.mark.parametrize("used", [[], [1], [(1 << 64) - 1], [(1 << 64) - 2, 1, 3],
+                                  [(1 << 64) - 1, *range(1, 50)]])
+def test_new_ids_are_unused_and_never_zero(used: list[int], count: int) -> None:
+    ids = NewIds(used)
+    taken = [*ids.take(count).tolist(), ids.take_one(), *ids.take(count).tolist()]
+    assert len(taken) == len(set(taken)) == 2 * count + 1
+    assert not set(taken) & set(used) and 0 not in taken
+    assert all(0 < i < 1 << 64 for i in taken)
+    # After the profile's highest id where there is room, else from the lowest unused.
+    top = max(used, default=0)
+    expected = list(range(top + 1, min(top + 1 + len(taken), 1 << 64)))
+    free_below = [i for i in range(1, 200) if i not in set(used)]
+    expected += free_below[:len(taken) - len(expected)]
+    assert taken == expected
