@@ -56,6 +56,20 @@ async def test_a_body_that_is_not_a_profile_by_its_type_is_415(
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
 
 
+async def test_a_body_that_its_content_encoding_does_not_decode_is_400(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """aiohttp fails such a body as it is read: that was a 500, "internal error"."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    status, _, text = await post(sg, b"\x1f\x8b" + b"\0" * 50, **{"Content-Encoding": "gzip"})
+    assert status == 400 and b"request body is unreadable" in text, text
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, headers, _ = await post(sg, gzip.compress(profile.SerializeToString()),
+                                    **{"Content-Encoding": "gzip"})
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+
+
 async def test_gzip_bomb_and_oversized_bodies_are_413(
     start_symgate: SymgateFactory, debuginfod: Debuginfod
 ) -> None:

@@ -5,6 +5,7 @@ them back through symgate. Hostile uploads get their precise status and leave no
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import subprocess
@@ -216,6 +217,22 @@ async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
     rows = await sg.runner.app[STATE].repo.artifacts_of(None)
     assert sorted((r.key, r.pinned) for r in rows) == [
         (f"{bid}/debuginfo", True), (f"{bid}/executable", True)]
+
+
+async def test_a_body_that_its_content_encoding_does_not_decode_is_400(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """aiohttp fails such a body as it is read: that was a 500, "internal error"."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    bid, data = own.build_id, own.debug.read_bytes()
+    status, _, body = await _put(sg, bid, "debuginfo", b"\x1f\x8b" + data[:4000],
+                                 **{"Content-Encoding": "gzip"})
+    assert status == 400 and b"request body is unreadable" in body, body
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+    status, _, _ = await _put(sg, bid, "debuginfo", gzip.compress(data),
+                              **{"Content-Encoding": "gzip"})
+    assert status == 201
+    assert (await sg.get(f"/buildid/{bid}/debuginfo"))[2] == data
 
 
 async def test_a_stalled_upload_is_408_and_concurrent_uploads_of_one_id_end_whole(

@@ -75,7 +75,8 @@ _STATUS_OF_TYPE = dict(STATUS)
 
 
 def as_symgate_error(error: Exception) -> SymgateError:
-    """The symbolization pipeline's own failures, in the server's words."""
+    """The symbolization pipeline's own failures, and aiohttp's about a request's body, in the
+    server's words."""
     if isinstance(error, SymgateError):
         return error
     if isinstance(error, ProfileTooLarge):
@@ -84,6 +85,10 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
+    if isinstance(error, web.RequestPayloadError):
+        # aiohttp's, for a body it cannot read as its headers say: a Content-Encoding that
+        # does not decode, a broken chunked encoding.
+        return InvalidRequest(f"the request body is unreadable: {error}")
     return SymgateError("internal error")
 
 
