@@ -13,6 +13,8 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Symgate, SymgateFactory
 from tests.processes import run_in_thread
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
 
 MISSING = "00112233445566778899aabbccddeeff00112233"
 
@@ -75,3 +77,33 @@ async def test_negative_ls_and_clear_make_a_miss_retryable(
     await asyncio.sleep(0.3)  # the server's in-memory copy lasts memo_s
     assert (await sg.get(path))[0] == 404
     assert faults.count("notfound") == 2  # asked again
+
+
+async def test_purge_forgets_a_failed_build_of_a_local_tree(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A debug tree that held the wrong file under a build ID was believed malformed for
+    symbolize.malformed_retry_s (a day), fixed or not, and `cache purge ID` could not say
+    otherwise: it dropped only the tables of cached artifacts (a hostile campaign's find)."""
+    bid = elfs.prog.build_id
+    tree = tmp_path / "debug" / ".build-id" / bid[:2]
+    tree.mkdir(parents=True)
+    wrong = tree / (bid[2:] + ".debug")
+    wrong.symlink_to(elfs.other.debug)  # another program's debug file
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    body = make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:20])]).SerializeToString()
+    for _ in range(2):  # the second time, fixed already, but believed
+        status, headers, _ = await post(sg, body)
+        assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "malformed=1", \
+            headers
+        wrong.unlink()
+        wrong.symlink_to(elfs.prog.debug)
+    cfg = config_file(sg, tmp_path)
+    other = await cli(cfg, "cache", "purge", elfs.other.build_id)
+    assert other.returncode == 0 and "forgot" not in other.stdout  # another build ID's
+    purged = await cli(cfg, "cache", "purge", bid)
+    assert purged.returncode == 0, purged.stderr
+    assert "forgot 1 failed symbol-table builds" in purged.stdout, purged.stdout
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers

@@ -478,6 +478,16 @@ class Repository:
                 await s.execute(delete(SymbolTableRow).where(
                     tuple_(SymbolTableRow.scope, SymbolTableRow.build_id).in_(pairs)))
 
+    async def delete_symbol_tables_but(self, outcome: str, build_id: str | None) -> int:
+        """Forget the rows of another outcome than `outcome` (of one build ID, or all) in
+        every scope; how many were forgotten."""
+        condition = SymbolTableRow.outcome != outcome
+        if build_id is not None:
+            condition = condition & (SymbolTableRow.build_id == build_id)
+        async with self._session.begin() as s:
+            result = await s.execute(delete(SymbolTableRow).where(condition))
+        return int(getattr(result, "rowcount", 0) or 0)
+
     # -- the shared bucket's catalogue -------------------------------------------------------
     async def bucket_objects(self, key_hashes: Sequence[str]) -> dict[str, BucketRecord]:
         """The rows of these keys' objects that are whole in the bucket, by key hash."""

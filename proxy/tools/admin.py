@@ -19,6 +19,7 @@ from proxy.keys import ArtifactKey, normalize_build_id
 from proxy.store.disk import DiskStore
 from proxy.store.replica import replica_id
 from proxy.store.repository import ArtifactRecord, Repository, aware, create_engine
+from symbolize.outcome import Outcome
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,13 @@ class Admin:
         await self.repo.delete_symbol_tables(tables)
         await self._purge_bucket(normalize_build_id(build_id) if build_id else None)
         return list({r.key_hash: r for r in rows}.values())  # each artifact once
+
+    async def forget_failed_builds(self, build_id: str | None) -> int:
+        """Forget the symbol-table builds that failed (of one build ID, or all), which are
+        otherwise believed for hours (symbolize.malformed_retry_s...): a debug tree fixed, the
+        next profile builds again. How many were forgotten."""
+        bid = normalize_build_id(build_id) if build_id else None
+        return await self.repo.delete_symbol_tables_but(Outcome.OK, bid)
 
     async def _purge_bucket(self, build_id: str | None) -> None:
         """The shared bucket's copies too (artifacts and symbol tables): their rows now, their

@@ -242,6 +242,8 @@ def _admin(args: argparse.Namespace) -> int:
                     print(f"  {kind:<11} {n:>7} entries {size:>14} bytes")
             return 0
         rows = await (admin.purge(target) if args.action == "purge" else admin.artifacts(target))
+        # A failed build is of no artifact (a local debug tree's file): purged by build ID too.
+        forgotten = await admin.forget_failed_builds(target) if args.action == "purge" else 0
         if args.pinned:
             rows = [r for r in rows if r.pinned]
         if args.json:
@@ -251,6 +253,8 @@ def _admin(args: argparse.Namespace) -> int:
                                "last_access": r.last_access.isoformat()} for r in rows]))
         elif args.action == "purge":
             print(f"purged {len(rows)} artifacts ({sum(r.size for r in rows)} bytes)")
+            if forgotten:
+                print(f"forgot {forgotten} failed symbol-table builds")
         else:
             print(render_table([[r.key, r.scope or "-", str(r.size), str(r.hits),
                                  r.last_access.strftime("%F %T"), r.upstream,
