@@ -102,9 +102,13 @@ def fill(profile: RawProfile) -> int:
     for i, mid, address in zip(wanted.tolist(), columns.mapping_id[wanted].tolist(),
                                columns.address[wanted].tolist(), strict=True):
         module, m = modules[mid]
-        if m.memory_limit > m.memory_start and not m.memory_start <= address < m.memory_limit:
-            continue  # not in its mapping: no offset to name it by
-        names.append((i, f"{module}+0x{address - m.memory_start + m.file_offset:x}"))
+        # As translate.py reads a mapping: no limit, no range (ELF-relative addresses).
+        if m.memory_limit and not m.memory_start <= address < m.memory_limit:
+            continue  # not in its mapping (or the range is inverted): no offset to name it by
+        offset = address - m.memory_start + m.file_offset
+        if offset >> 64:
+            continue  # a file offset past any file's: no name to give
+        names.append((i, f"{module}+0x{offset:x}"))
     ids = _function_ids(profile, (name for _i, name in names))
     for i, name in names:
         line = varint.encode_one(1 << 3) + varint.encode_one(ids[name])  # Line.function_id

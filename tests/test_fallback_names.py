@@ -160,3 +160,30 @@ async def test_a_profile_owning_the_last_function_id_is_named_not_refused(
         known = set(ids)
         assert all(ln.function_id in known for loc in out.location for ln in loc.line)
         assert next(m for m in out.mapping if m.id == 1).has_functions
+
+
+async def test_no_names_where_a_mapping_gives_no_offset(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """An inverted range was read as no range, which named its frames after offsets that mean
+    nothing (`prog+0x7` for offset 0x1007), and a file offset near 2**64 gave names past 64
+    bits; the rewrite counts both outside their mapping. They get no name; the sound mapping
+    beside them does."""
+    placed = place(elfs.prog, BASES["prog"])
+    vaddrs = code_addresses(elfs.prog)[:3]
+    p = make_profile([(placed, vaddrs)] * 3)
+    p.mapping[1].memory_start, p.mapping[1].memory_limit = placed.memory_limit, \
+        placed.memory_start
+    p.mapping[2].file_offset = (1 << 64) - 16  # + the address - memory_start: past 2**64
+    sg = await start_symgate([], symbolize=symbolize_config(), data_dir=tmp_path / "a")
+    status, _headers, body = await sg.request(
+        "POST", "/symbolize?fallback=module-offset", data=p.SerializeToString(),
+        headers={"Content-Type": "application/octet-stream"})
+    assert status == 200, body
+    named = parse(body)
+    module = posixpath.basename(str(elfs.prog.executable))
+    assert sorted(n for names in _names(named, 1).values() for n in names) == sorted(
+        f"{module}+0x{placed.runtime(v) - placed.memory_start + placed.file_offset:x}"
+        for v in vaddrs)
+    assert _names(named, 2) == {loc.id: [] for loc in named.location if loc.mapping_id == 2}
+    assert _names(named, 3) == {loc.id: [] for loc in named.location if loc.mapping_id == 3}
