@@ -427,3 +427,60 @@ async def test_a_server_stopping_closes_its_quick_connections(
     server.proc.terminate()
     assert await conn.closed(5)
     assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+
+
+@pytest.mark.parametrize("fields", [
+    b"",  # HTTP/1.1 without Host
+    b"Host: a\r\nHost: b\r\n",
+    b"Host: x\r\nUser-Agent: a\nX-Scope-OrgID: team-a\r\n",  # a bare LF hides a header
+    b"Host: x\r\nUser-Agent: a\nContent-Length: 5\r\n",
+    b"Host: x\r\nUser-Agent: a\rb\r\n",
+    b"Host: x\r\nUser-Agent: a\x00b\r\n",
+    b"Host: x\r\nX-DEBUGINFOD-MAXSIZE: \x0b99999999\x0b\r\n",
+    b"Host: x\r\nUser-Agent: " + b"a" * 9000 + b"\r\n",
+    b"Host: x\r\nUser-Agent : a\r\n",  # whitespace before the colon
+], ids=["no-host", "two-hosts", "lf-tenant", "lf-length", "cr", "nul", "vt-maxsize",
+        "long-line", "space-before-colon"])
+async def test_a_head_aiohttp_refuses_is_not_answered_quickly(
+    server: Server, elfs: ElfSet, fields: bytes
+) -> None:
+    """The quick path split fields on CRLF and checked nothing else: heads that aiohttp's
+    parser refuses with a 400 got a quick 200 (a hostile campaign's find), which a front proxy
+    that reads a bare LF as a line's end would see with a tenant's header or a body."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    line = f"GET {path} HTTP/1.1\r\n".encode()
+    before = await server.quick()
+    statuses = []
+    for head in (line + fields + b"\r\n", line + fields + b"X-Foo: 1\r\n\r\n"):
+        conn = await Conn.open(server)
+        await conn.send(head)
+        statuses.append((await conn.answer()).status)
+        conn.close()
+    assert statuses[0] == statuses[1], statuses  # the quick path's answer is aiohttp's
+    assert await server.quick() == before
+
+
+async def test_a_client_cannot_forge_access_lines(server: Server, elfs: ElfSet) -> None:
+    """A newline in a User-Agent (through the quick path, before it checked lines) or in a
+    path (percent-decoded by aiohttp) ended the text access line and began a forged one."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    forged = "2026-01-01 00:00:00,000 INFO symgate.access: 10.6.6.6 FORGED"
+    conn = await Conn.open(server)
+    await conn.send(get(path).replace(b"User-Agent: fast-test/1",
+                                      b"User-Agent: a\n" + forged.encode()))
+    assert (await conn.answer()).status == 400
+    conn.close()
+    conn = await Conn.open(server)
+    await conn.send(get("/buildid/%0A" + forged.replace(" ", "%20") + "/debuginfo")
+                    .replace(b"fast-test/1", b'say "hi" \\o/'))
+    assert (await conn.answer()).status == 400
+    conn.close()
+    await stop_serve([server.proc])
+    await server.reading
+    lines = b"".join(server.output).decode().splitlines()
+    assert not [line for line in lines if line.startswith("2026-01-01")]
+    access = [line for line in lines if line.split(" ", 4)[3:4] == ["symgate.access:"]]
+    escaped = [line for line in access if "\\n2026-01-01" in line]
+    assert len(escaped) == 1 and '"say \\"hi\\" \\\\o/"' in escaped[0], access

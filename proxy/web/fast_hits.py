@@ -10,7 +10,9 @@ symgate_requests_total, the same hit on the cache index, the same access line.
 
 Only what needs nothing else is taken: one complete request head in one read, GET or HEAD of
 /buildid/<id>/debuginfo or /executable over HTTP/1.1, and no header but those that change
-nothing in a hit's answer (and an X-DEBUGINFOD-MAXSIZE the file fits). Anything else (a
+nothing in a hit's answer (and an X-DEBUGINFOD-MAXSIZE the file fits), each once, Host among
+them, every line in RFC 9110's plain syntax: a head aiohttp's parser would refuse is its to
+refuse. Anything else (a
 tenant's header or token, conditional and range requests, forwarding headers, Cache-Control, a
 body, pipelined requests, a head split across reads, a miss, a file not yet hot) goes to
 aiohttp as before; proxy.web.connections says when a connection aiohttp has had gets quick
@@ -38,6 +40,15 @@ _REQUEST_LINE = re.compile(
 # elfutils' size limit, which the answer meets or the usual path refuses.
 _PLAIN = frozenset({b"host", b"user-agent", b"accept", b"accept-encoding", b"connection",
                     b"x-debuginfod-maxsize"})
+# A header line as RFC 9110 writes it: a token, a colon, optional whitespace, a value of visible
+# ASCII with inner spaces and tabs, optional whitespace. A line that is anything else (a bare
+# CR or LF, NUL or another control, obs-text) is aiohttp's parser's to judge, and mostly
+# refuse: answered here, it would be a 200 that the same head otherwise never gets.
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*"
+                    rb"((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
+# aiohttp's longest request line and header line (max_line_size, max_field_size): a head past
+# it, whatever its lines, is left to aiohttp, which says 400 where one is too long.
+_MAX_HEAD = 8190
 _VISIBLE = (SHARED,)  # a request without X-Scope-OrgID or a token: no tenant (web.tenancy)
 _STATUS = b"HTTP/1.1 200 OK\r\n"
 
@@ -53,27 +64,31 @@ class FastHits:
         """The whole response to `data`, counted and logged; None: aiohttp's to answer."""
         started = time.perf_counter()
         end = data.find(b"\r\n\r\n")
-        if end < 0 or end != len(data) - 4:
-            return None  # no whole head, or more than one request, or a body
+        if end < 0 or end != len(data) - 4 or end > _MAX_HEAD:
+            return None  # no whole head, or more than one request, or a body, or a long one
         line = _REQUEST_LINE.match(data)
         if line is None:
             return None
         user_agent, max_size = "", -1
-        if end > line.end():
-            for field in data[line.end(): end].split(b"\r\n"):
-                name, colon, value = field.partition(b":")
-                name = name.lower()
-                if not colon or name not in _PLAIN:
+        seen: set[bytes] = set()
+        for row in data[line.end(): end].split(b"\r\n") if end > line.end() else ():
+            field = _FIELD.fullmatch(row)
+            if field is None:
+                return None
+            name, value = field[1].lower(), field[2]
+            if name not in _PLAIN or name in seen:
+                return None  # another header, or one twice (two Hosts are a 400)
+            seen.add(name)
+            if name == b"connection" and value.lower() != b"keep-alive":
+                return None
+            if name == b"user-agent":
+                user_agent = value.decode("ascii")
+            elif name == b"x-debuginfod-maxsize":
+                if not value.isdigit() or len(value) > 19:
                     return None
-                if name == b"connection" and value.strip().lower() != b"keep-alive":
-                    return None
-                if name == b"user-agent":
-                    user_agent = value.strip().decode("utf-8", "replace")
-                elif name == b"x-debuginfod-maxsize":
-                    value = value.strip()
-                    if not value.isdigit() or len(value) > 19 or max_size >= 0:
-                        return None
-                    max_size = int(value)
+                max_size = int(value)
+        if b"host" not in seen:
+            return None  # HTTP/1.1 without Host: aiohttp's 400
         method, kind = line[1].decode(), line[3].decode()
         try:
             key = ArtifactKey.parse(line[2].decode(), kind)

@@ -105,6 +105,8 @@ class AccessLogger(AbstractAccessLogger):
     def line(self, remote: str | None, method: str, path: str, status: int, sent: int,
              time_s: float, fields_in: dict[str, Any], user_agent: str) -> None:
         """One request's line; also proxy.web.fast_hits', whose requests aiohttp never saw."""
+        if not self.json_lines:  # JSON escapes them itself
+            path, user_agent = _one_line(path), _one_line(user_agent)
         sink = self.sink
         if not self.json_lines and sink is not None:  # the default, and every hit's: cheap
             extra = " ".join(f"{k}={v}" for k in ("kind", "outcome", "upstream")
@@ -131,6 +133,21 @@ class AccessLogger(AbstractAccessLogger):
                          if fields.get(k))
         self.logger.info('%s "%s %s" %d %d %.3fs %s "%s"', remote, method, path, status, sent,
                          time_s, extra, user_agent)
+
+
+def _one_line(text: str) -> str:
+    """`text` as it can stand between quotes in a line of the text log: a client's quote,
+    backslash, newline or other control character escaped, so that it cannot end the line and
+    forge another (a path is percent-decoded: %0A is a newline)."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(map(_escaped, text))
+
+
+def _escaped(c: str) -> str:
+    if c == '"':
+        return '\\"'
+    return c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
 
 
 class JsonAccessLogger(AccessLogger):
