@@ -12,11 +12,10 @@ Only what needs nothing else is taken: one complete request head in one read, GE
 /buildid/<id>/debuginfo or /executable over HTTP/1.1, and no header but those that change
 nothing in a hit's answer (and an X-DEBUGINFOD-MAXSIZE the file fits), each once, Host among
 them, every line in RFC 9110's plain syntax: a head aiohttp's parser would refuse is its to
-refuse. Anything else (a
-tenant's header or token, conditional and range requests, forwarding headers, Cache-Control, a
-body, pipelined requests, a head split across reads, a miss, a file not yet hot) goes to
-aiohttp as before; proxy.web.connections says when a connection aiohttp has had gets quick
-answers again.
+refuse. Anything else (a tenant's header or token, conditional and range requests, forwarding
+headers, Cache-Control, a body, pipelined requests, a head split across reads, a miss, a file
+not yet hot) goes to aiohttp as before; proxy.web.connections says when a connection aiohttp
+has had gets quick answers again.
 """
 
 from __future__ import annotations
