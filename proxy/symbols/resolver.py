@@ -361,6 +361,12 @@ class SymbolResolver:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
             outcome, error = Outcome.MALFORMED, str(e)
+        except FileNotFoundError as e:
+            # The source went away before the worker opened it (evicted between its lookup
+            # and its lease, a local file removed): nothing about it to believe; asked again,
+            # it is fetched or found again.
+            log.info("symbol table for %s: its source is gone (%s)", build_id, e)
+            return Outcome.NOT_FOUND
         rec = await self._tables.record(scope, build_id, outcome, source.source_key, result,
                                         error)
         # Counted once recorded and open, so the metric never runs ahead of the table.
