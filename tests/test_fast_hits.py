@@ -439,8 +439,10 @@ async def test_a_server_stopping_closes_its_quick_connections(
     b"Host: x\r\nX-DEBUGINFOD-MAXSIZE: \x0b99999999\x0b\r\n",
     b"Host: x\r\nUser-Agent: " + b"a" * 9000 + b"\r\n",
     b"Host: x\r\nUser-Agent : a\r\n",  # whitespace before the colon
+    # Blanks then a control: a pattern that can split the blanks two ways tries every split.
+    b"Host:" + b" " * 8000 + b"\x01\r\n",
 ], ids=["no-host", "two-hosts", "lf-tenant", "lf-length", "cr", "nul", "vt-maxsize",
-        "long-line", "space-before-colon"])
+        "long-line", "space-before-colon", "blanks-then-control"])
 async def test_a_head_aiohttp_refuses_is_not_answered_quickly(
     server: Server, elfs: ElfSet, fields: bytes
 ) -> None:
