@@ -106,8 +106,8 @@ def fill(profile: RawProfile) -> int:
         if m.memory_limit and not m.memory_start <= address < m.memory_limit:
             continue  # not in its mapping (or the range is inverted): no offset to name it by
         offset = address - m.memory_start + m.file_offset
-        if offset >> 64:
-            continue  # a file offset past any file's: no name to give
+        if not 0 <= offset < 1 << 64:
+            continue  # below the file's start (no limit to say so) or past any file's end
         names.append((i, f"{module}+0x{offset:x}"))
     ids = _function_ids(profile, (name for _i, name in names))
     for i, name in names:
@@ -126,18 +126,22 @@ def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
         strings.append("")
     index = {s: i for i, s in reversed(list(enumerate(strings)))}
     own = {(f.name, f.system_name, f.filename): f.id for f in profile.function}
-    new_ids = NewIds(f.id for f in profile.function)
     ids: dict[str, int] = {}
+    new: list[tuple[str, int]] = []
     for name in dict.fromkeys(names):
         if name not in index:
             index[name] = len(strings)
             strings.append(name)
         key = (index[name], index[name], 0)
-        if key not in own:
-            f = profile.function.add(id=new_ids.take_one(), name=index[name],
-                                     system_name=index[name])
-            own[key] = f.id
-        ids[name] = own[key]
+        if key in own:
+            ids[name] = own[key]
+        else:
+            new.append((name, index[name]))
+    # In one take: ids past the top are searched for once, not once a name.
+    taken = NewIds(f.id for f in profile.function).take(len(new)).tolist()
+    for (name, at), function_id in zip(new, taken, strict=True):
+        profile.function.add(id=function_id, name=at, system_name=at)
+        ids[name] = function_id
     return ids
 
 

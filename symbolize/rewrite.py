@@ -155,14 +155,18 @@ class _Functions:
         written = np.zeros(len(used), dtype=np.uint64)
         fresh = np.ones(len(used), dtype=np.bool_)  # in `order`
         if self._own:
-            for k, row in enumerate(fields.tolist()):
-                own = self._own.get((row[0], row[1], row[2], row[3]))
-                if own is None:
-                    own = self._own[(row[0], row[1], row[2], row[3])] = \
-                        self._new_ids.take_one()
+            keys = [(r[0], r[1], r[2], r[3]) for r in fields.tolist()]
+            # The profile's own where it has the function; new ids, in one take, in the
+            # order of first use, for the rest.
+            new = [key for key in dict.fromkeys(keys) if key not in self._own]
+            self._own.update(zip(new, self._new_ids.take(len(new)).tolist(), strict=True))
+            unwritten = set(new)
+            for k, key in enumerate(keys):
+                if key in unwritten:
+                    unwritten.discard(key)  # its first row writes the new Function
                 else:
                     fresh[k] = False
-                written[order[k]] = own
+                written[order[k]] = self._own[key]
         else:
             written[order] = self._new_ids.take(len(used))
         table.extend(new_strings)

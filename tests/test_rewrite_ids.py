@@ -145,7 +145,7 @@ def test_a_profile_that_owns_ids_near_the_top(
                                   [(1 << 64) - 1, *range(1, 50)]])
 def test_new_ids_are_unused_and_never_zero(used: list[int], count: int) -> None:
     ids = NewIds(used)
-    taken = [*ids.take(count).tolist(), ids.take_one(), *ids.take(count).tolist()]
+    taken = [*ids.take(count).tolist(), *ids.take(1).tolist(), *ids.take(count).tolist()]
     assert len(taken) == len(set(taken)) == 2 * count + 1
     assert not set(taken) & set(used) and 0 not in taken
     assert all(0 < i < 1 << 64 for i in taken)
@@ -155,3 +155,12 @@ def test_new_ids_are_unused_and_never_zero(used: list[int], count: int) -> None:
     free_below = [i for i in range(1, 200) if i not in set(used)]
     expected += free_below[:len(taken) - len(expected)]
     assert taken == expected
+
+
+def test_new_ids_past_the_top_among_many_of_the_profiles_own() -> None:
+    """Every new id taken past the top searched all of the profile's ids again: a profile of
+    thousands of sparse ids and the last one cost minutes of CPU in the fallback pass."""
+    used = [*range(2, 20_002, 2), (1 << 64) - 1]
+    ids = NewIds(used)
+    taken = [*ids.take(3).tolist(), *ids.take(5_000).tolist(), *ids.take(7_000).tolist()]
+    assert taken == [*range(1, 20_001, 2), *range(20_001, 22_004)]

@@ -33,16 +33,22 @@ class NewIds:
             return out
         return np.concatenate((out, self._below(n - above)))
 
-    def take_one(self) -> int:
-        return int(self.take(1)[0])
-
     def _below(self, n: int) -> npt.NDArray[np.uint64]:
-        """The `n` lowest ids from `_low` up that the profile does not use: among the next
-        n + (the profile's ids from there up) there are n."""
+        """The `n` lowest ids from `_low` up that the profile does not use: a window from
+        `_low` of n ids plus the profile's own inside it, grown until it holds n free ones.
+        Each call costs its n and the profile's ids it passes, never all of them again."""
         if not self._sorted:
             self._used, self._sorted = np.unique(self._used), True
-        after = self._used[np.searchsorted(self._used, np.uint64(self._low)):]
-        candidates = np.arange(n + len(after), dtype=np.uint64) + np.uint64(self._low)
-        free = candidates[~np.isin(candidates, after, assume_unique=True)][:n]
+        low = np.uint64(self._low)
+        start = int(np.searchsorted(self._used, low))
+        window = n
+        while True:
+            inside = int(np.searchsorted(self._used, low + np.uint64(window))) - start
+            if window - inside >= n:
+                break
+            window = n + inside
+        candidates = np.arange(window, dtype=np.uint64) + low
+        free = candidates[~np.isin(candidates, self._used[start: start + inside],
+                                   assume_unique=True)][:n]
         self._low = int(free[-1]) + 1
         return free
