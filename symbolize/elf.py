@@ -170,8 +170,8 @@ class ElfLayout:
     build_id: str | None
     elf_type: str  # "ET_EXEC", "ET_DYN", ...
     segments: tuple[LoadSegment, ...]
-    # Whether the file holds its code's bytes (an allocated executable section that is not
-    # SHT_NOBITS); None for a file without section headers, which cannot tell.
+    # Whether the file holds its code's bytes (its allocated executable sections are not
+    # SHT_NOBITS); None where no section is one (no section table), which cannot tell.
     holds_code: bool | None = None
 
     @property
@@ -195,14 +195,13 @@ class ElfLayout:
 
 
 def _holds_code(sections: Iterable[tuple[int, int, int]]) -> bool | None:
-    """Of (sh_type, sh_flags, sh_size) rows: whether an allocated executable section has
-    bytes in the file; None without sections."""
-    rows = list(sections)
-    if not rows:
-        return None
+    """Of (sh_type, sh_flags, sh_size) rows: whether the allocated executable sections have
+    bytes in the file; None where no section is one (no section table, or a stripped or odd
+    one), which cannot tell."""
     code = SHF_ALLOC | SHF_EXECINSTR
-    return any(flags & code == code and kind != SHT_NOBITS and size > 0
-               for kind, flags, size in rows)
+    kinds = [kind != SHT_NOBITS and size > 0 for kind, flags, size in sections
+             if flags & code == code]
+    return any(kinds) if kinds else None
 
 
 def layout_of_file(path: Path) -> ElfLayout | None:

@@ -190,3 +190,19 @@ def test_a_section_said_to_be_huge_is_not_read(elfs: ElfSet, tmp_path: Path) -> 
         assert damaged is not None and damaged.data(damaged.sections[index]) is None
     finally:
         os.close(fd)
+
+
+def test_a_section_table_without_code_sections_does_not_say_the_layout_is_a_debug_files(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """has_file_layout asks the sections whether the code is in the file (a debug file's code
+    is SHT_NOBITS); a table with no code section to ask, here only its null entry, leaves the
+    program headers to say, as before."""
+    for source, real in ((elfs.prog.executable, True), (elfs.prog.debug, False)):
+        data = bytearray(source.read_bytes())
+        struct.pack_into("<HH", data, 0x3C, 1, 0)  # ELF64 e_shnum = 1, e_shstrndx = 0
+        odd = tmp_path / source.name
+        odd.write_bytes(data)
+        layout, before = layout_of_file(odd), layout_of_file(source)
+        assert layout is not None and before is not None
+        assert layout.holds_code is None and before.holds_code is real
+        assert layout.has_file_layout is before.has_file_layout is real
