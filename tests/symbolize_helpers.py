@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 from dataclasses import replace
+from pathlib import Path
 
 from proxy.config import SymbolizeConfig
 from symbolize.pprof.profile_pb2 import Profile
@@ -49,3 +50,8 @@ def same_frames(got: list[Expected], want: list[Expected]) -> bool:
         if w.start_line and g.start_line != w.start_line:
             return False
     return True
+
+
+def table_lock_file(sg: Symgate, build_id: str) -> Path:
+    """The flock(2) file a build of `build_id`'s shared table holds (proxy.symbols.build_lock)."""
+    return sg.config.server.data_dir / "symtabs" / build_id[:2] / f"{build_id}.symc.lock"

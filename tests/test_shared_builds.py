@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
 
 # A process that holds a table's build lock until it is killed, as a server building it does.
 _HOLD = ("import fcntl, os, sys, time\n"
@@ -26,10 +25,6 @@ _HOLD = ("import fcntl, os, sys, time\n"
 def _profile(elfs: ElfSet) -> bytes:
     return make_profile([(place(elfs.prog, BASES["prog"]),
                           code_addresses(elfs.prog)[:5])]).SerializeToString()
-
-
-def _lock_file(sg: Symgate, build_id: str) -> Path:
-    return (sg.config.server.data_dir / "symtabs" / build_id[:2] / f"{build_id}.symc.lock")
 
 
 async def _true(value: bool) -> bool:
@@ -56,7 +51,7 @@ async def test_a_table_another_process_is_building_is_waited_for_not_built_again
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await builder.metric("symgate_symtab_builds_total", result="ok") == 1
     assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 0
-    assert not _lock_file(builder, elfs.prog.build_id).exists()
+    assert not table_lock_file(builder, elfs.prog.build_id).exists()
 
 
 async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the_table(
@@ -64,7 +59,7 @@ async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the
 ) -> None:
     sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
     symbols = sg.runner.app[STATE].symbols
-    lock = _lock_file(sg, elfs.prog.build_id)
+    lock = table_lock_file(sg, elfs.prog.build_id)
     lock.parent.mkdir(parents=True, exist_ok=True)
     holder = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _HOLD, str(lock), stdout=asyncio.subprocess.PIPE)

@@ -17,7 +17,7 @@ from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
 
 
 async def test_symbol_tables_are_built_when_cached_and_evicted_with_their_artifact(
@@ -101,8 +101,7 @@ async def test_a_source_gone_before_its_build_is_not_found_and_not_believed(
     (d / (elfs.prog.build_id[2:] + ".debug")).symlink_to(copy)
     sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
     symbols = sg.runner.app[STATE].symbols
-    bid = elfs.prog.build_id
-    lock = sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc.lock"
+    lock = table_lock_file(sg, elfs.prog.build_id)
     lock.parent.mkdir(parents=True, exist_ok=True)
     body = make_profile([(place(elfs.prog, BASES["prog"]),
                           code_addresses(elfs.prog)[:20])]).SerializeToString()
