@@ -199,9 +199,9 @@ def _holds_code(sections: Iterable[tuple[int, int, int]]) -> bool | None:
     bytes in the file; None where no section is one (no section table, or a stripped or odd
     one), which cannot tell."""
     code = SHF_ALLOC | SHF_EXECINSTR
-    kinds = [kind != SHT_NOBITS and size > 0 for kind, flags, size in sections
-             if flags & code == code]
-    return any(kinds) if kinds else None
+    in_file = [kind != SHT_NOBITS and size > 0 for kind, flags, size in sections
+               if flags & code == code]
+    return any(in_file) if in_file else None
 
 
 def layout_of_file(path: Path) -> ElfLayout | None:
