@@ -2,8 +2,9 @@
 
 The process that fetches a key holds flights/<key hash>.lock flock(2)ed from before it asks
 upstream until the file is committed or given up, and keeps flights/<key hash>.json saying
-where it is: asking, streaming (the temp file's path and the upstream's headers), verified
-(every byte is in and right), failed (the error), settled (committed, or not kept). Another
+where it is once upstream has answered: streaming (the temp file's path and the upstream's
+headers), verified (every byte is in and right), failed (the error), settled (committed, or
+not kept). Another
 process that wants the key meanwhile finds the lock taken, opens the temp file the JSON names
 and follows it as it grows: one upstream request for the whole server, and each process's
 clients get the bytes as they come, from the page cache.
@@ -48,7 +49,6 @@ ALIVE_CHECK_S = 0.1
 # 0.25 s (a second upstream request in a test run), and lingering files cost nothing.
 LINGER_S = 5.0
 
-ASKING = "asking"
 STREAMING = "streaming"
 VERIFIED = "verified"
 FAILED = "failed"
@@ -75,11 +75,13 @@ class Followed:
 class Claim:
     """This process's right to fetch one key; say each step, release at the end.
 
-    Publishing a state costs a file written and renamed (~0.3 ms each): the first two (asking,
-    streaming), which a cold fetch's first byte would wait for, are written by the board's
-    writer thread. The rest, and the release, happen here once that thread has written what it
-    was given, so that no earlier state lands after a later one, and the lock is free the
-    moment the fetch is over (a request right after it must not find it held).
+    Publishing a state costs a file written and renamed (~0.3 ms each): the first (streaming),
+    which a cold fetch's first byte would wait for, is written by the board's writer thread.
+    The rest, and the release, happen here once that thread has written what it was given, so
+    that no earlier state lands after a later one, and the lock is free the moment the fetch is
+    over (a request right after it must not find it held). Nothing is said while it asks
+    upstream: a follower waits alike for a holder that has said nothing yet, and the file and
+    the thread's turn would be paid for on the way to the upstream request.
     """
 
     def __init__(self, board: FlightBoard, kh: str, fd: int) -> None:
@@ -99,7 +101,6 @@ class Claim:
             os.pwrite(fd, self.ident.encode(), 0)
         except OSError:  # a full disk: followers then wait for the end, and look in SQL
             pass
-        self.say(ASKING)
 
     def say(self, state: str, **fields: Any) -> None:
         self._state.update(fields, state=state)
@@ -111,7 +112,7 @@ class Claim:
             except OSError as e:  # followers then see no progress and fail; it goes on
                 log.warning("cannot publish the state of a fetch: %s", e)
 
-        if state in (ASKING, STREAMING):
+        if state == STREAMING:
             self._board.post(publish)
         else:
             self._board.drain()
