@@ -142,6 +142,12 @@ class ProxyMetrics:
             "Responses cut off because the fetch they streamed failed",
             registry=registry,
         )
+        self.send_timeouts = Counter(
+            f"{p}_send_timeouts",
+            "Client connections cut because the client took none of a response's bytes for "
+            "server.send_timeout_s",
+            registry=registry,
+        )
         self.bucket_requests = Counter(
             f"{p}_bucket_requests", "Requests to the shared bucket ([storage])",
             ["op", "outcome"], registry=registry,

@@ -48,6 +48,7 @@ from proxy.web.fast_hits import FastHits
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
+from proxy.web.send_watch import SendWatch
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
@@ -305,6 +306,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
         raise CannotStart(f"cannot listen on {config.server.listen}: "
                           f"{reason(e)}") from None
     stop = asyncio.Event()
+    # Runs while the server serves, through the shutdown grace too: cuts clients that stopped
+    # reading (proxy.web.send_watch).
+    watching: asyncio.Task[None] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -315,6 +319,10 @@ async def serve(config: Config, access_log: logging.Logger | None,
         guard.quick = FastHits(runner.app[STATE], None if access_log is None
                                else access_log_class(access_log, ""))
         await server.start_serving()
+        if config.server.send_timeout_s > 0:
+            watch = SendWatch(config.server.send_timeout_s,
+                              runner.app[STATE].metrics.send_timeouts.inc)
+            watching = asyncio.create_task(watch.run(lambda: guard.transports))
         if serving is not None:
             serving()
         bound = server.sockets[0].getsockname()
@@ -330,6 +338,8 @@ async def serve(config: Config, access_log: logging.Logger | None,
         assert runner.server is not None
         await _drain(runner.server, config.server.shutdown_grace_s)
     finally:
+        if watching is not None:
+            watching.cancel()
         server.close()
         await runner.cleanup()
         if sink is not None:

@@ -81,6 +81,8 @@ class ConnectionGuard:
         # Connections aiohttp has not been told of yet (all their requests answered quickly):
         # closed by close_quick() when the server stops, as aiohttp closes its idle ones.
         self._quick_only: set[_Counted] = set()
+        # Every client connection open, for the watch on clients that stop reading.
+        self.transports: set[asyncio.Transport] = set()
 
     def close_quick(self) -> None:
         """Close the connections only quick answers were written to: they are idle whenever
@@ -133,6 +135,8 @@ class _Counted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        if self._guard is not None:
+            self._guard.transports.add(transport)
         self._time_head()
         if self._quick is None:
             self._hand_over()
@@ -239,6 +243,8 @@ class _Counted(asyncio.Protocol):
         if self._guard is not None:
             self._guard.open -= 1
             self._guard._quick_only.discard(self)
+            if self._transport is not None:
+                self._guard.transports.discard(self._transport)
             self._guard = None
         if self._handed:
             self._inner.connection_lost(exc)
