@@ -286,7 +286,9 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                 m.has_filenames, m.has_line_numbers, m.has_inline_frames = chains.flags(
                     resolved)
             else:
-                report.mappings_skipped["no_symbols"] += 1
+                # Its table was had; none of its addresses is in a function the table knows:
+                # not the file's lack of symbols (no_symbols), which comes from the build.
+                report.mappings_skipped["unresolved"] += 1
     # The chains are done with too (their numbers are a column the size of the input).
     del found, where, chains, shares, numbers, resolved, starts, lengths_of, blob
     if not tail_length.any():

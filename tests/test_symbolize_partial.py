@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from elftools.elf.elffile import ELFFile
 
 from proxy.config import TenantConfig
 from proxy.keys import ArtifactKey
@@ -90,3 +91,29 @@ async def test_deadline_answers_with_what_is_ready(
     status, headers, _ = await post(sg, profile.SerializeToString())
     assert headers["X-Symgate-Mappings-Symbolized"] == "1", (
         headers["X-Symgate-Mappings-Unsymbolized"])
+
+
+async def test_a_mapping_whose_addresses_are_in_no_function_is_told_apart_from_no_symbols(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Its table is built and has functions, but none of the mapping's addresses is in one:
+    they are in the file's first, read-only segment (its headers, .dynsym, .rela), before any
+    function, as a profiler that maps the whole file may send them. `unresolved`, not the
+    `no_symbols` of a file without any."""
+    good = place(elfs.prog, BASES["prog"])
+    with elfs.prog.executable.open("rb") as f:
+        first = next(s for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD")
+        assert not first["p_flags"] & 1 and first["p_offset"] == 0  # not executable
+        head = list(range(first["p_vaddr"] + 0x40, first["p_vaddr"] + first["p_filesz"], 8))
+    whole_head = replace(good, memory_start=good.runtime(first["p_vaddr"]),
+                         memory_limit=good.runtime(first["p_vaddr"] + 0x1000), file_offset=0)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(good, code_addresses(elfs.prog)[:10]), (whole_head, head)])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "unresolved=1"
+    assert await sg.metric("symgate_symbolize_mappings_total", result="unresolved") == 1
+    assert await sg.metric("symgate_symbolize_mappings_total", result="no_symbols") == 0
+    out = parse(body)
+    assert all(not loc.line for loc in out.location if loc.mapping_id == 2)
