@@ -1,13 +1,16 @@
 """Several `symgate serve` processes on one data dir: a process starting never removes another
 live process's download, two processes wanting the same artifact end with one fetch, one whole
-file and one row, and a file evicted under a response is still sent whole."""
+file and one row, a file evicted under a response is still sent whole, and one evicted as it
+is committed is no failed fetch."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,7 +20,7 @@ from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, make_config
+from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
 from tests.processes import start_serve, stop_serve
 
 Serve = Callable[[], Awaitable[str]]
@@ -180,3 +183,33 @@ async def test_a_miss_remembered_by_another_process_between_look_and_claim_is_th
     go_on.set()
     assert (await following)[0] == 404
     assert faults.count("hold") == 1
+
+
+async def test_a_file_evicted_as_it_is_committed_is_served_and_no_failed_fetch(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process may evict a file the moment it is renamed into place (an eviction
+    that raced a fetch of the same key): its clients have had every byte, and the commit
+    says nothing of a failed fetch. The upstream (elfutils') sends Last-Modified, which the
+    file takes as its mtime. The rename is followed by the unlink here, in the server's
+    own commit."""
+    sg = await start_symgate([debuginfod.url])
+    store = sg.runner.app[STATE].service.cache.store
+    real_commit = store.commit
+
+    def commit_then_lose(*args: Any) -> Path:
+        final = real_commit(*args)
+        final.unlink()  # what the other process's eviction does, right then
+        return final
+
+    store.commit = commit_then_lose  # type: ignore[method-assign]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    expected = elfs.prog.debug.read_bytes()
+    status, headers, body = await sg.get(path)
+    await sg.settled()
+    assert (status, body) == (200, expected) and "Last-Modified" in headers
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    store.commit = real_commit  # type: ignore[method-assign]
+    status, _, body = await sg.get(path)  # its row names a file that is gone: fetched again
+    assert (status, body) == (200, expected)

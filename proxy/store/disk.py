@@ -50,7 +50,8 @@ class Store(Protocol):
 
     def new_temp(self) -> tuple[Path, int]: ...
 
-    def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey) -> Path: ...
+    def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey,
+               mtime: float | None = None) -> Path: ...
 
     def remove_artifact(self, scope: str, key: ArtifactKey) -> None: ...
 
@@ -132,8 +133,13 @@ class DiskStore:
             self._release()
             self._own_tmp = None
 
-    def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey) -> Path:
-        """Blocking (fsync): run it in a worker thread."""
+    def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey,
+               mtime: float | None = None) -> Path:
+        """Blocking (fsync): run it in a worker thread. `mtime`: the file's modification time
+        (what the upstream said), set before the rename: from then on the file is other
+        processes' to evict, and may be gone by the time this returns."""
+        if mtime is not None:
+            os.utime(fd, (mtime, mtime))
         os.fsync(fd)
         final = self.artifact_path(scope, key)
         final.parent.mkdir(parents=True, exist_ok=True)
