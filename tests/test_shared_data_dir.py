@@ -1,11 +1,13 @@
 """Several `symgate serve` processes on one data dir: a process starting never removes another
 live process's download, two processes wanting the same artifact end with one fetch, one whole
-file and one row, a file evicted under a response is still sent whole, and one evicted as it
-is committed is no failed fetch."""
+file and one row, a file evicted under a response is still sent whole, or as it is committed,
+and an eviction by what a process remembers of a file never removes the copy another fetched
+since."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,12 +17,15 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.artifacts.index import key_hash
+from proxy.config import CacheConfig
 from proxy.keys import ArtifactKey
+from proxy.store.replica import replica_id
 from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import start_serve, stop_serve
 
 Serve = Callable[[], Awaitable[str]]
@@ -183,6 +188,46 @@ async def test_a_miss_remembered_by_another_process_between_look_and_claim_is_th
     go_on.set()
     assert (await following)[0] == 404
     assert faults.count("hold") == 1
+
+
+async def test_an_eviction_by_a_stale_record_leaves_the_copy_fetched_since(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    database_url: str
+) -> None:
+    """The first server keeps its record of a file that the second evicts, then fetches
+    again: when the first evicts by that record, the second's newer copy and its row stay.
+    Two servers in this process on one data dir, each with an index of its own; sources,
+    which no symbol-table build holds open, and a budget of one of the two files."""
+    x, y = elfs.prog.sources[:2]
+    budget = x.stat().st_size + y.stat().st_size - 1
+    cfg = make_config(tmp_path / "d", database_url, [faults.url_for("ok")],
+                      cache=CacheConfig(max_bytes=budget))
+    # Only the evictions of the steps below: no judging of the whole cache meanwhile.
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, access_flush_s=3600))
+    first = await start_symgate(config=cfg)
+    second = await start_symgate(config=cfg)
+
+    async def get(sg: Symgate, src: Path) -> None:
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/source{src}")
+        assert (status, body) == (200, src.read_bytes())
+        await sg.settled()  # committed, and evicted for
+
+    await get(first, x)  # the first's record of x
+    await get(second, x)  # a hit from SQL: the second's record of x too
+    await get(second, y)  # evicts x, by the second's record
+    await get(second, x)  # fetched again: a newer copy of x; evicts y
+    assert faults.count("ok") == 3
+    key = ArtifactKey.parse(elfs.prog.build_id, "source", str(x))
+    stored = cfg.cache_dir / "objects" / ArtifactKey.from_id(key.id).storage_name
+    repo = Repository(create_engine(database_url), replica=replica_id(cfg.cache_dir))
+    try:
+        newer = await repo.get_artifact(key_hash("", key))
+        assert newer is not None and stored.exists()
+        await get(first, y)  # makes room by its old record of x: not the second's copy
+        assert await repo.get_artifact(key_hash("", key)) == newer
+    finally:
+        await repo.close()
+    assert stored.read_bytes() == x.read_bytes()
 
 
 async def test_a_file_evicted_as_it_is_committed_is_served_and_no_failed_fetch(

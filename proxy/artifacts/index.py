@@ -53,6 +53,14 @@ def key_hash(scope: str, key: ArtifactKey) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class _Gone:
+    """A row to delete once SQL takes it: only while it is still the commit fetched at
+    `fetched_at`, or whichever it is with None (a removal, not an eviction)."""
+
+    fetched_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CachedArtifact:
     record: ArtifactRecord
     path: Path
@@ -85,8 +93,8 @@ class ArtifactCache:
         self._reserved: dict[object, int] = {}
         # Only keys of the index: bounded by it, and kept across failed flushes.
         self._pending_access: dict[str, tuple[int, datetime]] = {}
-        # Rows SQL has not taken yet: a record to write, or None to delete.
-        self._unsynced: OrderedDict[str, ArtifactRecord | None] = OrderedDict()
+        # Rows SQL has not taken yet: a record to write, or one to delete.
+        self._unsynced: OrderedDict[str, ArtifactRecord | _Gone] = OrderedDict()
         self.health = Health()
         self._evict_lock = asyncio.Lock()
         self._deferred: asyncio.Task[None] | None = None
@@ -141,13 +149,14 @@ class ArtifactCache:
         this replica's: an upgraded node keeps its files as hits."""
         self.store.clear_temp()
         on_disk = set(self.store.stored_names())
-        stale: list[str] = []
+        stale: list[ArtifactRecord] = []
         for rec in await self._repo.all_artifacts():
             if self._whole_here(rec, on_disk):
                 self._add(rec)
             else:
-                stale.append(rec.key_hash)
-        await self._repo.delete_artifacts(stale)
+                stale.append(rec)
+        # Those commits only: another live process may have fetched one again since.
+        await self._repo.delete_commits((r.key_hash, r.fetched_at) for r in stale)
         claimed = [rec for rec in await self._repo.unclaimed_artifacts()
                    if self._whole_here(rec, on_disk)]
         await self._repo.claim_artifacts(r.key_hash for r in claimed)
@@ -292,10 +301,54 @@ class ArtifactCache:
             await self._repo.delete_artifacts(key_hashes)
         except DATABASE_ERRORS as e:
             self.sql_failed("deleting artifacts' rows", e)
-            for kh in key_hashes:
-                self._unsynced[kh] = None
-            while len(self._unsynced) > MAX_UNSYNCED_DELETES:
-                self._unsynced.popitem(last=False)
+            self._delete_later((kh, None) for kh in key_hashes)
+
+    def _delete_later(self, rows: Iterable[tuple[str, datetime | None]]) -> None:
+        for kh, fetched_at in rows:
+            self._unsynced[kh] = _Gone(fetched_at)
+        while len(self._unsynced) > MAX_UNSYNCED_DELETES:
+            self._unsynced.popitem(last=False)
+
+    async def _take(self, records: list[ArtifactRecord], *, rows_later: bool = False
+                    ) -> list[ArtifactRecord]:
+        """Those of `records` whose rows still describe the commits they do, their rows
+        deleted (with `rows_later`: only read now, deleted at the next flush): whose files are
+        theirs to remove. Another process may have evicted a key and fetched it again since
+        this one read its record (kept in memory since, or read from SQL a moment ago): the
+        file at its path is then that fetch's. When SQL cannot tell, the records are believed,
+        as before there were commits to tell apart."""
+        taken: list[ArtifactRecord] = []
+        asked: list[ArtifactRecord] = []
+        for rec in records:
+            pending = self._unsynced.get(rec.key_hash)
+            if isinstance(pending, ArtifactRecord):  # a commit of this process SQL lacks
+                if pending.fetched_at == rec.fetched_at:
+                    del self._unsynced[rec.key_hash]
+                    taken.append(rec)
+                continue  # else SQL's row is older than the file this process put there
+            asked.append(rec)
+        commits = [(rec.key_hash, rec.fetched_at) for rec in asked]
+        try:
+            if rows_later:
+                now = await self._repo.commits_of(kh for kh, _ in commits)
+                theirs = {kh for kh, fetched_at in commits if now.get(kh) == fetched_at}
+            else:
+                for kh, _ in commits:
+                    self._unsynced.pop(kh, None)
+                theirs = await self._repo.delete_commits(commits)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("deleting evicted artifacts' rows", e)
+            theirs = {kh for kh, _ in commits}
+            rows_later = True
+        if rows_later:
+            self._delete_later((kh, when) for kh, when in commits if kh in theirs)
+        return taken + [rec for rec in asked if rec.key_hash in theirs]
+
+    def _forget(self, rec: ArtifactRecord) -> None:
+        """Drop the index's entry of this commit of its key, if it holds that one."""
+        held = self._entries.get(rec.key_hash)
+        if held is not None and held.fetched_at == rec.fetched_at:
+            self._drop(rec.key_hash)
 
     def sql_failed(self, doing: str, error: BaseException) -> None:
         """Note a failed query: the disk if SQLite found it full, else the database."""
@@ -313,6 +366,14 @@ class ArtifactCache:
         have fetched it)."""
         if not await self.remove(scope, key):
             self.store.remove_artifact(scope, key)
+
+    async def vanished(self, rec: ArtifactRecord) -> None:
+        """This commit's file was found missing (an operator, a disk cleaner, another process's
+        eviction): forget it, and its row while that still describes it. Its path is left
+        alone: a file there now is another process's newer fetch of the key."""
+        self._forget(rec)
+        if await self._take([rec]):
+            await self._notify_evicted([(rec.scope, ArtifactKey.from_id(rec.key))])
 
     async def remove(self, scope: str, key: ArtifactKey) -> bool:
         kh = key_hash(scope, key)
@@ -360,26 +421,32 @@ class ArtifactCache:
         return victims, over
 
     async def _remove_victims(self, victims: list[ArtifactRecord], *, rows_later: bool = False
-                              ) -> None:
-        """Evict these: files first (a reader's open descriptor keeps its file), then rows,
-        or at the next flush with `rows_later` (on a full disk, a SQLite write now would
-        take the very space just freed)."""
+                              ) -> list[ArtifactRecord]:
+        """Evict these, each only while its row describes its commit (see _take): rows
+        first, or at the next flush with `rows_later` (on a full disk, a SQLite write now
+        would take the very space just freed), then files (a reader's open descriptor keeps
+        its file). A victim whose key was fetched again meanwhile is only forgotten. What
+        was evicted."""
         if not victims:
-            return
-        keys: list[tuple[str, ArtifactKey]] = []
+            return []
         for rec in victims:
-            self._drop(rec.key_hash)
+            self._forget(rec)
+        evicted = await self._take(victims, rows_later=rows_later)
+        keys: list[tuple[str, ArtifactKey]] = []
+        for rec in evicted:
+            self._drop(rec.key_hash)  # whichever commit memory held: its file is going
             keys.append((rec.scope, ArtifactKey.from_id(rec.key)))
             self.store.remove_artifact(*keys[-1])
             self._metrics.evictions.inc()
             self._metrics.evicted_bytes.inc(rec.size)
-        if rows_later:
-            for rec in victims:
-                self._unsynced[rec.key_hash] = None
-        else:
-            await self._delete_rows([r.key_hash for r in victims])
         await self._notify_evicted(keys)
-        log.info("evicted %d artifacts (%d bytes)", len(victims), sum(r.size for r in victims))
+        if evicted:
+            log.info("evicted %d artifacts (%d bytes)", len(evicted),
+                     sum(r.size for r in evicted))
+        if len(evicted) < len(victims):
+            log.info("%d artifacts to evict had been fetched again by another process; "
+                     "left to it", len(victims) - len(evicted))
+        return evicted
 
     async def flush_access(self) -> None:
         """Write what SQL has not taken yet: rows, then hit counts. A failed batch stays for
@@ -405,10 +472,12 @@ class ArtifactCache:
         while self._unsynced:
             kh, rec = next(iter(self._unsynced.items()))
             try:
-                if rec is None:
+                if isinstance(rec, ArtifactRecord):
+                    await self._repo.put_artifact(rec)
+                elif rec.fetched_at is None:
                     await self._repo.delete_artifacts([kh])
                 else:
-                    await self._repo.put_artifact(rec)
+                    await self._repo.delete_commits([(kh, rec.fetched_at)])
             except DATABASE_ERRORS as e:
                 self.sql_failed("writing rows kept while SQL was failing", e)
                 raise
@@ -432,9 +501,9 @@ class ArtifactCache:
                 if over > 0:
                     victims, _ = self._victims(
                         await self._repo.least_recently_used(SHARED_EVICTION_BATCH), over)
-                    await self._remove_victims(victims)
-                    self._shared_totals = (count - len(victims),
-                                           total - sum(r.size for r in victims))
+                    evicted = await self._remove_victims(victims)
+                    self._shared_totals = (count - len(evicted),
+                                           total - sum(r.size for r in evicted))
                 self._publish()
         finally:
             os.close(fd)
@@ -455,8 +524,7 @@ class ArtifactCache:
         whatever the budget: the disk is full. The bytes freed."""
         async with self._evict_lock:
             victims, _ = self._victims(self._entries.values(), wanted)
-            await self._remove_victims(victims, rows_later=True)
-            return sum(r.size for r in victims)
+            return sum(r.size for r in await self._remove_victims(victims, rows_later=True))
 
 
 def _size(path: Path) -> int | None:

@@ -292,7 +292,7 @@ class ArtifactService:
         """A cached file found missing: deleted behind our back (an operator, a disk cleaner)
         or evicted by another process. Forgotten; the next find fetches it again."""
         log.warning("cached %s vanished from disk; fetching it again", hit.record.key)
-        await self.cache.remove(hit.scope, ArtifactKey.from_id(hit.record.key))
+        await self.cache.vanished(hit.record)
 
     async def stored(self, scopes: tuple[str, ...], key: ArtifactKey) -> CachedArtifact | None:
         """The first of `scopes` whose cached file this process knows, or SQL knows of (one

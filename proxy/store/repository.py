@@ -340,6 +340,32 @@ class Repository:
             await s.execute(delete(Artifact).where(Artifact.key_hash.in_(hashes),
                                                    Artifact.replica == self.replica))
 
+    async def delete_commits(self, commits: Iterable[tuple[str, datetime]]) -> set[str]:
+        """Delete this replica's rows of these (key hash, fetched_at) pairs, each only while it
+        still describes that commit; the key hashes whose rows went. A row another process has
+        written since (it evicted the key and fetched it again) describes a newer file, which
+        is not the caller's to remove."""
+        pairs = list(commits)
+        if not pairs:
+            return set()
+        async with self.engine.begin() as c:
+            result = await c.execute(delete(Artifact).where(
+                Artifact.replica == self.replica,
+                tuple_(Artifact.key_hash, Artifact.fetched_at).in_(pairs),
+            ).returning(Artifact.key_hash))
+            return set(result.scalars())
+
+    async def commits_of(self, key_hashes: Iterable[str]) -> dict[str, datetime]:
+        """When this replica's rows of these keys were fetched (what tells one commit of a key
+        from another), by key hash; a key without a row is left out."""
+        hashes = list(key_hashes)
+        if not hashes:
+            return {}
+        async with self.engine.connect() as c:
+            rows = await c.execute(select(Artifact.key_hash, Artifact.fetched_at).where(
+                Artifact.replica == self.replica, Artifact.key_hash.in_(hashes)))
+            return {r.key_hash: aware(r.fetched_at) for r in rows}
+
     async def purge_artifacts(self, records: Iterable[ArtifactRecord], when: datetime) -> None:
         """Delete every replica's rows of these artifacts, and leave a notice for each serving
         process to remove its own copy (proxy.artifacts.purges): a replica that is down
