@@ -431,10 +431,15 @@ class ArtifactCache:
             return []
         for rec in victims:
             self._forget(rec)
-        evicted = await self._take(victims, rows_later=rows_later)
+        evicted = []
+        for rec in await self._take(victims, rows_later=rows_later):
+            held = self._entries.get(rec.key_hash)
+            if held is not None and held.fetched_at > rec.fetched_at:
+                continue  # this process committed the key again as its row went: that file
+            evicted.append(rec)
         keys: list[tuple[str, ArtifactKey]] = []
         for rec in evicted:
-            self._drop(rec.key_hash)  # whichever commit memory held: its file is going
+            self._drop(rec.key_hash)  # an older record of the key, if any: its file is going
             keys.append((rec.scope, ArtifactKey.from_id(rec.key)))
             self.store.remove_artifact(*keys[-1])
             self._metrics.evictions.inc()
