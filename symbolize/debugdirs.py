@@ -21,3 +21,8 @@ def find_debug_file(dirs: Iterable[Path], build_id: str) -> Path | None:
 
 def find_executable(dirs: Iterable[Path], build_id: str) -> Path | None:
     return next((p.resolve() for p in _candidates(dirs, build_id, "") if p.is_file()), None)
+
+
+def has_executable(dirs: Iterable[Path], build_id: str) -> bool:
+    """Whether find_executable finds one, without resolving its links."""
+    return any(p.is_file() for p in _candidates(dirs, build_id, ""))

@@ -36,7 +36,7 @@ from proxy.symbols.table_store import (
     stale,
 )
 from proxy.symbols.workers import SymbolizeWorkers
-from symbolize.debugdirs import find_debug_file, find_executable
+from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome
 from symbolize.pipeline import Resolved, SymbolProvider
@@ -131,7 +131,9 @@ class SymbolResolver:
         found = self._open_for(req, build_id)
         layout: asyncio.Future[_Layout] | None = None
         if found is None:
-            if needs_layout:  # looked for while the table is built, not after
+            # Looked for while the table is built, not after, where the executable is fetched;
+            # a local one goes into the build, which records its program headers itself.
+            if needs_layout and not has_executable(self._debug_dirs, build_id):
                 layout = self._executable_layout(req, build_id)
             key = (req.scope, build_id)
             resolved = await (self._resolving.get(key)
