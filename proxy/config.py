@@ -219,8 +219,9 @@ class ServerConfig:
     # A client must send a whole request head within this long of connecting, and of the end
     # of the previous response on a kept-alive connection (also the keep-alive idle timeout).
     header_timeout_s: Period = 10.0
-    # A client that takes none of a response's bytes for this long is disconnected: it would
-    # hold its connection, and a cached file's lease, as long as it liked. 0: never.
+    # A client that acknowledges none of the bytes sent to it for this long is disconnected
+    # (proxy/web/send_timeout.py): it would hold its connection, and a cached file's lease, as
+    # long as it liked. 0: never.
     send_timeout_s: Seconds = 60.0
     # Client connections at once; past it, new ones get an immediate 503. Unset: derived from
     # the open files limit (raised to its hard limit at start), keeping room for cache files.

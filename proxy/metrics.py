@@ -145,8 +145,8 @@ class ProxyMetrics:
         )
         self.send_timeouts = Counter(
             f"{p}_send_timeouts",
-            "Client connections cut because the client took none of a response's bytes for "
-            "server.send_timeout_s",
+            "Client connections closed because the client acknowledged none of the bytes "
+            "sent to it for server.send_timeout_s",
             registry=registry,
         )
         self.bucket_requests = Counter(

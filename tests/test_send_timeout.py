@@ -1,6 +1,6 @@
 """A client that stops reading is disconnected after server.send_timeout_s, whether its response
-is a cached file sent with sendfile(2) or a download streamed as it comes; one that reads
-slowly but reads gets every byte (proxy/web/send_watch.py)."""
+is a cached file sent with sendfile(2), a small one sent from memory, or a download streamed as
+it comes; one that reads slowly but reads gets every byte (proxy/web/send_timeout.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import contextlib
 import os
 import re
 import socket
+import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 
-from proxy.web.send_watch import SendWatch, send_state
+from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 from tests.elfs import ElfSet, build_program
 from tests.faults import FaultUpstream
 from tests.processes import descendants
@@ -23,11 +25,15 @@ from tests.test_hostile_clients import _serve, _stop
 TIMEOUT_S = 1.0
 
 
-def _request(port: int, path: str, receive_buffer: int | None = None) -> socket.socket:
-    """A GET sent on a new connection whose answer is not read (yet)."""
+def _request(port: int, path: str, receive_buffer: int | None = None,
+             segment: int | None = None) -> socket.socket:
+    """A GET sent on a new connection whose answer is not read (yet); `segment`: the MSS, as
+    on a real network rather than loopback's 64 KiB."""
     s = socket.socket()
     if receive_buffer is not None:  # before connect: the window offered is then small
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    if segment is not None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, segment)
     s.connect(("127.0.0.1", port))
     s.sendall(f"GET {path} HTTP/1.1\r\nHost: symgate\r\n\r\n".encode())
     return s
@@ -70,6 +76,28 @@ def _open_on(pids: set[int], path: Path) -> int:
     return count
 
 
+@contextlib.asynccontextmanager
+async def _server(tmp_path: Path, upstream: str, extra: str = ""
+                  ) -> AsyncIterator[tuple[str, int, bytearray, set[int]]]:
+    """A `symgate serve` with a 1 s send timeout: (base URL, port, its output so far, its
+    processes); stopped however the test ends, its exit checked when it passed."""
+    base, proc, out, drain = await _serve(tmp_path, upstream,
+                                          f"send_timeout_s = {TIMEOUT_S}\n{extra}")
+    try:
+        yield base, int(base.rsplit(":", 1)[1]), out, {proc.pid, *descendants(proc.pid)}
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    assert await _stop(proc, drain) == 0
+    assert "Traceback" not in out.decode(errors="replace"), out.decode()[-3000:]
+
+
+def _cut_lines(out: bytearray) -> int:
+    return out.decode(errors="replace").count("(server.send_timeout_s)")
+
+
 async def _metric(base: str, name: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
         text = await r.text()
@@ -80,64 +108,83 @@ async def _metric(base: str, name: str) -> float:
 async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let_go(
     faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:
-    base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
-                                          f"send_timeout_s = {TIMEOUT_S}\n")
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
-    async with aiohttp.ClientSession() as s, s.get(base + path) as r:  # cached now
-        assert r.status == 200 and len(await r.read()) == size
-    cached = None
-    for _ in range(250):  # committed once its client has every byte: soon after
-        cached = next((p for p in (tmp_path / "d").rglob("*") if "objects" in p.parts
-                       and p.is_file() and p.stat().st_size == size), None)
-        if cached is not None:
-            break
-        await asyncio.sleep(0.02)
-    assert cached is not None
-    port = int(base.rsplit(":", 1)[1])
-    stalled = await asyncio.to_thread(_request, port, path, 4096)
-    pids = {proc.pid, *descendants(proc.pid)}
-    # Being sent: the serving process holds the file.
-    for _ in range(100):
-        if _open_on(pids, cached):
-            break
-        await asyncio.sleep(0.02)
-    assert _open_on(pids, cached) >= 1
-    # The timeout, a sweep's period and the grace before the reset, and some.
-    await asyncio.sleep(TIMEOUT_S * 3.5)
-    assert _open_on(pids, cached) == 0
-    got, length, cut = await asyncio.to_thread(_read_answer, stalled)
-    assert length == size and got < size and cut, (got, length, cut)
-    assert await _metric(base, "symgate_send_timeouts_total") == 1
-    # The server serves on, the same file whole.
-    async with aiohttp.ClientSession() as s, s.get(base + path) as r:
-        assert r.status == 200 and len(await r.read()) == size
-    assert await _stop(proc, drain) == 0
-    text = out.decode(errors="replace")
-    assert "Traceback" not in text, text[-3000:]
-    assert text.count("server.send_timeout_s") == 1, text[-3000:]
+    async with _server(tmp_path, faults.url_for("ok")) as (base, port, out, pids):
+        async with aiohttp.ClientSession() as s, s.get(base + path) as r:  # cached now
+            assert r.status == 200 and len(await r.read()) == size
+        cached = None
+        for _ in range(250):  # committed once its client has every byte: soon after
+            cached = next((p for p in (tmp_path / "d").rglob("*") if "objects" in p.parts
+                           and p.is_file() and p.stat().st_size == size), None)
+            if cached is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert cached is not None
+        stalled = await asyncio.to_thread(_request, port, path, 4096)
+        # Being sent (with sendfile): the serving process holds the file.
+        for _ in range(100):
+            if _open_on(pids, cached):
+                break
+            await asyncio.sleep(0.02)
+        assert _open_on(pids, cached) >= 1
+        await asyncio.sleep(TIMEOUT_S * 3)
+        assert _open_on(pids, cached) == 0
+        got, length, cut = await asyncio.to_thread(_read_answer, stalled)
+        assert length == size and got < size and cut, (got, length, cut)
+        assert await _metric(base, "symgate_send_timeouts_total") == 1
+        assert _cut_lines(out) == 1, out.decode()[-3000:]
+        # The server serves on, the same file whole.
+        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+            assert r.status == 200 and len(await r.read()) == size
+
+
+async def test_a_client_that_stops_reading_a_small_hit_is_cut_though_its_connection_closes(
+    faults: FaultUpstream, tmp_path: Path
+) -> None:
+    """A hit sent from memory, whose tail waits in asyncio's buffer: the connection's idle
+    timer (header_timeout_s, shorter here) closes it, which waits for that buffer to drain,
+    and a client that never reads would keep it open for good."""
+    files = tmp_path / "files"
+    files.mkdir()
+    elf = build_program(tmp_path / "src", files, "small", 72)
+    pad = tmp_path / "pad.bin"  # to ~160 KiB: sent from memory (<= 256 KiB), not with sendfile
+    pad.write_bytes(os.urandom(160 << 10))
+    subprocess.run(["objcopy", "--add-section", f".pad={pad}", str(elf.debug)], check=True)
+    path = f"/buildid/{elf.build_id}/debuginfo"
+    size = elf.debug.stat().st_size
+    async with _server(tmp_path, faults.url_for("notfound"),
+                       f'header_timeout_s = {TIMEOUT_S / 2}\n[[upstreams]]\npath = "{files}"\n'
+                       ) as (base, port, out, _pids):
+        for _ in range(2):  # fetched, then a hit from memory
+            async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+                assert r.status == 200 and len(await r.read()) == size
+        stalled = [await asyncio.to_thread(_request, port, path, 4096, 1448) for _ in range(3)]
+        await asyncio.sleep(TIMEOUT_S * 3)
+        for sock in stalled:
+            got, length, cut = await asyncio.to_thread(_read_answer, sock)
+            assert length == size and got < size and cut, (got, length, cut)
+        assert await _metric(base, "symgate_send_timeouts_total") == 3
+        assert _cut_lines(out) == 3, out.decode()[-3000:]
 
 
 async def test_a_client_that_stops_reading_a_download_is_cut_and_the_download_kept(
     faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:
-    base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
-                                          f"send_timeout_s = {TIMEOUT_S}\n")
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
     before = faults.count("ok")
-    port = int(base.rsplit(":", 1)[1])
-    stalled = await asyncio.to_thread(_request, port, path, 4096)  # a miss: streamed
-    await asyncio.sleep(TIMEOUT_S * 3.5)
-    got, length, cut = await asyncio.to_thread(_read_answer, stalled)
-    assert length == size and got < size and cut, (got, length, cut)
-    assert await _metric(base, "symgate_send_timeouts_total") == 1
-    # The download went on without its client, and was kept: a hit, no second request.
-    async with aiohttp.ClientSession() as s, s.get(base + path) as r:
-        assert r.status == 200 and len(await r.read()) == size
-    assert faults.count("ok") - before == 1
-    assert await _stop(proc, drain) == 0
-    assert "Traceback" not in out.decode(errors="replace")
+    async with _server(tmp_path, faults.url_for("ok")) as (base, port, out, _pids):
+        stalled = await asyncio.to_thread(_request, port, path, 4096)  # a miss: streamed
+        await asyncio.sleep(TIMEOUT_S * 3)
+        got, length, cut = await asyncio.to_thread(_read_answer, stalled)
+        assert length == size and got < size and cut, (got, length, cut)
+        assert await _metric(base, "symgate_send_timeouts_total") == 1
+        assert _cut_lines(out) == 1, out.decode()[-3000:]
+        # The download went on without its client, and was kept: a hit, no second request.
+        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+            assert r.status == 200 and len(await r.read()) == size
+        assert faults.count("ok") - before == 1
 
 
 async def test_a_client_that_reads_slowly_but_reads_gets_every_byte(
@@ -148,87 +195,49 @@ async def test_a_client_that_reads_slowly_but_reads_gets_every_byte(
     files = tmp_path / "files"
     files.mkdir()
     elf = build_program(tmp_path / "src", files, "mid", 71, pad_bytes=1 << 20)
-    base, proc, out, drain = await _serve(
-        tmp_path, faults.url_for("notfound"),
-        f'send_timeout_s = {TIMEOUT_S}\n[[upstreams]]\npath = "{files}"\n')
     path = f"/buildid/{elf.build_id}/debuginfo"
     size = elf.debug.stat().st_size
-    port = int(base.rsplit(":", 1)[1])
-    for _ in range(2):  # streamed as it is fetched, then sent from the cache
-        slow = await asyncio.to_thread(_request, port, path)
-        # Each pause shorter than the timeout, the whole reading far longer than it.
-        started = time.monotonic()
-        got, length, cut = await asyncio.to_thread(_read_answer, slow, TIMEOUT_S * 0.6)
-        assert (got, length, cut) == (size, size, False)
-        assert time.monotonic() - started > TIMEOUT_S
-    assert await _metric(base, "symgate_send_timeouts_total") == 0
-    assert await _stop(proc, drain) == 0
-    assert "server.send_timeout_s" not in out.decode(errors="replace")
+    async with _server(tmp_path, faults.url_for("notfound"),
+                       f'[[upstreams]]\npath = "{files}"\n') as (base, port, out, _pids):
+        for _ in range(2):  # streamed as it is fetched, then sent from the cache
+            slow = await asyncio.to_thread(_request, port, path)
+            # Each pause shorter than the timeout, the whole reading longer than it.
+            started = time.monotonic()
+            got, length, cut = await asyncio.to_thread(_read_answer, slow, TIMEOUT_S * 0.6)
+            assert (got, length, cut) == (size, size, False)
+            assert time.monotonic() - started > TIMEOUT_S
+        assert await _metric(base, "symgate_send_timeouts_total") == 0
+        assert _cut_lines(out) == 0
 
 
-async def test_the_watch_reads_what_a_socket_has_waiting_and_acknowledged() -> None:
-    """The kernel's own counts, on a real loopback connection: nothing waits while the peer
-    keeps up; bytes wait, and the acknowledged count stands still, while it does not read."""
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.socket()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    client.connect(server.getsockname())
-    conn, _ = server.accept()
-    try:
-        conn.sendall(b"x" * 1000)
-        await asyncio.sleep(0.05)
-        assert send_state(conn) == (0, 0)
-        conn.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                conn.send(b"y" * 65536)
-        await asyncio.sleep(0.2)
-        waiting, acked = send_state(conn) or (0, 0)
-        assert waiting > 0 and acked >= 1000
-        await asyncio.sleep(0.2)
-        assert send_state(conn) == (waiting, acked)
-        client.recv(1 << 20)
-        for _ in range(50):
-            state = send_state(conn)
-            if state is not None and state[1] > acked:
-                break
-            await asyncio.sleep(0.02)
-        assert state is not None and state[1] > acked
-    finally:
-        for s in (conn, client, server):
-            s.close()
-
-
-async def test_a_connection_cut_while_sendfile_waits_ends_the_send() -> None:
-    """asyncio's sendfile takes the socket from its transport and waits for room: the cut
-    must end that wait (an error), not leave it waiting on a socket nobody watches."""
-    server_side: asyncio.Future[tuple[asyncio.Transport, asyncio.Future[int]]] = \
-        asyncio.get_running_loop().create_future()
-    data = os.urandom(8 << 20)
-    payload = Path(os.environ.get("TMPDIR", "/tmp")) / f"send-watch-{os.getpid()}"
-    payload.write_bytes(data)
+async def test_the_kernel_ends_a_sendfile_waiting_on_a_client_that_stopped_reading() -> None:
+    """What the server relies on, checked on the kernel it runs on: with the option set, a
+    client that acknowledges nothing (its window shut) has the connection closed, and
+    asyncio's sendfile, which took the socket from its transport to wait for room, ends
+    with the error rather than waiting forever."""
+    loop = asyncio.get_running_loop()
+    sending: asyncio.Future[asyncio.Future[int]] = loop.create_future()
+    payload = Path(os.environ.get("TMPDIR", "/tmp")) / f"send-timeout-{os.getpid()}"
+    payload.write_bytes(os.urandom(8 << 20))
 
     class Sender(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             assert isinstance(transport, asyncio.Transport)
-            sending = asyncio.ensure_future(asyncio.get_running_loop().sendfile(
-                transport, payload.open("rb")))
-            server_side.set_result((transport, sending))
+            limit_unacknowledged(transport.get_extra_info("socket"), 0.3)
+            sending.set_result(asyncio.ensure_future(loop.sendfile(transport,
+                                                                   payload.open("rb"))))
 
-    loop = asyncio.get_running_loop()
     server = await loop.create_server(Sender, "127.0.0.1", 0)
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
         await asyncio.to_thread(client.connect, server.sockets[0].getsockname())
-        transport, sending = await server_side
-        watch = SendWatch(0.2)
-        started = loop.time()
-        while not sending.done() and loop.time() - started < 5:
-            watch.sweep([transport], loop.time())
-            await asyncio.sleep(0.05)
-        assert watch.cut == 1 and sending.done()
-        assert isinstance(sending.exception(), OSError)
+        send = await sending
+        await asyncio.wait_for(asyncio.wait([send]), 10)
+        assert is_send_timeout(send.exception()), send.exception()
+        counted = SendTimeouts(0.3)
+        counted.note("127.0.0.1")
+        assert counted.seen == 1
     finally:
         client.close()
         server.close()

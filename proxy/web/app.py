@@ -48,7 +48,7 @@ from proxy.web.fast_hits import FastHits
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
-from proxy.web.send_watch import SendWatch
+from proxy.web.send_timeout import SendTimeouts
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
 from proxy.web.symbolize import symbolize
@@ -189,7 +189,9 @@ def _lifecycle(
         app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
                               symbolize_metrics, Tenancy(config, shared, private),
                               Catalogue(repo, local_dirs),
-                              Uploads(service, repo, config.upload))
+                              Uploads(service, repo, config.upload),
+                              SendTimeouts(config.server.send_timeout_s,
+                                           metrics.send_timeouts.inc))
         cache.evicted.append(app[STATE].hot.forget)
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
@@ -297,7 +299,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
         return runner.server()
 
     guard = ConnectionGuard(protocol, max_connections, config.server.retry_after_s,
-                            config.server.header_timeout_s)
+                            config.server.header_timeout_s, config.server.send_timeout_s)
     try:
         server = await loop.create_server(guard, host, port, reuse_address=True,
                                           reuse_port=reuse_port or None, backlog=1024,
@@ -306,9 +308,6 @@ async def serve(config: Config, access_log: logging.Logger | None,
         raise CannotStart(f"cannot listen on {config.server.listen}: "
                           f"{reason(e)}") from None
     stop = asyncio.Event()
-    # Runs while the server serves, through the shutdown grace too: cuts clients that stopped
-    # reading (proxy.web.send_watch).
-    watching: asyncio.Task[None] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -318,11 +317,8 @@ async def serve(config: Config, access_log: logging.Logger | None,
             raise startup_error(config, e) from None
         guard.quick = FastHits(runner.app[STATE], None if access_log is None
                                else access_log_class(access_log, ""))
+        guard.send_timeouts = runner.app[STATE].send_timeouts
         await server.start_serving()
-        if config.server.send_timeout_s > 0:
-            watch = SendWatch(config.server.send_timeout_s,
-                              runner.app[STATE].metrics.send_timeouts.inc)
-            watching = asyncio.create_task(watch.run(lambda: guard.transports))
         if serving is not None:
             serving()
         bound = server.sockets[0].getsockname()
@@ -338,8 +334,6 @@ async def serve(config: Config, access_log: logging.Logger | None,
         assert runner.server is not None
         await _drain(runner.server, config.server.shutdown_grace_s)
     finally:
-        if watching is not None:
-            watching.cancel()
         server.close()
         await runner.cleanup()
         if sink is not None:

@@ -28,6 +28,7 @@ from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
+from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,17 @@ def _bound_unsent(request: web.BaseRequest) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, UNSENT_BYTES)
 
 
+def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:
+    """A sendfile(2) the kernel's send timeout ended (proxy.web.send_timeout): the error went
+    to the sendfile, which had the socket, so the connection's end does not tell it. Raised
+    on as the lost connection it is, which aiohttp ends quietly (an ETIMEDOUT it would log as
+    an unhandled exception)."""
+    if is_send_timeout(error):
+        state.send_timeouts.note(request.remote)
+        raise ConnectionResetError("the client took none of the bytes sent to it for "
+                                   "server.send_timeout_s") from error
+
+
 class _SentFile(web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
     from the descriptor opened when the hit was found: none of FileResponse's trips to the
@@ -221,6 +233,9 @@ class _SentFile(web.StreamResponse):
                     raise ConnectionResetError("Connection lost")
                 await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
                 await super().write_eof()
+        except OSError as e:
+            _note_send_timeout(self._symgate, request, e)
+            raise
         finally:
             self._file.close()
         self._symgate.metrics.served_from_cache.inc(self._size)
@@ -252,6 +267,9 @@ class _LeasedFileResponse(web.FileResponse):
             with self._symgate.service.cache.lease(self._scope, self._key):
                 _bound_unsent(request)
                 writer = await super().prepare(request)
+        except OSError as e:
+            _note_send_timeout(self._symgate, request, e)
+            raise
         finally:
             self._fd_closer()
         if request.method != "HEAD":

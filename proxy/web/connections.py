@@ -17,6 +17,8 @@ import resource
 from collections.abc import Callable
 from typing import Protocol
 
+from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
+
 log = logging.getLogger(__name__)
 
 # Descriptors kept for everything but client sockets: SQL connections, upstream connections,
@@ -67,10 +69,12 @@ class ConnectionGuard:
     connections are handed to aiohttp; the others get BUSY and are closed."""
 
     def __init__(self, factory: Callable[[], asyncio.BaseProtocol], limit: int,
-                 retry_after_s: int, header_timeout_s: float) -> None:
+                 retry_after_s: int, header_timeout_s: float, send_timeout_s: float = 0.0
+                 ) -> None:
         self._factory = factory
         self.limit = limit
         self.header_timeout_s = header_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.timed_out = 0
         self.open = 0
         self.lingering = 0
@@ -81,8 +85,8 @@ class ConnectionGuard:
         # Connections aiohttp has not been told of yet (all their requests answered quickly):
         # closed by close_quick() when the server stops, as aiohttp closes its idle ones.
         self._quick_only: set[_Counted] = set()
-        # Every client connection open, for the watch on clients that stop reading.
-        self.transports: set[asyncio.Transport] = set()
+        # Set once the app is up: the count and log of clients cut for not reading.
+        self.send_timeouts: SendTimeouts | None = None
 
     def close_quick(self) -> None:
         """Close the connections only quick answers were written to: they are idle whenever
@@ -135,16 +139,20 @@ class _Counted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        if self._guard is not None:
-            self._guard.transports.add(transport)
+        sock = transport.get_extra_info("socket")
+        if self._guard is not None and sock is not None:
+            limit_unacknowledged(sock, self._guard.send_timeout_s)
         self._time_head()
         if self._quick is None:
             self._hand_over()
             return
-        peer = transport.get_extra_info("peername")
-        self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        self._remote = self._peer()
         if self._guard is not None:
             self._guard._quick_only.add(self)
+
+    def _peer(self) -> str | None:
+        peer = self._transport.get_extra_info("peername") if self._transport else None
+        return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
     def _hand_over(self) -> None:
         if self._handed or self._transport is None:
@@ -243,8 +251,8 @@ class _Counted(asyncio.Protocol):
         if self._guard is not None:
             self._guard.open -= 1
             self._guard._quick_only.discard(self)
-            if self._transport is not None:
-                self._guard.transports.discard(self._transport)
+            if is_send_timeout(exc) and self._guard.send_timeouts is not None:
+                self._guard.send_timeouts.note(self._peer())
             self._guard = None
         if self._handed:
             self._inner.connection_lost(exc)

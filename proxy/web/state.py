@@ -20,6 +20,7 @@ from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.store.repository import Repository
 from proxy.symbols.resolver import SymbolResolver
 from proxy.web.hot_files import HotFiles
+from proxy.web.send_timeout import SendTimeouts
 from proxy.web.status_page import RecentMisses
 from proxy.web.tenancy import Tenancy
 
@@ -37,6 +38,7 @@ class AppState:
     tenancy: Tenancy
     catalogue: Catalogue
     uploads: Uploads
+    send_timeouts: SendTimeouts
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)
