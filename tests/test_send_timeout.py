@@ -98,6 +98,22 @@ def _cut_lines(out: bytearray) -> int:
     return out.decode(errors="replace").count("(server.send_timeout_s)")
 
 
+async def _all_cut_and_counted(stalled: list[socket.socket], size: int, base: str,
+                               out: bytearray) -> None:
+    """Each of these connections ended before its body did, and each was counted and logged
+    once."""
+    for sock in stalled:
+        got, length, cut = await asyncio.to_thread(_read_answer, sock)
+        assert length == size and got < size and cut, (got, length, cut)
+    assert await _metric(base, "symgate_send_timeouts_total") == len(stalled)
+    assert _cut_lines(out) == len(stalled), out.decode()[-3000:]
+
+
+async def _served_whole(url: str, size: int) -> None:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200 and len(await r.read()) == size
+
+
 async def _metric(base: str, name: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
         text = await r.text()
@@ -111,8 +127,7 @@ async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
     async with _server(tmp_path, faults.url_for("ok")) as (base, port, out, pids):
-        async with aiohttp.ClientSession() as s, s.get(base + path) as r:  # cached now
-            assert r.status == 200 and len(await r.read()) == size
+        await _served_whole(base + path, size)  # cached now
         cached = None
         for _ in range(250):  # committed once its client has every byte: soon after
             cached = next((p for p in (tmp_path / "d").rglob("*") if "objects" in p.parts
@@ -130,13 +145,8 @@ async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let
         assert _open_on(pids, cached) >= 1
         await asyncio.sleep(TIMEOUT_S * 3)
         assert _open_on(pids, cached) == 0
-        got, length, cut = await asyncio.to_thread(_read_answer, stalled)
-        assert length == size and got < size and cut, (got, length, cut)
-        assert await _metric(base, "symgate_send_timeouts_total") == 1
-        assert _cut_lines(out) == 1, out.decode()[-3000:]
-        # The server serves on, the same file whole.
-        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
-            assert r.status == 200 and len(await r.read()) == size
+        await _all_cut_and_counted([stalled], size, base, out)
+        await _served_whole(base + path, size)  # the server serves on, the same file whole
 
 
 async def test_a_client_that_stops_reading_a_small_hit_is_cut_though_its_connection_closes(
@@ -157,15 +167,10 @@ async def test_a_client_that_stops_reading_a_small_hit_is_cut_though_its_connect
                        f'header_timeout_s = {TIMEOUT_S / 2}\n[[upstreams]]\npath = "{files}"\n'
                        ) as (base, port, out, _pids):
         for _ in range(2):  # fetched, then a hit from memory
-            async with aiohttp.ClientSession() as s, s.get(base + path) as r:
-                assert r.status == 200 and len(await r.read()) == size
+            await _served_whole(base + path, size)
         stalled = [await asyncio.to_thread(_request, port, path, 4096, 1448) for _ in range(3)]
         await asyncio.sleep(TIMEOUT_S * 3)
-        for sock in stalled:
-            got, length, cut = await asyncio.to_thread(_read_answer, sock)
-            assert length == size and got < size and cut, (got, length, cut)
-        assert await _metric(base, "symgate_send_timeouts_total") == 3
-        assert _cut_lines(out) == 3, out.decode()[-3000:]
+        await _all_cut_and_counted(stalled, size, base, out)
 
 
 async def test_a_client_that_stops_reading_a_download_is_cut_and_the_download_kept(
@@ -177,13 +182,9 @@ async def test_a_client_that_stops_reading_a_download_is_cut_and_the_download_ke
     async with _server(tmp_path, faults.url_for("ok")) as (base, port, out, _pids):
         stalled = await asyncio.to_thread(_request, port, path, 4096)  # a miss: streamed
         await asyncio.sleep(TIMEOUT_S * 3)
-        got, length, cut = await asyncio.to_thread(_read_answer, stalled)
-        assert length == size and got < size and cut, (got, length, cut)
-        assert await _metric(base, "symgate_send_timeouts_total") == 1
-        assert _cut_lines(out) == 1, out.decode()[-3000:]
+        await _all_cut_and_counted([stalled], size, base, out)
         # The download went on without its client, and was kept: a hit, no second request.
-        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
-            assert r.status == 200 and len(await r.read()) == size
+        await _served_whole(base + path, size)
         assert faults.count("ok") - before == 1
 
 
