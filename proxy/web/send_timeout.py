@@ -57,14 +57,11 @@ def is_send_timeout(error: BaseException | None) -> bool:
 class SendTimeouts:
     """The connections closed so: counted (`count`, a metric's inc) and logged."""
 
-    def __init__(self, timeout_s: float, count: Callable[[], None] | None = None) -> None:
+    def __init__(self, timeout_s: float, count: Callable[[], None]) -> None:
         self.timeout_s = timeout_s
-        self.count = count
-        self.seen = 0
+        self._count = count
 
     def note(self, peer: str | None) -> None:
-        self.seen += 1
-        if self.count is not None:
-            self.count()
+        self._count()
         log.warning("closed the connection of %s: it took none of the bytes sent to it for "
                     "%g s (server.send_timeout_s)", peer or "a client", self.timeout_s)
