@@ -32,6 +32,8 @@ from .elf_headers import (
     SHT_STRTAB,
     SHT_SYMTAB,
     ElfHeaders,
+    Read,
+    headers_of,
     read_headers,
 )
 
@@ -113,6 +115,12 @@ def build_id_of_notes(fd: int) -> str | None:
     (proxy.artifacts.service) and of every symbol-table build. None when it is not found so,
     or anything about the file is unusual: pyelftools is asked then."""
     headers = read_headers(fd)
+    return build_id_of_headers(headers) if headers is not None else None
+
+
+def build_id_of_reads(read: Read, size: int) -> str | None:
+    """build_id_of_notes of a file of `size` bytes that `read(n, offset)` reads."""
+    headers = headers_of(read, size)
     return build_id_of_headers(headers) if headers is not None else None
 
 

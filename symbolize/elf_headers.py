@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PT_LOAD = 1
@@ -83,11 +84,16 @@ class SectionHeader:
     align: int
 
 
+# read(size, offset): the file's bytes there, fewer at its end; raises OSError or OverflowError
+# where it cannot read.
+Read = Callable[[int, int], bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class ElfHeaders:
-    """The header tables of the file open on `fd` (which stays the caller's)."""
+    """The header tables of a file, and how to read it (the file stays the caller's)."""
 
-    fd: int
+    read: Read
     is64: bool
     order: str  # struct's byte order: "<" or ">"
     e_type: int
@@ -109,14 +115,24 @@ class ElfHeaders:
         if section.flags & SHF_COMPRESSED or section.size > limit \
                 or section.offset + section.size > self.file_size:
             return None
-        return _pread(self.fd, section.size, section.offset)
+        return _read_exactly(self.read, section.size, section.offset)
 
 
 def read_headers(fd: int) -> ElfHeaders | None:
     """The header tables of the ELF file open on `fd`, or None when it is not ELF or anything
     about its headers is unusual."""
     try:
-        head = os.pread(fd, 64, 0)
+        size = os.fstat(fd).st_size
+    except OSError:
+        return None
+    return headers_of(lambda n, offset: os.pread(fd, n, offset), size)
+
+
+def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
+    """read_headers for a file of `file_size` bytes read by `read`: one being downloaded,
+    partly on disk and partly in memory (proxy.artifacts.flight)."""
+    try:
+        head = read(64, 0)
         if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
                 or head[5] not in (1, 2):
             return None
@@ -133,7 +149,7 @@ def read_headers(fd: int) -> ElfHeaders | None:
         if phnum:
             if phentsize != struct.calcsize(pfmt) or phnum > _MAX_ENTRIES:
                 return None
-            table = _pread(fd, phnum * phentsize, phoff)
+            table = _read_exactly(read, phnum * phentsize, phoff)
             if table is None:
                 return None
             for raw in struct.iter_unpack(pfmt, table):
@@ -144,7 +160,7 @@ def read_headers(fd: int) -> ElfHeaders | None:
         if shoff:
             if shentsize != struct.calcsize(sfmt) or not 0 < shnum <= _MAX_ENTRIES:
                 return None
-            table = _pread(fd, shnum * shentsize, shoff)
+            table = _read_exactly(read, shnum * shentsize, shoff)
             if table is None:
                 return None
             rows = list(struct.iter_unpack(sfmt, table))
@@ -153,27 +169,27 @@ def read_headers(fd: int) -> ElfHeaders | None:
             names = b""
             if shstrndx < shnum:
                 names_row = rows[shstrndx]
-                read = _pread(fd, names_row[5], names_row[4]) \
+                found = _read_exactly(read, names_row[5], names_row[4]) \
                     if names_row[5] <= _MAX_NAMES_BYTES and names_row[1] != SHT_NOBITS \
                     else None
-                if read is None:
+                if found is None:
                     return None
-                names = read
+                names = found
             for name_at, s_type, flags, addr, offset, size, link, _info, align, _entsize \
                     in rows:
                 end = names.find(b"\0", name_at)
                 name = names[name_at:end if end >= 0 else len(names)].decode(errors="replace")
                 sections.append(SectionHeader(name, s_type, flags, addr, offset, size, link,
                                               align))
-        return ElfHeaders(fd, is64, order, e_type, tuple(programs), tuple(sections),
-                          os.fstat(fd).st_size)
-    except (OSError, struct.error):
+        return ElfHeaders(read, is64, order, e_type, tuple(programs), tuple(sections),
+                          file_size)
+    except (OSError, OverflowError, struct.error):
         return None
 
 
-def _pread(fd: int, size: int, offset: int) -> bytes | None:
+def _read_exactly(read: Read, size: int, offset: int) -> bytes | None:
     try:
-        data = os.pread(fd, size, offset)
+        data = read(size, offset)
     except (OSError, OverflowError):  # an offset past what pread takes: not a file to trust
         return None
     return data if len(data) == size else None

@@ -116,6 +116,24 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     assert os.path.exists(kept)
 
 
+async def test_a_full_disk_is_507_for_a_file_of_many_chunks_too(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    database_url: str,
+) -> None:
+    """Chunks after the first reach clients before the disk; the first is written before any
+    client is sent a byte, so a disk that cannot take it still gets a clean 507, not a 200
+    cut off after its status line."""
+    cfg = make_config(small_disk / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=cfg)
+    _fill(small_disk / "filler")
+    status, headers, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+    assert status == 507, body[:200]
+    assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    (small_disk / "filler").unlink()
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+
+
 def _use_up_inodes(folder: Path) -> list[Path]:
     """Make empty files until the filesystem refuses: ENOSPC with bytes to spare."""
     folder.mkdir()

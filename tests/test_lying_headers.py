@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 
 from proxy.headers import decimal, printable
@@ -101,3 +102,61 @@ async def test_a_clients_maxsize_header_always_gets_an_answer(
                                 headers={"X-DEBUGINFOD-MAXSIZE": value})
     assert status in (400, 404), status
     assert (await sg.get("/healthz"))[0] == 200
+
+
+class OverlongUpstream:
+    """Announces, in X-DEBUGINFOD-SIZE, `announced` bytes of a body it sends whole: the first
+    `first` bytes, then the rest once the test says so."""
+
+    def __init__(self, body: bytes, announced: int, first: int) -> None:
+        self.body, self.announced, self.first = body, announced, first
+        self.go_on = asyncio.Event()
+        self.requests = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        self.requests += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-DEBUGINFOD-SIZE: %d\r\n"
+                     b"Connection: close\r\n\r\n" % (len(self.body), self.announced)
+                     + self.body[:self.first])
+        await writer.drain()
+        await self.go_on.wait()
+        writer.write(self.body[self.first:])
+        await writer.drain()
+        writer.close()
+
+
+async def test_a_body_longer_than_announced_never_reaches_a_client_whole(
+    start_symgate: SymgateFactory, elfs: ElfSet
+) -> None:
+    """The announced size is what a client is promised (Content-Length) and what tells the
+    last byte, held back until the file is verified: bytes past it fail the download before
+    any client is sent them, so no client gets a complete-looking body of the announced size
+    (the file's head) that the cache then rejects."""
+    body = elfs.big.debug.read_bytes()
+    up = OverlongUpstream(body, announced=len(body) // 2, first=1 << 20)
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        sg = await start_symgate([url])
+        path = f"/buildid/{elfs.big.build_id}/debuginfo"
+        got, cut = 0, False
+        async with aiohttp.ClientSession() as session, session.get(sg.url + path) as r:
+            assert r.status == 200 and r.content_length == len(body) // 2
+            # The response has started, streamed from the first megabyte, before the rest.
+            got += len(await r.content.readany())
+            up.go_on.set()
+            try:
+                async for chunk in r.content.iter_chunked(65536):
+                    got += len(chunk)
+            except aiohttp.ClientPayloadError:
+                cut = True
+        assert cut and 0 < got < len(body) // 2, (got, cut)
+        assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                               reason="truncated") == 1
+        await sg.settled()
+        assert await sg.metric("symgate_cache_entries") == 0
+        assert (await sg.get("/healthz"))[0] == 200
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,7 +1,10 @@
 """One upstream download shared by every client that wants the same artifact.
 
-The download is written to a temp file; each client reads that file with pread(2) on its own
-duplicated descriptor, as far as has been written. Memory stays flat whatever the size.
+The download is written to a temp file behind the upstream's reads (proxy.artifacts.
+chunk_writer). A client that keeps up is sent each chunk from memory as it arrives; one that
+falls behind reads the file with pread(2) on its own duplicated descriptor. Memory stays flat
+whatever the size: the chunks not on disk yet, a bounded few. No client is sent a byte before
+the first chunk is on disk, so that a cache that cannot write fails a response before it starts.
 
 The last byte is held back from readers until the file has been verified: a client never
 receives a complete-looking body that the cache then rejects. If the download fails, readers
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import AsyncIterator
 from enum import Enum
 
@@ -38,7 +42,11 @@ class Flight:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._fd_open = True
+        # Bytes in the file, and bytes the upstream has sent: those plus the chunks in
+        # _unwritten, each at its offset, on their way to the file.
         self.written = 0
+        self.received = 0
+        self._unwritten: deque[tuple[int, bytes]] = deque()
         self._state = _State.RUNNING
         self.error: SymgateError | None = None
         self._meta: ArtifactMeta | None = None
@@ -56,9 +64,38 @@ class Flight:
             self._meta = meta
             self._release_meta_waiters()
 
-    def wrote(self, n: int) -> None:
-        self.written += n
+    @property
+    def size(self) -> int | None:
+        """The size the upstream announced, which the writer never lets the body pass."""
+        return self._meta.size if self._meta is not None else None
+
+    def arrived(self, chunk: bytes) -> None:
+        """The next chunk of the body, readable from memory until wrote() says it is on disk."""
+        self._unwritten.append((self.received, chunk))
+        self.received += len(chunk)
+        self._note_whole()
         self._wake()
+
+    def wrote(self, n: int) -> None:
+        """`n` more bytes are in the file, in order. A mirror of another process's fetch learns
+        of its bytes this way alone: they count as received too."""
+        first = self.written == 0
+        self.written += n
+        unwritten = self._unwritten
+        while unwritten and unwritten[0][0] + len(unwritten[0][1]) <= self.written:
+            unwritten.popleft()
+        if self.written > self.received:
+            self.received = self.written
+            self._note_whole()
+            self._wake()
+        elif first:
+            self._wake()  # responses wait for the first bytes on disk (wait_streamable)
+
+    def _note_whole(self) -> None:
+        """All the announced bytes are in: what remains is the verdict, which a response not
+        started yet waits for (wait_streamable), however many steps of the loop it takes."""
+        if self.size is not None and self.received >= self.size:
+            self.received_all = True
 
     def body_ended(self) -> None:
         self.received_all = True
@@ -140,7 +177,8 @@ class Flight:
         await self._settled.wait()
 
     async def wait_streamable(self) -> None:
-        """Until the response can start: the first bytes are in, or the download has ended.
+        """Until the response can start: the first bytes are on disk (so that a cache that
+        cannot write fails the response before its status line), or the download has ended.
 
         A body that came whole before its response started (a small file, in one read) waits
         for its verdict too, which is quick, so that its failure reaches the client as a proper
@@ -148,6 +186,27 @@ class Flight:
         """
         while not self.finished and (self.written == 0 or self.received_all):
             await self._progress.wait()
+
+    def read(self, size: int, offset: int) -> bytes:
+        """Up to `size` bytes at `offset` of what came so far: from the file as far as it is
+        written, the rest from the chunks still in memory."""
+        end = min(offset + size, self.received)
+        parts: list[bytes] = []
+        if offset < min(end, self.written):
+            parts.append(os.pread(self._fd, min(end, self.written) - offset, offset))
+            offset += len(parts[-1])
+        while offset < end:
+            view = self._unwritten_at(offset, end)
+            parts.append(bytes(view))
+            offset += len(view)
+        return b"".join(parts)
+
+    def _unwritten_at(self, pos: int, limit: int) -> memoryview:
+        """Bytes from `pos` (not yet in the file) up to `limit`, from the chunk holding them."""
+        for offset, chunk in self._unwritten:
+            if offset <= pos < offset + len(chunk):
+                return memoryview(chunk)[pos - offset:limit - offset]
+        raise RuntimeError(f"byte {pos} is neither in the file nor in memory")
 
     def reader(self) -> FlightReader:
         if not self._fd_open:
@@ -163,16 +222,24 @@ class FlightReader:
         self._fd = fd
         self.pos = 0
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncIterator[bytes | memoryview]:
         flight = self._flight
         while True:
             if flight._state is _State.FAILED:
                 assert flight.error is not None
                 raise FlightFailed(flight.error)
-            # Hold one byte back until the file is committed (see the module docstring).
-            limit = flight.written if flight.succeeded else flight.written - 1
+            # Hold the last byte back until the file is verified (see the module docstring):
+            # the last of the announced size, or of what came so far where none was.
+            size = flight.size
+            limit = flight.received if flight.succeeded or (
+                size is not None and flight.received < size) else flight.received - 1
             if self.pos < limit:
-                data = os.pread(self._fd, min(READ_CHUNK, limit - self.pos), self.pos)
+                data: bytes | memoryview
+                if self.pos < flight.written:
+                    end = min(limit, flight.written, self.pos + READ_CHUNK)
+                    data = os.pread(self._fd, end - self.pos, self.pos)
+                else:
+                    data = flight._unwritten_at(self.pos, limit)
                 if not data:  # cannot happen while the writer owns the file; never spin
                     raise FlightFailed(SymgateError("cache file shrank while being read"))
                 self.pos += len(data)

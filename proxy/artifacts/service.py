@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
+from proxy.artifacts.chunk_writer import ChunkWriter
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
@@ -42,7 +43,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Source
 from proxy.sources.policy import ask
 from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, is_disk_full
-from symbolize.elf import build_id_of_file, build_id_of_notes, section_extent
+from symbolize.elf import build_id_of_file, build_id_of_reads, section_extent
 
 if TYPE_CHECKING:
     from proxy.bucket.tier import SharedTier
@@ -56,6 +57,10 @@ CLAIM_ROUNDS = 3
 COMMIT_AT_STOP_S = 10.0
 # A download of unannounced size holds the budget in steps of this much, not per chunk.
 RESERVE_STEP = 4 * 1024 * 1024
+# A chunk this small is written on the loop: its pwrite costs less than a thread's hand-over.
+INLINE_WRITE = 64 * 1024
+# Bytes of a download that may wait in memory for the disk, read ahead of it.
+UNWRITTEN_LIMIT = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,50 +414,68 @@ class ArtifactService:
         if claim is not None:
             claim.streaming(temp, meta)
         fd = flight.writer_fd
-        async for chunk in body.chunks():
-            needed = flight.written + len(chunk)
-            if keep and needed > held:
-                held = -(-needed // step) * step
-                if meta.size is not None and needed <= meta.size:
-                    held = min(held, meta.size)
-                keep = await self.cache.reserve(flight, held)
-            if flight.written + len(chunk) > self._max_artifact:
-                self._reject(key, "too_large")
-                raise VerificationFailed(f"{meta.upstream} sent more than "
-                                         f"{self._max_artifact} bytes (cache.max_artifact_bytes)")
-            await self._write(fd, chunk, flight.written)
-            flight.wrote(len(chunk))
-            # A body already in the socket's buffer is read without a pause: let the clients
-            # send what was written before the next chunk, or the first byte waits for all.
-            # Not once the announced size is in: the body has ended, and its clients must see
-            # that before they start, so that a small file's verdict (a build ID that does
-            # not match) reaches them as a status line, not as a cut-off body.
-            if meta.size is None or flight.written < meta.size:
-                await asyncio.sleep(0)
-        flight.body_ended()
-        if meta.size is not None and flight.written != meta.size:
-            self._reject(key, "truncated")
-            raise VerificationFailed(
-                f"{meta.upstream} sent {flight.written} of {meta.size} bytes"
-            )
-        if key.kind.is_elf:
-            # Read on the loop where the section headers allow: pyelftools' ~1.5 ms in a
-            # thread was the last wait of every download's last byte.
-            found = build_id_of_notes(fd) or await asyncio.to_thread(build_id_of_file, temp)
-            if found != key.build_id:
-                self._reject(key, "not_elf" if found is None else "build_id_mismatch")
+        # Written behind the reads, in a thread: the clients get each chunk from memory as it
+        # comes (pwrite's page allocation cost 1-7 ms of a 4 MB body here, on the loop,
+        # between every client and its bytes).
+        writer = ChunkWriter(lambda chunk, offset: self._write(fd, flight, chunk, offset),
+                             UNWRITTEN_LIMIT)
+        try:
+            async for chunk in body.chunks():
+                needed = flight.received + len(chunk)
+                if keep and needed > held:
+                    held = -(-needed // step) * step
+                    if meta.size is not None and needed <= meta.size:
+                        held = min(held, meta.size)
+                    keep = await self.cache.reserve(flight, held)
+                if needed > self._max_artifact:
+                    self._reject(key, "too_large")
+                    raise VerificationFailed(
+                        f"{meta.upstream} sent more than {self._max_artifact} bytes "
+                        "(cache.max_artifact_bytes)")
+                if meta.size is not None and needed > meta.size:
+                    # Before any client gets those bytes: a reader trusts the announced size
+                    # to hold back the last byte until the file is verified.
+                    self._reject(key, "truncated")
+                    raise VerificationFailed(
+                        f"{meta.upstream} sent more than the {meta.size} bytes it announced")
+                offset = flight.received
+                flight.arrived(chunk)
+                await writer.put(chunk, offset)
+                if offset == 0:
+                    # No client is sent a byte before the first chunk is on disk (see
+                    # Flight.wait_streamable): a cache that cannot write answers a clean 507,
+                    # not a response cut after its status line.
+                    await writer.flush()
+                # A body already in the socket's buffer is read without a pause: let the
+                # clients send this chunk before the next, or the first byte waits for all.
+                # Not once the announced size is in: the body has ended, and its clients must
+                # see that before they start, so that a small file's verdict (a build ID that
+                # does not match) reaches them as a status line, not as a cut-off body.
+                if meta.size is None or flight.received < meta.size:
+                    await asyncio.sleep(0)
+            flight.body_ended()
+            if meta.size is not None and flight.received != meta.size:
+                self._reject(key, "truncated")
                 raise VerificationFailed(
-                    f"{meta.upstream} sent a file with build ID {found or 'none'},"
-                    f" not {key.build_id}"
-                )
-        if claim is not None:
-            claim.say(VERIFIED, size=flight.written)
+                    f"{meta.upstream} sent {flight.received} of {meta.size} bytes")
+            if key.kind.is_elf:
+                await self._verify(key, meta, flight, temp, writer)
+            if claim is not None:
+                claim.say(VERIFIED, size=flight.received)
+            if not keep:
+                log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
+                         key.id, flight.received)
+                self._metrics.not_kept.inc()
+            # The bytes are right: every client gets its last byte now, from memory if the
+            # disk is behind, and the rest (the writes, fsync, rename, the row) is the cache's
+            # business, not theirs.
+            flight.succeed()
+            await writer.flush()
+        except BaseException:
+            writer.abandon()
+            raise
         if not keep:
             # Its readers hold their own descriptors: the file goes when the last one is done.
-            log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
-                     key.id, flight.written)
-            self._metrics.not_kept.inc()
-            flight.succeed()
             try:
                 if publish and self.tier is not None:
                     # Too big for this disk need not be for the bucket: the replicas waiting
@@ -466,9 +489,6 @@ class ArtifactService:
             finally:
                 temp.unlink(missing_ok=True)
             return
-        # The bytes are right: every client gets its last byte now, and the commit below
-        # (fsync, rename, the row) is the cache's business, not theirs.
-        flight.succeed()
         try:
             # Hashed here, from the page cache, in a thread: ~10 ms of a 4 MB file that the
             # loop would otherwise spend while its clients wait.
@@ -611,12 +631,35 @@ class ArtifactService:
         )
         await self.cache.add(record)
         return await self.cache.get(scope, key) or CachedArtifact(record, final)
-    async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
-        """Write at `offset`; on a full disk, evict to make room and try again, while
-        eviction finds something to remove (bounded: each round frees at least a file)."""
+
+    async def _verify(self, key: ArtifactKey, meta: ArtifactMeta, flight: Flight, temp: Path,
+                      writer: ChunkWriter) -> None:
+        """The build ID of what came, read where it is (on disk or still in memory), on the
+        loop where the section headers allow: pyelftools' ~1.5 ms in a thread, and before it
+        the wait for the disk, were the last wait of every download's last byte."""
+        found = build_id_of_reads(flight.read, flight.received)
+        if found is None:
+            await writer.flush()
+            found = await asyncio.to_thread(build_id_of_file, temp)
+        if found != key.build_id:
+            self._reject(key, "not_elf" if found is None else "build_id_mismatch")
+            raise VerificationFailed(
+                f"{meta.upstream} sent a file with build ID {found or 'none'},"
+                f" not {key.build_id}")
+
+    async def _write(self, fd: int, flight: Flight, chunk: bytes, offset: int) -> None:
+        """Write at `offset`, then tell `flight`; on a full disk, evict to make room and try
+        again, while eviction finds something to remove (bounded: each round frees at least
+        a file)."""
         for _ in range(8):
             try:
-                _write_all(fd, chunk, offset)
+                # The first chunk on the loop too: every client's first byte waits for it,
+                # and a thread's hand-over would add to that wait.
+                if len(chunk) <= INLINE_WRITE or offset == 0:
+                    _write_all(fd, chunk, offset)
+                else:
+                    await asyncio.to_thread(_write_own, os.dup(fd), chunk, offset)
+                flight.wrote(len(chunk))
                 return
             except OSError as e:
                 if e.errno not in _NO_SPACE:
@@ -735,6 +778,16 @@ def _sha256_of(fd: int) -> str:
         digest.update(chunk)
         offset += len(chunk)
     return digest.hexdigest()
+
+
+def _write_own(fd: int, data: bytes, offset: int) -> None:
+    """_write_all on a descriptor of its own, closed after: a thread's write that outlives its
+    download (cancelled, failed) lands in the download's file, unlinked or not, never in a
+    file that reuses the download's descriptor number."""
+    try:
+        _write_all(fd, data, offset)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes, offset: int) -> None:

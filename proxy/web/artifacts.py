@@ -290,7 +290,7 @@ async def _send_streaming(
     if flight.error is not None:
         raise flight.error
     if size is None and flight.succeeded:
-        size = flight.written
+        size = flight.received
     headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive,
                                 meta.ima_signature)
     if meta.last_modified:
