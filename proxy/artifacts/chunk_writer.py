@@ -49,6 +49,8 @@ class ChunkWriter:
         ends on its own (on a descriptor of its own, see service._write_own)."""
         self._queue.clear()
         if self._task is not None:
+            if self._task.done() and not self._task.cancelled():
+                self._task.exception()  # told already, as the download's failure or after it
             self._task.cancel()
 
     def _raise_failure(self) -> None:

@@ -47,8 +47,12 @@ class Flight:
         self.written = 0
         self.received = 0
         self._unwritten: deque[tuple[int, bytes]] = deque()
+        self._arrivals = 0  # chunks that came from the upstream (none for a mirror)
         self._state = _State.RUNNING
         self.error: SymgateError | None = None
+        # Set when the file failed after the verdict: what followers and readers of the file
+        # (rather than of the response) are told.
+        self.store_error: SymgateError | None = None
         self._meta: ArtifactMeta | None = None
         # One future per client waiting for the upstream's headers (see wait_meta).
         self._meta_waiters: list[asyncio.Future[None]] = []
@@ -72,6 +76,7 @@ class Flight:
     def arrived(self, chunk: bytes) -> None:
         """The next chunk of the body, readable from memory until wrote() says it is on disk."""
         self._unwritten.append((self.received, chunk))
+        self._arrivals += 1
         self.received += len(chunk)
         self._note_whole()
         self._wake()
@@ -111,7 +116,10 @@ class Flight:
 
     def fail(self, error: SymgateError) -> None:
         if self._state is _State.DONE:
-            return  # verified and released: what fails after (the commit) is not the clients'
+            # Verified and released: what fails after (the last writes, the commit) is not
+            # its clients', who have their bytes; but the file did not make it.
+            self.store_error = error
+            return
         self._state = _State.FAILED
         self.error = error
         self._release_meta_waiters()
@@ -182,9 +190,12 @@ class Flight:
 
         A body that came whole before its response started (a small file, in one read) waits
         for its verdict too, which is quick, so that its failure reaches the client as a proper
-        status line instead of a cut-off body.
+        status line instead of a cut-off body. Without an announced size, a first chunk may be
+        the whole body: its response starts with the second chunk, or the verdict.
         """
-        while not self.finished and (self.written == 0 or self.received_all):
+        # Of unknown size, one chunk may be the whole body: wait for a second, or the end.
+        while not self.finished and (self.written == 0 or self.received_all
+                                     or (self.size is None and self._arrivals == 1)):
             await self._progress.wait()
 
     def read(self, size: int, offset: int) -> bytes:

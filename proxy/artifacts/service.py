@@ -378,7 +378,8 @@ class ArtifactService:
             if not flight.finished:  # cancelled: server shutting down
                 flight.fail(UpstreamUnavailable("server shutting down"))
             if claim is not None:
-                self._end_claim(key_hash(scope, key), claim, flight.error)
+                self._end_claim(key_hash(scope, key), claim,
+                                flight.error or flight.store_error)
             if self._flights.get(key_hash(scope, key)) is flight:
                 del self._flights[key_hash(scope, key)]
             flight.close_fd()
@@ -578,8 +579,8 @@ class ArtifactService:
         else:
             try:
                 await result.flight.wait_settled()
-                if result.flight.error is not None:
-                    raise result.flight.error
+                if (error := result.flight.error or result.flight.store_error) is not None:
+                    raise error  # the file, which a section is cut from, is not whole
                 found = self.cache.peek_any(req.visible, key)
                 if found is None:
                     # Served but not kept (larger than the budget), or evicted at once: gone
@@ -658,7 +659,15 @@ class ArtifactService:
                 if len(chunk) <= INLINE_WRITE or offset == 0:
                     _write_all(fd, chunk, offset)
                 else:
-                    await asyncio.to_thread(_write_own, os.dup(fd), chunk, offset)
+                    try:
+                        own = os.dup(fd)
+                    except OSError as e:
+                        self._raise_os_failure(e)
+                        raise
+                    # Shielded: a cancelled download must not cancel the job before it runs,
+                    # which alone closes the descriptor made for it.
+                    await asyncio.shield(asyncio.get_running_loop().run_in_executor(
+                        None, _write_own, own, chunk, offset))
                 flight.wrote(len(chunk))
                 return
             except OSError as e:
