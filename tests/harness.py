@@ -157,13 +157,17 @@ def fast_upstream(url: str, **kw: Any) -> UpstreamConfig:
 async def read_broken(url: str) -> tuple[int, int, bool]:
     """(status, bytes received, whether the body was cut off)."""
     async with aiohttp.ClientSession() as s, s.get(url) as r:
-        got = 0
-        try:
-            async for chunk in r.content.iter_chunked(65536):
-                got += len(chunk)
-        except aiohttp.ClientPayloadError:
-            return r.status, got, True
-        return r.status, got, False
+        return await read_rest(r)
+
+
+async def read_rest(r: aiohttp.ClientResponse, got: int = 0) -> tuple[int, int, bool]:
+    """read_broken of a response already begun, `got` bytes of it read."""
+    try:
+        async for chunk in r.content.iter_chunked(65536):
+            got += len(chunk)
+    except aiohttp.ClientPayloadError:
+        return r.status, got, True
+    return r.status, got, False
 
 
 async def gather_bounded(n: int, make: Callable[[int], Awaitable[Any]]) -> list[Any]:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.elfs import ElfSet
-from tests.harness import SymgateFactory, fast_upstream
+from tests.harness import SymgateFactory, fast_upstream, read_broken, read_rest
 
 
 class Raw:
@@ -65,17 +65,6 @@ class Raw:
             self.server.close()
 
 
-async def _status_and_cut(url: str) -> tuple[int, int, bool]:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
-        got = 0
-        try:
-            async for chunk in r.content.iter_chunked(65536):
-                got += len(chunk)
-        except aiohttp.ClientPayloadError:
-            return r.status, got, True
-        return r.status, got, False
-
-
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked-encoding", "until-eof"])
 async def test_small_file_without_size_wrong_build_id_is_502(
     start_symgate: SymgateFactory, elfs: ElfSet, chunked: bool
@@ -87,7 +76,7 @@ async def test_small_file_without_size_wrong_build_id_is_502(
     await up.start()
     try:
         sg = await start_symgate([fast_upstream(up.url, retries=0)])
-        status, got, cut = await _status_and_cut(
+        status, got, cut = await read_broken(
             f"{sg.url}/buildid/{elfs.prog.build_id}/debuginfo")
         assert (status, cut) == (502, False), (status, got, cut, len(body))
     finally:
@@ -131,12 +120,7 @@ async def test_a_failed_download_leaks_no_descriptor_while_the_executor_is_busy(
             # the upstream send a chunk (written in a thread: queued) and reset.
             busy = [loop.run_in_executor(None, gate.wait) for _ in range(64)]
             up.go.set()
-            cut = False
-            try:
-                async for chunk in r.content.iter_chunked(65536):
-                    got += len(chunk)
-            except aiohttp.ClientPayloadError:
-                cut = True
+            _status, got, cut = await read_rest(r, got)
         assert cut, got
         gate.set()
         await asyncio.gather(*busy)
@@ -211,21 +195,13 @@ async def test_a_write_failing_after_the_verdict_and_a_follower(
         path = f"/buildid/{elfs.big.build_id}/debuginfo"
         up.go.clear()
 
-        async def read(r: aiohttp.ClientResponse, got: int) -> tuple[int, int, bool]:
-            try:
-                async for chunk in r.content.iter_chunked(65536):
-                    got += len(chunk)
-            except aiohttp.ClientPayloadError:
-                return r.status, got, True
-            return r.status, got, False
-
         async with aiohttp.ClientSession() as s, s.get(a.url + path) as ra:
             ga = len(await ra.content.readany())
             async with s.get(b.url + path) as rb:
                 gb = len(await rb.content.readany())
                 resource.setrlimit(resource.RLIMIT_FSIZE, (len(body) - 1000, old[1]))
                 up.go.set()
-                res_a, res_b = await asyncio.gather(read(ra, ga), read(rb, gb))
+                res_a, res_b = await asyncio.gather(read_rest(ra, ga), read_rest(rb, gb))
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         assert res_a == (200, len(body), False)
         assert res_b[0] == 200 and res_b[1] < len(body) and res_b[2], res_b
