@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.artifacts.chunk_writer import ChunkWriter
+from proxy.artifacts.chunk_writer import Backlog, ChunkWriter
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.sources.base import ArtifactMeta
 from symbolize.elf import build_id_of_notes, build_id_of_reads
@@ -68,7 +68,7 @@ async def test_a_reader_that_keeps_up_is_sent_chunks_the_disk_has_not_got(
     total = sum(map(len, data))
     flight = started(total if announced else None, part)
     disk = HeldDisk(part, flight)
-    writer = ChunkWriter(disk.write, limit=10_000)
+    writer = ChunkWriter(disk.write, Backlog(10_000), floor=10_000)
     reader: FlightReader = flight.reader()
     chunks = reader.chunks()
     whole = b"".join(data)
@@ -106,7 +106,7 @@ async def test_a_reader_behind_the_disk_reads_the_file_then_memory(part: int) ->
     data = [bytes([i]) * 1000 for i in range(1, 5)]
     flight = started(4000, part)
     disk = HeldDisk(part, flight)
-    writer = ChunkWriter(disk.write, limit=10_000)
+    writer = ChunkWriter(disk.write, Backlog(10_000), floor=10_000)
     offset = 0
     for chunk in data:
         flight.arrived(chunk)
@@ -134,7 +134,7 @@ async def test_a_reader_behind_the_disk_reads_the_file_then_memory(part: int) ->
 async def test_memory_waiting_for_the_disk_is_bounded(part: int) -> None:
     flight = started(None, part)
     disk = HeldDisk(part, flight)
-    writer = ChunkWriter(disk.write, limit=2500)
+    writer = ChunkWriter(disk.write, Backlog(2500), floor=0)
     offset = 0
     for _ in range(3):  # 3000 bytes queued: over the limit by the third
         flight.arrived(b"x" * 1000)
@@ -156,7 +156,7 @@ async def test_a_failed_write_is_raised_and_what_follows_is_not_written(part: in
     flight = started(None, part)
     disk = HeldDisk(part, flight)
     disk.fail_at = 1000
-    writer = ChunkWriter(disk.write, limit=10_000)
+    writer = ChunkWriter(disk.write, Backlog(10_000), floor=10_000)
     for offset in (0, 1000, 2000):
         flight.arrived(b"y" * 1000)
         await writer.put(b"y" * 1000, offset)
@@ -182,7 +182,7 @@ async def test_the_build_id_is_read_from_what_came_disk_or_memory(
     body = elfs.big.debug.read_bytes()
     flight = started(len(body), part)
     disk = HeldDisk(part, flight)
-    writer = ChunkWriter(disk.write, limit=len(body))
+    writer = ChunkWriter(disk.write, Backlog(len(body)), floor=len(body))
     step = 256 * 1024
     for offset in range(0, len(body), step):
         flight.arrived(body[offset:offset + step])
@@ -197,4 +197,61 @@ async def test_the_build_id_is_read_from_what_came_disk_or_memory(
         disk.release.release()
     await writer.flush()
     assert build_id_of_notes(part) == found
+    flight.close_fd()
+
+
+async def test_downloads_share_the_backlog_and_each_keeps_its_floor(tmp_path: Path) -> None:
+    """One download alone may run far ahead of the disk; beside others, the process's backlog
+    bounds them all together, and none waits while its own queue is under its floor (its
+    writes go on, so no wait lasts)."""
+    backlog = Backlog(3000)
+    fds = [os.open(tmp_path / f"{i}.part", os.O_RDWR | os.O_CREAT, 0o644) for i in range(2)]
+    flights = [started(None, fd) for fd in fds]
+    disks = [HeldDisk(fd, f) for fd, f in zip(fds, flights, strict=True)]
+    writers = [ChunkWriter(d.write, backlog, floor=1000) for d in disks]
+    try:
+        a, b = writers
+        for offset in (0, 1000, 2000):  # 3000 bytes held: at the limit, not past it
+            flights[0].arrived(b"a" * 1000)
+            await asyncio.wait_for(a.put(b"a" * 1000, offset), 5)
+        flights[1].arrived(b"b" * 1000)
+        await asyncio.wait_for(b.put(b"b" * 1000, 0), 5)  # its floor: room however full
+        flights[1].arrived(b"b" * 1000)
+        second = asyncio.ensure_future(b.put(b"b" * 1000, 1000))
+        flights[0].arrived(b"a" * 1000)
+        fourth = asyncio.ensure_future(a.put(b"a" * 1000, 3000))
+        await asyncio.sleep(0.05)
+        assert not second.done() and not fourth.done()  # 6000 held, both past their floor
+        assert backlog.total == 6000
+        disks[0].release.release()  # a's first chunk written: 5000 held, still too many
+        await asyncio.sleep(0.05)
+        assert not second.done() and not fourth.done() and backlog.total == 5000
+        for _ in range(2):
+            disks[0].release.release()
+        await asyncio.wait_for(asyncio.gather(second, fourth), 5)  # 3000 held
+        for _ in range(4):
+            disks[0].release.release()
+            disks[1].release.release()
+        for w in writers:
+            await w.flush()
+        assert backlog.total == 0
+        assert [f.written for f in flights] == [4000, 2000]
+    finally:
+        for flight in flights:
+            flight.close_fd()
+        for fd in fds:
+            os.close(fd)
+
+
+async def test_an_abandoned_download_leaves_the_backlog(part: int) -> None:
+    backlog = Backlog(1 << 20)
+    flight = started(None, part)
+    disk = HeldDisk(part, flight)
+    writer = ChunkWriter(disk.write, backlog, floor=0)
+    for offset in (0, 1000):
+        flight.arrived(b"z" * 1000)
+        await writer.put(b"z" * 1000, offset)
+    await asyncio.sleep(0)  # the first write under way, held
+    writer.abandon()
+    assert backlog.total == 0
     flight.close_fd()

@@ -2,8 +2,13 @@
 
 The loop hands each chunk over and goes on reading the upstream: clients are sent the chunks
 from memory meanwhile (proxy.artifacts.flight), so a disk slower than the network delays only
-the verdict, which needs the whole file, never the bytes before it. Memory is bounded: the
-reader waits once `limit` bytes are not yet on disk.
+the verdict, which needs the whole file, never the bytes before it.
+
+Memory is bounded by a Backlog that every download of the process shares: a download reads on
+while its own chunks waiting for the disk are few (`floor`), or while all of them together
+stay under the backlog's limit. One download alone may run far ahead of a slow disk (on this
+VM, page cache takes 0.5 ms per 256 KiB: a 2 MiB bound paced a cold 4.2 MB fetch by the disk,
+25 ms against 17 ms with the whole file allowed ahead); many at once share the same bytes.
 """
 
 from __future__ import annotations
@@ -15,27 +20,48 @@ from collections.abc import Awaitable, Callable
 Write = Callable[[bytes, int], Awaitable[None]]
 
 
+class Backlog:
+    """Bytes that every download of the process holds in memory for the disk."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self._changed = asyncio.Event()
+
+    def add(self, n: int) -> None:
+        self.total += n
+
+    def done(self, n: int) -> None:
+        self.total -= n
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
 class ChunkWriter:
-    def __init__(self, write: Write, limit: int) -> None:
+    def __init__(self, write: Write, backlog: Backlog, floor: int) -> None:
         """`write(chunk, offset)` puts one chunk in place (and tells the flight)."""
         self._write = write
-        self._limit = limit
+        self._backlog = backlog
+        self._floor = floor
         self._queue: deque[tuple[bytes, int]] = deque()
         self._queued = 0
         self._task: asyncio.Task[None] | None = None
-        self._room = asyncio.Event()
 
     async def put(self, chunk: bytes, offset: int) -> None:
-        """Queue `chunk`; returns at once unless `limit` bytes wait for the disk already.
-        Raises what an earlier write failed with."""
+        """Queue `chunk`; returns at once unless there is no room (see the module docstring)
+        until chunks are written. Raises what an earlier write failed with."""
         self._raise_failure()
         self._queue.append((chunk, offset))
         self._queued += len(chunk)
+        self._backlog.add(len(chunk))
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
-        while self._queued > self._limit:
-            self._room.clear()
-            await self._room.wait()
+        # This download's own writes go on meanwhile: a wait always ends.
+        while self._queued > self._floor and self._backlog.total > self._backlog.limit:
+            await self._backlog.changed()
             self._raise_failure()
 
     async def flush(self) -> None:
@@ -45,9 +71,12 @@ class ChunkWriter:
             self._task = None
 
     def abandon(self) -> None:
-        """The download failed: what is queued is not written. A write under way in a thread
-        ends on its own (on a descriptor of its own, see service._write_own)."""
+        """The download failed: what is queued is not written, and leaves the backlog. A
+        write under way in a thread ends on its own (on a descriptor of its own, see
+        service._write_own)."""
         self._queue.clear()
+        self._backlog.done(self._queued)
+        self._queued = 0
         if self._task is not None:
             if self._task.done() and not self._task.cancelled():
                 self._task.exception()  # told already, as the download's failure or after it
@@ -65,6 +94,6 @@ class ChunkWriter:
                 await self._write(chunk, offset)
                 self._queue.popleft()
                 self._queued -= len(chunk)
-                self._room.set()
+                self._backlog.done(len(chunk))
         finally:
-            self._room.set()  # a put waiting for room learns of the failure
+            self._backlog.done(0)  # a put waiting for room learns of the failure

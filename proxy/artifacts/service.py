@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
-from proxy.artifacts.chunk_writer import ChunkWriter
+from proxy.artifacts.chunk_writer import Backlog, ChunkWriter
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
@@ -59,8 +59,10 @@ COMMIT_AT_STOP_S = 10.0
 RESERVE_STEP = 4 * 1024 * 1024
 # A chunk this small is written on the loop: its pwrite costs less than a thread's hand-over.
 INLINE_WRITE = 64 * 1024
-# Bytes of a download that may wait in memory for the disk, read ahead of it.
-UNWRITTEN_LIMIT = 2 * 1024 * 1024
+# Bytes that downloads may hold in memory for the disk, read ahead of it: all of a process's
+# together, and each download however many run (proxy.artifacts.chunk_writer).
+UNWRITTEN_LIMIT = 32 * 1024 * 1024
+UNWRITTEN_FLOOR = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class ArtifactService:
         misses.sql_failed = cache.sql_failed  # one health record for every query
         self._policy = policy
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
+        self._backlog = Backlog(UNWRITTEN_LIMIT)
         self._metrics = metrics
         self._flights: dict[str, Flight] = {}  # keyed by key_hash(request scope, key)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -419,7 +422,7 @@ class ArtifactService:
         # comes (pwrite's page allocation cost 1-7 ms of a 4 MB body here, on the loop,
         # between every client and its bytes).
         writer = ChunkWriter(lambda chunk, offset: self._write(fd, flight, chunk, offset),
-                             UNWRITTEN_LIMIT)
+                             self._backlog, UNWRITTEN_FLOOR)
         try:
             async for chunk in body.chunks():
                 needed = flight.received + len(chunk)
