@@ -3,8 +3,9 @@
 The download is written to a temp file behind the upstream's reads (proxy.artifacts.
 chunk_writer). A client that keeps up is sent each chunk from memory as it arrives; one that
 falls behind reads the file with pread(2) on its own duplicated descriptor. Memory stays flat
-whatever the size: the chunks not on disk yet, a bounded few. No client is sent a byte before
-the first chunk is on disk, so that a cache that cannot write fails a response before it starts.
+whatever the size: the chunks not on disk yet, within the process's backlog. No client is sent
+a byte before the first chunk is on disk, so that a cache that cannot write fails a response
+before it starts.
 
 The last byte is held back from readers until the file has been verified: a client never
 receives a complete-looking body that the cache then rejects. If the download fails, readers
