@@ -204,14 +204,17 @@ class Flight:
         written, the rest from the chunks still in memory."""
         end = min(offset + size, self.received)
         parts: list[bytes] = []
-        if offset < min(end, self.written):
-            parts.append(os.pread(self._fd, min(end, self.written) - offset, offset))
-            offset += len(parts[-1])
-        while offset < end:
-            view = self._unwritten_at(offset, end)
-            parts.append(bytes(view))
-            offset += len(view)
+        while offset < end and (piece := self._piece(self._fd, offset, end)):
+            parts.append(bytes(piece))
+            offset += len(piece)
         return b"".join(parts)
+
+    def _piece(self, fd: int, pos: int, limit: int) -> bytes | memoryview:
+        """The next bytes from `pos` up to `limit` (at most what was received): from the
+        file on `fd` while `pos` is written (READ_CHUNK at most), else from memory."""
+        if pos < self.written:
+            return os.pread(fd, min(limit, self.written, pos + READ_CHUNK) - pos, pos)
+        return self._unwritten_at(pos, limit)
 
     def _unwritten_at(self, pos: int, limit: int) -> memoryview:
         """Bytes from `pos` (not yet in the file) up to `limit`, from the chunk holding them."""
@@ -246,12 +249,7 @@ class FlightReader:
             limit = flight.received if flight.succeeded or (
                 size is not None and flight.received < size) else flight.received - 1
             if self.pos < limit:
-                data: bytes | memoryview
-                if self.pos < flight.written:
-                    end = min(limit, flight.written, self.pos + READ_CHUNK)
-                    data = os.pread(self._fd, end - self.pos, self.pos)
-                else:
-                    data = flight._unwritten_at(self.pos, limit)
+                data = flight._piece(self._fd, self.pos, limit)
                 if not data:  # cannot happen while the writer owns the file; never spin
                     raise FlightFailed(SymgateError("cache file shrank while being read"))
                 self.pos += len(data)
