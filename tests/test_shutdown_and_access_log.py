@@ -1,5 +1,5 @@
 """`symgate serve` keeps its shutdown grace, and its access log tells the bytes a cut-off
-response really sent (issue 11, item 16)."""
+response really sent (issue 11, item 16), a download's or a cached file's."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,68 @@ async def test_access_log_counts_the_bytes_of_a_cut_off_response(
     assert 0 < got < size
     # What left the server: at most what the upstream sent, at least what the client read.
     assert got <= access[0]["bytes"] <= size * HALF, (got, access[0]["bytes"], size)
+
+
+def _leave_after(port: int, path: str, header: str, read: int) -> None:
+    """A client with a small receive buffer that asks for `path`, reads `read` bytes of the
+    answer and resets the connection: the server cannot have sent much past them."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: symgate\r\n{header}\r\n".encode())
+        got = b""
+        while len(got) < read:
+            chunk = sock.recv(read - len(got))
+            assert chunk, got[:200]
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 20"), got[:200]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def test_access_log_counts_the_bytes_of_a_cached_file_whose_client_left(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A hit sent with sendfile, whole or as a range: the line tells what went out, not the
+    file's size (it told the whole 24 MB of a client that read 64 KB)."""
+    # One serving process: the next request waits for this fetch's commit, and is a hit.
+    base, proc = await _start(tmp_path, faults.url_for("ok"), "workers = 1\n")
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+        assert r.status == 200 and len(await r.read()) == size  # cached from now on
+    port = int(base.rsplit(":", 1)[1])
+    for header in ("", "Range: bytes=1000-\r\n"):
+        await asyncio.to_thread(_leave_after, port, path, header, 1 << 16)
+    access, out = await _stopped_access(proc, path)
+    assert [(a["status"], a["outcome"]) for a in access] == \
+        [(200, "miss"), (200, "hit"), (206, "hit")], out
+    assert access[0]["bytes"] == size
+    for cut in access[1:]:
+        # What the client read at least (its 64 KiB less the head), far from the whole.
+        assert 1 << 15 < cut["bytes"] < size // 4, (cut, size)
+
+
+async def test_access_log_counts_the_bytes_of_a_download_whose_client_left(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A client that leaves a download under way: its line is written, cut off, with the
+    bytes that went out (there was none at all), and the download goes on to the cache."""
+    base, proc = await _start(tmp_path, faults.url_for("slow-body"))
+    faults.chunk_size = 256 * 1024
+    faults.chunk_delay = 0.05
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    port = int(base.rsplit(":", 1)[1])
+    await asyncio.to_thread(_leave_after, port, path, "", 1 << 16)
+    async with aiohttp.ClientSession() as s, s.get(base + path) as r:  # it goes on, whole
+        assert r.status == 200 and len(await r.read()) == size
+    access, out = await _stopped_access(proc, path)
+    assert len(access) == 2, out
+    cut = access[0]
+    assert cut["status"] == 200 and cut["outcome"] == "aborted", cut
+    assert 1 << 15 < cut["bytes"] < size // 4, (cut, size)
+    assert access[1]["bytes"] == size
 
 
 async def test_a_profile_whose_client_leaves_mid_answer_is_logged(

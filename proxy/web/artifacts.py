@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import weakref
+from typing import IO, Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -208,6 +209,19 @@ def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError
                                    "server.send_timeout_s") from error
 
 
+def _count_cut(state: AppState, request: web.BaseRequest, file: IO[Any], offset: int) -> None:
+    """A cached file's response that ended before its last byte (the client left, or was cut
+    for not reading): its access line and the served bytes tell what went out, not the
+    Content-Length. asyncio's sendfile leaves the file's position past the bytes it sent,
+    whichever way it ends."""
+    try:
+        sent = max(0, file.tell() - offset)
+    except (OSError, ValueError):  # closed already: nothing more is known
+        return
+    annotate(request, sent=sent)
+    state.metrics.served_from_cache.inc(sent)
+
+
 class _SentFile(web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
     from the descriptor opened when the hit was found: none of FileResponse's trips to the
@@ -233,8 +247,10 @@ class _SentFile(web.StreamResponse):
                     raise ConnectionResetError("Connection lost")
                 await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
                 await super().write_eof()
-        except OSError as e:
-            _note_send_timeout(self._symgate, request, e)
+        except BaseException as e:
+            _count_cut(self._symgate, request, self._file, 0)
+            if isinstance(e, OSError):
+                _note_send_timeout(self._symgate, request, e)
             raise
         finally:
             self._file.close()
@@ -261,6 +277,14 @@ class _LeasedFileResponse(web.FileResponse):
         self._scope = artifact.scope
         # Closed when the response is done with it, whatever becomes of the response.
         self._fd_closer = weakref.finalize(self, os.close, fd)
+
+    async def _sendfile(self, request: web.BaseRequest, fobj: IO[Any], offset: int,
+                        count: int) -> AbstractStreamWriter:
+        try:
+            return await super()._sendfile(request, fobj, offset, count)
+        except BaseException:
+            _count_cut(self._symgate, request, fobj, offset)
+            raise
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         try:
@@ -307,6 +331,14 @@ async def _send_streaming(
         async for chunk in streaming.reader.chunks():
             await response.write(chunk)
             sent += len(chunk)
+    except ConnectionError as e:
+        # The client left; the download goes on for its other clients and the cache. Raised
+        # on, the response would get no access line (aiohttp logs none for a handler that
+        # fails after its status line): it is answered here as cut off, with the bytes sent.
+        annotate(request, outcome=ABORTED, error=str(e) or type(e).__name__, sent=sent)
+        if request.transport is not None:
+            request.transport.abort()
+        return response
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
         # The access log tells the bytes that went out, not the Content-Length announced.
