@@ -331,6 +331,7 @@ async def _send_streaming(
         async for chunk in streaming.reader.chunks():
             await response.write(chunk)
             sent += len(chunk)
+        await response.write_eof()
     except ConnectionError as e:
         # The client left; the download goes on for its other clients and the cache. Raised
         # on, the response would get no access line (aiohttp logs none for a handler that
@@ -351,5 +352,4 @@ async def _send_streaming(
         return response
     finally:
         state.metrics.served_from_upstream.inc(sent)
-    await response.write_eof()
     return response
