@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from tests.elfs import ElfSet
 from tests.faults import HALF, FaultUpstream
@@ -180,3 +181,84 @@ async def test_a_profile_whose_client_leaves_mid_answer_is_logged(
     access, out = await _stopped_access(proc, "/symbolize")
     assert len(access) == 2, out
     assert access[0]["status"] == 200
+
+
+def _leave_at_once(port: int, request: str) -> None:
+    """A client that sends its request and resets the connection before any answer."""
+    with socket.socket() as sock:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request.encode())
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def test_a_download_whose_client_left_before_its_status_line_is_logged(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A client that gives up on a slow upstream before the first byte: the status line's write
+    failed, outside the body's guard, and aiohttp wrote no access line (the request was counted
+    as aborted all the same). GET and HEAD alike."""
+    faults.first_byte_delay = 1.0
+    base, proc = await _start(tmp_path, faults.url_for("slow-first-byte"))
+    port = int(base.rsplit(":", 1)[1])
+    for method, elf in (("GET", elfs.big), ("HEAD", elfs.other)):  # each a miss
+        await asyncio.to_thread(_leave_at_once, port, f"{method} /buildid/{elf.build_id}/"
+                                f"debuginfo HTTP/1.1\r\nHost: symgate\r\n\r\n")
+        await asyncio.sleep(2.0)  # the download is answered, and the client long gone
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+        metrics = await r.text()
+    assert 'outcome="aborted"} 2.0' in metrics, metrics
+    access, out = await _stopped_access(proc, "/buildid/")
+    assert [(a["method"], a["outcome"], a["bytes"]) for a in access] == \
+        [("GET", "aborted", 0), ("HEAD", "aborted", 0)], out
+
+
+async def test_access_log_counts_the_body_of_a_download_of_unknown_size(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """An upstream that sends no Content-Length: the download goes out chunked, and its line
+    told the head and the chunked framing with the body (1,300 bytes more than the file)."""
+    data = elfs.big.debug.read_bytes()
+
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for i in range(0, len(data), 1 << 20):
+            await response.write(data[i:i + (1 << 20)])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/buildid/{build_id}/{kind}", chunked)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    upstream_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", upstream_port).start()
+    try:
+        base, proc = await _start(tmp_path, f"http://127.0.0.1:{upstream_port}")
+        path = f"/buildid/{elfs.big.build_id}/debuginfo"
+        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+            assert r.status == 200 and len(await r.read()) == len(data)
+        access, out = await _stopped_access(proc, path)
+    finally:
+        await runner.cleanup()
+    assert [(a["outcome"], a["bytes"]) for a in access] == [("miss", len(data))], out
+
+
+async def test_a_not_modified_answer_is_logged_without_a_body(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A 304 has no body; its line told the head's bytes (aiohttp's count with no
+    Content-Length)."""
+    base, proc = await _start(tmp_path, faults.url_for("ok"), "workers = 1\n")
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(base + path) as r:
+            await r.read()
+        async with s.get(base + path) as r:  # a hit: FileResponse's ETag
+            etag = r.headers["ETag"]
+            await r.read()
+        async with s.get(base + path, headers={"If-None-Match": etag}) as r:
+            assert r.status == 304
+    access, out = await _stopped_access(proc, path)
+    assert [(a["status"], a["bytes"]) for a in access][2:] == [(304, 0)], out

@@ -322,12 +322,14 @@ async def _send_streaming(
     response = web.StreamResponse(headers=headers)
     if size is not None:
         response.content_length = size
-    await response.prepare(request)
-    if request.method == "HEAD":
-        await response.write_eof()
-        return response
     sent = 0
     try:
+        # In the try: a client that left while the download got going fails here, at the
+        # status line's write, and must get its access line as one that leaves later does.
+        await response.prepare(request)
+        if request.method == "HEAD":
+            await response.write_eof()
+            return response
         async for chunk in streaming.reader.chunks():
             await response.write(chunk)
             sent += len(chunk)
@@ -352,4 +354,7 @@ async def _send_streaming(
         return response
     finally:
         state.metrics.served_from_upstream.inc(sent)
+    # The body's bytes: with no Content-Length (an upstream's size unknown) aiohttp's count
+    # would add the head and the chunked framing.
+    annotate(request, sent=sent)
     return response

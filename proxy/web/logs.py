@@ -83,6 +83,11 @@ def bind(access_logger: type[AccessLogger], sink: AccessSink) -> type[AccessLogg
     return type(access_logger.__name__, (access_logger,), {"sink": sink})
 
 
+# Statuses whose responses have no body (RFC 9110, 6.4.1): aiohttp's count for them, with no
+# Content-Length, is the head's bytes (a 304 was logged with ~300 bytes).
+_NO_BODY = frozenset({204, 304})
+
+
 class AccessLogger(AbstractAccessLogger):
     json_lines = False
     # Where lines go: a batching sink, or (None) the logger given, one record a request.
@@ -91,7 +96,7 @@ class AccessLogger(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time_s: float) -> None:
         # body_length counts the header bytes too; Content-Length is the body, where known.
         fields_in = request.get(LOG_FIELDS, {})
-        if request.method == "HEAD":
+        if request.method == "HEAD" or response.status in _NO_BODY:
             sent = 0
         elif "sent" in fields_in:  # cut off: what went out, not what was announced
             sent = fields_in["sent"]
