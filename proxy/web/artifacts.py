@@ -24,9 +24,10 @@ from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
 from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import ABORTED, Served
+from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
+from proxy.web.errors import cut_off
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -338,19 +339,13 @@ async def _send_streaming(
         # The client left; the download goes on for its other clients and the cache. Raised
         # on, the response would get no access line (aiohttp logs none for a handler that
         # fails after its status line): it is answered here as cut off, with the bytes sent.
-        annotate(request, outcome=ABORTED, error=str(e) or type(e).__name__, sent=sent)
-        if request.transport is not None:
-            request.transport.abort()
+        cut_off(request, str(e) or type(e).__name__, sent)
         return response
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
-        # The access log tells the bytes that went out, not the Content-Length announced.
-        annotate(request, outcome=ABORTED, error=e.error.reason, sent=sent)
         log.warning("cutting off %s after %d bytes: %s", request.path, sent, e)
-        # The status line is gone already; the only honest signal left is a broken
-        # connection, never a short body that a client could take for the whole file.
-        if request.transport is not None:
-            request.transport.abort()
+        # The access log tells the bytes that went out, not the Content-Length announced.
+        cut_off(request, e.error.reason, sent)
         return response
     finally:
         state.metrics.served_from_upstream.inc(sent)

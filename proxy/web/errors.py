@@ -153,15 +153,21 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
     return response
 
 
-def _cut_off(request: web.Request, error: Exception, seconds: float) -> None:
-    """A failure after the status line went out: no second response can be written into the
-    body, so the connection is cut and the client sees a broken transfer, never a short body
-    that looks whole."""
-    if not isinstance(error, ConnectionError):  # a client that left is not our failure
-        log.exception("%s %s failed mid-response", request.method, request.path)
-    annotate(request, outcome=ABORTED, error=str(error) or type(error).__name__)
+def cut_off(request: web.BaseRequest, reason: str, sent: int | None = None) -> None:
+    """A response that cannot end as it began (a failure, or a client gone, after the status
+    line): no second response can be written into the body, so the connection is cut and the
+    client sees a broken transfer, never a short body that looks whole. Logged as aborted, with
+    the body's bytes that went out where the caller knows them."""
+    annotate(request, outcome=ABORTED, error=reason,
+             **({"sent": sent} if sent is not None else {}))
     if request.transport is not None:
         request.transport.abort()
+
+
+def _cut_off(request: web.Request, error: Exception, seconds: float) -> None:
+    if not isinstance(error, ConnectionError):  # a client that left is not our failure
+        log.exception("%s %s failed mid-response", request.method, request.path)
+    cut_off(request, str(error) or type(error).__name__)
     _count(request, seconds)
 
 
