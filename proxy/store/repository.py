@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
-    Connection,
     Row,
     bindparam,
     delete,
@@ -26,7 +25,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from proxy.store.local_reads import LocalReads
+from proxy.store.local_reads import LocalReads, PointRead
 from proxy.store.models import (
     Artifact,
     Base,
@@ -200,6 +199,9 @@ _SET_FILE_LAYOUT = update(SymbolTableRow).where(
 ).values(file_layout=bindparam("layout"))
 _NEGATIVES_BY_HASH = select(Negative.upstream, Negative.outcome, Negative.misses,
                             Negative.expires_at).where(Negative.key_hash == bindparam("kh"))
+_ARTIFACT_READ = PointRead(_ARTIFACT_BY_HASH)
+_SYMBOL_TABLE_READ = PointRead(_SYMBOL_TABLE)
+_NEGATIVES_READ = PointRead(_NEGATIVES_BY_HASH)
 
 
 class Repository:
@@ -219,15 +221,18 @@ class Repository:
         await self.engine.dispose()
 
     # -- artifacts ---------------------------------------------------------------------------
-    async def get_artifact(self, key_hash: str) -> ArtifactRecord | None:
-        def query(c: Connection) -> ArtifactRecord | None:
-            row = c.execute(_ARTIFACT_BY_HASH, {"kh": key_hash, "replica": self.replica}).first()
-            return _record(row) if row else None
-
-        if self._local is not None and (got := self._local.read(query))[0]:
-            return got[1]
+    async def _point(self, read: PointRead, params: dict[str, Any]) -> Sequence[Any]:
+        """The rows of a point read: on this thread from a SQLite file (LocalReads), else
+        through the engine."""
+        if self._local is not None and (here := self._local.rows(read, params)) is not None:
+            return here
         async with self.engine.connect() as c:
-            return await c.run_sync(query)
+            rows: Sequence[Any] = (await c.execute(read.statement, params)).all()
+            return rows
+
+    async def get_artifact(self, key_hash: str) -> ArtifactRecord | None:
+        rows = await self._point(_ARTIFACT_READ, {"kh": key_hash, "replica": self.replica})
+        return _record(rows[0]) if rows else None
 
     async def artifacts_of(self, build_id: str | None, *, every_replica: bool = True
                            ) -> Sequence[ArtifactRecord]:
@@ -409,16 +414,8 @@ class Repository:
 
     # -- negatives ---------------------------------------------------------------------------
     async def get_negatives(self, key_hash: str) -> Sequence[NegativeRecord]:
-        def query(c: Connection) -> list[NegativeRecord]:
-            rows = c.execute(_NEGATIVES_BY_HASH, {"kh": key_hash})
-            return [
-                NegativeRecord(r.upstream, r.outcome, r.misses, aware(r.expires_at)) for r in rows
-            ]
-
-        if self._local is not None and (got := self._local.read(query))[0]:
-            return got[1] or []
-        async with self.engine.connect() as c:
-            return await c.run_sync(query)
+        return [NegativeRecord(r.upstream, r.outcome, r.misses, aware(r.expires_at))
+                for r in await self._point(_NEGATIVES_READ, {"kh": key_hash})]
 
     async def put_negative(
         self, *, key_hash: str, scope: str, key: str, build_id: str, upstream: str,
@@ -471,22 +468,17 @@ class Repository:
     async def get_symbol_table(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         # A cold profile asks this of every one of its build IDs at once: through aiosqlite
         # 30 of them took 0.1-0.19 s, queued on its one thread.
-        def query(c: Connection) -> SymbolTableRecord | None:
-            row = c.execute(_SYMBOL_TABLE, {"scope": scope, "bid": build_id}).first()
-            if row is None:
-                return None
-            return SymbolTableRecord(
-                row.scope, row.build_id, row.outcome, row.format, row.source_key, row.size,
-                row.load_address, row.code_ranges, row.cold_ranges, row.has_lines,
-                row.file_layout, row.error,
-                aware(row.built_at), row.build_seconds,
-                aware(row.expires_at) if row.expires_at else None,
-            )
-
-        if self._local is not None and (got := self._local.read(query))[0]:
-            return got[1]
-        async with self.engine.connect() as c:
-            return await c.run_sync(query)
+        rows = await self._point(_SYMBOL_TABLE_READ, {"scope": scope, "bid": build_id})
+        if not rows:
+            return None
+        row = rows[0]
+        return SymbolTableRecord(
+            row.scope, row.build_id, row.outcome, row.format, row.source_key, row.size,
+            row.load_address, row.code_ranges, row.cold_ranges, row.has_lines,
+            row.file_layout, row.error,
+            aware(row.built_at), row.build_seconds,
+            aware(row.expires_at) if row.expires_at else None,
+        )
 
     async def put_symbol_table(self, rec: SymbolTableRecord) -> None:
         await self._upsert(SymbolTableRow, _columns(rec), ["scope", "build_id"])
