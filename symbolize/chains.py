@@ -272,12 +272,14 @@ class ChainStore:
                          frames.column[chosen], files, lines)
         return numbers
 
-    def _distinct(self, keys: I64) -> I64:
-        """The distinct keys, sorted. Keys are below `self._keys`: a mask finds them in
-        linear time, where numpy 2's np.unique hashed a million of them in 0.1-0.3 s."""
-        seen = np.zeros(self._keys, dtype=np.bool_)
-        seen[keys] = True
-        distinct: I64 = np.flatnonzero(seen)
+    @staticmethod
+    def _distinct(keys: I64) -> I64:
+        """The distinct keys, sorted: numpy 2's np.unique hashes them instead, 0.1-0.3 s for
+        a million, where a sort takes 10 ms."""
+        ordered = np.sort(keys)
+        first = np.ones(len(ordered), dtype=np.bool_)
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        distinct: I64 = ordered[first]
         return distinct
 
     def _append(self, id_count: I64, function_ids: U64, lines: U64, columns: U64,

@@ -6,13 +6,18 @@ NULLs, the same rows. When the file is busy or gone they give way to the engine.
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import sqlite3
+import threading
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from proxy.store.local_reads import LocalReads
 from proxy.store.migrate import upgrade
 from proxy.store.repository import (
     _ARTIFACT_READ,
@@ -111,3 +116,50 @@ async def test_a_database_file_that_is_gone_is_not_made_anew(tmp_path: Path) -> 
         assert not (tmp_path / "gone.sqlite").exists()
     finally:
         await repo.close()
+
+
+async def test_closing_while_another_thread_reads_ends_its_reads_not_the_process(
+        repos: tuple[Repository, Repository]) -> None:
+    """A connection closed by another thread in the middle of its read crashed the process
+    (SIGSEGV, 3 runs of 3 with a closing loop like this one): close() now leaves every
+    other thread's connection to that thread."""
+    local, _engine_only = repos
+    reads = local._local
+    assert reads is not None
+    stop = threading.Event()
+    answers: list[object] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            answers.append(reads.rows(_NEGATIVES_READ, {"kh": "3" * 64}))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(200):
+            reads.close()
+            time.sleep(0.0005)
+    finally:
+        stop.set()
+        thread.join()
+    assert answers and answers[-1] is None  # closed: the engine's to answer
+    assert await local.get_negatives("3" * 64) == []  # and it does
+
+
+def test_the_connections_of_threads_that_ended_are_let_go(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'threads.sqlite'}"
+    upgrade(url)
+    reads = LocalReads.of(create_engine(url))
+    assert reads is not None
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = descriptors()
+    for _ in range(100):
+        thread = threading.Thread(target=reads.rows, args=(_NEGATIVES_READ, {"kh": "x"}))
+        thread.start()
+        thread.join()
+    gc.collect()
+    assert descriptors() - before < 5
+    reads.close()

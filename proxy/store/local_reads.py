@@ -68,10 +68,11 @@ class LocalReads:
     def __init__(self, url: URL) -> None:
         # mode=rw: a database file that is gone stays gone, rather than made anew and empty.
         self._uri = f"file:{urllib.parse.quote(str(url.database))}?mode=rw"
-        # One connection per thread: sqlite3's may not be shared between threads.
+        # One connection per thread, used and closed by that thread alone (a connection
+        # closed by another thread in the middle of a read crashes the process), and freed
+        # with the thread's locals when the thread ends.
         self._here = threading.local()
-        self._opened: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> LocalReads | None:
@@ -84,8 +85,8 @@ class LocalReads:
     def _connection(self) -> sqlite3.Connection:
         connection: sqlite3.Connection | None = getattr(self._here, "connection", None)
         if connection is None:
-            # Used by this thread alone; closed by whichever thread closes the repository,
-            # once reads have stopped.
+            # check_same_thread off: the thread's locals may be freed, and the connection
+            # with them, from another thread; no two threads ever use it at once.
             connection = sqlite3.connect(self._uri, uri=True, isolation_level=None,
                                          check_same_thread=False)
             try:
@@ -94,8 +95,6 @@ class LocalReads:
             except sqlite3.Error:
                 connection.close()
                 raise
-            with self._lock:
-                self._opened.append(connection)
             self._here.connection = connection
         return connection
 
@@ -103,6 +102,8 @@ class LocalReads:
         """The rows of `read`, or None when the read could not be done here (busy, the file
         gone or broken): then the caller asks the usual way, which waits or reports the
         fault."""
+        if self._closed:
+            return None
         try:
             found = self._connection().execute(read.sql, read.arguments(params)).fetchall()
         except (sqlite3.Error, OSError):
@@ -110,8 +111,11 @@ class LocalReads:
         return [read.row(values) for values in found]
 
     def close(self) -> None:
-        with self._lock:
-            opened, self._opened = self._opened, []
-        for connection in opened:
+        """No more reads here (they go to the engine). The calling thread's connection is
+        closed now; any other thread's goes with that thread's locals, or with this object:
+        never from under a read."""
+        self._closed = True
+        connection = getattr(self._here, "connection", None)
+        if connection is not None:
+            del self._here.connection
             connection.close()
-        self._here = threading.local()
