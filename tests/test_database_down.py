@@ -17,7 +17,7 @@ from proxy.config import Config
 from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, make_config
+from tests.harness import SymgateFactory, eventually, free_port, make_config
 
 
 class Forwarder:
@@ -28,7 +28,10 @@ class Forwarder:
         self._target = (host, port)
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.StreamWriter] = set()
-        self.port = 0
+        # Not port 0's answer, which is in the kernel's ephemeral range: while the forwarder
+        # is cut, an outgoing connection of any test may take that port as its own, and
+        # binding it again then fails (seen once in CI: EADDRINUSE in silence()).
+        self.port = free_port()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
