@@ -30,6 +30,7 @@ import numpy as np
 import numpy.ma
 import numpy.typing as npt
 
+from .distinct import sorted_distinct
 from .pprof import varint
 
 # The first id of the process's numbering (never written to a profile).
@@ -273,19 +274,15 @@ class ChainStore:
         return numbers
 
     def _distinct(self, keys: I64) -> I64:
-        """The distinct keys, sorted. numpy 2's np.unique hashes them, 0.1-0.3 s for a
-        million; a mask over the table's keys takes 6 ms for those, a sort 14, but a sort
-        costs nothing for a few keys of a big table, where the mask is the table's size."""
+        """The distinct keys, sorted: a mask over the table's keys takes 6 ms for a million,
+        a sort 14 (distinct.py), but a sort costs nothing for a few keys of a big table,
+        where the mask is the table's size."""
         if len(keys) * 8 >= self._keys:
             seen = np.zeros(self._keys, dtype=np.bool_)
             seen[keys] = True
             found: I64 = np.flatnonzero(seen)
             return found
-        ordered = np.sort(keys)
-        first = np.ones(len(ordered), dtype=np.bool_)
-        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-        distinct: I64 = ordered[first]
-        return distinct
+        return sorted_distinct(keys)
 
     def _append(self, id_count: I64, function_ids: U64, lines: U64, columns: U64,
                 has_filenames: npt.NDArray[np.bool_],

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from .buildid import InvalidBuildId, normalize_build_id
 from .chains import Chains, FunctionIds
+from .distinct import sorted_distinct
 from .elf import LoadSegment
 from .pprof import varint
 from .pprof.codec import Buffer
@@ -255,8 +256,8 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     # The addresses are done with: not held beside the encodings to come.
     del batches
 
-    used = np.unique(np.concatenate([c.function_ids() for _w, c, _m in found]
-                                    or [np.zeros(0, np.uint64)]))
+    used = sorted_distinct(np.concatenate([c.function_ids() for _w, c, _m in found]
+                                          or [np.zeros(0, np.uint64)]))
     written = _Functions(profile, ids).add(used)
 
     # Each location comes out as its own bytes and then its chain's Line entries: where those

@@ -28,6 +28,7 @@ from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 from . import elf
 from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
+from .distinct import sorted_distinct
 from .dwarf import DwarfFunctions, read_functions
 from .elf import (
     FunctionSymbol,
@@ -411,7 +412,7 @@ class SymbolTable:
         """
         c = self._columns
         names, paths = self._function_names, self._paths
-        for f in np.unique(function).tolist():
+        for f in sorted_distinct(function).tolist():
             if f not in names:
                 symbol = c.symbol(f)
                 names[f] = (symbol, demangle(symbol, "rust" if c.is_rust(f) else ""))
