@@ -36,6 +36,8 @@ async def test_cache_ls_stats_and_purge(
     sg = await start_symgate([faults.url_for("ok")])
     for e in (elfs.prog, elfs.other):
         assert (await sg.get(f"/buildid/{e.build_id}/debuginfo"))[0] == 200
+    # A file's row is written after its client's last byte: the CLI reads SQL.
+    await sg.settled()
     cfg = config_file(sg, tmp_path)
     ls = await cli(cfg, "cache", "ls")
     assert ls.returncode == 0, ls.stderr
