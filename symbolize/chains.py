@@ -30,7 +30,7 @@ import numpy as np
 import numpy.ma
 import numpy.typing as npt
 
-from .distinct import sorted_distinct
+from .distinct import distinct_below
 from .pprof import varint
 
 # The first id of the process's numbering (never written to a profile).
@@ -225,12 +225,12 @@ class ChainStore:
             numbers = self._numbers[keys].astype(np.int64)
             missing = (numbers == 0) & (keys != 0)
             if missing.any():
-                fresh = self._distinct(keys[missing])
+                fresh = distinct_below(keys[missing], self._keys)
                 # Judged by the chains to add, not by the addresses: a profile of a million
                 # addresses whose chains are all known must not throw them away.
                 if self._id_count.size + len(fresh) > self._limit:
                     self._start_over()
-                    fresh = self._distinct(keys[keys != 0])
+                    fresh = distinct_below(keys[keys != 0], self._keys)
                 self._numbers[fresh] = self._number(resolve(fresh))
                 numbers = self._numbers[keys].astype(np.int64)
             return Chains(numbers, self._snapshot(), self._ids)
@@ -273,17 +273,6 @@ class ChainStore:
                          frames.column[chosen], files, lines)
         return numbers
 
-    def _distinct(self, keys: I64) -> I64:
-        """The distinct keys, sorted: a mask over the table's keys takes 6 ms for a million,
-        a sort 14 (distinct.py), but a sort costs nothing for a few keys of a big table,
-        where the mask is the table's size."""
-        if len(keys) * 8 >= self._keys:
-            seen = np.zeros(self._keys, dtype=np.bool_)
-            seen[keys] = True
-            found: I64 = np.flatnonzero(seen)
-            return found
-        return sorted_distinct(keys)
-
     def _append(self, id_count: I64, function_ids: U64, lines: U64, columns: U64,
                 has_filenames: npt.NDArray[np.bool_],
                 has_line_numbers: npt.NDArray[np.bool_]) -> None:
@@ -313,11 +302,9 @@ class Chains:
 
     @cached_property
     def _used(self) -> I64:
-        """The chain numbers used, sorted, without 0 (a mask: faster than np.unique)."""
-        seen = np.zeros(len(self._c.id_count), dtype=np.bool_)
-        seen[self.numbers] = True
-        seen[0] = False
-        used: I64 = np.flatnonzero(seen)
+        """The chain numbers used, sorted, without 0."""
+        distinct = distinct_below(self.numbers, len(self._c.id_count))
+        used: I64 = distinct[distinct != 0]
         return used
 
     @cached_property
@@ -344,9 +331,7 @@ class Chains:
         """has_filenames, has_line_numbers and has_inline_frames of some of the chains (by
         their numbers, none 0): those of one mapping when a lookup served several."""
         if len(numbers) > len(self._c.id_count):  # each chain once: gathers of 3 x a million
-            seen = np.zeros(len(self._c.id_count), dtype=np.bool_)
-            seen[numbers] = True
-            numbers = np.flatnonzero(seen)
+            numbers = distinct_below(numbers, len(self._c.id_count))
         return (bool(self._c.has_filenames[numbers].any()),
                 bool(self._c.has_line_numbers[numbers].any()),
                 bool((self._c.id_count[numbers] > 1).any()))
@@ -364,10 +349,9 @@ class Chains:
         """The function ids the chains use, sorted."""
         at, _owners = self._frames_of(self._used)
         ids = self._c.function_ids[at]
-        # Ids are dense from FIRST_ID: a mask finds the distinct ones faster than np.unique.
-        seen = np.zeros(len(self._ids) + 1, dtype=np.bool_)
-        seen[(ids - np.uint64(FIRST_ID)).astype(np.int64)] = True
-        used: U64 = np.flatnonzero(seen).astype(np.uint64) + np.uint64(FIRST_ID)
+        # Ids are dense from FIRST_ID.
+        at = distinct_below((ids - np.uint64(FIRST_ID)).astype(np.int64), len(self._ids) + 1)
+        used: U64 = at.astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
     def encoded_spans(self, old: U64, new: U64
