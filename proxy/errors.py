@@ -41,6 +41,9 @@ class NotFound(SymgateError):
 class RememberedNotFound(NotFound):
     """A 404 answered from the remembered misses, without asking any upstream."""
 
+    def __init__(self, reason: str = "not found (remembered miss)") -> None:
+        super().__init__(reason)
+
 
 class TooLarge(SymgateError):
     """The artifact is larger than the client's X-DEBUGINFOD-MAXSIZE."""

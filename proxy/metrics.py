@@ -175,6 +175,12 @@ class ProxyMetrics:
             "parsed it (proxy/web/fast_hits.py); counted in requests_total too",
             registry=registry,
         )
+        self.quick_misses = Counter(
+            f"{p}_quick_misses",
+            "Remembered misses (404) answered from the connection's first read of the request, "
+            "before aiohttp parsed it (proxy/web/fast_hits.py); counted in requests_total too",
+            registry=registry,
+        )
 
         # The children resolved once: labels() takes a lock and builds a tuple per call, a
         # visible share of what a remembered 404 costs.

@@ -28,6 +28,7 @@ class Answer:
     status: int
     headers: list[tuple[str, str]]  # in order, Date left out
     body: bytes
+    version: str = "HTTP/1.1"  # of the status line
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
@@ -57,13 +58,18 @@ class Server:
     async def quick(self) -> float:
         return await self.metric("symgate_quick_hits_total")
 
+    async def quick_misses(self) -> float:
+        return await self.metric("symgate_quick_misses_total")
+
 
 @pytest.fixture
 async def server(tmp_path: Path, database_url: str, debuginfod: Debuginfod
                  ) -> AsyncIterator[Server]:
     base, proc = await start_serve(
         tmp_path, tmp_path / "data", database_url, debuginfod.url, access_log=True,
-        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n")
+        # Remembered misses trusted from memory for the whole test, not a second: a quick
+        # 404 is the one memory alone can tell, and a slow runner must not make it SQL's.
+        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n[negative]\nmemo_s = 600\n")
     output: list[bytes] = []
 
     async def drain() -> None:
@@ -100,7 +106,8 @@ class Conn:
         size = int(next((v for k, v in headers if k.lower() == "content-length"), "0"))
         body = b"" if head_only or status in (204, 304) else \
             await asyncio.wait_for(self.reader.readexactly(size), 10)
-        return Answer(status, [(k, v) for k, v in headers if k != "Date"], body)
+        return Answer(status, [(k, v) for k, v in headers if k != "Date"], body,
+                      lines[0].split()[0])
 
     async def closed(self, within: float) -> bool:
         try:
@@ -257,6 +264,111 @@ async def test_http_1_0_and_pipelined_and_split_heads_go_to_aiohttp(
     assert (await conn.answer()).status == 200
     conn.close()
     assert await server.quick() == before
+
+
+async def test_http_1_0_kept_alive_is_answered_quickly_as_aiohttp_answers_it(
+    server: Server, elfs: ElfSet
+) -> None:
+    """ab -k's requests: HTTP/1.0 with Connection: keep-alive, answered in HTTP/1.0 with the
+    connection kept, as aiohttp answers them; the connection serves a next request."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    before = await server.quick()
+    conn, slow = await Conn.open(server), await Conn.open(server)
+    for method in ("GET", "HEAD", "GET"):
+        head_only = method == "HEAD"
+        await conn.send(get(path, "Connection: Keep-Alive", method=method, version="1.0"))
+        quick = await conn.answer(head_only)
+        await slow.send(get(path, "Connection: Keep-Alive", "Cache-Control: no-cache",
+                            method=method, version="1.0"))
+        usual = await slow.answer(head_only)
+        assert quick == usual
+        assert quick.version == "HTTP/1.0" and quick.header("Connection") == "keep-alive"
+        assert quick.body == (b"" if head_only else elfs.prog.debug.read_bytes())
+    assert await server.quick() == before + 3
+    conn.close()
+    slow.close()
+
+
+MISSING = "/buildid/" + "5a" * 20 + "/debuginfo"  # no upstream has it
+
+
+async def remembered(srv: Server, path: str) -> None:
+    """Asked once through aiohttp: the upstream's 404, remembered."""
+    conn = await Conn.open(srv)
+    await conn.send(get(path))
+    assert (await conn.answer()).status == 404
+    conn.close()
+
+
+async def test_a_remembered_miss_is_answered_quickly_as_aiohttp_answers_it(
+    server: Server
+) -> None:
+    await remembered(server, MISSING)
+    before = await server.quick_misses()
+    negative = await server.metric("symgate_requests_total", endpoint="buildid",
+                                   kind="debuginfo", outcome="negative_hit")
+    conn, slow = await Conn.open(server), await Conn.open(server)
+    for version, extra in (("1.1", ()), ("1.0", ("Connection: keep-alive",))):
+        for method in ("GET", "HEAD"):
+            head_only = method == "HEAD"
+            await conn.send(get(MISSING, *extra, method=method, version=version))
+            quick = await conn.answer(head_only)
+            await slow.send(get(MISSING, *extra, "Cache-Control: no-cache", method=method,
+                                version=version))
+            usual = await slow.answer(head_only)
+            assert quick == usual
+            assert quick.status == 404 and quick.version == f"HTTP/{version}"
+            assert quick.body == (b"" if head_only else b"not found (remembered miss)\n")
+    assert await server.quick_misses() == before + 4
+    assert await server.metric("symgate_requests_total", endpoint="buildid",
+                               kind="debuginfo", outcome="negative_hit") == negative + 8
+    # On the status page's recent misses, as aiohttp's are: 1 + 4 + 4 lines of the key.
+    async with aiohttp.ClientSession() as s, s.get(server.base + "/") as r:
+        page = await r.text()
+    assert page.count(MISSING.removeprefix("/buildid/")) == 9
+    conn.close()
+    slow.close()
+
+
+async def test_a_remembered_miss_logs_the_same_access_line_either_way(server: Server
+                                                                      ) -> None:
+    await remembered(server, MISSING)
+    conn = await Conn.open(server)
+    await conn.send(get(MISSING))
+    await conn.answer()
+    await conn.send(get(MISSING, "Cache-Control: no-cache"))  # aiohttp's
+    await conn.answer()
+    conn.close()
+    assert await server.quick_misses() == 1
+    await stop_serve([server.proc])
+    await server.reading
+    out = b"".join(server.output).decode()
+    lines = [re.sub(r"^\S+ \S+ ", "", line) for line in out.splitlines()
+             if "symgate.access" in line and MISSING in line]
+    quick, usual = lines[-2:]
+    assert re.sub(r" \d\.\d{3}s ", " ", quick) == re.sub(r" \d\.\d{3}s ", " ", usual)
+    assert " 404 " in quick and "outcome=negative_hit" in quick
+
+
+@pytest.mark.parametrize("extra", [("X-Scope-OrgID: team-a",), ("Via: 1.1 other-cache",),
+                                   ("X-Forwarded-For: 10.0.0.1",), ("Connection: close",)],
+                         ids=["tenant", "via", "forwarded", "close"])
+async def test_a_miss_that_needs_more_than_memory_gets_aiohttps_answer(
+    server: Server, extra: tuple[str, ...]
+) -> None:
+    """A tenant's request, or one that came through other caches, may be another request
+    (its own sources, a hop limit): aiohttp's. As is a miss nobody asked for yet."""
+    await remembered(server, MISSING)
+    conn = await Conn.open(server)
+    await conn.send(get(MISSING, *extra))
+    assert (await conn.answer()).status == 404
+    conn.close()
+    conn = await Conn.open(server)
+    await conn.send(get(MISSING.replace("5a", "6b"), method="HEAD"))
+    assert (await conn.answer(head_only=True)).status == 404
+    conn.close()
+    assert await server.quick_misses() == 0
 
 
 async def test_a_connection_handed_to_aiohttp_stays_in_order(server: Server, elfs: ElfSet

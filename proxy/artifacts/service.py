@@ -169,7 +169,7 @@ class ArtifactService:
         if not local_has and known_missing.issuperset(names):
             # No local source has it, and every remote one is remembered as not having it.
             if names:
-                raise RememberedNotFound("not found (remembered miss)")
+                raise RememberedNotFound()
             raise NotFound("not found" if ups else "not found (no upstreams configured)")
         # While this request awaited SQL, another may have started the same fetch, or finished
         # it: committed (the index has it) or remembered (the memo has it), and unregistered.
@@ -200,6 +200,21 @@ class ArtifactService:
         if self._flights and any(key_hash(s, key) in self._flights for s in visible):
             return None
         return self.cache.peek_any(visible, key)
+
+    def remembered_now(self, req: RequestScope, key: ArtifactKey) -> bool:
+        """Whether find() raises RememberedNotFound at once, from memory: may fetch, no fetch
+        of the key under way or settling, no hit in memory, no local source has it, and every
+        remote source's miss is in the memo. False where find() would ask SQL or go further."""
+        if key.kind is Kind.SECTION or not req.may_fetch:
+            return False
+        if self._flights and any(key_hash(s, key) in self._flights for s in req.visible):
+            return False
+        if self.cache.peek_any(req.visible, key) is not None:
+            return False
+        names = [u.name for u in req.sources if u.remembers_misses]
+        if not names or any(u.has(key) for u in req.sources if not u.remembers_misses):
+            return False
+        return self.misses.memo_covers(req.scope, key, names)
 
     async def _claim_or_join(self, kh: str, req: RequestScope, key: ArtifactKey,
                              names: list[str], local_has: bool
@@ -242,7 +257,7 @@ class ArtifactService:
             self._end_claim(kh, claim, None)
             return Hit(stored)
         if missing:
-            error = RememberedNotFound("not found (remembered miss)")
+            error = RememberedNotFound()
             self._end_claim(kh, claim, error)
             raise error
         return None
@@ -321,7 +336,7 @@ class ArtifactService:
             # Verified and being committed (a matter of an fsync and a row): a hit in a moment.
             await flight.wait_settled()
         if not local_has and self.misses.memo_covers(scope, key, names):
-            raise RememberedNotFound("not found (remembered miss)")
+            raise RememberedNotFound()
         return None
 
     async def _fetch(

@@ -156,13 +156,13 @@ class SharedTier:
                     if body is not None or gone:
                         await lease.release()
                         if body is None:
-                            raise RememberedNotFound("not found (remembered miss)")
+                            raise RememberedNotFound()
                         self._metrics.cluster_fetches.labels("waited").inc()
                         return Obtained(body=body)
                     self._metrics.cluster_fetches.labels("upstream").inc()
                     return Obtained(lease=lease)
                 if await missing():
-                    raise RememberedNotFound("not found (remembered miss)")
+                    raise RememberedNotFound()
             except DATABASE_ERRORS as e:
                 log.warning("cannot ask the cluster for %s (%s): fetching it alone", key.id,
                             type(e).__name__)

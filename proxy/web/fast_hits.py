@@ -1,21 +1,26 @@
-"""The commonest request of all, answered where it arrives: a plain GET or HEAD of a cached
-file whose response is known already (proxy.web.hot_files), as bytes written to the socket.
+"""The commonest requests of all, answered where they arrive: a plain GET or HEAD of a cached
+file whose response is known already (proxy.web.hot_files), or of a key every upstream is
+remembered not to have, as bytes written to the socket.
 
-A profiler's backend asks for the same few hundred build IDs all day. Through aiohttp such a hit
-cost ~65 us of CPU, half of it aiohttp's request and response objects, routing, middleware and
-the handler's task, for an answer that is the same bytes every time but for the Date header; a
-hit answered from the connection's first look at its bytes costs a third of that. It is the
-same answer: the same headers (hot_files encodes them once), the same count in
-symgate_requests_total, the same hit on the cache index, the same access line.
+A profiler's backend asks for the same few hundred build IDs all day, and for the same build
+IDs nobody has (stripped vendor binaries, JIT maps). Through aiohttp such a request cost ~65 us
+of CPU, half of it aiohttp's request and response objects, routing, middleware and the
+handler's task, for an answer that is the same bytes every time but for the Date header; one
+answered from the connection's first look at its bytes costs a third of that. It is the same
+answer: the same headers (hot_files encodes a hit's once, errors.error_response makes the
+404's), the same count in symgate_requests_total, the same hit on the cache index, the same
+access line, and a remembered 404 on the status page's recent misses.
 
 Only what needs nothing else is taken: one complete request head in one read, GET or HEAD of
-/buildid/<id>/debuginfo or /executable over HTTP/1.1, and no header but those that change
-nothing in a hit's answer (and an X-DEBUGINFOD-MAXSIZE the file fits), each once, Host among
-them, every line in RFC 9110's plain syntax: a head aiohttp's parser would refuse is its to
-refuse. Anything else (a tenant's header or token, conditional and range requests, forwarding
-headers, Cache-Control, a body, pipelined requests, a head split across reads, a miss, a file
-not yet hot) goes to aiohttp as before; proxy.web.connections says when a connection aiohttp
-has had gets quick answers again.
+/buildid/<id>/debuginfo or /executable over HTTP/1.1, or over HTTP/1.0 with keep-alive (ab's,
+and older clients'; answered as aiohttp answers it, in HTTP/1.0 with `Connection: keep-alive`),
+and no header but those that change nothing in the answer (and an X-DEBUGINFOD-MAXSIZE a hit
+fits), each once, Host among them in HTTP/1.1, every line in RFC 9110's plain syntax: a head
+aiohttp's parser would refuse is its to refuse. Anything else (a tenant's header or token,
+conditional and range requests, forwarding headers, Cache-Control, a body, pipelined requests,
+a head split across reads, a miss that memory alone cannot tell, a file not yet hot) goes to
+aiohttp as before; proxy.web.connections says when a connection aiohttp has had gets quick
+answers again.
 """
 
 from __future__ import annotations
@@ -27,16 +32,19 @@ import time
 from aiohttp.http import SERVER_SOFTWARE
 
 from proxy.artifacts.scope import SHARED
-from proxy.errors import SymgateError
+from proxy.errors import RememberedNotFound, SymgateError
 from proxy.keys import ArtifactKey
 from proxy.metrics import Served
+from proxy.sources.base import Hop
+from proxy.web.errors import error_response
+from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import AccessLogger
 from proxy.web.state import AppState
 
 _REQUEST_LINE = re.compile(
-    rb"(GET|HEAD) /buildid/([0-9A-Fa-f]{1,256})/(debuginfo|executable) HTTP/1\.1\r\n")
-# Request headers that change nothing in a hit's answer (Connection: only keep-alive), and
-# elfutils' size limit, which the answer meets or the usual path refuses.
+    rb"(GET|HEAD) /buildid/([0-9A-Fa-f]{1,256})/(debuginfo|executable) HTTP/1\.([01])\r\n")
+# Request headers that change nothing in the answer (Connection: only keep-alive), and
+# elfutils' size limit, which a hit meets or the usual path refuses.
 _PLAIN = frozenset({b"host", b"user-agent", b"accept", b"accept-encoding", b"connection",
                     b"x-debuginfod-maxsize"})
 # A header line as RFC 9110 writes it: a token, a colon, a value of visible ASCII, spaces and
@@ -49,7 +57,9 @@ _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):([\t\x20-\x7e]*)")
 # it, whatever its lines, is left to aiohttp, which says 400 where one is too long.
 _MAX_HEAD = 8190
 _VISIBLE = (SHARED,)  # a request without X-Scope-OrgID or a token: no tenant (web.tenancy)
-_STATUS = b"HTTP/1.1 200 OK\r\n"
+# An HTTP/1.0 client is answered in its version, and told its connection stays (aiohttp's
+# words, after Server).
+_KEPT_ALIVE_1_0 = b"Connection: keep-alive\r\n"
 
 
 class FastHits:
@@ -57,7 +67,19 @@ class FastHits:
         self._state = state
         self._access = access
         self._second = -1
-        self._tail = b""  # the Date and Server lines, and the blank line: made once a second
+        self._date_server = b""  # the Date and Server lines: made once a second
+        # What a plain request may see and ask (web.tenancy): no tenant, the shared sources;
+        # and whether it may go upstream at all (web.artifacts.hop_of, with no hop before).
+        self._plain = state.tenancy.scope(
+            "", Hop(), state.config.server.forwarded_ttl_limit > 0)
+        missing = RememberedNotFound()
+        self._missing_reason = missing.reason
+        # The usual path's answer, made by the same function: its status and header lines.
+        answer = error_response(missing, "", state.config.server.retry_after_s)
+        assert isinstance(answer.body, bytes)
+        self._missing = hot_file({**answer.headers, "Content-Length": str(len(answer.body))},
+                                 answer.body)
+        self._missing_status = f" {answer.status} {answer.reason}\r\n".encode()
 
     def answer(self, data: bytes, remote: str | None) -> bytes | None:
         """The whole response to `data`, counted and logged; None: aiohttp's to answer."""
@@ -68,7 +90,7 @@ class FastHits:
         line = _REQUEST_LINE.match(data)
         if line is None:
             return None
-        user_agent, max_size = "", -1
+        user_agent, max_size, keep_alive = "", -1, False
         seen: set[bytes] = set()
         for row in data[line.end(): end].split(b"\r\n") if end > line.end() else ():
             field = _FIELD.fullmatch(row)
@@ -78,15 +100,20 @@ class FastHits:
             if name not in _PLAIN or name in seen:
                 return None  # another header, or one twice (two Hosts are a 400)
             seen.add(name)
-            if name == b"connection" and value.lower() != b"keep-alive":
-                return None
-            if name == b"user-agent":
+            if name == b"connection":
+                if value.lower() != b"keep-alive":
+                    return None
+                keep_alive = True
+            elif name == b"user-agent":
                 user_agent = value.decode("ascii")
             elif name == b"x-debuginfod-maxsize":
                 if not value.isdigit() or len(value) > 19:
                     return None
                 max_size = int(value)
-        if b"host" not in seen:
+        one_zero = line[4] == b"0"
+        if one_zero and not keep_alive:
+            return None  # HTTP/1.0 closes after its answer: aiohttp's to do
+        if not one_zero and b"host" not in seen:
             return None  # HTTP/1.1 without Host: aiohttp's 400
         method, kind = line[1].decode(), line[3].decode()
         try:
@@ -94,33 +121,53 @@ class FastHits:
         except SymgateError:
             return None  # the usual path says what is wrong with it
         state = self._state
-        hit = state.service.hit_now(_VISIBLE, key)
-        if hit is None or 0 <= max_size < hit.record.size:
-            return None
-        hot = state.hot.get(hit.record.key_hash)
         head_only = method == "HEAD"
-        if hot is None or not hot.head or (hot.body is None and not head_only):
-            return None
-        state.service.cache.touch(hit)
-        response = b"".join((_STATUS, hot.head, self._date_and_server()))
+        hit = state.service.hit_now(_VISIBLE, key)
+        if hit is None:
+            if not state.service.remembered_now(self._plain, key):
+                return None
+            status, hot, outcome = self._missing_status, self._missing, Served.NEGATIVE_HIT
+            fields = {"endpoint": "buildid", "kind": kind, "outcome": outcome,
+                      "error": self._missing_reason}
+            state.recent_misses.add(f"{line[2].decode()}/{kind}", outcome,
+                                    self._missing_reason)
+        else:
+            if 0 <= max_size < hit.record.size:
+                return None
+            status, outcome = b" 200 OK\r\n", Served.HIT
+            found = state.hot.get(hit.record.key_hash)
+            if found is None or not found.head or (found.body is None and not head_only):
+                return None
+            hot = found
+            state.service.cache.touch(hit)
+            fields = {"endpoint": "buildid", "kind": kind, "outcome": outcome,
+                      "upstream": hit.record.upstream}
+        response = self._response(one_zero, status, hot)
         sent = 0
         if not head_only and hot.body is not None:
             response += hot.body
             sent = len(hot.body)
-            state.metrics.served_from_cache.inc(sent)
-        state.metrics.count_buildid(kind, Served.HIT)
-        state.metrics.quick_hits.inc()
+            if outcome is Served.HIT:
+                state.metrics.served_from_cache.inc(sent)
+        state.metrics.count_buildid(kind, outcome)
+        if outcome is Served.HIT:
+            state.metrics.quick_hits.inc()
+        else:
+            state.metrics.quick_misses.inc()
         if self._access is not None:
             path = f"/buildid/{line[2].decode()}/{kind}"
-            self._access.line(remote, method, path, 200, sent, time.perf_counter() - started,
-                              {"kind": kind, "outcome": Served.HIT,
-                               "upstream": hit.record.upstream}, user_agent)
+            status_code = 200 if outcome is Served.HIT else 404
+            self._access.line(remote, method, path, status_code, sent,
+                              time.perf_counter() - started, fields, user_agent)
         return response
 
-    def _date_and_server(self) -> bytes:
+    def _response(self, one_zero: bool, status: bytes, hot: HotFile) -> bytes:
+        """The status line and headers, as aiohttp writes them: the request's version, the
+        answer's own lines, Date and Server, and for HTTP/1.0 its keep-alive."""
         now = int(time.time())
         if now != self._second:
             self._second = now
-            self._tail = (f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n"
-                          f"Server: {SERVER_SOFTWARE}\r\n\r\n").encode()
-        return self._tail
+            self._date_server = (f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n"
+                                 f"Server: {SERVER_SOFTWARE}\r\n").encode()
+        return b"".join((b"HTTP/1.0" if one_zero else b"HTTP/1.1", status, hot.head,
+                         self._date_server, _KEPT_ALIVE_1_0 if one_zero else b"", b"\r\n"))
