@@ -183,20 +183,30 @@ async def test_a_hot_hit_is_answered_as_aiohttp_answers_it(
 async def test_an_access_line_is_the_same_either_way(server: Server, elfs: ElfSet) -> None:
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     await hot(server, path)
+    quick, usual = await access_lines_quick_then_usual(server, path)
+    assert quick == usual
+    assert "outcome=hit" in quick and '"fast-test/1"' in quick
+
+
+async def access_lines_quick_then_usual(server: Server, path: str) -> tuple[str, str]:
+    """The access lines of `path` asked plainly (answered quickly), then with a header that
+    leaves it to aiohttp, without their time stamps and durations; the server stopped to flush
+    them."""
+    before = await server.quick() + await server.quick_misses()
     conn = await Conn.open(server)
     await conn.send(get(path))
     await conn.answer()
     await conn.send(get(path, "Cache-Control: no-cache"))  # aiohttp's from here on
     await conn.answer()
     conn.close()
+    assert await server.quick() + await server.quick_misses() == before + 1
     await stop_serve([server.proc])  # its access lines are flushed as it stops
     await server.reading
     out = b"".join(server.output).decode()
     lines = [re.sub(r"^\S+ \S+ ", "", line) for line in out.splitlines()
              if "symgate.access" in line and path in line]
-    quick, usual = lines[-2:]
-    assert re.sub(r" \d\.\d{3}s ", " ", quick) == re.sub(r" \d\.\d{3}s ", " ", usual)
-    assert "outcome=hit" in quick and '"fast-test/1"' in quick
+    quick, usual = (re.sub(r" \d\.\d{3}s ", " ", line) for line in lines[-2:])
+    return quick, usual
 
 
 @pytest.mark.parametrize("extra, status, size", [
@@ -334,20 +344,8 @@ async def test_a_remembered_miss_is_answered_quickly_as_aiohttp_answers_it(
 async def test_a_remembered_miss_logs_the_same_access_line_either_way(server: Server
                                                                       ) -> None:
     await remembered(server, MISSING)
-    conn = await Conn.open(server)
-    await conn.send(get(MISSING))
-    await conn.answer()
-    await conn.send(get(MISSING, "Cache-Control: no-cache"))  # aiohttp's
-    await conn.answer()
-    conn.close()
-    assert await server.quick_misses() == 1
-    await stop_serve([server.proc])
-    await server.reading
-    out = b"".join(server.output).decode()
-    lines = [re.sub(r"^\S+ \S+ ", "", line) for line in out.splitlines()
-             if "symgate.access" in line and MISSING in line]
-    quick, usual = lines[-2:]
-    assert re.sub(r" \d\.\d{3}s ", " ", quick) == re.sub(r" \d\.\d{3}s ", " ", usual)
+    quick, usual = await access_lines_quick_then_usual(server, MISSING)
+    assert quick == usual
     assert " 404 " in quick and "outcome=negative_hit" in quick
 
 
