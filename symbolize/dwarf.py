@@ -47,9 +47,10 @@ class _Attribute(ctypes.Structure):
                 ("valp", ctypes.c_void_p), ("cu", ctypes.c_void_p)]
 
 
-_DieP = ctypes.POINTER(_Die)
-_U64P = ctypes.POINTER(ctypes.c_uint64)
-_Callback = ctypes.CFUNCTYPE(ctypes.c_int, _DieP, ctypes.c_void_p)
+# Every pointer crosses ctypes as a plain address (c_void_p): libc's 6,000 subprograms cost
+# some 60,000 calls, and a typed pointer argument costs twice a plain integer's conversion.
+_P = ctypes.c_void_p
+_Callback = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -59,30 +60,26 @@ def _load() -> ctypes.CDLL | None:
     except OSError:
         return None
     sig = {
-        "dwarf_begin": (ctypes.c_void_p, [ctypes.c_int, ctypes.c_int]),
-        "dwarf_end": (ctypes.c_int, [ctypes.c_void_p]),
-        "dwarf_nextcu": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, _U64P,
-                                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_void_p]),
-        "dwarf_offdie": (_DieP, [ctypes.c_void_p, ctypes.c_uint64, _DieP]),
-        "dwarf_getfuncs": (ctypes.c_ssize_t, [_DieP, _Callback, ctypes.c_void_p,
-                                              ctypes.c_ssize_t]),
-        "dwarf_diename": (ctypes.c_char_p, [_DieP]),
-        "dwarf_decl_line": (ctypes.c_int, [_DieP, ctypes.POINTER(ctypes.c_int)]),
-        "dwarf_attr_integrate": (ctypes.c_void_p, [_DieP, ctypes.c_uint,
-                                                   ctypes.POINTER(_Attribute)]),
-        "dwarf_formstring": (ctypes.c_char_p, [ctypes.c_void_p]),
-        "dwarf_ranges": (ctypes.c_ssize_t, [_DieP, ctypes.c_ssize_t, _U64P, _U64P, _U64P]),
-        "dwarf_getsrclines": (ctypes.c_int, [_DieP, ctypes.POINTER(ctypes.c_void_p),
-                                             ctypes.POINTER(ctypes.c_size_t)]),
-        "dwarf_onesrcline": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
-        "dwarf_lineaddr": (ctypes.c_int, [ctypes.c_void_p, _U64P]),
-        "dwarf_lineno": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]),
-        "dwarf_linecol": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]),
-        "dwarf_lineendsequence": (ctypes.c_int, [ctypes.c_void_p,
-                                                 ctypes.POINTER(ctypes.c_bool)]),
-        "dwarf_linesrc": (ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_void_p,
-                                            ctypes.c_void_p]),
+        "dwarf_begin": (_P, [ctypes.c_int, ctypes.c_int]),
+        "dwarf_end": (ctypes.c_int, [_P]),
+        # dwarf, offset, next offset, header size, version, abbrev offset, address size,
+        # offset size, type signature, type offset
+        "dwarf_next_unit": (ctypes.c_int, [_P, ctypes.c_uint64, _P, _P, _P, _P, _P, _P, _P,
+                                           _P]),
+        "dwarf_offdie": (_P, [_P, ctypes.c_uint64, _P]),
+        "dwarf_getfuncs": (ctypes.c_ssize_t, [_P, _Callback, _P, ctypes.c_ssize_t]),
+        "dwarf_diename": (ctypes.c_char_p, [_P]),
+        "dwarf_decl_line": (ctypes.c_int, [_P, _P]),
+        "dwarf_attr_integrate": (_P, [_P, ctypes.c_uint, _P]),
+        "dwarf_formstring": (ctypes.c_char_p, [_P]),
+        "dwarf_ranges": (ctypes.c_ssize_t, [_P, ctypes.c_ssize_t, _P, _P, _P]),
+        "dwarf_getsrclines": (ctypes.c_int, [_P, _P, _P]),
+        "dwarf_onesrcline": (_P, [_P, ctypes.c_size_t]),
+        "dwarf_lineaddr": (ctypes.c_int, [_P, _P]),
+        "dwarf_lineno": (ctypes.c_int, [_P, _P]),
+        "dwarf_linecol": (ctypes.c_int, [_P, _P]),
+        "dwarf_lineendsequence": (ctypes.c_int, [_P, _P]),
+        "dwarf_linesrc": (ctypes.c_char_p, [_P, _P, _P]),
     }
     for fn, (restype, argtypes) in sig.items():
         getattr(lib, fn).restype = restype
@@ -170,15 +167,17 @@ class _Reader:
         self._lib = lib
         self._out = out
         self._starts = starts
-        self._attr = _Attribute()
-        self._int = ctypes.c_int()
+        # Out-parameters, made once and passed by address: libc has some 6,000 subprograms
+        # and 8,000 range lists, each read with a handful of calls through ctypes.
+        self._attr, self._int = _Attribute(), ctypes.c_int()
         self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
             ctypes.c_uint64()
-        # Made once: libc has some 6,000 subprograms and 8,000 range lists, each read with a
-        # handful of calls through ctypes, and a byref() per argument per call told.
-        self._attr_ref, self._int_ref = ctypes.byref(self._attr), ctypes.byref(self._int)
-        self._range_refs = (ctypes.byref(self._base), ctypes.byref(self._start),
-                            ctypes.byref(self._end))
+        self._lines_p, self._count = ctypes.c_void_p(), ctypes.c_size_t()
+        at = ctypes.addressof
+        self._attr_at, self._int_at = at(self._attr), at(self._int)
+        self._range_at = (at(self._base), at(self._start), at(self._end))
+        self._lines_at, self._count_at = at(self._lines_p), at(self._count)
+        self._version = 0
         self._cu_ranges: list[tuple[int, int]] = []
         self._lines: dict[str, set[int]] = {}
         self._row_arrays: list[bytes] = []
@@ -188,11 +187,13 @@ class _Reader:
         lib = self._lib
         callback = _Callback(self._subprogram)
         offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
-        die = _Die()
-        while lib.dwarf_nextcu(dbg, offset, ctypes.byref(following), ctypes.byref(header),
-                               None, None, None) == 0:
-            cu = lib.dwarf_offdie(dbg, offset + header.value, ctypes.byref(die))
+        version, die = ctypes.c_uint16(), _Die()
+        at = ctypes.addressof
+        while lib.dwarf_next_unit(dbg, offset, at(following), at(header), at(version),
+                                  None, None, None, None, None) == 0:
+            cu = lib.dwarf_offdie(dbg, offset + header.value, at(die))
             if cu:
+                self._version = version.value
                 self._cu_ranges = []
                 lib.dwarf_getfuncs(cu, callback, None, 0)
                 outside = [(a, b) for a, b in _subtract(self._ranges(cu), self._cu_ranges)
@@ -209,14 +210,18 @@ class _Reader:
         if self._layout is not None:
             self._out.column_starts, self._out.columns = self._layout.columns(self._row_arrays)
 
-    def _row_array(self, cu: ctypes._Pointer[_Die]) -> None:
+    def _line_table(self, cu: int) -> tuple[int, int]:
+        """The CU's rows (libdw's Dwarf_Lines) and their count; (0, 0) without a table."""
+        if self._lib.dwarf_getsrclines(cu, self._lines_at, self._count_at) != 0:
+            return 0, 0
+        return self._lines_p.value or 0, self._count.value
+
+    def _row_array(self, cu: int) -> None:
         """Keep the bytes of the CU's line rows, once their layout is known and checked."""
         lib = self._lib
-        lines, count = ctypes.c_void_p(), ctypes.c_size_t()
-        if lib.dwarf_getsrclines(cu, ctypes.byref(lines), ctypes.byref(count)) != 0 \
-                or not count.value:
+        lines, n = self._line_table(cu)
+        if not n:
             return
-        n = count.value
         checked: range | tuple[()] = ()
         if self._layout is None:
             if n < 2:
@@ -239,10 +244,10 @@ class _Reader:
             self._layout = None
             self._row_arrays = []
 
-    def _ranges(self, die: ctypes._Pointer[_Die]) -> list[tuple[int, int]]:
+    def _ranges(self, die: int) -> list[tuple[int, int]]:
         found: list[tuple[int, int]] = []
         offset = 0
-        ranges, base, start, end = self._lib.dwarf_ranges, *self._range_refs
+        ranges, base, start, end = self._lib.dwarf_ranges, *self._range_at
         while True:
             offset = ranges(die, offset, base, start, end)
             if offset <= 0:
@@ -250,26 +255,32 @@ class _Reader:
             if self._end.value > self._start.value:
                 found.append((self._start.value, self._end.value))
 
-    def _string(self, die: ctypes._Pointer[_Die], attribute: int) -> str:
+    def _string(self, die: int, attribute: int) -> str:
         """The attribute's string, "" where the DIE (or the one it comes from) has none."""
-        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_ref)
+        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_at)
         raw = self._lib.dwarf_formstring(attr) if attr else None
         return raw.decode(errors="replace") if raw else ""
 
-    def _subprogram(self, die: ctypes._Pointer[_Die], _arg: object) -> int:
+    def _subprogram(self, die: int, _arg: object) -> int:
         lib = self._lib
         raw = lib.dwarf_diename(die)
         name = raw.decode(errors="replace") if raw else ""
-        linkage = (self._string(die, _DW_AT_LINKAGE_NAME)
-                   or self._string(die, _DW_AT_MIPS_LINKAGE_NAME))
+        linkage = self._string(die, _DW_AT_LINKAGE_NAME)
+        # DWARF 5 has no use for the MIPS name, and producers emit it only for older
+        # versions: a call saved per subprogram.
+        if not linkage and self._version < 5:
+            linkage = self._string(die, _DW_AT_MIPS_LINKAGE_NAME)
         self._int.value = 0
-        lib.dwarf_decl_line(die, self._int_ref)
+        lib.dwarf_decl_line(die, self._int_at)
         line = max(self._int.value, 0)
         if linkage and name and not linkage.startswith(("_Z", "_R")):
             self._out.names_by_linkage.setdefault(linkage, name)
         if line:  # a declaration without one says nothing, an abstract instance says it
-            for key in {name, linkage} - {""}:
-                self._lines.setdefault(key, set()).add(line)
+            lines = self._lines
+            if name:
+                lines.setdefault(name, set()).add(line)
+            if linkage and linkage != name:
+                lines.setdefault(linkage, set()).add(line)
         ranges = self._ranges(die)
         if ranges:
             self._cu_ranges += ranges
@@ -281,22 +292,22 @@ class _Reader:
                 self._out.by_entry[start] = found
         return 0  # DWARF_CB_OK
 
-    def _rows(self, cu: ctypes._Pointer[_Die]) -> list[LineRow]:
+    def _rows(self, cu: int) -> list[LineRow]:
         lib = self._lib
-        lines, count = ctypes.c_void_p(), ctypes.c_size_t()
-        if lib.dwarf_getsrclines(cu, ctypes.byref(lines), ctypes.byref(count)) != 0:
-            return []
+        lines, n = self._line_table(cu)
         address, number, column = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_int()
         end = ctypes.c_bool()
+        at = ctypes.addressof
+        address_at, number_at, column_at, end_at = at(address), at(number), at(column), at(end)
         rows = []
         comp_dir = self._string(cu, _DW_AT_COMP_DIR)
         paths: dict[bytes, str] = {}
-        for i in range(count.value):
+        for i in range(n):
             row = lib.dwarf_onesrcline(lines, i)
-            lib.dwarf_lineaddr(row, ctypes.byref(address))
-            lib.dwarf_lineno(row, ctypes.byref(number))
-            lib.dwarf_linecol(row, ctypes.byref(column))
-            lib.dwarf_lineendsequence(row, ctypes.byref(end))
+            lib.dwarf_lineaddr(row, address_at)
+            lib.dwarf_lineno(row, number_at)
+            lib.dwarf_linecol(row, column_at)
+            lib.dwarf_lineendsequence(row, end_at)
             source = lib.dwarf_linesrc(row, None, None)
             path = paths.get(source)
             if path is None:
@@ -336,9 +347,10 @@ class _RowLayout:
         if self.stride < self._COLUMN + 4 or len(raw) < (i + 1) * self.stride \
                 or sys.byteorder != "little":
             return False
-        lib.dwarf_lineaddr(row, ctypes.byref(self._address))
-        lib.dwarf_linecol(row, ctypes.byref(self._column))
-        lib.dwarf_lineendsequence(row, ctypes.byref(self._end))
+        at = ctypes.addressof
+        lib.dwarf_lineaddr(row, at(self._address))
+        lib.dwarf_linecol(row, at(self._column))
+        lib.dwarf_lineendsequence(row, at(self._end))
         return self._fields(raw, i) == (self._address.value, self._column.value,
                                         bool(self._end.value))
 
