@@ -30,6 +30,24 @@ for _var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_prox
     os.environ.pop(_var, None)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module marked `one_database` runs on SQLite alone. Its subject is not SQL (HTTP
+    framing, the debuginfod protocol, symbolization's names and lines): on PostgreSQL its
+    tests did the same queries again, which the modules about SQL's part (misses, leases,
+    replicas, budgets, tables' records) exercise on both, and cost CI a fifth of its time."""
+    kept, dropped = [], []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and spec.params.get("database_url") == "postgresql" \
+                and item.get_closest_marker("one_database") is not None:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def elfs(tmp_path_factory: pytest.TempPathFactory) -> ElfSet:
     return build_elf_set(tmp_path_factory.mktemp("elfs"))

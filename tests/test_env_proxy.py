@@ -15,6 +15,8 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 class ForwardProxy:
     """A plain HTTP forward proxy on loopback: takes absolute-form requests, passes them on,

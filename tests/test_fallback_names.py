@@ -7,12 +7,16 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
+import pytest
+
 from proxy.config import TenantConfig
 from symbolize.pprof.profile_pb2 import Location, Mapping, Profile
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, same_frames, symbolize_config
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 VDSO_START = 0x7FFF8A3FE000
 

@@ -19,6 +19,8 @@ from tests.elfs import ElfSet
 from tests.harness import Debuginfod, eventually
 from tests.processes import start_serve, stop_serve
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 HEADER_TIMEOUT_S = 1
 N_UNREAD = 1500  # requests sent unread: more answers than the sockets' buffers hold
 

@@ -7,11 +7,15 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 UNKNOWN = "feedface" * 5
 

@@ -21,6 +21,8 @@ from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually, free_port, serve_loopback
 from tests.processes import debuginfod_find
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 SIGNATURE = "030204" + "ab" * 40  # the hex of an IMA v2 signature, as RPM headers carry it
 
 

@@ -8,6 +8,8 @@ import gzip
 import sys
 from pathlib import Path
 
+import pytest
+
 from proxy.config import SymbolizeConfig
 from symbolize.elf import function_symbols
 from symbolize.offline import symbolize_bytes
@@ -16,6 +18,8 @@ from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf, ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 BASES = {"prog": 0x5555_5555_4000, "shlib": 0x7F00_0000_0000, "nopie": 0}
 

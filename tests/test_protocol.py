@@ -13,6 +13,8 @@ from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import debuginfod_find
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 async def test_debuginfod_find_gets_the_same_bytes_as_from_upstream(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path

@@ -18,6 +18,8 @@ from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 @pytest.mark.parametrize(("body", "status", "reason"), [
     (b"", 400, b"empty body"),

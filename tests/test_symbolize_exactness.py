@@ -29,6 +29,8 @@ from tests.profiles import (
 )
 from tests.symbolize_helpers import BASES, parse, post, same_frames, symbolize_config
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 @pytest.mark.parametrize("name", ["prog", "nopie", "libmix.so", "cpp"])
 @pytest.mark.parametrize("runtime", [True, False], ids=["runtime-addresses", "elf-relative"])

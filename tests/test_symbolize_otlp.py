@@ -25,6 +25,8 @@ from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions
 from tests.profiles import Expected, code_addresses, llvm_symbolize, symbol_aliases
 from tests.symbolize_helpers import same_frames, symbolize_config
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 

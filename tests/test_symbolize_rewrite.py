@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import gzip
 
+import pytest
+
 from symbolize.pprof.profile_pb2 import Mapping
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 
 async def test_functions_are_deduplicated_and_the_rest_is_untouched(
