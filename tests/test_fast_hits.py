@@ -5,6 +5,7 @@ aiohttp's answer, and every request that needs more than a plain hit still gets 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import subprocess
 from collections.abc import AsyncIterator
@@ -64,14 +65,14 @@ class Server:
         return await self.metric("symgate_quick_misses_total")
 
 
-@pytest.fixture
-async def server(tmp_path: Path, database_url: str, debuginfod: Debuginfod
-                 ) -> AsyncIterator[Server]:
+@contextlib.asynccontextmanager
+async def running(tmp_path: Path, database_url: str, upstream: str, extra: str = ""
+                  ) -> AsyncIterator[Server]:
     base, proc = await start_serve(
-        tmp_path, tmp_path / "data", database_url, debuginfod.url, access_log=True,
+        tmp_path, tmp_path / "data", database_url, upstream, access_log=True,
         # Remembered misses trusted from memory for the whole test, not a second: a quick
         # 404 is the one memory alone can tell, and a slow runner must not make it SQL's.
-        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n[negative]\nmemo_s = 600\n")
+        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n[negative]\nmemo_s = 600\n{extra}")
     output: list[bytes] = []
 
     async def drain() -> None:
@@ -84,6 +85,13 @@ async def server(tmp_path: Path, database_url: str, debuginfod: Debuginfod
     yield Server(base, proc, next(tmp_path.glob("symgate-*.toml")), output, reading)
     await stop_serve([proc])
     await reading
+
+
+@pytest.fixture
+async def server(tmp_path: Path, database_url: str, debuginfod: Debuginfod
+                 ) -> AsyncIterator[Server]:
+    async with running(tmp_path, database_url, debuginfod.url) as srv:
+        yield srv
 
 
 class Conn:
@@ -598,3 +606,38 @@ async def test_a_client_cannot_forge_access_lines(server: Server, elfs: ElfSet) 
     access = [line for line in lines if line.split(" ", 4)[3:4] == ["symgate.access:"]]
     escaped = [line for line in access if "\\n2026-01-01" in line]
     assert len(escaped) == 1 and '"say \\"hi\\" \\\\o/"' in escaped[0], access
+
+
+TOKEN = "token-of-the-nameless-tenant"
+
+
+@pytest.fixture
+async def locked(tmp_path: Path, database_url: str, debuginfod: Debuginfod
+                 ) -> AsyncIterator[Server]:
+    """A server whose requests that name no tenant need a bearer token: [tenants.""] has
+    tokens, and aiohttp's path answers such a request without one 401 (web.tenancy)."""
+    async with running(tmp_path, database_url, debuginfod.url,
+                       f'[tenants.""]\ntokens = ["{TOKEN}"]\n') as srv:
+        yield srv
+
+
+async def test_a_request_that_needs_a_token_is_not_answered_quickly(
+    locked: Server, elfs: ElfSet
+) -> None:
+    """A hot hit and a remembered miss, asked with the token (aiohttp's), then without it:
+    aiohttp's 401 both times, not the file or the 404 from memory."""
+    bearer = f"Authorization: Bearer {TOKEN}"
+    hit = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    conn = await Conn.open(locked)
+    for path, status in ((hit, 200), (hit, 200), (MISSING, 404), (MISSING, 404)):
+        await conn.send(get(path, bearer))
+        assert (await conn.answer()).status == status
+    conn.close()
+    for version, extra in (("1.1", ()), ("1.0", ("Connection: keep-alive",))):
+        for path in (hit, MISSING):
+            conn = await Conn.open(locked)
+            await conn.send(get(path, *extra, version=version))
+            got = await conn.answer()
+            conn.close()
+            assert got.status == 401, (path, version, got.status)
+    assert await locked.quick() == await locked.quick_misses() == 0

@@ -72,6 +72,9 @@ class FastHits:
         # and whether it may go upstream at all (web.artifacts.hop_of, with no hop before).
         self._plain = state.tenancy.scope(
             "", Hop(), state.config.server.forwarded_ttl_limit > 0)
+        # A site whose requests that name no tenant need a token ([tenants.""] with tokens):
+        # every request is the tenancy's to judge (a 401 without it), none answered here.
+        self._open = state.tenancy.anonymous_allowed
         missing = RememberedNotFound()
         self._missing_reason = missing.reason
         # The usual path's answer, made by the same function: its status and header lines.
@@ -84,6 +87,8 @@ class FastHits:
     def answer(self, data: bytes, remote: str | None) -> bytes | None:
         """The whole response to `data`, counted and logged; None: aiohttp's to answer."""
         started = time.perf_counter()
+        if not self._open:
+            return None
         end = data.find(b"\r\n\r\n")
         if end < 0 or end != len(data) - 4 or end > _MAX_HEAD:
             return None  # no whole head, or more than one request, or a body, or a long one

@@ -36,6 +36,12 @@ class Tenancy:
     def shared_sources(self) -> tuple[Source, ...]:
         return self._shared
 
+    @property
+    def anonymous_allowed(self) -> bool:
+        """Whether a request that names no tenant and shows no token is served, as the shared
+        scope's: not where the nameless tenant ([tenants.""]) has tokens of its own."""
+        return "" not in self._needs_token
+
     def settings(self, tenant: str) -> TenantConfig | None:
         return self._tenants.get(tenant)
 
