@@ -28,6 +28,8 @@ from __future__ import annotations
 import email.utils
 import re
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp.http import SERVER_SOFTWARE
 
@@ -60,6 +62,7 @@ _VISIBLE = (SHARED,)  # a request without X-Scope-OrgID or a token: no tenant (w
 # An HTTP/1.0 client is answered in its version, and told its connection stays (aiohttp's
 # words, after Server).
 _KEPT_ALIVE_1_0 = b"Connection: keep-alive\r\n"
+_STATUS = {200: b" 200 OK\r\n", 404: b" 404 Not Found\r\n"}
 
 
 class FastHits:
@@ -82,91 +85,61 @@ class FastHits:
         assert isinstance(answer.body, bytes)
         self._missing = hot_file({**answer.headers, "Content-Length": str(len(answer.body))},
                                  answer.body)
-        self._missing_status = f" {answer.status} {answer.reason}\r\n".encode()
+        self._missing_code = answer.status
+        assert _STATUS[answer.status] == f" {answer.status} {answer.reason}\r\n".encode()
 
     def answer(self, data: bytes, remote: str | None) -> bytes | None:
         """The whole response to `data`, counted and logged; None: aiohttp's to answer."""
         started = time.perf_counter()
         if not self._open:
             return None
-        end = data.find(b"\r\n\r\n")
-        if end < 0 or end != len(data) - 4 or end > _MAX_HEAD:
-            return None  # no whole head, or more than one request, or a body, or a long one
-        line = _REQUEST_LINE.match(data)
-        if line is None:
+        req = _plain_request(data)
+        if req is None:
             return None
-        user_agent, max_size, keep_alive = "", -1, False
-        seen: set[bytes] = set()
-        for row in data[line.end(): end].split(b"\r\n") if end > line.end() else ():
-            field = _FIELD.fullmatch(row)
-            if field is None:
-                return None
-            name, value = field[1].lower(), field[2].strip(b" \t")
-            if name not in _PLAIN or name in seen:
-                return None  # another header, or one twice (two Hosts are a 400)
-            seen.add(name)
-            if name == b"connection":
-                if value.lower() != b"keep-alive":
-                    return None
-                keep_alive = True
-            elif name == b"user-agent":
-                user_agent = value.decode("ascii")
-            elif name == b"x-debuginfod-maxsize":
-                if not value.isdigit() or len(value) > 19:
-                    return None
-                max_size = int(value)
-        one_zero = line[4] == b"0"
-        if one_zero and not keep_alive:
-            return None  # HTTP/1.0 closes after its answer: aiohttp's to do
-        if not one_zero and b"host" not in seen:
-            return None  # HTTP/1.1 without Host: aiohttp's 400
-        method, kind = line[1].decode(), line[3].decode()
-        try:
-            key = ArtifactKey.parse(line[2].decode(), kind)
-        except SymgateError:
-            return None  # the usual path says what is wrong with it
+        found = self._hit(req) or self._remembered_miss(req)
+        if found is None:
+            return None
+        code, hot, fields = found
+        outcome = fields["outcome"]
         state = self._state
-        head_only = method == "HEAD"
-        hit = state.service.hit_now(_VISIBLE, key)
-        if hit is None:
-            if not state.service.remembered_now(self._plain, key):
-                return None
-            status, hot, outcome = self._missing_status, self._missing, Served.NEGATIVE_HIT
-            fields = {"endpoint": "buildid", "kind": kind, "outcome": outcome,
-                      "error": self._missing_reason}
-            state.recent_misses.add(f"{line[2].decode()}/{kind}", outcome,
-                                    self._missing_reason)
-        else:
-            if 0 <= max_size < hit.record.size:
-                return None
-            status, outcome = b" 200 OK\r\n", Served.HIT
-            found = state.hot.get(hit.record.key_hash)
-            if found is None or not found.head or (found.body is None and not head_only):
-                return None
-            hot = found
-            state.service.cache.touch(hit)
-            fields = {"endpoint": "buildid", "kind": kind, "outcome": outcome,
-                      "upstream": hit.record.upstream}
-        response = self._response(one_zero, status, hot)
+        response = self._response(req.one_zero, code, hot)
         sent = 0
-        if not head_only and hot.body is not None:
+        if not req.head_only and hot.body is not None:
             response += hot.body
             sent = len(hot.body)
             if outcome is Served.HIT:
                 state.metrics.served_from_cache.inc(sent)
-        state.metrics.count_buildid(kind, outcome)
-        if outcome is Served.HIT:
-            state.metrics.quick_hits.inc()
-        else:
-            state.metrics.quick_misses.inc()
+        state.metrics.count_buildid(req.kind, outcome)
+        (state.metrics.quick_hits if outcome is Served.HIT else state.metrics.quick_misses).inc()
         if self._access is not None:
-            path = f"/buildid/{line[2].decode()}/{kind}"
-            status_code = 200 if outcome is Served.HIT else 404
-            self._access.line(remote, method, path, status_code, sent,
-                              time.perf_counter() - started, fields, user_agent)
+            self._access.line(remote, req.method, f"/buildid/{req.build_id}/{req.kind}", code,
+                              sent, time.perf_counter() - started, fields, req.user_agent)
         return response
 
-    def _response(self, one_zero: bool, status: bytes, hot: HotFile) -> bytes:
+    def _hit(self, req: _Request) -> _Found | None:
+        """A hit whose answer is in memory, touched in the cache index."""
+        state = self._state
+        hit = state.service.hit_now(_VISIBLE, req.key)
+        if hit is None or 0 <= req.max_size < hit.record.size:
+            return None
+        hot = state.hot.get(hit.record.key_hash)
+        if hot is None or not hot.head or (hot.body is None and not req.head_only):
+            return None
+        state.service.cache.touch(hit)
+        return 200, hot, {"endpoint": "buildid", "kind": req.kind, "outcome": Served.HIT,
+                          "upstream": hit.record.upstream}
+
+    def _remembered_miss(self, req: _Request) -> _Found | None:
+        """A miss memory alone says is remembered, put on the status page as aiohttp's are."""
+        state = self._state
+        if not state.service.remembered_now(self._plain, req.key):
+            return None
+        outcome, reason = Served.NEGATIVE_HIT, self._missing_reason
+        state.recent_misses.add(f"{req.build_id}/{req.kind}", outcome, reason)
+        return self._missing_code, self._missing, {"endpoint": "buildid", "kind": req.kind,
+                                                   "outcome": outcome, "error": reason}
+
+    def _response(self, one_zero: bool, code: int, hot: HotFile) -> bytes:
         """The status line and headers, as aiohttp writes them: the request's version, the
         answer's own lines, Date and Server, and for HTTP/1.0 its keep-alive."""
         now = int(time.time())
@@ -174,5 +147,65 @@ class FastHits:
             self._second = now
             self._date_server = (f"Date: {email.utils.formatdate(now, usegmt=True)}\r\n"
                                  f"Server: {SERVER_SOFTWARE}\r\n").encode()
-        return b"".join((b"HTTP/1.0" if one_zero else b"HTTP/1.1", status, hot.head,
+        return b"".join((b"HTTP/1.0" if one_zero else b"HTTP/1.1", _STATUS[code], hot.head,
                          self._date_server, _KEPT_ALIVE_1_0 if one_zero else b"", b"\r\n"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    method: str
+    build_id: str  # as the request wrote it
+    kind: str
+    key: ArtifactKey
+    one_zero: bool  # HTTP/1.0 (with keep-alive), else HTTP/1.1
+    user_agent: str
+    max_size: int  # X-DEBUGINFOD-MAXSIZE, -1 for none
+
+    @property
+    def head_only(self) -> bool:
+        return self.method == "HEAD"
+
+
+# A status code, the answer's own header lines, and its access-log fields.
+_Found = tuple[int, HotFile, dict[str, Any]]
+
+
+def _plain_request(data: bytes) -> _Request | None:
+    """`data` as a plain request (see the module docstring), or None: aiohttp's to parse."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end != len(data) - 4 or end > _MAX_HEAD:
+        return None  # no whole head, or more than one request, or a body, or a long one
+    line = _REQUEST_LINE.match(data)
+    if line is None:
+        return None
+    user_agent, max_size, keep_alive = "", -1, False
+    seen: set[bytes] = set()
+    for row in data[line.end(): end].split(b"\r\n") if end > line.end() else ():
+        field = _FIELD.fullmatch(row)
+        if field is None:
+            return None
+        name, value = field[1].lower(), field[2].strip(b" \t")
+        if name not in _PLAIN or name in seen:
+            return None  # another header, or one twice (two Hosts are a 400)
+        seen.add(name)
+        if name == b"connection":
+            if value.lower() != b"keep-alive":
+                return None
+            keep_alive = True
+        elif name == b"user-agent":
+            user_agent = value.decode("ascii")
+        elif name == b"x-debuginfod-maxsize":
+            if not value.isdigit() or len(value) > 19:
+                return None
+            max_size = int(value)
+    one_zero = line[4] == b"0"
+    if one_zero and not keep_alive:
+        return None  # HTTP/1.0 closes after its answer: aiohttp's to do
+    if not one_zero and b"host" not in seen:
+        return None  # HTTP/1.1 without Host: aiohttp's 400
+    build_id, kind = line[2].decode(), line[3].decode()
+    try:
+        key = ArtifactKey.parse(build_id, kind)
+    except SymgateError:
+        return None  # the usual path says what is wrong with it
+    return _Request(line[1].decode(), build_id, kind, key, one_zero, user_agent, max_size)
