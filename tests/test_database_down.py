@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -28,20 +29,35 @@ class Forwarder:
         self._target = (host, port)
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.StreamWriter] = set()
+        self._silent = False  # connections accepted and never answered (silence())
         # Not port 0's answer, which is in the kernel's ephemeral range: while the forwarder
         # is cut, an outgoing connection of any test may take that port as its own, and
         # binding it again then fails (seen once in CI: EADDRINUSE in silence()).
         self.port = free_port()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+        self._silent = False
+        # Bound again after a cut: the kernel may not let go of the port at once (seen in CI:
+        # EADDRINUSE though nothing of ours listened there), so it is tried for a while.
+        for attempt in range(50):
+            try:
+                self._server = await asyncio.start_server(self._accept, "127.0.0.1",
+                                                          self.port)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or attempt == 49:
+                    raise
+                await asyncio.sleep(0.1)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def silence(self) -> None:
-        """From now on, connections are accepted and never answered, and those open hang: a
-        database host whose packets are dropped, or a server stuck on a lock."""
-        await self.cut()
-        self._server = await asyncio.start_server(self._hang, "127.0.0.1", self.port)
+        """From now on, connections are accepted and never answered, and those open are cut: a
+        database host whose packets are dropped, or a server stuck on a lock. The listening
+        socket stays: binding its port again is what failed once in CI."""
+        self._silent = True
+        for w in list(self._pipes):
+            w.transport.abort()
+        self._pipes.clear()
 
     async def _hang(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._pipes.add(writer)
@@ -57,6 +73,9 @@ class Forwarder:
         self._pipes.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._silent:
+            await self._hang(reader, writer)
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
