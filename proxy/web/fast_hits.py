@@ -151,7 +151,7 @@ class FastHits:
                          self._date_server, _KEPT_ALIVE_1_0 if one_zero else b"", b"\r\n"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: its __init__ would cost 2.4 us a request, not 0.5
 class _Request:
     method: str
     build_id: str  # as the request wrote it
