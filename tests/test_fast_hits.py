@@ -468,20 +468,28 @@ async def test_a_client_that_stops_reading_gets_every_answer_in_order(
 
 
 async def test_many_clients_at_once(server: Server, elfs: ElfSet) -> None:
+    """40 clients, each 20 requests in turn, started together or staggered, over HTTP/1.1 and
+    1.0: hits and remembered misses interleaved, every answer right and every one quick."""
     a = f"/buildid/{elfs.prog.build_id}/debuginfo"
     await hot(server, a)
-    before = await server.quick()
+    await remembered(server, MISSING)
+    before = await server.quick() + await server.quick_misses()
     body = elfs.prog.debug.read_bytes()
 
-    async def client() -> None:
+    async def client(n: int) -> None:
+        await asyncio.sleep(0.01 * (n % 4))
+        version, extra = ("1.0", ("Connection: keep-alive",)) if n % 2 else ("1.1", ())
         conn = await Conn.open(server)
-        for _ in range(20):
-            await conn.send(get(a))
-            assert (await conn.answer()).body == body
+        for i in range(20):
+            path, status, want = (a, 200, body) if (n + i) % 3 else \
+                (MISSING, 404, b"not found (remembered miss)\n")
+            await conn.send(get(path, *extra, version=version))
+            got = await conn.answer()
+            assert (got.status, got.body, got.version) == (status, want, f"HTTP/{version}")
         conn.close()
 
-    await asyncio.gather(*(client() for _ in range(40)))
-    assert await server.quick() == before + 800
+    await asyncio.gather(*(client(n) for n in range(40)))
+    assert await server.quick() + await server.quick_misses() == before + 800
 
 
 async def test_an_idle_quick_connection_is_closed_after_the_header_timeout(
