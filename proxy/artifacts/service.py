@@ -150,10 +150,7 @@ class ArtifactService:
             await self.vanished(hit)
         ups = req.sources
         scope = req.scope
-        # Only sources whose misses are remembered can make a request a negative hit; one that
-        # can tell at once that it has the key (a local directory) overrides any remembered miss.
-        names = [u.name for u in ups if u.remembers_misses]
-        local_has = any(u.has(key) for u in ups if not u.remembers_misses)
+        names, local_has = _miss_judges(req, key)
         kh = key_hash(scope, key)
         if not req.may_fetch:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
@@ -211,8 +208,8 @@ class ArtifactService:
             return False
         if self.cache.peek_any(req.visible, key) is not None:
             return False
-        names = [u.name for u in req.sources if u.remembers_misses]
-        if not names or any(u.has(key) for u in req.sources if not u.remembers_misses):
+        names, local_has = _miss_judges(req, key)
+        if not names or local_has:
             return False
         return self.misses.memo_covers(req.scope, key, names)
 
@@ -796,6 +793,14 @@ def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
             digest.update(chunk)
             left -= len(chunk)
     return digest.hexdigest()
+
+
+def _miss_judges(req: RequestScope, key: ArtifactKey) -> tuple[list[str], bool]:
+    """The request's sources whose misses are remembered, by name, and whether a source that
+    can tell at once (a local directory) has the key. Only the former can make a request a
+    negative hit; the latter overrides any remembered miss."""
+    names = [u.name for u in req.sources if u.remembers_misses]
+    return names, any(u.has(key) for u in req.sources if not u.remembers_misses)
 
 
 def _sha256_of(fd: int) -> str:
