@@ -350,8 +350,9 @@ class Chains:
         at, _owners = self._frames_of(self._used)
         ids = self._c.function_ids[at]
         # Ids are dense from FIRST_ID.
-        at = distinct_below((ids - np.uint64(FIRST_ID)).astype(np.int64), len(self._ids) + 1)
-        used: U64 = at.astype(np.uint64) + np.uint64(FIRST_ID)
+        offsets = distinct_below((ids - np.uint64(FIRST_ID)).astype(np.int64),
+                                 len(self._ids) + 1)
+        used: U64 = offsets.astype(np.uint64) + np.uint64(FIRST_ID)
         return used
 
     def encoded_spans(self, old: U64, new: U64

@@ -336,6 +336,8 @@ class _RowLayout:
         self.stride = stride
         self._address, self._column = ctypes.c_uint64(), ctypes.c_int()
         self._end = ctypes.c_bool()
+        at = ctypes.addressof
+        self._out_at = (at(self._address), at(self._column), at(self._end))
 
     def _fields(self, raw: bytes, i: int) -> tuple[int, int, bool]:
         at = i * self.stride
@@ -347,10 +349,10 @@ class _RowLayout:
         if self.stride < self._COLUMN + 4 or len(raw) < (i + 1) * self.stride \
                 or sys.byteorder != "little":
             return False
-        at = ctypes.addressof
-        lib.dwarf_lineaddr(row, at(self._address))
-        lib.dwarf_linecol(row, at(self._column))
-        lib.dwarf_lineendsequence(row, at(self._end))
+        address_at, column_at, end_at = self._out_at
+        lib.dwarf_lineaddr(row, address_at)
+        lib.dwarf_linecol(row, column_at)
+        lib.dwarf_lineendsequence(row, end_at)
         return self._fields(raw, i) == (self._address.value, self._column.value,
                                         bool(self._end.value))
 
