@@ -45,6 +45,38 @@ async def test_symbol_tables_are_built_when_cached_and_evicted_with_their_artifa
     assert await state.repo.get_symbol_table("", elfs.prog.build_id) is None
 
 
+
+async def test_with_symbolization_off_no_table_is_built_and_no_worker_started(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """/symbolize passes profiles through untouched then: a table built ahead would never be
+    read, and libc's costs a second of CPU beside the fetches."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(enabled=False))
+    state = sg.runner.app[STATE]
+    # Looked at as each file is committed, right after the resolver heard of it (the
+    # callbacks run in order): a table set off then would be under way.
+    building_at_commit: list[bool] = []
+    state.service.committed.append(
+        lambda _scope, _key: building_at_commit.append(state.symbols.busy))
+    for kind in ("debuginfo", "executable"):
+        status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
+        assert status == 200
+    await eventually(lambda: _true(len(building_at_commit) == 2))
+    assert building_at_commit == [False, False]
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
+    assert not state.symbols.workers.pool.pids()
+    assert not (sg.config.server.data_dir / "symtabs").exists() or not any(
+        (sg.config.server.data_dir / "symtabs").rglob("*.symc"))
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "disabled"
+    assert body == profile.SerializeToString()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def test_start_up_removes_half_written_tables_of_dead_workers_only(
     start_symgate: SymgateFactory, tmp_path: Path
 ) -> None:

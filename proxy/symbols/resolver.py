@@ -69,9 +69,12 @@ class SymbolResolver:
     def __init__(
         self, *, artifacts: ArtifactService, tables: TableStore, open_tables: OpenTables,
         pool: BuildPool, workers: SymbolizeWorkers, debug_dirs: Sequence[Path],
-        metrics: SymbolizeMetrics,
+        metrics: SymbolizeMetrics, enabled: bool = True,
     ) -> None:
         self._artifacts = artifacts
+        # symbolize.enabled: off, /symbolize passes profiles through untouched, so a table
+        # built ahead (a second of CPU for libc's) would never be read, and no worker is due.
+        self._enabled = enabled
         self._tables = tables
         self._open = open_tables
         self._pool = pool
@@ -88,6 +91,11 @@ class SymbolResolver:
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
+    @property
+    def busy(self) -> bool:
+        """A resolution or a build is under way (for tests and status)."""
+        return bool(self._resolving or self._building)
+
     async def start(self) -> None:
         """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
         profile (about 10 ms), and start a worker (it exits after symbolize.worker_idle_s
@@ -95,7 +103,8 @@ class SymbolResolver:
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
         await self._tables.get(SHARED, "")
-        self.workers.pool.start_soon()
+        if self._enabled:
+            self.workers.pool.start_soon()
 
     async def close(self) -> None:
         pending: list[asyncio.Future[Any]] = [*self._resolving.values(),
@@ -413,7 +422,7 @@ class SymbolResolver:
         file committed while a table is under way (one from the executable, committed a moment
         before: an upload of both, a prefetch) is judged again once that is done, so that its
         lines are not lost to the executable's bare symbols."""
-        if not key.kind.is_elf:
+        if not key.kind.is_elf or not self._enabled:
             return
         pending = self._resolving.get((scope, key.build_id))
         if pending is None:

@@ -184,6 +184,7 @@ def _lifecycle(
             pool=BuildPool(processes, config.symbolize.build_workers),
             workers=SymbolizeWorkers(config.symbolize, processes),
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
+            enabled=config.symbolize.enabled,
         )
         await symbols.start()
         app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
