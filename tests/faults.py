@@ -58,6 +58,9 @@ class FaultUpstream:
         # test controls.
         self.held_half_sent = asyncio.Event()
         self.release = asyncio.Event()
+        # "headers-held": the status line and headers are sent, `headers_sent` set, then the
+        # body once `release` is: an upstream slow to its first byte after a prompt answer.
+        self.headers_sent = asyncio.Event()
         # Set when a slow-body response has sent its last byte, to prove clients got bytes
         # before the upstream was done.
         self.body_done: dict[str, float] = {}
@@ -170,6 +173,13 @@ class FaultUpstream:
             response.headers["X-DEBUGINFOD-SIZE"] = str(len(data))
             response.content_length = len(data)
         await response.prepare(request)
+        if mode == "headers-held":
+            # aiohttp holds a head back until the first body bytes; this one goes alone.
+            writer = response._payload_writer
+            assert writer is not None
+            writer.send_headers()
+            self.headers_sent.set()
+            await self.release.wait()
         if mode in ("hang-mid-body", "reset-mid-body", "truncated"):
             await response.write(data[: int(len(data) * HALF)])
             await asyncio.sleep(0.1)

@@ -230,6 +230,29 @@ async def test_a_follower_gets_the_bytes_as_the_other_process_writes_them(
     assert faults.count("held") == 1
 
 
+
+async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_byte_yet(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The fetching process tells the others it streams only once its first chunk is on
+    disk: until then a follower waits as for a fetch that has said nothing, and then gets
+    every byte, the upstream asked once."""
+    first, _ = await serve(faults.url_for("headers-held"))
+    second, _ = await serve(faults.url_for("headers-held"))
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        fetching = asyncio.create_task(s.get(first + path))
+        await asyncio.wait_for(faults.headers_sent.wait(), 30)
+        following = asyncio.create_task(s.get(second + path))
+        await asyncio.sleep(0.3)  # long enough for a follower that would not wait to answer
+        assert not following.done()
+        faults.release.set()
+        for response in (await fetching, await following):
+            assert response.status == 200 and await response.read() == expected
+    assert faults.count("headers-held") == 1
+
+
 async def test_a_follower_is_cut_off_when_the_fetching_process_dies(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
