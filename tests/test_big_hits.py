@@ -10,7 +10,7 @@ import socket
 
 import aiohttp
 
-from proxy.web.artifacts import UNSENT_BYTES
+from proxy.web.file_sends import UNSENT_BYTES
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 

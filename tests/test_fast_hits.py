@@ -649,3 +649,119 @@ async def test_a_request_that_needs_a_token_is_not_answered_quickly(
             conn.close()
             assert got.status == 401, (path, version, got.status)
     assert await locked.quick() == await locked.quick_misses() == 0
+
+
+async def test_a_big_hit_is_answered_quickly_as_aiohttp_answers_it(
+    server: Server, elfs: ElfSet
+) -> None:
+    """A file too big to keep in memory: its head written quickly, then the file with
+    sendfile, the same bytes as aiohttp's answer; the connection serves on after it."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    before = await server.quick()
+    sent_before = await server.metric("symgate_served_bytes_total", source="cache")
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    quick = await conn.answer()
+    await conn.send(get(path, method="HEAD"))
+    quick_head = await conn.answer(head_only=True)
+    await conn.send(get(path))  # and again, on the same connection
+    again = await conn.answer()
+    assert await server.quick() == before + 3
+    slow = await Conn.open(server)
+    await slow.send(get(path, "Cache-Control: no-cache"))
+    usual = await slow.answer()
+    assert await server.quick() == before + 3
+    assert quick.status == usual.status == again.status == 200
+    assert quick.body == usual.body == again.body == want
+    assert quick.headers == usual.headers == quick_head.headers
+    sent = await server.metric("symgate_served_bytes_total", source="cache") - sent_before
+    assert sent == 3 * len(want)
+    conn.close()
+    slow.close()
+
+
+async def test_a_big_hits_access_line_is_the_same_either_way(
+    server: Server, elfs: ElfSet
+) -> None:
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    await hot(server, path)
+    quick, usual = await access_lines_quick_then_usual(server, path)
+    assert quick == usual
+    assert f" 200 {elfs.big.debug.stat().st_size} " in quick and "outcome=hit" in quick
+
+
+async def test_a_request_sent_while_a_big_file_goes_out_is_answered_after_it(
+    server: Server, elfs: ElfSet
+) -> None:
+    """Nothing more is read from the connection while the file is sent: a request sent
+    meanwhile is answered once it is out, in order."""
+    big, small = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.big, elfs.prog))
+    for path in (big, small):
+        await hot(server, path)
+    before = await server.quick()
+    conn = await Conn.open(server)
+    await conn.send(get(big))
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    first = await conn.reader.readexactly(1 << 20)  # the file is under way
+    await conn.send(get(small))
+    size = elfs.big.debug.stat().st_size
+    rest = await asyncio.wait_for(conn.reader.readexactly(size - len(first)), 30)
+    assert head.startswith(b"HTTP/1.1 200 ") and first + rest == elfs.big.debug.read_bytes()
+    after = await conn.answer()
+    assert after.status == 200 and after.body == elfs.prog.debug.read_bytes()
+    assert await server.quick() == before + 2
+    conn.close()
+
+
+async def test_a_client_that_leaves_in_the_middle_of_a_big_file_is_logged_with_what_went_out(
+    server: Server, elfs: ElfSet
+) -> None:
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    await hot(server, path)
+    sent_before = await server.metric("symgate_served_bytes_total", source="cache")
+    for _ in range(3):
+        conn = await Conn.open(server)
+        await conn.send(get(path))
+        await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+        await conn.reader.readexactly(1 << 20)
+        conn.writer.transport.abort()  # a reset, the rest unread
+    # Each counted as far as it went: more than what was read, less than the file.
+    async def counted() -> bool:
+        sent = await server.metric("symgate_served_bytes_total", source="cache") - sent_before
+        return sent >= 3 << 20 and await server.quick() >= 3
+    await eventually(counted)
+    sent = await server.metric("symgate_served_bytes_total", source="cache") - sent_before
+    assert sent < 3 * size
+    # The server serves on: the whole file again, quickly.
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    assert (await conn.answer()).body == elfs.big.debug.read_bytes()
+    conn.close()
+    await stop_serve([server.proc])
+    await server.reading
+    out = b"".join(server.output).decode()
+    cut = [line for line in out.splitlines() if "symgate.access" in line and path in line
+           and f" 200 {size} " not in line]
+    assert len(cut) == 3 and all(re.search(r" 200 \d+ ", line) for line in cut), cut
+    assert "Traceback" not in out
+
+
+async def test_a_server_stopping_lets_a_big_file_under_way_go_out_whole(
+    server: Server, elfs: ElfSet
+) -> None:
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    first = await conn.reader.readexactly(1 << 20)
+    server.proc.terminate()  # within its grace: the rest goes out, then the connection closes
+    await asyncio.sleep(0.3)
+    rest = await asyncio.wait_for(conn.reader.readexactly(len(want) - len(first)), 30)
+    assert first + rest == want
+    assert await conn.closed(5)
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0

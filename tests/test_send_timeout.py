@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from proxy.web.send_timeout import is_send_timeout, limit_unacknowledged
 from tests.elfs import ElfSet, build_program
@@ -121,13 +122,22 @@ async def _metric(base: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.parametrize("answered", ["by aiohttp", "quickly"])
 async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let_go(
-    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, answered: str
 ) -> None:
+    """Its first hit goes through aiohttp; later plain ones are answered quickly
+    (proxy.web.fast_hits), the file sent by the connection itself."""
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
-    async with _server(tmp_path, faults.url_for("ok")) as (base, port, out, pids):
+    # One serving process: the hit that keeps the answer's head in memory and the stalled
+    # request reach the same one.
+    async with _server(tmp_path, faults.url_for("ok"), "workers = 1\n") as (base, port, out,
+                                                                          pids):
         await _served_whole(base + path, size)  # cached now
+        if answered == "quickly":
+            await _served_whole(base + path, size)  # its answer's head kept in memory
+        quick_before = await _metric(base, "symgate_quick_hits_total")
         cached = None
         for _ in range(250):  # committed once its client has every byte: soon after
             cached = next((p for p in (tmp_path / "d").rglob("*") if "objects" in p.parts
@@ -146,6 +156,8 @@ async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let
         await asyncio.sleep(TIMEOUT_S * 3)
         assert _open_on(pids, cached) == 0
         await _all_cut_and_counted([stalled], size, base, out)
+        assert await _metric(base, "symgate_quick_hits_total") == quick_before + (
+            answered == "quickly")
         await _served_whole(base + path, size)  # the server serves on, the same file whole
 
 

@@ -333,7 +333,8 @@ async def serve(config: Config, access_log: logging.Logger | None,
         server.close()  # no new connections; idle kept-alive ones are closed by the drain
         guard.close_quick()  # and those aiohttp was never told of
         assert runner.server is not None
-        await _drain(runner.server, config.server.shutdown_grace_s)
+        await asyncio.gather(_drain(runner.server, config.server.shutdown_grace_s),
+                             guard.finish_sends(config.server.shutdown_grace_s))
     finally:
         server.close()
         await runner.cleanup()

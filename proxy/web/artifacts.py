@@ -7,11 +7,9 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
 import logging
 import os
-import socket
 import weakref
 from typing import IO, Any
 
@@ -28,6 +26,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.errors import cut_off
+from proxy.web.file_sends import bound_unsent
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -174,29 +173,9 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
     return hot
 
 
-# The most a client's socket may hold that TCP has not sent yet (TCP_NOTSENT_LOWAT), while a
-# cached file is sent with sendfile(2). Unbounded, sendfile queues the whole file at once (the
-# send buffer grows to 4 MiB), and the client copies it out long after: a 4.2 MB hit cost wrk
-# 2.4 ms of kernel time (perf: _copy_to_iter) against 1.0 ms with this bound, 0.85x nginx's
-# rate against 1.1-1.3x (bench/hit_cpu.py). What is in flight is not bounded, so a distant
-# client is not slowed, as a fixed SO_SNDBUF would slow it; the loop refills the socket as it
-# drains. The price: the response holds its file (and its lease) until the last bytes are
-# nearly sent, not only until they are queued. The bound stays on the connection: a later
-# streamed download or small hit on it is written in more steps when the client lags, but
-# taking it off after each file cost 10% of the 4.2 MB hit rate with 2 workers (0.89x against
-# 1.01x nginx's, four interleaved runs each).
-UNSENT_BYTES = 128 * 1024
-# Linux's option number; named in socket since Python 3.7 where the platform has it.
-_TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-
-
 def _bound_unsent(request: web.BaseRequest) -> None:
     transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if _TCP_NOTSENT_LOWAT is not None and sock is not None \
-            and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):  # a kernel without it, or a socket gone: as before
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+    bound_unsent(transport.get_extra_info("socket") if transport is not None else None)
 
 
 def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:

@@ -15,8 +15,9 @@ import asyncio
 import logging
 import resource
 from collections.abc import Callable
-from typing import Protocol
+from typing import IO, Protocol
 
+from proxy.web.file_sends import bound_unsent
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,22 @@ REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
                    b"Connection: close\r\n\r\n")
 
 
+class QuickFile(Protocol):
+    """proxy.web.fast_hits.QuickFile: a head, then a file's first `size` bytes; finish() once
+    they went out or the send broke off."""
+
+    head: bytes
+    file: IO[bytes]
+    size: int
+
+    def finish(self) -> None: ...
+
+
 class QuickAnswers(Protocol):
     """proxy.web.fast_hits.FastHits, as a connection sees it."""
 
-    def answer(self, data: bytes, remote: str | None) -> bytes | None: ...
+    def answer(self, data: bytes, remote: str | None, whole_files: bool
+               ) -> bytes | QuickFile | None: ...
 
 
 def raise_fd_limit() -> int:
@@ -90,9 +103,21 @@ class ConnectionGuard:
 
     def close_quick(self) -> None:
         """Close the connections only quick answers were written to: they are idle whenever
-        the loop runs (an answer is written whole, at once)."""
+        the loop runs (an answer is written whole, at once), but for a file being sent,
+        which is closed once sent (finish_sends)."""
         for conn in list(self._quick_only):
             conn.close()
+
+    async def finish_sends(self, grace_s: float) -> None:
+        """The files quick connections are sending get `grace_s` to go out, as aiohttp's
+        responses under way do when the server stops; then they are cut."""
+        sends = [c._sending for c in self._quick_only if c._sending is not None]
+        if not sends:
+            return
+        _done, late = await asyncio.wait(sends, timeout=grace_s)
+        for send in late:
+            send.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open >= self.limit:
@@ -135,6 +160,10 @@ class _Counted(asyncio.Protocol):
         # Whatever aiohttp was given was whole request heads without a body: once it waits
         # for the next request, it holds nothing of this connection's bytes.
         self._clean = True
+        # A big file's quick answer going out (reading paused meanwhile), and whether the
+        # connection is to close once it has (the server stopping).
+        self._sending: asyncio.Task[None] | None = None
+        self._close_after_send = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -165,7 +194,9 @@ class _Counted(asyncio.Protocol):
             self._inner.pause_writing()
 
     def close(self) -> None:
-        if self._transport is not None and not self._handed:
+        if self._sending is not None:
+            self._close_after_send = True
+        elif self._transport is not None and not self._handed:
             self._transport.close()
 
     def _time_head(self) -> None:
@@ -190,15 +221,19 @@ class _Counted(asyncio.Protocol):
                 self._idle.cancel()
                 self._idle = None
             transport = self._transport
+            # A big file only where aiohttp was never told of the connection: its keep-alive
+            # timer, blind to the send, could close the connection in the middle of it.
             if not self._paused and transport is not None and not transport.is_closing() \
-                    and (answer := quick.answer(data, self._remote)) is not None:
-                transport.write(answer)
-                self._answered = True
-                if self._handed:
-                    _keep_alive_from_now(self._inner)
-                elif self._guard is not None and self._guard.header_timeout_s > 0:
-                    self._idle = asyncio.get_running_loop().call_later(
-                        self._guard.header_timeout_s, self._idle_too_long)
+                    and (answer := quick.answer(data, self._remote, not self._handed)) \
+                    is not None:
+                if isinstance(answer, bytes):
+                    transport.write(answer)
+                    self._answered_quickly()
+                else:
+                    transport.write(answer.head)
+                    # Nothing more is read (a next request) until the file is out.
+                    transport.pause_reading()
+                    self._sending = asyncio.ensure_future(self._send(transport, answer))
                 return
         if not self._handed:
             self._hand_over()
@@ -209,6 +244,38 @@ class _Counted(asyncio.Protocol):
         if self._clean and not _bodiless_heads(data):
             self._clean = False
         self._inner.data_received(data)  # type: ignore[attr-defined]
+
+    def _answered_quickly(self) -> None:
+        self._answered = True
+        if self._handed:
+            _keep_alive_from_now(self._inner)
+        elif self._guard is not None and self._guard.header_timeout_s > 0:
+            self._idle = asyncio.get_running_loop().call_later(
+                self._guard.header_timeout_s, self._idle_too_long)
+
+    async def _send(self, transport: asyncio.Transport, answer: QuickFile) -> None:
+        """The file after its head, as web.artifacts._SentFile sends it; a send that breaks
+        off (the client left, or was cut for not reading) closes the connection, since no
+        next answer can follow a short body."""
+        sent = False
+        try:
+            bound_unsent(transport.get_extra_info("socket"))
+            await asyncio.get_running_loop().sendfile(transport, answer.file, 0, answer.size)
+            sent = True
+        except (OSError, RuntimeError) as e:  # RuntimeError: the transport closed meanwhile
+            if is_send_timeout(e) and self._guard is not None \
+                    and self._guard.send_timeouts is not None:
+                self._guard.send_timeouts.note(self._remote)
+        finally:
+            self._sending = None
+            answer.finish()
+            if not sent:
+                transport.abort()
+        if self._close_after_send:
+            transport.close()
+        elif not transport.is_closing():
+            transport.resume_reading()
+            self._answered_quickly()
 
     def _idle_too_long(self) -> None:
         self._idle = None
@@ -245,6 +312,8 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self._sending is not None:
+            self._sending.cancel()
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None

@@ -26,13 +26,16 @@ answers again.
 from __future__ import annotations
 
 import email.utils
+import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from aiohttp.http import SERVER_SOFTWARE
 
+from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.scope import SHARED
 from proxy.errors import RememberedNotFound, SymgateError
 from proxy.keys import ArtifactKey
@@ -88,46 +91,80 @@ class FastHits:
         self._missing_code = answer.status
         assert _STATUS[answer.status] == f" {answer.status} {answer.reason}\r\n".encode()
 
-    def answer(self, data: bytes, remote: str | None) -> bytes | None:
-        """The whole response to `data`, counted and logged; None: aiohttp's to answer."""
+    def answer(self, data: bytes, remote: str | None, whole_files: bool
+               ) -> bytes | QuickFile | None:
+        """The whole response to `data`, counted and logged; or, for a GET of a file too big
+        to keep in memory (where `whole_files`), its head and the file that the connection
+        sends after it; None: aiohttp's to answer."""
         started = time.perf_counter()
         if not self._open:
             return None
         req = _plain_request(data)
         if req is None:
             return None
-        found = self._hit(req) or self._remembered_miss(req)
+        found = self._hit(req, whole_files) or self._remembered_miss(req)
         if found is None:
             return None
-        code, hot, fields = found
+        code, hot, fields, file = found
         outcome = fields["outcome"]
         state = self._state
         response = self._response(req.one_zero, code, hot)
+        state.metrics.count_buildid(req.kind, outcome)
+        (state.metrics.quick_hits if outcome is Served.HIT else state.metrics.quick_misses).inc()
+        if file is not None:
+            return self._file_answer(req, remote, response, file, fields, started)
         sent = 0
         if not req.head_only and hot.body is not None:
             response += hot.body
             sent = len(hot.body)
             if outcome is Served.HIT:
                 state.metrics.served_from_cache.inc(sent)
-        state.metrics.count_buildid(req.kind, outcome)
-        (state.metrics.quick_hits if outcome is Served.HIT else state.metrics.quick_misses).inc()
         if self._access is not None:
             self._access.line(remote, req.method, f"/buildid/{req.build_id}/{req.kind}", code,
                               sent, time.perf_counter() - started, fields, req.user_agent)
         return response
 
-    def _hit(self, req: _Request) -> _Found | None:
-        """A hit whose answer is in memory, touched in the cache index."""
+    def _hit(self, req: _Request, whole_files: bool) -> _Found | None:
+        """A hit whose answer is in memory, touched in the cache index; for a GET of a file
+        too big to keep there, with its file opened now, while the index says it is there."""
         state = self._state
         hit = state.service.hit_now(_VISIBLE, req.key)
         if hit is None or 0 <= req.max_size < hit.record.size:
             return None
         hot = state.hot.get(hit.record.key_hash)
-        if hot is None or not hot.head or (hot.body is None and not req.head_only):
+        if hot is None or not hot.head:
             return None
+        file = None
+        if hot.body is None and not req.head_only:
+            if not whole_files:
+                return None
+            try:
+                file = _OpenedFile(os.open(hit.path, os.O_RDONLY | os.O_CLOEXEC), hit)
+            except OSError:
+                return None  # evicted by another process: aiohttp's path looks again
         state.service.cache.touch(hit)
         return 200, hot, {"endpoint": "buildid", "kind": req.kind, "outcome": Served.HIT,
-                          "upstream": hit.record.upstream}
+                          "upstream": hit.record.upstream}, file
+
+    def _file_answer(self, req: _Request, remote: str | None, head: bytes, file: _OpenedFile,
+                     fields: dict[str, Any], started: float) -> QuickFile:
+        """What aiohttp's path (web.artifacts._SentFile) does around the same sendfile: the
+        cache's lease held until the last byte is out, then the bytes that went out counted
+        and logged."""
+        state = self._state
+        lease = state.service.cache.lease(file.artifact.scope, req.key)
+        lease.__enter__()
+
+        def finish(sent: int) -> None:
+            lease.__exit__(None, None, None)
+            state.metrics.served_from_cache.inc(sent)
+            if self._access is not None:
+                self._access.line(remote, req.method, f"/buildid/{req.build_id}/{req.kind}",
+                                  200, sent, time.perf_counter() - started, fields,
+                                  req.user_agent)
+
+        return QuickFile(head, open(file.fd, "rb", closefd=True),  # closed by finish()
+                         file.artifact.record.size, finish)
 
     def _remembered_miss(self, req: _Request) -> _Found | None:
         """A miss memory alone says is remembered, put on the status page as aiohttp's are."""
@@ -137,7 +174,7 @@ class FastHits:
         outcome, reason = Served.NEGATIVE_HIT, self._missing_reason
         state.recent_misses.add(f"{req.build_id}/{req.kind}", outcome, reason)
         return self._missing_code, self._missing, {"endpoint": "buildid", "kind": req.kind,
-                                                   "outcome": outcome, "error": reason}
+                                                   "outcome": outcome, "error": reason}, None
 
     def _response(self, one_zero: bool, code: int, hot: HotFile) -> bytes:
         """The status line and headers, as aiohttp writes them: the request's version, the
@@ -166,8 +203,35 @@ class _Request:
         return self.method == "HEAD"
 
 
-# A status code, the answer's own header lines, and its access-log fields.
-_Found = tuple[int, HotFile, dict[str, Any]]
+@dataclass(frozen=True, slots=True)
+class _OpenedFile:
+    fd: int  # opened when the hit was found
+    artifact: CachedArtifact
+
+
+# A status code, the answer's own header lines, its access-log fields, and for a GET of a file
+# too big to keep in memory, that file.
+_Found = tuple[int, HotFile, dict[str, Any], _OpenedFile | None]
+
+
+class QuickFile:
+    """A quick hit of a file too big to keep in memory: `head` is written at once, then `file`
+    (`size` bytes from its start) with sendfile(2), by the connection (proxy.web.connections);
+    finish() once that is over, however it ended: the file's position tells what went out."""
+
+    __slots__ = ("_finish", "file", "head", "size")
+
+    def __init__(self, head: bytes, file: IO[bytes], size: int,
+                 finish: Callable[[int], None]) -> None:
+        self.head, self.file, self.size, self._finish = head, file, size, finish
+
+    def finish(self) -> None:
+        try:
+            sent = self.file.tell()  # asyncio's sendfile leaves it past what it sent
+        except (OSError, ValueError):
+            sent = 0
+        self.file.close()
+        self._finish(sent)
 
 
 def _plain_request(data: bytes) -> _Request | None:
