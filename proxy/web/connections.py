@@ -260,7 +260,11 @@ class _Counted(asyncio.Protocol):
         sent = False
         try:
             bound_unsent(transport.get_extra_info("socket"))
-            await asyncio.get_running_loop().sendfile(transport, answer.file, 0, answer.size)
+            # No fallback: asyncio's swaps the transport's protocol for its own while it
+            # writes, and a connection lost then would never reach this one (the guard's
+            # count). A cache file always takes sendfile(2); its failure is the client's.
+            await asyncio.get_running_loop().sendfile(transport, answer.file, 0, answer.size,
+                                                      fallback=False)
             sent = True
         except (OSError, RuntimeError) as e:  # RuntimeError: the transport closed meanwhile
             if is_send_timeout(e) and self._guard is not None \
