@@ -469,12 +469,15 @@ async def test_a_client_that_stops_reading_gets_every_answer_in_order(
 
 async def test_many_clients_at_once(server: Server, elfs: ElfSet) -> None:
     """40 clients, each 20 requests in turn, started together or staggered, over HTTP/1.1 and
-    1.0: hits and remembered misses interleaved, every answer right and every one quick."""
+    1.0: hits and remembered misses interleaved, and a big file sent by the connection now
+    and then, every answer right and every one quick."""
     a = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    big = f"/buildid/{elfs.big.build_id}/debuginfo"
     await hot(server, a)
+    await hot(server, big)
     await remembered(server, MISSING)
     before = await server.quick() + await server.quick_misses()
-    body = elfs.prog.debug.read_bytes()
+    body, big_body = elfs.prog.debug.read_bytes(), elfs.big.debug.read_bytes()
 
     async def client(n: int) -> None:
         await asyncio.sleep(0.01 * (n % 4))
@@ -483,6 +486,8 @@ async def test_many_clients_at_once(server: Server, elfs: ElfSet) -> None:
         for i in range(20):
             path, status, want = (a, 200, body) if (n + i) % 3 else \
                 (MISSING, 404, b"not found (remembered miss)\n")
+            if n % 4 == 0 and i in (1, 10):
+                path, status, want = big, 200, big_body
             await conn.send(get(path, *extra, version=version))
             got = await conn.answer()
             assert (got.status, got.body, got.version) == (status, want, f"HTTP/{version}")
