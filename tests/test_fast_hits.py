@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
+import struct
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,13 +68,15 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def running(tmp_path: Path, database_url: str, upstream: str, extra: str = ""
-                  ) -> AsyncIterator[Server]:
+async def running(tmp_path: Path, database_url: str, upstream: str, extra: str = "",
+                  server_extra: str = "") -> AsyncIterator[Server]:
+    """`extra`: tables after [negative]; `server_extra`: more of [server]."""
     base, proc = await start_serve(
         tmp_path, tmp_path / "data", database_url, upstream, access_log=True,
         # Remembered misses trusted from memory for the whole test, not a second: a quick
         # 404 is the one memory alone can tell, and a slow runner must not make it SQL's.
-        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n[negative]\nmemo_s = 600\n{extra}")
+        extra=f"header_timeout_s = {HEADER_TIMEOUT_S}\n{server_extra}[negative]\n"
+              f"memo_s = 600\n{extra}")
     output: list[bytes] = []
 
     async def drain() -> None:
@@ -770,3 +774,98 @@ async def test_a_server_stopping_lets_a_big_file_under_way_go_out_whole(
     assert first + rest == want
     assert await conn.closed(5)
     assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+
+
+def _descriptors_on(pid: int, path: Path) -> int:
+    count = 0
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                count += fd.readlink() == path
+    return count
+
+
+async def test_clients_that_reset_as_their_big_file_starts_leave_nothing_held(
+    server: Server, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A client that resets right after its request: the head's write may fail at once, the
+    send then never starting. Each counted hit still lets go of its file and its lease, and
+    has its access line."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    await hot(server, path)
+    cached = next(p for p in (tmp_path / "data").rglob("*")
+                  if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
+    before = await server.quick()
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.sendall(get(path))
+        sock.close()  # a reset
+    async def let_go() -> bool:
+        return _descriptors_on(server.proc.pid, cached) == 0
+    await eventually(let_go)
+    quick = await server.quick() - before
+    await stop_serve([server.proc])
+    await server.reading
+    out = b"".join(server.output).decode()
+    lines = [line for line in out.splitlines() if "symgate.access" in line and path in line
+             and '"fast-test/1"' in line]
+    assert quick > 0 and len(lines) == 2 + quick  # hot()'s two, then one for each quick one
+    assert "Traceback" not in out
+
+
+@pytest.fixture
+async def short_grace(tmp_path: Path, database_url: str, debuginfod: Debuginfod
+                      ) -> AsyncIterator[Server]:
+    async with running(tmp_path, database_url, debuginfod.url,
+                       server_extra="shutdown_grace_s = 1.0\n") as srv:
+        yield srv
+
+
+async def test_a_big_file_cut_at_the_end_of_the_grace_is_logged_with_what_went_out(
+    short_grace: Server, elfs: ElfSet
+) -> None:
+    server = short_grace
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    await hot(server, path)
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    await conn.reader.readexactly(1 << 20)  # then reads no more: the send waits
+    server.proc.terminate()
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+    conn.close()
+    await server.reading
+    out = b"".join(server.output).decode()
+    last = [line for line in out.splitlines() if "symgate.access" in line and path in line][-1]
+    sent = int(re.search(r" 200 (\d+) ", last)[1])  # type: ignore[index]
+    assert 1 << 20 <= sent < elfs.big.debug.stat().st_size, last
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("extra", [(), ("Cache-Control: no-cache",)], ids=["quick", "aiohttp"])
+async def test_a_cached_file_cut_short_from_outside_is_a_cut_response(
+    server: Server, elfs: ElfSet, tmp_path: Path, extra: tuple[str, ...]
+) -> None:
+    """The index says 24 MB, the disk holds 1 MiB (an operator's mistake, a bad disk): the
+    client sees the connection end before the body, never a short body that ends well."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    await hot(server, path)
+    cached = next(p for p in (tmp_path / "data").rglob("*")
+                  if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
+    with cached.open("r+b") as f:
+        f.truncate(1 << 20)
+    conn = await Conn.open(server)
+    await conn.send(get(path, *extra))
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200 ") and f"Content-Length: {size}".encode() in head
+    body = await asyncio.wait_for(conn.reader.read(), 10)  # to the connection's end
+    assert len(body) == 1 << 20
+    conn.close()
+    # Cut by the server for that reason (and not, say, let idle until its header timeout).
+    await stop_serve([server.proc])
+    await server.reading
+    out = b"".join(server.output).decode()
+    assert out.count("shorter than its index entry") == 1, out[-2000:]

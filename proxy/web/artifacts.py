@@ -225,7 +225,12 @@ class _SentFile(web.StreamResponse):
                 transport = request.transport
                 if transport is None:
                     raise ConnectionResetError("Connection lost")
-                await asyncio.get_running_loop().sendfile(transport, self._file, 0, self._size)
+                sent = await asyncio.get_running_loop().sendfile(transport, self._file, 0,
+                                                                 self._size)
+                if sent != self._size:  # damaged from outside: never a short body that ends
+                    log.warning("cached %s is shorter than its index entry (%d of %d bytes); "
+                                "its response was cut", self._key.id, sent, self._size)
+                    raise ConnectionResetError("cached file shorter than its index entry")
                 await super().write_eof()
         except BaseException as e:
             _count_cut(self._symgate, request, self._file, 0)

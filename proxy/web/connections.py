@@ -12,8 +12,10 @@ and looks for the blank line that ends the head.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
@@ -32,6 +34,9 @@ FDS_PER_CONNECTION = 2
 SHED_LINGER_S = 1.0
 # Past this many shed connections still lingering, new ones are closed at once without a word.
 MAX_LINGERING = 64
+# How long a quick file send cut at the end of the shutdown grace has to notice, before it is
+# cancelled.
+_CUT_S = 0.5
 
 _BUSY_TEXT = b"too many connections: try again soon\n"
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
@@ -115,6 +120,15 @@ class ConnectionGuard:
         if not sends:
             return
         _done, late = await asyncio.wait(sends, timeout=grace_s)
+        if not late:
+            return
+        # Cut by shutting the sockets down: the sendfile under way then fails at once and
+        # asyncio leaves the file's position past what went out, which the access line tells
+        # (a cancelled sendfile leaves it where it began).
+        for conn in list(self._quick_only):
+            if conn._sending in late:
+                conn.cut_send()
+        _done, late = await asyncio.wait(late, timeout=_CUT_S)
         for send in late:
             send.cancel()
         await asyncio.gather(*late, return_exceptions=True)
@@ -231,9 +245,14 @@ class _Counted(asyncio.Protocol):
                     self._answered_quickly()
                 else:
                     transport.write(answer.head)
+                    if transport.is_closing():  # the head's write failed: the client is gone
+                        answer.finish()
+                        return
                     # Nothing more is read (a next request) until the file is out.
                     transport.pause_reading()
-                    self._sending = asyncio.ensure_future(self._send(transport, answer))
+                    self._sending = send = asyncio.ensure_future(self._send(transport, answer))
+                    # A send cancelled before its first step never runs its own `finally`.
+                    send.add_done_callback(lambda _: self._sent(send, answer))
                 return
         if not self._handed:
             self._hand_over()
@@ -263,16 +282,19 @@ class _Counted(asyncio.Protocol):
             # No fallback: asyncio's swaps the transport's protocol for its own while it
             # writes, and a connection lost then would never reach this one (the guard's
             # count). A cache file always takes sendfile(2); its failure is the client's.
-            await asyncio.get_running_loop().sendfile(transport, answer.file, 0, answer.size,
-                                                      fallback=False)
-            sent = True
+            # Fewer bytes than its size: the file is shorter than its entry in the index
+            # (damaged from outside): cut, never a short body that looks whole.
+            sent = await asyncio.get_running_loop().sendfile(
+                transport, answer.file, 0, answer.size, fallback=False) == answer.size
+            if not sent:
+                log.warning("a cached file was shorter than its index entry says (%d bytes)"
+                            "; its response was cut", answer.size)
         except (OSError, RuntimeError) as e:  # RuntimeError: the transport closed meanwhile
             if is_send_timeout(e) and self._guard is not None \
                     and self._guard.send_timeouts is not None:
                 self._guard.send_timeouts.note(self._remote)
         finally:
-            self._sending = None
-            answer.finish()
+            self._sent(asyncio.current_task(), answer)
             if not sent:
                 transport.abort()
         if self._close_after_send:
@@ -280,6 +302,19 @@ class _Counted(asyncio.Protocol):
         elif not transport.is_closing():
             transport.resume_reading()
             self._answered_quickly()
+
+    def _sent(self, send: asyncio.Future[None] | None, answer: QuickFile) -> None:
+        """The send is over, whichever way: its file let go, counted and logged, once."""
+        if self._sending is send:
+            self._sending = None
+        answer.finish()
+
+    def cut_send(self) -> None:
+        """End the file being sent: the server stops and its grace is over."""
+        sock = self._transport.get_extra_info("socket") if self._transport else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _idle_too_long(self) -> None:
         self._idle = None

@@ -226,15 +226,20 @@ class QuickFile:
 
     def __init__(self, head: bytes, file: IO[bytes], size: int,
                  finish: Callable[[int], None]) -> None:
-        self.head, self.file, self.size, self._finish = head, file, size, finish
+        self.head, self.file, self.size = head, file, size
+        self._finish: Callable[[int], None] | None = finish
 
     def finish(self) -> None:
+        """Once, however often called."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            return
         try:
             sent = self.file.tell()  # asyncio's sendfile leaves it past what it sent
         except (OSError, ValueError):
             sent = 0
         self.file.close()
-        self._finish(sent)
+        finish(sent)
 
 
 def _plain_request(data: bytes) -> _Request | None:
