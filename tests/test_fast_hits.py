@@ -776,6 +776,12 @@ async def test_a_server_stopping_lets_a_big_file_under_way_go_out_whole(
     assert await asyncio.wait_for(server.proc.wait(), 10) == 0
 
 
+def _cached_file(tmp_path: Path, size: int) -> Path:
+    """The cache's file of this size, in the data dir of `running`."""
+    return next(p for p in (tmp_path / "data").rglob("*")
+                if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
+
+
 def _descriptors_on(pid: int, path: Path) -> int:
     count = 0
     with contextlib.suppress(OSError):
@@ -794,8 +800,7 @@ async def test_clients_that_reset_as_their_big_file_starts_leave_nothing_held(
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
     await hot(server, path)
-    cached = next(p for p in (tmp_path / "data").rglob("*")
-                  if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
+    cached = _cached_file(tmp_path, size)
     before = await server.quick()
     for _ in range(20):
         sock = socket.create_connection(("127.0.0.1", server.port))
@@ -853,8 +858,7 @@ async def test_a_cached_file_cut_short_from_outside_is_a_cut_response(
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     size = elfs.big.debug.stat().st_size
     await hot(server, path)
-    cached = next(p for p in (tmp_path / "data").rglob("*")
-                  if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
+    cached = _cached_file(tmp_path, size)
     with cached.open("r+b") as f:
         f.truncate(1 << 20)
     conn = await Conn.open(server)
