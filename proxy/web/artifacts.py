@@ -6,7 +6,6 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import logging
 import os
@@ -26,7 +25,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.errors import cut_off
-from proxy.web.file_sends import bound_unsent
+from proxy.web.file_sends import bound_unsent, send_whole
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -220,17 +219,11 @@ class _SentFile(web.StreamResponse):
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
-                _bound_unsent(request)
                 writer = await super().prepare(request)
                 transport = request.transport
                 if transport is None:
                     raise ConnectionResetError("Connection lost")
-                sent = await asyncio.get_running_loop().sendfile(transport, self._file, 0,
-                                                                 self._size)
-                if sent != self._size:  # damaged from outside: never a short body that ends
-                    log.warning("cached %s is shorter than its index entry (%d of %d bytes); "
-                                "its response was cut", self._key.id, sent, self._size)
-                    raise ConnectionResetError("cached file shorter than its index entry")
+                await send_whole(transport, self._file, self._size, self._key.id)
                 await super().write_eof()
         except BaseException as e:
             _count_cut(self._symgate, request, self._file, 0)

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from proxy.web.file_sends import bound_unsent
+from proxy.web.file_sends import send_whole
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class QuickFile(Protocol):
     head: bytes
     file: IO[bytes]
     size: int
+    name: str  # the artifact's, for the log
 
     def finish(self) -> None: ...
 
@@ -278,18 +279,14 @@ class _Counted(asyncio.Protocol):
         next answer can follow a short body."""
         sent = False
         try:
-            bound_unsent(transport.get_extra_info("socket"))
             # No fallback: asyncio's swaps the transport's protocol for its own while it
             # writes, and a connection lost then would never reach this one (the guard's
             # count). A cache file always takes sendfile(2); its failure is the client's.
-            # Fewer bytes than its size: the file is shorter than its entry in the index
-            # (damaged from outside): cut, never a short body that looks whole.
-            sent = await asyncio.get_running_loop().sendfile(
-                transport, answer.file, 0, answer.size, fallback=False) == answer.size
-            if not sent:
-                log.warning("a cached file was shorter than its index entry says (%d bytes)"
-                            "; its response was cut", answer.size)
-        except (OSError, RuntimeError) as e:  # RuntimeError: the transport closed meanwhile
+            await send_whole(transport, answer.file, answer.size, answer.name, fallback=False)
+            sent = True
+        # OSError: the client, or a file shorter than its entry (ShortFile); RuntimeError:
+        # the transport closed meanwhile.
+        except (OSError, RuntimeError) as e:
             if is_send_timeout(e) and self._guard is not None \
                     and self._guard.send_timeouts is not None:
                 self._guard.send_timeouts.note(self._remote)

@@ -167,7 +167,7 @@ class FastHits:
                                   req.user_agent)
 
         return QuickFile(head, open(file.fd, "rb", closefd=True),  # closed by finish()
-                         file.artifact.record.size, finish)
+                         file.artifact.record.size, req.key.id, finish)
 
     def _remembered_miss(self, req: _Request) -> _Found | None:
         """A miss memory alone says is remembered, put on the status page as aiohttp's are."""
@@ -222,11 +222,11 @@ class QuickFile:
     (`size` bytes from its start) with sendfile(2), by the connection (proxy.web.connections);
     finish() once that is over, however it ended: the file's position tells what went out."""
 
-    __slots__ = ("_finish", "file", "head", "size")
+    __slots__ = ("_finish", "file", "head", "name", "size")
 
-    def __init__(self, head: bytes, file: IO[bytes], size: int,
+    def __init__(self, head: bytes, file: IO[bytes], size: int, name: str,
                  finish: Callable[[int], None]) -> None:
-        self.head, self.file, self.size = head, file, size
+        self.head, self.file, self.size, self.name = head, file, size, name
         self._finish: Callable[[int], None] | None = finish
 
     def finish(self) -> None:

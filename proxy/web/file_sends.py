@@ -1,10 +1,16 @@
 """How a cached file leaves with sendfile(2), on aiohttp's path (proxy.web.artifacts) and on
-the quick one (proxy.web.connections) alike: the bound on what its socket holds unsent."""
+the quick one (proxy.web.connections) alike: the bound on what its socket holds unsent, and a
+file shorter than its index entry cut, never ended as a short body."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import socket
+from typing import IO
+
+log = logging.getLogger(__name__)
 
 # The most a client's socket may hold that TCP has not sent yet (TCP_NOTSENT_LOWAT), while a
 # cached file is sent with sendfile(2). Unbounded, sendfile queues the whole file at once (the
@@ -28,3 +34,21 @@ def bound_unsent(sock: socket.socket | None) -> None:
             and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):  # a socket gone already: as before
             sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+
+
+class ShortFile(ConnectionResetError):
+    """The cached file holds fewer bytes than its index entry (damaged from outside): the
+    response is cut, as for a client gone."""
+
+
+async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, name: str, *,
+                     fallback: bool = True) -> None:
+    """The first `size` bytes of `file` after what `transport` sent so far, with sendfile(2)
+    under the unsent bound; raises what the send failed with, or ShortFile."""
+    bound_unsent(transport.get_extra_info("socket"))
+    sent = await asyncio.get_running_loop().sendfile(transport, file, 0, size,
+                                                     fallback=fallback)
+    if sent != size:
+        log.warning("cached %s is shorter than its index entry (%d of %d bytes); its response "
+                    "was cut", name, sent, size)
+        raise ShortFile("cached file shorter than its index entry")
