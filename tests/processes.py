@@ -123,6 +123,17 @@ def descendants(root: int) -> set[int]:
     return found
 
 
+def descriptors_on(pids: set[int], path: Path) -> int:
+    """Descriptors these processes hold on `path`."""
+    count = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    count += os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
+    return count
+
+
 def niceness(pid: int) -> int | None:
     """Its nice value; None once it has exited (a short-lived child: the supervisor's
     migration fork lives for a moment at start)."""

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, eventually
-from tests.processes import start_serve, stop_serve
+from tests.processes import descriptors_on, start_serve, stop_serve
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -782,15 +782,6 @@ def _cached_file(tmp_path: Path, size: int) -> Path:
                 if "objects" in p.parts and p.is_file() and p.stat().st_size == size)
 
 
-def _descriptors_on(pid: int, path: Path) -> int:
-    count = 0
-    with contextlib.suppress(OSError):
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                count += fd.readlink() == path
-    return count
-
-
 async def test_clients_that_reset_as_their_big_file_starts_leave_nothing_held(
     server: Server, elfs: ElfSet, tmp_path: Path
 ) -> None:
@@ -808,7 +799,7 @@ async def test_clients_that_reset_as_their_big_file_starts_leave_nothing_held(
         sock.sendall(get(path))
         sock.close()  # a reset
     async def let_go() -> bool:
-        return _descriptors_on(server.proc.pid, cached) == 0
+        return descriptors_on({server.proc.pid}, cached) == 0
     await eventually(let_go)
     quick = await server.quick() - before
     await stop_serve([server.proc])

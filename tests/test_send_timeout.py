@@ -20,7 +20,7 @@ import pytest
 from proxy.web.send_timeout import is_send_timeout, limit_unacknowledged
 from tests.elfs import ElfSet, build_program
 from tests.faults import FaultUpstream
-from tests.processes import descendants
+from tests.processes import descendants, descriptors_on
 from tests.test_hostile_clients import _serve, _stop
 
 TIMEOUT_S = 1.0
@@ -64,17 +64,6 @@ def _read_answer(s: socket.socket, pause_s: float = 0.0) -> tuple[int, int, bool
     finally:
         s.close()
     return len(data), length or -1, cut
-
-
-def _open_on(pids: set[int], path: Path) -> int:
-    """Descriptors these processes hold on `path`."""
-    count = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    count += os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
-    return count
 
 
 @contextlib.asynccontextmanager
@@ -149,12 +138,12 @@ async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let
         stalled = await asyncio.to_thread(_request, port, path, 4096)
         # Being sent (with sendfile): the serving process holds the file.
         for _ in range(100):
-            if _open_on(pids, cached):
+            if descriptors_on(pids, cached):
                 break
             await asyncio.sleep(0.02)
-        assert _open_on(pids, cached) >= 1
+        assert descriptors_on(pids, cached) >= 1
         await asyncio.sleep(TIMEOUT_S * 3)
-        assert _open_on(pids, cached) == 0
+        assert descriptors_on(pids, cached) == 0
         await _all_cut_and_counted([stalled], size, base, out)
         assert await _metric(base, "symgate_quick_hits_total") == quick_before + (
             answered == "quickly")
