@@ -253,3 +253,22 @@ async def test_a_client_that_leaves_mid_stream_is_counted_aborted_not_internal(
                            outcome="internal") == 0
     status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
     assert status == 200 and body == elfs.big.debug.read_bytes()
+
+
+async def test_a_section_cut_from_a_tenants_upload_is_never_handed_to_another_tenant(
+    start_symgate: SymgateFactory, elfs: ElfSet
+) -> None:
+    """Tenants without sources of their own share the shared scope, but not their uploads:
+    a cut under way from one's upload must not answer another asking for that section."""
+    sg = await start_symgate(tenants={"acme": TenantConfig(tokens=(TOKEN_A,))})
+    status, _, _ = await sg.request(
+        "PUT", f"/buildid/{elfs.big.build_id}/debuginfo", data=elfs.big.debug.read_bytes(),
+        headers={"Authorization": f"Bearer {TOKEN_A}"})
+    assert status == 201
+    path = f"/buildid/{elfs.big.build_id}/section/.symgate_pad"
+    acme = asyncio.create_task(sg.get(path, headers={"Authorization": f"Bearer {TOKEN_A}"}))
+    await asyncio.sleep(0.02)  # its cut under way
+    other = await sg.get(path, headers={"X-Scope-OrgID": "other"})
+    anonymous = await sg.get(path)
+    assert (await acme)[0] == 200
+    assert other[0] == 404 and anonymous[0] == 404

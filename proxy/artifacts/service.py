@@ -552,7 +552,10 @@ class ArtifactService:
     async def _section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
         if (cached := self.cache.peek_any(req.visible, key)) is not None and cached.path.is_file():
             return Hit(await self.cache.get(cached.scope, key) or cached)
-        kh = key_hash(req.scope, key)
+        # Shared by the requests that see the same files: of one tenant (its own scope and the
+        # shared one), not of one scope, which tenants without sources of their own share while
+        # each sees its own uploads too.
+        kh = key_hash(req.tenant, key)
         if (pending := self._cuts.get(kh)) is not None:
             return await asyncio.shield(pending)
         cut: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
