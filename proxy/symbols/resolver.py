@@ -81,7 +81,9 @@ class SymbolResolver:
         self.workers = workers  # where profiles are rewritten with these tables
         self._debug_dirs = tuple(debug_dirs)
         self._metrics = metrics
-        # Keyed by (the request's scope, build ID): one resolution and one layout search each.
+        # Keyed by (the request's tenant, build ID): one resolution and one layout search each.
+        # Not by its scope: tenants without sources of their own share the shared scope, but
+        # each also sees its own uploads, so what one's resolution finds is not the other's.
         self._resolving: dict[tuple[str, str], asyncio.Future[_Found]] = {}
         self._layouts: dict[tuple[str, str], asyncio.Future[_Layout]] = {}
         # Keyed by (the source's scope, build ID): one build of each table file at a time.
@@ -144,7 +146,7 @@ class SymbolResolver:
             # a local one goes into the build, which records its program headers itself.
             if needs_layout and not has_executable(self._debug_dirs, build_id):
                 layout = self._executable_layout(req, build_id)
-            key = (req.scope, build_id)
+            key = (req.tenant, build_id)
             resolved = await (self._resolving.get(key)
                               or self._track(key, self._load_or_build(req, build_id)))
             if isinstance(resolved, Outcome):
@@ -153,7 +155,7 @@ class SymbolResolver:
         else:
             self._metrics.symtab_cache.labels("hit").inc()
         scope, opened = found
-        if needs_layout and (own := opened.scoped_segments.get(req.scope)) is not None:
+        if needs_layout and (own := opened.scoped_segments.get(req.tenant)) is not None:
             return Resolved(opened.table, own)
         if needs_layout and not opened.layout_searched:
             searched = await (layout or self._executable_layout(req, build_id))
@@ -393,7 +395,7 @@ class SymbolResolver:
     def _executable_layout(self, req: RequestScope, build_id: str
                            ) -> asyncio.Future[_Layout]:
         """The one search for the executable's program headers of `build_id` under way."""
-        key = (req.scope, build_id)
+        key = (req.tenant, build_id)
         layout = self._layouts.get(key)
         if layout is None:
             layout = asyncio.ensure_future(self._find_executable_layout(req, build_id))
