@@ -30,6 +30,7 @@ from proxy.config import (
     ConfigError,
     DatabaseConfig,
     StorageConfig,
+    TenantConfig,
     UploadConfig,
     load_config,
 )
@@ -627,3 +628,82 @@ async def test_objects_unread_for_max_age_leave_the_bucket(
     assert (await get(a.url, elfs.cpp.build_id))[0] == 200
     await asyncio.sleep(1.0)  # three catch-up rounds
     assert await a.metric("symgate_bucket_uploads_total", kind="debuginfo") == 1
+
+
+ALPHA = "alpha-token-of-sixteen-or-more"
+
+
+async def tenant_replicas(start_symgate: SymgateFactory, tmp_path: Path, upstreams: list[str],
+                          prefix: Prefix) -> list[Symgate]:
+    """Two replicas sharing the bucket, with a tenant `alpha` that has no sources of its own
+    (it shares the shared scope with every other such tenant) but may upload."""
+    return [await start_symgate(upstreams, data_dir=tmp_path / name, storage=prefix.config(),
+                                tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
+                                cache=CacheConfig(purge_poll_s=0.2))
+            for name in "ab"]
+
+
+@on_postgresql
+async def test_a_tenants_upload_copied_from_the_bucket_is_never_streamed_to_another_tenant(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """Tenants without sources share the shared scope's fetches: replica b's copy of alpha's
+    upload must not be one of them, or whoever asks b meanwhile gets alpha's file."""
+    a, b = await tenant_replicas(start_symgate, tmp_path, [faults.url_for("notfound")], prefix)
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    data = elfs.big.debug.read_bytes()
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    assert (await a.request("PUT", path, data=data, headers=alpha))[0] == 201
+    async with aiohttp.ClientSession() as s, s.get(b.url + path, headers=alpha) as r:
+        assert r.status == 200
+        first = await r.content.readexactly(1 << 20)  # b's copy from the bucket under way
+        others = await asyncio.gather(b.get(path, headers={"X-Scope-OrgID": "mallory"}),
+                                      b.get(path))
+        rest = await r.read()
+    assert first + rest == data
+    assert [status for status, _, _ in others] == [404, 404]
+
+
+@on_postgresql
+async def test_another_tenants_remembered_miss_never_hides_a_tenants_upload(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """mallory's 404 for a build ID, remembered in the shared scope for a minute or more,
+    speaks for the shared upstreams, not for alpha's upload of it."""
+    a, b = await tenant_replicas(start_symgate, tmp_path, [faults.url_for("notfound")], prefix)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    assert (await a.request("PUT", path, data=data, headers=alpha))[0] == 201
+    for _ in range(2):  # the second from the remembered miss
+        assert (await b.get(path, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
+    assert faults.count("notfound") == 1
+
+    async def alpha_gets_it() -> bool:
+        return (await b.get(path, headers=alpha))[::2] == (200, data)
+
+    # At once if b has learnt that alpha has uploads (it looks every purge_poll_s), else from
+    # then on.
+    await eventually(alpha_gets_it, timeout=5)
+    assert (await b.get(path, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
+
+
+@on_postgresql
+async def test_an_upload_reaches_replicas_without_any_remote_upstream(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, prefix: Prefix
+) -> None:
+    """No remote source to remember a miss of is no proof of one: the bucket still holds
+    what another replica took in."""
+    token = "symgate-test-upload-token"
+    a, b = [await start_symgate([], data_dir=tmp_path / name, storage=prefix.config(),
+                                upload=UploadConfig(admin_tokens=(token,)))
+            for name in "ab"]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    assert (await b.get(path))[0] == 404
+    put = await a.request("PUT", path, data=data, headers={"Authorization": f"Bearer {token}"})
+    assert put[0] == 201
+    assert (await b.get(path))[::2] == (200, data)
+    assert (await b.get("/buildid/" + "cd" * 20 + "/debuginfo"))[0] == 404

@@ -360,6 +360,10 @@ class ArtifactCache:
             self.health.fail(DATABASE, reason)
         log.warning("SQL failed %s; going on without it", reason)
 
+    async def upload_scopes(self) -> set[str]:
+        """The scopes that hold an upload on some replica (from SQL)."""
+        return await self._repo.upload_scopes()
+
     async def purged(self, scope: str, key: ArtifactKey) -> None:
         """An operator purged this artifact (on any replica): forget it and remove the file,
         whether or not this process had it in memory (another process of this replica may

@@ -124,6 +124,10 @@ class ArtifactService:
         self._cuts: dict[str, asyncio.Future[Hit]] = {}  # sections being cut, by key_hash
         # Called with each artifact's scope and key once it is committed to the cache.
         self.committed: list[Callable[[str, ArtifactKey], None]] = []
+        # The scopes holding an upload on some replica, as SQL said at the last look (and
+        # this process's own uploads since): where a tenant without sources of its own has
+        # files the shared scope does not speak for (_own_upload).
+        self.uploaders: frozenset[str] = frozenset()
 
     async def find(self, key: ArtifactKey, req: RequestScope, *, cache_only: bool = False,
                    check_file: bool = True) -> Hit | Streaming:
@@ -135,6 +139,25 @@ class ArtifactService:
         hit in memory is not stat()ed: the caller opens the file, and calls vanished() if it
         is gone.
         """
+        try:
+            return await self._find(key, req, cache_only, check_file)
+        except RememberedNotFound:
+            raise
+        except NotFound:
+            # A tenant's first upload on another replica or process is known here only at the
+            # next refresh of `uploaders`: a miss its sources just confirmed (an upstream round
+            # trip already) is worth a look there before it is answered.
+            if key.kind is Kind.SECTION or not req.may_fetch or not req.tenant \
+                    or req.scope == req.tenant or req.tenant in self.uploaders:
+                raise
+            own = await self._own_upload(key, req)
+            if own is None:
+                raise
+            self.uploaded(req.tenant)
+            return own
+
+    async def _find(self, key: ArtifactKey, req: RequestScope, cache_only: bool,
+                    check_file: bool) -> Hit | Streaming:
         if key.kind is Kind.SECTION:
             return await self._section(key, req, cache_only)
         visible = req.visible
@@ -156,6 +179,8 @@ class ArtifactService:
             raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
         if cache_only:
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
+        if self._has_own_uploads(req) and (own := await self._own_upload(key, req)):
+            return own
         if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
             return joined
         # Both ask SQL (what another process cached, or found missing): at once, not in turn.
@@ -163,8 +188,10 @@ class ArtifactService:
             self.stored(req.visible, key), self.misses.live(scope, key))
         if stored is not None:
             return Hit(stored)
-        if not local_has and known_missing.issuperset(names):
-            # No local source has it, and every remote one is remembered as not having it.
+        if not local_has and known_missing.issuperset(names) \
+                and (names or self.tier is None):
+            # No local source has it, and every remote one is remembered as not having it
+            # (with none, the bucket may still have another replica's upload: asked below).
             if names:
                 raise RememberedNotFound()
             raise NotFound("not found" if ups else "not found (no upstreams configured)")
@@ -209,7 +236,7 @@ class ArtifactService:
         if self.cache.peek_any(req.visible, key) is not None:
             return False
         names, local_has = _miss_judges(req, key)
-        if not names or local_has:
+        if not names or local_has or self._has_own_uploads(req):
             return False
         return self.misses.memo_covers(req.scope, key, names)
 
@@ -348,10 +375,19 @@ class ArtifactService:
         try:
             async with self._slots:
                 if self.tier is not None and not local_has:
-                    obtained = await self.tier.obtain(
-                        key_hash(scope, key), [key_hash(s, key) for s in req.visible], key,
-                        lambda: self._remembered_missing(scope, key, names, local_has))
-                    if (copy := obtained.body) is not None:
+                    # Only copies that every request sharing this flight may see: a tenant
+                    # without sources of its own shares the shared scope's flights, but not
+                    # its uploads (_own_upload looked for those).
+                    drawn = [key_hash(s, key)
+                             for s in (req.visible if scope == req.tenant else (scope,))]
+                    if names:
+                        obtained = await self.tier.obtain(
+                            key_hash(scope, key), drawn, key,
+                            lambda: self._remembered_missing(scope, key, names, local_has))
+                        copy, lease = obtained.body, obtained.lease
+                    else:  # no upstream to fetch it from for the cluster: no lease to wait on
+                        copy = await self.tier.copy(drawn, key)
+                    if copy is not None:
                         body = ResumedBody(copy, lambda: self._upstream_body(ups, key, req),
                                            self._metrics.bucket_copies_resumed.inc)
                         try:
@@ -360,7 +396,6 @@ class ArtifactService:
                         finally:
                             body.close()
                         return
-                    lease = obtained.lease
                 result = await ask(ups, key, req.hop, self._policy)
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
@@ -390,18 +425,86 @@ class ArtifactService:
         finally:
             if lease is not None:  # after the copy is published, or the miss remembered
                 await lease.release()
-            if not flight.finished:  # cancelled: server shutting down
-                flight.fail(UpstreamUnavailable("server shutting down"))
-            if claim is not None:
-                self._end_claim(key_hash(scope, key), claim,
-                                flight.error or flight.store_error)
-            if self._flights.get(key_hash(scope, key)) is flight:
-                del self._flights[key_hash(scope, key)]
-            flight.close_fd()
-            self.cache.release(flight)
-            temp.unlink(missing_ok=True)  # gone already, unless it was not committed
-            flight.settle()
-            self._metrics.inflight_fetches.dec()
+            self._land(key_hash(scope, key), flight, temp, claim)
+
+    def _land(self, kh: str, flight: Flight, temp: Path, claim: Claim | None) -> None:
+        """A fetch's end, however it ended: its claim said, its key free, its files tidied."""
+        if not flight.finished:  # cancelled: server shutting down
+            flight.fail(UpstreamUnavailable("server shutting down"))
+        if claim is not None:
+            self._end_claim(kh, claim, flight.error or flight.store_error)
+        if self._flights.get(kh) is flight:
+            del self._flights[kh]
+        flight.close_fd()
+        self.cache.release(flight)
+        temp.unlink(missing_ok=True)  # gone already, unless it was not committed
+        flight.settle()
+        self._metrics.inflight_fetches.dec()
+
+    # -- a tenant's own uploads --------------------------------------------------------------
+
+    def _has_own_uploads(self, req: RequestScope) -> bool:
+        """Whether the request's tenant, without sources of its own (so sharing the shared
+        scope's misses and fetches), holds uploads in its own scope."""
+        return bool(req.tenant) and req.scope != req.tenant and req.tenant in self.uploaders
+
+    async def _own_upload(self, key: ArtifactKey, req: RequestScope) -> Hit | Streaming | None:
+        """The tenant's upload of `key`, looked for before anything the shared scope says: its
+        remembered misses (another tenant's 404 must not hide it) and its flights (which draw
+        on shared copies alone). One another process of this replica took in is in SQL; one
+        another replica took in is in the bucket, copied here under a flight of the tenant's
+        own. None when there is none."""
+        tenant = req.tenant
+        if (stored := await self.cache.get(tenant, key)) is not None:
+            return Hit(stored)
+        if self.tier is None:
+            return None
+        kh = key_hash(tenant, key)
+        flight = self._flights.get(kh)
+        if flight is None:
+            temp, fd = self._new_temp()
+            flight = self._flights[kh] = Flight(fd)
+            self._metrics.inflight_fetches.inc()
+            self._start(self._copy_own(key, tenant, flight, temp))
+        try:
+            return await self._join(flight)
+        except NotFound:
+            return None
+
+    async def _copy_own(self, key: ArtifactKey, tenant: str, flight: Flight, temp: Path
+                        ) -> None:
+        assert self.tier is not None
+        try:
+            body = await self.tier.copy([key_hash(tenant, key)], key)
+            if body is None:
+                flight.fail(NotFound("no upload of it in the bucket"))
+                return
+            try:
+                await self._download(key, tenant, flight, temp, body, None, publish=False)
+            finally:
+                body.close()
+        except SymgateError as e:
+            flight.fail(e)
+        except Exception as e:
+            if is_disk_full(e):
+                flight.fail(self._disk_full(e))
+                return
+            log.exception("copy of %s from the bucket failed", key.id)
+            flight.fail(SymgateError("internal error while copying from the bucket"))
+        finally:
+            self._land(key_hash(tenant, key), flight, temp, None)
+
+    async def refresh_uploaders(self) -> None:
+        """Learn which scopes hold uploads (SQL failing: as known before)."""
+        try:
+            self.uploaders = frozenset(await self.cache.upload_scopes())
+        except DATABASE_ERRORS as e:
+            self.cache.sql_failed("reading which tenants have uploads", e)
+
+    def uploaded(self, scope: str) -> None:
+        """This process took in an upload into `scope`: its tenant's requests look there now,
+        not after the next refresh."""
+        self.uploaders |= {scope}
 
     async def _upstream_body(self, ups: list[Source], key: ArtifactKey,
                              req: RequestScope) -> Body | None:
@@ -755,7 +858,8 @@ class ArtifactService:
         """Run a miss's SQL lookups once, for a key nobody has: the first client's cold fetch
         would otherwise pay for compiling them and opening the database (~20 ms)."""
         nobody = ArtifactKey("00" * 20, Kind.DEBUGINFO)
-        await asyncio.gather(self.stored(("",), nobody), self.misses.live("", nobody))
+        await asyncio.gather(self.stored(("",), nobody), self.misses.live("", nobody),
+                             self.refresh_uploaders())
 
     async def _join(self, flight: Flight) -> Streaming:
         # The descriptor is duplicated now, while the flight certainly holds it open.

@@ -125,6 +125,7 @@ class Uploads:
             archive=None, fetched_at=now, last_access=now, hits=0,
             ima_signature=ima_signature, pinned=True)
         await self._cache.add(record)
+        self._service.uploaded(scope)
         if (tier := self._service.tier) is not None:
             # Every replica finds it once the PUT has its answer; a bucket that is down gets
             # it from the catch-up instead.

@@ -177,6 +177,17 @@ class SharedTier:
         self._metrics.cluster_fetches.labels("alone").inc()
         return Obtained()
 
+    async def copy(self, hashes: Sequence[str], key: ArtifactKey) -> BucketBody | None:
+        """The first of `hashes`' copies in the bucket, opened, without waiting for any other
+        replica's fetch: for what no upstream could give (an upload, or a key that no source
+        of this replica remembers missing). None without one, or with the bucket down or the
+        database failing."""
+        try:
+            return await self._copy(hashes, key) if self.bucket.available else None
+        except DATABASE_ERRORS as e:
+            log.warning("cannot look in the bucket for %s (%s)", key.id, type(e).__name__)
+            return None
+
     async def _copy(self, hashes: Sequence[str], key: ArtifactKey) -> BucketBody | None:
         """The first of `hashes`' copies in the bucket, opened; None without one, or with the
         bucket down. A row whose object is gone (a lifecycle rule, an operator) is dropped."""

@@ -294,6 +294,12 @@ class Repository:
             ).where(Artifact.pinned == pinned, Artifact.replica == self.replica))).one()
             return int(count), int(size)
 
+    async def upload_scopes(self) -> set[str]:
+        """The scopes that hold an upload on some replica."""
+        async with self._session() as s:
+            return set((await s.scalars(select(Artifact.scope).where(
+                Artifact.pinned.is_(True)).distinct())).all())
+
     async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
         """The files of this replica eviction may take (uploads are pinned), least recently
         used first."""

@@ -202,6 +202,8 @@ def _lifecycle(
             asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
             # Purges made on other replicas, or by the CLI, while this process has the file.
             asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
+            # Which tenants have uploads, on any replica: their requests look there first.
+            asyncio.create_task(_every(config.cache.purge_poll_s, service.refresh_uploaders)),
             asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
         ]
         if tier is not None and config.storage is not None:
