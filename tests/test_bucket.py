@@ -707,3 +707,28 @@ async def test_an_upload_reaches_replicas_without_any_remote_upstream(
     assert put[0] == 201
     assert (await b.get(path))[::2] == (200, data)
     assert (await b.get("/buildid/" + "cd" * 20 + "/debuginfo"))[0] == 404
+
+
+@on_postgresql
+async def test_a_section_of_a_tenants_upload_too_big_to_keep_stays_the_tenants(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """A copy from the bucket that b's disk cannot keep is cut from where it was read: the
+    section it gives is kept under alpha's scope, not the shared one."""
+    nowhere = faults.url_for("notfound")
+    data = elfs.prog.debug.read_bytes()
+    a = await start_symgate([nowhere], data_dir=tmp_path / "a", storage=prefix.config(),
+                            tenants={"alpha": TenantConfig(tokens=(ALPHA,))})
+    b = await start_symgate([nowhere], data_dir=tmp_path / "b", storage=prefix.config(),
+                            tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
+                            cache=CacheConfig(max_bytes=len(data) // 2))
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    put = await a.request("PUT", f"/buildid/{elfs.prog.build_id}/debuginfo", data=data,
+                          headers=alpha)
+    assert put[0] == 201
+    section = f"/buildid/{elfs.prog.build_id}/section/.debug_info"
+    status, _, body = await b.get(section, headers=alpha)
+    assert status == 200 and body
+    assert (await b.get(section, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
+    assert (await b.get(section))[0] == 404

@@ -717,10 +717,13 @@ class ArtifactService:
                     meta = result.meta
                     fd = result.reader.fd
                     when = _http_date(meta.last_modified) if meta.last_modified else None
+                    # Of a source the request asked: its scope. Else (an upload, copied from
+                    # the bucket) the most private one the request sees: a tenant's upload
+                    # must not have its sections kept where other tenants see them.
                     yield _Parent(
                         path=Path(f"/proc/self/fd/{fd}"),
                         scope=next((u.scope for u in req.sources if u.name == meta.upstream),
-                                   req.scope),
+                                   req.visible[0]),
                         upstream=meta.upstream, filename=meta.filename or key.default_filename,
                         archive=meta.archive,
                         mtime=when.timestamp() if when is not None else os.fstat(fd).st_mtime)
