@@ -365,3 +365,21 @@ async def test_many_clients_over_both_workers_cost_one_upstream_request_per_key(
             fetch(i % len(wanted), 0.005 * (i // len(wanted)) * (i % 2)) for i in range(150)))
         assert all(results)
         assert await _upstream_gets(s, debuginfod) - before == len(wanted)
+
+
+async def test_workers_starting_together_after_a_crash_both_clear_its_flights(
+        serve: Start, faults: FaultUpstream, tmp_path: Path) -> None:
+    """A server SIGKILLed amid downloads leaves their flights/<key>.lock and .json. At the next
+    start every worker clears them: one worker's removal of a lock the other has just listed
+    is no start-up fault (it was: FileNotFoundError, 'cannot start', the server gone)."""
+    _, first = await serve(faults.url_for("ok"))
+    await stop_serve([first])
+    flights = tmp_path / "d" / "cache" / "flights"
+    for i in range(1000):  # as a crash amid many downloads leaves them: unlocked
+        (flights / f"{i:064x}.lock").write_text("")
+        (flights / f"{i:064x}.json").write_text('{"state": "streaming"}')
+    base, proc = await serve(faults.url_for("ok"), workers=2)
+    async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
+        assert r.status == 200
+    assert proc.returncode is None
+    assert not list(flights.iterdir())

@@ -303,7 +303,10 @@ class FlightBoard:
         stays. At start-up."""
         removed = 0
         for lock in self.folder.glob("*.lock"):
-            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # removed meanwhile: by another process's cleanup, or its fetch's end
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
