@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gzip
 import zlib
 from pathlib import Path
 
@@ -164,6 +165,11 @@ class FaultUpstream:
         if path is None:
             return web.Response(status=404, text="not found")
         data = path.read_bytes()
+        if mode == "gzip-cut":  # compressed anyway, the stream cut short at a whole length
+            packed = gzip.compress(data)
+            return web.Response(body=packed[: len(packed) * 2 // 3], headers={
+                "Content-Type": "application/octet-stream", "Content-Encoding": "gzip",
+                "X-DEBUGINFOD-FILE": path.name})
         if mode == "flipped-head":  # the same size and build ID, one byte of its head wrong
             at = len(data) // 4
             data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]

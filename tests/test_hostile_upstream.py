@@ -332,3 +332,22 @@ async def test_elfutils_sends_octet_stream_for_every_artifact(
                      "section/.debug_line"):
             async with s.get(f"{debuginfod.url}/buildid/{bid}/{kind}") as r:
                 assert r.status == 200 and r.content_type == "application/octet-stream", kind
+
+
+@sqlite_only
+async def test_a_gzip_stream_cut_short_at_a_whole_length_is_no_whole_source(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A source, which no build ID can verify, sent gzip-compressed (symgate asks for
+    identity) whose stream stops before its end while its Content-Length is whole: the
+    inflated part must not be served as the file, nor kept (aiohttp finds a deflate stream
+    cut short, not a gzip one)."""
+    sg = await start_symgate([fast_upstream(faults.url_for("gzip-cut"), retries=0)])
+    whole = elfs.prog.sources[0].read_bytes()
+    for attempt in (1, 2):
+        try:
+            status, _, body = await sg.get(_source_path(elfs))
+        except aiohttp.ClientPayloadError:
+            continue  # cut off after the response began: not taken for a whole file
+        assert status == 502 or body == whole, (status, len(body), len(whole))
+        assert faults.count("gzip-cut") == attempt  # nothing kept for the next one

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import time
+import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -67,16 +68,27 @@ class UpstreamBody:
         name = self.upstream.name
         idle = self.upstream.cfg.read_timeout_s or None
         content = self._response.content
+        encoding = self._response.headers.get("Content-Encoding", "identity").strip().lower()
         try:
+            inflater = _Inflater(encoding) if encoding not in ("", "identity") else None
             while True:
                 # The idle limit is timed here rather than as aiohttp's sock_read, which would
                 # also cut short the wait for the headers that first_byte_timeout_s allows.
                 async with asyncio.timeout(idle):
                     chunk = await content.read(CHUNK)
                 if not chunk:
+                    if inflater is not None and not inflater.finished:
+                        # aiohttp checks this for deflate only: a gzip stream cut short at a
+                        # whole Content-Length would otherwise be a short file taken as whole.
+                        raise _Unfinished(f"{encoding} body cut off before its end")
                     return
-                self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
-                yield chunk
+                for part in inflater.inflate(chunk) if inflater is not None else (chunk,):
+                    self.upstream.metrics.upstream_bytes.labels(name).inc(len(part))
+                    yield part
+        except _Unfinished as e:
+            error = UpstreamUnavailable(f"{name}: {e}")
+            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason)
+            raise error from e
         except TimeoutError as e:
             timeout = UpstreamTimeout(f"{name}: stopped sending the body")
             self.upstream.body_failed(Outcome.TIMEOUT, timeout.reason)
@@ -88,6 +100,44 @@ class UpstreamBody:
 
     def close(self) -> None:
         self._response.close()
+
+
+class _Unfinished(Exception):
+    pass
+
+
+class _Inflater:
+    """A compressed body (symgate asks for identity; some servers send gzip anyway), inflated
+    a chunk at a time, no call making more than CHUNK bytes (a bomb costs no more memory than
+    a plain body), and `finished` only once the stream's own end (and gzip's CRC) came."""
+
+    def __init__(self, encoding: str) -> None:
+        if encoding in ("gzip", "x-gzip"):
+            self._wbits: int | None = 16 + zlib.MAX_WBITS
+        elif encoding == "deflate":
+            self._wbits = None  # zlib-wrapped, or raw as some servers send it: seen at once
+        else:
+            raise _Unfinished(f"unsupported Content-Encoding {printable(encoding, 32)}")
+        self._d: zlib._Decompress | None = None
+        self.finished = False
+
+    def inflate(self, data: bytes) -> list[bytes]:
+        out = []
+        if self._d is None:
+            wbits = self._wbits
+            if wbits is None:
+                wbits = zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS
+            self._d = zlib.decompressobj(wbits)
+        try:
+            while data and not self.finished:
+                part = self._d.decompress(data, CHUNK)
+                data = self._d.unconsumed_tail
+                self.finished = self._d.eof
+                if part:
+                    out.append(part)
+        except zlib.error as e:
+            raise _Unfinished(f"corrupt compressed body ({e})") from None
+        return out
 
 
 class Upstream:
@@ -187,7 +237,8 @@ class Upstream:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
-                response = await self._follow(URL(self.base + key.upstream_path), hop)
+                response = await self._follow(URL(self.base + key.upstream_path), hop,
+                                              decompress=False)
         except TimeoutError as e:
             error: UpstreamUnavailable = UpstreamTimeout(f"{self.name}: no response in time")
             self.count(Outcome.TIMEOUT, failed=error.reason)
@@ -225,7 +276,8 @@ class Upstream:
         self.count(Outcome.UPSTREAM_ERROR)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
 
-    async def _follow(self, url: URL, hop: Hop) -> aiohttp.ClientResponse:
+    async def _follow(self, url: URL, hop: Hop, decompress: bool = True
+                      ) -> aiohttp.ClientResponse:
         """The first answer that is not a redirect, following only the redirects the
         operator allows (proxy.sources.redirects); _Permanent for any other."""
         previous = url
@@ -244,7 +296,10 @@ class Upstream:
             try:
                 response = await self._session.get(
                     url, headers=headers, timeout=self._timeout, allow_redirects=False,
-                    proxy=route.proxy, proxy_headers=route.proxy_headers)
+                    proxy=route.proxy, proxy_headers=route.proxy_headers,
+                    # An artifact's body is inflated by UpstreamBody, which knows a stream
+                    # that ends short (aiohttp does for deflate only).
+                    auto_decompress=decompress)
             except aiohttp.ClientConnectorError as e:
                 # The connector's resolver applies the address rule to the answer it connects
                 # to, which may not be the one _refusal was given (DNS rebinding).
