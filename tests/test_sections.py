@@ -190,3 +190,21 @@ async def test_a_section_falls_back_to_the_executable_when_the_debuginfo_is_too_
     assert want[0] == 200
     status, _, body = await sg.get(path)
     assert (status, body) == (200, want[2])
+
+
+@sqlite_only
+async def test_a_section_whose_file_had_to_be_fetched_is_counted_a_miss(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+) -> None:
+    """The first request of a section costs the download of its debuginfo: a miss in the
+    metrics (and so in the status page's hit ratio), not a hit; the next one is a hit."""
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/section/.debug_info"
+    status, _, _ = await sg.get(path)
+    assert status == 200 and faults.count("ok") == 1
+    labels = {"endpoint": "buildid", "kind": "section"}
+    assert await sg.metric("symgate_requests_total", outcome="miss", **labels) == 1
+    assert await sg.metric("symgate_requests_total", outcome="hit", **labels) == 0
+    status, _, _ = await sg.get(path)
+    assert status == 200 and faults.count("ok") == 1
+    assert await sg.metric("symgate_requests_total", outcome="hit", **labels) == 1

@@ -68,6 +68,9 @@ UNWRITTEN_FLOOR = 2 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class Hit:
     artifact: CachedArtifact
+    # A section cut from a file this request had to fetch (or join the fetch of): the
+    # request cost an upstream download, and is counted as the miss it was.
+    fetched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class _Parent:
     filename: str
     archive: str | None
     mtime: float
+    fetched: bool = False  # not in the cache when the cut began: fetched for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -688,7 +692,8 @@ class ArtifactService:
                     extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
                     if extent is None:
                         continue
-                    return Hit(await self._store_section(key, parent, *extent))
+                    return Hit(await self._store_section(key, parent, *extent),
+                               fetched=parent.fetched)
             except NotFound:
                 continue
             except (TooLarge, UpstreamUnavailable) as e:
@@ -726,7 +731,8 @@ class ArtifactService:
                                    req.visible[0]),
                         upstream=meta.upstream, filename=meta.filename or key.default_filename,
                         archive=meta.archive,
-                        mtime=when.timestamp() if when is not None else os.fstat(fd).st_mtime)
+                        mtime=when.timestamp() if when is not None else os.fstat(fd).st_mtime,
+                        fetched=True)
                     return
                 cached = found
             finally:
@@ -734,7 +740,8 @@ class ArtifactService:
         with self.cache.lease(cached.scope, key):
             yield _Parent(path=cached.path, scope=cached.scope, upstream=cached.record.upstream,
                           filename=cached.record.filename, archive=cached.record.archive,
-                          mtime=cached.path.stat().st_mtime)
+                          mtime=cached.path.stat().st_mtime,
+                          fetched=not isinstance(result, Hit))
 
     async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
                              size: int) -> CachedArtifact:

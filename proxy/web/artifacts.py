@@ -101,7 +101,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         if not isinstance(result, Hit):
             break
         _check_size(result.artifact.record.size, max_size)
-        annotate(request, outcome=Served.HIT, upstream=result.artifact.record.upstream)
+        annotate(request, outcome=Served.MISS if result.fetched else Served.HIT,
+                 upstream=result.artifact.record.upstream)
         hot = None
         if not any(name in request.headers for name in _CONDITIONAL):
             kh = result.artifact.record.key_hash
