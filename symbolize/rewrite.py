@@ -255,6 +255,8 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                       [(mid, len(w)) for mid, w, _v in members]))
     # The addresses are done with: not held beside the encodings to come.
     del batches
+    if not found:  # no usable mapping had a location to look up (or its table failed)
+        return []
 
     used = sorted_distinct(np.concatenate([c.function_ids() for _w, c, _m in found]
                                           or [np.zeros(0, np.uint64)]))

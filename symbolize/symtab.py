@@ -221,7 +221,12 @@ class SymbolTable:
         self, path: Path, load_address: int, code_ranges: tuple[tuple[int, int], ...],
         cold_ranges: tuple[tuple[int, int], ...], has_lines: bool, ids: FunctionIds,
     ) -> None:
-        self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
+        try:
+            self._cache = SymCache.open(str(path))  # type: ignore[no-untyped-call]
+        except SymbolicError as e:
+            # Damaged on disk: this table alone is unusable. symbolic's own error must not
+            # leave a worker process: it cannot be unpickled, and breaks the whole pool.
+            raise UnreadableSymCache(f"{path.name}: symbolic cannot read it ({e})") from e
         self._columns = read_columns(path)
         try:
             self._extras = read_from(path) or TableExtras()

@@ -135,6 +135,11 @@ class SymbolResolver:
             if (opened := self._open.get(scope, build_id)) is not None:
                 if opened.recheck_at is not None and opened.recheck_at <= time.time():
                     return None  # its debug file is asked for again: _load_or_build
+                if not opened.table.path.exists():
+                    # Its file left the data dir (removed by hand, a cleanup): found or built
+                    # again, as a restart would, rather than failed by every profile.
+                    self._open.drop(scope, build_id)
+                    return None
                 return scope, opened
         return None
 

@@ -1,0 +1,75 @@
+"""Profiles and tables a hostile or unlucky world hands /symbolize: a mapping with a table and
+nothing sampled in it, and a table file damaged on disk. Each is answered 200 with the mapping
+reported, never a 500 or a 503, and the workers stay up."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
+
+async def test_a_mapping_with_a_table_and_no_location_comes_back_unchanged(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Once an UnboundLocalError: a 500 "internal error", and the offline CLI's traceback."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elfs.prog, BASES["prog"])
+    nothing_sampled = make_profile([(placed, code_addresses(elfs.prog)[:5])])
+    del nothing_sampled.location[:]
+    del nothing_sampled.sample[:]
+    status, headers, body = await post(sg, nothing_sampled.SerializeToString())
+    assert status == 200, body
+    assert body == nothing_sampled.SerializeToString()
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "no_locations=1", headers
+    # Locations that name a mapping the profile lacks leave its one mapping as empty.
+    elsewhere = make_profile([(placed, code_addresses(elfs.prog)[:5])])
+    for loc in elsewhere.location:
+        loc.mapping_id = 77
+    status, headers, body = await post(sg, elsewhere.SerializeToString())
+    assert status == 200 and body == elsewhere.SerializeToString(), body
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "no_locations=1", headers
+
+
+async def test_a_table_damaged_on_disk_is_malformed_not_a_dead_worker(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """symbolic's SymCacheError, raised in a worker, cannot be unpickled by the server: it
+    broke the process pool, every profile of that table was a 503 and cost a worker."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    bid = elfs.prog.build_id
+    table = sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc"
+    with table.open("r+b") as f:
+        f.truncate(100)
+    for _ in range(2):
+        status, headers, body = await post(sg, profile.SerializeToString())
+        assert status == 200, body
+        assert headers["X-Symgate-Mappings-Unsymbolized"] == "malformed=1", headers
+        assert body == profile.SerializeToString()
+    assert (await sg.get("/healthz"))[0] == 200
+
+
+async def test_a_table_removed_while_the_server_runs_is_built_again(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The open table was believed: every later profile had the mapping `malformed` until a
+    restart, which found the file missing and built it again."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    status, headers, first = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    bid = elfs.prog.build_id
+    table = sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc"
+    table.unlink()
+    status, headers, again = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    assert again == first
+    assert table.exists()
