@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from symbolize.outcome import Outcome
+from symbolize.outcome import Outcome, TryAgain
 
 
 class SymgateError(Exception):
@@ -138,7 +138,7 @@ class OutOfResources(SymgateError):
     outcome = Outcome.INTERNAL
 
 
-class WorkerLost(SymgateError):
+class WorkerLost(SymgateError, TryAgain):
     """The worker process doing the request's work died (killed, or crashed in native code)."""
 
     outcome = Outcome.INTERNAL

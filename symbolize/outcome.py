@@ -21,3 +21,9 @@ class Outcome(StrEnum):
     NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
     DEADLINE = "deadline"  # the request's own time ran out first; the work goes on
     INTERNAL = "internal"  # a bug or an unexpected failure: never remembered
+
+
+class TryAgain(Exception):
+    """Not the thing's own outcome but the asker's trouble, which passes (its worker process
+    died): a profile waiting on it is refused as a whole, to be sent again, rather than
+    answered with that mapping bare (a backend keeps a 200 for good)."""

@@ -14,10 +14,10 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from .elf import LoadSegment
-from .outcome import Outcome
+from .outcome import Outcome, TryAgain
 from .rewrite import Report
 from .symtab import TableSpec
 from .worker import (
@@ -60,7 +60,8 @@ class SymbolProvider(Protocol):
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         """The table of `build_id`, and its program headers when `needs_layout`.
 
-        Never raises for a build ID's own failure: that is an outcome.
+        Never raises for a build ID's own failure: that is an outcome. Raises TryAgain for
+        the provider's own passing trouble, which refuses the whole profile.
         """
         ...
 
@@ -129,6 +130,11 @@ async def _resolve_all(provider: SymbolProvider, layouts: Mapping[str, bool],
              for bid, needs in layouts.items()}
     if tasks:
         await asyncio.wait(tasks.values(), timeout=deadline_s)
+    for task in tasks.values():
+        if task.done() and isinstance(task.exception(), TryAgain):
+            for other in tasks.values():
+                other.cancel()  # a provider that shares its work lets it go on
+            raise cast(TryAgain, task.exception())
     out: dict[str, Resolved] = {}
     for bid, task in tasks.items():
         if not task.done():

@@ -10,14 +10,16 @@ import os
 import signal
 import zlib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from proxy.config import TenantConfig
 from proxy.web.state import STATE
-from tests.elfs import ElfSet
+from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -283,3 +285,33 @@ def _readlink(path: str) -> str:
         return os.readlink(path)
     except OSError:
         return ""
+
+
+async def test_a_worker_killed_mid_build_is_a_503_and_the_next_profile_builds_the_table(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A build that dies with its worker is not the build ID's outcome: a 200 with the mapping
+    left bare would be kept by a profiling backend for good, never sent again."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    tree = tmp_path / "debug"
+    folder = tree / ".build-id" / LIBC_ID[:2]
+    folder.mkdir(parents=True)
+    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
+    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
+    state = sg.runner.app[STATE]
+    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
+    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
+                        ).SerializeToString()
+    pids = await _started(sg)
+    pending = asyncio.ensure_future(post(sg, body))
+    # Resolving, with a job in the pool: libc's build, a few tenths of a second of it.
+    await eventually(lambda: _true(state.symbols.busy
+                                   and state.symbols.workers.pool.in_flight > 0))
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    status, headers, text = await pending
+    assert status == 503 and "Retry-After" in headers, (status, headers, text)
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers

@@ -38,7 +38,7 @@ from proxy.symbols.table_store import (
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
-from symbolize.outcome import Outcome
+from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
 from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
@@ -183,6 +183,8 @@ class SymbolResolver:
         async def guarded() -> _Found:
             try:
                 return await work
+            except TryAgain:
+                raise  # every profile waiting on it is refused, and the next one builds it
             except Exception:  # one build ID's failure must not fail a whole profile
                 log.exception("symbol table for %s failed", key[1])
                 return Outcome.INTERNAL
