@@ -77,8 +77,10 @@ class BuildResult:
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 T = TypeVar("T")
-# Inline frames followed out from an address at most; symbolic's own walks stop at 255.
-_MAX_DEPTH = 255
+# Inline frames followed out from an address at most: past it, the inlined-into links of a
+# damaged table loop. Real chains are tens of frames deep, but a chain of 301 is one gcc -O2
+# builds on request, and llvm-symbolizer (and symbolic's own lookup) give it whole.
+_MAX_DEPTH = 1 << 12
 _KEYS_BATCH = 1 << 16
 
 

@@ -4,12 +4,16 @@ reported, never a 500 or a 503, and the workers stay up."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from tests.elfs import ElfSet
+from symbolize.elf import layout_of_file
+from tests.elfs import Elf, ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -73,3 +77,42 @@ async def test_a_table_removed_while_the_server_runs_is_built_again(
     assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
     assert again == first
     assert table.exists()
+
+
+async def test_an_inline_chain_hundreds_of_frames_deep_is_given_whole(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """Once past 255 frames a chain was taken for a table whose links loop: the whole mapping
+    came back `malformed`, its shallow addresses too. llvm-symbolizer gives all 301 frames."""
+    depth = 300
+    lines = ["volatile int sink;",
+             "static inline __attribute__((always_inline)) void f0(int x) { sink += x * 3; }"]
+    lines += [f"static inline __attribute__((always_inline)) void f{i}(int x) "
+              f"{{ f{i - 1}(x + {i}); sink ^= x; }}" for i in range(1, depth)]
+    lines += [f"int __attribute__((noinline)) deep(int x) {{ f{depth - 1}(x); return sink; }}",
+              "int __attribute__((noinline)) shallow(int x) "
+              "{ for (int i = 0; i < x; i++) sink += i * i; return sink; }",
+              "int main(int c, char **v) { return deep(c) + shallow(c); }"]
+    src, exe = tmp_path / "deep.c", tmp_path / "deep"
+    src.write_text("\n".join(lines) + "\n")
+    subprocess.run(["gcc", "-g", "-O2", "-Wl,--build-id", "-o", str(exe), str(src)], check=True)
+    layout = layout_of_file(exe)
+    assert layout is not None and layout.build_id
+    bid = layout.build_id
+    folder = tmp_path / "tree" / ".build-id" / bid[:2]
+    folder.mkdir(parents=True)
+    (folder / bid[2:]).symlink_to(exe)  # unstripped: its own debug file
+    elf = Elf("deep", bid, exe, exe, (src,))
+    symbols = {name: int(value, 16) for value, kind, name in (
+        line.split() for line in subprocess.run(["nm", str(exe)], capture_output=True,
+                                                text=True, check=True).stdout.splitlines()
+        if len(line.split()) == 3) if kind == "T"}
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "tree",)))
+    profile = make_profile([(place(elf, BASES["prog"]), [symbols["deep"], symbols["shallow"]])])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Locations-Symbolized"] == "2", headers
+    out = parse(body)
+    names = {f.id: out.string_table[f.name] for f in out.function}
+    chains = [[names[line.function_id] for line in loc.line] for loc in out.location]
+    assert chains[0] == [f"f{i}" for i in range(depth)] + ["deep"]
+    assert chains[1] == ["shallow"]
