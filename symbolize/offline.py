@@ -29,6 +29,9 @@ class LocalDebugDirs:
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await asyncio.to_thread(self._resolve, build_id, needs_layout)
 
+    async def unreadable(self, build_id: str) -> None:
+        pass  # built for this run alone: never given again
+
     def _resolve(self, build_id: str, needs_layout: bool) -> Resolved:
         exe = find_executable(self._dirs, build_id)
         source = find_debug_file(self._dirs, build_id) or exe

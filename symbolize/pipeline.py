@@ -65,6 +65,11 @@ class SymbolProvider(Protocol):
         """
         ...
 
+    async def unreadable(self, build_id: str) -> None:
+        """The table given for `build_id` could not be read (damaged on disk): not to be
+        given again as it is."""
+        ...
+
 
 class Work(Protocol):
     """Where the CPU-bound steps (worker.scan, Workspace.finish) run."""
@@ -120,6 +125,8 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
             guesses += layouts[bid]
         answers[bid] = Answer(r.table, segments)
     done = await work.finish(body, replace(limits, scanned_size=scanned.size), answers)
+    for bid in sorted(done.report.unreadable):
+        await provider.unreadable(bid)
     return Symbolized(done.body if done.body is not None else body, done.report, guesses)
 
 

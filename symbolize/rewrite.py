@@ -75,6 +75,8 @@ class Report:
     mappings_skipped: Counter[str] = field(default_factory=Counter)  # reason -> count
     locations_symbolized: int = 0
     locations_unresolved: Counter[str] = field(default_factory=Counter)  # reason -> count
+    # Build IDs whose table could not be read (damaged on disk): the provider is told.
+    unreadable: set[str] = field(default_factory=set)
 
     @property
     def changed(self) -> bool:
@@ -250,6 +252,7 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
         except UnreadableSymCache:  # one table's fault must not fail the whole profile
             log.exception("symbol table of mappings %s", [mid for mid, _w, _v in members])
             report.mappings_skipped["malformed"] += len(members)
+            report.unreadable.update(mapping_ids[mid] for mid, _w, _v in members)
             continue
         found.append((np.concatenate([w for _m, w, _v in members]), chains,
                       [(mid, len(w)) for mid, w, _v in members]))

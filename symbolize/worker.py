@@ -184,6 +184,7 @@ class Workspace:
             except (OSError, UnreadableSymCache):  # evicted since it was found, or damaged
                 log.exception("symbol table of %s", bid)
                 outcomes[bid] = Outcome.MALFORMED
+                report.unreadable.add(bid)
         for bid in wanted.values():
             if bid not in symbols:
                 report.mappings_skipped[outcomes[bid]] += 1

@@ -48,6 +48,8 @@ _Found = tuple[str, OpenTable] | Outcome
 Segments = tuple[LoadSegment, ...]
 # An executable's program headers and the scope of the file they came from, or None.
 _Layout = tuple[str, Segments] | None
+# A table unreadable again this soon after it was dropped for it is believed malformed.
+UNREADABLE_AGAIN_S = 3600.0
 
 
 class _Source:
@@ -90,6 +92,8 @@ class SymbolResolver:
         self._building: dict[tuple[str, str], asyncio.Future[_Found]] = {}
         # Builds waiting for another process's build of the same table (for tests and status).
         self.builds_waiting = 0
+        # When each table was last found unreadable, by (scope, build ID).
+        self._unreadable: dict[tuple[str, str], float] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
@@ -501,6 +505,31 @@ class SymbolResolver:
                 return cached.path, (exe_scope, key)
         return None
 
+    async def unreadable(self, req: RequestScope, build_id: str) -> None:
+        """The table the request was given for `build_id` could not be read by a worker
+        (damaged on disk): dropped, so that the next profile has it built (or brought from
+        the bucket) again. Damaged again within UNREADABLE_AGAIN_S, it is recorded malformed
+        instead, believed as long as a failed build is: a table that every build leaves
+        unreadable must not cost a build per profile."""
+        for scope in req.visible:
+            rec = await self._tables.get(scope, build_id)
+            if rec is None or rec.outcome != Outcome.OK:
+                continue
+            self._open.drop(scope, build_id)
+            now = time.monotonic()
+            last = self._unreadable.get((scope, build_id))
+            self._unreadable[(scope, build_id)] = now
+            if last is not None and now - last < UNREADABLE_AGAIN_S:
+                log.warning("symbol table for %s is unreadable again: recorded malformed",
+                            build_id)
+                await self._tables.record(scope, build_id, Outcome.MALFORMED, rec.source_key,
+                                          None, "unreadable again after a new build")
+            else:
+                log.warning("symbol table for %s is unreadable: built again when next asked",
+                            build_id)
+                await self._tables.drop(scope, build_id)
+            return
+
     async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
         rec = await self._tables.get(scope, key.build_id)
         if rec is not None and rec.source_key == key.id:
@@ -517,3 +546,6 @@ class _ScopedProvider:
 
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await self._resolver.resolve(self._req, build_id, needs_layout)
+
+    async def unreadable(self, build_id: str) -> None:
+        await self._resolver.unreadable(self._req, build_id)
