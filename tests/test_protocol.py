@@ -226,3 +226,16 @@ async def test_metrics_and_healthz(start_symgate: SymgateFactory, faults: FaultU
     for name in (b"symgate_requests_total", b"symgate_cache_size_bytes",
                  b"symgate_inflight_fetches", b"symgate_upstream_breaker_state"):
         assert name in body
+
+
+async def test_a_maxsize_of_zero_is_no_limit_as_for_elfutils(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    sg = await start_symgate([debuginfod.url])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    zero = {"X-DEBUGINFOD-MAXSIZE": "0"}
+    async with aiohttp.ClientSession() as s, s.get(debuginfod.url + path, headers=zero) as r:
+        assert r.status == 200  # the peer's reading
+    for _ in range(2):  # cold, then a hit (answered on the quick path)
+        status, _, body = await sg.get(path, headers=zero)
+        assert status == 200 and body == elfs.prog.debug.read_bytes()

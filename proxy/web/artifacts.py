@@ -56,7 +56,8 @@ def _max_size(request: web.Request) -> int | None:
         return None
     if (limit := decimal(raw)) is None:
         raise InvalidRequest("invalid X-DEBUGINFOD-MAXSIZE: not a number")
-    return limit
+    # 0 is no limit, as elfutils' debuginfod reads it (and its client, from DEBUGINFOD_MAXSIZE).
+    return limit or None
 
 
 def _check_size(size: int | None, max_size: int | None) -> None:

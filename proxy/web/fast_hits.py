@@ -269,7 +269,7 @@ def _plain_request(data: bytes) -> _Request | None:
         elif name == b"x-debuginfod-maxsize":
             if not value.isdigit() or len(value) > 19:
                 return None
-            max_size = int(value)
+            max_size = int(value) or -1  # 0: no limit (artifacts._max_size)
     one_zero = line[4] == b"0"
     if one_zero and not keep_alive:
         return None  # HTTP/1.0 closes after its answer: aiohttp's to do
