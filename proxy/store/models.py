@@ -90,8 +90,10 @@ class SymbolTableRow(Base):
 
 
 class Purge(Base):
-    """An operator's `cache purge` of one artifact, for every replica to apply to its own disk
-    and memory; kept for a while (proxy.artifacts.purges), then deleted."""
+    """An artifact removed for good, for every serving process (on every replica) to apply to
+    its own memory and disk: an operator's `cache purge` of every version of it, or one
+    version an upload's DELETE or replacement removed (migration 0007); kept for a while
+    (proxy.artifacts.purges), then deleted."""
 
     __tablename__ = "purges"
 
@@ -100,6 +102,11 @@ class Purge(Base):
     scope: Mapped[str] = mapped_column(String(255))
     key: Mapped[str] = mapped_column(Text)
     purged_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    # The version removed, and the replica that removed it from its own disk and rows; all
+    # NULL for an operator's purge, which is of every version on every replica.
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    fetched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    replica: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class BucketObject(Base):

@@ -185,8 +185,14 @@ def _bucket_record(row: BucketObject) -> BucketRecord:
 @dataclass(frozen=True, slots=True)
 class PurgeNotice:
     id: int
+    key_hash: str
     scope: str
     key: str
+    # The version removed (see migration 0007): its bytes, its commit on `replica`, which
+    # removed it from its own disk and rows. None for an operator's purge of every version.
+    sha256: str | None = None
+    fetched_at: datetime | None = None
+    replica: str | None = None
 
 
 # Built once: making a statement anew costs more than running it on a local SQLite.
@@ -390,12 +396,34 @@ class Repository:
                 {"key_hash": kh, "scope": r.scope, "key": r.key, "purged_at": when}
                 for kh, r in recs.items()])
 
+    async def retire_artifact(self, rec: ArtifactRecord, when: datetime) -> None:
+        """Remove this commit of its key for good (an upload deleted, a download an upload
+        replaces), in one transaction: this replica's row while it is still that commit, the
+        other replicas' rows of the same file (their copies, taken from the bucket), and a
+        notice of that version for every serving process (proxy.artifacts.purges). A newer
+        commit of the key, here or anywhere, is left alone: a different file is another
+        version, and this replica's row tells its commits apart by fetched_at."""
+        async with self._session.begin() as s:
+            await s.execute(delete(Artifact).where(
+                Artifact.key_hash == rec.key_hash, Artifact.replica == self.replica,
+                Artifact.fetched_at == rec.fetched_at))
+            await s.execute(delete(Artifact).where(
+                Artifact.key_hash == rec.key_hash, Artifact.replica != self.replica,
+                Artifact.sha256 == rec.sha256))
+            await s.execute(self._insert(Purge), [{
+                "key_hash": rec.key_hash, "scope": rec.scope, "key": rec.key, "purged_at": when,
+                "sha256": rec.sha256, "fetched_at": rec.fetched_at, "replica": self.replica}])
+
     async def purge_notices(self, after: int) -> Sequence[PurgeNotice]:
         """Purge notices newer than the notice `after` (0: all of them), oldest first."""
         async with self._session() as s:
-            rows = (await s.execute(select(Purge.id, Purge.scope, Purge.key)
-                                    .where(Purge.id > after).order_by(Purge.id))).all()
-            return [PurgeNotice(r.id, r.scope, r.key) for r in rows]
+            rows = (await s.execute(
+                select(Purge.id, Purge.key_hash, Purge.scope, Purge.key, Purge.sha256,
+                       Purge.fetched_at, Purge.replica)
+                .where(Purge.id > after).order_by(Purge.id))).all()
+            return [PurgeNotice(r.id, r.key_hash, r.scope, r.key, r.sha256,
+                                aware(r.fetched_at) if r.fetched_at else None, r.replica)
+                    for r in rows]
 
     async def newest_purge_notice(self) -> int:
         """The id of the newest purge notice; 0 when there is none."""
