@@ -31,7 +31,13 @@ from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
 from proxy.store.disk import Store
-from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, is_disk_full
+from proxy.store.repository import (
+    DATABASE_ERRORS,
+    ArtifactRecord,
+    PurgeNotice,
+    Repository,
+    is_disk_full,
+)
 
 log = logging.getLogger(__name__)
 # Free space past which a full disk counts as over, without waiting for a download to succeed.
@@ -100,6 +106,9 @@ class ArtifactCache:
         self._deferred: asyncio.Task[None] | None = None
         # Awaited with each artifact's scope and key after it left the cache.
         self.evicted: list[Callable[[str, ArtifactKey], Awaitable[None]]] = []
+        # Awaited likewise when only this process's memory of a version goes: another process
+        # of this replica removed its file and row (and what was made from it) already.
+        self.forgotten: list[Callable[[str, ArtifactKey], Awaitable[None]]] = []
         metrics.cache_max.set(max_bytes)
 
     @property
@@ -364,12 +373,64 @@ class ArtifactCache:
         """The scopes that hold an upload on some replica (from SQL)."""
         return await self._repo.upload_scopes()
 
-    async def purged(self, scope: str, key: ArtifactKey) -> None:
-        """An operator purged this artifact (on any replica): forget it and remove the file,
-        whether or not this process had it in memory (another process of this replica may
-        have fetched it)."""
-        if not await self.remove(scope, key):
-            self.store.remove_artifact(scope, key)
+    async def retire(self, rec: ArtifactRecord) -> None:
+        """Remove this commit of its key for good (an upload deleted, a download an upload
+        replaces), on every serving process and replica: its rows and a notice of it first,
+        in one transaction (Repository.retire_artifact), then this process's memory and the
+        file. Raises DATABASE_ERRORS with nothing removed: the other processes would go on
+        serving it, unknowing. The caller holds the upload lock: the file is this commit's."""
+        await self._repo.retire_artifact(rec, datetime.now(UTC))
+        pending = self._unsynced.get(rec.key_hash)
+        if isinstance(pending, ArtifactRecord) and pending.fetched_at == rec.fetched_at:
+            del self._unsynced[rec.key_hash]  # kept while SQL was failing: not to come back
+        self._forget(rec)
+        key = ArtifactKey.from_id(rec.key)
+        self.store.remove_artifact(rec.scope, key)
+        await self._notify_evicted([(rec.scope, key)])
+
+    async def purged(self, notice: PurgeNotice) -> None:
+        """Apply a purge notice: an operator's purge of every version of a key, or the one
+        version another process removed (see retire)."""
+        key = ArtifactKey.from_id(notice.key)
+        if notice.replica is None:
+            # Every version, on every replica: whether or not this process had it in memory
+            # (another process of this replica may have fetched it).
+            if not await self.remove(notice.scope, key):
+                self.store.remove_artifact(notice.scope, key)
+        elif notice.replica == self._repo.replica:
+            await self._forget_version(notice, key)
+        else:
+            await self._purged_elsewhere(notice, key)
+
+    async def _forget_version(self, notice: PurgeNotice, key: ArtifactKey) -> None:
+        """A version another process of this replica removed: it took the file and row (and
+        may have put a newer commit of the key there since), so only memory is this
+        process's to clear, and only while it holds that very commit."""
+        held = self._entries.get(notice.key_hash)
+        if held is None or held.fetched_at != notice.fetched_at:
+            return
+        self._drop(notice.key_hash)
+        await self._notify(self.forgotten, [(notice.scope, key)])
+
+    async def _purged_elsewhere(self, notice: PurgeNotice, key: ArtifactKey) -> None:
+        """A version another replica removed: the notice's transaction deleted this replica's
+        rows of the same file, so a copy whose row is gone is that version, and goes from
+        memory and disk. A row there now is a commit made since (a re-upload taken from the
+        bucket), and stays; so does a file of other bytes, or a commit SQL has not taken."""
+        kh = notice.key_hash
+        held = self._entries.get(kh)
+        if held is not None and held.sha256 != notice.sha256:
+            return
+        if isinstance(self._unsynced.get(kh), ArtifactRecord):
+            return
+        now = (await self._repo.commits_of([kh])).get(kh)
+        if now is not None:
+            if held is not None and held.fetched_at != now:
+                self._drop(kh)  # another process's newer commit: read again when asked
+            return
+        self._drop(kh)
+        self.store.remove_artifact(notice.scope, key)
+        await self._notify_evicted([(notice.scope, key)])
 
     async def vanished(self, rec: ArtifactRecord) -> None:
         """This commit's file was found missing (an operator, a disk cleaner, another process's
@@ -389,8 +450,13 @@ class ArtifactCache:
         return True
 
     async def _notify_evicted(self, keys: list[tuple[str, ArtifactKey]]) -> None:
+        await self._notify(self.evicted, keys)
+
+    @staticmethod
+    async def _notify(listeners: list[Callable[[str, ArtifactKey], Awaitable[None]]],
+                      keys: list[tuple[str, ArtifactKey]]) -> None:
         for scope, key in keys:
-            for listener in self.evicted:
+            for listener in listeners:
                 try:
                     await listener(scope, key)
                 except Exception:  # a listener's failure must not stop eviction

@@ -194,6 +194,8 @@ def _lifecycle(
                               SendTimeouts(config.server.send_timeout_s,
                                            metrics.send_timeouts.inc))
         cache.evicted.append(app[STATE].hot.forget)
+        # A version another process removed (an upload deleted or replaced): its bytes too.
+        cache.forgotten.append(app[STATE].hot.forget)
         jobs = [
             asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
             # Other processes on this data dir add files this one's index never sees.

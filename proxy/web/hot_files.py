@@ -4,7 +4,9 @@ bytes of the small ones.
 A cached artifact never changes under its key (a new fetch follows a removal), so a hit on a
 file seen before needs no stat(2) and no read: HEAD is answered from memory alone, and a small
 file's GET too. Entries go when the cache removes their file (the eviction listener); one that
-another process evicted meanwhile still holds the right bytes.
+another process evicted meanwhile still holds the right bytes. One that another process
+deleted or replaced (an upload's DELETE, an upload over a download) goes when this process
+applies that process's notice (proxy.artifacts.purges; the cache's `forgotten` listener).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class HotFiles:
             self._drop(next(iter(self._entries)))
 
     async def forget(self, scope: str, key: ArtifactKey) -> None:
-        """The cache's eviction listener."""
+        """The cache's eviction (and forgotten-version) listener."""
         self._drop(key_hash(scope, key))
 
     def _drop(self, kh: str) -> None:
