@@ -380,10 +380,11 @@ class ArtifactCache:
         file. Raises DATABASE_ERRORS with nothing removed: the other processes would go on
         serving it, unknowing. The caller holds the upload lock: the file is this commit's."""
         await self._repo.retire_artifact(rec, datetime.now(UTC))
-        pending = self._unsynced.get(rec.key_hash)
-        if isinstance(pending, ArtifactRecord) and pending.fetched_at == rec.fetched_at:
-            del self._unsynced[rec.key_hash]  # kept while SQL was failing: not to come back
-        self._forget(rec)
+        if isinstance(self._unsynced.get(rec.key_hash), ArtifactRecord):
+            del self._unsynced[rec.key_hash]  # kept while SQL was failing: its file goes now
+        # Whichever commit memory holds: none is on disk once the file goes (a stale one is
+        # another process's earlier removal, whose notice this one has not polled yet).
+        self._drop(rec.key_hash)
         key = ArtifactKey.from_id(rec.key)
         self.store.remove_artifact(rec.scope, key)
         await self._notify_evicted([(rec.scope, key)])

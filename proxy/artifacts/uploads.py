@@ -111,9 +111,10 @@ class Uploads:
         old = await self._check_budget(scope, key, size, digest)
         if old is not None and old.pinned:
             return Uploaded(size, digest, created=False)  # the same file again: done
-        if await self._cache.get(scope, key) is not None:
-            # A download of the same ID in this scope: the upload takes its place.
-            await self._cache.remove(scope, key)
+        if (download := self._held(scope, key, old)) is not None:
+            # A download of the same ID in this scope: the upload takes its place, in the
+            # other serving processes too, which hold the download in memory.
+            await self._retire(download, "replacing a download with an upload")
         try:
             final = await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
         except OSError as e:
@@ -174,21 +175,48 @@ class Uploads:
         file is the cache's to evict, not an uploader's to delete)."""
         lock = await asyncio.to_thread(self._cache.store.upload_lock)
         try:
-            cached = self._cache.peek(scope, key) or await self._cache.get(scope, key)
-            if cached is None or not cached.record.pinned:
+            try:
+                row = await self._repo.get_artifact(key_hash(scope, key))
+            except DATABASE_ERRORS as e:
+                self._cache.sql_failed("looking up an upload to delete", e)
+                raise OutOfResources("the database cannot be reached to delete the upload "
+                                     "everywhere; retry later") from e
+            upload = self._held(scope, key, row)
+            if upload is None or not upload.pinned:
                 raise NotFound(f"no upload of {key.id} here")
-            await self._cache.remove(scope, key)
             if (tier := self._service.tier) is not None:
-                # The other replicas' copies (taken from the bucket) go as a purge's do.
+                # First, so that no replica takes it from the bucket again.
                 try:
-                    await tier.forget([cached.record])
-                    await self._repo.purge_artifacts([cached.record], datetime.now(UTC))
+                    await tier.forget([upload])
                 except DATABASE_ERRORS as e:
                     self._cache.sql_failed("deleting an upload from the shared bucket", e)
                     raise OutOfResources("the database cannot be reached to delete the "
                                          "upload everywhere; retry later") from e
+            await self._retire(upload, "deleting an upload")
         finally:
             os.close(lock)
+
+    def _held(self, scope: str, key: ArtifactKey, row: ArtifactRecord | None
+              ) -> ArtifactRecord | None:
+        """The commit of `key` this replica holds: SQL's row (`row`, read under the upload
+        lock), which this process's memory may lag (another process deleted and uploaded the
+        key again, and this one has not polled its notice yet); without a row, this
+        process's memory (a commit SQL has not taken yet, while it was failing)."""
+        if row is not None:
+            return row
+        hit = self._cache.peek(scope, key)
+        return hit.record if hit is not None else None
+
+    async def _retire(self, rec: ArtifactRecord, doing: str) -> None:
+        """Remove this version of a key from every serving process and replica (see
+        ArtifactCache.retire); OutOfResources, with nothing removed, when SQL cannot take it:
+        a removal the other processes were not told of would leave them serving it."""
+        try:
+            await self._cache.retire(rec)
+        except DATABASE_ERRORS as e:
+            self._cache.sql_failed(doing, e)
+            raise OutOfResources(f"the database cannot be reached for {doing} everywhere; "
+                                 "retry later") from e
 
     def _new_temp(self) -> tuple[Path, int]:
         try:
