@@ -1,0 +1,125 @@
+"""An upload deleted, or put over a downloaded file, on a server of several serving processes:
+every process stops serving the old version within cache.purge_poll_s (each holds files in
+memory: its index, and small files' bytes), and the notice that tells them so removes that
+version only, never a re-upload of the key made before a process applied it.
+
+Which worker the kernel hands a connection to is not ours to choose: `--workers 2` is asked
+on a new connection each time, as often as makes both workers answer. The race of a
+re-upload with the notice is made certain with two single-worker servers on one data dir,
+the one that must apply the notice frozen until the re-upload is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.elfs import Elf, ElfSet
+from tests.harness import Debuginfod
+from tests.processes import start_serve, stop_serve, stopped
+
+ADMIN = "admin-token-of-sixteen-or-more"
+POLL_S = 0.3
+# New connections per look: both workers of `--workers 2` answer some of them.
+ASKED = 40
+EXTRA = (f'[upload]\nadmin_tokens = ["{ADMIN}"]\n[cache]\npurge_poll_s = {POLL_S}\n'
+         "[symbolize]\nenabled = false\n")
+
+Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
+    """Starts `symgate serve` processes on one data dir and database; stops them after."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(upstream: str, workers: int = 1) -> tuple[str, asyncio.subprocess.Process]:
+        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
+                                       workers=workers, extra=EXTRA)
+        procs.append(proc)
+        return base, proc
+
+    yield start
+    await stop_serve(procs)
+
+
+async def _answers(base: str, elf: Elf, times: int = ASKED) -> list[str]:
+    """GET of the program's debuginfo `times` times, each on a new connection: what each
+    answer was, by name (the bytes of the upload are the program's executable's)."""
+    names = {elf.executable.read_bytes(): "upload", elf.debug.read_bytes(): "download"}
+    got = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        for _ in range(times):
+            async with s.get(f"{base}/buildid/{elf.build_id}/debuginfo") as r:
+                body = await r.read()
+                got.append(names.get(body, f"{len(body)} other bytes")
+                           if r.status == 200 else str(r.status))
+    return got
+
+
+async def _send(method: str, base: str, build_id: str, data: bytes | None = None) -> int:
+    async with aiohttp.ClientSession() as s, s.request(
+            method, f"{base}/buildid/{build_id}/debuginfo", data=data,
+            headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        return r.status
+
+
+async def _past_polls() -> None:
+    """Long enough for every process to have polled the notices since (a few periods)."""
+    await asyncio.sleep(POLL_S * 5 + 1)
+
+
+async def test_a_deleted_upload_is_served_by_no_worker(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    base, _ = await serve(debuginfod.url, workers=2)
+    prog = elfs.prog
+    assert await _send("PUT", base, prog.build_id, prog.executable.read_bytes()) == 201
+    assert set(await _answers(base, prog)) == {"upload"}  # hot in both workers
+    assert await _send("DELETE", base, prog.build_id) == 204
+    await _past_polls()
+    after = await _answers(base, prog)
+    # The upstream's debuginfo, fetched now: never the deleted upload.
+    assert "upload" not in after, f"{after.count('upload')} of {ASKED} still the upload"
+
+
+async def test_an_upload_over_a_download_is_what_every_worker_serves(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    base, _ = await serve(debuginfod.url, workers=2)
+    prog = elfs.prog
+    assert set(await _answers(base, prog)) == {"download"}  # hot in both workers
+    # The same build ID, other bytes: a debug file re-released, say.
+    assert await _send("PUT", base, prog.build_id, prog.executable.read_bytes()) == 201
+    await _past_polls()
+    after = await _answers(base, prog)
+    assert set(after) == {"upload"}, f"{after.count('download')} of {ASKED} still the download"
+
+
+async def test_a_reupload_right_after_a_delete_outlives_the_delete_s_notice(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The other process applies the DELETE's notice only after the key was uploaded again:
+    the notice is of the deleted version, and leaves the re-upload (the very same bytes, a
+    new commit) in place, on disk and in SQL, for both."""
+    a, _ = await serve(debuginfod.url)
+    b, b_proc = await serve(debuginfod.url)
+    other = elfs.other
+    own = other.executable.read_bytes()
+    assert await _send("PUT", a, other.build_id, own) == 201
+    assert set(await _answers(b, other, 3)) == {"upload"}  # b holds it, bytes and all
+    with stopped([b_proc.pid]):  # b polls no notice until the re-upload is done
+        assert await _send("DELETE", a, other.build_id) == 204
+        assert await _send("PUT", a, other.build_id, own) == 201
+    await _past_polls()
+    assert set(await _answers(b, other, 5)) == {"upload"}
+    assert set(await _answers(a, other, 5)) == {"upload"}
+    # b found the re-upload through SQL and disk (its memory of the old commit went), as
+    # an upload of its own to delete; a hears of it as b heard of a's.
+    assert await _send("DELETE", b, other.build_id) == 204
+    await _past_polls()
+    assert "upload" not in await _answers(a, other, 5)
