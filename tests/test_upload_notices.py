@@ -12,6 +12,8 @@ the one that must apply the notice frozen until the re-upload is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -123,3 +125,25 @@ async def test_a_reupload_right_after_a_delete_outlives_the_delete_s_notice(
     assert await _send("DELETE", b, other.build_id) == 204
     await _past_polls()
     assert "upload" not in await _answers(a, other, 5)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_notice_after_old_ones_were_deleted_takes_an_id_not_seen_before(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, database_url: str
+) -> None:
+    """SQLite gives a row the largest id there plus one: had a start deleted every notice
+    (all older than a day), the next one would take an id a running process has applied
+    already, and be ignored by it."""
+    a, _ = await serve(debuginfod.url)
+    first, second = elfs.prog, elfs.other
+    assert await _send("PUT", a, first.build_id, first.executable.read_bytes()) == 201
+    assert await _send("DELETE", a, first.build_id) == 204
+    await _past_polls()  # a has applied the notice (its own: nothing to do)
+    with contextlib.closing(sqlite3.connect(database_url.split("///", 1)[1])) as db, db:
+        db.execute("UPDATE purges SET purged_at = '2000-01-01 00:00:00.000000'")
+    b, _ = await serve(debuginfod.url)  # its start deletes the notices of long ago
+    assert await _send("PUT", b, second.build_id, second.executable.read_bytes()) == 201
+    assert set(await _answers(a, second, 3)) == {"upload"}
+    assert await _send("DELETE", b, second.build_id) == 204
+    await _past_polls()
+    assert "upload" not in await _answers(a, second, 3)

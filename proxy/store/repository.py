@@ -431,8 +431,12 @@ class Repository:
             return int((await s.execute(select(func.coalesce(func.max(Purge.id), 0)))).scalar_one())
 
     async def delete_purge_notices(self, before: datetime) -> None:
+        """Delete the notices made before `before`, but the newest: on SQLite an id is one
+        past the largest there, and with none left the next notice would take an id that
+        running processes have seen already, and never apply it."""
+        newest = select(func.max(Purge.id)).scalar_subquery()
         async with self._session.begin() as s:
-            await s.execute(delete(Purge).where(Purge.purged_at < before))
+            await s.execute(delete(Purge).where(Purge.purged_at < before, Purge.id < newest))
 
     async def record_access(self, batch: Mapping[str, tuple[int, datetime]]) -> None:
         """Apply hit counts and last-access times gathered since the last flush."""
