@@ -6,7 +6,8 @@ version only, never a re-upload of the key made before a process applied it.
 Which worker the kernel hands a connection to is not ours to choose: `--workers 2` is asked
 on a new connection each time, as often as makes both workers answer. The race of a
 re-upload with the notice is made certain with two single-worker servers on one data dir,
-the one that must apply the notice frozen until the re-upload is done.
+the one that must apply the notice frozen until the re-upload is done; notices committed out
+of their ids' order, with a transaction held open here as another replica's DELETE holds it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import asyncpg
 import pytest
 
+from proxy.config import CacheConfig, UploadConfig
 from tests.elfs import Elf, ElfSet
-from tests.harness import Debuginfod
+from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.processes import start_serve, stop_serve, stopped
 
 ADMIN = "admin-token-of-sixteen-or-more"
@@ -125,6 +128,54 @@ async def test_a_reupload_right_after_a_delete_outlives_the_delete_s_notice(
     assert await _send("DELETE", b, other.build_id) == 204
     await _past_polls()
     assert "upload" not in await _answers(a, other, 5)
+
+
+async def _retire_elsewhere(conn: asyncpg.Connection, build_id: str) -> None:
+    """What another replica's DELETE of the upload does in SQL (Repository.retire_artifact):
+    the copies' rows go, and a notice of that version is left."""
+    row = await conn.fetchrow("SELECT key_hash, scope, key, sha256, fetched_at FROM artifacts"
+                              " WHERE build_id = $1", build_id)
+    await conn.execute("DELETE FROM artifacts WHERE key_hash = $1", row["key_hash"])
+    await conn.execute(
+        "INSERT INTO purges (key_hash, scope, key, purged_at, sha256, fetched_at, replica) "
+        "VALUES ($1, $2, $3, now(), $4, $5, 'elsewhere')",
+        row["key_hash"], row["scope"], row["key"], row["sha256"], row["fetched_at"])
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_a_notice_committed_after_a_newer_one_is_applied_all_the_same(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, database_url: str
+) -> None:
+    """Two replicas' DELETEs at once: the first takes its notice's id, the second takes the
+    next and commits first. A poll between the commits reads the second's notice only; the
+    first's must not be left behind for having the smaller id."""
+    sg = await start_symgate([debuginfod.url], upload=UploadConfig(admin_tokens=(ADMIN,)),
+                             cache=CacheConfig(purge_poll_s=POLL_S))
+    first, second = elfs.prog, elfs.other
+    for elf in (first, second):
+        assert await _send("PUT", sg.url, elf.build_id, elf.executable.read_bytes()) == 201
+        assert set(await _answers(sg.url, elf, 3)) == {"upload"}
+    dsn = database_url.replace("postgresql+asyncpg://", "postgresql://")
+    held, other = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        async with held.transaction():
+            await _retire_elsewhere(held, first.build_id)  # its id taken, not committed
+            async with other.transaction():
+                await _retire_elsewhere(other, second.build_id)
+
+            async def second_gone() -> bool:
+                return "upload" not in await _answers(sg.url, second, 3)
+
+            await eventually(second_gone, timeout=10)  # polled past the first's id
+            assert set(await _answers(sg.url, first, 3)) == {"upload"}  # not committed yet
+
+        async def first_gone() -> bool:
+            return "upload" not in await _answers(sg.url, first, 3)
+
+        await eventually(first_gone, timeout=10)
+    finally:
+        await held.close()
+        await other.close()
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -13,17 +13,17 @@ whose memory still holds the file. Notices older than NOTICE_KEEP are deleted (a
 or with newer ones): by then every running process has applied them (one poll every
 cache.purge_poll_s).
 
-Notices are read by id. Two purges committed at once on PostgreSQL may take ids in one order
-and commit in the other; a poll between the commits then skips the first's notice on the
-processes that ran it. Purges are rare operator commands; the skipped file is still gone
-from SQL, and is dropped at that replica's next start or when found stale on a request.
-Uploads' notices of one data dir cannot cross so: each is left under the upload lock
-(proxy.artifacts.uploads), its transaction done before the next one's starts.
+Notices are read by id. Two notices committed at once on PostgreSQL (purges, or uploads
+deleted on two replicas) may take ids in one order and commit in the other: a poll between
+the commits reads the second only. The ids it passed over are looked for again by every poll
+for GAP_WAIT_S (a transaction that took one and has not committed yet), then given up (a
+transaction rolled back leaves its id unused for ever).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 
 from proxy.artifacts.index import ArtifactCache
@@ -31,6 +31,11 @@ from proxy.store.repository import Repository
 
 log = logging.getLogger(__name__)
 NOTICE_KEEP = timedelta(days=1)
+# How long an id passed over may still come: far longer than a notice's transaction lasts.
+GAP_WAIT_S = 60.0
+# Ids passed over at once past which they are not waited for: not a transaction in flight
+# but a sequence that jumped (PostgreSQL's, after a crash), whose ids never come.
+MAX_GAP = 1000
 
 
 class PurgeNotices:
@@ -38,6 +43,8 @@ class PurgeNotices:
         self._repo = repo
         self._cache = cache
         self._seen = 0  # the newest notice applied (ids only grow)
+        # Ids below it that no poll has read yet, and when they were first passed over.
+        self._gaps: dict[int, float] = {}
 
     async def start(self) -> None:
         """Take the notices already there as applied; call it before the index loads. Their
@@ -47,13 +54,29 @@ class PurgeNotices:
         await self._repo.delete_purge_notices(datetime.now(UTC) - NOTICE_KEEP)
 
     async def poll(self) -> int:
-        """Apply the notices that came since the last poll; how many."""
-        notices = await self._repo.purge_notices(self._seen)
-        for notice in notices:
+        """Apply the notices that came since the last poll, and those passed over before that
+        have come since; how many. Each is applied once: a purge applied again would remove a
+        file fetched since."""
+        now = time.monotonic()
+        self._gaps = {i: t for i, t in self._gaps.items() if now - t < GAP_WAIT_S}
+        after = min(self._gaps, default=self._seen + 1) - 1
+        notices = [n for n in await self._repo.purge_notices(after)
+                   if n.id > self._seen or n.id in self._gaps]
+        for notice in notices:  # by id: those passed over first
             await self._cache.purged(notice)
-            self._seen = notice.id
+            self._applied(notice.id, now)
         if notices:
             log.info("applied %d purges (by an operator, or of uploads deleted or "
                      "replaced)", len(notices))
             await self._repo.delete_purge_notices(datetime.now(UTC) - NOTICE_KEEP)
         return len(notices)
+
+    def _applied(self, notice: int, now: float) -> None:
+        """Note the notice of this id applied: a gap filled, or the newest, the ids it passed
+        over (if a transaction's few) to be looked for again."""
+        if notice in self._gaps:
+            del self._gaps[notice]
+            return
+        if notice - self._seen - 1 <= MAX_GAP:
+            self._gaps.update(dict.fromkeys(range(self._seen + 1, notice), now))
+        self._seen = notice
