@@ -218,6 +218,35 @@ async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_f
 
 
 @on_postgresql
+async def test_an_upload_over_a_download_replaces_it_on_every_replica(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    token = "symgate-test-upload-token"
+    a, b = [await start_symgate([debuginfod.url], data_dir=tmp_path / name,
+                                storage=prefix.config(),
+                                upload=UploadConfig(admin_tokens=(token,)),
+                                cache=CacheConfig(purge_poll_s=0.2))
+            for name in "ab"]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    downloaded = elfs.prog.debug.read_bytes()
+    uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    for sg in (a, b):  # a copy on each disk (b's from the bucket), and in each memory
+        for _ in range(2):
+            assert (await sg.get(path))[::2] == (200, downloaded)
+        await sg.settled()
+    auth = {"Authorization": f"Bearer {token}"}
+    assert (await a.request("PUT", path, data=uploaded, headers=auth))[0] == 201
+    assert (await prefix.objects())[object_of(elfs.prog)] == uploaded
+
+    async def b_serves_the_upload() -> bool:
+        return (await b.get(path))[::2] == (200, uploaded)
+
+    await eventually(b_serves_the_upload, timeout=10)
+    assert (await a.get(path))[::2] == (200, uploaded)
+
+
+@on_postgresql
 async def test_a_replica_killed_mid_fetch_loses_its_lease_and_another_takes_the_fetch_over(
     start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
     faults: FaultUpstream, prefix: Prefix
