@@ -241,7 +241,8 @@ class CacheConfig:
     # there, not after filling the disk. Pyroscope's client stops at 512 MiB.
     max_artifact_bytes: Size = 4 * 1024**3
     # How often each process looks for `cache purge`s made on any replica (or by the admin
-    # CLI) and removes its own copy: how long a purged file may still be served.
+    # CLI), uploads deleted and downloads an upload replaced (by another process or replica),
+    # and removes its own copy: how long such a file may still be served.
     purge_poll_s: Period = 2.0
 
 
