@@ -427,7 +427,9 @@ class ArtifactCache:
         now = (await self._repo.commits_of([kh])).get(kh)
         if now is not None:
             if held is not None and held.fetched_at != now:
-                self._drop(kh)  # another process's newer commit: read again when asked
+                # Another process's newer commit is there: read again when asked.
+                self._drop(kh)
+                await self._notify(self.forgotten, [(notice.scope, key)])
             return
         self._drop(kh)
         self.store.remove_artifact(notice.scope, key)

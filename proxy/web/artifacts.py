@@ -107,7 +107,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         hot = None
         if not any(name in request.headers for name in _CONDITIONAL):
             kh = result.artifact.record.key_hash
-            hot = state.hot.get(kh) or _hot_file(state, kh, result.artifact)
+            hot = (state.hot.get(kh, result.artifact.record.fetched_at)
+                   or _hot_file(state, kh, result.artifact))
             if hot is not None:
                 if request.method == "HEAD":
                     return web.Response(headers=hot.headers)
@@ -159,7 +160,9 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
     proxy.web.hot_files): a read of a few pages costs less than FileResponse's two trips to
     the thread pool and sendfile's setup, which dominated the cost of small hits. Read at once,
     with no await in between, so eviction cannot pull the file away halfway. None when the file
-    is gone or could not be read whole: FileResponse's path then answers as it would have."""
+    is gone or could not be read whole, or is not the hit's commit (another process replaced
+    it, and this one's index is not told yet): FileResponse's path then answers as it would
+    have, and nothing is kept for the next hit."""
     try:
         with open(artifact.path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -169,7 +172,10 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
         return None
     if body is not None and len(body) != st.st_size:  # changed by another process meanwhile
         return None
-    hot = hot_file({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body)
+    if st.st_size != artifact.record.size:
+        return None
+    hot = hot_file({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
+                   artifact.record.fetched_at)
     state.hot.put(kh, hot)
     return hot
 

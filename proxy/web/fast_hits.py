@@ -134,7 +134,7 @@ class FastHits:
         hit = state.service.hit_now(_VISIBLE, req.key)
         if hit is None or 0 <= req.max_size < hit.record.size:
             return None
-        hot = state.hot.get(hit.record.key_hash)
+        hot = state.hot.get(hit.record.key_hash, hit.record.fetched_at)
         if hot is None or not hot.head:
             return None
         file = None

@@ -1,18 +1,21 @@
 """What hits on recently served files need, kept in memory: their response headers, and the
 bytes of the small ones.
 
-A cached artifact never changes under its key (a new fetch follows a removal), so a hit on a
-file seen before needs no stat(2) and no read: HEAD is answered from memory alone, and a small
-file's GET too. Entries go when the cache removes their file (the eviction listener); one that
-another process evicted meanwhile still holds the right bytes. One that another process
-deleted or replaced (an upload's DELETE, an upload over a download) goes when this process
-applies that process's notice (proxy.artifacts.purges; the cache's `forgotten` listener).
+A commit of a cached artifact never changes under its key (a new fetch follows a removal), so
+a hit on a file seen before needs no stat(2) and no read: HEAD is answered from memory alone,
+and a small file's GET too. An entry is of one commit (the row's fetched_at), and answers
+only a hit on that commit. Entries go when the cache removes their file (the eviction
+listener); one that another process evicted meanwhile still holds the right bytes. One that
+another process deleted or replaced (an upload's DELETE, an upload over a download) goes
+when this process applies that process's notice (proxy.artifacts.purges; the cache's
+`forgotten` listener).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from datetime import datetime
 
 from proxy.artifacts.index import key_hash
 from proxy.keys import ArtifactKey
@@ -28,11 +31,15 @@ class HotFile:
     body: bytes | None  # a small file's bytes; None for a file sent with sendfile
     # The header lines, encoded once: what proxy.web.fast_hits writes before Date and Server.
     head: bytes = b""
+    # The commit of the key it was read from (its row's fetched_at); None for no file's.
+    fetched_at: datetime | None = None
 
 
-def hot_file(headers: dict[str, str], body: bytes | None) -> HotFile:
+def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None
+             ) -> HotFile:
     # UTF-8, as aiohttp encodes headers (their values were made printable when stored).
-    return HotFile(headers, body, "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode())
+    return HotFile(headers, body, "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode(),
+                   fetched_at)
 
 
 class HotFiles:
@@ -42,10 +49,14 @@ class HotFiles:
         self._entries: OrderedDict[str, HotFile] = OrderedDict()
         self._bytes = 0
 
-    def get(self, kh: str) -> HotFile | None:
+    def get(self, kh: str, fetched_at: datetime) -> HotFile | None:
+        """The entry of the key's commit fetched at `fetched_at` (the index's hit): one read
+        from another commit (the key removed and committed again by another process, this
+        one's index told, its entry here not) is not its answer."""
         hot = self._entries.get(kh)
-        if hot is not None:
-            self._entries.move_to_end(kh)
+        if hot is None or hot.fetched_at != fetched_at:
+            return None
+        self._entries.move_to_end(kh)
         return hot
 
     def put(self, kh: str, hot: HotFile) -> None:
