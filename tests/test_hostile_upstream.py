@@ -351,3 +351,37 @@ async def test_a_gzip_stream_cut_short_at_a_whole_length_is_no_whole_source(
             continue  # cut off after the response began: not taken for a whole file
         assert status == 502 or body == whole, (status, len(body), len(whole))
         assert faults.count("gzip-cut") == attempt  # nothing kept for the next one
+
+
+async def test_a_source_whose_end_cannot_be_told_from_a_cut_is_served_never_kept(
+    start_symgate: SymgateFactory, elfs: ElfSet
+) -> None:
+    """No length, no chunks: the body ends where the upstream's connection closes, which is
+    also how a cut looks. A source has no build ID to verify: kept, a half file would be
+    every later client's, long after the upstream has the whole one."""
+    data = elfs.prog.sources[0].read_bytes()
+    asked: list[bytes] = []
+    half = True
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(await reader.readuntil(b"\r\n\r\n"))
+        body = data[: len(data) // 2] if half else data
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                     b"Connection: close\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sg = await start_symgate([f"http://127.0.0.1:{port}"])
+        for _ in range(2):
+            status, _, body = await sg.get(_source_path(elfs))
+            assert status == 200 and body == data[: len(data) // 2]
+        assert len(asked) == 2  # not a hit the second time: nothing was kept
+        half = False
+        status, _, body = await sg.get(_source_path(elfs))
+        assert status == 200 and body == data
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -530,7 +530,9 @@ class ArtifactService:
         # of them. Not for the announced size up front, which an upstream could inflate to
         # have the cache emptied for a body it never sends; that size only caps the steps, and
         # one that could not fit even then is not kept from the start, evicting nothing.
-        keep = meta.size is None or self.cache.could_fit(flight, meta.size)
+        # A body whose end cannot be told from a cut (a source, which has no build ID to
+        # verify, cut as its connection closed) is served as it comes, never kept.
+        keep = meta.framed and (meta.size is None or self.cache.could_fit(flight, meta.size))
         step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
         held = 0
         flight.started(meta)
@@ -593,7 +595,10 @@ class ArtifactService:
                 await self._verify(key, meta, flight, temp, writer)
             if claim is not None:
                 claim.say(VERIFIED, size=flight.received)
-            if not keep:
+            if not keep and not meta.framed:
+                log.info("%s came with nothing to tell its end from a cut: served, not kept",
+                         key.id)
+            elif not keep:
                 log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not kept",
                          key.id, flight.received)
                 self._metrics.not_kept.inc()
@@ -608,7 +613,7 @@ class ArtifactService:
         if not keep:
             # Its readers hold their own descriptors: the file goes when the last one is done.
             try:
-                if publish and self.tier is not None:
+                if publish and self.tier is not None and meta.framed:
                     # Too big for this disk need not be for the bucket: the replicas waiting
                     # on this key's lease read it there rather than each fetch it upstream.
                     digest = await asyncio.to_thread(_sha256_of, fd)

@@ -28,6 +28,9 @@ class ArtifactMeta:
     # X-DEBUGINFOD-IMASIGNATURE: kept with the file, so clients that enforce IMA work through
     # symgate on hits too.
     ima_signature: str | None = None
+    # False: nothing tells the body's end (no size, length, chunks or compressed stream's end
+    # marker), which is where the connection closes, and a cut there looks the same.
+    framed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,9 @@ class UpstreamBody:
             archive=printable(h.get("X-DEBUGINFOD-ARCHIVE"), 4096),
             last_modified=printable(h.get("Last-Modified"), 64),
             ima_signature=printable(h.get(IMA_SIGNATURE), MAX_IMA_SIGNATURE),
+            framed=size is not None or "Content-Length" in h
+            or "chunked" in h.get("Transfer-Encoding", "").lower()
+            or h.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"),
         )
 
     async def chunks(self) -> AsyncIterator[bytes]:
