@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
@@ -70,6 +71,21 @@ async def test_a_body_that_its_content_encoding_does_not_decode_is_400(
     status, headers, _ = await post(sg, gzip.compress(profile.SerializeToString()),
                                     **{"Content-Encoding": "gzip"})
     assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+
+
+async def test_a_profile_with_a_corrupt_sample_is_400(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Samples are passed on unread: one that is not a Sample message was answered 200
+    `symbolized`, in a profile no pprof reader could parse."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    raw = RawProfile.FromString(profile.SerializeToString())
+    raw.sample[2] = b"\x0a\x05\x01"  # location_id, packed: 5 bytes declared, 1 there
+    for body in (raw.SerializeToString(), gzip.compress(raw.SerializeToString())):
+        status, _, text = await post(sg, body)
+        assert status == 400, text
+        assert b"not a pprof profile: sample 2 is not a valid Sample message" in text, text
 
 
 async def test_gzip_bomb_and_oversized_bodies_are_413(

@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet, build_id_tree
 from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
@@ -46,4 +47,15 @@ def test_cli_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
     result = subprocess.run(["symgate", "symbolize", str(bad), "-o", str(tmp_path / "o"),
                              "--debug-dir", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 1 and "gzip" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_rejects_a_profile_with_a_corrupt_sample(tmp_path: Path) -> None:
+    """Its samples are passed on unread: the CLI wrote an unreadable file and said nothing."""
+    bad = tmp_path / "bad.pprof"
+    bad.write_bytes(RawProfile(string_table=[""], sample=[b"\x0a\x05\x01"]).SerializeToString())
+    result = subprocess.run(["symgate", "symbolize", str(bad), "-o", str(tmp_path / "o"),
+                             "--debug-dir", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 1, result
+    assert "not a pprof profile: sample 0 is not a valid Sample" in result.stderr
     assert not (tmp_path / "o").exists()

@@ -17,7 +17,8 @@ from typing import cast
 from google.protobuf.message import DecodeError
 from isal import igzip, isal_zlib
 
-from .profile_raw_pb2 import RawProfile
+from .profile_pb2 import LabelSet, Sample
+from .profile_raw_pb2 import CheckedSamples, RawProfile
 
 # Bytes, or a view of them: a request's as a worker maps them (proxy.symbols.shared_bodies).
 Buffer = bytes | memoryview
@@ -125,12 +126,49 @@ def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
         profile = RawProfile.FromString(as_bytes(raw))
     except DecodeError as e:
         raise ProfileError(f"not a pprof profile: {e}") from e
+    decoded = Decoded(profile, gzipped, raw)
     if checked:
-        check(profile)
-    return Decoded(profile, gzipped, raw)
+        check(decoded)
+    return decoded
 
 
-def check(profile: RawProfile) -> None:
+def check(decoded: Decoded) -> None:
+    """Raise ProfileError where the profile's string indices point outside its string table,
+    or a sample or label set it keeps as bytes is not a valid message."""
+    check_strings(decoded.profile)
+    check_samples(decoded.raw)
+
+
+def check_samples(raw: Buffer) -> None:
+    """Raise ProfileError where a Sample or LabelSet of the encoded profile `raw` is not a valid
+    message. A RawProfile passes them on as bytes unread: unchecked, a corrupt one (a packed
+    field longer than its sample, say) went out in an answer no pprof reader can parse.
+
+    protobuf parses them all in C, as a reader will: two to three times what the RawProfile
+    parse costs (55 to 170 ms for a million one-frame samples), against a microsecond each for
+    a loop in Python. (Their shapes vary with stack depth and labels: they have no rows for
+    numpy to check in bulk, as columns.py does locations.)"""
+    try:
+        CheckedSamples.FromString(as_bytes(raw))
+    except DecodeError:
+        raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
+
+
+def _first_corrupt(raw: Buffer) -> str:
+    """Which sample or label set is corrupt, for the error: a loop in Python, only once a
+    profile is known to have one."""
+    profile = RawProfile.FromString(as_bytes(raw))
+    for what, kind, encoded in (("sample", Sample, profile.sample),
+                                ("label set", LabelSet, profile.label_set)):
+        for i, one in enumerate(encoded):
+            try:
+                kind.FromString(one)
+            except DecodeError as e:
+                return f"{what} {i} is not a valid {kind.__name__} message ({e})"
+    return "a sample or label set is not a valid message"
+
+
+def check_strings(profile: RawProfile) -> None:
     """Raise ProfileError where the profile's string indices point outside its string table.
     A Python loop over its mappings and functions: some 0.5 us each."""
     strings = len(profile.string_table)
