@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config, UpstreamConfig
-from proxy.web.app import create_app
+from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet, build_elf_set
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, free_port, make_config
@@ -143,7 +143,7 @@ async def start_symgate(
         cfg = config or make_config(data_dir or tmp_path / "data", database_url,
                                     upstreams or [], **sections)
         registry = CollectorRegistry()
-        runner = web.AppRunner(create_app(cfg, registry), access_log=None)
+        runner = web.AppRunner(create_app(cfg, registry), access_log=None, **body_options())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -9,7 +9,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.web.app import create_app
+from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port, make_config
 from tests.processes import debuginfod_find
@@ -41,7 +41,8 @@ async def test_two_symgates_that_are_each_others_upstream_answer_404_not_a_timeo
                             data_dir=tmp_path / "a")
     b_config = make_config(tmp_path / "b", database_url.replace("symgate.sqlite", "b.sqlite"),
                            [fast_upstream(a.url)])
-    b_runner = web.AppRunner(create_app(b_config, CollectorRegistry()), access_log=None)
+    b_runner = web.AppRunner(create_app(b_config, CollectorRegistry()), access_log=None,
+                             **body_options())
     await b_runner.setup()
     await web.TCPSite(b_runner, "127.0.0.1", port_b).start()
     try:

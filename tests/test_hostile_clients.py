@@ -11,7 +11,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -21,7 +21,7 @@ from aiohttp import web
 from proxy.web.connections import ConnectionGuard
 from proxy.web.logs import RepeatFilter, loop_exception_handler
 from tests.elfs import ElfSet
-from tests.faults import FaultUpstream
+from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import free_port
 from tests.processes import wait_until_serving
 
@@ -227,6 +227,62 @@ async def test_malformed_requests_are_logged_in_one_line_each_and_rate_limited(
     # rest.
     windows = 1 + int((time.monotonic() - started) // 10)
     assert 1 <= len(lines) <= min(6 * windows * workers, len(bad) - 1), text[-3000:]
+
+
+def _gzip_bomb(gib: int) -> bytes:
+    """`gib` GiB of zeros, gzipped, in about a MB each (never ended: nobody reads that far)."""
+    head, block = _gzip_zeros()
+    return head + block * (gib * 1024 - 1)
+
+
+async def _worst_wait(base: str, while_: Awaitable[int]) -> tuple[int, float]:
+    """The status `while_` ends with, and the longest /healthz took meanwhile and for a
+    second after (what the server spends on a request after answering it)."""
+    waits: list[float] = []
+    done = asyncio.Event()
+
+    async def probe(s: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            async with s.get(base + "/healthz") as r:
+                assert r.status == 200
+            waits.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession() as s:
+        prober = asyncio.create_task(probe(s))
+        status = await while_
+        await asyncio.sleep(1)
+        done.set()
+        await prober
+    return status, max(waits)
+
+
+async def test_a_gzip_bomb_sent_with_content_encoding_never_holds_the_loop(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """aiohttp inflated a body on the loop as it read it, and went on reading (inflating) a
+    refused one for 10 s: one 4 MB bomb held /healthz and every hit that long, whatever the
+    answer. symgate inflates bodies itself, bounded, in threads."""
+    base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"), "access_log = false\n")
+    bomb = _gzip_bomb(4)
+    gzipped = {"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"}
+
+    async def send(method: str, path: str, **headers: str) -> int:
+        async with aiohttp.ClientSession() as s, \
+                s.request(method, base + path, data=bomb, headers={**gzipped, **headers}) as r:
+            return r.status
+
+    for method, path, headers, status in [
+            ("POST", "/symbolize", {}, 413),
+            ("POST", "/symbolize", {"Content-Type": "text/plain"}, 415),
+            ("POST", "/symbolize/otlp", {"Content-Type": "application/x-protobuf"}, 413),
+            ("POST", f"/buildid/{elfs.prog.build_id}/debuginfo", {}, 405)]:
+        got, worst = await _worst_wait(base, send(method, path, **headers))
+        assert got == status, (path, got)
+        assert worst < 1.0, f"{method} {path}: /healthz took {worst:.2f} s"
+    assert await _stop(proc, drain) == 0
+    assert b"Traceback" not in out, out.decode()[-3000:]
 
 
 def test_repeated_log_lines_are_dropped_and_then_counted() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -71,6 +72,21 @@ async def test_a_body_that_its_content_encoding_does_not_decode_is_400(
     status, headers, _ = await post(sg, gzip.compress(profile.SerializeToString()),
                                     **{"Content-Encoding": "gzip"})
     assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+
+
+async def test_a_body_sent_deflated_is_taken_and_other_codings_are_415(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """symgate inflates a body's Content-Encoding itself (proxy.web.content_encoding): the
+    codings it knows, and a clear 415 for the others."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, headers, body = await post(sg, zlib.compress(profile.SerializeToString()),
+                                       **{"Content-Encoding": "deflate"})
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    assert parse(body).function  # answered inflated, as it was read
+    status, _, text = await post(sg, profile.SerializeToString(), **{"Content-Encoding": "br"})
+    assert status == 415 and b"unsupported Content-Encoding 'br'" in text, text
 
 
 async def test_a_profile_with_a_corrupt_sample_is_400(

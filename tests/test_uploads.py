@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_program
+from tests.faults import _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import debuginfod_find, run_in_thread
 from tests.test_disk_full import _fill, _tmpfs
@@ -233,6 +235,27 @@ async def test_a_body_that_its_content_encoding_does_not_decode_is_400(
                               **{"Content-Encoding": "gzip"})
     assert status == 201
     assert (await sg.get(f"/buildid/{bid}/debuginfo"))[2] == data
+
+
+async def test_a_compressed_upload_is_inflated_no_further_than_the_largest_file(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """aiohttp inflated an upload on the event loop, and went on inflating a refused one as
+    it drained it, for 10 s: a gzip bomb held every request that long. symgate inflates it in
+    a thread, no further than upload.max_file_bytes, and refuses codings it does not know."""
+    sg = await _start(start_symgate, tmp_path, database_url, [], max_file_bytes=4 << 20)
+    head, block = _gzip_zeros()
+    bomb = head + block * (2048 - 1)  # 2 GiB of zeros in 2 MB
+    status, _, body = await _put(sg, own.build_id, "debuginfo", bomb,
+                                 **{"Content-Encoding": "gzip"})
+    assert status == 413 and b"upload.max_file_bytes" in body, body
+    started = time.monotonic()
+    assert (await sg.get("/healthz"))[0] == 200
+    assert time.monotonic() - started < 1.0
+    status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes(),
+                                 **{"Content-Encoding": "br"})
+    assert status == 415 and b"unsupported Content-Encoding 'br'" in body, body
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
 
 
 async def test_a_stalled_upload_is_408_and_concurrent_uploads_of_one_id_end_whole(

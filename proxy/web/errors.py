@@ -86,8 +86,8 @@ def as_symgate_error(error: Exception) -> SymgateError:
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
     if isinstance(error, web.RequestPayloadError):
-        # aiohttp's, for a body it cannot read as its headers say: a Content-Encoding that
-        # does not decode, a broken chunked encoding.
+        # aiohttp's, for a body it cannot read as its headers say: a broken chunked encoding.
+        # (A Content-Encoding is symgate's to inflate: proxy.web.content_encoding.)
         return InvalidRequest(f"the request body is unreadable: {error}")
     return SymgateError("internal error")
 

@@ -20,6 +20,7 @@ from aiohttp.abc import AbstractStreamWriter
 from proxy.config import Fallback, SymbolizeConfig, TenantConfig
 from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
+from proxy.web.content_encoding import coding_of, inflate_body
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 from symbolize import fallback
@@ -47,6 +48,16 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s "
                              f"({size} bytes came)") from e
     return b"".join(chunks)
+
+
+async def read_profile(request: web.Request, cfg: SymbolizeConfig, wbits: int | None) -> bytes:
+    """The request's body, inflated where it came with a Content-Encoding (`wbits`): to no
+    more than a gzipped profile may inflate to (symbolize.pprof.codec), in a thread."""
+    body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+    if wbits is None:
+        return body
+    return await inflate_body(body, wbits, cfg.max_decompressed_bytes,
+                              "symbolize.max_decompressed_bytes")
 
 
 def report_headers(report: Report, state: str) -> dict[str, str]:
@@ -98,6 +109,7 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
     ctype = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
     if ctype not in fmt.accepted:
         raise UnsupportedMediaType(f"unsupported Content-Type {ctype!r}: send {fmt.hint}")
+    wbits = coding_of(request)
     # Admitted before the body is read: a full server answers 429 at once, and holds only the
     # bodies of the profiles it admitted. A worker slot is taken only once the body is in.
     tenant = state.tenancy.tenant_of(request)
@@ -105,13 +117,13 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
     annotate(request, tenant=tenant or None)
     if not cfg.enabled or (settings is not None and not settings.symbolize):
         # Passed through untouched: no work, so no place among the admitted to take.
-        body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        body = await read_profile(request, cfg, wbits)
         annotate(request, outcome="disabled")
         return web.Response(body=body, content_type=fmt.content_type,
                             headers={"X-Symgate-Symbolize": "disabled"})
     limits = replace(limits_of(cfg), fallback=fallback_of(request, cfg, settings))
     async with state.symbols.workers.admitted() as take_slot:
-        body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+        body = await read_profile(request, cfg, wbits)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)

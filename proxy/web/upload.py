@@ -4,6 +4,7 @@ tenant's or an admin's bearer token (proxy.artifacts.uploads keeps them)."""
 from __future__ import annotations
 
 import posixpath
+from collections.abc import AsyncIterator
 
 from aiohttp import HttpVersion11, web
 
@@ -11,6 +12,7 @@ from proxy.errors import PayloadTooLarge, SymgateError
 from proxy.headers import printable
 from proxy.keys import ArtifactKey
 from proxy.sources.debuginfod import IMA_SIGNATURE, MAX_IMA_SIGNATURE
+from proxy.web.content_encoding import coding_of, inflated
 from proxy.web.errors import error_response
 from proxy.web.logs import annotate
 from proxy.web.state import STATE
@@ -24,6 +26,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     state = request.app[STATE]
     try:
         state.tenancy.uploader(request)
+        coding_of(request)
         limit = state.config.upload.max_file_bytes
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"{request.content_length} bytes; uploads are at most "
@@ -55,13 +58,22 @@ async def put(request: web.Request) -> web.Response:
     named = printable(request.headers.get("X-DEBUGINFOD-FILE"), 255)
     filename = posixpath.basename(named or "") or key.default_filename
     done = await state.uploads.put(
-        scope, key, request.content.iter_chunked(CHUNK), request.content_length, filename,
+        scope, key, _body(request), request.content_length, filename,
         printable(request.headers.get(IMA_SIGNATURE), MAX_IMA_SIGNATURE))
     annotate(request, outcome="uploaded" if done.created else "unchanged")
     return web.json_response(
         {"build_id": key.build_id, "kind": str(key.kind), "size": done.size,
          "sha256": done.sha256, "scope": scope, "created": done.created},
         status=201 if done.created else 200)
+
+
+def _body(request: web.Request) -> AsyncIterator[bytes]:
+    """The file, inflated where it was sent compressed: a piece at a time in a thread, and
+    only as far as the upload takes it (it stops past upload.max_file_bytes), so a bomb costs
+    no more than the largest file it may be."""
+    chunks = request.content.iter_chunked(CHUNK)
+    wbits = coding_of(request)
+    return chunks if wbits is None else inflated(chunks, wbits)
 
 
 async def delete(request: web.Request) -> web.Response:

@@ -1,0 +1,104 @@
+"""Request bodies sent with a Content-Encoding, inflated by symgate rather than by aiohttp.
+
+aiohttp's server inflates a body on the event loop as it reads it, and goes on reading (and
+inflating) a body its handler refused for its lingering time: one 4 MB gzip bomb POSTed with
+`Content-Encoding: gzip` held the loop, /healthz and every /buildid hit of the process, for
+10 s. The server runs without it (`auto_decompress=False`, proxy.web.app); the handlers that
+take bodies inflate them here instead, a mebibyte at most at a time, each in a thread, and
+only as far as their reader takes them: a reader that has had enough stops the inflating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from typing import cast
+
+from aiohttp import web
+from isal import isal_zlib
+
+from proxy.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+
+# isal's stubs declare its error an instance of Exception; it is the class.
+_ZLIB_ERROR = cast("type[Exception]", isal_zlib.error)
+_GZIP = 16 + isal_zlib.MAX_WBITS
+# The codings taken, as window bits: HTTP's "deflate" is the zlib format (RFC 9110 8.4.1.2).
+_WBITS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": isal_zlib.MAX_WBITS}
+# Inflated at most this much per step: what one step in a thread costs, and what a bomb
+# costs in memory before its reader refuses it.
+PIECE = 1 << 20
+
+
+def coding_of(request: web.BaseRequest) -> int | None:
+    """The window bits of the request's Content-Encoding; None when it has none. Any other
+    coding (br, zstd, several stacked) is a 415, as RFC 7694 has it."""
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    if coding not in _WBITS:
+        raise UnsupportedMediaType(f"unsupported Content-Encoding {coding!r}: send the body "
+                                   "as it is, or with gzip or deflate")
+    return _WBITS[coding]
+
+
+class _Inflater:
+    """One body's inflating, fed as its bytes come. gzip's members are inflated one after
+    another, as gzip itself reads `cat a.gz b.gz`."""
+
+    def __init__(self, wbits: int) -> None:
+        self._wbits = wbits
+        self._inflater = isal_zlib.decompressobj(wbits=wbits)
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        """What `data` inflates to, PIECE bytes at most at a time."""
+        try:
+            while data:
+                if self._inflater.eof:  # a member ended and more bytes came
+                    if self._wbits != _GZIP:
+                        raise _unreadable("bytes after the end of its deflate stream")
+                    self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
+                out = self._inflater.decompress(data, PIECE)
+                data = self._inflater.unused_data if self._inflater.eof \
+                    else self._inflater.unconsumed_tail
+                if out:
+                    yield out
+        except _ZLIB_ERROR as e:
+            raise _unreadable(str(e)) from None
+
+    def end(self) -> None:
+        if not self._inflater.eof:
+            raise _unreadable("it ends before its compressed stream does")
+
+
+def _unreadable(why: str) -> InvalidRequest:
+    # The words aiohttp's own failure was answered with (proxy.web.errors), so that a client
+    # sees one message for a broken body whoever inflates it.
+    return InvalidRequest(f"the request body is unreadable: Content-Encoding: {why}")
+
+
+async def inflated(chunks: AsyncIterable[bytes], wbits: int) -> AsyncIterator[bytes]:
+    """`chunks` inflated, a step of PIECE bytes at most at a time in a thread: never on the
+    event loop, and no further than the caller reads."""
+    inflater = _Inflater(wbits)
+    async for chunk in chunks:
+        pieces = inflater.pieces(chunk)
+        while piece := await asyncio.to_thread(next, pieces, b""):
+            yield piece
+    inflater.end()
+
+
+async def _one(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+async def inflate_body(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
+    """A whole body inflated; 413 the moment it passes `limit` bytes (`setting` names it)."""
+    parts: list[bytes] = []
+    size = 0
+    async for piece in inflated(_one(body), wbits):
+        size += len(piece)
+        if size > limit:
+            raise PayloadTooLarge(f"request body inflates to more than {limit} bytes "
+                                  f"({setting})")
+        parts.append(piece)
+    return b"".join(parts)
