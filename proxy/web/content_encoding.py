@@ -11,7 +11,8 @@ only as far as their reader takes them: a reader that has had enough stops the i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator
 from typing import cast
 
 from aiohttp import web
@@ -76,7 +77,7 @@ def _unreadable(why: str) -> InvalidRequest:
     return InvalidRequest(f"the request body is unreadable: Content-Encoding: {why}")
 
 
-async def inflated(chunks: AsyncIterable[bytes], wbits: int) -> AsyncIterator[bytes]:
+async def inflated(chunks: AsyncIterable[bytes], wbits: int) -> AsyncGenerator[bytes, None]:
     """`chunks` inflated, a step of PIECE bytes at most at a time in a thread: never on the
     event loop, and no further than the caller reads."""
     inflater = _Inflater(wbits)
@@ -95,10 +96,11 @@ async def inflate_body(body: bytes, wbits: int, limit: int, setting: str) -> byt
     """A whole body inflated; 413 the moment it passes `limit` bytes (`setting` names it)."""
     parts: list[bytes] = []
     size = 0
-    async for piece in inflated(_one(body), wbits):
-        size += len(piece)
-        if size > limit:
-            raise PayloadTooLarge(f"request body inflates to more than {limit} bytes "
-                                  f"({setting})")
-        parts.append(piece)
+    async with contextlib.aclosing(inflated(_one(body), wbits)) as pieces:
+        async for piece in pieces:
+            size += len(piece)
+            if size > limit:
+                raise PayloadTooLarge(f"request body inflates to more than {limit} bytes "
+                                      f"({setting})")
+            parts.append(piece)
     return b"".join(parts)
