@@ -103,7 +103,7 @@ def _decode(body: Buffer, limits: Limits) -> Decoded:
             raise TooMuchWork(f"profile has {count} {what}; the limit is {limit} per request")
     # Checked after the counts: 3 million functions took 1.7 s of checks to be refused. Not
     # again by `finish` for the same bytes a scan has checked (Python, some 0.5 us a mapping
-    # and a function; the samples in C, 55 to 170 ns each).
+    # and a function; the samples in C, 55 to 190 ns each).
     if limits.scanned_size is None:
         check(decoded)
     return decoded
