@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from symbolize.elf import layout_of_file
+from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf, ElfSet
-from tests.harness import Debuginfod, SymgateFactory
+from tests.harness import Debuginfod, Symgate, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
@@ -40,18 +41,25 @@ async def test_a_mapping_with_a_table_and_no_location_comes_back_unchanged(
     assert headers["X-Symgate-Mappings-Unsymbolized"] == "no_locations=1", headers
 
 
+async def _symbolized_once(start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+                           ) -> tuple[Symgate, Profile, bytes, Path]:
+    """A server that has symbolized a profile of elfs.prog: the server, the profile, its
+    answer and the table file it built."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    status, headers, first = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    bid = elfs.prog.build_id
+    return sg, profile, first, sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc"
+
+
 async def test_a_table_damaged_on_disk_is_malformed_once_then_built_again(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
     """symbolic's SymCacheError, raised in a worker, cannot be unpickled by the server: it
     broke the process pool, every profile of that table was a 503 and cost a worker. Then,
     reported `malformed`, the damaged table was believed for good, across restarts."""
-    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
-    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
-    status, headers, first = await post(sg, profile.SerializeToString())
-    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
-    bid = elfs.prog.build_id
-    table = sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc"
+    sg, profile, first, table = await _symbolized_once(start_symgate, debuginfod, elfs)
     with table.open("r+b") as f:
         f.truncate(100)
     status, headers, body = await post(sg, profile.SerializeToString())
@@ -70,12 +78,7 @@ async def test_a_table_removed_while_the_server_runs_is_built_again(
 ) -> None:
     """The open table was believed: every later profile had the mapping `malformed` until a
     restart, which found the file missing and built it again."""
-    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
-    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
-    status, headers, first = await post(sg, profile.SerializeToString())
-    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
-    bid = elfs.prog.build_id
-    table = sg.config.server.data_dir / "symtabs" / bid[:2] / f"{bid}.symc"
+    sg, profile, first, table = await _symbolized_once(start_symgate, debuginfod, elfs)
     table.unlink()
     status, headers, again = await post(sg, profile.SerializeToString())
     assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers

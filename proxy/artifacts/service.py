@@ -418,14 +418,8 @@ class ArtifactService:
                                          publish=self.tier is not None)
                 finally:
                     result.body.close()
-        except SymgateError as e:
-            flight.fail(e)
         except Exception as e:
-            if is_disk_full(e):
-                flight.fail(self._disk_full(e))
-                return
-            log.exception("fetch of %s failed", key.id)
-            flight.fail(SymgateError("internal error while fetching"))
+            self._failed(flight, e, "fetching", key)
         finally:
             if lease is not None:  # after the copy is published, or the miss remembered
                 await lease.release()
@@ -487,16 +481,21 @@ class ArtifactService:
                 await self._download(key, tenant, flight, temp, body, None, publish=False)
             finally:
                 body.close()
-        except SymgateError as e:
-            flight.fail(e)
         except Exception as e:
-            if is_disk_full(e):
-                flight.fail(self._disk_full(e))
-                return
-            log.exception("copy of %s from the bucket failed", key.id)
-            flight.fail(SymgateError("internal error while copying from the bucket"))
+            self._failed(flight, e, "copying from the bucket", key)
         finally:
             self._land(key_hash(tenant, key), flight, temp, None)
+
+    def _failed(self, flight: Flight, error: Exception, doing: str, key: ArtifactKey) -> None:
+        """A fetch's failure as its clients get it: its own, a full disk's 507, else an
+        internal error, logged (called in the `except` block: the traceback is at hand)."""
+        if isinstance(error, SymgateError):
+            flight.fail(error)
+        elif is_disk_full(error):
+            flight.fail(self._disk_full(error))
+        else:
+            log.exception("%s %s failed", doing, key.id)
+            flight.fail(SymgateError(f"internal error while {doing}"))
 
     async def refresh_uploaders(self) -> None:
         """Learn which scopes hold uploads (SQL failing: as known before)."""
