@@ -3,6 +3,7 @@ upstream, PostgreSQL databases, and symgate itself on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet, build_elf_set
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, free_port, make_config
+from tests.processes import Start, start_serve, stop_serve
 
 PG_ADMIN_DSN = os.environ.get("SYMGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -158,3 +160,20 @@ async def start_symgate(
     await session.close()
 
 
+
+
+
+@pytest.fixture
+async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
+    """Starts `symgate serve` processes on one data dir and database; stops them after."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(upstream: str, workers: int = 1, extra: str = ""
+                    ) -> tuple[str, asyncio.subprocess.Process]:
+        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
+                                       workers=workers, extra=extra)
+        procs.append(proc)
+        return base, proc
+
+    yield start
+    await stop_serve(procs)

@@ -8,10 +8,14 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
+
+# Starts a `symgate serve` (upstream URL, workers=, extra= more config; tests/conftest.py's
+# `serve` fixture): its base URL and process.
+Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
 
 
 def debuginfod_find(server: str, cache: Path, *args: str, ua_timeout: int = 20

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 import asyncpg
@@ -25,7 +23,7 @@ import pytest
 from proxy.config import CacheConfig, UploadConfig
 from tests.elfs import Elf, ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually
-from tests.processes import start_serve, stop_serve, stopped
+from tests.processes import Start, stopped
 
 ADMIN = "admin-token-of-sixteen-or-more"
 POLL_S = 0.3
@@ -34,22 +32,6 @@ ASKED = 40
 EXTRA = (f'[upload]\nadmin_tokens = ["{ADMIN}"]\n[cache]\npurge_poll_s = {POLL_S}\n'
          "[symbolize]\nenabled = false\n")
 
-Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
-
-
-@pytest.fixture
-async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
-    """Starts `symgate serve` processes on one data dir and database; stops them after."""
-    procs: list[asyncio.subprocess.Process] = []
-
-    async def start(upstream: str, workers: int = 1) -> tuple[str, asyncio.subprocess.Process]:
-        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
-                                       workers=workers, extra=EXTRA)
-        procs.append(proc)
-        return base, proc
-
-    yield start
-    await stop_serve(procs)
 
 
 async def _answers(base: str, elf: Elf, times: int = ASKED) -> list[str]:
@@ -81,7 +63,7 @@ async def _past_polls() -> None:
 async def test_a_deleted_upload_is_served_by_no_worker(
     serve: Start, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    base, _ = await serve(debuginfod.url, workers=2)
+    base, _ = await serve(debuginfod.url, workers=2, extra=EXTRA)
     prog = elfs.prog
     assert await _send("PUT", base, prog.build_id, prog.executable.read_bytes()) == 201
     assert set(await _answers(base, prog)) == {"upload"}  # hot in both workers
@@ -95,7 +77,7 @@ async def test_a_deleted_upload_is_served_by_no_worker(
 async def test_an_upload_over_a_download_is_what_every_worker_serves(
     serve: Start, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    base, _ = await serve(debuginfod.url, workers=2)
+    base, _ = await serve(debuginfod.url, workers=2, extra=EXTRA)
     prog = elfs.prog
     assert set(await _answers(base, prog)) == {"download"}  # hot in both workers
     # The same build ID, other bytes: a debug file re-released, say.
@@ -111,8 +93,8 @@ async def test_a_reupload_right_after_a_delete_outlives_the_delete_s_notice(
     """The other process applies the DELETE's notice only after the key was uploaded again:
     the notice is of the deleted version, and leaves the re-upload (the very same bytes, a
     new commit) in place, on disk and in SQL, for both."""
-    a, _ = await serve(debuginfod.url)
-    b, b_proc = await serve(debuginfod.url)
+    a, _ = await serve(debuginfod.url, extra=EXTRA)
+    b, b_proc = await serve(debuginfod.url, extra=EXTRA)
     other = elfs.other
     own = other.executable.read_bytes()
     assert await _send("PUT", a, other.build_id, own) == 201
@@ -185,14 +167,14 @@ async def test_a_notice_after_old_ones_were_deleted_takes_an_id_not_seen_before(
     """SQLite gives a row the largest id there plus one: had a start deleted every notice
     (all older than a day), the next one would take an id a running process has applied
     already, and be ignored by it."""
-    a, _ = await serve(debuginfod.url)
+    a, _ = await serve(debuginfod.url, extra=EXTRA)
     first, second = elfs.prog, elfs.other
     assert await _send("PUT", a, first.build_id, first.executable.read_bytes()) == 201
     assert await _send("DELETE", a, first.build_id) == 204
     await _past_polls()  # a has applied the notice (its own: nothing to do)
     with contextlib.closing(sqlite3.connect(database_url.split("///", 1)[1])) as db, db:
         db.execute("UPDATE purges SET purged_at = '2000-01-01 00:00:00.000000'")
-    b, _ = await serve(debuginfod.url)  # its start deletes the notices of long ago
+    b, _ = await serve(debuginfod.url, extra=EXTRA)  # its start deletes the notices of long ago
     assert await _send("PUT", b, second.build_id, second.executable.read_bytes()) == 201
     assert set(await _answers(a, second, 3)) == {"upload"}
     assert await _send("DELETE", b, second.build_id) == 204

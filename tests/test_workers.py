@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -24,32 +23,14 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, eventually
 from tests.processes import (
+    Start,
     descendants,
     reap_all,
     spawn_serve,
-    start_serve,
     stop_serve,
     stopped,
     wait_until_serving,
 )
-
-Start = Callable[..., Awaitable[tuple[str, asyncio.subprocess.Process]]]
-
-
-@pytest.fixture
-async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
-    """Starts `symgate serve` processes on one data dir and database; stops them after."""
-    procs: list[asyncio.subprocess.Process] = []
-
-    async def start(upstream: str, workers: int = 1, extra: str = ""
-                    ) -> tuple[str, asyncio.subprocess.Process]:
-        base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
-                                       workers=workers, extra=extra)
-        procs.append(proc)
-        return base, proc
-
-    yield start
-    await stop_serve(procs)
 
 
 def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
