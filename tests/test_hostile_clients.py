@@ -110,7 +110,7 @@ async def _serve(tmp_path: Path, upstream: str, extra: str = "", low_fds: bool =
     proc = await asyncio.create_subprocess_exec(
         "symgate", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)},
-        preexec_fn=_low_fd_limit if low_fds else None)
+        preexec_fn=_low_fd_limit if low_fds else None, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     await wait_until_serving(base, proc)
     out = bytearray()
@@ -121,6 +121,14 @@ async def _serve(tmp_path: Path, upstream: str, extra: str = "", low_fds: bool =
             out.extend(chunk)
 
     return base, proc, out, asyncio.create_task(drain())
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """The server and its serving processes killed, if a failed test left them running."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers too
+        await proc.wait()
 
 
 async def _stop(proc: asyncio.subprocess.Process, drain: asyncio.Task[None]) -> int:
@@ -168,34 +176,37 @@ async def test_slowloris_past_the_fd_limit_leaves_hits_served_and_the_log_small(
 ) -> None:
     base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
                                           "header_timeout_s = 1.0\n", low_fds=True)
-    hit = f"{base}/buildid/{elfs.prog.build_id}/debuginfo"
-    async with aiohttp.ClientSession() as s, s.get(hit) as r:  # cached now
-        assert r.status == 200
-    port = int(base.rsplit(":", 1)[1])
-    # 400 slow connections against 256 descriptors, each trickling for 8 s at most; half of
-    # them after a first request, to time the head from the end of the previous response.
-    attack = [asyncio.create_task(_slowloris(port, 0.2, 40, kept_alive=i % 2 == 1))
-              for i in range(400)]
-    await asyncio.sleep(0.5)
-    answered: dict[str, int] = {}
-    timeout = aiohttp.ClientTimeout(total=3)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        for path in ("/healthz", hit.removeprefix(base)):
-            for _ in range(40):  # bounded: 40 tries, within the attack's 8 s and a bit
-                try:
-                    async with s.get(base + path) as r:
-                        if r.status == 200:
-                            answered[path] = len(await r.read())
-                            break
-                        assert r.status == 503 and "Retry-After" in r.headers
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.1)
-    closed_by_server = await asyncio.gather(*attack)
-    assert answered == {"/healthz": answered.get("/healthz", 0),
-                        hit.removeprefix(base): elfs.prog.debug.stat().st_size}, answered
-    assert all(closed_by_server), sum(not c for c in closed_by_server)
-    assert await _stop(proc, drain) == 0
+    try:
+        hit = f"{base}/buildid/{elfs.prog.build_id}/debuginfo"
+        async with aiohttp.ClientSession() as s, s.get(hit) as r:  # cached now
+            assert r.status == 200
+        port = int(base.rsplit(":", 1)[1])
+        # 400 slow connections against 256 descriptors, each trickling for 8 s at most; half of
+        # them after a first request, to time the head from the end of the previous response.
+        attack = [asyncio.create_task(_slowloris(port, 0.2, 40, kept_alive=i % 2 == 1))
+                  for i in range(400)]
+        await asyncio.sleep(0.5)
+        answered: dict[str, int] = {}
+        timeout = aiohttp.ClientTimeout(total=3)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            for path in ("/healthz", hit.removeprefix(base)):
+                for _ in range(40):  # bounded: 40 tries, within the attack's 8 s and a bit
+                    try:
+                        async with s.get(base + path) as r:
+                            if r.status == 200:
+                                answered[path] = len(await r.read())
+                                break
+                            assert r.status == 503 and "Retry-After" in r.headers
+                    except (aiohttp.ClientError, TimeoutError):
+                        pass
+                    await asyncio.sleep(0.1)
+        closed_by_server = await asyncio.gather(*attack)
+        assert answered == {"/healthz": answered.get("/healthz", 0),
+                            hit.removeprefix(base): elfs.prog.debug.stat().st_size}, answered
+        assert all(closed_by_server), sum(not c for c in closed_by_server)
+        assert await _stop(proc, drain) == 0
+    finally:
+        await _reap(proc)  # a failed assertion must not leave it running
     assert b"Traceback" not in out, out.decode()[-4000:]
     assert len(out) < 20_000, f"{len(out)} bytes of log:\n{out[-3000:].decode()}"
 
@@ -206,20 +217,23 @@ async def test_malformed_requests_are_logged_in_one_line_each_and_rate_limited(
     workers = 2  # each serving process limits its own log
     base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"),
                                           f"access_log = false\nworkers = {workers}\n")
-    port = int(base.rsplit(":", 1)[1])
-    bad = [b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n",  # garbage after a good one
-           b"GET /\x00 HTTP/1.1\r\n\r\n",
-           b"GET / HTTP/1.1\r\nX-Huge: " + b"a" * 70_000 + b"\r\n\r\n"] * 7
-    started = time.monotonic()
-    for raw in bad:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(raw)
-        with contextlib.suppress(OSError):
-            await asyncio.wait_for(reader.read(), 10)
-        writer.close()
-    async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
-        assert r.status == 200
-    assert await _stop(proc, drain) == 0
+    try:
+        port = int(base.rsplit(":", 1)[1])
+        bad = [b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n",  # garbage after a good one
+               b"GET /\x00 HTTP/1.1\r\n\r\n",
+               b"GET / HTTP/1.1\r\nX-Huge: " + b"a" * 70_000 + b"\r\n\r\n"] * 7
+        started = time.monotonic()
+        for raw in bad:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(raw)
+            with contextlib.suppress(OSError):
+                await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
+            assert r.status == 200
+        assert await _stop(proc, drain) == 0
+    finally:
+        await _reap(proc)  # a failed assertion must not leave it running
     text = out.decode(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     lines = [ln for ln in text.splitlines() if "bad request from 127.0.0.1" in ln]
@@ -265,23 +279,26 @@ async def test_a_gzip_bomb_sent_with_content_encoding_never_holds_the_loop(
     refused one for 10 s: one 4 MB bomb held /healthz and every hit that long, whatever the
     answer. symgate inflates bodies itself, bounded, in threads."""
     base, proc, out, drain = await _serve(tmp_path, faults.url_for("ok"), "access_log = false\n")
-    bomb = _gzip_bomb(4)
-    gzipped = {"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"}
+    try:
+        bomb = _gzip_bomb(4)
+        gzipped = {"Content-Encoding": "gzip", "Content-Type": "application/octet-stream"}
 
-    async def send(method: str, path: str, **headers: str) -> int:
-        async with aiohttp.ClientSession() as s, \
-                s.request(method, base + path, data=bomb, headers={**gzipped, **headers}) as r:
-            return r.status
+        async def send(method: str, path: str, **headers: str) -> int:
+            async with aiohttp.ClientSession() as s, \
+                    s.request(method, base + path, data=bomb, headers={**gzipped, **headers}) as r:
+                return r.status
 
-    for method, path, headers, status in [
-            ("POST", "/symbolize", {}, 413),
-            ("POST", "/symbolize", {"Content-Type": "text/plain"}, 415),
-            ("POST", "/symbolize/otlp", {"Content-Type": "application/x-protobuf"}, 413),
-            ("POST", f"/buildid/{elfs.prog.build_id}/debuginfo", {}, 405)]:
-        got, worst = await _worst_wait(base, send(method, path, **headers))
-        assert got == status, (path, got)
-        assert worst < 1.0, f"{method} {path}: /healthz took {worst:.2f} s"
-    assert await _stop(proc, drain) == 0
+        for method, path, headers, status in [
+                ("POST", "/symbolize", {}, 413),
+                ("POST", "/symbolize", {"Content-Type": "text/plain"}, 415),
+                ("POST", "/symbolize/otlp", {"Content-Type": "application/x-protobuf"}, 413),
+                ("POST", f"/buildid/{elfs.prog.build_id}/debuginfo", {}, 405)]:
+            got, worst = await _worst_wait(base, send(method, path, **headers))
+            assert got == status, (path, got)
+            assert worst < 1.0, f"{method} {path}: /healthz took {worst:.2f} s"
+        assert await _stop(proc, drain) == 0
+    finally:
+        await _reap(proc)  # a failed assertion must not leave it running
     assert b"Traceback" not in out, out.decode()[-3000:]
 
 
