@@ -6,6 +6,7 @@ through as surrogates that SQL then refuses. These helpers say "not usable" inst
 
 from __future__ import annotations
 
+import email.utils
 import re
 
 _DECIMAL = re.compile(r"[0-9]+")
@@ -21,6 +22,26 @@ def decimal(value: str | None) -> int | None:
     if not _DECIMAL.fullmatch(text):
         return None
     return int(text) if len(text) <= _MAX_DIGITS else 10**_MAX_DIGITS
+
+
+# The file times every filesystem a cache may sit on keeps as they are (some clamp at 2038).
+_LATEST_TIME = 2**31
+
+
+def http_date(value: str | None) -> str | None:
+    """An HTTP date as the cached file's mtime will give it back on every later hit: parsed,
+    written again in RFC 9110's form; None for one that does not parse or that a file's time
+    would not keep (before 1970, past 2038): a miss must not say one Last-Modified and the hits
+    after it another."""
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not 0 <= when < _LATEST_TIME:
+        return None
+    return email.utils.formatdate(when, usegmt=True)
 
 
 def printable(value: str | None, max_length: int = 1024) -> str | None:

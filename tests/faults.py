@@ -41,6 +41,7 @@ class FaultUpstream:
         self.requests: collections.Counter[str] = collections.Counter()
         self.headers: list[dict[str, str]] = []
         self.paths: list[str] = []  # raw request paths, as they arrived
+        self.last_modified: str | None = None  # sent as Last-Modified where set
         self.first_byte_delay = 5.0
         self.chunk_size = 1024 * 1024
         self.chunk_delay = 0.05
@@ -175,6 +176,8 @@ class FaultUpstream:
             data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
         response = web.StreamResponse(headers={
             "Content-Type": "application/octet-stream", "X-DEBUGINFOD-FILE": path.name})
+        if self.last_modified is not None:
+            response.headers["Last-Modified"] = self.last_modified
         if mode != "chunked":  # chunked: an upstream that does not say how big the file is
             response.headers["X-DEBUGINFOD-SIZE"] = str(len(data))
             response.content_length = len(data)

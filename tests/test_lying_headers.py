@@ -15,6 +15,7 @@ import pytest
 
 from proxy.headers import decimal, printable
 from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory
 
 
@@ -160,3 +161,26 @@ async def test_a_body_longer_than_announced_never_reaches_a_client_whole(
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize(("sent", "said"), [
+    ("Tue, 15 Nov 1994 08:12:31 GMT", "Tue, 15 Nov 1994 08:12:31 GMT"),
+    ("Tuesday, 15-Nov-94 08:12:31 GMT", "Tue, 15 Nov 1994 08:12:31 GMT"),  # RFC 850's form
+    ("Fri, 31 Dec 9999 23:59:59 GMT", None),  # a time no file keeps (ext4 said 2446)
+    ("Mon, 01 Jan 1900 00:00:00 GMT", None),  # before 1970 (ext4 said 1901)
+    ("yesterday", None)])
+async def test_a_miss_says_the_last_modified_its_hits_will_say(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, sent: str,
+    said: str | None
+) -> None:
+    """A miss passed the upstream's Last-Modified on as it came; the hits after it give the
+    cached file's time, which the filesystem clamps or which was never set."""
+    faults.last_modified = sent
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, miss, _ = await sg.get(path)
+    assert status == 200 and miss.get("Last-Modified") == said
+    status, hit, _ = await sg.get(path)
+    assert status == 200
+    if said is not None:
+        assert hit["Last-Modified"] == said

@@ -15,7 +15,7 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.headers import decimal, printable
+from proxy.headers import decimal, http_date, printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import BreakerState, ProxyMetrics
 from proxy.sources import redirects
@@ -59,7 +59,7 @@ class UpstreamBody:
             size=size,
             filename=printable(h.get("X-DEBUGINFOD-FILE"), 4096),
             archive=printable(h.get("X-DEBUGINFOD-ARCHIVE"), 4096),
-            last_modified=printable(h.get("Last-Modified"), 64),
+            last_modified=http_date(h.get("Last-Modified")),
             ima_signature=printable(h.get(IMA_SIGNATURE), MAX_IMA_SIGNATURE),
             framed=size is not None or "Content-Length" in h
             or "chunked" in h.get("Transfer-Encoding", "").lower()
