@@ -7,7 +7,6 @@ import contextlib
 import logging
 import random
 import time
-import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,6 +15,7 @@ from yarl import URL
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, http_date, printable
+from proxy.inflating import CODINGS, Inflater, Unreadable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import BreakerState, ProxyMetrics
 from proxy.sources import redirects
@@ -73,23 +73,30 @@ class UpstreamBody:
         content = self._response.content
         encoding = self._response.headers.get("Content-Encoding", "identity").strip().lower()
         try:
-            inflater = _Inflater(encoding) if encoding not in ("", "identity") else None
+            inflater = None
+            if encoding not in ("", "identity"):
+                if encoding not in CODINGS:
+                    raise Unreadable(f"unsupported Content-Encoding {printable(encoding, 32)}")
+                # symgate asks for identity; some servers send gzip anyway, or raw deflate.
+                inflater = Inflater(CODINGS[encoding], raw_deflate=True)
             while True:
                 # The idle limit is timed here rather than as aiohttp's sock_read, which would
                 # also cut short the wait for the headers that first_byte_timeout_s allows.
                 async with asyncio.timeout(idle):
                     chunk = await content.read(CHUNK)
                 if not chunk:
-                    if inflater is not None and not inflater.finished:
+                    if inflater is not None:
                         # aiohttp checks this for deflate only: a gzip stream cut short at a
                         # whole Content-Length would otherwise be a short file taken as whole.
-                        raise _Unfinished(f"{encoding} body cut off before its end")
+                        inflater.end()
                     return
-                for part in inflater.inflate(chunk) if inflater is not None else (chunk,):
+                # A piece at a time, each checked against the limits by the download before
+                # the next is inflated: not all a bomb's chunk inflates to at once.
+                for part in inflater.pieces(chunk) if inflater is not None else (chunk,):
                     self.upstream.metrics.upstream_bytes.labels(name).inc(len(part))
                     yield part
-        except _Unfinished as e:
-            error = UpstreamUnavailable(f"{name}: {e}")
+        except Unreadable as e:
+            error = UpstreamUnavailable(f"{name}: {encoding} body unreadable ({e})")
             self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason)
             raise error from e
         except TimeoutError as e:
@@ -103,44 +110,6 @@ class UpstreamBody:
 
     def close(self) -> None:
         self._response.close()
-
-
-class _Unfinished(Exception):
-    pass
-
-
-class _Inflater:
-    """A compressed body (symgate asks for identity; some servers send gzip anyway), inflated
-    a chunk at a time, no call making more than CHUNK bytes (a bomb costs no more memory than
-    a plain body), and `finished` only once the stream's own end (and gzip's CRC) came."""
-
-    def __init__(self, encoding: str) -> None:
-        if encoding in ("gzip", "x-gzip"):
-            self._wbits: int | None = 16 + zlib.MAX_WBITS
-        elif encoding == "deflate":
-            self._wbits = None  # zlib-wrapped, or raw as some servers send it: seen at once
-        else:
-            raise _Unfinished(f"unsupported Content-Encoding {printable(encoding, 32)}")
-        self._d: zlib._Decompress | None = None
-        self.finished = False
-
-    def inflate(self, data: bytes) -> list[bytes]:
-        out = []
-        if self._d is None:
-            wbits = self._wbits
-            if wbits is None:
-                wbits = zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS
-            self._d = zlib.decompressobj(wbits)
-        try:
-            while data and not self.finished:
-                part = self._d.decompress(data, CHUNK)
-                data = self._d.unconsumed_tail
-                self.finished = self._d.eof
-                if part:
-                    out.append(part)
-        except zlib.error as e:
-            raise _Unfinished(f"corrupt compressed body ({e})") from None
-        return out
 
 
 class Upstream:

@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator
-from typing import cast
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 
 from aiohttp import web
-from isal import isal_zlib
 
 from proxy.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-
-# isal's stubs declare its error an instance of Exception; it is the class.
-_ZLIB_ERROR = cast("type[Exception]", isal_zlib.error)
-_GZIP = 16 + isal_zlib.MAX_WBITS
-# The codings taken, as window bits: HTTP's "deflate" is the zlib format (RFC 9110 8.4.1.2).
-_WBITS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": isal_zlib.MAX_WBITS}
-# Inflated at most this much per step: what one step in a thread costs, and what a bomb
-# costs in memory before its reader refuses it.
-PIECE = 1 << 20
+from proxy.inflating import CODINGS, Inflater, Unreadable
 
 
 def coding_of(request: web.BaseRequest) -> int | None:
@@ -36,39 +26,10 @@ def coding_of(request: web.BaseRequest) -> int | None:
     coding = request.headers.get("Content-Encoding", "").strip().lower()
     if coding in ("", "identity"):
         return None
-    if coding not in _WBITS:
+    if coding not in CODINGS:
         raise UnsupportedMediaType(f"unsupported Content-Encoding {coding!r}: send the body "
                                    "as it is, or with gzip or deflate")
-    return _WBITS[coding]
-
-
-class _Inflater:
-    """One body's inflating, fed as its bytes come. gzip's members are inflated one after
-    another, as gzip itself reads `cat a.gz b.gz`."""
-
-    def __init__(self, wbits: int) -> None:
-        self._wbits = wbits
-        self._inflater = isal_zlib.decompressobj(wbits=wbits)
-
-    def pieces(self, data: bytes) -> Iterator[bytes]:
-        """What `data` inflates to, PIECE bytes at most at a time."""
-        try:
-            while data:
-                if self._inflater.eof:  # a member ended and more bytes came
-                    if self._wbits != _GZIP:
-                        raise _unreadable("bytes after the end of its deflate stream")
-                    self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
-                out = self._inflater.decompress(data, PIECE)
-                data = self._inflater.unused_data if self._inflater.eof \
-                    else self._inflater.unconsumed_tail
-                if out:
-                    yield out
-        except _ZLIB_ERROR as e:
-            raise _unreadable(str(e)) from None
-
-    def end(self) -> None:
-        if not self._inflater.eof:
-            raise _unreadable("it ends before its compressed stream does")
+    return CODINGS[coding]
 
 
 def _unreadable(why: str) -> InvalidRequest:
@@ -78,14 +39,17 @@ def _unreadable(why: str) -> InvalidRequest:
 
 
 async def inflated(chunks: AsyncIterable[bytes], wbits: int) -> AsyncGenerator[bytes, None]:
-    """`chunks` inflated, a step of PIECE bytes at most at a time in a thread: never on the
-    event loop, and no further than the caller reads."""
-    inflater = _Inflater(wbits)
-    async for chunk in chunks:
-        pieces = inflater.pieces(chunk)
-        while piece := await asyncio.to_thread(next, pieces, b""):
-            yield piece
-    inflater.end()
+    """`chunks` inflated, a piece (proxy.inflating.PIECE) at most at a time, each in a
+    thread: never on the event loop, and no further than the caller reads."""
+    inflater = Inflater(wbits)
+    try:
+        async for chunk in chunks:
+            pieces = inflater.pieces(chunk)
+            while piece := await asyncio.to_thread(next, pieces, b""):
+                yield piece
+        inflater.end()
+    except Unreadable as e:
+        raise _unreadable(str(e)) from None
 
 
 async def _one(body: bytes) -> AsyncIterator[bytes]:

@@ -1,0 +1,65 @@
+"""A body sent with a Content-Encoding, inflated a bounded piece at a time: a request's
+(proxy.web.content_encoding) and an upstream's (proxy.sources.debuginfod) alike. Neither is
+left to aiohttp, which inflates on the event loop as it reads, and checks that a stream
+reached its end for deflate only.
+
+A piece is inflated only when its reader asks for it, so a reader that has had enough (a
+limit passed) stops the inflating: a bomb costs what its reader takes, not what it holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import cast
+
+from isal import isal_zlib
+
+# isal's stubs declare its error an instance of Exception; it is the class.
+_ZLIB_ERROR = cast("type[Exception]", isal_zlib.error)
+GZIP = 16 + isal_zlib.MAX_WBITS
+# HTTP's "deflate" is the zlib format (RFC 9110 8.4.1.2).
+DEFLATE = isal_zlib.MAX_WBITS
+# The codings taken, as window bits.
+CODINGS = {"gzip": GZIP, "x-gzip": GZIP, "deflate": DEFLATE}
+# Inflated at most this much per piece.
+PIECE = 1 << 20
+
+
+class Unreadable(Exception):
+    """The body is not the compressed stream it says it is, or ends before that does."""
+
+
+class Inflater:
+    """One body's inflating, fed as its bytes come. gzip's members are inflated one after
+    another, as gzip itself reads `cat a.gz b.gz`. With `raw_deflate`, a "deflate" body
+    without the zlib header (as some servers send it) is taken as the raw stream it is."""
+
+    def __init__(self, wbits: int, *, raw_deflate: bool = False) -> None:
+        self._wbits = wbits
+        self._sniff = raw_deflate and wbits == DEFLATE
+        self._inflater = isal_zlib.decompressobj(wbits=wbits)
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        """What `data` inflates to, PIECE bytes at most at a time."""
+        if self._sniff and data:
+            self._sniff = False
+            if data[0] & 0x0F != 8:  # not a zlib header's deflate method
+                self._wbits = -DEFLATE
+                self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
+        try:
+            while data:
+                if self._inflater.eof:  # a member ended and more bytes came
+                    if self._wbits != GZIP:
+                        raise Unreadable("bytes after the end of its deflate stream")
+                    self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
+                out = self._inflater.decompress(data, PIECE)
+                data = self._inflater.unused_data if self._inflater.eof \
+                    else self._inflater.unconsumed_tail
+                if out:
+                    yield out
+        except _ZLIB_ERROR as e:
+            raise Unreadable(str(e)) from None
+
+    def end(self) -> None:
+        """The body ended: Unreadable unless its compressed stream did too."""
+        if not self._inflater.eof:
+            raise Unreadable("it ends before its compressed stream does")
