@@ -458,6 +458,9 @@ class ArtifactService:
         if self.tier is None:
             return None
         kh = key_hash(tenant, key)
+        # A temp file and a flight only for a copy there is: most misses of a tenant's have none.
+        if kh not in self._flights and not await self.tier.holds(kh):
+            return None
         flight = self._flights.get(kh)
         if flight is None:
             temp, fd = self._new_temp()
