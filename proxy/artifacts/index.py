@@ -384,10 +384,7 @@ class ArtifactCache:
             del self._unsynced[rec.key_hash]  # kept while SQL was failing: its file goes now
         # Whichever commit memory holds: none is on disk once the file goes (a stale one is
         # another process's earlier removal, whose notice this one has not polled yet).
-        self._drop(rec.key_hash)
-        key = ArtifactKey.from_id(rec.key)
-        self.store.remove_artifact(rec.scope, key)
-        await self._notify_evicted([(rec.scope, key)])
+        await self._let_go(rec.key_hash, rec.scope, ArtifactKey.from_id(rec.key))
 
     async def purged(self, notice: PurgeNotice) -> None:
         """Apply a purge notice: an operator's purge of every version of a key, or the one
@@ -431,9 +428,7 @@ class ArtifactCache:
                 self._drop(kh)
                 await self._notify(self.forgotten, [(notice.scope, key)])
             return
-        self._drop(kh)
-        self.store.remove_artifact(notice.scope, key)
-        await self._notify_evicted([(notice.scope, key)])
+        await self._let_go(kh, notice.scope, key)
 
     async def vanished(self, rec: ArtifactRecord) -> None:
         """This commit's file was found missing (an operator, a disk cleaner, another process's
@@ -451,6 +446,13 @@ class ArtifactCache:
         self.store.remove_artifact(scope, key)
         await self._notify_evicted([(scope, key)])
         return True
+
+    async def _let_go(self, kh: str, scope: str, key: ArtifactKey) -> None:
+        """Out of this process's memory and off the disk, and the listeners told (symbol
+        tables built from it, hot files); its rows are the caller's."""
+        self._drop(kh)
+        self.store.remove_artifact(scope, key)
+        await self._notify_evicted([(scope, key)])
 
     async def _notify_evicted(self, keys: list[tuple[str, ArtifactKey]]) -> None:
         await self._notify(self.evicted, keys)
