@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, make_config
@@ -94,8 +95,15 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
         status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
         assert status == 200 and body == path.read_bytes()
 
-    async def built() -> bool:  # the symbol table build holds a lease on what it reads
-        return await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
+    # Both files evictable before the disk fills again: the executable is committed after
+    # its client's last byte (not before the response ends), a symbol-table build holds a
+    # lease on what it reads, and the executable's commit starts table work of its own.
+    await sg.settled()
+    symbols = sg.runner.app[STATE].symbols
+
+    async def built() -> bool:
+        return (not symbols.busy
+                and await sg.metric("symgate_symtab_builds_total", result="ok") >= 1)
 
     await eventually(built)
     _fill(filler)  # full again, but now something can be evicted
