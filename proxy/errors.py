@@ -105,9 +105,10 @@ class NotCached(SymgateError):
     outcome = Outcome.NOT_CACHED
 
 
-class InsufficientStorage(SymgateError):
+class InsufficientStorage(SymgateError, TryAgain):
     """The disk (or quota) holding the cache or its database is full: answered 507 with
-    Retry-After, since space comes back as eviction and operators free it."""
+    Retry-After, since space comes back as eviction and operators free it. A profile that
+    needs a file or a table it cannot store is refused whole, like one whose worker died."""
 
     outcome = Outcome.INTERNAL
 

@@ -18,9 +18,11 @@ import pytest
 
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from tests.elfs import ElfSet
+from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, make_config
+from tests.profiles import make_profile, place
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 
 def _tmpfs(mnt: Path, options: str) -> Iterator[Path]:
@@ -226,3 +228,61 @@ async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
     assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
     status, _, body = await sg.get(path)
     assert status == 200 and body == elfs.other.debug.read_bytes()
+
+
+def _debug_tree(root: Path, *elfs: Elf) -> Path:
+    """A local debug directory, off the full disk, as a distribution's debug packages make."""
+    for elf in elfs:
+        folder = root / ".build-id" / elf.build_id[:2]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)
+        (folder / elf.build_id[2:]).symlink_to(elf.executable)
+    return root
+
+
+def _profile_of(elf: Elf, base: int) -> bytes:
+    placed = place(elf, base)
+    return make_profile([(placed, [placed.text.vaddr + 16])]).SerializeToString()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Debug files from a local tree, off the full disk; their tables go to the data dir on
+    it. A build evicts what it can, as a fetch does. With nothing to evict, a 200 with the
+    mapping bare would be kept by a profiling backend for good: the whole profile is refused
+    with Retry-After instead, and nothing about the build ID is remembered, so the next
+    profile after space is back gets its names."""
+    tree = _debug_tree(tmp_path / "debug", elfs.prog, elfs.nopie)
+    sg = await start_symgate([faults.url_for("ok")], data_dir=small_disk / "data",
+                             symbolize=symbolize_config(debug_dirs=(tree,)))
+    other = f"/buildid/{elfs.other.build_id}/debuginfo"
+    assert (await sg.get(other))[0] == 200
+    await sg.settled()
+    symbols = sg.runner.app[STATE].symbols
+    await eventually(lambda: _true(not symbols.busy))  # its prebuild lets go of it
+    filler = small_disk / "filler"
+    _fill(filler)
+    status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
+    assert status == 200, text
+    assert any(parse(text).function)
+    assert await sg.metric("symgate_cache_evictions_total") == 1
+
+    _fill(filler)  # what the eviction freed, and nothing left to evict
+    nopie = _profile_of(elfs.nopie, BASES["nopie"])
+    status, headers, text = await post(sg, nopie)
+    assert status == 507, text
+    assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    assert b"degraded" in (await sg.get("/healthz"))[2]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+    filler.unlink()
+    status, _, text = await post(sg, nopie)
+    assert status == 200, text
+    assert any(parse(text).function), "named once there is room for the table"

@@ -495,7 +495,7 @@ class ArtifactService:
         if isinstance(error, SymgateError):
             flight.fail(error)
         elif is_disk_full(error):
-            flight.fail(self._disk_full(error))
+            flight.fail(self.disk_full(error))
         else:
             log.exception("%s %s failed", doing, key.id)
             flight.fail(SymgateError(f"internal error while {doing}"))
@@ -636,7 +636,7 @@ class ArtifactService:
                                             when.timestamp() if when is not None else None)
         except OSError as e:
             if e.errno in _NO_SPACE:
-                self._disk_full(e)
+                self.disk_full(e)
             log.warning("%s was served but could not be cached: %s", key.id, e)
             return
         self.cache.health.ok(DISK)
@@ -825,7 +825,7 @@ class ArtifactService:
             # one per chunk.
             if await self.cache.make_room(2 * (offset + len(chunk))) == 0:
                 break
-        raise self._disk_full(error) from error
+        raise self.disk_full(error) from error
 
     def _claim(self, kh: str) -> Claim | None:
         try:
@@ -846,12 +846,12 @@ class ArtifactService:
         condition of the server, answered with Retry-After; any other OSError is a real fault
         and is left to the caller to raise."""
         if error.errno in _NO_SPACE:
-            raise self._disk_full(error) from error
+            raise self.disk_full(error) from error
         if error.errno in _NO_DESCRIPTORS:
             log.warning("cannot open a cache file: %s", error)
             raise OutOfResources("the server is out of file descriptors; retry later") from error
 
-    def _disk_full(self, error: BaseException) -> InsufficientStorage:
+    def disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"
         self.cache.health.fail(DISK, reason)
         log.warning("%s", reason)

@@ -23,7 +23,7 @@ from proxy.artifacts.service import ArtifactService, Streaming
 from proxy.errors import NotFound, SymgateError
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
-from proxy.store.repository import SymbolTableRecord
+from proxy.store.repository import SymbolTableRecord, is_disk_full
 from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
@@ -40,7 +40,14 @@ from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
+from symbolize.symtab import (
+    FORMAT,
+    BuildResult,
+    MalformedObject,
+    NoSymbols,
+    TableSpec,
+    names_from_executable,
+)
 
 log = logging.getLogger(__name__)
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
@@ -220,6 +227,8 @@ class SymbolResolver:
         self._metrics.symtab_cache.labels("miss").inc()
         try:
             source = await self._find_source(req, build_id)
+        except TryAgain:
+            raise  # the server's passing trouble (a full disk), not the build ID's
         except SymgateError as e:
             log.info("no symbols for %s: %s", build_id, e.reason)
             return e.outcome
@@ -378,9 +387,7 @@ class SymbolResolver:
         scope = source.scope
         outcome, error, result = Outcome.OK, None, None
         try:
-            result = await self._pool.build(source.path, self._tables.path(scope, build_id),
-                                            build_id,
-                                            source.executable and source.executable[0])
+            result = await self._build_with_room(build_id, source)
         except NoSymbols as e:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
@@ -402,6 +409,28 @@ class SymbolResolver:
         log.info("symbol table for %s built from %s in %.3fs (%d bytes)", build_id,
                  source.source_key, result.seconds, result.size)
         return scope, self._remember(rec)
+
+    async def _build_with_room(self, build_id: str, source: _Source) -> BuildResult:
+        """Build; on a full disk, evict as a fetch does and try once more. Still no room:
+        InsufficientStorage (nothing about the file to remember; the profile is refused with
+        Retry-After, as a fetch that cannot be stored is)."""
+        out = self._tables.path(source.scope, build_id)
+        exe = source.executable and source.executable[0]
+        try:
+            return await self._pool.build(source.path, out, build_id, exe)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            error = e
+        # A table is smaller than the file it is built from: that much room is enough.
+        if await self._artifacts.cache.make_room(_size_of(source.path)) > 0:
+            try:
+                return await self._pool.build(source.path, out, build_id, exe)
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                error = e
+        raise self._artifacts.disk_full(error) from error
 
     def _executable_layout(self, req: RequestScope, build_id: str
                            ) -> asyncio.Future[_Layout]:
@@ -439,9 +468,13 @@ class SymbolResolver:
             return
         pending = self._resolving.get((scope, key.build_id))
         if pending is None:
-            self._track((scope, key.build_id), self._prebuild(scope, key))
+            started = self._track((scope, key.build_id), self._prebuild(scope, key))
         elif key.kind is Kind.DEBUGINFO:
-            self._track((scope, key.build_id), self._prebuild_after(pending, scope, key))
+            started = self._track((scope, key.build_id),
+                                  self._prebuild_after(pending, scope, key))
+        else:
+            return
+        started.add_done_callback(_passing_trouble_told)
 
     async def _prebuild_after(self, pending: asyncio.Future[_Found], scope: str,
                               key: ArtifactKey) -> _Found:
@@ -549,3 +582,17 @@ class _ScopedProvider:
 
     async def unreadable(self, build_id: str) -> None:
         await self._resolver.unreadable(self._req, build_id)
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _passing_trouble_told(done: asyncio.Future[_Found]) -> None:
+    """A prebuild that met the server's passing trouble (a full disk, a lost worker) has
+    nobody to refuse: it is told here, and the next profile that needs the table builds it."""
+    if not done.cancelled() and (error := done.exception()) is not None:
+        log.warning("symbol table prebuild not done: %s", error)
