@@ -200,6 +200,10 @@ async def test_range_requests_on_cached_artifacts(
             assert await reader.readexactly(length) == elfs.prog.debug.read_bytes()[16:48]
     finally:
         writer.close()
+    # A range unit the server does not know is ignored (RFC 9110 14.2: MUST): the whole file.
+    status, headers, body = await sg.get(path, headers={"Range": "items=0-1"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert "Content-Range" not in headers
 
 
 async def test_maxsize_is_406_cold_and_warm(

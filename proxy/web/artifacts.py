@@ -225,6 +225,7 @@ class _SentFile(web.StreamResponse):
         self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        request = _without_foreign_range(request)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
@@ -273,6 +274,7 @@ class _LeasedFileResponse(web.FileResponse):
             raise
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        request = _without_foreign_range(request)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 _bound_unsent(request)
@@ -285,6 +287,17 @@ class _LeasedFileResponse(web.FileResponse):
         if request.method != "HEAD":
             self._symgate.metrics.served_from_cache.inc(self.content_length or 0)
         return writer
+
+
+def _without_foreign_range(request: web.BaseRequest) -> web.BaseRequest:
+    """`request` without a Range of a unit other than bytes, which a server must ignore
+    (RFC 9110, 14.2) and FileResponse would refuse with 416."""
+    asked = request.headers.get("Range")
+    if asked is None or asked.lstrip()[:6].lower() == "bytes=":
+        return request
+    headers = request.headers.copy()
+    del headers["Range"]
+    return request.clone(headers=headers)
 
 
 async def _send_streaming(
