@@ -25,5 +25,5 @@ class Outcome(StrEnum):
 
 class TryAgain(Exception):
     """Not the thing's own outcome but the asker's trouble, which passes (its worker process
-    died, its disk is full): a profile waiting on it is refused as a whole, to be sent again, rather than
-    answered with that mapping bare (a backend keeps a 200 for good)."""
+    died, its disk is full): a profile waiting on it is refused as a whole, to be sent again,
+    rather than answered with that mapping bare (a backend keeps a 200 for good)."""
