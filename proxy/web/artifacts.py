@@ -225,7 +225,6 @@ class _SentFile(web.StreamResponse):
         self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        request = _without_foreign_range(request)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
