@@ -10,9 +10,11 @@ import socket
 
 import aiohttp
 
-from proxy.web.file_sends import UNSENT_BYTES
+from proxy.web.connections import ConnectionGuard
+from proxy.web.fast_hits import FastHits
+from proxy.web.state import STATE
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, Symgate, SymgateFactory
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
 
 # More clients that stop reading than the server has cores, or any pool would have threads.
 STALLED = 5
@@ -101,39 +103,69 @@ async def test_many_clients_at_once_get_the_same_big_file(
     assert all(status == 200 and body == expected for status, _, body in bodies)
 
 
-async def test_a_client_socket_holds_little_unsent_and_a_slow_reader_still_gets_every_byte(
+async def test_a_big_hit_is_corked_until_its_last_byte_and_a_slow_reader_gets_every_byte(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    """sendfile(2) would queue a whole file in the socket at once; while a cached file is sent,
-    the server's side of the connection keeps at most UNSENT_BYTES unsent, so a big hit goes
-    out in many sendfile calls, each when the socket has drained: a slow reader gets every byte
-    once, in order; and so does the next response on the connection, the bound still set."""
+    """A cached file goes out corked (full frames only, its head with its first bytes), in
+    many sendfile calls as the socket drains: a slow reader gets every byte once, in order,
+    and the socket is uncorked after the last byte, so that the next response on the
+    connection (a small hit, then the big file again) is not held back."""
     sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
+    small, small_body = f"/buildid/{elfs.prog.build_id}/debuginfo", elfs.prog.debug.read_bytes()
+    assert (await sg.get(small))[0] == 200
     host, port = sg.url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
+
+    async def one_connection(paths: list[tuple[str, bytes]]) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
+
+        async def uncorked() -> bool:
+            return _server_side(sock.getsockname(), socket.TCP_CORK) == 0
+
+        try:
+            for path, body in paths:
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200"), head
+                if body is small_body:
+                    assert await asyncio.wait_for(reader.readexactly(len(body)), 30) == body
+                    continue
+                got = bytearray(await reader.readexactly(1024 * 1024))
+                assert _server_side(sock.getsockname(), socket.TCP_CORK) == 1  # mid-file
+                while len(got) < len(expected):  # slowly: the server waits on a full socket
+                    got += await asyncio.wait_for(
+                        reader.read(min(64 * 1024, len(expected) - len(got))), 30)
+                    await asyncio.sleep(0.0005)
+                assert bytes(got) == expected
+                await eventually(uncorked)
+        finally:
+            writer.close()
+
+    # aiohttp's path (the file's first hit) ...
+    await one_connection([(big, expected), (small, small_body), (big, expected)])
+    # ... then the quick one, which `symgate serve` puts before aiohttp: a new connection's
+    # first request, the file hot by then (proxy.web.fast_hits).
+    runner, config = sg.runner, sg.config.server
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, 64, config.retry_after_s, config.header_timeout_s,
+                            config.send_timeout_s)
+    guard.quick = FastHits(runner.app[STATE], None)
+    listener = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
+    host, port = "127.0.0.1", str(listener.sockets[0].getsockname()[1])
     try:
-        for _ in range(2):  # the second on the same connection
-            writer.write(f"GET {big} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-            await writer.drain()
-            head = await reader.readuntil(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200"), head
-            got = bytearray(await reader.readexactly(1024 * 1024))
-            assert _server_side_bound(sock.getsockname()) == UNSENT_BYTES  # mid-file
-            while len(got) < len(expected):  # slowly: the server waits on a full socket
-                got += await asyncio.wait_for(
-                    reader.read(min(64 * 1024, len(expected) - len(got))), 30)
-                await asyncio.sleep(0.0005)
-            assert bytes(got) == expected
+        before = await sg.metric("symgate_quick_hits_total")
+        await one_connection([(big, expected), (small, small_body)])
+        assert await sg.metric("symgate_quick_hits_total") == before + 2
     finally:
-        writer.close()
+        listener.close()
 
 
-def _server_side_bound(client: tuple[str, int]) -> int:
-    """TCP_NOTSENT_LOWAT of the in-process server's end of the connection from `client`."""
+def _server_side(client: tuple[str, int], option: int) -> int:
+    """A TCP option of the in-process server's end of the connection from `client`."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -150,7 +182,7 @@ def _server_side_bound(client: tuple[str, int]) -> int:
             try:
                 if s.family == socket.AF_INET and s.type == socket.SOCK_STREAM \
                         and s.getpeername() == client:
-                    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+                    return s.getsockopt(socket.IPPROTO_TCP, option)
             except OSError:  # not connected, or gone meanwhile
                 continue
     raise AssertionError(f"no server-side socket for {client}")

@@ -25,7 +25,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.errors import cut_off
-from proxy.web.file_sends import bound_unsent, send_whole
+from proxy.web.file_sends import cork, send_whole
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -180,11 +180,6 @@ def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | N
     return hot
 
 
-def _bound_unsent(request: web.BaseRequest) -> None:
-    transport = request.transport
-    bound_unsent(transport.get_extra_info("socket") if transport is not None else None)
-
-
 def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:
     """A sendfile(2) the kernel's send timeout ended (proxy.web.send_timeout): the error went
     to the sendfile, which had the socket, so the connection's end does not tell it. Raised
@@ -225,12 +220,14 @@ class _SentFile(web.StreamResponse):
         self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("Connection lost")
+        sock = transport.get_extra_info("socket")
+        cork(sock)  # the head goes with the file's first bytes (file_sends)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
-                transport = request.transport
-                if transport is None:
-                    raise ConnectionResetError("Connection lost")
                 await send_whole(transport, self._file, self._size, self._key.id)
                 await super().write_eof()
         except BaseException as e:
@@ -239,6 +236,7 @@ class _SentFile(web.StreamResponse):
                 _note_send_timeout(self._symgate, request, e)
             raise
         finally:
+            cork(sock, on=False)  # unless the send was reached, which uncorked it already
             self._file.close()
         self._symgate.metrics.served_from_cache.inc(self._size)
         return writer
@@ -276,7 +274,6 @@ class _LeasedFileResponse(web.FileResponse):
         request = _without_foreign_range(request)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
-                _bound_unsent(request)
                 writer = await super().prepare(request)
         except OSError as e:
             _note_send_timeout(self._symgate, request, e)

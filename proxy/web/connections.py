@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from proxy.web.file_sends import send_whole
+from proxy.web.file_sends import cork, send_whole
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ class _Counted(asyncio.Protocol):
                     transport.write(answer)
                     self._answered_quickly()
                 else:
+                    cork(transport.get_extra_info("socket"))  # uncorked by send_whole
                     transport.write(answer.head)
                     if transport.is_closing():  # the head's write failed: the client is gone
                         answer.finish()

@@ -1,5 +1,5 @@
 """How a cached file leaves with sendfile(2), on aiohttp's path (proxy.web.artifacts) and on
-the quick one (proxy.web.connections) alike: the bound on what its socket holds unsent, and a
+the quick one (proxy.web.connections) alike: corked from its head to its last byte, and a
 file shorter than its index entry cut, never ended as a short body."""
 
 from __future__ import annotations
@@ -12,28 +12,25 @@ from typing import IO
 
 log = logging.getLogger(__name__)
 
-# The most a client's socket may hold that TCP has not sent yet (TCP_NOTSENT_LOWAT), while a
-# cached file is sent with sendfile(2). Unbounded, sendfile queues the whole file at once (the
-# send buffer grows to 4 MiB), and the client copies it out long after: a 4.2 MB hit cost wrk
-# 2.4 ms of kernel time (perf: _copy_to_iter) against 1.0 ms with this bound, 0.85x nginx's
-# rate against 1.1-1.3x (bench/hit_cpu.py). What is in flight is not bounded, so a distant
-# client is not slowed, as a fixed SO_SNDBUF would slow it; the loop refills the socket as it
-# drains. The price: the response holds its file (and its lease) until the last bytes are
-# nearly sent, not only until they are queued. The bound stays on the connection: a later
-# streamed download or small hit on it is written in more steps when the client lags, but
-# taking it off after each file cost 10% of the 4.2 MB hit rate with 2 workers (0.89x against
-# 1.01x nginx's, four interleaved runs each).
-UNSENT_BYTES = 128 * 1024
-# Linux's option number; named in socket since Python 3.7 where the platform has it.
-_TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+# A cached file's response is corked (TCP_CORK, nginx's tcp_nopush) from its head to its last
+# byte: TCP then sends full frames only, the head in the first with the file's first bytes, and
+# the tail when uncorked. The socket's unsent bytes are not bounded (TCP_NOTSENT_LOWAT was,
+# at 128 KiB): sendfile(2) queues as much as the send buffer takes, and ACKs pull the rest out.
+# A 4.2 MB hit, against the earlier bounded, uncorked send (bench/hit_ab.py, two vCPUs, wrk on
+# loopback, medians of interleaved rounds): one worker 682 against 609 req/s (0.90x nginx's
+# rate against 0.80x), server CPU 1.38 against 1.63 ms a response; two workers 776 against
+# 800 req/s (0.92x against 0.94x), 1.35 against 1.43 ms. On loopback the client's kernel
+# takes on what the server's no longer does (wrk 0.79 against 0.70 ms, 1.13 against 1.06).
+_TCP_CORK: int | None = getattr(socket, "TCP_CORK", None)
 
 
-def bound_unsent(sock: socket.socket | None) -> None:
-    """UNSENT_BYTES on a TCP socket; nothing on another (a Unix socket) or a kernel without it."""
-    if _TCP_NOTSENT_LOWAT is not None and sock is not None \
+def cork(sock: socket.socket | None, on: bool = True) -> None:
+    """TCP_CORK on (or off) a TCP socket; nothing on another (a Unix socket), a kernel
+    without it, or a socket gone already."""
+    if _TCP_CORK is not None and sock is not None \
             and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):  # a socket gone already: as before
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, UNSENT_BYTES)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, int(on))
 
 
 class ShortFile(ConnectionResetError):
@@ -43,11 +40,16 @@ class ShortFile(ConnectionResetError):
 
 async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, name: str, *,
                      fallback: bool = True) -> None:
-    """The first `size` bytes of `file` after what `transport` sent so far, with sendfile(2)
-    under the unsent bound; raises what the send failed with, or ShortFile."""
-    bound_unsent(transport.get_extra_info("socket"))
-    sent = await asyncio.get_running_loop().sendfile(transport, file, 0, size,
-                                                     fallback=fallback)
+    """The first `size` bytes of `file` after what `transport` sent so far (its head, corked
+    by the caller), with sendfile(2), then uncorked; raises what the send failed with, or
+    ShortFile."""
+    sock = transport.get_extra_info("socket")
+    cork(sock)
+    try:
+        sent = await asyncio.get_running_loop().sendfile(transport, file, 0, size,
+                                                         fallback=fallback)
+    finally:
+        cork(sock, on=False)  # the tail goes now, and a next response on the connection too
     if sent != size:
         log.warning("cached %s is shorter than its index entry (%d of %d bytes); its response "
                     "was cut", name, sent, size)
