@@ -286,3 +286,27 @@ async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_rec
     status, _, text = await post(sg, nopie)
     assert status == 200, text
     assert any(parse(text).function), "named once there is room for the table"
+
+
+@pytest.mark.parametrize("local_executable", [True, False])
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_no_room_for_a_debug_file_is_507_not_a_table_from_the_executable(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    tmp_path: Path, local_executable: bool,
+) -> None:
+    """A debug file bigger than the whole disk: its clients get it from memory, but it is not
+    stored (the flight's store error). For a profile that is the server's passing trouble: it
+    is refused with Retry-After, as for any file it cannot store, not answered with the bare
+    names (no lines) of the executable (local, or fetched beside it), which a backend would
+    keep for good; and no table from the executable is recorded in the debug file's place."""
+    tree = tmp_path / "debug" / ".build-id" / elfs.big.build_id[:2]
+    tree.mkdir(parents=True)
+    if local_executable:
+        (tree / elfs.big.build_id[2:]).symlink_to(elfs.big.executable)
+    sg = await start_symgate([faults.url_for("ok")], data_dir=small_disk / "data",
+                             symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    assert elfs.big.debug.stat().st_size > 16 * 1024 * 1024  # more than the whole disk
+    status, headers, text = await post(sg, _profile_of(elfs.big, BASES["prog"]))
+    assert status == 507, text
+    assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0

@@ -270,7 +270,10 @@ class SymbolResolver:
                 try:
                     scope, path = await self._artifact_path(key, req)
                 except SymgateError as e:
-                    if local_exe is None:
+                    # A full disk is the server's passing trouble, not an upstream's: the
+                    # profile is refused (TryAgain), never answered with the executable's bare
+                    # names, which a backend would keep for good.
+                    if local_exe is None or isinstance(e, TryAgain):
                         raise
                     # A site cut off from its upstreams still has its own executables: their
                     # table serves until the debug file is asked for again (stale()).
@@ -317,6 +320,11 @@ class SymbolResolver:
                 result.reader.close()
             if result.flight.error is not None:
                 raise result.flight.error
+            # A file served whole but not stored for want of room is not in the cache to read:
+            # that passing trouble refuses the profile, rather than a NotFound that builds from
+            # the executable or leaves the mapping bare in a 200 kept for good.
+            if isinstance(result.flight.store_error, TryAgain):
+                raise result.flight.store_error
         # Committed here, or by the process whose download this one followed.
         cached = self._artifacts.cache.peek_any(req.visible, key) \
             or await self._artifacts.stored(req.visible, key)
