@@ -310,3 +310,40 @@ async def test_no_room_for_a_debug_file_is_507_not_a_table_from_the_executable(
     assert status == 507, text
     assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_table_whose_row_finds_no_room_in_sqlite_makes_room_or_refuses_the_profile(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SQLite where it is by default, in the data dir on the full disk: the table a build
+    made room for takes the room its row needed. The row makes room as the build does; with
+    nothing left to evict the profile is refused 507, never answered 200 with its mapping
+    bare (an internal error) that a backend would keep for good; once space is back, named."""
+    tree = _debug_tree(tmp_path / "debug", elfs.prog, elfs.nopie)
+    cfg = make_config(small_disk / "data", f"sqlite+aiosqlite:///{small_disk / 'symgate.sqlite'}",
+                      [faults.url_for("ok")], symbolize=symbolize_config(debug_dirs=(tree,)))
+    sg = await start_symgate(config=cfg)
+    for kind in ("debuginfo", "executable"):  # to evict: one for the table, one for its row
+        assert (await sg.get(f"/buildid/{elfs.other.build_id}/{kind}"))[0] == 200
+    await sg.settled()
+    symbols = sg.runner.app[STATE].symbols
+    await eventually(lambda: _true(not symbols.busy))  # their prebuilds let go of them
+    filler = small_disk / "filler"
+    _fill(filler)
+    status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
+    assert status == 200, text
+    assert any(parse(text).function), "named: the table was built and recorded"
+
+    _fill(filler)  # nothing left to evict
+    nopie = _profile_of(elfs.nopie, BASES["nopie"])
+    status, headers, text = await post(sg, nopie)
+    assert status == 507, text
+    assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+    filler.unlink()
+    status, _, text = await post(sg, nopie)
+    assert status == 200, text
+    assert any(parse(text).function), "named once there is room for the table and its row"

@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.artifacts.index import SPACE_BACK_BYTES
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
 from proxy.errors import NotFound, SymgateError
@@ -406,8 +407,7 @@ class SymbolResolver:
             # it is fetched or found again.
             log.info("symbol table for %s: its source is gone (%s)", build_id, e)
             return Outcome.NOT_FOUND
-        rec = await self._tables.record(scope, build_id, outcome, source.source_key, result,
-                                        error)
+        rec = await self._record_with_room(scope, build_id, outcome, source, result, error)
         # Counted once recorded and open, so the metric never runs ahead of the table.
         self._metrics.symtab_builds.labels(outcome).inc()
         if result is None:
@@ -439,6 +439,33 @@ class SymbolResolver:
                     raise
                 error = e
         raise self._artifacts.disk_full(error) from error
+
+    async def _record_with_room(self, scope: str, build_id: str, outcome: Outcome,
+                                source: _Source, result: BuildResult | None, error: str | None
+                                ) -> SymbolTableRecord:
+        """Record a build. SQLite sits on the data dir's disk by default, beside the tables:
+        the table just built may take the room its row needed. Made room for as the build
+        is, once; still full: the table's file removed (no row describes it, and an older
+        row would describe another table) and InsufficientStorage, the profile refused as for
+        a table that finds no room, rather than failed as an internal error in a 200."""
+        try:
+            return await self._tables.record(scope, build_id, outcome, source.source_key,
+                                             result, error)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            failure: Exception = e
+        if await self._artifacts.cache.make_room(SPACE_BACK_BYTES) > 0:
+            try:
+                return await self._tables.record(scope, build_id, outcome, source.source_key,
+                                                 result, error)
+            except Exception as e:
+                if not is_disk_full(e):
+                    raise
+                failure = e
+        if result is not None:
+            self._tables.remove_file(scope, build_id)
+        raise self._artifacts.disk_full(failure) from failure
 
     def _executable_layout(self, req: RequestScope, build_id: str
                            ) -> asyncio.Future[_Layout]:

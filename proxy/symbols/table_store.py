@@ -134,6 +134,10 @@ class TableStore:
                          segments: Sequence[LoadSegment]) -> None:
         await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
 
+    def remove_file(self, scope: str, build_id: str) -> None:
+        """The table's file alone: built, but its row could not be written (a full disk)."""
+        self._store.remove_symtab(scope, build_id)
+
     async def drop(self, scope: str, build_id: str) -> None:
         """Its source left this replica's disk. With a shared bucket the table stays the
         cluster's (its row, its object): only this replica's copy goes."""
