@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.artifacts.index import SPACE_BACK_BYTES
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
-from proxy.errors import NotFound, SymgateError
+from proxy.errors import InsufficientStorage, NotFound, SymgateError
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
 from proxy.store.repository import SymbolTableRecord, is_disk_full
@@ -41,16 +41,11 @@ from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.symtab import (
-    FORMAT,
-    BuildResult,
-    MalformedObject,
-    NoSymbols,
-    TableSpec,
-    names_from_executable,
-)
+from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
 _Found = tuple[str, OpenTable] | Outcome
 Segments = tuple[LoadSegment, ...]
@@ -396,7 +391,10 @@ class SymbolResolver:
         scope = source.scope
         outcome, error, result = Outcome.OK, None, None
         try:
-            result = await self._build_with_room(build_id, source)
+            # A table is smaller than the file it is built from: that much room is enough.
+            result = await self._with_room(lambda: self._pool.build(
+                source.path, self._tables.path(scope, build_id), build_id,
+                source.executable and source.executable[0]), _size_of(source.path))
         except NoSymbols as e:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
@@ -407,7 +405,15 @@ class SymbolResolver:
             # it is fetched or found again.
             log.info("symbol table for %s: its source is gone (%s)", build_id, e)
             return Outcome.NOT_FOUND
-        rec = await self._record_with_room(scope, build_id, outcome, source, result, error)
+        try:
+            # SQLite sits on the data dir's disk by default, beside the tables: the table
+            # just built may take the room its row needed.
+            rec = await self._with_room(lambda: self._tables.record(
+                scope, build_id, outcome, source.source_key, result, error), SPACE_BACK_BYTES)
+        except InsufficientStorage:
+            if result is not None:  # no row describes it, and an older one another table
+                self._tables.remove_file(scope, build_id)
+            raise
         # Counted once recorded and open, so the metric never runs ahead of the table.
         self._metrics.symtab_builds.labels(outcome).inc()
         if result is None:
@@ -418,53 +424,21 @@ class SymbolResolver:
                  source.source_key, result.seconds, result.size)
         return scope, self._remember(rec)
 
-    async def _build_with_room(self, build_id: str, source: _Source) -> BuildResult:
-        """Build; on a full disk, evict as a fetch does and try once more. Still no room:
-        InsufficientStorage (nothing about the file to remember; the profile is refused with
-        Retry-After, as a fetch that cannot be stored is)."""
-        out = self._tables.path(source.scope, build_id)
-        exe = source.executable and source.executable[0]
-        try:
-            return await self._pool.build(source.path, out, build_id, exe)
-        except OSError as e:
-            if not is_disk_full(e):
-                raise
-            error = e
-        # A table is smaller than the file it is built from: that much room is enough.
-        if await self._artifacts.cache.make_room(_size_of(source.path)) > 0:
+    async def _with_room(self, attempt: Callable[[], Awaitable[T]], room: int) -> T:
+        """`attempt`; on a full disk, evict `room` bytes as a fetch does and try once more.
+        Still no room: InsufficientStorage, so the profile is refused with Retry-After (as a
+        fetch that cannot be stored is) and nothing about the file is remembered."""
+        failure: Exception | None = None
+        for tried in range(2):
+            if tried and await self._artifacts.cache.make_room(room) == 0:
+                break
             try:
-                return await self._pool.build(source.path, out, build_id, exe)
-            except OSError as e:
-                if not is_disk_full(e):
-                    raise
-                error = e
-        raise self._artifacts.disk_full(error) from error
-
-    async def _record_with_room(self, scope: str, build_id: str, outcome: Outcome,
-                                source: _Source, result: BuildResult | None, error: str | None
-                                ) -> SymbolTableRecord:
-        """Record a build. SQLite sits on the data dir's disk by default, beside the tables:
-        the table just built may take the room its row needed. Made room for as the build
-        is, once; still full: the table's file removed (no row describes it, and an older
-        row would describe another table) and InsufficientStorage, the profile refused as for
-        a table that finds no room, rather than failed as an internal error in a 200."""
-        try:
-            return await self._tables.record(scope, build_id, outcome, source.source_key,
-                                             result, error)
-        except Exception as e:
-            if not is_disk_full(e):
-                raise
-            failure: Exception = e
-        if await self._artifacts.cache.make_room(SPACE_BACK_BYTES) > 0:
-            try:
-                return await self._tables.record(scope, build_id, outcome, source.source_key,
-                                                 result, error)
-            except Exception as e:
+                return await attempt()
+            except Exception as e:  # OSError from a worker, SQLAlchemy's from SQLite
                 if not is_disk_full(e):
                     raise
                 failure = e
-        if result is not None:
-            self._tables.remove_file(scope, build_id)
+        assert failure is not None
         raise self._artifacts.disk_full(failure) from failure
 
     def _executable_layout(self, req: RequestScope, build_id: str
