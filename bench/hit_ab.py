@@ -38,24 +38,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=4)
     ap.add_argument("--ports", default=None, help="e.g. 19800-19899 (default: any free)")
     args = ap.parse_args()
-    for tool in ("debuginfod", "nginx", "wrk"):
-        if shutil.which(tool) is None:
-            print(f"{tool} is needed: apt-get install debuginfod nginx-light wrk",
-                  file=sys.stderr)
-            return 1
+    if not hit_cpu.tools_found():
+        return 1
     work = Path(tempfile.mkdtemp(prefix="symgate-hitab-"))
     procs = Procs()
     world = pb.World(work, procs, Ports(args.ports), os.cpu_count() or 1, True)
     try:
-        files = work / "files"
-        files.mkdir()
-        served = files / "libc.debug"
-        shutil.copy(pb.LIBC_DEBUG, served)
-        path, size = f"/buildid/{pb.LIBC_ID}/debuginfo", served.stat().st_size
-        docs = work / "docs" / "buildid" / pb.LIBC_ID
-        docs.mkdir(parents=True)
-        os.link(served, docs / "debuginfo")
-        world.upstream_server(files, [pb.LIBC_ID])
+        path, size = hit_cpu.one_file(world, work, small=False)
         servers, names = [], []
         for tree in args.trees:
             pb.ROOT = tree.resolve()  # where World.symgate runs `python -m proxy.tools.cli`

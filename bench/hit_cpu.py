@@ -62,6 +62,34 @@ def measure(url: str, seconds: int, server_pid: int) -> dict[str, float]:
             "wrk_sys_ms": 1000 * (after.ru_stime - before.ru_stime) / n}
 
 
+def tools_found() -> bool:
+    for tool in ("debuginfod", "nginx", "wrk"):
+        if shutil.which(tool) is None:
+            print(f"{tool} is needed: apt-get install debuginfod nginx-light wrk",
+                  file=sys.stderr)
+            return False
+    return True
+
+
+def one_file(world: pb.World, work: Path, *, small: bool) -> tuple[str, int]:
+    """libc's debug file (or, `small`, a 17 KiB one) served by the upstream debuginfod and,
+    under `work`/docs, by nginx: its path on both, and its size."""
+    files = work / "files"
+    files.mkdir()
+    if small:
+        program = pb.build_program(work / "src", files, "small", 21)
+        pb.pad_to(program.debug, pb.SMALL_BYTES)
+        build_id, served = program.build_id, program.debug
+    else:
+        build_id, served = pb.LIBC_ID, files / "libc.debug"
+        shutil.copy(pb.LIBC_DEBUG, served)
+    docs = work / "docs" / "buildid" / build_id
+    docs.mkdir(parents=True)
+    os.link(served, docs / "debuginfo")
+    world.upstream_server(files, [build_id])
+    return f"/buildid/{build_id}/debuginfo", served.stat().st_size
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -71,30 +99,13 @@ def main() -> int:
     ap.add_argument("--small", action="store_true",
                     help="the 17 KiB hit instead of libc's 4.2 MB debug file")
     args = ap.parse_args()
-    for tool in ("debuginfod", "nginx", "wrk"):
-        if shutil.which(tool) is None:
-            print(f"{tool} is needed: apt-get install debuginfod nginx-light wrk",
-                  file=sys.stderr)
-            return 1
+    if not tools_found():
+        return 1
     work = Path(tempfile.mkdtemp(prefix="symgate-hitcpu-"))
     procs = Procs()
     world = pb.World(work, procs, Ports(args.ports), os.cpu_count() or 1, True)
     try:
-        files = work / "files"
-        files.mkdir()
-        if args.small:
-            small = pb.build_program(work / "src", files, "small", 21)
-            pb.pad_to(small.debug, pb.SMALL_BYTES)
-            build_id, served = small.build_id, small.debug
-        else:
-            build_id, served = pb.LIBC_ID, files / "libc.debug"
-            shutil.copy(pb.LIBC_DEBUG, served)
-        path = f"/buildid/{build_id}/debuginfo"
-        size = served.stat().st_size
-        docs = work / "docs" / "buildid" / build_id
-        docs.mkdir(parents=True)
-        os.link(served, docs / "debuginfo")
-        world.upstream_server(files, [build_id])
+        path, size = one_file(world, work, small=args.small)
         servers = [world.symgate(args.workers), world.nginx(args.workers, work / "docs")]
         for srv in servers:
             pb.expect(srv.url + path, 200, size)
