@@ -136,7 +136,7 @@ def build_id_tree(root: Path, build_id: str, debug: Path, executable: Path) -> P
     """A /usr/lib/debug-style tree at `root` for one program, as Fedora's trees have it:
     .build-id/xx/rest.debug links to its debug file, .build-id/xx/rest to the program."""
     d = root / ".build-id" / build_id[:2]
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)  # another program's build ID may start alike
     (d / (build_id[2:] + ".debug")).symlink_to(debug)
     (d / build_id[2:]).symlink_to(executable)
     return root

@@ -18,9 +18,9 @@ import pytest
 
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from tests.elfs import Elf, ElfSet
+from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, make_config
+from tests.harness import Symgate, SymgateFactory, eventually, make_config
 from tests.profiles import make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
@@ -233,10 +233,7 @@ async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
 def _debug_tree(root: Path, *elfs: Elf) -> Path:
     """A local debug directory, off the full disk, as a distribution's debug packages make."""
     for elf in elfs:
-        folder = root / ".build-id" / elf.build_id[:2]
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / (elf.build_id[2:] + ".debug")).symlink_to(elf.debug)
-        (folder / elf.build_id[2:]).symlink_to(elf.executable)
+        build_id_tree(root, elf.build_id, elf.debug, elf.executable)
     return root
 
 
@@ -247,6 +244,13 @@ def _profile_of(elf: Elf, base: int) -> bytes:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _settled(sg: Symgate) -> None:
+    """Every fetch committed and every symbol-table build done: no lease held for them."""
+    await sg.settled()
+    symbols = sg.runner.app[STATE].symbols
+    await eventually(lambda: _true(not symbols.busy))
 
 
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
@@ -264,9 +268,7 @@ async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_rec
                              symbolize=symbolize_config(debug_dirs=(tree,)))
     other = f"/buildid/{elfs.other.build_id}/debuginfo"
     assert (await sg.get(other))[0] == 200
-    await sg.settled()
-    symbols = sg.runner.app[STATE].symbols
-    await eventually(lambda: _true(not symbols.busy))  # its prebuild lets go of it
+    await _settled(sg)  # its prebuild lets go of it
     filler = small_disk / "filler"
     _fill(filler)
     status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
@@ -327,9 +329,7 @@ async def test_a_table_whose_row_finds_no_room_in_sqlite_makes_room_or_refuses_t
     sg = await start_symgate(config=cfg)
     for kind in ("debuginfo", "executable"):  # to evict: one for the table, one for its row
         assert (await sg.get(f"/buildid/{elfs.other.build_id}/{kind}"))[0] == 200
-    await sg.settled()
-    symbols = sg.runner.app[STATE].symbols
-    await eventually(lambda: _true(not symbols.busy))  # their prebuilds let go of them
+    await _settled(sg)  # their prebuilds let go of them
     filler = small_disk / "filler"
     _fill(filler)
     status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
