@@ -15,6 +15,7 @@ import itertools
 import re
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -24,6 +25,7 @@ import obstore
 import pytest
 
 from proxy.artifacts.index import key_hash
+from proxy.artifacts.scope import SHARED
 from proxy.bucket import tier
 from proxy.config import (
     CacheConfig,
@@ -36,6 +38,7 @@ from proxy.config import (
 )
 from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
+from proxy.web.state import STATE
 from tests.buckets import Prefix, S3Server, s3_server, wait_gone
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
@@ -244,6 +247,35 @@ async def test_an_upload_over_a_download_replaces_it_on_every_replica(
 
     await eventually(b_serves_the_upload, timeout=10)
     assert (await a.get(path))[::2] == (200, uploaded)
+
+
+@on_postgresql
+async def test_a_local_file_gone_before_its_upload_leaves_the_bucket_up(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    """A file that left this disk between its hash and its upload (a table dropped or
+    rebuilt meanwhile) is this replica's affair, not the bucket's: taken for a bucket failure,
+    the bucket went unasked for retry_s, and an upload published the next moment reached no
+    other replica (CI's failure of the test above)."""
+    token = "symgate-test-upload-token"
+    sg = await start_symgate([debuginfod.url], data_dir=tmp_path / "a",
+                             storage=prefix.config(), upload=UploadConfig(admin_tokens=(token,)))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()
+    state = sg.runner.app[STATE]
+    shared = state.service.tier
+    assert shared is not None
+    cached = state.service.cache.peek(SHARED, ArtifactKey.parse(elfs.prog.build_id, "debuginfo"))
+    assert cached is not None
+    other = replace(cached.record, key_hash=hashlib.sha256(b"gone").hexdigest())
+    assert not await shared.publish(other, tmp_path / "gone")
+    assert shared.bucket.available
+    uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    assert (await sg.request("PUT", path, data=uploaded,
+                             headers={"Authorization": f"Bearer {token}"}))[0] == 201
+    assert (await prefix.objects())[object_of(elfs.prog)] == uploaded
 
 
 @on_postgresql

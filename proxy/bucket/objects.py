@@ -106,13 +106,18 @@ class Bucket:
         replicas wait on."""
         loop = asyncio.get_running_loop()
         last_taken = loop.time()
+        local: list[OSError] = []
 
         async def chunks() -> AsyncIterator[bytes]:
             nonlocal last_taken
-            with file.open("rb") as f:
-                while data := await asyncio.to_thread(f.read, PUT_CHUNK):
-                    last_taken = loop.time()
-                    yield data
+            try:
+                with file.open("rb") as f:
+                    while data := await asyncio.to_thread(f.read, PUT_CHUNK):
+                        last_taken = loop.time()
+                        yield data
+            except OSError as e:
+                local.append(e)
+                raise
 
         put = asyncio.ensure_future(self._obstore.put_async(self._store, path, chunks()))
         try:
@@ -122,6 +127,11 @@ class Bucket:
                     raise TimeoutError(f"no byte taken for {self._config.read_timeout_s:g} s")
             put.result()
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
+            if local:
+                # This disk's file (a table rebuilt or dropped meanwhile), not the bucket:
+                # taken for the bucket's failure, it went unasked for retry_s, and an upload
+                # published in that time reached no other replica.
+                raise local[0] from e
             raise self._failed("put", e) from e
         finally:
             put.cancel()
