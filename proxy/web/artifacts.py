@@ -220,14 +220,14 @@ class _SentFile(web.StreamResponse):
         self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("Connection lost")
-        sock = transport.get_extra_info("socket")
+        sock = request.transport.get_extra_info("socket") if request.transport else None
         cork(sock)  # the head goes with the file's first bytes (file_sends)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("Connection lost")
                 await send_whole(transport, self._file, self._size, self._key.id)
                 await super().write_eof()
         except BaseException as e:
