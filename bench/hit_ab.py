@@ -16,18 +16,13 @@ Exits 1 when it could not run.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hit_cpu
 import proxy_bench as pb
-from procs import Ports, Procs
 
 
 def main() -> int:
@@ -38,12 +33,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=4)
     ap.add_argument("--ports", default=None, help="e.g. 19800-19899 (default: any free)")
     args = ap.parse_args()
-    if not hit_cpu.tools_found():
-        return 1
-    work = Path(tempfile.mkdtemp(prefix="symgate-hitab-"))
-    procs = Procs()
-    world = pb.World(work, procs, Ports(args.ports), os.cpu_count() or 1, True)
-    try:
+    with hit_cpu.bench_world("symgate-hitab-", args.ports) as (work, world):
         path, size = hit_cpu.one_file(world, work, small=False)
         servers, names = [], []
         for tree in args.trees:
@@ -73,12 +63,6 @@ def main() -> int:
             client = statistics.median(m["wrk_user_ms"] + m["wrk_sys_ms"] for m in got[name])
             print(f"{name:<30} {rate:>7,.0f} {rate / nginx:>8.3f}x {server:>10.2f} "
                   f"{client:>7.2f}")
-    except (pb.BenchError, subprocess.CalledProcessError, OSError) as e:
-        print(f"could not run: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        procs.cleanup()
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -17,6 +17,7 @@ us), and the rate ratio against nginx. Exits 1 when it could not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,13 +64,25 @@ def measure(url: str, seconds: int, server_pid: int) -> dict[str, float]:
             "wrk_sys_ms": 1000 * (after.ru_stime - before.ru_stime) / n}
 
 
-def tools_found() -> bool:
+@contextlib.contextmanager
+def bench_world(prefix: str, ports: str | None) -> Iterator[tuple[Path, pb.World]]:
+    """A temp dir and the World of servers in it, torn down however the run ends; a run that
+    cannot go on (a tool missing, a server that fails) says why and exits 1."""
     for tool in ("debuginfod", "nginx", "wrk"):
         if shutil.which(tool) is None:
             print(f"{tool} is needed: apt-get install debuginfod nginx-light wrk",
                   file=sys.stderr)
-            return False
-    return True
+            raise SystemExit(1)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    procs = Procs()
+    try:
+        yield work, pb.World(work, procs, Ports(ports), os.cpu_count() or 1, True)
+    except (pb.BenchError, subprocess.CalledProcessError, OSError) as e:
+        print(f"could not run: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        procs.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def one_file(world: pb.World, work: Path, *, small: bool) -> tuple[str, int]:
@@ -99,12 +113,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true",
                     help="the 17 KiB hit instead of libc's 4.2 MB debug file")
     args = ap.parse_args()
-    if not tools_found():
-        return 1
-    work = Path(tempfile.mkdtemp(prefix="symgate-hitcpu-"))
-    procs = Procs()
-    world = pb.World(work, procs, Ports(args.ports), os.cpu_count() or 1, True)
-    try:
+    with bench_world("symgate-hitcpu-", args.ports) as (work, world):
         path, size = one_file(world, work, small=args.small)
         servers = [world.symgate(args.workers), world.nginx(args.workers, work / "docs")]
         for srv in servers:
@@ -126,12 +135,6 @@ def main() -> int:
                 print(f"{r + 1:<6} {name:<11} {m['rate']:>7,.0f} "
                       f"{m['server_ms'] * scale:>10.2f} {user + system:>7.2f} "
                       f"({user:.2f}/{system:.2f}) {m['rate'] / nginx_rate:>8.2f}x", flush=True)
-    except (pb.BenchError, subprocess.CalledProcessError, OSError) as e:
-        print(f"could not run: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        procs.cleanup()
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
