@@ -100,14 +100,8 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     # Both files evictable before the disk fills again: the executable is committed after
     # its client's last byte (not before the response ends), a symbol-table build holds a
     # lease on what it reads, and the executable's commit starts table work of its own.
-    await sg.settled()
-    symbols = sg.runner.app[STATE].symbols
-
-    async def built() -> bool:
-        return (not symbols.busy
-                and await sg.metric("symgate_symtab_builds_total", result="ok") >= 1)
-
-    await eventually(built)
+    await _settled(sg)
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
     _fill(filler)  # full again, but now something can be evicted
     status, _, body = await sg.get(other)
     assert status == 200 and body == elfs.other.debug.read_bytes()
