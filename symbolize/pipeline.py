@@ -28,6 +28,7 @@ from .worker import (
     TooManyBuildIds,
     TooMuchWork,
     Workspace,
+    check_samples,
     scan,
 )
 
@@ -72,9 +73,11 @@ class SymbolProvider(Protocol):
 
 
 class Work(Protocol):
-    """Where the CPU-bound steps (worker.scan, Workspace.finish) run."""
+    """Where the CPU-bound steps (worker.scan, worker.check_samples, Workspace.finish) run."""
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned: ...
+
+    async def check_samples(self, body: bytes, limits: Limits) -> None: ...
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished: ...
@@ -88,6 +91,9 @@ class InThread:
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await asyncio.to_thread(scan, body, limits)
+
+    async def check_samples(self, body: bytes, limits: Limits) -> None:
+        await asyncio.to_thread(check_samples, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
@@ -111,6 +117,25 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
     cannot take."""
     work = work if work is not None else InThread()
     scanned = await work.scan(body, limits)
+    measured = replace(limits, scanned_size=scanned.size)
+    # Checked beside the resolution and the rewrite, which read no sample: on another core
+    # where `work` has one. The first of the two to fail ends the other.
+    checking = asyncio.ensure_future(work.check_samples(body, measured))
+    rest = asyncio.ensure_future(_resolve_and_finish(body, provider, measured, scanned, work))
+    try:
+        # Until one fails, or both are done.
+        await asyncio.wait((checking, rest), return_when=asyncio.FIRST_EXCEPTION)
+        if checking.done():
+            checking.result()  # raises for a corrupt sample: the profile is refused
+        return rest.result()
+    finally:
+        for step in (checking, rest):
+            step.cancel()  # a no-op for a step that has ended
+        await asyncio.gather(checking, rest, return_exceptions=True)
+
+
+async def _resolve_and_finish(body: bytes, provider: SymbolProvider, limits: Limits,
+                              scanned: Scanned, work: Work) -> Symbolized:
     layouts = scanned.layouts
     resolved = await _resolve_all(provider, layouts, limits.deadline_s)
     answers: dict[str, Answer] = {}
@@ -124,7 +149,7 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
             segments = r.table.guessed_layout() if layouts[bid] else ()
             guesses += layouts[bid]
         answers[bid] = Answer(r.table, segments)
-    done = await work.finish(body, replace(limits, scanned_size=scanned.size), answers)
+    done = await work.finish(body, limits, answers)
     for bid in sorted(done.report.unreadable):
         await provider.unreadable(bid)
     return Symbolized(done.body if done.body is not None else body, done.report, guesses)
@@ -136,7 +161,12 @@ async def _resolve_all(provider: SymbolProvider, layouts: Mapping[str, bool],
     tasks = {bid: asyncio.ensure_future(provider.resolve(bid, needs_layout=needs))
              for bid, needs in layouts.items()}
     if tasks:
-        await asyncio.wait(tasks.values(), timeout=deadline_s)
+        try:
+            await asyncio.wait(tasks.values(), timeout=deadline_s)
+        except asyncio.CancelledError:
+            for task in tasks.values():
+                task.cancel()  # a provider that shares its work lets it go on
+            raise
     for task in tasks.values():
         if task.done() and isinstance(task.exception(), TryAgain):
             for other in tasks.values():

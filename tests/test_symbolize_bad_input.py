@@ -1,8 +1,8 @@
 """What /symbolize refuses, and how: a body that is not a profile, of the wrong type, too
 large or a gzip bomb, or one naming more build IDs than a request may, gets a 4xx that says
-why, before anything is fetched, and the server goes on serving; a build ID no debuginfod could
-have is reported, not fetched; and a large body that is sound is read whole, not mistaken for
-a bad one."""
+why, before anything is fetched (a corrupt sample: as soon as it is found), and the server goes
+on serving; a build ID no debuginfod could have is reported, not fetched; and a large body that
+is sound is read whole, not mistaken for a bad one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.web.state import STATE
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -102,6 +103,27 @@ async def test_a_profile_with_a_corrupt_sample_is_400(
         status, _, text = await post(sg, body)
         assert status == 400, text
         assert b"not a pprof profile: sample 2 is not a valid Sample message" in text, text
+
+
+async def test_a_corrupt_sample_is_400_without_waiting_for_the_resolution(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Samples are checked beside the resolution and the rewrite, which read none: a corrupt
+    one refuses the profile as soon as it is found, not once its debug file has come. The
+    fetch it started goes on, shared: the next profile of that build ID gets its table."""
+    faults.release.clear()
+    sg = await start_symgate([faults.url_for("hold")], symbolize=symbolize_config(
+        deadline_s=60.0))
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    raw = RawProfile.FromString(profile.SerializeToString())
+    raw.sample[2] = b"\x0a\x05\x01"
+    status, _, text = await post(sg, raw.SerializeToString())
+    assert status == 400 and b"sample 2 is not a valid Sample message" in text, text
+    # Answered while the upstream still holds its answer, and the resolution waits for it.
+    assert faults.count("hold") and sg.runner.app[STATE].symbols.busy
+    faults.release.set()
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
 
 
 async def test_gzip_bomb_and_oversized_bodies_are_413(

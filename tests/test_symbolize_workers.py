@@ -82,6 +82,28 @@ async def test_a_worker_killed_mid_profile_is_a_503_and_the_pool_recovers(
     assert set(_workers(sg)).isdisjoint(pids)
 
 
+async def test_a_sample_checker_killed_mid_check_is_a_503_and_recovers(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The samples are checked in processes of their own, beside the rewrite: one that dies
+    fails its profile as a rewriting worker's death does, whatever the rewrite made of it."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    checks = sg.runner.app[STATE].symbols.workers.checks
+    assert (await post(sg, _profile(elfs)))[0] == 200  # the table built, a checker started
+    pids = checks.pids()
+    assert pids and set(pids).isdisjoint(_workers(sg))
+    with stopped(pids):
+        pending = asyncio.ensure_future(post(sg, _profile(elfs)))
+        await eventually(lambda: _true(checks.in_flight > 0))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    status, headers, text = await pending
+    assert status == 503 and "Retry-After" in headers and b"worker process died" in text
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert set(checks.pids()).isdisjoint(pids)
+
+
 async def test_a_worker_that_died_idle_costs_no_request_a_503(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

@@ -32,11 +32,11 @@ LIMITS = Limits(1 << 30, 16)
 @pytest.fixture
 async def workers() -> AsyncIterator[SymbolizeWorkers]:
     cfg = SymbolizeConfig(workers=1, build_workers=1)
-    pool = worker_pool(cfg)
+    workers = SymbolizeWorkers(cfg, worker_pool(cfg))
     try:
-        yield SymbolizeWorkers(cfg, pool)
+        yield workers
     finally:
-        await pool.close()
+        await workers.close()
 
 
 def _request(elfs: ElfSet, tmp_path: Path) -> tuple[bytes, dict[str, Answer]]:

@@ -122,7 +122,7 @@ class SymbolResolver:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await self.workers.pool.close()  # builds' and profiles' alike
+        await self.workers.close()  # builds' and profiles' alike
 
     def provider(self, req: RequestScope) -> SymbolProvider:
         """What the symbolization pipeline asks, for one request."""

@@ -5,15 +5,15 @@ Through the pipes, the bytes of a /symbolize crossed three times (to scan, to fi
 answer back), each time pickled, written a pipe's size at a time, read into a buffer, joined
 and unpickled: some 2 ms a megabyte on this machine, 20 ms of a warm profile of 100,000
 locations (2.5 MB in, 3.9 MB out) that the rewrite itself does in some 80. Here the serving
-process writes the body once into a memfd, which the scan and the finish both read, and
+process writes the body once into a memfd, which the scan, the check and the finish read, and
 gives the finish an empty one to write its answer into: a copy in and a copy out each.
 
 A worker opens the serving process's memfd by /proc/<pid>/fd/<fd> (a worker is no child of
 the serving process, so it cannot inherit it). Where that is refused (no memfd, no /proc, a
 stricter ptrace policy), `Unshareable` says so once and the bytes go through the pipes again.
 
-The worker's side (`scan`, `finish`) imports nothing of the server's: the forkserver preloads
-it (forkserver_preload.py).
+The worker's side (`scan`, `check_samples`, `finish`) imports nothing of the server's: the
+forkserver preloads it (forkserver_preload.py).
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ def scan(body: SharedBytes, limits: Limits) -> Scanned:
     """worker.scan of the bytes in `body`; in a worker."""
     with _mapped_body(body) as view:
         return worker.scan(view, limits)
+
+
+def check_samples(body: SharedBytes, limits: Limits) -> None:
+    """worker.check_samples of the bytes in `body`; in a worker."""
+    with _mapped_body(body) as view:
+        worker.check_samples(view, limits)
 
 
 def finish(body: SharedBytes, out: SharedBytes, limits: Limits,

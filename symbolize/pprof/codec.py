@@ -116,12 +116,7 @@ def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
     """`measured`: `body` is known to inflate to no more than `max_decompressed` bytes (its
     size as a first decode found it): it is inflated at once, not measured first. Without
     `checked`, the caller runs `check` itself (after bounds of its own that cost less)."""
-    if not body:
-        raise ProfileError("empty body")
-    gzipped = body[:2] == GZIP_MAGIC
-    raw = _gunzip(body, max_decompressed, measured) if gzipped else body
-    if len(raw) > max_decompressed:
-        raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
+    gzipped, raw = inflated(body, max_decompressed, measured=measured)
     try:
         profile = RawProfile.FromString(as_bytes(raw))
     except DecodeError as e:
@@ -130,6 +125,19 @@ def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
     if checked:
         check(decoded)
     return decoded
+
+
+def inflated(body: Buffer, max_decompressed: int, *, measured: bool = False
+             ) -> tuple[bool, Buffer]:
+    """Whether `body` is gzipped, and its protobuf bytes (`body` itself when it is not);
+    `measured` as for `decode`."""
+    if not body:
+        raise ProfileError("empty body")
+    gzipped = body[:2] == GZIP_MAGIC
+    raw = _gunzip(body, max_decompressed, measured) if gzipped else body
+    if len(raw) > max_decompressed:
+        raise ProfileTooLarge(f"profile is larger than {max_decompressed} bytes")
+    return gzipped, raw
 
 
 def check(decoded: Decoded) -> None:
