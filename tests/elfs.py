@@ -180,6 +180,7 @@ def build_program(src_dir: Path, out_dir: Path, name: str, seed: int,
             chunk = bytes(range(256)) * 4096
             for _ in range(pad_bytes // len(chunk)):
                 f.write(chunk)
+            f.write(chunk[: pad_bytes % len(chunk)])
         _run("objcopy", "--add-section", f".symgate_pad={pad}", debug)
     _run("objcopy", "--strip-debug", f"--add-gnu-debuglink={debug}", exe)
     build_id = build_id_of_file(exe)

@@ -7,13 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from pathlib import Path
 
 import aiohttp
+import pytest
 
+from proxy.config import UpstreamConfig
+from proxy.web.artifacts import SMALL_FILE_BYTES
 from proxy.web.connections import ConnectionGuard
 from proxy.web.fast_hits import FastHits
+from proxy.web.file_sends import ShortFile, room_for, send_at_once, send_whole
 from proxy.web.state import STATE
-from tests.elfs import ElfSet
+from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
 
 # More clients that stop reading than the server has cores, or any pool would have threads.
@@ -166,6 +171,12 @@ async def test_a_big_hit_is_corked_until_its_last_byte_and_a_slow_reader_gets_ev
 
 def _server_side(client: tuple[str, int], option: int) -> int:
     """A TCP option of the in-process server's end of the connection from `client`."""
+    with _server_socket(client) as s:
+        return s.getsockopt(socket.IPPROTO_TCP, option)
+
+
+def _server_socket(client: tuple[str, int]) -> socket.socket:
+    """The in-process server's end of the connection from `client`, as a duplicate."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -178,11 +189,124 @@ def _server_side(client: tuple[str, int], option: int) -> int:
         except OSError:
             os.close(fd)
             continue
-        with s:
-            try:
-                if s.family == socket.AF_INET and s.type == socket.SOCK_STREAM \
-                        and s.getpeername() == client:
-                    return s.getsockopt(socket.IPPROTO_TCP, option)
-            except OSError:  # not connected, or gone meanwhile
-                continue
+        try:
+            if s.family == socket.AF_INET and s.type == socket.SOCK_STREAM \
+                    and s.getpeername() == client:
+                return s
+        except OSError:  # not connected, or gone meanwhile
+            pass
+        s.close()
     raise AssertionError(f"no server-side socket for {client}")
+
+
+async def test_a_quick_hit_the_send_buffer_has_room_for_goes_whole_and_the_next_follows(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A file past the size kept in memory whose bytes the socket's send buffer has room for
+    is sent by the connection in one sendfile(2), no task of its own: whole, uncorked after
+    it, and a next request on the connection answered as well."""
+    (tmp_path / "out").mkdir()
+    mid = build_program(tmp_path / "src", tmp_path / "out", "mid", 31, pad_bytes=300 * 1024)
+    size = mid.debug.stat().st_size
+    assert SMALL_FILE_BYTES < size < 400 * 1024
+    sg = await start_symgate([UpstreamConfig(path=build_id_tree(
+        tmp_path / "tree", mid.build_id, mid.debug, mid.executable), rescan_s=0)])
+    path, expected = f"/buildid/{mid.build_id}/debuginfo", mid.debug.read_bytes()
+    for _ in range(2):  # cached, then its head kept in memory
+        assert (await sg.get(path))[2] == expected
+    runner, config = sg.runner, sg.config.server
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, 64, config.retry_after_s, config.header_timeout_s,
+                            config.send_timeout_s)
+    guard.quick = FastHits(runner.app[STATE], None)
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(guard, "127.0.0.1", 0)
+    sock = socket.create_connection(listener.sockets[0].getsockname()[:2])
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        await eventually(lambda: _has_server_side(sock.getsockname()))
+        with _server_socket(sock.getsockname()) as server_end:
+            server_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            assert room_for(server_end) > size + 1024  # the head's too
+        before = await sg.metric("symgate_quick_hits_total")
+        for _ in range(2):
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and f"{size}".encode() in head, head
+            assert await asyncio.wait_for(reader.readexactly(size), 30) == expected
+            assert _server_side(sock.getsockname(), socket.TCP_CORK) == 0
+        assert await sg.metric("symgate_quick_hits_total") == before + 2
+        assert all(c._sending is None for c in guard._quick_only)
+    finally:
+        writer.close()
+        listener.close()
+
+
+async def _has_server_side(client: tuple[str, int]) -> bool:
+    try:
+        _server_socket(client).close()
+    except AssertionError:
+        return False
+    return True
+
+
+async def test_a_file_the_send_buffer_has_room_for_goes_at_once_and_the_rest_after(
+        tmp_path: Path) -> None:
+    """file_sends on a real TCP connection: a file the send buffer has room for goes in one
+    sendfile(2), the file's position past it; one it has not, in part, then the rest by
+    send_whole from where that left off; a file shorter than its entry is cut, not padded."""
+    payload = os.urandom(3 * 1024 * 1024)
+    (tmp_path / "f").write_bytes(payload)
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[asyncio.Transport] = loop.create_future()
+
+    class Server(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            accepted.set_result(transport)
+
+    listener = await loop.create_server(Server, "127.0.0.1", 0)
+    client = socket.create_connection(listener.sockets[0].getsockname()[:2])
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    transport = await accepted
+    sock = transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)  # the kernel doubles it
+    try:
+        room = room_for(sock)
+        assert 0 < room <= sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        with (tmp_path / "f").open("rb", buffering=0) as f:
+            small = room // 2
+            assert send_at_once(sock, f, small, "f") == small and f.tell() == small
+            assert room_for(sock) < room  # held until the client has it
+            got = await loop.run_in_executor(None, _read_exactly, client, small)
+            assert got == payload[:small]
+        with (tmp_path / "f").open("rb", buffering=0) as f:
+            first = send_at_once(sock, f, len(payload), "f")
+            assert 0 < first < len(payload) and f.tell() == first  # the client reads nothing
+            reading = loop.run_in_executor(None, _read_exactly, client, len(payload))
+            await send_whole(transport, f, len(payload), "f", fallback=False, offset=first)
+            assert await reading == payload
+        # A file shorter than its entry: what it has goes, and the send ends there.
+        (tmp_path / "short").write_bytes(payload[:1000])
+        with (tmp_path / "short").open("rb", buffering=0) as f:
+            assert send_at_once(sock, f, 2000, "short") == 1000
+            with pytest.raises(ShortFile):
+                await send_whole(transport, f, 2000, "short", fallback=False, offset=1000)
+        (tmp_path / "empty").write_bytes(b"")
+        with (tmp_path / "empty").open("rb", buffering=0) as f, pytest.raises(ShortFile):
+            send_at_once(sock, f, 2000, "empty")
+    finally:
+        client.close()
+        transport.close()
+        listener.close()
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    got = bytearray()
+    sock.settimeout(30)
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, (len(got), n)
+        got += chunk
+    return bytes(got)

@@ -95,7 +95,7 @@ async def _all_cut_and_counted(stalled: list[socket.socket], size: int, base: st
     for sock in stalled:
         got, length, cut = await asyncio.to_thread(_read_answer, sock)
         assert length == size and got < size and cut, (got, length, cut)
-    assert await _metric(base, "symgate_send_timeouts_total") == len(stalled)
+    assert await _metric(base, "symgate_send_timeouts_total") == len(stalled), out.decode()[-3000:]
     assert _cut_lines(out) == len(stalled), out.decode()[-3000:]
 
 

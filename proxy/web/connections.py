@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from proxy.web.file_sends import cork, send_whole
+from proxy.web.file_sends import cork, room_for, send_at_once, send_whole
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -245,16 +245,7 @@ class _Counted(asyncio.Protocol):
                     transport.write(answer)
                     self._answered_quickly()
                 else:
-                    cork(transport.get_extra_info("socket"))  # uncorked by send_whole
-                    transport.write(answer.head)
-                    if transport.is_closing():  # the head's write failed: the client is gone
-                        answer.finish()
-                        return
-                    # Nothing more is read (a next request) until the file is out.
-                    transport.pause_reading()
-                    self._sending = send = asyncio.ensure_future(self._send(transport, answer))
-                    # A send cancelled before its first step never runs its own `finally`.
-                    send.add_done_callback(lambda _: self._sent(send, answer))
+                    self._send_file(transport, answer)
                 return
         if not self._handed:
             self._hand_over()
@@ -274,23 +265,62 @@ class _Counted(asyncio.Protocol):
             self._idle = asyncio.get_running_loop().call_later(
                 self._guard.header_timeout_s, self._idle_too_long)
 
-    async def _send(self, transport: asyncio.Transport, answer: QuickFile) -> None:
-        """The file after its head, as web.artifacts._SentFile sends it; a send that breaks
-        off (the client left, or was cut for not reading) closes the connection, since no
-        next answer can follow a short body."""
+    def _send_file(self, transport: asyncio.Transport, answer: QuickFile) -> None:
+        """The head, then the file: sent here where the socket's buffer has room for it all,
+        else (or for what it did not take) by a task of its own.
+
+        Only where it has room: a client that reads nothing then fills the buffer once and
+        the task's first sendfile(2) waits; asyncio reports a failure of its first call as
+        "sendfile not available", and the kernel's cut of such a client (ETIMEDOUT, the
+        send timeout) would not be told from a reset (send_timeout.py)."""
+        sock = transport.get_extra_info("socket")
+        cork(sock)  # uncorked once the last byte is out
+        transport.write(answer.head)
+        if transport.is_closing():  # the head's write failed: the client is gone
+            answer.finish()
+            return
+        sent = 0
+        if sock is not None and not transport.get_write_buffer_size() \
+                and answer.size <= room_for(sock):
+            try:
+                sent = send_at_once(sock, answer.file, answer.size, answer.name)
+            except OSError as e:  # the client, or a file shorter than its entry (ShortFile)
+                self._send_failed(e)
+                answer.finish()
+                transport.abort()
+                return
+            if sent == answer.size:
+                cork(sock, on=False)
+                answer.finish()
+                self._answered_quickly()
+                return
+        # Nothing more is read (a next request) until the file is out.
+        transport.pause_reading()
+        self._sending = send = asyncio.ensure_future(self._send(transport, answer, sent))
+        # A send cancelled before its first step never runs its own `finally`.
+        send.add_done_callback(lambda _: self._sent(send, answer))
+
+    def _send_failed(self, error: BaseException) -> None:
+        if is_send_timeout(error) and self._guard is not None \
+                and self._guard.send_timeouts is not None:
+            self._guard.send_timeouts.note(self._remote)
+
+    async def _send(self, transport: asyncio.Transport, answer: QuickFile, offset: int) -> None:
+        """The file after its head and its first `offset` bytes, as web.artifacts._SentFile
+        sends it; a send that breaks off (the client left, or was cut for not reading) closes
+        the connection, since no next answer can follow a short body."""
         sent = False
         try:
             # No fallback: asyncio's swaps the transport's protocol for its own while it
             # writes, and a connection lost then would never reach this one (the guard's
             # count). A cache file always takes sendfile(2); its failure is the client's.
-            await send_whole(transport, answer.file, answer.size, answer.name, fallback=False)
+            await send_whole(transport, answer.file, answer.size, answer.name, fallback=False,
+                             offset=offset)
             sent = True
         # OSError: the client, or a file shorter than its entry (ShortFile); RuntimeError:
         # the transport closed meanwhile.
         except (OSError, RuntimeError) as e:
-            if is_send_timeout(e) and self._guard is not None \
-                    and self._guard.send_timeouts is not None:
-                self._guard.send_timeouts.note(self._remote)
+            self._send_failed(e)
         finally:
             self._sent(asyncio.current_task(), answer)
             if not sent:
