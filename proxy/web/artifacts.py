@@ -25,7 +25,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.errors import cut_off
-from proxy.web.file_sends import cork, send_whole
+from proxy.web.file_sends import cork, send_file
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -217,7 +217,8 @@ class _SentFile(web.StreamResponse):
         self._key = key
         self._scope = artifact.scope
         self._size = artifact.record.size
-        self._file = open(fd, "rb", closefd=True)  # noqa: SIM115 (closed after prepare)
+        # Unbuffered: sendfile(2) reads it, never Python (a buffer costs a seek and an ioctl).
+        self._file = open(fd, "rb", buffering=0)  # noqa: SIM115 (closed after prepare)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         sock = request.transport.get_extra_info("socket") if request.transport else None
@@ -228,7 +229,7 @@ class _SentFile(web.StreamResponse):
                 transport = request.transport
                 if transport is None:
                     raise ConnectionResetError("Connection lost")
-                await send_whole(transport, self._file, self._size, self._key.id)
+                await send_file(transport, self._file, self._size, self._key.id)
                 await super().write_eof()
         except BaseException as e:
             _count_cut(self._symgate, request, self._file, 0)

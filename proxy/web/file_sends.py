@@ -59,6 +59,20 @@ async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, n
         _cut_short(name, sent, size)
 
 
+async def send_file(transport: asyncio.Transport, file: IO[bytes], size: int, name: str, *,
+                    fallback: bool = True) -> None:
+    """send_whole, with what the socket's send buffer has room for sent at once first
+    (send_at_once: where it has room for the whole file)."""
+    sock = transport.get_extra_info("socket")
+    sent = 0
+    if sock is not None and not transport.get_write_buffer_size() and size <= room_for(sock):
+        sent = send_at_once(sock, file, size, name)
+        if sent == size:
+            cork(sock, on=False)
+            return
+    await send_whole(transport, file, size, name, fallback=fallback, offset=sent)
+
+
 def room_for(sock: socket.socket) -> int:
     """How many bytes the socket's send buffer takes now: its size less what it still holds
     (sent and not acknowledged, or not sent yet); 0 where that cannot be told."""
