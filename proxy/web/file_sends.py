@@ -32,8 +32,9 @@ _OUTQ = struct.Struct("i")  # SIOCOUTQ's answer (Linux's TIOCOUTQ on a socket)
 def cork(sock: socket.socket | None, on: bool = True) -> None:
     """TCP_CORK on (or off) a TCP socket; nothing on another (a Unix socket), a kernel
     without it, or a socket gone already."""
-    if _TCP_CORK is not None and sock is not None \
-            and sock.family in (socket.AF_INET, socket.AF_INET6):
+    if _TCP_CORK is not None and sock is not None:
+        # Refused on a socket of another kind: asking its family first (an enum made at
+        # every call) cost more than the option itself, twice a response.
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, int(on))
 
