@@ -287,10 +287,12 @@ class _LeasedFileResponse(web.FileResponse):
 
 
 def _without_foreign_range(request: web.BaseRequest) -> web.BaseRequest:
-    """`request` without a Range of a unit other than bytes, which a server must ignore
-    (RFC 9110, 14.2) and FileResponse would refuse with 416."""
+    """`request` without a Range FileResponse would refuse with 416 though it is no fault of
+    the client's: one of a unit other than bytes, which a server must ignore (RFC 9110,
+    14.2), or of several ranges, which it may ignore (FileResponse serves one only), and
+    answer with the whole file, as debuginfod does for any Range."""
     asked = request.headers.get("Range")
-    if asked is None or asked.lstrip()[:6].lower() == "bytes=":
+    if asked is None or (asked.lstrip()[:6].lower() == "bytes=" and "," not in asked):
         return request
     headers = request.headers.copy()
     del headers["Range"]
