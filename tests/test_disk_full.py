@@ -341,3 +341,36 @@ async def test_a_table_whose_row_finds_no_room_in_sqlite_makes_room_or_refuses_t
     status, _, text = await post(sg, nopie)
     assert status == 200, text
     assert any(parse(text).function), "named once there is room for the table and its row"
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_no_room_for_the_executable_a_layout_needs_is_507_not_a_guess(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A debug file from a local tree (no executable beside it), its table built for a
+    profile of ELF-relative addresses. A profile of runtime addresses needs the executable's
+    program headers, fetched from the upstream onto a disk that is full: a layout guessed in
+    their stead is exact for GNU ld's layout only, and a 200 with names from it is kept for
+    good. The profile is refused with Retry-After; once there is room, it is named."""
+    tree = tmp_path / "debug" / ".build-id" / elfs.prog.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elfs.prog.build_id[2:] + ".debug")).symlink_to(elfs.prog.debug)
+    sg = await start_symgate([faults.url_for("ok")], data_dir=small_disk / "data",
+                             symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    placed = place(elfs.prog, BASES["prog"])
+    relative = make_profile([(placed, [placed.text.vaddr + 16])], runtime=False)
+    status, _, text = await post(sg, relative.SerializeToString())
+    assert status == 200 and any(parse(text).function), text
+    await _settled(sg)
+    filler = small_disk / "filler"
+    _fill(filler)
+    runtime = _profile_of(elfs.prog, BASES["prog"])
+    status, headers, text = await post(sg, runtime)
+    assert status == 507, text
+    assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    filler.unlink()
+    status, _, text = await post(sg, runtime)
+    assert status == 200 and any(parse(text).function), text
+    assert faults.count("ok") >= 2  # the executable, asked for again once there was room

@@ -303,6 +303,9 @@ class SymbolResolver:
         try:
             exe_scope, path = await fetching
         except SymgateError:
+            # A full disk too: the table goes without the executable's names until it is
+            # cached (_prebuild builds it again then), and a profile that needs its program
+            # headers asks for it again (_find_executable_layout), refused if it still cannot.
             return None
         return (path, (exe_scope, key)) if exe_scope in (SHARED, scope) else None
 
@@ -458,11 +461,20 @@ class SymbolResolver:
         try:
             scope, exe = SHARED, find_executable(self._debug_dirs, build_id)
             if exe is None:
-                with contextlib.suppress(SymgateError):
+                try:
                     scope, exe = await self._artifact_path(
                         ArtifactKey(build_id, Kind.EXECUTABLE), req)
+                except TryAgain:
+                    raise  # below
+                except SymgateError:
+                    pass  # no executable to be had: guessed
             segments = await asyncio.to_thread(executable_segments, exe, build_id)
             return (scope, segments) if segments is not None else None
+        except TryAgain:
+            # The executable not stored for want of room: the server's passing trouble. A
+            # guessed layout is exact for GNU ld only, and a 200 with names from it is kept
+            # for good; the profile is refused with Retry-After instead.
+            raise
         except Exception:  # a failure here must not fail the profile: guess, as without one
             log.exception("program headers for %s", build_id)
             return None
