@@ -132,6 +132,13 @@ class Overloaded(SymgateError):
     outcome = Outcome.REJECTED
 
 
+class DatabaseUnavailable(SymgateError, TryAgain):
+    """The database did not answer (gone, refusing, or slower than database.timeout_s) where
+    an answer needs it (a symbol table's row): 503 with Retry-After, as it comes back."""
+
+    outcome = Outcome.INTERNAL
+
+
 class OutOfResources(SymgateError):
     """The server ran out of something of its own that comes back by itself (file
     descriptors): answered 503 with Retry-After, not as an internal error."""

@@ -19,6 +19,8 @@ from proxy.store.repository import Repository, create_engine
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, free_port, make_config
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
 
 
 class Forwarder:
@@ -172,3 +174,36 @@ async def test_a_database_that_never_answers_holds_no_request_past_its_timeout(
     status, _, text = await sg.get("/healthz", timeout=patience)
     assert status == 200 and b"database: unreachable" in text
     await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_profile_while_postgresql_is_down_is_named_or_refused_never_left_bare(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A table in memory goes on serving; one that must be looked up in SQL cannot be, and
+    a 200 with the mapping bare would be kept by a profiling backend for good: the profile
+    is refused with Retry-After, and named once the database is back."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+                  symbolize=symbolize_config())
+    sg = await start_symgate(config=cfg)
+    known = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    new = make_profile([(place(elfs.other, BASES["prog"]), code_addresses(elfs.other)[:5])])
+    status, headers, _ = await post(sg, known.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+    await forwarder.cut()
+    status, headers, _ = await post(sg, known.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    status, headers, text = await post(sg, new.SerializeToString())
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers, text)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+    await forwarder.start()
+    async def named() -> bool:
+        status, headers, _ = await post(sg, new.SerializeToString())
+        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    await eventually(named, timeout=30)

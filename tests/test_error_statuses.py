@@ -11,6 +11,7 @@ import pytest
 from proxy import errors
 from proxy.errors import (
     Conflict,
+    DatabaseUnavailable,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -52,6 +53,7 @@ STATUS = {
     UpstreamTimeout: 504,
     WorkerLost: 503,
     OutOfResources: 503,  # out of file descriptors: they come back
+    DatabaseUnavailable: 503,  # a symbol table's row out of reach: the database comes back
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
     InsufficientStorage: 507,  # the cache's disk is full: space comes back
     UploadBudgetFull: 507,  # uploads past upload.max_bytes: deleting them makes room
@@ -63,7 +65,7 @@ TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
 PASSING = TRANSIENT | {InsufficientStorage}
 # Our own passing failures: a full /symbolize, a worker that died, no descriptor left;
 # retried by anyone.
-BUSY = {Overloaded: 429, WorkerLost: 503, OutOfResources: 503}
+BUSY = {Overloaded: 429, WorkerLost: 503, OutOfResources: 503, DatabaseUnavailable: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from proxy.errors import DatabaseUnavailable
 from proxy.expiry import Expiry
 from proxy.store.disk import Store
-from proxy.store.repository import Repository, SymbolTableRecord
+from proxy.store.repository import Repository, SymbolTableRecord, is_disk_full
 from symbolize.elf import LoadSegment
 from symbolize.outcome import Outcome
 from symbolize.symtab import FORMAT, BuildResult
 
 if TYPE_CHECKING:
     from proxy.bucket.tier import SharedTier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# A database gone or not answering, as the drivers say it (a refused or cut connection, a
+# query past database.timeout_s); not the errors of a wrong query, which are bugs to show.
+_UNREACHABLE = (OperationalError, InterfaceError, OSError)
 
 
 def layout_to_json(segments: Sequence[LoadSegment]) -> str:
@@ -64,7 +74,7 @@ class TableStore:
     async def find(self, scope: str, build_id: str) -> tuple[SymbolTableRecord | None, bool]:
         """usable(), and whether the table came from the shared bucket just now (built by
         another replica)."""
-        rec = await self._repo.get_symbol_table(scope, build_id)
+        rec = await _sql(self._repo.get_symbol_table(scope, build_id))
         if rec is None or rec.format != FORMAT:
             return None, False
         if rec.outcome == Outcome.OK:
@@ -75,7 +85,7 @@ class TableStore:
         return None, False
 
     async def get(self, scope: str, build_id: str) -> SymbolTableRecord | None:
-        return await self._repo.get_symbol_table(scope, build_id)
+        return await _sql(self._repo.get_symbol_table(scope, build_id))
 
     async def here(self, scope: str, build_id: str) -> SymbolTableRecord | None:
         """The row, as get(); for a built table in this format whose file another replica
@@ -117,7 +127,7 @@ class TableStore:
             error=error, built_at=now, build_seconds=result.seconds if result else 0.0,
             expires_at=now + timedelta(seconds=keep) if keep is not None else None,
         )
-        await self._repo.put_symbol_table(rec)
+        await _sql(self._repo.put_symbol_table(rec))
         if outcome == Outcome.OK and self._shared is not None:
             self._shared.publish_table(scope, build_id, self.path(scope, build_id))
         return rec
@@ -127,12 +137,19 @@ class TableStore:
         keep = self._expiry.seconds(Outcome.NOT_FOUND)
         assert keep is not None
         renewed = dataclasses.replace(rec, expires_at=datetime.now(UTC) + timedelta(seconds=keep))
-        await self._repo.put_symbol_table(renewed)
+        await _sql(self._repo.put_symbol_table(renewed))
         return renewed
 
     async def set_layout(self, scope: str, build_id: str,
                          segments: Sequence[LoadSegment]) -> None:
-        await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
+        """Recorded where it can be: the caller has the program headers in memory, and
+        without the row they are searched again after a restart."""
+        try:
+            await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
+        except _UNREACHABLE as e:  # SQLite's full disk too: an OperationalError
+            log.warning("program headers of %s not recorded (%s: %s): searched again after a "
+                        "restart", build_id, type(e).__name__, str(e).splitlines()[0][:200]
+                        if str(e) else "")
 
     def remove_file(self, scope: str, build_id: str) -> None:
         """The table's file alone: built, but its row could not be written (a full disk)."""
@@ -143,7 +160,22 @@ class TableStore:
         cluster's (its row, its object): only this replica's copy goes."""
         self._store.remove_symtab(scope, build_id)
         if self._shared is None:
-            await self._repo.delete_symbol_tables([(scope, build_id)])
+            await _sql(self._repo.delete_symbol_tables([(scope, build_id)]))
+
+
+async def _sql(call: Awaitable[T]) -> T:
+    """`call`, a query of the tables' rows; a database that does not answer raises
+    DatabaseUnavailable (503 with Retry-After: a profile is refused, never answered with its
+    mappings bare, which a backend keeps for good). A full disk stays what it is, for the
+    caller to make room (SymbolResolver._with_room)."""
+    try:
+        return await call
+    except _UNREACHABLE as e:
+        if is_disk_full(e):
+            raise
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise DatabaseUnavailable(f"the database does not answer ({type(e).__name__}"
+                                  f"{': ' + first if first else ''}); try again") from e
 
 
 # The source key of a table built from an executable of the local debug directories.

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from proxy.errors import (
     Conflict,
+    DatabaseUnavailable,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -67,6 +68,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (UploadBudgetFull, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
     (OutOfResources, 503),
+    (DatabaseUnavailable, 503),
     (SymgateError, 500),
 )
 
