@@ -16,7 +16,7 @@ import pytest
 
 from proxy.config import Config
 from proxy.store.repository import Repository, create_engine
-from tests.elfs import ElfSet
+from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, free_port, make_config
 from tests.profiles import code_addresses, make_profile, place
@@ -182,28 +182,43 @@ async def test_a_profile_while_postgresql_is_down_is_named_or_refused_never_left
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A table in memory goes on serving; one that must be looked up in SQL cannot be, and
-    a 200 with the mapping bare would be kept by a profiling backend for good: the profile
-    is refused with Retry-After, and named once the database is back."""
+    """Tables in memory go on serving, and program headers found meanwhile are used though
+    their row cannot be written; a table that must be looked up in SQL cannot be, and a 200
+    with the mapping bare would be kept by a profiling backend for good: that profile is
+    refused with Retry-After, and named once the database is back."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    # other's debug file in a local tree without its executable: the program headers of a
+    # profile of runtime addresses are searched apart, and their row written apart.
+    tree = tmp_path / "debug" / ".build-id" / elfs.other.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / (elfs.other.build_id[2:] + ".debug")).symlink_to(elfs.other.debug)
     cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
-                  symbolize=symbolize_config())
+                  symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
     sg = await start_symgate(config=cfg)
-    known = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
-    new = make_profile([(place(elfs.other, BASES["prog"]), code_addresses(elfs.other)[:5])])
-    status, headers, _ = await post(sg, known.SerializeToString())
-    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+    def profile(elf: Elf, runtime: bool = True) -> bytes:
+        return make_profile([(place(elf, BASES["prog"]), code_addresses(elf)[:5])],
+                            runtime=runtime).SerializeToString()
+
+    for body in (profile(elfs.prog), profile(elfs.other, runtime=False)):
+        status, headers, _ = await post(sg, body)
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
 
     await forwarder.cut()
-    status, headers, _ = await post(sg, known.SerializeToString())
-    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
-    status, headers, text = await post(sg, new.SerializeToString())
+    # In memory: the first table whole, the second without the executable's program headers,
+    # which a profile of runtime addresses has fetched now, their row not written.
+    for body in (profile(elfs.prog), profile(elfs.other)):
+        status, headers, _ = await post(sg, body)
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert "program headers of " + elfs.other.build_id in caplog.text
+    status, headers, text = await post(sg, profile(elfs.big))
     assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers, text)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
     await forwarder.start()
+
     async def named() -> bool:
-        status, headers, _ = await post(sg, new.SerializeToString())
+        status, headers, _ = await post(sg, profile(elfs.big))
         return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
     await eventually(named, timeout=30)
