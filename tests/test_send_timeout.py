@@ -241,3 +241,29 @@ async def test_the_kernel_ends_a_sendfile_waiting_on_a_client_that_stopped_readi
         client.close()
         server.close()
         payload.unlink()
+
+
+@pytest.mark.parametrize("answered", ["by aiohttp", "quickly"])
+async def test_a_client_that_stops_reading_a_file_the_buffer_nearly_holds_is_counted(
+    faults: FaultUpstream, tmp_path: Path, answered: str
+) -> None:
+    """A file whose size the send buffer seems to have room for (SO_SNDBUF less SIOCOUTQ),
+    but which one sendfile(2) sends only part of (the buffer's own overhead, more of it for a
+    client with a small window): the rest goes by a task whose first sendfile(2) waits, and
+    the kernel's cut of a client that stopped reading must be counted all the same."""
+    files = tmp_path / "files"
+    files.mkdir()
+    elf = build_program(tmp_path / "src", files, "near", 73, pad_bytes=3584 << 10)
+    path = f"/buildid/{elf.build_id}/debuginfo"
+    size = elf.debug.stat().st_size
+    async with _server(tmp_path, faults.url_for("notfound"),
+                       f'workers = 1\n[[upstreams]]\npath = "{files}"\n'
+                       ) as (base, port, out, _pids):
+        await _served_whole(base + path, size)  # cached now
+        if answered == "quickly":
+            await _served_whole(base + path, size)  # its answer's head kept in memory
+        await asyncio.sleep(0.5)  # committed
+        stalled = await asyncio.to_thread(_request, port, path, 4096)
+        await asyncio.sleep(TIMEOUT_S * 3)
+        await _all_cut_and_counted([stalled], size, base, out)
+        await _served_whole(base + path, size)

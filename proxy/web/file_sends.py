@@ -52,6 +52,10 @@ async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, n
     sock = transport.get_extra_info("socket")
     cork(sock)
     try:
+        if offset and sock is not None:
+            # After a send_at_once that filled the buffer: loop.sendfile's first call must
+            # find room (_writable).
+            await _writable(transport, sock)
         sent = offset + await asyncio.get_running_loop().sendfile(
             transport, file, offset, size - offset, fallback=fallback)
     finally:
@@ -105,6 +109,37 @@ def send_at_once(sock: socket.socket, file: IO[bytes], size: int, name: str) -> 
         pass
     file.seek(sent)
     return sent
+
+
+async def _writable(transport: asyncio.Transport, sock: socket.socket) -> None:
+    """Until the socket has room again; raises the error that ended the connection instead.
+
+    asyncio's sendfile reports a failure of its first sendfile(2) as "sendfile not available"
+    (its fallback, or a RuntimeError): after a send_at_once that sendfile(2) took only part
+    of (room_for counts the buffer's own overhead as room), a first call that waited for a
+    client that stopped reading would hide the kernel's cut of it (ETIMEDOUT: send_timeout.py)
+    from the count. Waited for on a duplicate of the descriptor: the loop lets no other
+    watcher on a transport's own."""
+    loop = asyncio.get_running_loop()
+    fd = os.dup(sock.fileno())
+    try:
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def woken() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_writer(fd, woken)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+    finally:
+        os.close(fd)
+    if error := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+        raise OSError(error, os.strerror(error))
+    if transport.is_closing():  # a read that saw the error first: the protocol was told
+        raise ConnectionResetError("Connection lost")
 
 
 def _cut_short(name: str, sent: int, size: int) -> None:
