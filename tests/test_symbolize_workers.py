@@ -6,6 +6,7 @@ is refused without being inflated into memory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import zlib
@@ -16,6 +17,7 @@ import pytest
 
 from proxy.config import TenantConfig
 from proxy.web.state import STATE
+from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
@@ -337,3 +339,56 @@ async def test_a_worker_killed_mid_build_is_a_503_and_the_next_profile_builds_th
     assert status == 503 and "Retry-After" in headers, (status, headers, text)
     status, headers, _ = await post(sg, body)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+
+def _writing_an_answer(pids: list[int]) -> list[int]:
+    """Which of these workers hold a finish's answer file open (proxy.symbols.shared_bodies):
+    the ones rewriting a profile now."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if "symgate-answer" in os.readlink(f"/proc/{pid}/fd/{name}"):
+                        found.append(pid)
+                        break
+    return found
+
+
+async def test_a_rewrite_its_profile_was_refused_during_keeps_its_slot_until_it_ends(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """A corrupt sample found while the rewrite runs refuses the profile at once, but the
+    rewrite goes on in its worker (a process's job cannot be taken back): until it ends it is
+    one of the `workers` profile jobs the pool holds at once, or refused profiles could fill
+    the processes kept for builds, past the admission gate."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
+    workers = sg.runner.app[STATE].symbols.workers
+    assert (await post(sg, _profile(elfs)))[0] == 200  # the table built, a checker started
+    addresses = code_addresses(elfs.prog)
+    big = make_profile([(place(elfs.prog, BASES["prog"]), (addresses * 400)[:100_000])])
+    corrupt = RawProfile.FromString(big.SerializeToString())
+    corrupt.sample[2] = b"\x0a\x05\x01"
+    checkers = workers.checks.pids()
+    assert checkers
+    with stopped(checkers):  # the check waits: the rewrite is reached
+        refused = asyncio.ensure_future(post(sg, corrupt.SerializeToString()))
+        rewriting: list[int] = []
+        for _ in range(20000):
+            if rewriting := _writing_an_answer(workers.pool.pids()):
+                break
+            assert not refused.done(), refused.result()
+            await asyncio.sleep(0.001)
+        for pid in rewriting:
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        status, _, text = await refused
+        assert status == 400 and b"sample 2" in text, text
+        after = asyncio.ensure_future(post(sg, _profile(elfs)))
+        done, _ = await asyncio.wait([after], timeout=1.5)
+        assert not done, "a profile's job went to the pool beside a refused one's still there"
+    finally:
+        for pid in rewriting:
+            os.kill(pid, signal.SIGCONT)
+    status, headers, _ = await after
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"

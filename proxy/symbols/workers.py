@@ -253,9 +253,15 @@ class SymbolizeWorkers:
             work.close()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in a worker, in the place of a profile's job."""
-        async with self._jobs:
-            return await self.pool.run(fn, *args)
+        """`fn(*args)` in a worker, in the place of a profile's job, held until the job has
+        ended. A caller that gives up on it (its profile refused by the sample check while it
+        is rewritten, its request cancelled) cannot take back what a process runs: let go at
+        once, the place would admit the next profile's job beside it, and profiles refused
+        for a corrupt sample, each at once, would fill the processes kept for builds."""
+        await self._jobs.acquire()
+        job = asyncio.ensure_future(self.pool.run(fn, *args))
+        job.add_done_callback(lambda _: self._jobs.release())
+        return await asyncio.shield(job)
 
     async def close(self) -> None:
         """Stop every worker of profiles and builds (`WorkerPool.close`)."""
