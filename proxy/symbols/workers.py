@@ -260,7 +260,13 @@ class SymbolizeWorkers:
         for a corrupt sample, each at once, would fill the processes kept for builds."""
         await self._jobs.acquire()
         job = asyncio.ensure_future(self.pool.run(fn, *args))
-        job.add_done_callback(lambda _: self._jobs.release())
+
+        def ended(done: asyncio.Future[T]) -> None:
+            self._jobs.release()
+            if not done.cancelled():
+                done.exception()  # retrieved: a caller that gave up is not told of it
+
+        job.add_done_callback(ended)
         return await asyncio.shield(job)
 
     async def close(self) -> None:
