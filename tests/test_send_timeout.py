@@ -189,16 +189,22 @@ async def test_a_client_that_stops_reading_a_download_is_cut_and_the_download_ke
         assert faults.count("ok") - before == 1
 
 
+def _padded_debug_file(tmp_path: Path, name: str, seed: int, pad: int
+                       ) -> tuple[Path, str, int]:
+    """A program's debug file padded by `pad` bytes in a folder of its own, for a local
+    upstream: the folder, the file's /buildid path and its size."""
+    files = tmp_path / "files"
+    files.mkdir()
+    elf = build_program(tmp_path / "src", files, name, seed, pad_bytes=pad)
+    return files, f"/buildid/{elf.build_id}/debuginfo", elf.debug.stat().st_size
+
+
 async def test_a_client_that_reads_slowly_but_reads_gets_every_byte(
     faults: FaultUpstream, tmp_path: Path
 ) -> None:
     # A file larger than what the socket buffers of a client that reads seldom hold (they do
     # not grow then), small enough to be read in a few seconds that way.
-    files = tmp_path / "files"
-    files.mkdir()
-    elf = build_program(tmp_path / "src", files, "mid", 71, pad_bytes=1 << 20)
-    path = f"/buildid/{elf.build_id}/debuginfo"
-    size = elf.debug.stat().st_size
+    files, path, size = _padded_debug_file(tmp_path, "mid", 71, 1 << 20)
     async with _server(tmp_path, faults.url_for("notfound"),
                        f'[[upstreams]]\npath = "{files}"\n') as (base, port, out, _pids):
         for _ in range(2):  # streamed as it is fetched, then sent from the cache
@@ -251,11 +257,7 @@ async def test_a_client_that_stops_reading_a_file_the_buffer_nearly_holds_is_cou
     but which one sendfile(2) sends only part of (the buffer's own overhead, more of it for a
     client with a small window): the rest goes by a task whose first sendfile(2) waits, and
     the kernel's cut of a client that stopped reading must be counted all the same."""
-    files = tmp_path / "files"
-    files.mkdir()
-    elf = build_program(tmp_path / "src", files, "near", 73, pad_bytes=3584 << 10)
-    path = f"/buildid/{elf.build_id}/debuginfo"
-    size = elf.debug.stat().st_size
+    files, path, size = _padded_debug_file(tmp_path, "near", 73, 3584 << 10)
     async with _server(tmp_path, faults.url_for("notfound"),
                        f'workers = 1\n[[upstreams]]\npath = "{files}"\n'
                        ) as (base, port, out, _pids):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import TenantConfig
+from proxy.symbols.workers import WorkerPool
 from proxy.web.state import STATE
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
@@ -70,18 +71,24 @@ async def test_a_worker_killed_mid_profile_is_a_503_and_the_pool_recovers(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
     sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
-    state = sg.runner.app[STATE]
-    pids = await _started(sg)
+    await _killed_mid_job(sg, elfs, sg.runner.app[STATE].symbols.workers.pool,
+                          await _started(sg))
+
+
+async def _killed_mid_job(sg: Symgate, elfs: ElfSet, pool: WorkerPool, pids: list[int]
+                          ) -> None:
+    """A profile whose job is in `pool`, whose processes `pids` are killed meanwhile: 503
+    with Retry-After, and the next profile symbolized by new processes."""
     with stopped(pids):
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
-        await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
+        await eventually(lambda: _true(pool.in_flight > 0))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
     status, headers, text = await pending
     assert status == 503 and "Retry-After" in headers and b"worker process died" in text
     status, headers, _ = await post(sg, _profile(elfs))
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
-    assert set(_workers(sg)).isdisjoint(pids)
+    assert set(pool.pids()).isdisjoint(pids)
 
 
 async def test_a_sample_checker_killed_mid_check_is_a_503_and_recovers(
@@ -94,16 +101,7 @@ async def test_a_sample_checker_killed_mid_check_is_a_503_and_recovers(
     assert (await post(sg, _profile(elfs)))[0] == 200  # the table built, a checker started
     pids = checks.pids()
     assert pids and set(pids).isdisjoint(_workers(sg))
-    with stopped(pids):
-        pending = asyncio.ensure_future(post(sg, _profile(elfs)))
-        await eventually(lambda: _true(checks.in_flight > 0))
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-    status, headers, text = await pending
-    assert status == 503 and "Retry-After" in headers and b"worker process died" in text
-    status, headers, _ = await post(sg, _profile(elfs))
-    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
-    assert set(checks.pids()).isdisjoint(pids)
+    await _killed_mid_job(sg, elfs, checks, pids)
 
 
 async def test_a_worker_that_died_idle_costs_no_request_a_503(
