@@ -37,6 +37,7 @@ from proxy.store.repository import (
     PurgeNotice,
     Repository,
     is_disk_full,
+    sql_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -361,8 +362,7 @@ class ArtifactCache:
 
     def sql_failed(self, doing: str, error: BaseException) -> None:
         """Note a failed query: the disk if SQLite found it full, else the database."""
-        reason = f"{doing}: {type(error).__name__}: {str(error).splitlines()[0][:200]}" \
-            if str(error) else f"{doing}: {type(error).__name__}"
+        reason = f"{doing}: {sql_failure(error)}"
         if is_disk_full(error):
             self.health.fail(DISK, reason)
         else:

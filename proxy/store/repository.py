@@ -72,6 +72,13 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, OSError)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def sql_failure(error: BaseException) -> str:
+    """A failed query's error in a line: its type, and the first line of its text (a driver's
+    error can run to a statement and its parameters)."""
+    first = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC or EDQUOT, raised directly or by SQLite ("database or disk is full")."""
     seen: BaseException | None = error

@@ -16,7 +16,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from proxy.errors import DatabaseUnavailable
 from proxy.expiry import Expiry
 from proxy.store.disk import Store
-from proxy.store.repository import Repository, SymbolTableRecord, is_disk_full
+from proxy.store.repository import Repository, SymbolTableRecord, is_disk_full, sql_failure
 from symbolize.elf import LoadSegment
 from symbolize.outcome import Outcome
 from symbolize.symtab import FORMAT, BuildResult
@@ -147,9 +147,8 @@ class TableStore:
         try:
             await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
         except _UNREACHABLE as e:  # SQLite's full disk too: an OperationalError
-            log.warning("program headers of %s not recorded (%s: %s): searched again after a "
-                        "restart", build_id, type(e).__name__, str(e).splitlines()[0][:200]
-                        if str(e) else "")
+            log.warning("program headers of %s not recorded (%s): searched again after a "
+                        "restart", build_id, sql_failure(e))
 
     def remove_file(self, scope: str, build_id: str) -> None:
         """The table's file alone: built, but its row could not be written (a full disk)."""
@@ -173,9 +172,8 @@ async def _sql(call: Awaitable[T]) -> T:
     except _UNREACHABLE as e:
         if is_disk_full(e):
             raise
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        raise DatabaseUnavailable(f"the database does not answer ({type(e).__name__}"
-                                  f"{': ' + first if first else ''}); try again") from e
+        raise DatabaseUnavailable(f"the database does not answer ({sql_failure(e)}); "
+                                  "try again") from e
 
 
 # The source key of a table built from an executable of the local debug directories.
