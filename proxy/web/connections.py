@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from proxy.web.file_sends import cork, room_for, send_at_once, send_whole
+from proxy.web.file_sends import cork, send_if_room, send_whole
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -266,34 +266,24 @@ class _Counted(asyncio.Protocol):
                 self._guard.header_timeout_s, self._idle_too_long)
 
     def _send_file(self, transport: asyncio.Transport, answer: QuickFile) -> None:
-        """The head, then the file: sent here where the socket's buffer has room for it all,
-        else (or for what it did not take) by a task of its own.
-
-        Only where it has room: a client that reads nothing then fills the buffer once and
-        the task's first sendfile(2) waits; asyncio reports a failure of its first call as
-        "sendfile not available", and the kernel's cut of such a client (ETIMEDOUT, the
-        send timeout) would not be told from a reset (send_timeout.py)."""
-        sock = transport.get_extra_info("socket")
-        cork(sock)  # uncorked once the last byte is out
+        """The head, then the file: sent here where the socket's buffer has room for it all
+        (file_sends.send_if_room), else (or for what it did not take) by a task of its own."""
+        cork(transport.get_extra_info("socket"))  # uncorked once the last byte is out
         transport.write(answer.head)
         if transport.is_closing():  # the head's write failed: the client is gone
             answer.finish()
             return
-        sent = 0
-        if sock is not None and not transport.get_write_buffer_size() \
-                and answer.size <= room_for(sock):
-            try:
-                sent = send_at_once(sock, answer.file, answer.size, answer.name)
-            except OSError as e:  # the client, or a file shorter than its entry (ShortFile)
-                self._send_failed(e)
-                answer.finish()
-                transport.abort()
-                return
-            if sent == answer.size:
-                cork(sock, on=False)
-                answer.finish()
-                self._answered_quickly()
-                return
+        try:
+            sent = send_if_room(transport, answer.file, answer.size, answer.name)
+        except OSError as e:  # the client, or a file shorter than its entry (ShortFile)
+            self._send_failed(e)
+            answer.finish()
+            transport.abort()
+            return
+        if sent == answer.size:
+            answer.finish()
+            self._answered_quickly()
+            return
         # Nothing more is read (a next request) until the file is out.
         transport.pause_reading()
         self._sending = send = asyncio.ensure_future(self._send(transport, answer, sent))

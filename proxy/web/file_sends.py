@@ -67,15 +67,27 @@ async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, n
 async def send_file(transport: asyncio.Transport, file: IO[bytes], size: int, name: str, *,
                     fallback: bool = True) -> None:
     """send_whole, with what the socket's send buffer has room for sent at once first
-    (send_at_once: where it has room for the whole file)."""
+    (send_if_room)."""
+    sent = send_if_room(transport, file, size, name)
+    if sent != size:
+        await send_whole(transport, file, size, name, fallback=fallback, offset=sent)
+
+
+def send_if_room(transport: asyncio.Transport, file: IO[bytes], size: int, name: str) -> int:
+    """send_at_once where nothing waits in the transport's buffer and the socket's has room
+    for the whole file (else none is sent); uncorked once all went. Raises as send_at_once.
+
+    Only where it has room for it all: a client that reads nothing then fills the buffer once
+    and what continues (send_whole) waits first, not on asyncio's first sendfile(2), whose
+    failure asyncio reports as "sendfile not available" (_writable)."""
     sock = transport.get_extra_info("socket")
     sent = 0
-    if sock is not None and not transport.get_write_buffer_size() and size <= room_for(sock):
+    if size and sock is not None and not transport.get_write_buffer_size() \
+            and size <= room_for(sock):
         sent = send_at_once(sock, file, size, name)
-        if sent == size:
-            cork(sock, on=False)
-            return
-    await send_whole(transport, file, size, name, fallback=fallback, offset=sent)
+    if sent == size:  # an empty file too: nothing to wait for
+        cork(sock, on=False)  # the tail goes now, and a next response on the connection too
+    return sent
 
 
 def room_for(sock: socket.socket) -> int:
