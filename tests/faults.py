@@ -56,8 +56,8 @@ class FaultUpstream:
         self.bomb_sent = 0
         self.bomb_finished: bool | None = None
         # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is;
-        # "hold": the answer waits for `release` ("hold500": then fails). The await points a
-        # test controls.
+        # "hold": the answer waits for `release` ("hold500": then fails, "hold404": then is a
+        # miss). The await points a test controls.
         self.held_half_sent = asyncio.Event()
         self.release = asyncio.Event()
         # "headers-held": the status line and headers are sent, `headers_sent` set, then the
@@ -129,10 +129,12 @@ class FaultUpstream:
             return web.Response(status=404, text="not found")
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
-        if mode in ("hold", "hold500"):
+        if mode in ("hold", "hold500", "hold404"):
             await self.release.wait()
         if mode == "hold500":  # a failure that comes when the test says
             return web.Response(status=500, text="internal error")
+        if mode == "hold404":  # a miss that comes when the test says
+            return web.Response(status=404, text="not found")
         if mode == "gate" and not self.gate_open:
             return web.Response(status=503, text="try later")
         if mode == "gate":

@@ -727,6 +727,37 @@ async def test_a_tenants_upload_copied_from_the_bucket_is_never_streamed_to_anot
 
 
 @on_postgresql
+async def test_a_tenants_upload_learnt_of_during_its_miss_is_still_looked_for(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """Replica b learns which tenants have uploads every purge_poll_s. A request of alpha's
+    that found b not knowing of alpha's upload asks the upstream; if b learns of it while the
+    upstream answers (a miss), the upload must still be looked for: it was answered 404 (a
+    race CI met under load: the PUT had its 201, the bucket had the file)."""
+    faults.release.clear()
+    a, b = [await start_symgate([faults.url_for("hold404")], data_dir=tmp_path / name,
+                                storage=prefix.config(),
+                                tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
+                                cache=CacheConfig(purge_poll_s=3600.0))
+            for name in "ab"]
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    data = elfs.big.debug.read_bytes()
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    assert (await a.request("PUT", path, data=data, headers=alpha))[0] == 201
+    asked = faults.count("hold404")
+    got = asyncio.ensure_future(b.get(path, headers=alpha))
+    async def upstream_asked() -> bool:
+        return faults.count("hold404") > asked
+
+    await eventually(upstream_asked)  # b asks its upstream
+    await b.runner.app[STATE].service.refresh_uploaders()  # and learns of alpha's upload
+    faults.release.set()
+    status, _, body = await got
+    assert status == 200 and body == data, status
+
+
+@on_postgresql
 async def test_another_tenants_remembered_miss_never_hides_a_tenants_upload(
     start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
     prefix: Prefix

@@ -143,6 +143,9 @@ class ArtifactService:
         hit in memory is not stat()ed: the caller opens the file, and calls vanished() if it
         is gone.
         """
+        # Whether _find looks for the tenant's uploads first, as `uploaders` says now: a refresh
+        # of it during the upstream's answer must not skip the look below.
+        looked = self._has_own_uploads(req)
         try:
             return await self._find(key, req, cache_only, check_file)
         except RememberedNotFound:
@@ -152,7 +155,7 @@ class ArtifactService:
             # next refresh of `uploaders`: a miss its sources just confirmed (an upstream round
             # trip already) is worth a look there before it is answered.
             if key.kind is Kind.SECTION or not req.may_fetch or not req.tenant \
-                    or req.scope == req.tenant or req.tenant in self.uploaders:
+                    or req.scope == req.tenant or looked:
                 raise
             own = await self._own_upload(key, req)
             if own is None:
