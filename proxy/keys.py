@@ -11,7 +11,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 from proxy.errors import InvalidRequest
 from symbolize import buildid as symbolize_buildid
@@ -41,14 +41,42 @@ def normalize_build_id(raw: str) -> str:
         raise InvalidRequest(str(e)) from None
 
 
+def source_path_of(encoded: bytes) -> str:
+    """A source path as a client percent-encodes it, decoded: the path's bytes as text, each
+    byte that is not UTF-8 as Python's file names carry it (a lone surrogate, U+DC80-U+DCFF).
+
+    A compiler names a file with whatever bytes the build's file system had: a path such as
+    /src/caf\xe9.c (Latin-1) is a valid source of a valid build ID, which elfutils' debuginfod
+    serves and its client asks for as /src/caf%E9.c."""
+    return unquote_to_bytes(encoded).decode("utf-8", "surrogateescape")
+
+
+def _path_bytes(path: str) -> bytes:
+    return path.encode("utf-8", "surrogateescape")
+
+
+def is_text(path: str) -> bool:
+    """Whether `path` is UTF-8 text: no byte of it is carried as a lone surrogate."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def normalize_source_path(raw: str) -> str:
     """An absolute source path, with `.` and `..` resolved the way elfutils canonicalises.
 
     Resolving here also means the path forwarded upstream can never climb out of /buildid.
+    `raw` may carry bytes that are not UTF-8 as source_path_of decodes them.
     """
     if not raw.startswith("/"):
         raise InvalidRequest("invalid source path: must be absolute")
-    if len(raw) > MAX_SOURCE_PATH or len(raw.encode(errors="surrogatepass")) > MAX_SOURCE_PATH:
+    try:
+        size = len(_path_bytes(raw))
+    except UnicodeEncodeError:  # a surrogate that stands for no byte: no path has it
+        raise InvalidRequest("invalid source path: not a path's bytes") from None
+    if len(raw) > MAX_SOURCE_PATH or size > MAX_SOURCE_PATH:
         raise InvalidRequest(f"invalid source path: longer than {MAX_SOURCE_PATH} bytes")
     if any(ord(c) < 0x20 or c == "\x7f" for c in raw):
         raise InvalidRequest("invalid source path: contains control characters")
@@ -65,6 +93,9 @@ def normalize_section(raw: str) -> str:
     return raw
 
 
+# The id of a source path that is not UTF-8 (ArtifactKey.id): a text path's id is
+# "<build ID>/source/...", whose path starts with a slash.
+_RAW_SOURCE = "source:"
 _PARSED_MAX = 4096
 _PARSED: dict[tuple[str, str], ArtifactKey] = {}
 
@@ -111,6 +142,9 @@ class ArtifactKey:
     def from_id(cls, key_id: str) -> ArtifactKey:
         """The inverse of `id`: back from what SQL and logs hold."""
         build_id, _, rest = key_id.partition("/")
+        if rest.startswith(_RAW_SOURCE):
+            return cls.parse(build_id, "source",
+                             source_path_of(rest[len(_RAW_SOURCE):].encode("ascii")))
         if rest.startswith("source/"):
             return cls.parse(build_id, "source", rest[len("source"):])
         if rest.startswith("section/"):
@@ -121,7 +155,12 @@ class ArtifactKey:
     def id(self) -> str:
         """The primary key in SQL; also what logs and the admin CLI show."""
         if self.kind is Kind.SOURCE:
-            return f"{self.build_id}/source{self.detail}"
+            if is_text(self.detail):
+                return f"{self.build_id}/source{self.detail}"
+            # SQL and logs take text: a path that is not UTF-8 is named by its bytes,
+            # percent-encoded (every byte but letters, digits, `_.-~/`, so that no two paths
+            # share a name), under a prefix that no text path's id has.
+            return f"{self.build_id}/{_RAW_SOURCE}{quote(_path_bytes(self.detail), safe='/')}"
         if self.kind is Kind.SECTION:
             return f"{self.build_id}/section/{self.detail}"
         return f"{self.build_id}/{self.kind}"
@@ -130,7 +169,7 @@ class ArtifactKey:
     def upstream_path(self) -> str:
         """The request path on a debuginfod server, percent-encoded as elfutils' client does."""
         if self.kind is Kind.SOURCE:
-            return f"/buildid/{self.build_id}/source{quote(self.detail, safe='/')}"
+            return f"/buildid/{self.build_id}/source{quote(_path_bytes(self.detail), safe='/')}"
         if self.kind is Kind.SECTION:
             return f"/buildid/{self.build_id}/section/{quote(self.detail, safe='')}"
         return f"/buildid/{self.build_id}/{self.kind}"
@@ -140,12 +179,14 @@ class ArtifactKey:
         """Relative path in the cache directory: fixed-alphabet names only."""
         leaf = str(self.kind)
         if self.detail:
-            leaf += "-" + hashlib.sha256(self.detail.encode()).hexdigest()[:40]
+            leaf += "-" + hashlib.sha256(_path_bytes(self.detail)).hexdigest()[:40]
         return f"{self.build_id[:2]}/{self.build_id[2:] or '_'}/{leaf}"
 
     @property
     def default_filename(self) -> str:
         """X-DEBUGINFOD-FILE when upstream did not send one."""
         if self.kind is Kind.SOURCE:
-            return posixpath.basename(self.detail)
+            name = posixpath.basename(self.detail)
+            # A header is text: a name that is not UTF-8 goes percent-encoded.
+            return name if is_text(name) else quote(_path_bytes(name))
         return f"{self.build_id}.debug" if self.kind is Kind.DEBUGINFO else self.build_id

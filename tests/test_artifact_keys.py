@@ -4,6 +4,7 @@ an id in SQL that reads back as the same key."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -15,6 +16,7 @@ from proxy.keys import (
     Kind,
     normalize_section,
     normalize_source_path,
+    source_path_of,
 )
 
 BID = "0123456789abcdef0123456789abcdef01234567"
@@ -161,3 +163,48 @@ def test_section_names_of_the_elf_alphabet_are_taken_as_they_are(name: str) -> N
 def test_other_section_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidRequest, match="invalid section name"):
         normalize_section(name)
+
+
+# /src/café.c as a Latin-1 file system names it: no UTF-8, as a compiler records it in DWARF.
+LATIN1 = b"/src/caf\xe9/m\xe9.c"
+
+
+def test_a_source_path_that_is_not_utf8_keeps_its_bytes_upstream_on_disk_and_in_sql() -> None:
+    key = ArtifactKey.parse(BID, "source", source_path_of(b"/src/caf%E9/m%e9.c"))
+    assert key.detail.encode("utf-8", "surrogateescape") == LATIN1
+    # Asked of upstreams as elfutils' client asks for it: the same bytes, percent-encoded.
+    assert key.upstream_path == f"/buildid/{BID}/source/src/caf%E9/m%E9.c"
+    # SQL and logs take text: the bytes, percent-encoded, under a prefix of their own.
+    assert key.id == f"{BID}/source:/src/caf%E9/m%E9.c"
+    assert key.id.isascii()
+    assert ArtifactKey.from_id(key.id) == key
+    assert STORAGE_NAME.match(key.storage_name)
+    # A header is text too.
+    assert key.default_filename == "m%E9.c"
+
+
+def test_a_path_of_percent_signs_is_another_file_than_one_of_such_bytes() -> None:
+    """`%E9` in a UTF-8 path is three characters; a byte E9 is one: two keys, two files."""
+    literal = ArtifactKey.parse(BID, "source", "/src/caf%E9/m%E9.c")
+    raw = ArtifactKey.parse(BID, "source", source_path_of(b"/src/caf%E9/m%E9.c"))
+    assert literal != raw
+    assert literal.id != raw.id and literal.storage_name != raw.storage_name
+    assert literal.upstream_path == f"/buildid/{BID}/source/src/caf%25E9/m%25E9.c"
+    assert ArtifactKey.from_id(literal.id) == literal and ArtifactKey.from_id(raw.id) == raw
+
+
+def test_utf8_source_paths_keep_the_names_they_had() -> None:
+    """Caches and SQL rows written before bytes were kept still name the same files."""
+    key = ArtifactKey.parse(BID, "source", source_path_of(b"/usr/src/%C3%BCn%C3%AFcode.c"))
+    assert key.detail == "/usr/src/ünïcode.c"
+    assert key.id == f"{BID}/source/usr/src/ünïcode.c"
+    digest = hashlib.sha256("/usr/src/ünïcode.c".encode()).hexdigest()[:40]
+    assert key.storage_name == f"01/{BID[2:]}/source-{digest}"
+    assert key.upstream_path == f"/buildid/{BID}/source/usr/src/%C3%BCn%C3%AFcode.c"
+
+
+def test_a_long_path_of_bytes_counts_its_bytes() -> None:
+    fits = b"/" + b"\xe9" * (MAX_SOURCE_PATH - 1)
+    assert ArtifactKey.parse(BID, "source", fits.decode("utf-8", "surrogateescape"))
+    with pytest.raises(InvalidRequest, match="longer than"):
+        ArtifactKey.parse(BID, "source", (fits + b"\xe9").decode("utf-8", "surrogateescape"))

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from yarl import URL
 
+from symbolize.elf import build_id_of_file
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory
+from tests.harness import Debuginfod, SymgateFactory, eventually, free_port
 from tests.processes import debuginfod_find
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -174,6 +180,88 @@ async def test_relative_and_control_character_source_paths_are_400(
     status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/symbols")
     assert status == 400
     assert faults.count("ok") == 0
+
+
+# A directory named café on a Latin-1 file system: its name is not UTF-8.
+_LATIN1_DIR = b"caf\xe9"
+
+
+@pytest.fixture
+def latin1_source(tmp_path: Path) -> Iterator[tuple[Debuginfod, str, bytes, bytes]]:
+    """A real elfutils debuginfod serving a program built from a source whose path is not
+    UTF-8: (the server, the build ID, the path as DWARF names it, the source's bytes)."""
+    root = tmp_path / "tree"
+    src_dir = root / os.fsdecode(_LATIN1_DIR)
+    src_dir.mkdir(parents=True)
+    source = src_dir / "m.c"
+    text = b"int twice(int x) { return 2 * x; }\nint main(int c, char **v) { return twice(c); }\n"
+    source.write_bytes(text)
+    exe = root / "prog"
+    subprocess.run(["gcc", "-g", "-O0", "-Wl,--build-id", "-o", str(exe), str(source)],
+                   check=True)
+    build_id = build_id_of_file(exe)
+    assert build_id is not None
+    binary = shutil.which("debuginfod")
+    assert binary is not None, "apt-get install debuginfod"
+    port = free_port()
+    with (tmp_path / "debuginfod.log").open("wb") as log:
+        proc = subprocess.Popen([binary, "-p", str(port), "-d", str(tmp_path / "db.sqlite"),
+                                 "-F", str(root), "-t", "0", "-g", "0"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield (Debuginfod(f"http://127.0.0.1:{port}", proc), build_id,
+               os.fsencode(source), text)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def _status(url: str) -> int:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(URL(url, encoded=True)) as r:
+            await r.read()
+            return r.status
+    except aiohttp.ClientError:
+        return 0
+
+
+async def test_a_source_whose_path_is_not_utf8_is_served_as_elfutils_serves_it(
+    start_symgate: SymgateFactory, latin1_source: tuple[Debuginfod, str, bytes, bytes],
+    tmp_path: Path,
+) -> None:
+    upstream, build_id, path, text = latin1_source
+    encoded = path.replace(_LATIN1_DIR, b"caf%E9").decode()
+    await eventually(lambda: _ok(f"{upstream.url}/buildid/{build_id}/source{encoded}"))
+    sg = await start_symgate([upstream.url])
+    # elfutils' own client, asked for the path as DWARF names it, through symgate.
+    env = {**os.environ, "DEBUGINFOD_URLS": sg.url,
+           "DEBUGINFOD_CACHE_PATH": str(tmp_path / "client")}
+    got = await asyncio.to_thread(subprocess.run, [b"debuginfod-find", b"source",
+                                                   build_id.encode(), path],
+                                  env=env, capture_output=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert Path(os.fsdecode(got.stdout.strip())).read_bytes() == text
+    # Asked again: a hit, whichever case the client encodes the byte in.
+    async with sg.session.get(URL(f"{sg.url}/buildid/{build_id}/source"
+                                  f"{encoded.replace('%E9', '%e9')}", encoded=True)) as r:
+        assert r.status == 200 and await r.read() == text
+        assert r.headers["X-DEBUGINFOD-FILE"] == "m.c"
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="source",
+                           outcome="hit") == 1
+    # The characters `%E9` are another path, which the upstream has not.
+    literal = encoded.replace("%E9", "%25E9")
+    assert await _status(f"{sg.url}/buildid/{build_id}/source{literal}") == 404
+    # The SQL row reads back as the same key: a restarted server, its upstream gone, still
+    # serves the file from its cache.
+    await sg.stop()
+    upstream.process.terminate()
+    upstream.process.wait(10)
+    again = await start_symgate([upstream.url], data_dir=sg.config.server.data_dir)
+    assert await _status(f"{again.url}/buildid/{build_id}/source{encoded}") == 200
+
+
+async def _ok(url: str) -> bool:
+    return await _status(url) == 200
 
 
 async def test_range_requests_on_cached_artifacts(

@@ -20,7 +20,7 @@ from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge
 from proxy.headers import decimal
-from proxy.keys import ArtifactKey, Kind
+from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import IMA_SIGNATURE
@@ -83,12 +83,28 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
     return hop, len(hops) < limit and not looped
 
 
+def _detail(request: web.Request) -> str:
+    """The source path or section name the request names.
+
+    The router's is decoded as UTF-8, and leaves a percent-encoded byte that is not UTF-8 as
+    it came (`%E9`), the same text as an encoded percent sign followed by `E9` gives: such a
+    source path is decoded from the request's own bytes instead (source_path_of)."""
+    m = request.match_info
+    detail = m.get("detail", "")
+    if m["kind"] != "source" or "%" not in detail:
+        return detail
+    target = request.raw_path.partition("?")[0].encode("utf-8", "surrogateescape")
+    path = source_path_of(target)
+    prefix = f"/buildid/{m['build_id']}/source"
+    return path[len(prefix):] if path.startswith(prefix) and not is_text(path) else detail
+
+
 async def buildid(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     m = request.match_info
     kind = m["kind"] if m["kind"] in _KINDS else "invalid"
     annotate(request, endpoint="buildid", kind=kind)
-    key = ArtifactKey.parse(m["build_id"], m["kind"], m.get("detail", ""))
+    key = ArtifactKey.parse(m["build_id"], m["kind"], _detail(request))
     max_size = _max_size(request)
     hop, may_fetch = hop_of(request, state.via_name, state.config.server.forwarded_ttl_limit)
     tenant = state.tenancy.tenant_of(request)
