@@ -1,0 +1,55 @@
+"""A serving process's writes to SQLite queue in the process, one transaction after another,
+rather than in SQLite's busy handler: a writer that finds the database locked sleeps 1, 2, 5,
+10... ms and tries again, and a cold profile's tables, built at once, made their rows wait
+each other's sleeps (proxy.store.repository)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from proxy.store.migrate import upgrade
+from proxy.store.repository import Repository, create_engine
+from tests.test_local_reads import WHEN, _artifact, _table
+
+
+@pytest.fixture
+async def impatient(tmp_path: Path) -> AsyncIterator[Repository]:
+    """A repository on a SQLite file whose connections give up at once on a locked database
+    (busy_timeout 0): a write that meets another of this process's in SQLite fails."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'w.sqlite'}"
+    await asyncio.to_thread(upgrade, url)
+    engine = create_engine(url)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _no_patience(dbapi_conn: Any, _record: Any) -> None:  # after create_engine's pragmas
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout=0")
+        cur.close()
+
+    repo = Repository(engine)
+    yield repo
+    await repo.close()
+    await engine.dispose()
+
+
+async def test_concurrent_writes_of_one_process_never_meet_in_sqlite(
+    impatient: Repository,
+) -> None:
+    # The engine's pool opens several connections, each its own thread: without the queue,
+    # these transactions overlap in SQLite and all but one fail "database is locked".
+    tables = [_table(f"{i:040x}", None, None) for i in range(40)]
+    artifacts = [_artifact(f"{i:064x}", archive=None, pinned=False) for i in range(40)]
+    await asyncio.gather(*(impatient.put_symbol_table(t) for t in tables),
+                         *(impatient.put_artifact(a) for a in artifacts),
+                         *(impatient.touch_bucket_object(f"{i:064x}", WHEN) for i in range(20)))
+    for t in tables:
+        got = await impatient.get_symbol_table(t.scope, t.build_id)
+        assert got is not None and got.size == t.size
+    for a in artifacts:
+        assert await impatient.get_artifact(a.key_hash) is not None
