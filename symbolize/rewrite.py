@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .buildid import InvalidBuildId, normalize_build_id
-from .chains import Chains, FunctionIds
+from .chains import FIRST_ID, Chains, FunctionIds, encode_spans
 from .distinct import sorted_distinct
 from .elf import LoadSegment
 from .pprof import varint
@@ -266,17 +266,15 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
     written = _Functions(profile, ids).add(used)
 
     # Each location comes out as its own bytes and then its chain's Line entries: where those
-    # are, in the bytes of all the tables' chains.
-    blobs: list[npt.NDArray[np.uint8]] = []
+    # are, in the bytes of all the tables' chains, encoded at once (encode_spans).
+    renumbered = np.zeros(len(ids) + 1, dtype=np.uint64)
+    renumbered[(used - np.uint64(FIRST_ID)).astype(np.int64)] = written
+    tails, spans = encode_spans([chains.used_frames(renumbered) for _w, chains, _s in found])
     tail_start = np.zeros(count, dtype=np.int64)
     tail_length = np.zeros(count, dtype=np.int32)
-    offset = 0
-    for where, chains, shares in found:
-        blob, starts, lengths_of = chains.encoded_spans(used, written)
-        tail_start[where] = starts + offset
+    for (where, chains, shares), (starts, lengths_of) in zip(found, spans, strict=True):
+        tail_start[where] = starts
         tail_length[where] = lengths_of
-        blobs.append(blob)
-        offset += len(blob)
         start = 0
         for mid, count in shares:
             numbers = chains.numbers[start:start + count]
@@ -296,11 +294,9 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
                 # not the file's lack of symbols (no_symbols), which comes from the build.
                 report.mappings_skipped["unresolved"] += 1
     # The chains are done with too (their numbers are a column the size of the input).
-    del found, where, chains, shares, numbers, resolved, starts, lengths_of, blob
+    del found, spans, where, chains, shares, numbers, resolved, starts, lengths_of
     if not tail_length.any():
         return []
-    tails = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
-    del blobs
     profile.ClearField("location")
     return _written_locations(encodings, lengths, old_head, tails, tail_start, tail_length)
 
