@@ -7,7 +7,10 @@ prints them after its own rows; `python bench/symbolize_targets.py --only names`
   * cold: a realistic profile of 30 mappings (libc, ld.so, libstdc++ and 27 gcc-built
     programs), no table built, to a server that has just started and to one up for a while,
     against one llvm-symbolizer run;
-  * peak memory of a warm rewrite against the size of the decoded profile.
+  * peak memory of a warm rewrite against the size of the decoded profile;
+  * many mappings (not a target of its own, reported beside them): a profile of 60 small
+    gcc-built programs, 370 addresses each, cold and warm, against one llvm-symbolizer run;
+    its cost is per mapping, where the targets' is per address.
 """
 
 from __future__ import annotations
@@ -264,6 +267,8 @@ def main_targets(libc: Path, libc_id: str, serve_tree: Serve, post: Post, stop: 
         results["cold_30_mappings"] = cold(programs, libc, libc_id, work, serve_tree, post,
                                            stop)
         print("cold:", json.dumps(results["cold_30_mappings"]), flush=True)
+        results["many_programs"] = many_programs(work, serve_tree, post, stop)
+        print("many programs:", json.dumps(results["many_programs"]), flush=True)
     return results
 
 
@@ -308,13 +313,40 @@ def cold(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str, work:
             "first_over_running": times[0] / times[1]}
 
 
+def many_programs(work: Path, serve_tree: Serve, post: Post, stop: Stop, count: int = 60
+                  ) -> dict[str, float]:
+    """`count` small programs in one profile, 370 addresses each: a site's own binaries."""
+    rng = random.Random(60)
+    (work / "many").mkdir()
+    mappings = [(exe, debug, bid, text_addresses(exe, 370, rng))
+                for exe, debug, bid in build_programs(work / "many", count)]
+    tree = work / "many-tree"
+    for exe, debug, bid, _v in mappings:
+        d = tree / ".build-id" / bid[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / (bid[2:] + ".debug")).symlink_to(debug)
+        (d / bid[2:]).symlink_to(exe)
+    body = placed_profile([(exe, bid, v) for exe, _d, bid, v in mappings],
+                          relative=False).SerializeToString()
+    llvm_s, _frames = llvm_frames([(debug, v) for _e, debug, _b, vs in mappings for v in vs])
+    proc, url = serve_tree(tree, 8.0)
+    try:
+        cold_s = post(url, body)[0]
+        warm_s = sorted(post(url, body)[0] for _ in range(7))[3]
+    finally:
+        stop(proc)
+    return {"mappings": float(count), "locations": float(370 * count),
+            "llvm_symbolizer_s": llvm_s, "cold_s": cold_s, "warm_s": warm_s,
+            "cold_over_llvm": cold_s / llvm_s, "llvm_over_warm": llvm_s / warm_s}
+
+
 def main() -> None:
     # symbolize_bench.py imports this module: its helpers are taken when run on its own.
     from bench.symbolize_bench import LIBC, LIBC_ID, post, serve_tree, stop
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("names", "memory", "cold"),
+    ap.add_argument("--only", choices=("names", "memory", "cold", "many"),
                     help="measure this target alone (default: all, as symbolize_bench.py)")
     ap.add_argument("--memory-locations", type=int, default=1_000_000)
     args = ap.parse_args()
@@ -325,6 +357,9 @@ def main() -> None:
         work = Path(tmp)
         if args.only == "memory":
             print("memory:", json.dumps(peak_memory(LIBC, LIBC_ID, work, args.memory_locations)))
+            return
+        if args.only == "many":
+            print("many programs:", json.dumps(many_programs(work, serve_tree, post, stop)))
             return
         programs = build_programs(work, 27)
         if args.only == "names":
