@@ -144,7 +144,7 @@ class ArtifactKey:
         build_id, _, rest = key_id.partition("/")
         if rest.startswith(_RAW_SOURCE):
             return cls.parse(build_id, "source",
-                             source_path_of(rest[len(_RAW_SOURCE):].encode("ascii")))
+                             source_path_of(rest[len(_RAW_SOURCE):].encode()))
         if rest.startswith("source/"):
             return cls.parse(build_id, "source", rest[len("source"):])
         if rest.startswith("section/"):
