@@ -43,6 +43,7 @@ from .symcache_columns import NONE, SymCacheColumns
 _TRAILER = struct.Struct("<QQQ8s")
 _MARK = b"SGXTRA02"
 _INTERNAL = re.compile(r"^__GI_|_alias(?:_\d+)?$")
+_CLONE_SUFFIX = re.compile(r"(?:\.(?:isra|constprop|part)\.\d+)+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,12 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                         None)
         if sub is not None:
             extras.start_lines[f] = sub.decl_line
-            system = sub.linkage_name or sub.name
+            # GCC gives a lambda's operator() and the members of a template instantiated
+            # with a lambda or a local class no DW_AT_linkage_name: only `operator()`,
+            # `_M_invoke` by DWARF, which would name every lambda of a program alike. The
+            # symbol at its entry has the qualified name, which llvm-symbolizer gives too.
+            system = sub.linkage_name or _mangled_alias(aliases.get(address, []),
+                                                        sub.name) or sub.name
             mangled = system.startswith(("_Z", "_R"))
             by_dwarf = (demangle(system) if mangled else sub.name or system, system)
             chosen = by_dwarf
@@ -187,6 +193,21 @@ def _best_alias(found: list[FunctionSymbol]) -> str | None:
         if here >= rank:
             best, rank = s.name, here
     return best
+
+
+def _mangled_alias(found: list[FunctionSymbol], name: str) -> str | None:
+    """The C++ or Rust symbol among `found` whose demangled name holds the unqualified name
+    `name` (a DW_AT_name: `operator()`, or `sort<...>` with GCC's spelling of the template's
+    arguments, which the demangler's need not match), the best of several as _best_alias
+    ranks them; None if none."""
+    base = name.split("<", 1)[0]
+    if not base:
+        return None
+    mangled = [s for s in found if s.name.startswith(("_Z", "_R")) and not cold_part(s.name)
+               and base in demangle(s.name)]
+    best = _best_alias(mangled)
+    # A clone's suffix (`.isra.0`, `.constprop.0`) off: the name DWARF would have given it.
+    return _CLONE_SUFFIX.sub("", best) if best is not None else None
 
 
 def _dynsym_picks(exports: Sequence[FunctionSymbol]) -> dict[int, str]:

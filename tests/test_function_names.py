@@ -292,3 +292,42 @@ def test_start_lines_are_llvm_symbolizers(libc: tuple[Path, BuildResult]) -> Non
     assert frames > 3000
     assert wrong == 0
     assert unknown < frames // 50, (unknown, frames)
+
+
+LAMBDAS_CPP = r"""
+#include <cstdio>
+template <typename F> __attribute__((noinline)) int apply(F f, int x) { return f(x) + f(x + 1); }
+__attribute__((noinline)) int twice(int k) {
+    auto add = [k](int x) __attribute__((noinline)) { return x + k; };
+    auto mul = [k](int x) __attribute__((noinline)) { return x * k; };
+    return add(k) + mul(k) + apply(add, k) + apply(mul, k);
+}
+int main(int argc, char **) { std::printf("%d\n", twice(argc)); return 0; }
+"""
+
+
+def test_functions_without_a_dwarf_linkage_name_are_named_after_their_symbol(
+        tmp_path: Path) -> None:
+    """GCC gives a lambda's operator() and a template instantiated with a lambda no
+    DW_AT_linkage_name: by DWARF every lambda would be `operator()` and every instance
+    `apply<...>`, alike in a profile. Their symbols tell them apart, as llvm-symbolizer does."""
+    src, exe = tmp_path / "lambdas.cpp", tmp_path / "lambdas"
+    src.write_text(LAMBDAS_CPP)
+    subprocess.run(["g++", "-g", "-O2", "-Wl,--build-id", "-o", str(exe), str(src)],
+                   check=True, capture_output=True)
+    from symbolize.elf import build_id_of_file
+    build_id = build_id_of_file(exe)
+    assert build_id
+    entries = {s.value: s.name for s in function_symbols(exe)
+               if s.name.startswith(("_ZZ", "_Z5apply"))}
+    assert len(entries) == 4  # two lambdas, two instances of apply
+    built = build_symbol_table(exe, tmp_path / "lambdas.symc", build_id)
+    got = _symbolized((tmp_path / "lambdas.symc", built), sorted(entries), (exe, build_id))
+    expected = llvm_symbolize(exe, sorted(entries))
+    for v, name in entries.items():
+        assert expected[v][-1].system_name == name
+        outermost = got[v][-1]
+        # GCC's clone suffixes (`.isra.0`) off, as a DWARF linkage name has none.
+        assert outermost.system_name == name.split(".")[0], (hex(v), outermost)
+        assert "::{lambda(int)#" in outermost.function or "apply<" in outermost.function
+    assert len({got[v][-1].function for v in entries}) == 4
