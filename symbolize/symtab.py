@@ -12,6 +12,7 @@ names of functions and files are symbolic's answers, asked once per function and
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -39,6 +40,7 @@ from .elf import (
     function_symbols,
     layout_of_file,
 )
+from .elf_headers import SHT_STRTAB, read_headers
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
 from .lld_layout import lld_layout
@@ -47,8 +49,10 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py) and
 # records beside it (BuildResult; since 5, no debug file's program headers taken for the
-# program's: elf.ElfLayout.has_file_layout): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-5"
+# program's: elf.ElfLayout.has_file_layout; since 6, a dwz'd file's DWARF not read, and a
+# function without a linkage name named after its symbol): a table of another format is built
+# again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-6"
 
 
 class NoSymbols(Exception):
@@ -99,12 +103,30 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         raise MalformedObject(f"{elf_path.name}: not an ELF file")
     if layout.build_id != build_id:
         raise MalformedObject(f"{elf_path.name}: build ID {layout.build_id}, not {build_id}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    # DWARF that dwz moved partly into a supplementary file (.gnu_debugaltlink) is read by
+    # neither reader whole: its functions would be nameless, its lines of the wrong files.
+    # Such a file is read for its symbol table alone, as llvm-symbolizer names its code.
+    supplemented = _has_supplementary_dwarf(elf_path)
+    source = _without_dwarf(elf_path, out_path.with_suffix(f".src.{os.getpid()}.tmp")) \
+        if supplemented else elf_path
+    try:
+        return _build(elf_path, source, out_path, layout, executable, build_id,
+                      read_dwarf=not supplemented, started=started)
+    finally:
+        if source != elf_path:
+            source.unlink(missing_ok=True)
+
+
+def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
+           executable: Path | None, build_id: str, *, read_dwarf: bool,
+           started: float) -> BuildResult:
     # symbolic's build releases the GIL: the second reading of the file runs beside it, but for
     # a small file's, made first in this thread (_beside).
     with _beside(elf_path) as beside:
-        second = beside.submit(_second_reading, elf_path, executable, build_id)
+        second = beside.submit(_second_reading, elf_path, executable, build_id, read_dwarf)
         try:
-            archive = Archive.open(str(elf_path))
+            archive = Archive.open(str(source))
             obj = next(iter(archive.iter_objects()))
             features = set(obj.features)
             if not features & {"debug", "symtab"}:
@@ -112,7 +134,6 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
             cache = obj.make_symcache()
         except (SymbolicError, StopIteration) as e:
             raise MalformedObject(f"{elf_path.name}: {e}") from e
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(f".{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
@@ -168,18 +189,50 @@ class _InCaller(Executor):
         return done
 
 
-def _second_reading(path: Path, executable: Path | None, build_id: str
+def _second_reading(path: Path, executable: Path | None, build_id: str, read_dwarf: bool = True
                     ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
                                tuple[FunctionSymbol, ...] | None,
                                tuple[LoadSegment, ...] | None]:
-    """The symbol table, the DWARF facts, the executable's exports (None without the
-    executable of `build_id`, () when it names code by its .symtab: function_names.py), and
-    its program headers (None without it)."""
+    """The symbol table, the DWARF facts (none unless `read_dwarf`), the executable's exports
+    (None without the executable of `build_id`, () when it names code by its .symtab:
+    function_names.py), and its program headers (None without it)."""
     symbols = function_symbols(path)
     segments = executable_segments(executable, build_id)
     exports = exports_of(executable) if executable is not None and segments is not None \
         else None
-    return symbols, read_functions(path, sorted({s.value for s in symbols})), exports, segments
+    dwarf = read_functions(path, sorted({s.value for s in symbols})) if read_dwarf \
+        else DwarfFunctions()
+    return symbols, dwarf, exports, segments
+
+
+def _has_supplementary_dwarf(path: Path) -> bool:
+    """Whether the file's DWARF refers to a supplementary file (dwz -m's .gnu_debugaltlink,
+    DWARF 5's .debug_sup), which symbolic does not read."""
+    try:
+        with path.open("rb") as f:
+            headers = read_headers(f.fileno())
+    except OSError:
+        return False
+    return headers is not None and any(
+        s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
+
+
+def _without_dwarf(path: Path, copy: Path) -> Path:
+    """A copy of the ELF file at `path` whose debug sections are renamed (`.debug_info` to
+    `.xxxxx_info`), so that symbolic builds its table from the symbol table alone."""
+    shutil.copyfile(path, copy)
+    try:
+        with copy.open("r+b") as f:
+            headers = read_headers(f.fileno())
+            names = headers.section(".shstrtab", SHT_STRTAB) if headers is not None else None
+            data = headers.data(names) if headers is not None and names is not None else None
+            if names is None or data is None:
+                raise MalformedObject(f"{path.name}: no readable section names")
+            os.pwrite(f.fileno(), data.replace(b"debug_", b"xxxxx_"), names.offset)
+    except BaseException:
+        copy.unlink(missing_ok=True)
+        raise
+    return copy
 
 
 @dataclass(frozen=True, slots=True)

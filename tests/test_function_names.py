@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import posixpath
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -331,3 +332,42 @@ def test_functions_without_a_dwarf_linkage_name_are_named_after_their_symbol(
         assert outermost.system_name == name.split(".")[0], (hex(v), outermost)
         assert "::{lambda(int)#" in outermost.function or "apply<" in outermost.function
     assert len({got[v][-1].function for v in entries}) == 4
+
+
+@pytest.mark.skipif(shutil.which("dwz") is None, reason="needs dwz")
+def test_debug_files_that_dwz_gave_a_supplementary_file_are_named_by_their_symbols(
+        tmp_path: Path) -> None:
+    """`dwz -m` (Debian's and Fedora's debug packages of several programs) moves the DWARF the
+    programs share into a supplementary file named by .gnu_debugaltlink, which symbolic does
+    not read: its functions came out nameless and its lines in the wrong files. Such a debug
+    file is read for its symbol table, as llvm-symbolizer names its code, never wrongly."""
+    from tests.elfs import CPP_SRC, build_program
+
+    programs = [build_program(tmp_path / "src", tmp_path, f"dwz{i}", i, shape="cpp")
+                for i in (1, 2)]
+    common = tmp_path / "common.debug"
+    subprocess.run(["dwz", "-m", str(common), *(str(p.debug) for p in programs)],
+                   check=True, capture_output=True)
+    assert CPP_SRC and b".gnu_debugaltlink" in programs[0].debug.read_bytes()
+    for p in programs:
+        vaddrs = [v for v in _text_addresses(p.executable)]
+        built = build_symbol_table(p.debug, tmp_path / f"{p.name}.symc", p.build_id)
+        assert not built.has_lines
+        got = _symbolized((tmp_path / f"{p.name}.symc", built), vaddrs, (p.executable,
+                                                                         p.build_id))
+        expected = llvm_symbolize(p.executable, vaddrs)
+        assert len(expected) > 100
+        for v, frames in got.items():
+            assert all(f.function for f in frames), (hex(v), frames)
+            assert all(not f.file and not f.line for f in frames), (hex(v), frames)
+            if v in expected:
+                want = expected[v][-1]
+                assert frames[-1].system_name == want.system_name, (hex(v), frames, want)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _text_addresses(path: Path) -> list[int]:
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return [int(line.split(":")[0], 16) for line in out.splitlines()
+            if line.startswith("  ") and ":" in line]
