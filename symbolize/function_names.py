@@ -133,6 +133,13 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                 extras.names[f] = (name, own)
             continue
         address = entry + load_address
+        # A legacy Rust name (`_ZN...17h<hash>E`) is Itanium-shaped: demangled as Rust only
+        # when symbolic says the function is Rust's, as symtab.py demangles symbolic's own.
+        lang = "rust" if columns.is_rust(f) else ""
+
+        def demangle_as(name: str, lang: str = lang) -> str:
+            return demangle(name, lang)
+
         sub = dwarf.by_entry.get(address)
         pick = None
         if picks is not None:  # a function split by GCC is exported at its hot part's start
@@ -147,16 +154,16 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             system = sub.linkage_name or _mangled_alias(aliases.get(address, []),
                                                         sub.name) or sub.name
             mangled = system.startswith(("_Z", "_R"))
-            by_dwarf = (demangle(system) if mangled else sub.name or system, system)
+            by_dwarf = (demangle_as(system) if mangled else sub.name or system, system)
             chosen = by_dwarf
             exported = _exported(aliases.get(address, []))
             if pick is not None:
-                chosen = (demangle(pick), system)
+                chosen = (demangle_as(pick), system)
             elif picks is None and exported and not {sub.name, system} & set(exported):
                 # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`) and
                 # exports the function as `getcwd`, `pthread_create`: what its callers wrote,
                 # and what llvm-symbolizer says given the executable (from its .dynsym).
-                chosen = (demangle(exported[-1]), system)
+                chosen = (demangle_as(exported[-1]), system)
             if mangled and system == own and chosen == by_dwarf:
                 continue  # symbolic's name, demangled knowing the language
             if chosen != by_dwarf:
@@ -164,12 +171,12 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
         else:
             best = _best_alias(aliases.get(address, []))
             if pick is not None:
-                chosen = (demangle(pick), best or pick)
+                chosen = (demangle_as(pick), best or pick)
             elif best is None:
                 continue
             else:
-                chosen = (demangle(best.partition("@")[0]), best)
-        if chosen != (demangle(own), own):
+                chosen = (demangle_as(best.partition("@")[0]), best)
+        if chosen != (demangle_as(own), own):
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)
     extras.orphan_ranges = [(a - load_address, b - load_address) for a, b in starts]

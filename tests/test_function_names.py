@@ -371,3 +371,70 @@ def _text_addresses(path: Path) -> list[int]:
                          capture_output=True, text=True, check=True).stdout
     return [int(line.split(":")[0], 16) for line in out.splitlines()
             if line.startswith("  ") and ":" in line]
+
+
+# Real v0 names (rustc 1.95's std) and how rustc-demangle, Rust's backtraces and llvm-cxxfilt
+# print them.
+RUST_V0 = {
+    "_RNCINvYINtNtCs6O6TnIPaRGP_6object3elf12FileHeader64NtNtBa_6endian12LittleEndianENtNtNtNtBa"
+    "_4read3elf4file10FileHeader21section_strings_indexRShE0CsjrHSEGnQ3l9_3std":
+        "<object::elf::FileHeader64<object::endian::LittleEndian> as object::read::elf::file::"
+        "FileHeader>::section_strings_index::<&[u8]>::{closure#0}",
+    "_RNvMs3_NtCslNYArtu3iFV_5alloc7raw_vecINtB5_6RawVecTOhFUKCBN_EuENtNtCsjrHSEGnQ3l9_3std5all"
+    "oc6SystemE8grow_oneB13_":
+        "<alloc::raw_vec::RawVec<(*mut u8, unsafe extern \"C\" fn(*mut u8)), "
+        "std::alloc::System>>::grow_one",
+}
+
+
+def test_rust_v0_names_are_demangled_as_rust_prints_them() -> None:
+    """rust_demangler printed every closure `{closure:#0}` and an ABI `extern "C-"fn(`."""
+    from symbolize.demangle import demangle
+
+    for mangled, name in RUST_V0.items():
+        assert demangle(mangled) == name
+    if shutil.which("llvm-cxxfilt"):
+        out = subprocess.run(["llvm-cxxfilt"], input="\n".join(RUST_V0), capture_output=True,
+                             text=True, check=True).stdout.split("\n")
+        assert out[:len(RUST_V0)] == list(RUST_V0.values())
+
+
+RUST_SRC = r"""
+use std::collections::HashMap;
+fn main() {
+    let n = std::env::args().count() * 1000;
+    let mut m: HashMap<String, usize> = HashMap::new();
+    for i in 0..n { *m.entry(format!("k{}", i % 7)).or_insert(0) += i; }
+    let mut keys: Vec<_> = m.keys().cloned().collect();
+    keys.sort_by(|a, b| b.cmp(a));
+    println!("{:?}", keys);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("rustc") is None, reason="needs rustc")
+def test_legacy_rust_names_are_demangled_as_rust_whichever_name_is_chosen(
+        tmp_path: Path) -> None:
+    """A legacy Rust name (`_ZN...17h<hash>E`) is Itanium-shaped: named after its symbol or its
+    DWARF linkage name (not symbolic's own), it was demangled as C++, `$LT$` escapes kept
+    (`alloc::raw_vec::RawVecInner$LT$A$GT$::finish_grow::h...`)."""
+    from symbolize.elf import build_id_of_file
+
+    src, exe = tmp_path / "main.rs", tmp_path / "rs"
+    src.write_text(RUST_SRC)
+    # Legacy names are stable Rust's own for a program's code (its std's are v0).
+    subprocess.run(["rustc", "-C", "opt-level=2", "-C", "debuginfo=2",
+                    "-C", "link-arg=-Wl,--build-id",
+                    "-o", str(exe), str(src)], check=True, capture_output=True)
+    build_id = build_id_of_file(exe)
+    assert build_id
+    built = build_symbol_table(exe, tmp_path / "rs.symc", build_id)
+    # Every function's entry and a point inside it.
+    vaddrs = sorted({v for s in function_symbols(exe) for v in (s.value, s.value + s.size // 2)})
+    got = _symbolized((tmp_path / "rs.symc", built), vaddrs, (exe, build_id))
+    names = {f.function for frames in got.values() for f in frames}
+    legacy = {f.function for frames in got.values() for f in frames
+              if f.system_name.startswith("_ZN") and f.system_name.endswith("E")}
+    assert len(legacy) > 3
+    escaped = {n for n in names if "$LT$" in n or "$u20$" in n or "$C$" in n}
+    assert not escaped, sorted(escaped)[:5]
