@@ -49,9 +49,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py) and
 # records beside it (BuildResult; since 5, no debug file's program headers taken for the
-# program's: elf.ElfLayout.has_file_layout; since 6, a dwz'd file's DWARF not read, and a
-# function without a linkage name named after its symbol): a table of another format is built
-# again.
+# program's: elf.ElfLayout.has_file_layout; since 6, a dwz'd file's DWARF not read, a
+# function without a linkage name named after its symbol, and Rust names chosen here demangled
+# as Rust): a table of another format is built again.
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-6"
 
 
