@@ -384,15 +384,24 @@ RUST_V0 = {
     "oc6SystemE8grow_oneB13_":
         "<alloc::raw_vec::RawVec<(*mut u8, unsafe extern \"C\" fn(*mut u8)), "
         "std::alloc::System>>::grow_one",
+    "_RINvNtCsgEmfK2I1SDS_4core3ptr13drop_in_placeINtNtCslNYArtu3iFV_5alloc5boxed3BoxDG0_INtNtN"
+    "tB4_3ops8function2FnTRL1_INtNtCsjrHSEGnQ3l9_3std5panic13PanicHookInfoL0_EEEp6OutputuNtNtB4_"
+    "6marker4SyncNtB2N_4SendEL_EEB1T_":
+        "core::ptr::drop_in_place::<alloc::boxed::Box<dyn for<'a, 'b> core::ops::function::"
+        "Fn<(&'a std::panic::PanicHookInfo<'b>,), Output = ()> + core::marker::Sync + "
+        "core::marker::Send>>",
 }
 
 
-def test_rust_v0_names_are_demangled_as_rust_prints_them() -> None:
-    """rust_demangler printed every closure `{closure:#0}` and an ABI `extern "C-"fn(`."""
+def test_rust_v0_names_are_demangled_as_rust_prints_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """rust_demangler printed every closure `{closure:#0}` and an ABI `extern "C-"fn(`, and
+    left a name with a higher-ranked type (`for<'a>`) mangled, printing it to stdout."""
     from symbolize.demangle import demangle
 
     for mangled, name in RUST_V0.items():
         assert demangle(mangled) == name
+    assert capsys.readouterr().out == ""
     if shutil.which("llvm-cxxfilt"):
         out = subprocess.run(["llvm-cxxfilt"], input="\n".join(RUST_V0), capture_output=True,
                              text=True, check=True).stdout.split("\n")
