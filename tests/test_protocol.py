@@ -297,6 +297,31 @@ async def test_range_requests_on_cached_artifacts(
         assert "Content-Range" not in headers
 
 
+async def test_its_own_last_modified_is_no_change_to_a_file_upstream_gave_no_date(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """An upstream that sends no Last-Modified (as an upload has none): the file's date is
+    when it was cached, and a client that sends back the Last-Modified it was told finds the
+    file unchanged. It was kept to the nanosecond and told to the second, so the file looked
+    changed a fraction of a second after that date: 200 for a 304, 412 for a 200, and the
+    whole file for a range."""
+    assert faults.last_modified is None
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    whole = elfs.prog.debug.read_bytes()
+    await sg.get(path)
+    await sg.settled()
+    for _ in range(2):  # a hot file's headers, then FileResponse's
+        _, headers = await sg.head(path)
+    said = headers["Last-Modified"]
+    status, _, body = await sg.get(path, headers={"If-Modified-Since": said})
+    assert status == 304 and body == b""
+    status, _, body = await sg.get(path, headers={"If-Unmodified-Since": said})
+    assert status == 200 and body == whole
+    status, _, body = await sg.get(path, headers={"If-Range": said, "Range": "bytes=16-47"})
+    assert status == 206 and body == whole[16:48]
+
+
 async def test_maxsize_is_406_cold_and_warm(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
