@@ -297,6 +297,31 @@ async def test_range_requests_on_cached_artifacts(
         assert "Content-Range" not in headers
 
 
+async def test_if_range_that_names_another_file_gets_the_whole_file(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A client resuming a download sends the validator of what it has in If-Range: the
+    range only if that is still the file, else the whole file (RFC 9110 13.1.5), never the
+    rest of another file to splice onto its first part. aiohttp reads If-Range as a date only,
+    and served the range for any entity tag."""
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    whole = elfs.prog.debug.read_bytes()
+    await sg.get(path)
+    await sg.settled()
+    _, headers = await sg.head(path)
+    etag, modified = headers["Etag"], headers["Last-Modified"]
+    for validator in (etag, modified):
+        status, got, body = await sg.get(path, headers={"Range": "bytes=16-47",
+                                                        "If-Range": validator})
+        assert status == 206 and body == whole[16:48], validator
+    for validator in ('"0-0"', f"W/{etag}", "Thu, 01 Jan 1970 00:00:00 GMT", "junk"):
+        status, got, body = await sg.get(path, headers={"Range": "bytes=16-47",
+                                                        "If-Range": validator})
+        assert status == 200 and body == whole, (validator, status)
+        assert "Content-Range" not in got
+
+
 async def test_its_own_last_modified_is_no_change_to_a_file_upstream_gave_no_date(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

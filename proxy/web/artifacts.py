@@ -276,6 +276,7 @@ class _LeasedFileResponse(web.FileResponse):
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
+        self._fd = fd
         # Closed when the response is done with it, whatever becomes of the response.
         self._fd_closer = weakref.finalize(self, os.close, fd)
 
@@ -288,7 +289,7 @@ class _LeasedFileResponse(web.FileResponse):
             raise
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        request = _without_foreign_range(request)
+        request = _without_foreign_range(request, self._fd)
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
@@ -302,17 +303,37 @@ class _LeasedFileResponse(web.FileResponse):
         return writer
 
 
-def _without_foreign_range(request: web.BaseRequest) -> web.BaseRequest:
+def _without_foreign_range(request: web.BaseRequest, fd: int) -> web.BaseRequest:
     """`request` without a Range FileResponse would refuse with 416 though it is no fault of
     the client's: one of a unit other than bytes, which a server must ignore (RFC 9110,
     14.2), or of several ranges, which it may ignore (FileResponse serves one only), and
-    answer with the whole file, as debuginfod does for any Range."""
+    answer with the whole file, as debuginfod does for any Range; nor one whose If-Range
+    does not name the file on `fd` (_if_range_holds)."""
     asked = request.headers.get("Range")
-    if asked is None or (asked.lstrip()[:6].lower() == "bytes=" and "," not in asked):
+    if asked is None or (asked.lstrip()[:6].lower() == "bytes=" and "," not in asked
+                         and _if_range_holds(request, fd)):
         return request
     headers = request.headers.copy()
     del headers["Range"]
     return request.clone(headers=headers)
+
+
+def _if_range_holds(request: web.BaseRequest, fd: int) -> bool:
+    """Whether a Range may be served as asked: no If-Range, or one naming the file on `fd`.
+    FileResponse reads If-Range as a date only: an entity tag (what a browser resuming a
+    download sends) or a value that is neither, and the range was served whatever file the
+    client had its first part of, a splice of two files once the key's file changed (an
+    upload replacing a download, a purge and a fetch anew). RFC 9110 13.1.5: a validator
+    that does not match, weak tags included, is the whole file (200)."""
+    validator = request.headers.get("If-Range")
+    if validator is None:
+        return True
+    validator = validator.strip()
+    if validator.startswith('"'):
+        st = os.fstat(fd)  # FileResponse's ETag, of the same file
+        return validator == f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+    # A date FileResponse compares with the file's; a weak tag or junk never matches.
+    return not validator.startswith("W/") and request.if_range is not None
 
 
 async def _send_streaming(
