@@ -65,7 +65,7 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
         # The one-segment kinds (debuginfo, executable: nearly every request) are tried first;
         # no path of the other two routes has that shape.
         app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/.*}",
+        app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/(?s:.*)}",
                              artifacts.buildid)
         app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
                              artifacts.buildid)
