@@ -359,18 +359,20 @@ def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
 def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     """(file offset, size) of the first section called `name`, as stored (a compressed
     section stays compressed, as elfutils' elf_rawdata gives it); None when the file has no
-    such section, or only an SHT_NOBITS one (no bytes in this file), or is not valid ELF."""
+    such section, or its first is SHT_NOBITS or empty (no bytes in this file: elfutils'
+    extract_section finds no data, and looks in the executable, or answers 404), or the file
+    is not valid ELF."""
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
         if headers is not None:
             found = headers.section(name)
-            if found is None or found.type == SHT_NOBITS:
+            if found is None or found.type == SHT_NOBITS or found.size == 0:
                 return None
             return found.offset, found.size
         try:
             for section in ELFFile(f).iter_sections():
                 if section.name == name:
-                    if section["sh_type"] == "SHT_NOBITS":
+                    if section["sh_type"] == "SHT_NOBITS" or not section["sh_size"]:
                         return None
                     return int(section["sh_offset"]), int(section["sh_size"])
         except OSError:  # a seek past what the file system takes: an offset made up

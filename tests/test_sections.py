@@ -6,6 +6,7 @@ answer, and is the same bytes with the same headers as elfutils' debuginfod serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import time
@@ -38,11 +39,12 @@ async def _direct(url: str) -> tuple[int, dict[str, str], bytes]:
 
 
 async def _same_as_elfutils(sg_url: str, elfutils_url: str, build_id: str,
-                            headers: tuple[str, ...] = HEADERS) -> list[str]:
+                            headers: tuple[str, ...] = HEADERS,
+                            sections: tuple[str, ...] = SECTIONS) -> list[str]:
     """Section names whose answer differs from elfutils' (status, bytes, headers)."""
     differ = []
     async with aiohttp.ClientSession() as s:
-        for name in SECTIONS:
+        for name in sections:
             path = f"/buildid/{build_id}/section/{name}"
             async with s.get(elfutils_url + path) as r:
                 want = (r.status, await r.read(), {h: r.headers.get(h) for h in headers})
@@ -124,6 +126,14 @@ def compressed(tmp_path: Path) -> Iterator[tuple[str, Path, str]]:
                    check=True)
     notes = subprocess.run(["readelf", "-n", exe], check=True, capture_output=True, text=True)
     build_id = notes.stdout.split("Build ID: ")[1].split()[0]
+    with _debuginfod_of(tmp_path, out, build_id) as url:
+        yield build_id, exe, url
+
+
+@contextlib.contextmanager
+def _debuginfod_of(tmp_path: Path, out: Path, build_id: str) -> Iterator[str]:
+    """A real debuginfod indexing the files in `out`, once it serves `build_id`'s executable:
+    its URL; stopped after."""
     port = free_port()
     proc = subprocess.Popen(
         [shutil.which("debuginfod") or "debuginfod", "-p", str(port), "-d",
@@ -138,11 +148,13 @@ def compressed(tmp_path: Path) -> Iterator[tuple[str, Path, str]]:
         except Exception:
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
-                pytest.fail("debuginfod did not index the compressed fixture")
+                pytest.fail(f"debuginfod did not index {out}")
             time.sleep(0.2)
-    yield build_id, exe, url
-    proc.terminate()
-    proc.wait(10)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @sqlite_only
@@ -155,6 +167,32 @@ async def test_compressed_sections_are_served_compressed_as_elfutils_does(
     assert any(".debug_info" in line and " C " in line for line in flags.splitlines())
     sg = await start_symgate([url])
     assert await _same_as_elfutils(sg.url, url, build_id, (*HEADERS, "Last-Modified")) == []
+
+
+@sqlite_only
+async def test_an_empty_section_is_no_section_as_for_elfutils(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """elfutils finds a section by its bytes (elf_rawdata): an empty one is as good as none,
+    a 404 or, in the debuginfo, the executable's. symgate served it as a 200 of no bytes,
+    and a debuginfo's empty section hid the executable's full one."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    exe, debug = out / "prog", out / "prog.debug"
+    marker = tmp_path / "marker"
+    marker.write_bytes(b"in the executable only")
+    for original, copy, full in ((elfs.prog.executable, exe, True),
+                                 (elfs.prog.debug, debug, False)):
+        subprocess.run(["objcopy", "--add-section", f".both={marker if full else '/dev/null'}",
+                        "--add-section", ".empty=/dev/null", original, copy], check=True)
+    with _debuginfod_of(tmp_path, out, elfs.prog.build_id) as url:
+        sg = await start_symgate([url])
+        assert await _same_as_elfutils(sg.url, url, elfs.prog.build_id, (*HEADERS,),
+                                       (".empty", ".both", ".debug_info")) == []
+        status, headers, body = await _direct(
+            f"{sg.url}/buildid/{elfs.prog.build_id}/section/.both")
+        assert (status, body, headers["X-DEBUGINFOD-FILE"]) == (200, marker.read_bytes(),
+                                                                "prog")
 
 
 @sqlite_only

@@ -661,7 +661,7 @@ class ArtifactService:
 
     # -- sections ---------------------------------------------------------------------------------
     # An upstream's /section answer cannot be verified, so a section is cut from the debuginfo
-    # (or, when that lacks it or has it as NOBITS, the executable) found like any request for
+    # (or, when that lacks it or has it NOBITS or empty, the executable) found like any request for
     # them, build ID checked, and kept as an artifact of its own: a hit then reads only the
     # section, never the parent file again. Bytes and headers are elfutils'
     # (handle_buildid_f_match): the raw section, and the FILE and mtime of its parent.
