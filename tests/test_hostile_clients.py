@@ -27,10 +27,12 @@ from tests.processes import wait_until_serving
 
 
 @contextlib.asynccontextmanager
-async def _guarded(limit: int, header_timeout_s: float
+async def _guarded(limit: int, header_timeout_s: float, answer_after_s: float = 0
                    ) -> AsyncIterator[tuple[int, ConnectionGuard]]:
-    """A small aiohttp app behind a ConnectionGuard on a loopback port."""
+    """A small aiohttp app behind a ConnectionGuard on a loopback port; its answer takes
+    `answer_after_s`."""
     async def hello(request: web.Request) -> web.Response:
+        await asyncio.sleep(answer_after_s)
         return web.Response(text="hello")
 
     app = web.Application()
@@ -94,6 +96,25 @@ async def test_a_head_sent_byte_by_byte_is_cut_at_the_header_timeout() -> None:
         # A client that sends its head at once is served as before.
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
             assert r.status == 200
+
+
+async def test_a_client_that_half_closes_after_its_requests_gets_their_answers() -> None:
+    """A client may shut its side down once its request is out (`nc -N`, some HTTP/1.0
+    clients) and read the answer to the end: debuginfod and nginx answer it. aiohttp closed
+    the connection at the client's FIN, with the answer still being made: nothing came."""
+    async with _guarded(limit=10, header_timeout_s=30, answer_after_s=0.2) as (port, _):
+        for heads in ([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"], [b"GET / HTTP/1.0\r\n\r\n"],
+                      [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"] * 2, []):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"".join(heads))
+            writer.write_eof()
+            started = time.monotonic()
+            answer = await _read_all(reader)
+            # Every answer, and then the connection closed: not at the keep-alive timeout.
+            assert answer.count(b" 200 OK\r\n") == len(heads), (heads, answer)
+            assert answer.endswith(b"hello" if heads else b""), answer
+            assert time.monotonic() - started < 5
+            writer.close()
 
 
 def _low_fd_limit() -> None:

@@ -37,6 +37,8 @@ MAX_LINGERING = 64
 # How long a quick file send cut at the end of the shutdown grace has to notice, before it is
 # cancelled.
 _CUT_S = 0.5
+# How often a half-closed connection looks whether its answers are all out, to close it.
+_ANSWERED_POLL_S = 0.02
 
 _BUSY_TEXT = b"too many connections: try again soon\n"
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
@@ -179,6 +181,8 @@ class _Counted(asyncio.Protocol):
         # connection is to close once it has (the server stopping).
         self._sending: asyncio.Task[None] | None = None
         self._close_after_send = False
+        # After the client's half-close: until aiohttp has answered what it sent.
+        self._answering: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -355,7 +359,27 @@ class _Counted(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if not self._handed:
             return None  # all its requests answered: close
-        return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
+        if not self._clean or _aiohttp_idle(self._inner):
+            # Nothing under way (or a body cut short: that client is gone): close.
+            return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
+        # The client has sent all it will and waits for its answers: a half-close after its
+        # request, as `nc -N` and some HTTP/1.0 clients do. aiohttp's protocol has the
+        # transport closed at once, answers under way and all, and the client got nothing
+        # where debuginfod and nginx answer it. The connection stays open to write them and
+        # is closed once aiohttp has nothing left to answer.
+        self._close_when_answered()
+        return True
+
+    def _close_when_answered(self) -> None:
+        self._answering = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if _aiohttp_idle(self._inner):
+            transport.close()
+        else:
+            self._answering = asyncio.get_running_loop().call_later(
+                _ANSWERED_POLL_S, self._close_when_answered)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -369,6 +393,9 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        if self._answering is not None:
+            self._answering.cancel()
+            self._answering = None
         if self._sending is not None:
             self._sending.cancel()
         if self._idle is not None:
