@@ -118,6 +118,9 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
     aliases: dict[int, list[FunctionSymbol]] = {}
     for s in symbols:
         aliases.setdefault(s.value, []).append(s)
+    # Where a C++ or Rust symbol is: the only places _mangled_alias can find one (none in a
+    # C library's thousands of functions, each asked otherwise).
+    mangled_at = {s.value for s in symbols if s.name.startswith(("_Z", "_R"))}
     picks = _dynsym_picks(exports) if exports is not None else None
     range_starts: dict[int, list[int]] = {}  # a subprogram's, by the object's id
     for start, subprogram in sorted(dwarf.by_entry.items()):
@@ -151,8 +154,9 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             # with a lambda or a local class no DW_AT_linkage_name: only `operator()`,
             # `_M_invoke` by DWARF, which would name every lambda of a program alike. The
             # symbol at its entry has the qualified name, which llvm-symbolizer gives too.
-            system = sub.linkage_name or _mangled_alias(aliases.get(address, []),
-                                                        sub.name) or sub.name
+            system = sub.linkage_name or (
+                _mangled_alias(aliases[address], sub.name) if address in mangled_at else None
+            ) or sub.name
             mangled = system.startswith(("_Z", "_R"))
             by_dwarf = (demangle_as(system) if mangled else sub.name or system, system)
             chosen = by_dwarf
