@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import os
 import shutil
 import subprocess
@@ -317,7 +318,13 @@ async def test_if_range_that_names_another_file_gets_the_whole_file(
         status, got, body = await sg.get(path, headers={"Range": "bytes=16-47",
                                                         "If-Range": validator})
         assert status == 206 and body == whole[16:48], validator
-    for validator in ('"0-0"', f"W/{etag}", "Thu, 01 Jan 1970 00:00:00 GMT", "junk"):
+    # A date names the file only when it is its Last-Modified exactly: a later one is the
+    # date of another file (this one, replaced by an older: a purge and a fetch anew from an
+    # upstream that dates it earlier). FileResponse took any date at or after the file's.
+    later = email.utils.formatdate(email.utils.parsedate_to_datetime(modified).timestamp() + 1,
+                                   usegmt=True)
+    for validator in ('"0-0"', f"W/{etag}", "Thu, 01 Jan 1970 00:00:00 GMT", "junk", later,
+                      "Fri, 31 Dec 2100 23:59:59 GMT"):
         status, got, body = await sg.get(path, headers={"Range": "bytes=16-47",
                                                         "If-Range": validator})
         assert status == 200 and body == whole, (validator, status)

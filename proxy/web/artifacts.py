@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import math
 import os
 import weakref
 from typing import IO, Any
@@ -329,11 +330,15 @@ def _if_range_holds(request: web.BaseRequest, fd: int) -> bool:
     if validator is None:
         return True
     validator = validator.strip()
+    st = os.fstat(fd)  # the file FileResponse sends, and whose ETag and date it tells
     if validator.startswith('"'):
-        st = os.fstat(fd)  # FileResponse's ETag, of the same file
         return validator == f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
-    # A date FileResponse compares with the file's; a weak tag or junk never matches.
-    return not validator.startswith("W/") and request.if_range is not None
+    # A date matches only when it is the file's Last-Modified exactly (RFC 9110 13.1.5):
+    # FileResponse takes any date at or after the file's, and a file replaced by an older
+    # one (a purge and a fetch anew from an upstream that dates it earlier) would have the
+    # rest of it spliced onto the first part of the newer. A weak tag or junk never matches.
+    when = None if validator.startswith("W/") else request.if_range
+    return when is not None and math.floor(when.timestamp()) == math.floor(st.st_mtime)
 
 
 async def _send_streaming(
