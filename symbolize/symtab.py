@@ -220,8 +220,10 @@ def _has_supplementary_dwarf(path: Path) -> bool:
 def _without_dwarf(path: Path, copy: Path) -> Path:
     """A copy of the ELF file at `path` whose debug sections are renamed (`.debug_info` to
     `.xxxxx_info`), so that symbolic builds its table from the symbol table alone."""
-    shutil.copyfile(path, copy)
     try:
+        # In the try: a copy cut short (the disk full) is the size of what it took, and its
+        # name stays until this process ends (disk.clear_symtab_temp spares a live writer's).
+        shutil.copyfile(path, copy)
         with copy.open("r+b") as f:
             headers = read_headers(f.fileno())
             names = headers.section(".shstrtab", SHT_STRTAB) if headers is not None else None

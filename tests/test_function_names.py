@@ -366,6 +366,44 @@ def test_debug_files_that_dwz_gave_a_supplementary_file_are_named_by_their_symbo
     assert not list(tmp_path.glob("*.tmp"))
 
 
+_FULL_DISK_BUILD = """
+import resource, signal, sys
+from pathlib import Path
+from symbolize.symtab import build_symbol_table
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    build_symbol_table(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+except OSError as e:
+    print(e.errno)
+"""
+
+
+@pytest.mark.skipif(shutil.which("dwz") is None, reason="needs dwz")
+def test_a_dwz_copy_cut_short_by_a_full_disk_is_removed(tmp_path: Path) -> None:
+    """The copy of a dwz'd debug file (its DWARF renamed away) is written beside the tables;
+    one that a full disk cut short stayed there, the size of what it took, for as long as its
+    build worker lived (disk.clear_symtab_temp spares a live writer's temp files)."""
+    import errno
+    import sys
+
+    from tests.elfs import build_program
+
+    programs = [build_program(tmp_path / "src", tmp_path, f"dwz{i}", i, shape="cpp")
+                for i in (1, 2)]
+    subprocess.run(["dwz", "-m", str(tmp_path / "common.debug"),
+                    *(str(p.debug) for p in programs)], check=True, capture_output=True)
+    p = programs[0]
+    assert p.debug.stat().st_size > 4096
+    tables = tmp_path / "tables"
+    got = subprocess.run([sys.executable, "-c", _FULL_DISK_BUILD, str(p.debug),
+                          str(tables / f"{p.build_id}.symc"), p.build_id],
+                         capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert got.stdout.strip() == str(errno.EFBIG), got
+    assert list(tables.iterdir()) == []
+
+
 def _text_addresses(path: Path) -> list[int]:
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-j", ".text", str(path)],
                          capture_output=True, text=True, check=True).stdout
