@@ -37,8 +37,12 @@ MAX_LINGERING = 64
 # How long a quick file send cut at the end of the shutdown grace has to notice, before it is
 # cancelled.
 _CUT_S = 0.5
-# How often a half-closed connection looks whether its answers are all out, to close it.
+# How often a half-closed connection looks whether its answers are all out, to close it: at
+# first soon, then less and less often (each wait twice the last, up to the longest). A look
+# every 20 ms all along cost a client that half-closed thousands of connections on a slow cold
+# fetch a core's time (6,000 of them: 92% of it, against 2% without the half-close).
 _ANSWERED_POLL_S = 0.02
+_ANSWERED_POLL_MAX_S = 1.0
 
 _BUSY_TEXT = b"too many connections: try again soon\n"
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
@@ -181,8 +185,10 @@ class _Counted(asyncio.Protocol):
         # connection is to close once it has (the server stopping).
         self._sending: asyncio.Task[None] | None = None
         self._close_after_send = False
-        # After the client's half-close: until aiohttp has answered what it sent.
+        # After the client's half-close: until aiohttp has answered what it sent, and how long
+        # the next look waits.
         self._answering: asyncio.TimerHandle | None = None
+        self._answering_wait = _ANSWERED_POLL_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -378,8 +384,10 @@ class _Counted(asyncio.Protocol):
         if _aiohttp_idle(self._inner):
             transport.close()
         else:
+            wait = self._answering_wait
+            self._answering_wait = min(wait * 2, _ANSWERED_POLL_MAX_S)
             self._answering = asyncio.get_running_loop().call_later(
-                _ANSWERED_POLL_S, self._close_when_answered)
+                wait, self._close_when_answered)
 
     def pause_writing(self) -> None:
         self._paused = True
