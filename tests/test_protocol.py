@@ -263,6 +263,25 @@ async def test_a_source_whose_path_is_not_utf8_is_served_as_elfutils_serves_it(
     assert await _status(f"{again.url}/buildid/{build_id}/source{encoded}") == 200
 
 
+async def test_a_source_whose_path_is_not_utf8_is_served_to_an_absolute_form_request(
+    start_symgate: SymgateFactory, latin1_source: tuple[Debuginfod, str, bytes, bytes],
+) -> None:
+    """A request's target may name the scheme and host too (RFC 9112 3.2.2, which a server
+    must take): the source path is the same, not the characters `%E9` of another file."""
+    upstream, build_id, path, text = latin1_source
+    encoded = path.replace(_LATIN1_DIR, b"caf%E9").decode()
+    await eventually(lambda: _ok(f"{upstream.url}/buildid/{build_id}/source{encoded}"))
+    sg = await start_symgate([upstream.url])
+    where = URL(sg.url)
+    reader, writer = await asyncio.open_connection(where.host, where.port)
+    writer.write(f"GET {sg.url}/buildid/{build_id}/source{encoded} HTTP/1.1\r\n"
+                 f"Host: {where.host}\r\nConnection: close\r\n\r\n".encode())
+    answer = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert answer.endswith(b"\r\n\r\n" + text)
+
+
 async def _ok(url: str) -> bool:
     return await _status(url) == 200
 

@@ -94,8 +94,9 @@ def _detail(request: web.Request) -> str:
     detail = m.get("detail", "")
     if m["kind"] != "source" or "%" not in detail:
         return detail
-    target = request.raw_path.partition("?")[0].encode("utf-8", "surrogateescape")
-    path = source_path_of(target)
+    # The target's path as sent, percent-encoding and all: the URL's, whose path the router
+    # matched (raw_path is the whole target, a scheme and host first in absolute form).
+    path = source_path_of(request.rel_url.raw_path.encode())
     prefix = f"/buildid/{m['build_id']}/source"
     return path[len(prefix):] if path.startswith(prefix) and not is_text(path) else detail
 
