@@ -355,3 +355,29 @@ async def test_an_uploader_that_hangs_up_midway_leaves_nothing_and_no_error(
     assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
+
+
+async def test_a_file_replaced_within_the_second_has_another_etag(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """An upload deleted and uploaded again with other bytes of the same size, at once: a
+    client that holds the first one's ETag must get the second whole, never a 304 for the
+    bytes it has, nor a range of the new one spliced onto the old (FileResponse's ETag is
+    the file's time and size: times kept to the second made the two alike)."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}/debuginfo"
+    first = own.debug.read_bytes()
+    second = first.replace(b"GCC:", b"XCC:", 1)  # same size, same build ID
+    assert second != first and len(second) == len(first)
+    assert (await _put(sg, own.build_id, "debuginfo", first))[0] == 201
+    # A range: past the hot file's headers, to FileResponse's own.
+    status, headers, _ = await sg.get(path, headers={"Range": "bytes=0-3"})
+    assert status == 206
+    etag = headers["Etag"]
+    assert (await sg.request("DELETE", path, headers=_auth(ADMIN)))[0] == 204
+    assert (await _put(sg, own.build_id, "debuginfo", second))[0] == 201
+    status, headers, body = await sg.get(path, headers={"If-None-Match": etag})
+    assert status == 200 and body == second
+    assert headers["Etag"] != etag
+    status, _, body = await sg.get(path, headers={"Range": "bytes=0-3", "If-Range": etag})
+    assert status == 200 and body == second

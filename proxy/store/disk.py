@@ -20,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import math
 import os
 import shutil
-import time
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -138,15 +136,10 @@ class DiskStore:
     def commit(self, temp: Path, fd: int, scope: str, key: ArtifactKey,
                mtime: float | None = None) -> Path:
         """Blocking (fsync): run it in a worker thread. `mtime`: the file's modification time
-        (what the upstream said; now if it said nothing), set before the rename: from then on
-        the file is other processes' to evict, and may be gone by the time this returns.
-
-        In whole seconds, as Last-Modified tells it: FileResponse compares a client's
-        If-Modified-Since, If-Unmodified-Since and If-Range with the file's own time, and a
-        fraction of a second past the date it was sent made its own Last-Modified a change
-        (200 for a 304, 412 for a 200, the whole file for a range)."""
-        when = math.floor(time.time() if mtime is None else mtime)
-        os.utime(fd, (when, when))
+        (what the upstream said), set before the rename: from then on the file is other
+        processes' to evict, and may be gone by the time this returns."""
+        if mtime is not None:
+            os.utime(fd, (mtime, mtime))
         os.fsync(fd)
         final = self.artifact_path(scope, key)
         final.parent.mkdir(parents=True, exist_ok=True)

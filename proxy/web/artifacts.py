@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
@@ -306,22 +307,50 @@ class _LeasedFileResponse(web.FileResponse):
 
 
 def _without_foreign_range(request: web.BaseRequest, fd: int) -> web.BaseRequest:
-    """`request` without a Range FileResponse would refuse with 416 though it is no fault of
-    the client's: one of a unit other than bytes, which a server must ignore (RFC 9110,
-    14.2), or of several ranges, which it may ignore (FileResponse serves one only), and
-    answer with the whole file, as debuginfod does for any Range; nor one whose If-Range
-    does not name the file on `fd` (_if_range_holds)."""
+    """`request` as FileResponse is to answer it for the file on `fd`.
+
+    Without a Range FileResponse would refuse with 416 though it is no fault of the client's:
+    one of a unit other than bytes, which a server must ignore (RFC 9110, 14.2), or of
+    several ranges, which it may ignore (FileResponse serves one only), and answer with the
+    whole file, as debuginfod does for any Range; nor one whose If-Range does not name the
+    file (_if_range_holds). With its dates compared to the second (_dates_to_the_second)."""
+    st = os.fstat(fd)  # the file FileResponse sends, and whose ETag and date it tells
+    headers = _dates_to_the_second(request, st.st_mtime)
     asked = request.headers.get("Range")
-    if asked is None or (asked.lstrip()[:6].lower() == "bytes=" and "," not in asked
-                         and _if_range_holds(request, fd)):
-        return request
-    headers = request.headers.copy()
-    del headers["Range"]
-    return request.clone(headers=headers)
+    if asked is not None and not (asked.lstrip()[:6].lower() == "bytes=" and "," not in asked
+                                  and _if_range_holds(request, st)):
+        headers = headers if headers is not None else request.headers.copy()
+        del headers["Range"]
+    elif asked is not None and "If-Range" in request.headers:
+        # It holds (checked above, to the second): FileResponse, which compares a date with
+        # the file's own time to the nanosecond, must not judge it again.
+        headers = headers if headers is not None else request.headers.copy()
+        del headers["If-Range"]
+    return request if headers is None else request.clone(headers=headers)
 
 
-def _if_range_holds(request: web.BaseRequest, fd: int) -> bool:
-    """Whether a Range may be served as asked: no If-Range, or one naming the file on `fd`.
+def _dates_to_the_second(request: web.BaseRequest, mtime: float) -> CIMultiDict[str] | None:
+    """The request's If-Modified-Since and If-Unmodified-Since made to compare with the
+    file's time to the second, as its Last-Modified tells it (None: nothing to change).
+
+    A file whose upstream gave no date (and an upload) keeps the time it was written, to the
+    nanosecond: that keeps FileResponse's ETag (time and size) another for each file a key
+    has had, however soon one replaces the other. FileResponse compares a client's dates
+    with that time, so the very date it was told made the file look changed a fraction of a
+    second later: 200 for a 304, 412 for a 200. A date at or after the file's second is
+    given as the file's own time, rounded up."""
+    headers = None
+    second = math.floor(mtime)
+    for name, when in (("If-Modified-Since", request.if_modified_since),
+                       ("If-Unmodified-Since", request.if_unmodified_since)):
+        if when is not None and second <= when.timestamp() < mtime:
+            headers = headers if headers is not None else request.headers.copy()
+            headers[name] = email.utils.formatdate(math.ceil(mtime), usegmt=True)
+    return headers
+
+
+def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
+    """Whether a Range may be served as asked: no If-Range, or one naming the file of `st`.
     FileResponse reads If-Range as a date only: an entity tag (what a browser resuming a
     download sends) or a value that is neither, and the range was served whatever file the
     client had its first part of, a splice of two files once the key's file changed (an
@@ -331,7 +360,6 @@ def _if_range_holds(request: web.BaseRequest, fd: int) -> bool:
     if validator is None:
         return True
     validator = validator.strip()
-    st = os.fstat(fd)  # the file FileResponse sends, and whose ETag and date it tells
     if validator.startswith('"'):
         return validator == f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
     # A date matches only when it is the file's Last-Modified exactly (RFC 9110 13.1.5):
