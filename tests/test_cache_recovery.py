@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sqlalchemy import text
+
 from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory
@@ -53,6 +56,28 @@ async def test_restart_drops_rows_whose_file_is_gone_or_short(
         status, _, body = await sg2.get(f"/buildid/{e.build_id}/debuginfo")
         assert status == 200 and body == e.debug.read_bytes()
     assert faults.count("ok") == 4
+
+
+async def test_a_row_whose_key_is_no_key_is_dropped_and_the_server_starts(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A row edited by hand or damaged, whose key reads as no key: the index's load raised,
+    and the server could not start. The row goes as a stale one does; the others stay."""
+    sg = await start_symgate([faults.url_for("ok")])
+    for e in (elfs.prog, elfs.other):
+        await sg.get(f"/buildid/{e.build_id}/debuginfo")
+    await sg.settled()
+    engine = sg.runner.app[STATE].repo.engine
+    async with engine.begin() as c:
+        await c.execute(text("UPDATE artifacts SET key = 'not hex/debuginfo' WHERE build_id = "
+                             ":bid"), {"bid": elfs.prog.build_id})
+    await sg.stop()
+    sg2 = await start_symgate(config=sg.config)
+    assert await sg2.metric("symgate_cache_entries") == 1
+    for e in (elfs.prog, elfs.other):
+        status, _, body = await sg2.get(f"/buildid/{e.build_id}/debuginfo")
+        assert status == 200 and body == e.debug.read_bytes()
+    assert faults.count("ok") == 3  # the damaged row's file fetched again, the other a hit
 
 
 async def test_a_cached_file_deleted_behind_the_servers_back_is_fetched_again(

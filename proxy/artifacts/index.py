@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from proxy.errors import InvalidRequest
 from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
@@ -188,8 +189,15 @@ class ArtifactCache:
 
     def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
         """Whether the row's file is among `on_disk` with the row's size; if so it is taken
-        out of `on_disk` (what is left there has no row)."""
-        key = ArtifactKey.from_id(rec.key)
+        out of `on_disk` (what is left there has no row). A row whose key does not read as
+        one (edited by hand, or damaged) names no file: it goes as a stale one does, and the
+        server starts all the same."""
+        try:
+            key = ArtifactKey.from_id(rec.key)
+        except InvalidRequest as e:
+            log.warning("artifact row %s has a key that is no key (%r: %s): dropped",
+                        rec.key_hash, rec.key[:200], e)
+            return False
         name = self.store.artifact_name(rec.scope, key)
         if name in on_disk and _size(self.store.artifact_path(rec.scope, key)) == rec.size:
             on_disk.discard(name)
