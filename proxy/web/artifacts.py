@@ -160,6 +160,13 @@ _VANISHED_RETRIES = 3
 # Looked up in the request's headers, which compare names without regard to case.
 _CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified-Since",
                 "If-Range", "Range")
+# Those _without_foreign_range may change before FileResponse reads them.
+_DATED = ("If-Modified-Since", "If-Unmodified-Since", "Range")
+
+
+def _etag(st: os.stat_result) -> str:
+    """FileResponse's ETag of the file of `st`: its time and size."""
+    return f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
 
 
 def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
@@ -167,7 +174,7 @@ def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str
     rec = artifact.record
     headers = _artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature)
     headers.update({
-        "ETag": f'"{st.st_mtime_ns:x}-{st.st_size:x}"',
+        "ETag": _etag(st),
         "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
         "Accept-Ranges": "bytes",
     })
@@ -314,6 +321,8 @@ def _without_foreign_range(request: web.BaseRequest, fd: int) -> web.BaseRequest
     several ranges, which it may ignore (FileResponse serves one only), and answer with the
     whole file, as debuginfod does for any Range; nor one whose If-Range does not name the
     file (_if_range_holds). With its dates compared to the second (_dates_to_the_second)."""
+    if not any(name in request.headers for name in _DATED):
+        return request  # nothing to judge: no stat of the file
     st = os.fstat(fd)  # the file FileResponse sends, and whose ETag and date it tells
     headers = _dates_to_the_second(request, st.st_mtime)
     asked = request.headers.get("Range")
@@ -361,7 +370,7 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
         return True
     validator = validator.strip()
     if validator.startswith('"'):
-        return validator == f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+        return validator == _etag(st)
     # A date matches only when it is the file's Last-Modified exactly (RFC 9110 13.1.5):
     # FileResponse takes any date at or after the file's, and a file replaced by an older
     # one (a purge and a fetch anew from an upstream that dates it earlier) would have the
