@@ -70,6 +70,7 @@ def _load() -> ctypes.CDLL | None:
         "dwarf_getfuncs": (ctypes.c_ssize_t, [_P, _Callback, _P, ctypes.c_ssize_t]),
         "dwarf_diename": (ctypes.c_char_p, [_P]),
         "dwarf_decl_line": (ctypes.c_int, [_P, _P]),
+        "dwarf_decl_file": (ctypes.c_char_p, [_P]),
         "dwarf_attr_integrate": (_P, [_P, ctypes.c_uint, _P]),
         "dwarf_formstring": (ctypes.c_char_p, [_P]),
         "dwarf_ranges": (ctypes.c_ssize_t, [_P, ctypes.c_ssize_t, _P, _P, _P]),
@@ -115,6 +116,10 @@ class DwarfFunctions:
 
     by_entry: dict[int, Subprogram] = field(default_factory=dict)
     decl_lines: dict[str, int] = field(default_factory=dict)
+    # Where subprograms of one name disagree (static functions of several files: glibc has
+    # four `cancel_handler`s), the declared line of the name in each file that declares it
+    # once, by (name, file as symbolic writes its paths).
+    decl_lines_in: dict[tuple[str, str], int] = field(default_factory=dict)
     # DW_AT_name by DW_AT_linkage_name, where the linkage name is not mangled (C functions
     # with an asm label, such as glibc's `__GI___sigpause` for `__sigpause`), for inlined
     # frames, which symbolic names by the linkage name.
@@ -180,6 +185,9 @@ class _Reader:
         self._version = 0
         self._cu_ranges: list[tuple[int, int]] = []
         self._lines: dict[str, set[int]] = {}
+        self._lines_in: dict[tuple[str, str], set[int]] = {}
+        self._comp_dir = ""
+        self._decl_files: dict[bytes, str] = {}  # the CU's, cleaned (_clean)
         self._row_arrays: list[bytes] = []
         self._layout: _RowLayout | None = None
 
@@ -195,6 +203,8 @@ class _Reader:
             if cu:
                 self._version = version.value
                 self._cu_ranges = []
+                self._comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+                self._decl_files = {}
                 lib.dwarf_getfuncs(cu, callback, None, 0)
                 outside = [(a, b) for a, b in _subtract(self._ranges(cu), self._cu_ranges)
                            if bisect.bisect_left(self._starts, a) < len(self._starts)
@@ -206,6 +216,8 @@ class _Reader:
             offset = following.value
         self._out.decl_lines = {name: next(iter(lines)) if len(lines) == 1 else 0
                                 for name, lines in self._lines.items()}
+        self._out.decl_lines_in = {key: next(iter(lines)) for key, lines in self._lines_in.items()
+                                   if len(lines) == 1 and len(self._lines[key[0]]) > 1}
         self._out.orphan_rows.sort(key=lambda r: (r.address, not r.end_sequence))
         if self._layout is not None:
             self._out.column_starts, self._out.columns = self._layout.columns(self._row_arrays)
@@ -261,6 +273,16 @@ class _Reader:
         raw = self._lib.dwarf_formstring(attr) if attr else None
         return raw.decode(errors="replace") if raw else ""
 
+    def _decl_file(self, die: int) -> str:
+        """The DIE's DW_AT_decl_file as symbolic writes a line's file; "" without one."""
+        raw = self._lib.dwarf_decl_file(die)
+        if not raw:
+            return ""
+        path = self._decl_files.get(raw)
+        if path is None:
+            path = self._decl_files[raw] = _clean(self._comp_dir, raw.decode(errors="replace"))
+        return path
+
     def _subprogram(self, die: int, _arg: object) -> int:
         lib = self._lib
         raw = lib.dwarf_diename(die)
@@ -276,11 +298,14 @@ class _Reader:
         if linkage and name and not linkage.startswith(("_Z", "_R")):
             self._out.names_by_linkage.setdefault(linkage, name)
         if line:  # a declaration without one says nothing, an abstract instance says it
-            lines = self._lines
+            lines, lines_in = self._lines, self._lines_in
+            file = self._decl_file(die)
             if name:
                 lines.setdefault(name, set()).add(line)
+                lines_in.setdefault((name, file), set()).add(line)
             if linkage and linkage != name:
                 lines.setdefault(linkage, set()).add(line)
+                lines_in.setdefault((linkage, file), set()).add(line)
         ranges = self._ranges(die)
         if ranges:
             self._cu_ranges += ranges
@@ -300,7 +325,7 @@ class _Reader:
         at = ctypes.addressof
         address_at, number_at, column_at, end_at = at(address), at(number), at(column), at(end)
         rows = []
-        comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+        comp_dir = self._comp_dir
         paths: dict[bytes, str] = {}
         for i in range(n):
             row = lib.dwarf_onesrcline(lines, i)

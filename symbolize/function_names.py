@@ -89,6 +89,9 @@ class TableExtras:
     from_executable: bool = False
     from_dynsym: bool = False
     start_lines: list[int] = field(default_factory=list)  # per function index; 0: unknown
+    # Where a function's name is declared at several lines (static functions of several
+    # files), its start line by the file of its frame, where that file declares it once.
+    start_lines_in: dict[int, dict[str, int]] = field(default_factory=dict)
     # Sorted [start, end) ranges of code outside every subprogram, and their rows (sorted;
     # a row with line 0 ends a sequence).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -99,8 +102,12 @@ class TableExtras:
         default_factory=lambda: np.zeros(0, np.uint32))
     columns: npt.NDArray[np.uint16] = field(default_factory=lambda: np.zeros(0, np.uint16))
 
-    def start_line(self, function: int) -> int:
-        return self.start_lines[function] if 0 <= function < len(self.start_lines) else 0
+    def start_line(self, function: int, file: str) -> int:
+        """The start line of a frame of `function` whose code is in `file`; 0: unknown."""
+        line = self.start_lines[function] if 0 <= function < len(self.start_lines) else 0
+        if not line and (by_file := self.start_lines_in.get(function)) is not None:
+            return by_file.get(file, 0)
+        return line
 
     def name(self, function: int, outermost_hot: bool) -> tuple[str, str] | None:
         """(name, system name) of a frame of `function`: the outermost one outside a `.cold`
@@ -126,12 +133,17 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
     for start, subprogram in sorted(dwarf.by_entry.items()):
         range_starts.setdefault(id(subprogram), []).append(start)
     extras = TableExtras(start_lines=[0] * columns.functions, from_dynsym=picks is not None)
+    ambiguous: dict[str, dict[str, int]] = {}
+    for (declared, file), line in dwarf.decl_lines_in.items():
+        ambiguous.setdefault(declared, {})[file] = line
     entries = columns.function_entry.tolist()
     name_at = columns.function_name.tolist()
     for f, entry in enumerate(entries):
         own = columns.string(name_at[f]) if name_at[f] != NONE else ""
         if entry == NONE:  # known only inlined: symbolic's name is the DWARF linkage name
             extras.start_lines[f] = dwarf.decl_lines.get(own, 0)
+            if own in ambiguous:
+                extras.start_lines_in[f] = ambiguous[own]
             if (name := dwarf.names_by_linkage.get(own)) is not None and name != own:
                 extras.names[f] = (name, own)
             continue
@@ -249,6 +261,7 @@ def append_to(path: Path, extras: TableExtras) -> None:
         "from_executable": extras.from_executable,
         "from_dynsym": extras.from_dynsym,
         "start_lines": extras.start_lines,
+        "start_lines_in": [[f, by_file] for f, by_file in sorted(extras.start_lines_in.items())],
         "orphan_ranges": extras.orphan_ranges,
         "orphan_rows": [[a, f, n] for a, f, n in zip(
             extras.orphan_rows.address.tolist(), extras.orphan_rows.file,
@@ -304,6 +317,8 @@ def _extras(raw: Any, rows: bytes, count: int) -> TableExtras:
         from_executable=bool(raw.get("from_executable", False)),
         from_dynsym=bool(raw.get("from_dynsym", False)),
         start_lines=[int(x) for x in raw["start_lines"]],
+        start_lines_in={int(f): {str(file): int(n) for file, n in by_file.items()}
+                        for f, by_file in raw.get("start_lines_in", [])},
         orphan_ranges=[(int(a), int(b)) for a, b in raw["orphan_ranges"]],
         orphan_rows=OrphanRows.of(raw["orphan_rows"]),
     )

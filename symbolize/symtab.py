@@ -52,7 +52,7 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # program's: elf.ElfLayout.has_file_layout; since 6, a dwz'd file's DWARF not read, a
 # function without a linkage name named after its symbol, and Rust names chosen here demangled
 # as Rust): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-6"
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-7"
 
 
 class NoSymbols(Exception):
@@ -436,8 +436,8 @@ class SymbolTable:
                 # cold part by a stripped executable's .dynsym, which has no .cold symbol (as
                 # llvm-symbolizer says).
                 system_name, name = hot_name, demangle(hot_name)
-            functions.append((name, system_name, self._paths[int(file[at])],
-                              extras.start_line(f)))
+            path = self._paths[int(file[at])]
+            functions.append((name, system_name, path, extras.start_line(f, path)))
         index = np.cumsum(named) - 1
         keep = named[inverse]
         return FrameColumns(chains=len(keys), owner=owner[keep], function=index[inverse][keep],

@@ -292,7 +292,46 @@ def test_start_lines_are_llvm_symbolizers(libc: tuple[Path, BuildResult]) -> Non
                 wrong += 1
     assert frames > 3000
     assert wrong == 0
-    assert unknown < frames // 50, (unknown, frames)
+    # Left unknown: a function whose frame's code is in a file that does not declare it
+    # (glibc's `__getc_unlocked`, declared in include/stdio.h, its code said to be in the
+    # caller's file), where its name is declared at several lines.
+    assert unknown < frames // 500, (unknown, frames)
+
+
+# Two files, each with its own static function `step`, declared at different lines, inlined
+# into its caller: one name, two start lines, told apart by the frame's file.
+_STEP_A = "static int step(int x)\n{\n    return x * 3 + 1;\n}\n" \
+    "__attribute__((noinline)) int run_a(int x) { return step(x) + step(x + 7); }\n"
+_STEP_B = "\n\n\n\n\n\n\n\nstatic int step(int x)\n{\n    return x * 5 - 2;\n}\n" \
+    "__attribute__((noinline)) int run_b(int x) { return step(x) ^ step(x + 3); }\n"
+_STEP_MAIN = "int run_a(int); int run_b(int);\n" \
+    "int main(int argc, char **argv) { (void)argv; return run_a(argc) + run_b(argc); }\n"
+
+
+def test_a_static_function_of_one_name_in_two_files_has_each_files_start_line(
+        tmp_path: Path) -> None:
+    """Issue 14 (3): static functions of one name in two files, both inlined: each frame
+    carries its own file's DW_AT_decl_line, as llvm-symbolizer's StartLine, not 0."""
+    for name, text in (("a.c", _STEP_A), ("b.c", _STEP_B), ("main.c", _STEP_MAIN)):
+        (tmp_path / name).write_text(text)
+    exe = tmp_path / "steps"
+    subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), "a.c", "b.c", "main.c"],
+                   cwd=tmp_path, check=True)
+    layout = layout_of_file(exe)
+    assert layout is not None and layout.build_id
+    out = tmp_path / "steps.symc"
+    built = build_symbol_table(exe, out, layout.build_id)
+    text = next(s for s in layout.segments if s.executable)
+    vaddrs = list(range(text.vaddr, text.vaddr + text.filesz))
+    got = _symbolized((out, built), vaddrs, (exe, layout.build_id))
+    llvm = llvm_symbolize(exe, vaddrs)
+    seen: dict[str, set[int]] = {}
+    for v, want in llvm.items():
+        for ours, theirs in zip(got[v], want, strict=True):
+            if ours.function == "step":
+                assert (ours.start_line, ours.file) == (theirs.start_line, theirs.file), hex(v)
+                seen.setdefault(posixpath.basename(ours.file), set()).add(ours.start_line)
+    assert seen == {"a.c": {1}, "b.c": {9}}
 
 
 LAMBDAS_CPP = r"""
