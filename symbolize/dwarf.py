@@ -70,7 +70,8 @@ def _load() -> ctypes.CDLL | None:
         "dwarf_getfuncs": (ctypes.c_ssize_t, [_P, _Callback, _P, ctypes.c_ssize_t]),
         "dwarf_diename": (ctypes.c_char_p, [_P]),
         "dwarf_decl_line": (ctypes.c_int, [_P, _P]),
-        "dwarf_decl_file": (ctypes.c_char_p, [_P]),
+        # A pointer into the CU's file table, made a string once per file (_decl_file).
+        "dwarf_decl_file": (_P, [_P]),
         "dwarf_attr_integrate": (_P, [_P, ctypes.c_uint, _P]),
         "dwarf_formstring": (ctypes.c_char_p, [_P]),
         "dwarf_ranges": (ctypes.c_ssize_t, [_P, ctypes.c_ssize_t, _P, _P, _P]),
@@ -184,10 +185,11 @@ class _Reader:
         self._lines_at, self._count_at = at(self._lines_p), at(self._count)
         self._version = 0
         self._cu_ranges: list[tuple[int, int]] = []
-        self._lines: dict[str, set[int]] = {}
-        self._lines_in: dict[tuple[str, str], set[int]] = {}
+        # (DW_AT_decl_line, DW_AT_decl_file as libdw's pointer) of each name's subprograms,
+        # and the directory of the CU of each pointer.
+        self._declared: dict[str, set[tuple[int, int]]] = {}
+        self._file_dirs: dict[int, str] = {}
         self._comp_dir = ""
-        self._decl_files: dict[bytes, str] = {}  # the CU's, cleaned (_clean)
         self._row_arrays: list[bytes] = []
         self._layout: _RowLayout | None = None
 
@@ -204,7 +206,6 @@ class _Reader:
                 self._version = version.value
                 self._cu_ranges = []
                 self._comp_dir = self._string(cu, _DW_AT_COMP_DIR)
-                self._decl_files = {}
                 lib.dwarf_getfuncs(cu, callback, None, 0)
                 outside = [(a, b) for a, b in _subtract(self._ranges(cu), self._cu_ranges)
                            if bisect.bisect_left(self._starts, a) < len(self._starts)
@@ -214,10 +215,7 @@ class _Reader:
                     self._out.orphan_rows += self._rows(cu)
                 self._row_array(cu)
             offset = following.value
-        self._out.decl_lines = {name: next(iter(lines)) if len(lines) == 1 else 0
-                                for name, lines in self._lines.items()}
-        self._out.decl_lines_in = {key: next(iter(lines)) for key, lines in self._lines_in.items()
-                                   if len(lines) == 1 and len(self._lines[key[0]]) > 1}
+        self._decl_lines()
         self._out.orphan_rows.sort(key=lambda r: (r.address, not r.end_sequence))
         if self._layout is not None:
             self._out.column_starts, self._out.columns = self._layout.columns(self._row_arrays)
@@ -273,15 +271,27 @@ class _Reader:
         raw = self._lib.dwarf_formstring(attr) if attr else None
         return raw.decode(errors="replace") if raw else ""
 
-    def _decl_file(self, die: int) -> str:
-        """The DIE's DW_AT_decl_file as symbolic writes a line's file; "" without one."""
-        raw = self._lib.dwarf_decl_file(die)
-        if not raw:
-            return ""
-        path = self._decl_files.get(raw)
-        if path is None:
-            path = self._decl_files[raw] = _clean(self._comp_dir, raw.decode(errors="replace"))
-        return path
+    def _decl_lines(self) -> None:
+        """Each name's declared line, 0 where its subprograms disagree; and for those, the
+        line in each file that declares the name at one line."""
+        paths: dict[int, str] = {0: ""}
+        out = self._out
+        for name, declared in self._declared.items():
+            lines = {line for line, _at in declared}
+            if len(lines) == 1:
+                out.decl_lines[name] = next(iter(lines))
+                continue
+            out.decl_lines[name] = 0
+            in_file: dict[str, set[int]] = {}
+            for line, at in declared:
+                path = paths.get(at)
+                if path is None:  # the table lives as long as the Dwarf handle: still read
+                    path = paths[at] = _clean(self._file_dirs[at],
+                                              ctypes.string_at(at).decode(errors="replace"))
+                in_file.setdefault(path, set()).add(line)
+            for path, lines in in_file.items():
+                if len(lines) == 1:
+                    out.decl_lines_in[(name, path)] = next(iter(lines))
 
     def _subprogram(self, die: int, _arg: object) -> int:
         lib = self._lib
@@ -298,14 +308,16 @@ class _Reader:
         if linkage and name and not linkage.startswith(("_Z", "_R")):
             self._out.names_by_linkage.setdefault(linkage, name)
         if line:  # a declaration without one says nothing, an abstract instance says it
-            lines, lines_in = self._lines, self._lines_in
-            file = self._decl_file(die)
+            # With its file as libdw's pointer into the CU's file table: made a path at the
+            # end, for the few names declared at several lines (_decl_lines).
+            declared = self._declared
+            at = lib.dwarf_decl_file(die) or 0
+            if at not in self._file_dirs:
+                self._file_dirs[at] = self._comp_dir
             if name:
-                lines.setdefault(name, set()).add(line)
-                lines_in.setdefault((name, file), set()).add(line)
+                declared.setdefault(name, set()).add((line, at))
             if linkage and linkage != name:
-                lines.setdefault(linkage, set()).add(line)
-                lines_in.setdefault((linkage, file), set()).add(line)
+                declared.setdefault(linkage, set()).add((line, at))
         ranges = self._ranges(die)
         if ranges:
             self._cu_ranges += ranges
