@@ -341,6 +341,9 @@ def test_a_table_whose_extras_are_damaged_fails_its_mapping_alone(
     for damaged in (with_extras("file.symc", orphan_rows=[[1, 5, "x"]]),
                     with_extras("pair.symc", orphan_rows=[[[0, 0], "f", 3]]),
                     with_extras("inf.symc", start_lines=[float("inf")]),
+                    with_extras("in-file.symc", start_lines_in=[[3, ["a.c", 1]]]),
+                    with_extras("in-file-pair.symc", start_lines_in=[[3]]),
+                    with_extras("in-file-line.symc", start_lines_in=[[3, {"a.c": "one"}]]),
                     with_extras("deep.symc", b'{"names":' + b"[" * 5000 + b"]" * 5000 + b"}")):
         with pytest.raises(ValueError):
             read_from(damaged)
