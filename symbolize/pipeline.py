@@ -18,6 +18,7 @@ from typing import Protocol, cast
 
 from .elf import LoadSegment
 from .outcome import Outcome, TryAgain
+from .pprof.codec import GZIP_MAGIC, as_bytes, inflated
 from .rewrite import Report
 from .symtab import TableSpec
 from .worker import (
@@ -116,12 +117,21 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
     """Raises ProfileError (ProfileTooLarge, TooMuchWork, TooManyBuildIds) for a profile it
     cannot take."""
     work = work if work is not None else InThread()
-    scanned = await work.scan(body, limits)
+    raw = body
+    if body[:2] == GZIP_MAGIC:
+        # Inflated once, here, rather than by each step (the scan measured and inflated it,
+        # the check and the finish inflated it again): the steps share the raw bytes, and the
+        # answer is gzipped as the profile came. In a thread: isal lets go of the GIL.
+        _gzipped, inflated_body = await asyncio.to_thread(
+            inflated, body, limits.max_decompressed_bytes)
+        raw, limits = as_bytes(inflated_body), replace(limits, gzip_answer=True)
+    scanned = await work.scan(raw, limits)
     measured = replace(limits, scanned_size=scanned.size)
     # Checked beside the resolution and the rewrite, which read no sample: on another core
     # where `work` has one. The first of the two to fail ends the other.
-    checking = asyncio.ensure_future(work.check_samples(body, measured))
-    rest = asyncio.ensure_future(_resolve_and_finish(body, provider, measured, scanned, work))
+    checking = asyncio.ensure_future(work.check_samples(raw, measured))
+    rest = asyncio.ensure_future(
+        _resolve_and_finish(body, raw, provider, measured, scanned, work))
     try:
         # Until one fails, or both are done.
         await asyncio.wait((checking, rest), return_when=asyncio.FIRST_EXCEPTION)
@@ -134,8 +144,10 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
         await asyncio.gather(checking, rest, return_exceptions=True)
 
 
-async def _resolve_and_finish(body: bytes, provider: SymbolProvider, limits: Limits,
-                              scanned: Scanned, work: Work) -> Symbolized:
+async def _resolve_and_finish(body: bytes, raw: bytes, provider: SymbolProvider,
+                              limits: Limits, scanned: Scanned, work: Work) -> Symbolized:
+    """`body` the request's own bytes, answered where nothing is filled in; `raw` them
+    inflated, which the steps read."""
     layouts = scanned.layouts
     resolved = await _resolve_all(provider, layouts, limits.deadline_s)
     answers: dict[str, Answer] = {}
@@ -149,7 +161,7 @@ async def _resolve_and_finish(body: bytes, provider: SymbolProvider, limits: Lim
             segments = r.table.guessed_layout() if layouts[bid] else ()
             guesses += layouts[bid]
         answers[bid] = Answer(r.table, segments)
-    done = await work.finish(body, limits, answers)
+    done = await work.finish(raw, limits, answers)
     for bid in sorted(done.report.unreadable):
         await provider.unreadable(bid)
     return Symbolized(done.body if done.body is not None else body, done.report, guesses)

@@ -66,6 +66,9 @@ class Limits:
     # gzipped one once, to no more than that, without measuring it again, nor checking again
     # the string indices the scan checked.
     scanned_size: int | None = None
+    # The profile came gzipped and is given to the steps inflated (pipeline.py): the answer
+    # is gzipped as it came.
+    gzip_answer: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +228,8 @@ class Workspace:
             report.locations_unresolved[fallback.NAMED] += named
         if not report.changed and not report.locations_unresolved[fallback.NAMED]:
             return Finished(None, report)
-        return Finished(encode(profile, gzipped, [fields.data for fields in written]), report)
+        return Finished(encode(profile, gzipped or limits.gzip_answer,
+                               [fields.data for fields in written]), report)
 
 
 # A worker process's own: set by `init_worker`.
