@@ -93,6 +93,17 @@ def _url(value: object) -> str:
     return value
 
 
+def shown_url(url: str) -> str:
+    """`url` as logs, metrics, the status page and SQL rows show it: credentials written into
+    it (https://user:token@host/) are replaced by `***`, since all of those are read by people
+    and systems that must not get them."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}://***@{authority.rpartition('@')[2]}{slash}{path}"
+
+
 def _endpoint(value: object) -> str:
     return "" if value == "" else _url(value)
 

@@ -120,7 +120,8 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncI
 
     if not await _pg_reachable():
         pytest.skip(f"no PostgreSQL reachable at {PG_ADMIN_DSN}")
-    name = f"symgate_test_{uuid.uuid4().hex[:12]}"
+    # SYMGATE_TEST_DB_PREFIX: for a shared server whose databases are named by convention.
+    name = f"{os.environ.get('SYMGATE_TEST_DB_PREFIX', 'symgate_test_')}{uuid.uuid4().hex[:12]}"
     admin = await asyncpg.connect(PG_ADMIN_DSN)
     await admin.execute(f'CREATE DATABASE "{name}"')
     await admin.close()

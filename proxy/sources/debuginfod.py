@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from yarl import URL
 
-from proxy.config import UpstreamConfig
+from proxy.config import UpstreamConfig, shown_url
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.headers import decimal, http_date, printable
 from proxy.inflating import CODINGS, Inflater, Unreadable
@@ -123,7 +123,10 @@ class Upstream:
     ) -> None:
         self.cfg = cfg
         self._routes = routes
-        self.name = cfg.url if not scope else f"{cfg.url} [{scope}]"
+        # Never the credentials a URL may hold: the name is logged, labels metrics, is shown
+        # on the status page and is written into SQL rows.
+        shown = shown_url(cfg.url)
+        self.name = shown if not scope else f"{shown} [{scope}]"
         self.scope = scope
         self.base = cfg.url.rstrip("/")
         self.metrics = metrics
@@ -292,13 +295,13 @@ class Upstream:
                 raise self._refused(url, target or location, why)
             previous, url = url, target
         log.warning("upstream %s: more than %d redirects, last to %s",
-                    self.name, self.cfg.max_redirects, url)
+                    self.name, self.cfg.max_redirects, shown_url(str(url)))
         raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects"))
 
     def _refused(self, source: URL, target: URL | str, why: str | None) -> _Permanent:
-        shown = printable(str(target), 512) or "?"
+        shown = printable(shown_url(str(target)), 512) or "?"
         log.warning("upstream %s: refused redirect from %s to %s: %s",
-                    self.name, source, shown, why)
+                    self.name, shown_url(str(source)), shown, why)
         return _Permanent(UpstreamUnavailable(f"{self.name}: bad redirect to {shown} ({why})"))
 
     async def _refusal(self, target: URL) -> str | None:

@@ -15,7 +15,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from proxy import __version__
-from proxy.config import Config
+from proxy.config import Config, shown_url
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.localdir import LocalDirectory
@@ -53,18 +53,19 @@ class Row:
 async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
                       timeout_s: float, headers: dict[str, str] | None = None) -> Check:
     url = f"{base.rstrip('/')}{ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path}"
+    where = shown_url(base)  # printed: never the credentials the URL may hold
     try:
         # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
         async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as r:
             size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
             known = r.status == 200 and size is not None and size.isdigit()
-            return Check(base, str(r.status), int(size) if known and size else None)
+            return Check(where, str(r.status), int(size) if known and size else None)
     except TimeoutError:
-        return Check(base, "timeout")
+        return Check(where, "timeout")
     except aiohttp.ClientConnectorError:
-        return Check(base, "unreachable")
+        return Check(where, "unreachable")
     except (aiohttp.ClientError, OSError) as e:
-        return Check(base, f"error: {type(e).__name__}")
+        return Check(where, f"error: {type(e).__name__}")
 
 
 def _verdict(row: Row) -> str:

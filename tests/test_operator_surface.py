@@ -1,0 +1,48 @@
+"""What an operator sees of a running symgate: its logs, metrics, status page, SQL rows and
+command line, against real servers on loopback."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod
+from tests.processes import run_in_thread, start_serve, stop_serve
+
+SECRET = "s3cr3t-T0KEN-in-the-url"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "proxy.tools.cli", *args]
+
+
+async def test_credentials_in_an_upstream_url_reach_no_log_metric_page_or_row(
+    database_url: str, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # A private upstream's credentials written into its URL, as DEBUGINFOD_URLS allows.
+    upstream = debuginfod.url.replace("http://", f"http://ci:{SECRET}@")
+    base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
+                                   access_log=True)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{base}/buildid/{elfs.prog.build_id}/debuginfo") as r:
+            assert r.status == 200  # the upstream is reached through that URL
+        async with s.get(f"{base}/buildid/{'ab' * 20}/debuginfo") as r:
+            assert r.status == 404  # a remembered miss, under the upstream's name
+        async with s.get(f"{base}/") as r:
+            page = await r.text()
+        async with s.get(f"{base}/metrics") as r:
+            metrics = await r.text()
+    config = next(tmp_path.glob("symgate-*.toml"))
+    listings = [await run_in_thread(_cli(what, "ls", "--config", str(config)))
+                for what in ("cache", "negative")]
+    await stop_serve([proc])
+    assert proc.stdout is not None
+    log = (await proc.stdout.read()).decode()
+    assert all(listing.returncode == 0 for listing in listings), listings
+    assert "upstream=http://***@127.0.0.1" in log  # the access line still names it
+    for what, text in [("log", log), ("status page", page), ("metrics", metrics),
+                       *((f"{lst.args[3]} ls", lst.stdout) for lst in listings)]:
+        assert SECRET not in text, f"the upstream's credentials are in the {what}"
