@@ -90,6 +90,11 @@ def _none_if_empty(value: str | None) -> str | None:
 def _url(value: object) -> str:
     if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
         raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+    if "?" in value or "#" in value:
+        # /buildid/... is appended to the URL as a string (as elfutils' client does): after a
+        # query it would be part of the query, and every request would ask for the root.
+        raise ValueError(f"a query or fragment cannot end this URL, since request paths are "
+                         f"appended to it: {shown_url(value)!r}")
     return value
 
 

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from proxy.config import ConfigError, load_config
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod
 from tests.processes import run_in_thread, start_serve, stop_serve
@@ -46,3 +48,14 @@ async def test_credentials_in_an_upstream_url_reach_no_log_metric_page_or_row(
     for what, text in [("log", log), ("status page", page), ("metrics", metrics),
                        *((f"{lst.args[3]} ls", lst.stdout) for lst in listings)]:
         assert SECRET not in text, f"the upstream's credentials are in the {what}"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1/?token=abc", "http://127.0.0.1:1/#x"])
+def test_an_upstream_url_with_a_query_is_refused_at_start(tmp_path: Path, url: str) -> None:
+    # Request paths are appended to the URL: after a query every request would ask for "/".
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'[[upstreams]]\nurl = "{url}"\n')
+    with pytest.raises(ConfigError, match=r"^upstreams\[0\]\.url: a query or fragment"):
+        load_config(config, environ={})
+    with pytest.raises(ConfigError, match=r"^DEBUGINFOD_URLS: a query or fragment"):
+        load_config(None, environ={"DEBUGINFOD_URLS": url})
