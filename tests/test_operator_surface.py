@@ -3,6 +3,7 @@ command line, against real servers on loopback."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import pytest
 
 from proxy.config import ConfigError, load_config
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod
-from tests.processes import run_in_thread, start_serve, stop_serve
+from tests.harness import Debuginfod, eventually
+from tests.processes import Start, run_in_thread, start_serve, stop_serve
 
 SECRET = "s3cr3t-T0KEN-in-the-url"
 
@@ -59,3 +60,39 @@ def test_an_upstream_url_with_a_query_is_refused_at_start(tmp_path: Path, url: s
         load_config(config, environ={})
     with pytest.raises(ConfigError, match=r"^DEBUGINFOD_URLS: a query or fragment"):
         load_config(None, environ={"DEBUGINFOD_URLS": url})
+
+
+async def _gauges(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
+        text = await r.text()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in ("symgate_cache_size_bytes", "symgate_cache_entries")}
+
+
+async def test_cache_gauges_tell_what_is_cached_from_the_start_with_workers(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # No periodic judge of the shared budget during the test: what the gauges say at start
+    # is what start-up set.
+    extra = "access_flush_s = 3600.0\n"
+    base, proc = await serve(debuginfod.url, workers=2, extra=extra)
+    async with aiohttp.ClientSession() as s:
+        for elf in (elfs.prog, elfs.big):
+            async with s.get(f"{base}/buildid/{elf.build_id}/debuginfo") as r:
+                assert r.status == 200
+                await r.read()
+    size = elfs.prog.debug.stat().st_size + elfs.big.debug.stat().st_size
+    config = next(tmp_path.glob("symgate-*.toml"))
+
+    async def committed() -> bool:  # a file is committed after its client's last byte
+        stats = await run_in_thread(_cli("cache", "stats", "--json", "--config", str(config)))
+        return bool(json.loads(stats.stdout)["entries"] == 2)
+
+    await eventually(committed)
+    await stop_serve([proc])
+    base, proc = await serve(debuginfod.url, workers=2, extra=extra)
+    # A restarted server has lost nothing: its gauges must not say the cache is empty.
+    assert await _gauges(base) == {"symgate_cache_size_bytes": size,
+                                   "symgate_cache_entries": 2.0}

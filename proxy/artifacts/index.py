@@ -185,6 +185,12 @@ class ArtifactCache:
                  "%d taken from before replicas, %d orphan files %s)", self._repo.replica,
                  len(self._entries), self._bytes, len(stale), len(claimed), len(on_disk),
                  orphans)
+        if self.shared:
+            # The gauges tell the whole cache, which every process of this replica has written
+            # to SQL: read now, not at the first judge of the budget (access_flush_s away), or
+            # a restarted server says its cache is empty meanwhile.
+            self._shared_totals = await self._repo.totals()
+            self._publish()
         await self.evict()
 
     def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
