@@ -4,6 +4,8 @@ command line, against real servers on loopback."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from proxy.config import ConfigError, load_config
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, eventually
+from tests.harness import Debuginfod, eventually, free_port
 from tests.processes import Start, run_in_thread, start_serve, stop_serve
 
 SECRET = "s3cr3t-T0KEN-in-the-url"
@@ -96,3 +98,20 @@ async def test_cache_gauges_tell_what_is_cached_from_the_start_with_workers(
     # A restarted server has lost nothing: its gauges must not say the cache is empty.
     assert await _gauges(base) == {"symgate_cache_size_bytes": size,
                                    "symgate_cache_entries": 2.0}
+
+
+def test_a_start_that_fails_leaves_no_metrics_folder(tmp_path: Path) -> None:
+    # A database out of reach: under a service manager that restarts it, symgate fails to
+    # start again and again; each try must leave nothing in the temporary directory.
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+                      f'data_dir = "{tmp_path / "d"}"\n[database]\n'
+                      f'url = "postgresql+asyncpg://symgate@127.0.0.1:{free_port()}/none"\n'
+                      f'timeout_s = 2.0\n')
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = subprocess.run(_cli("serve", "--config", str(config), "--workers", "2"),
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TMPDIR": str(temp)})
+    assert result.returncode == 1 and "cannot reach the database" in result.stderr
+    assert list(temp.iterdir()) == []

@@ -69,8 +69,14 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     gc.freeze()
     # Before any serving process exists: they inherit them, and so fork no helpers of their own.
     forked_helpers.fork_helpers()
-    if config.database.migrate_on_start:
-        _migrate_in_a_fork(config)
+    try:
+        if config.database.migrate_on_start:
+            _migrate_in_a_fork(config)
+    except BaseException:
+        # A start that fails (the database out of reach, say) leaves nothing behind: under a
+        # restarting service manager, a metrics folder each try would fill /tmp.
+        _end(holder, guard, metrics_dir)
+        raise
     keeper = _Keeper(config, port, access_log, json_logs)
 
     def stop(signum: int, _frame: object) -> None:
@@ -121,11 +127,18 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        holder.close()
-        guard.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        forked_helpers.stop_helpers()
+        _end(holder, guard, metrics_dir)
+
+
+def _end(holder: socket.socket, guard: socket.socket, metrics_dir: Path) -> None:
+    """What the supervisor holds, given back: the port, the metrics folder, the helpers."""
+    from proxy.symbols import forked_helpers
+
+    holder.close()
+    guard.close()
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    forked_helpers.stop_helpers()
 
 
 def _migrate_in_a_fork(config: Config) -> None:
