@@ -4,6 +4,7 @@ the image's defaults, and graceful shutdown on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -82,6 +83,31 @@ async def test_entrypoint_serves_on_the_image_defaults(
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     assert await _healthcheck(env) == 1  # and it tells when the server is gone
+
+
+async def test_admin_commands_through_the_entrypoint_see_the_servers_data(
+    debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # README: "Other commands run through the same entrypoint: docker run ... symgate cache
+    # stats". They must read the server's data dir (SYMGATE_DATA_DIR), not the user's home.
+    config = tmp_path / "symgate.toml"
+    config.write_text("[cache]\nmax_bytes = \"1GiB\"\n")
+    env = _env(tmp_path, free_port(), debuginfod.url, SYMGATE_CONFIG=str(config))
+    proc = await _start(env)
+    try:
+        async with aiohttp.ClientSession() as s, s.get(
+                f"http://{env['SYMGATE_LISTEN']}/buildid/{elfs.prog.build_id}/debuginfo") as r:
+            assert r.status == 200
+            await r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    result = subprocess.run([str(ENTRYPOINT), "cache", "stats", "--json"], capture_output=True,
+                            text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert (stats["entries"], stats["max_bytes"]) == (1, 1 << 30)  # its cache, its config
+    assert not (tmp_path / ".local").exists()
 
 
 def test_entrypoint_passes_other_commands_to_symgate(tmp_path: Path) -> None:
