@@ -115,3 +115,20 @@ def test_a_start_that_fails_leaves_no_metrics_folder(tmp_path: Path) -> None:
                             env={**os.environ, "TMPDIR": str(temp)})
     assert result.returncode == 1 and "cannot reach the database" in result.stderr
     assert list(temp.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [("cache", "stats"), ("cache", "ls"), ("negative", "ls"),
+                                     ("cache", "purge", "--all"), ("negative", "clear", "--all")])
+def test_admin_commands_on_a_data_dir_without_a_database_say_so_and_make_nothing(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    # A mistyped --data-dir (or a default one, on a host where the server runs elsewhere).
+    where = tmp_path / "no-such-dir"
+    config = tmp_path / "symgate.toml"
+    config.write_text("upstreams = []\n")
+    result = subprocess.run(_cli(*command, "--config", str(config), "--data-dir", str(where)),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == (f"symgate: no symgate database at {where}/symgate.sqlite: is this "
+                             "the server's data dir? (--data-dir, --config)\n")
+    assert not where.exists()

@@ -209,7 +209,14 @@ def _admin(args: argparse.Namespace) -> int:
     from proxy.errors import InvalidRequest
     from proxy.tools.admin import Admin
 
-    admin = Admin(_config(args))
+    cfg = _config(args)
+    if (missing := _missing_sqlite(cfg.database_url)) is not None:
+        # Not made here: an empty database and cache in the wrong place would answer "no such
+        # table", or list nothing, instead of saying that this is not the server's data dir.
+        print(f"symgate: no symgate database at {missing}: is this the server's data dir? "
+              "(--data-dir, --config)", file=sys.stderr)
+        return 1
+    admin = Admin(cfg)
     target: str | None = getattr(args, "build_id", None)
     if getattr(args, "pinned", False) and args.action != "ls":
         print("symgate: --pinned goes with cache ls", file=sys.stderr)
@@ -284,6 +291,18 @@ def _admin(args: argparse.Namespace) -> int:
     except InvalidRequest as e:
         print(f"symgate: {e.reason}", file=sys.stderr)
         return 2
+
+
+def _missing_sqlite(url: str) -> Path | None:
+    """The SQLite file `url` names, if it does not exist."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database \
+            or parsed.database == ":memory:":
+        return None
+    path = Path(parsed.database)
+    return None if path.exists() else path
 
 
 def build_parser() -> argparse.ArgumentParser:
