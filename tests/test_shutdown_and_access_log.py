@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tests.elfs import ElfSet
 from tests.faults import HALF, FaultUpstream
-from tests.harness import eventually, free_port
+from tests.harness import eventually, free_port, read_rest
 from tests.processes import wait_until_serving
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES
@@ -264,3 +264,22 @@ async def test_a_not_modified_answer_is_logged_without_a_body(
             assert r.status == 304
     access, out = await _stopped_access(proc, path)
     assert [(a["status"], a["bytes"]) for a in access][2:] == [(304, 0)], out
+
+
+async def test_a_download_cut_by_the_end_of_the_grace_is_logged(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # The upstream sends half the file and then nothing: the response is under way when
+    # SIGTERM comes, and is cut when the grace ends. It was a request all the same.
+    base, proc = await _start(tmp_path, faults.url_for("hang-mid-body"),
+                              "shutdown_grace_s = 0.5\n")
+    url = f"{base}/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        await r.content.readexactly(1024)
+        access, out = await _stopped_access(proc, "/buildid/")
+        _, got, cut = await read_rest(r, 1024)
+    assert cut and got < elfs.big.debug.stat().st_size
+    assert len(access) == 1, out
+    assert access[0]["status"] == 200 and access[0]["outcome"] == "aborted", access
+    assert got <= access[0]["bytes"] <= elfs.big.debug.stat().st_size * HALF, (got, access)

@@ -6,6 +6,7 @@ Failures are raised: the error edge (proxy/web/errors.py) answers them.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import logging
 import math
@@ -409,14 +410,24 @@ async def _send_streaming(
             await response.write_eof()
             return response
         async for chunk in streaming.reader.chunks():
-            await response.write(chunk)
+            # Counted once handed over: a write cut short (the server stopping) may already
+            # have put it on the wire, which its client then has.
             sent += len(chunk)
+            await response.write(chunk)
         await response.write_eof()
     except ConnectionError as e:
         # The client left; the download goes on for its other clients and the cache. Raised
         # on, the response would get no access line (aiohttp logs none for a handler that
         # fails after its status line): it is answered here as cut off, with the bytes sent.
         cut_off(request, str(e) or type(e).__name__, sent)
+        return response
+    except asyncio.CancelledError:
+        # The server stopping, past its grace (proxy.web.app._drain): the response is cut.
+        # Raised on, it would get no access line and no count, as if it had never been;
+        # answered here as cut off, aiohttp logs it with the bytes that went out.
+        cut_off(request, "the server stopped", sent)
+        if (task := asyncio.current_task()) is not None:
+            task.uncancel()  # taken in: what runs on (aiohttp's logging) is not cancelled
         return response
     except FlightFailed as e:
         state.metrics.aborted_responses.inc()
