@@ -94,3 +94,36 @@ def test_inspect_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
     bad.write_bytes(b"definitely not protobuf")
     result = subprocess.run(["symgate", "inspect", str(bad)], capture_output=True, text=True)
     assert result.returncode == 1 and "not a pprof profile" in result.stderr
+
+
+async def test_inspect_asks_an_upstream_with_its_configured_headers(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    # A private upstream that wants its token, given in the config as the server sends it.
+    from aiohttp import web
+
+    from tests.harness import serve_loopback
+
+    token = "Bearer a-private-upstream-token"
+
+    async def private(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != token:
+            return web.Response(status=401)
+        return web.Response(body=elfs.prog.debug.read_bytes(),
+                            content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/buildid/{rest:.*}", private)
+    runner, url = await serve_loopback(app)
+    try:
+        (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+        config = tmp_path / "inspect.toml"
+        config.write_text(f'[[upstreams]]\nurl = "{url}/"\n'
+                          f'headers = {{ Authorization = "{token}" }}\n')
+        result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
+                                      "--config", str(config), "--json"], timeout=60)
+    finally:
+        await runner.cleanup()
+    assert result.returncode == 0, result.stderr
+    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
+    assert [c["status"] for c in rows[1]["checks"]] == ["200"], rows[1]

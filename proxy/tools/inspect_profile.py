@@ -114,12 +114,15 @@ async def inspect_profile(
     locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
     for local in locals_:
         await local.rescan()
-    remote = [u.url for u in config.upstreams if u.url]
+    # Each with its configured headers (credentials), as the server asks it: without them a
+    # private upstream answers 401 here and the verdict blames the network.
+    remote = [(u.url, dict(u.headers)) for u in config.upstreams if u.url]
     async with aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
         async def checks(bid: str) -> list[Check]:
             key = ArtifactKey(bid, Kind.DEBUGINFO)
             found = [Check(local.name, "200" if local.has(key) else "404") for local in locals_]
-            tasks = [_http_check(session, url, bid, timeout_s) for url in remote]
+            tasks = [_http_check(session, url, bid, timeout_s, headers)
+                     for url, headers in remote]
             if server:
                 tasks.append(_http_check(session, server, bid, timeout_s,
                                          {"Cache-Control": "only-if-cached"}))
