@@ -51,3 +51,15 @@ async def test_prefetch_reports_an_unreachable_server(tmp_path: Path, elfs: ElfS
     result = await run(elfs.prog.build_id, "--server", "http://127.0.0.1:9")
     assert result.returncode == 1 and "2 failed" in result.stdout
     assert (await run("--server", "http://127.0.0.1:9")).returncode == 2  # nothing to do
+
+
+async def test_prefetch_counts_the_bytes_of_the_files_it_cached_only(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    # "N bytes" is what was warmed: a 404's "not found" body is none of it.
+    sg = await start_symgate([debuginfod.url])
+    result = await run(elfs.prog.build_id, "ab" * 20, "cd" * 20, "--server", sg.url,
+                       "--kind", "debuginfo", "--json")
+    summary = json.loads(result.stdout)
+    assert summary["results"]["ab" * 20] == {"debuginfo": "404"}
+    assert summary["bytes"] == elfs.prog.debug.stat().st_size

@@ -62,8 +62,10 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
                 try:
                     async with session.get(f"{server.rstrip('/')}/buildid/{build_id}/{kind}") as r:
                         # Reading the body to the end is what makes the download complete.
+                        # Only a file's bytes count: an error's text is nothing warmed.
                         async for chunk in r.content.iter_chunked(1 << 20):
-                            summary.bytes += len(chunk)
+                            if r.status == 200:
+                                summary.bytes += len(chunk)
                         status = str(r.status)
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
                     status = f"error: {type(e).__name__}"
