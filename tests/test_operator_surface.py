@@ -132,3 +132,34 @@ def test_admin_commands_on_a_data_dir_without_a_database_say_so_and_make_nothing
     assert result.stderr == (f"symgate: no symgate database at {where}/symgate.sqlite: is this "
                              "the server's data dir? (--data-dir, --config)\n")
     assert not where.exists()
+
+
+async def test_a_file_another_process_cached_is_cached_to_only_if_cached_requests(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # Two serving processes on one data dir and database (serve --workers N, a restart that
+    # overlaps the old process, replicas on one host): a file one of them fetched is cached
+    # for the other too, whichever of them a connection reaches. `symgate inspect --server`
+    # and `symgate upload` ask with only-if-cached; a chained cache past its hop limit is
+    # answered from the cache alone.
+    first, _ = await serve(debuginfod.url)
+    second, _ = await serve(debuginfod.url)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(first + path) as r:
+            assert r.status == 200
+            await r.read()
+        config = next(tmp_path.glob("symgate-*.toml"))
+
+        async def committed() -> bool:  # a file is committed after its client's last byte
+            stats = await run_in_thread(_cli("cache", "stats", "--json", "--config",
+                                             str(config)))
+            return bool(json.loads(stats.stdout)["entries"] == 1)
+
+        await eventually(committed)
+        async with s.head(second + path, headers={"Cache-Control": "only-if-cached"}) as r:
+            assert r.status == 200
+        hops = ", ".join(f"10.0.0.{i}" for i in range(1, 10))  # past forwarded_ttl_limit (8)
+        async with s.get(second + path, headers={"X-Forwarded-For": hops}) as r:
+            assert r.status == 200
+            assert await r.read() == elfs.prog.debug.read_bytes()

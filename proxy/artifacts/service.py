@@ -182,9 +182,14 @@ class ArtifactService:
         scope = req.scope
         names, local_has = _miss_judges(req, key)
         kh = key_hash(scope, key)
-        if not req.may_fetch:
-            raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
-        if cache_only:
+        if not req.may_fetch or cache_only:
+            # The cache is also what another process on this data dir committed, which this
+            # one's memory does not hold: with serve --workers N, a memory miss alone would
+            # answer by which worker the connection reached.
+            if (stored := await self.stored(req.visible, key)) is not None:
+                return Hit(stored)
+            if not req.may_fetch:
+                raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
         if self._has_own_uploads(req) and (own := await self._own_upload(key, req)):
             return own
