@@ -87,6 +87,21 @@ def _none_if_empty(value: str | None) -> str | None:
     return value or None
 
 
+# The drivers symgate ships with: SQLAlchemy's async ones. Another scheme (postgresql:// means
+# psycopg2 to SQLAlchemy) failed only once a migration or a query tried to import its driver.
+_DATABASE_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
+
+
+def _database_url(value: str | None) -> str | None:
+    if value is not None and value.partition("://")[0] not in _DATABASE_SCHEMES:
+        # Never the URL itself: it may hold a password (SYMGATE_DATABASE_URL, a Secret's).
+        scheme, sep, _ = value.partition("://")
+        got = f"a {scheme}:// URL" if sep else "no URL"
+        raise ValueError("expected sqlite+aiosqlite:///PATH or "
+                         f"postgresql+asyncpg://USER@HOST/DATABASE, got {got}")
+    return value
+
+
 def _url(value: object) -> str:
     if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
         raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
@@ -264,7 +279,8 @@ class CacheConfig:
 
 @dataclass(frozen=True, config=_SECTION)
 class DatabaseConfig:
-    url: Annotated[Text | None, AfterValidator(_none_if_empty)] = None
+    url: Annotated[Text | None, AfterValidator(_none_if_empty),
+                   AfterValidator(_database_url)] = None
     migrate_on_start: Flag = True
     # How long connecting to PostgreSQL, or one statement, may take before the database counts
     # as unreachable: a server that accepts and never answers must not hold misses for minutes.

@@ -163,3 +163,28 @@ async def test_a_file_another_process_cached_is_cached_to_only_if_cached_request
         async with s.get(second + path, headers={"X-Forwarded-For": hops}) as r:
             assert r.status == 200
             assert await r.read() == elfs.prog.debug.read_bytes()
+
+
+@pytest.mark.parametrize(("url", "got"), [
+    ("postgresql://symgate:hunter2hunter2@db/symgate", "a postgresql:// URL"),
+    ("mysql://db/symgate", "a mysql:// URL"), ("sqlite:///tmp/x.sqlite", "a sqlite:// URL"),
+    ("db.internal", "no URL")])
+def test_a_database_url_without_symgates_drivers_is_refused_at_start(
+    tmp_path: Path, url: str, got: str
+) -> None:
+    # Before, `symgate serve` got as far as its migration and died with a traceback of a
+    # driver it does not ship (No module named 'psycopg').
+    expected = ("database.url: expected sqlite+aiosqlite:///PATH or "
+                f"postgresql+asyncpg://USER@HOST/DATABASE, got {got}")
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[database]\nurl = "{url}"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(config, environ={})
+    assert str(e.value) == expected
+    with pytest.raises(ConfigError) as e:  # as the deploy files give it: the password hidden
+        load_config(None, environ={"SYMGATE_DATABASE_URL": url})
+    assert str(e.value) == expected
+    result = subprocess.run(_cli("serve", "--config", str(config), "--data-dir",
+                                 str(tmp_path / "d"), "--listen", f"127.0.0.1:{free_port()}"),
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, f"symgate: configuration error: {expected}\n")
