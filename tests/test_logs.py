@@ -77,3 +77,18 @@ async def test_text_lines_name_outcome_and_upstream(
     assert len(access) == 4
     assert f"outcome=miss upstream={faults.url_for('ok')}" in access[0]
     assert "outcome=hit" in access[1] and "outcome=not_found" in access[2]
+
+
+async def test_text_lines_of_failures_say_why(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    # A 502 in the default (text) log must say which upstream failed and how, as the JSON
+    # line's "error" does: an operator reading it has nothing else to go on.
+    upstream = faults.url_for("status500")
+    lines = await _serve_and_ask(tmp_path, "text", upstream,
+                                 [f"/buildid/{elfs.prog.build_id}/debuginfo",
+                                  "/buildid/zz/debuginfo"])
+    access = [ln for ln in lines if "symgate.access" in ln and "/buildid/" in ln]
+    assert len(access) == 2
+    assert f'outcome=upstream_error error="{upstream}: answered 500"' in access[0], access
+    assert 'outcome=rejected error="invalid build ID' in access[1], access

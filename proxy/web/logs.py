@@ -115,7 +115,7 @@ class AccessLogger(AbstractAccessLogger):
         sink = self.sink
         if not self.json_lines and sink is not None:  # the default, and every hit's: cheap
             extra = " ".join(f"{k}={v}" for k in ("kind", "outcome", "upstream")
-                             if (v := fields_in.get(k)))
+                             if (v := fields_in.get(k))) + _why(fields_in)
             sink.write(f'{sink.stamp(time.time())} INFO {self.logger.name}: {remote} '
                        f'"{method} {path}" {status} {sent} {time_s:.3f}s {extra} '
                        f'"{user_agent}"\n')
@@ -135,9 +135,16 @@ class AccessLogger(AbstractAccessLogger):
                                    "logger": self.logger.name, "access": fields}) + "\n")
             return
         extra = " ".join(f"{k}={fields[k]}" for k in ("kind", "outcome", "upstream")
-                         if fields.get(k))
+                         if fields.get(k)) + _why(fields)
         self.logger.info('%s "%s %s" %d %d %.3fs %s "%s"', remote, method, path, status, sent,
                          time_s, extra, user_agent)
+
+
+def _why(fields: dict[str, Any]) -> str:
+    """A failed request's reason in a text line (the JSON line's "error"): which upstream
+    failed and how, what was wrong with the request. Quoted and escaped as a path is."""
+    error = fields.get("error")
+    return f' error="{_one_line(str(error))}"' if error else ""
 
 
 def _one_line(text: str) -> str:
