@@ -188,3 +188,20 @@ def test_a_database_url_without_symgates_drivers_is_refused_at_start(
                                  str(tmp_path / "d"), "--listen", f"127.0.0.1:{free_port()}"),
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (2, f"symgate: configuration error: {expected}\n")
+
+
+def test_a_listing_whose_reader_stops_reading_ends_quietly(tmp_path: Path) -> None:
+    # `symgate cache ls | head -1`: the pipe closes under the listing. That is no database
+    # fault ("cannot reach the database: [Errno 32] Broken pipe", before) and nothing to say.
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\ndata_dir = "{tmp_path / "d"}"\n')
+    assert subprocess.run(_cli("db", "upgrade", "--config", str(config)),
+                          capture_output=True).returncode == 0
+    read, write = os.pipe()
+    os.close(read)  # a reader gone before the first line
+    try:
+        result = subprocess.run(_cli("cache", "ls", "--config", str(config)), stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (1, "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -181,8 +182,6 @@ def _prefetch(args: argparse.Namespace) -> int:
 
 
 def _upload(args: argparse.Namespace) -> int:
-    import os
-
     from proxy.tools.upload import Summary, find_items, report, terminal_progress, upload
 
     token = (args.token_file.read_text().strip() if args.token_file
@@ -404,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     except SQLAlchemyError as e:  # db and admin commands: a database out of reach, a bad URL
         text = str(getattr(e, "orig", None) or e).splitlines()[0]
         print(f"symgate: database error: {text}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # Its reader stopped reading (`symgate cache ls | head`): nothing is wrong with the
+        # database, and nothing is left to say. Python would report the pipe again as it
+        # flushes stdout at exit: stdout goes nowhere from here on.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:  # asyncpg raises the socket's own error for a refused connection
         what = "cannot reach the database: " if args.command in ("db", "cache", "negative") \
