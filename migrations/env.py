@@ -34,7 +34,8 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_online() -> None:
-    engine = create_engine(config.get_main_option("sqlalchemy.url") or "")
+    engine = create_engine(config.get_main_option("sqlalchemy.url") or "",
+                           config.attributes.get("connect_timeout_s"), statements=False)
     async with engine.connect() as connection:
         await connection.run_sync(_run)
         await connection.commit()

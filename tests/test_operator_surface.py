@@ -205,3 +205,31 @@ def test_a_listing_whose_reader_stops_reading_ends_quietly(tmp_path: Path) -> No
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (1, "")
+
+
+@pytest.mark.parametrize("command", [("db", "upgrade"), ("db", "current"), ("cache", "stats"),
+                                     ("serve", "--workers", "2"), ("serve", "--workers", "1")])
+def test_a_database_that_never_answers_is_given_up_after_its_timeout(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    # A PostgreSQL that accepts connections and says nothing (a hung server, a black-holing
+    # network path): database.timeout_s bounds connecting, migrations included, and the
+    # message says what happened. Before, migrations waited asyncpg's own 60 s, and a
+    # timeout was reported as "cannot reach the database: " and nothing more.
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections complete in the kernel's backlog, and hear nothing
+        port = silent.getsockname()[1]
+        config = tmp_path / "symgate.toml"
+        config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+                          f'data_dir = "{tmp_path / "d"}"\n[database]\n'
+                          f'url = "postgresql+asyncpg://symgate@127.0.0.1:{port}/symgate"\n'
+                          "timeout_s = 1.0\n")
+        result = subprocess.run(_cli(*command, "--config", str(config)), capture_output=True,
+                                text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    said = result.stderr.strip().splitlines()[-1]
+    assert said.endswith(": no answer within database.timeout_s (1 s)"), result.stderr
+    assert "cannot reach the database" in said

@@ -13,24 +13,27 @@ if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
 
-def alembic_config(url: str) -> AlembicConfig:
+def alembic_config(url: str, timeout_s: float | None = None) -> AlembicConfig:
     from alembic.config import Config as AlembicConfig
 
     cfg = AlembicConfig()
+    # database.timeout_s, for connecting (migrations/env.py): a database that never answers
+    # must not hold `symgate serve` or `symgate db ...` for asyncpg's own minute.
+    cfg.attributes["connect_timeout_s"] = timeout_s
     cfg.set_main_option("script_location", str(files("migrations")))
     # "%" is alembic's interpolation character; URLs may contain it in passwords.
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
 
-def upgrade(url: str, revision: str = "head") -> None:
+def upgrade(url: str, revision: str = "head", timeout_s: float | None = None) -> None:
     """Blocking: call it before the event loop starts or from a worker thread."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    command.upgrade(alembic_config(url, timeout_s), revision)
 
 
-def current(url: str) -> None:
+def current(url: str, timeout_s: float | None = None) -> None:
     from alembic import command
 
-    command.current(alembic_config(url), verbose=True)
+    command.current(alembic_config(url, timeout_s), verbose=True)

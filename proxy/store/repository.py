@@ -46,9 +46,12 @@ from proxy.store.models import (
 from proxy.store.replica import UNCLAIMED
 
 
-def create_engine(url: str, timeout_s: float | None = None) -> AsyncEngine:
-    """`timeout_s` bounds connecting to PostgreSQL, waiting for a pooled connection and each
-    statement (None: the drivers' defaults, which wait a minute or forever)."""
+def create_engine(url: str, timeout_s: float | None = None, *, statements: bool = True
+                  ) -> AsyncEngine:
+    """`timeout_s` bounds connecting to PostgreSQL, waiting for a pooled connection and, with
+    `statements`, each statement (None: the drivers' defaults, which wait a minute or
+    forever). Migrations bound the connecting only: a statement of theirs may wait for the
+    lock another replica's migration holds."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -70,7 +73,8 @@ def create_engine(url: str, timeout_s: float | None = None) -> AsyncEngine:
         return create_async_engine(url, pool_pre_ping=True)
     return create_async_engine(
         url, pool_pre_ping=True, pool_timeout=timeout_s,
-        connect_args={"timeout": timeout_s, "command_timeout": timeout_s})
+        connect_args={"timeout": timeout_s,
+                      **({"command_timeout": timeout_s} if statements else {})})
 
 
 # What a query raises when the database cannot be reached or written (a PostgreSQL that is

@@ -59,10 +59,10 @@ def _count(text: str) -> int:
 def _db(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.db_command == "upgrade":
-        migrate.upgrade(cfg.database_url)
+        migrate.upgrade(cfg.database_url, timeout_s=cfg.database.timeout_s)
         print(f"database at head: {cfg.database_url.split('@')[-1]}")
     else:
-        migrate.current(cfg.database_url)
+        migrate.current(cfg.database_url, timeout_s=cfg.database.timeout_s)
     return 0
 
 
@@ -411,8 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:  # asyncpg raises the socket's own error for a refused connection
-        what = "cannot reach the database: " if args.command in ("db", "cache", "negative") \
-            else ""
+        on_database = args.command in ("db", "cache", "negative")
+        what = "cannot reach the database: " if on_database else ""
+        if on_database and isinstance(e, TimeoutError):  # which says nothing of itself
+            e = TimeoutError("no answer within database.timeout_s "
+                             f"({_config(args).database.timeout_s:g} s)")
         print(f"symgate: {what}{e}", file=sys.stderr)
         return 1
 

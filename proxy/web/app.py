@@ -131,7 +131,8 @@ def _lifecycle(
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         if config.database.migrate_on_start:
-            await asyncio.to_thread(migrate.upgrade, config.database_url)
+            await asyncio.to_thread(migrate.upgrade, config.database_url,
+                                    timeout_s=config.database.timeout_s)
         metrics = ProxyMetrics(registry)
         try:
             replica = replica_id(config.cache_dir)
@@ -394,6 +395,9 @@ def startup_error(config: Config, e: Exception) -> Exception:
             return CannotStart(f"the database at {where} has no symgate schema, or an old one: "
                                "run `symgate db upgrade` (or serve without --no-migrate)")
         return CannotStart(f"cannot use the database at {where}: {text}")
+    if isinstance(e, TimeoutError):  # connecting, past database.timeout_s: says nothing more
+        return CannotStart(f"cannot reach the database at {where}: no answer within "
+                           f"database.timeout_s ({config.database.timeout_s:g} s)")
     if isinstance(e, OSError):
         if e.filename:
             return CannotStart(f"cannot start: {reason(e)}")

@@ -156,7 +156,7 @@ def _migrate_in_a_fork(config: Config) -> None:
         worker_process.name_process("symgate-migrate")  # in ps, not taken for a worker
         code = 1
         try:
-            migrate.upgrade(config.database_url)
+            migrate.upgrade(config.database_url, timeout_s=config.database.timeout_s)
             code = 0
         except Exception as e:
             error = startup_error(config, e)
