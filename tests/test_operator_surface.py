@@ -191,7 +191,7 @@ def test_a_database_url_without_symgates_drivers_is_refused_at_start(
 
 
 def test_a_listing_whose_reader_stops_reading_ends_quietly(tmp_path: Path) -> None:
-    # `symgate cache ls | head -1`: the pipe closes under the listing. That is no database
+    # `symgate negative ls | head -1`: the pipe closes under the listing. That is no database
     # fault ("cannot reach the database: [Errno 32] Broken pipe", before) and nothing to say.
     config = tmp_path / "symgate.toml"
     config.write_text(f'upstreams = []\n[server]\ndata_dir = "{tmp_path / "d"}"\n')
@@ -200,14 +200,14 @@ def test_a_listing_whose_reader_stops_reading_ends_quietly(tmp_path: Path) -> No
     read, write = os.pipe()
     os.close(read)  # a reader gone before the first line
     try:
-        result = subprocess.run(_cli("cache", "ls", "--config", str(config)), stdout=write,
+        result = subprocess.run(_cli("negative", "ls", "--config", str(config)), stdout=write,
                                 stderr=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (1, "")
 
 
-@pytest.mark.parametrize("command", [("db", "upgrade"), ("db", "current"), ("cache", "stats"),
+@pytest.mark.parametrize("command", [("db", "upgrade"), ("db", "current"), ("negative", "ls"),
                                      ("serve", "--workers", "2"), ("serve", "--workers", "1")])
 def test_a_database_that_never_answers_is_given_up_after_its_timeout(
     tmp_path: Path, command: tuple[str, ...]
@@ -233,3 +233,28 @@ def test_a_database_that_never_answers_is_given_up_after_its_timeout(
     said = result.stderr.strip().splitlines()[-1]
     assert said.endswith(": no answer within database.timeout_s (1 s)"), result.stderr
     assert "cannot reach the database" in said
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("action", ["ls", "stats"])
+async def test_cache_listings_of_a_dir_no_server_used_say_so_on_a_shared_database(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, database_url: str, tmp_path: Path,
+    action: str
+) -> None:
+    # Replicas share the database; `cache ls|stats` show the replica whose data dir is given.
+    # Given another (a typo, an admin host), they listed nothing, as if that cache were empty,
+    # and made it a replica of its own.
+    if database_url.startswith("sqlite"):
+        pytest.skip("a shared database")
+    base, _ = await serve(debuginfod.url)
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{base}/buildid/{elfs.prog.build_id}/debuginfo") as r:
+        assert r.status == 200
+    elsewhere = tmp_path / "elsewhere"
+    config = tmp_path / "admin.toml"
+    config.write_text(f'upstreams = []\n[database]\nurl = "{database_url}"\n')
+    result = await run_in_thread(_cli("cache", action, "--config", str(config),
+                                      "--data-dir", str(elsewhere)))
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.startswith(f"symgate: no symgate cache at {elsewhere / 'cache'}: ")
+    assert not elsewhere.exists()

@@ -206,6 +206,7 @@ def _admin(args: argparse.Namespace) -> int:
     import json
 
     from proxy.errors import InvalidRequest
+    from proxy.store import replica
     from proxy.tools.admin import Admin
 
     cfg = _config(args)
@@ -214,6 +215,14 @@ def _admin(args: argparse.Namespace) -> int:
         # table", or list nothing, instead of saying that this is not the server's data dir.
         print(f"symgate: no symgate database at {missing}: is this the server's data dir? "
               "(--data-dir, --config)", file=sys.stderr)
+        return 1
+    if args.command == "cache" and args.action in ("ls", "stats") \
+            and not (cfg.cache_dir / replica.FILE_NAME).exists():
+        # They show one replica's cache: with a database that several share, a cache dir that
+        # no server has used would get an id of its own and list nothing, as if empty.
+        print(f"symgate: no symgate cache at {cfg.cache_dir}: cache {args.action} shows the "
+              "cache of a server's data dir (--data-dir, --config); purges and negative "
+              "commands reach every replica from anywhere", file=sys.stderr)
         return 1
     admin = Admin(cfg)
     target: str | None = getattr(args, "build_id", None)
