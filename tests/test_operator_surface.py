@@ -3,8 +3,10 @@ command line, against real servers on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,15 @@ import pytest
 from proxy.config import ConfigError, load_config
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, eventually, free_port
-from tests.processes import Start, run_in_thread, start_serve, stop_serve
+from tests.processes import (
+    Start,
+    alive,
+    descendants,
+    run_in_thread,
+    start_serve,
+    stop_serve,
+    wait_until_serving,
+)
 
 SECRET = "s3cr3t-T0KEN-in-the-url"
 
@@ -258,3 +268,27 @@ async def test_cache_listings_of_a_dir_no_server_used_say_so_on_a_shared_databas
     assert result.returncode == 1, result.stdout
     assert result.stderr.startswith(f"symgate: no symgate cache at {elsewhere / 'cache'}: ")
     assert not elsewhere.exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sighup_drains_and_stops_as_sigterm_does(tmp_path: Path, workers: int) -> None:
+    # A terminal's hangup reaches the supervisor and its workers. It killed the supervisor at
+    # once: no drain, its workers left to die as orphans, its metrics folder left in /tmp.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
+                      f'data_dir = "{tmp_path / "d"}"\n')
+    proc = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(temp)})
+    await wait_until_serving(f"http://127.0.0.1:{port}", proc)
+    family = descendants(proc.pid)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.stdout is not None
+    out = (await proc.stdout.read()).decode()
+    assert await proc.wait() == 0, out
+    assert not [pid for pid in family if alive(pid)]
+    assert list(temp.iterdir()) == []

@@ -275,7 +275,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
                 access_log_class: type[logs.AccessLogger], *, port: int | None = None,
                 reuse_port: bool = False, serving: Callable[[], None] | None = None,
                 worker: int | None = None) -> None:
-    """Run `symgate serve` until SIGTERM or SIGINT. Faults at start raise CannotStart.
+    """Run `symgate serve` until SIGTERM, SIGINT or SIGHUP. Faults at start raise CannotStart.
 
     The port is bound before anything else starts, so a busy port is reported before the
     database is touched, and "listening on" is said only once connections are accepted
@@ -314,7 +314,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
         raise CannotStart(f"cannot listen on {config.server.listen}: "
                           f"{reason(e)}") from None
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP as the supervisor takes it (proxy.web.supervisor): a hangup reaches a terminal's
+    # whole process group, workers included, and must drain them as SIGTERM does.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     try:
         try:

@@ -12,7 +12,7 @@ them out of the garbage collector's reach): their pages stay shared, and each wo
 its own heap only. The supervisor binds the port first (its socket, bound but never
 listening, keeps the port and tells port 0's real number), runs the migrations in a
 short-lived fork before any worker starts, says a start-up fault once, restarts a worker
-that dies, and on SIGTERM or SIGINT passes the signal on and waits for the workers' drains.
+that dies, and on SIGTERM, SIGINT or SIGHUP passes SIGTERM on and waits for the workers' drains.
 Workers die with it if it is killed.
 """
 
@@ -43,7 +43,9 @@ RESTART_WINDOW_S = 60.0
 # How often the supervisor looks for workers that have exited.
 REAP_EVERY_S = 0.2
 _READY = b"ready"
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# SIGHUP too: a terminal's hangup (or an operator used to it) must drain, not kill the
+# supervisor at once and leave its workers to be reaped and its metrics folder behind.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
 def default_workers() -> int:
@@ -51,7 +53,7 @@ def default_workers() -> int:
 
 
 def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool) -> int:
-    """Run `workers` serving processes until SIGTERM or SIGINT; the exit status.
+    """Run `workers` serving processes until SIGTERM, SIGINT or SIGHUP; the exit status.
     Raises CannotStart for a fault found before or while the workers start."""
     host, port = parse_listen(config.server.listen, "server.listen")
     make_data_dirs(config)
@@ -199,7 +201,7 @@ class _Keeper:
         self._pids: dict[int, int] = {}
         self._pipes: dict[int, int] = {}
         self._deaths: dict[int, list[float]] = {}
-        self.stopping = False  # SIGTERM or SIGINT came: a worker that ends is no fault
+        self.stopping = False  # a stop signal came: a worker that ends is no fault
 
     def start(self, index: int) -> None:
         config = dataclasses.replace(  # migrated already, by _migrate_in_a_fork
