@@ -292,3 +292,42 @@ async def test_sighup_drains_and_stops_as_sigterm_does(tmp_path: Path, workers: 
     assert await proc.wait() == 0, out
     assert not [pid for pid in family if alive(pid)]
     assert list(temp.iterdir()) == []
+
+
+async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
+        tmp_path: Path) -> None:
+    # SIGKILL leaves no cleanup to run: the folder of its live metrics stays in /tmp until a
+    # supervisor starts after it. A folder of a supervisor that runs is left alone.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
+                      f'data_dir = "{tmp_path / "d"}"\n')
+    env = {**os.environ, "TMPDIR": str(temp)}
+    other = temp / f"symgate-metrics-{os.getpid()}-running"
+    other.mkdir()
+    killed = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", "2"),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env)
+    await wait_until_serving(f"http://127.0.0.1:{port}", killed)
+    family = descendants(killed.pid)
+    left = [f for f in temp.glob("symgate-metrics-*") if f != other]
+    assert len(left) == 1
+    killed.kill()
+    await killed.wait()
+    async def all_gone() -> bool:
+        return not [pid for pid in family if alive(pid)]
+
+    await eventually(all_gone)
+    assert left[0].exists()
+    again = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", "1"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+    try:
+        await wait_until_serving(f"http://127.0.0.1:{port}", again)
+        assert not left[0].exists()
+        assert other.exists()
+    finally:
+        again.terminate()
+        await again.wait()

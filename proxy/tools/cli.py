@@ -23,7 +23,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _serve(args: argparse.Namespace) -> int:
     from proxy.web.startup import CannotStart
-    from proxy.web.supervisor import default_workers, supervise
+    from proxy.web.supervisor import default_workers, supervise, sweep_metrics_folders
 
     cfg = _config(args)
     if args.no_migrate:
@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     workers = args.workers or cfg.server.workers or default_workers()
     json_logs = cfg.server.log_format == "json"
     logs.configure(json_logs)
+    sweep_metrics_folders()  # of servers killed before, with one worker or several
     try:
         if workers > 1:
             return supervise(cfg, workers, access_log=cfg.server.access_log,

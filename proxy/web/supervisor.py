@@ -60,7 +60,7 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     holder = _hold_port(config.server.listen, host, port)
     port = holder.getsockname()[1]
     guard = _one_server_per_port(config.server.listen, host, port)
-    metrics_dir = Path(tempfile.mkdtemp(prefix="symgate-metrics-"))
+    metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-"))
     _multiprocess_metrics(metrics_dir)
     # What every worker runs, imported once here and shared by the forks.
     from prometheus_client.multiprocess import mark_process_dead
@@ -178,6 +178,30 @@ def _migrate_in_a_fork(config: Config) -> None:
     if status != 0:
         raise CannotStart(b"".join(chunks).decode(errors="replace")
                           or f"migrating the database failed: the migration {_how(status)}")
+
+
+# A supervisor's metrics folder is named after its pid: one whose supervisor is gone (killed
+# with SIGKILL, which no cleanup survives) is removed by the next server that starts.
+_METRICS_PREFIX = "symgate-metrics-"
+
+
+def sweep_metrics_folders() -> None:
+    """Remove the metrics folders of supervisors that no longer run (on this host's temporary
+    directory: a folder of another host's, on a shared one, names a pid of that host)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{_METRICS_PREFIX}*-*"):
+        pid = folder.name[len(_METRICS_PREFIX):].partition("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: running
+        return True
+    return True
 
 
 def _multiprocess_metrics(folder: Path) -> None:
