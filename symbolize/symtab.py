@@ -270,8 +270,9 @@ class SymbolTable:
     (function_names.py chose both), and after the function where symbolic names it after its
     `.cold` part. Past those, 1 + 2 * pieces +
     the index of the line row that gives the line of code outside every subprogram
-    (function_names.py). The innermost frame has its piece's column; the frames it is inlined
-    into none (their DW_AT_call_column is not read).
+    (function_names.py), plus the number of such rows where that code is in a `.cold` part
+    (named as the pieces of one are: a split-DWARF program's). The innermost frame has its
+    piece's column; the frames it is inlined into none (their DW_AT_call_column is not read).
     """
 
     def __init__(
@@ -326,7 +327,7 @@ class SymbolTable:
         self._paths: dict[int, str] = {NONE: "", **{first + i: f
                                                     for i, f in enumerate(orphan_files)}}
         self._file_span = first + len(orphan_files)
-        self._chains = ChainStore(ids, keys=2 * self._pieces + 1 + len(extras.orphan_rows))
+        self._chains = ChainStore(ids, keys=2 * self._pieces + 1 + 2 * len(extras.orphan_rows))
 
     @classmethod
     def open(cls, spec: TableSpec, ids: FunctionIds) -> SymbolTable:
@@ -365,7 +366,11 @@ class SymbolTable:
             lineless = np.flatnonzero(inside & self._piece_lineless[at])
             row = self._orphan_row(relative[lineless])
             orphan = row >= 0
-            keys[lineless[orphan]] = 1 + 2 * self._pieces + row[orphan]
+            # A row in a GCC `.cold` part keeps that part's naming: its rows numbered after
+            # the others'.
+            cold = keys[lineless[orphan]] <= self._pieces
+            keys[lineless[orphan]] = 1 + 2 * self._pieces + row[orphan] \
+                + np.where(cold, len(self._orphan_rows), 0)
         keys[~inside] = 0
         return keys
 
@@ -390,8 +395,10 @@ class SymbolTable:
         c = self._columns
         pieces = self._pieces
         orphan = keys > 2 * pieces
-        row = np.where(orphan, keys - 1 - 2 * pieces, 0)
-        renamed = keys > pieces
+        rows = len(self._orphan_rows)
+        cold_orphan = keys > 2 * pieces + rows
+        row = np.where(orphan, keys - 1 - 2 * pieces - np.where(cold_orphan, rows, 0), 0)
+        renamed = (keys > pieces) & ~cold_orphan
         piece = np.where(orphan, 0, keys - 1 - np.where(renamed, pieces, 0))
         if orphan.any():  # the piece of the row's address: its SymCache location names it
             piece[orphan] = np.maximum(

@@ -1,0 +1,109 @@
+"""Programs built as sites build them beyond plain `gcc -g`: split DWARF (`-gsplit-dwarf`,
+whose .dwo files a debug tree does not ship), scored against llvm-symbolizer on the same files,
+offline and through a server."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from symbolize.elf import build_id_of_file, function_symbols
+from symbolize.offline import symbolize_bytes
+from symbolize.pipeline import Limits
+from tests.elfs import Elf
+from tests.harness import SymgateFactory
+from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+from tests.symbolize_helpers import parse, post, same_frames, symbolize_config
+
+# `process` has unlikely paths (abort, a cold function) that gcc -O2 moves into `process.cold`.
+SPLIT_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+static inline int sq(int x) { return x * x; }
+static inline int sum_sq(const int *v, int n) {
+    int s = 0;
+    for (int i = 0; i < n; i++)
+        s += sq(v[i]);
+    return s;
+}
+__attribute__((cold, noinline)) void fail(const char *why) {
+    fprintf(stderr, "fail: %s\n", why);
+    exit(2);
+}
+int process(int *v, int n) {
+    if (n > 1000) {
+        fprintf(stderr, "too many %d\n", n);
+        abort();
+    }
+    if (!v) fail("null");
+    return sum_sq(v, n);
+}
+int main(int argc, char **argv) {
+    int v[64];
+    for (int i = 0; i < 64; i++) v[i] = argc * i + (int)argv[0][0];
+    printf("%d\n", process(v, argc > 3 ? 2000 : 64));
+    return 0;
+}
+"""
+
+
+def _split_dwarf_program(tmp_path: Path, dwarf: str) -> tuple[Elf, Path]:
+    """A gcc -O2 -gsplit-dwarf program, stripped, its debug file in a build-ID tree, and its
+    .dwo file deleted, as a site's debug tree has it (the .dwo stays in the build directory)."""
+    build = tmp_path / f"build-{dwarf}"
+    build.mkdir()
+    (build / "main.c").write_text(SPLIT_C)
+    exe = build / "prog"
+    subprocess.run(["gcc", "-O2", "-g", f"-g{dwarf}", "-gsplit-dwarf", "main.c", "-o", "prog"],
+                   cwd=build, check=True, capture_output=True)
+    dwos = list(build.glob("*.dwo"))
+    assert dwos, "gcc wrote no .dwo file"
+    for dwo in dwos:
+        dwo.unlink()
+    debug, stripped = build / "prog.debug", build / "prog.stripped"
+    subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(debug)], check=True)
+    subprocess.run(["objcopy", "--strip-all", f"--add-gnu-debuglink={debug}", str(exe),
+                    str(stripped)], check=True)
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / f"debug-{dwarf}"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(debug, at / (build_id[2:] + ".debug"))
+    shutil.copy(stripped, at / build_id[2:])
+    return Elf("prog", build_id, exe, debug, ()), tree
+
+
+@pytest.mark.parametrize("dwarf", ["dwarf-5", "dwarf-4"])
+async def test_split_dwarf_cold_parts_are_named_as_without_split_dwarf(
+        start_symgate: SymgateFactory, tmp_path: Path, dwarf: str) -> None:
+    """Without its .dwo files a split-DWARF program has line tables but no subprograms: its
+    code is named by .symtab and lined by the line table. An address in a `.cold` part was
+    named after its function (`process`), where llvm-symbolizer and eu-addr2line say
+    `process.cold`, as symgate itself names it in a program built without -gsplit-dwarf."""
+    elf, tree = _split_dwarf_program(tmp_path, dwarf)
+    cold = [s for s in function_symbols(elf.executable) if s.name == "process.cold"]
+    assert cold, "gcc made no process.cold"
+    vaddrs = code_addresses(elf)
+    expected = llvm_symbolize(elf.executable, vaddrs)
+    in_cold = [v for v in vaddrs if cold[0].value <= v < cold[0].value + cold[0].size]
+    assert in_cold and all(expected[v][-1].function == "process.cold" and expected[v][-1].line
+                           for v in in_cold)
+    placed = place(elf, 0x55D0C0DE0000)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
+                                               Limits(1 << 30, max_build_ids=10))
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, headers, body = await post(sg, sent)
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
+        by_address = {loc.address: loc for loc in out.location}
+        wrong = [(hex(v), frames_of(out, by_address[placed.runtime(v)]), frames)
+                 for v, frames in expected.items()
+                 if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+        assert not wrong, (mode, len(wrong), wrong[:3])
