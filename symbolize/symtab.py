@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -40,7 +41,7 @@ from .elf import (
     function_symbols,
     layout_of_file,
 )
-from .elf_headers import SHT_STRTAB, read_headers
+from .elf_headers import SHF_COMPRESSED, SHT_NOBITS, SHT_STRTAB, SHT_SYMTAB, read_headers
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
 from .lld_layout import lld_layout
@@ -108,14 +109,21 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     # neither reader whole: its functions would be nameless, its lines of the wrong files.
     # Such a file is read for its symbol table alone, as llvm-symbolizer names its code.
     supplemented = _has_supplementary_dwarf(elf_path)
-    source = _without_dwarf(elf_path, out_path.with_suffix(f".src.{os.getpid()}.tmp")) \
-        if supplemented else elf_path
+    copy = out_path.with_suffix(f".src.{os.getpid()}.tmp")
+    source = elf_path
     try:
+        # eu-strip (Fedora's and RHEL's find-debuginfo) leaves .symtab in a program whose
+        # relocations name it (a static one) and makes the debug file's empty: its functions
+        # without DWARF (all of libc's) are named by the executable's, as llvm-symbolizer and
+        # eu-addr2line name them.
+        if executable is not None and _symtab_only_in(executable, elf_path, build_id):
+            source = _with_symtab_of(elf_path, executable, copy)
+        if supplemented:
+            source = _without_dwarf(source, copy)
         return _build(elf_path, source, out_path, layout, executable, build_id,
                       read_dwarf=not supplemented, started=started)
     finally:
-        if source != elf_path:
-            source.unlink(missing_ok=True)
+        copy.unlink(missing_ok=True)
 
 
 def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
@@ -124,7 +132,8 @@ def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
     # symbolic's build releases the GIL: the second reading of the file runs beside it, but for
     # a small file's, made first in this thread (_beside).
     with _beside(elf_path) as beside:
-        second = beside.submit(_second_reading, elf_path, executable, build_id, read_dwarf)
+        # The source: a debug file's own symbol table, or the executable's (_with_symtab_of).
+        second = beside.submit(_second_reading, source, executable, build_id, read_dwarf)
         try:
             archive = Archive.open(str(source))
             obj = next(iter(archive.iter_objects()))
@@ -217,13 +226,80 @@ def _has_supplementary_dwarf(path: Path) -> bool:
         s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
 
 
+def _symtab_only_in(executable: Path, debug: Path, build_id: str) -> bool:
+    """Whether `debug`'s .symtab is empty (SHT_NOBITS, as eu-strip -f leaves it, and its
+    names' too) where `executable`, the program of `build_id`, keeps a whole one."""
+    if executable == debug or executable_segments(executable, build_id) is None:
+        return False
+    try:
+        with debug.open("rb") as f:
+            dh = read_headers(f.fileno())
+        with executable.open("rb") as f:
+            eh = read_headers(f.fileno())
+    except OSError:
+        return False
+    if dh is None or eh is None or (dh.is64, dh.order) != (eh.is64, eh.order):
+        return False
+    own = dh.section(".symtab")
+    theirs = eh.section(".symtab", SHT_SYMTAB)
+    return (own is not None and own.type == SHT_NOBITS and own.link < len(dh.sections)
+            and dh.sections[own.link].type == SHT_NOBITS
+            and theirs is not None and theirs.size > 0 and theirs.link < len(eh.sections)
+            and eh.sections[theirs.link].type == SHT_STRTAB
+            and not (theirs.flags | eh.sections[theirs.link].flags) & SHF_COMPRESSED
+            and theirs.offset + theirs.size <= eh.file_size
+            and eh.sections[theirs.link].offset + eh.sections[theirs.link].size
+            <= eh.file_size)
+
+
+def _with_symtab_of(debug: Path, executable: Path, copy: Path) -> Path:
+    """A copy of `debug` whose empty .symtab and names (_symtab_only_in) are the executable's,
+    appended to it: symbolic and function_symbols read one file."""
+    try:
+        shutil.copyfile(debug, copy)  # in the try: see _without_dwarf
+        with executable.open("rb") as f:
+            eh = read_headers(f.fileno())
+            theirs = eh.section(".symtab", SHT_SYMTAB) if eh is not None else None
+            if eh is None or theirs is None:
+                raise MalformedObject(f"{executable.name}: its symbol table went away")
+            symbols, names = eh.data(theirs), eh.data(eh.sections[theirs.link])
+        with copy.open("r+b") as f:
+            fd = f.fileno()
+            dh = read_headers(fd)
+            own = dh.section(".symtab") if dh is not None else None
+            if dh is None or own is None or symbols is None or names is None:
+                raise MalformedObject(f"{debug.name}: its symbol table cannot be replaced")
+            word = "Q" if dh.is64 else "I"
+            shoff, = struct.unpack_from(dh.order + word, os.pread(fd, 8, 0x28 if dh.is64
+                                                                   else 0x20))
+            entry = 64 if dh.is64 else 40
+            # sh_type's offset in a section header, then sh_offset's and sh_size's.
+            fields = (4, 24, 32) if dh.is64 else (4, 16, 20)
+            at = dh.file_size
+            targets = (dh.sections.index(own), own.link)
+            for index, kind, data in zip(targets, (SHT_SYMTAB, SHT_STRTAB), (symbols, names),
+                                         strict=True):
+                at = -(-at // 8) * 8
+                os.pwrite(fd, data, at)
+                row = shoff + index * entry
+                os.pwrite(fd, struct.pack(dh.order + "I", kind), row + fields[0])
+                os.pwrite(fd, struct.pack(dh.order + word, at), row + fields[1])
+                os.pwrite(fd, struct.pack(dh.order + word, len(data)), row + fields[2])
+                at += len(data)
+    except BaseException:
+        copy.unlink(missing_ok=True)
+        raise
+    return copy
+
+
 def _without_dwarf(path: Path, copy: Path) -> Path:
     """A copy of the ELF file at `path` whose debug sections are renamed (`.debug_info` to
     `.xxxxx_info`), so that symbolic builds its table from the symbol table alone."""
     try:
         # In the try: a copy cut short (the disk full) is the size of what it took, and its
         # name stays until this process ends (disk.clear_symtab_temp spares a live writer's).
-        shutil.copyfile(path, copy)
+        if path != copy:  # else already a copy (_with_symtab_of's)
+            shutil.copyfile(path, copy)
         with copy.open("r+b") as f:
             headers = read_headers(f.fileno())
             names = headers.section(".shstrtab", SHT_STRTAB) if headers is not None else None

@@ -1,6 +1,6 @@
 """Programs built as sites build them beyond plain `gcc -g`: split DWARF (`-gsplit-dwarf`,
-whose .dwo files a debug tree does not ship), scored against llvm-symbolizer on the same files,
-offline and through a server."""
+whose .dwo files a debug tree does not ship), static programs split by eu-strip, scored against
+llvm-symbolizer on the same files, offline and through a server."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from tests.elfs import Elf
 from tests.harness import SymgateFactory
-from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+from tests.profiles import (
+    code_addresses,
+    frames_of,
+    llvm_symbolize,
+    make_profile,
+    place,
+    symbol_aliases,
+)
 from tests.symbolize_helpers import parse, post, same_frames, symbolize_config
 
 # `process` has unlikely paths (abort, a cold function) that gcc -O2 moves into `process.cold`.
@@ -107,3 +114,68 @@ async def test_split_dwarf_cold_parts_are_named_as_without_split_dwarf(
                  for v, frames in expected.items()
                  if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
         assert not wrong, (mode, len(wrong), wrong[:3])
+
+
+STATIC_C = r"""
+#include <stdio.h>
+#include <string.h>
+__attribute__((noinline)) int count(const char *s) { return (int)strlen(s) * 3; }
+int main(int argc, char **argv) {
+    printf("%d\n", count(argv[0]) + argc);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("eu-strip") is None, reason="needs elfutils")
+async def test_a_static_program_split_by_eu_strip_is_named_by_its_symbol_table(
+        start_symgate: SymgateFactory, tmp_path: Path) -> None:
+    """eu-strip -f (Fedora's and RHEL's find-debuginfo) keeps .symtab in a static program,
+    whose relocations (.rela.plt's IRELATIVE) name it, and leaves the debug file's empty
+    (SHT_NOBITS). With both at hand, symgate read the debug file's alone: libc's code, all
+    of the program but main, got no name, where llvm-symbolizer, eu-addr2line and addr2line
+    name it by the program's .symtab."""
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "main.c").write_text(STATIC_C)
+    exe, debug, stripped = build / "prog", build / "prog.debug", build / "prog.stripped"
+    subprocess.run(["gcc", "-O2", "-g", "-static", "main.c", "-o", "prog"], cwd=build,
+                   check=True, capture_output=True)
+    subprocess.run(["eu-strip", "--remove-comment", "-f", str(debug), "-o", str(stripped),
+                    str(exe)], check=True, capture_output=True)
+    assert function_symbols(stripped) and not function_symbols(debug)  # as eu-strip does
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / "debug"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(debug, at / (build_id[2:] + ".debug"))
+    shutil.copy(stripped, at / build_id[2:])
+    elf = Elf("prog", build_id, stripped, debug, ())
+    vaddrs = code_addresses(elf)[::7]
+    expected = llvm_symbolize(exe, vaddrs)
+    assert len(expected) > 1000
+    aliases = symbol_aliases(exe)
+    placed = place(elf, 0)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
+                                               Limits(1 << 30, max_build_ids=10))
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, _headers, body = await post(sg, sent)
+    assert status == 200, body
+    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
+        by_address = {loc.address: loc for loc in out.location}
+        unnamed, wrong = [], []
+        for v, frames in expected.items():
+            got = frames_of(out, by_address[placed.runtime(v)])
+            if not got:
+                unnamed.append(hex(v))
+            elif frames[-1].line:  # main and count: by DWARF
+                if not same_frames(got, frames):
+                    wrong.append((hex(v), got, frames))
+            elif got[-1].system_name not in aliases.get(frames[-1].system_name,
+                                                        {frames[-1].system_name}):
+                wrong.append((hex(v), got, frames))
+        assert not unnamed, (mode, len(unnamed), unnamed[:5])
+        assert not wrong, (mode, len(wrong), wrong[:3])
+
