@@ -1,6 +1,6 @@
 """Programs built as sites build them beyond plain `gcc -g`: split DWARF (`-gsplit-dwarf`,
 whose .dwo files a debug tree does not ship), static programs split by eu-strip, scored against
-llvm-symbolizer on the same files, offline and through a server."""
+llvm-symbolizer on the same files, offline and through a server; Go programs' own build IDs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from symbolize.elf import build_id_of_file, function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
+from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf
 from tests.harness import SymgateFactory
 from tests.profiles import (
@@ -179,3 +180,51 @@ async def test_a_static_program_split_by_eu_strip_is_named_by_its_symbol_table(
         assert not unnamed, (mode, len(unnamed), unnamed[:5])
         assert not wrong, (mode, len(wrong), wrong[:3])
 
+
+GO_MAIN = """package main
+
+import "fmt"
+
+//go:noinline
+func work(n int) int { return n*n + 1 }
+
+func main() { fmt.Println(work(7)) }
+"""
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="needs Debian's golang-go")
+async def test_a_go_build_id_is_explained_not_taken_for_a_missing_one(
+        start_symgate: SymgateFactory, tmp_path: Path) -> None:
+    """A Go program linked without -B carries only a Go build ID, which profilers that
+    fall back on it send (hex-encoded) as the mapping's build ID. /symbolize counts it as
+    invalid_build_id; `symgate inspect` said 'no build ID: the profiler did not record one.
+    Link with -Wl,--build-id', which is neither true nor a fix for a Go program."""
+    from proxy.tools.inspect_profile import inspect_profile
+    from tests.harness import make_config
+
+    src = tmp_path / "gosrc"
+    src.mkdir()
+    (src / "main.go").write_text(GO_MAIN)
+    (src / "go.mod").write_text("module example.com/gobid\n\ngo 1.19\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GOCACHE": str(tmp_path / "cache"),
+           "GOPATH": str(tmp_path / "gopath"), "GOFLAGS": "-mod=mod", "GOPROXY": "off"}
+    exe = tmp_path / "prog"
+    subprocess.run(["go", "build", "-o", str(exe), "."], cwd=src, env=env, check=True,
+                   capture_output=True)
+    assert build_id_of_file(exe) is None  # no GNU build ID
+    go_id = subprocess.run(["go", "tool", "buildid", str(exe)], env=env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    p = Profile()
+    p.string_table.extend(["", str(exe), go_id.encode().hex()])
+    p.mapping.add(id=1, memory_start=0x401000, memory_limit=0x480000, filename=1, build_id=2)
+    p.location.add(id=1, mapping_id=1, address=0x401010)
+    body = p.SerializeToString()
+    sg = await start_symgate([], symbolize=symbolize_config())
+    status, headers, _body = await post(sg, body)
+    assert status == 200
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "invalid_build_id=1", headers
+    rows = await inspect_profile(body, make_config(tmp_path / "data", "sqlite://", []),
+                                 server=None, timeout_s=1, max_decompressed=1 << 20)
+    assert [r.would_symbolize for r in rows] == [False]
+    assert "Go build ID" in rows[0].verdict and "-B" in rows[0].verdict, rows[0].verdict
+    assert "did not record one" not in rows[0].verdict

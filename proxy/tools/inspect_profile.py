@@ -8,6 +8,8 @@ the fix, in the words of the common causes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -44,6 +46,9 @@ class Row:
     would_symbolize: bool
     checks: list[Check] = field(default_factory=list)
     verdict: str = ""
+    # What the profile sent as a build ID and why it is none: "" where it sent none.
+    invalid_build_id: str = ""
+    invalid_reason: str = ""
 
     @property
     def range(self) -> str:
@@ -68,7 +73,30 @@ async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
         return Check(where, f"error: {type(e).__name__}")
 
 
+# A Go build ID (`go tool buildid`): two to four base64url hashes joined by slashes, which
+# profilers that fall back on it send as is or hex-encoded.
+_GO_BUILD_ID = re.compile(r"^[A-Za-z0-9_-]+(?:/[A-Za-z0-9_-]+){1,3}$")
+
+
+def _is_go_build_id(raw: str) -> bool:
+    text = raw.strip()
+    with contextlib.suppress(ValueError):  # not hex, or not ASCII once decoded: as sent
+        text = bytes.fromhex(text).decode("ascii")
+    return bool(_GO_BUILD_ID.match(text))
+
+
 def _verdict(row: Row) -> str:
+    if row.build_id is None and row.invalid_build_id:
+        raw = row.invalid_build_id
+        shown = raw if len(raw) <= 48 else raw[:45] + "..."
+        said = (f"build ID {shown!r} is not a GNU build ID ({row.invalid_reason}): /symbolize "
+                "skips this mapping")
+        if _is_go_build_id(raw):
+            return (f"{said}. It is a Go build ID (.note.go.buildid), which no debuginfod "
+                    "server knows: link the Go program with a GNU build ID too "
+                    "(go build -ldflags=-B=gobuildid, Go 1.20+, or -ldflags='-B 0x<hex>') "
+                    "and check that the profiler sends that one")
+        return f"{said}. Check what the profiler puts in Mapping.build_id"
     if row.build_id is None:
         if row.file.startswith("["):
             return (f"{row.file} is not a file on disk (kernel, vdso, anonymous memory): "
@@ -103,13 +131,15 @@ async def inspect_profile(
     rows: list[Row] = []
     for m in profile.mapping:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
+        reason = ""
         try:
             bid = normalize_build_id(raw) if raw else None
-        except InvalidBuildId:
-            bid = None
+        except InvalidBuildId as e:
+            bid, reason = None, str(e).removeprefix("invalid build ID: ")
         rows.append(Row(m.id, strings[m.filename] if m.filename < len(strings) else "",
                         m.memory_start, m.memory_limit, bid, m.has_functions,
-                        bid is not None and not m.has_functions))
+                        bid is not None and not m.has_functions,
+                        invalid_build_id=raw if reason else "", invalid_reason=reason))
     metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
     locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
     for local in locals_:
@@ -157,7 +187,8 @@ def render(rows: Sequence[Row]) -> str:
     sources = next((r.checks for r in rows if r.checks), [])
     names = [f"[{i}]" for i in range(1, len(sources) + 1)]
     table = render_table(
-        [[str(r.mapping_id), r.file or "-", r.range, r.build_id or "none",
+        [[str(r.mapping_id), r.file or "-", r.range,
+          r.build_id or ("invalid" if r.invalid_build_id else "none"),
           str(r.has_functions).lower(), "yes" if r.would_symbolize else "no",
           *([c.status + _size(c.size) for c in r.checks] or ["-"] * len(names))]
          for r in rows],
