@@ -44,6 +44,7 @@ from .elf import (
 from .elf_headers import SHF_COMPRESSED, SHT_NOBITS, SHT_STRTAB, SHT_SYMTAB, read_headers
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
+from .line_sequences import AWAY, discarded_sequences
 from .lld_layout import lld_layout
 from .range_index import RangeIndex, sorted_union
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
@@ -52,7 +53,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # records beside it (BuildResult; since 5, no debug file's program headers taken for the
 # program's: elf.ElfLayout.has_file_layout; since 6, a dwz'd file's DWARF not read, a
 # function without a linkage name named after its symbol, and Rust names chosen here demangled
-# as Rust): a table of another format is built again.
+# as Rust; since 7, start lines by file where a name is declared at several lines, line
+# sequences of code GNU ld discarded moved off live code, and an eu-stripped debug file's empty
+# .symtab replaced by the executable's): a table of another format is built again.
 FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-7"
 
 
@@ -120,6 +123,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
             source = _with_symtab_of(elf_path, executable, copy)
         if supplemented:
             source = _without_dwarf(source, copy)
+        else:
+            source = _without_discarded_lines(source, copy, layout)
         return _build(elf_path, source, out_path, layout, executable, build_id,
                       read_dwarf=not supplemented, started=started)
     finally:
@@ -286,6 +291,34 @@ def _with_symtab_of(debug: Path, executable: Path, copy: Path) -> Path:
                 os.pwrite(fd, struct.pack(dh.order + word, at), row + fields[1])
                 os.pwrite(fd, struct.pack(dh.order + word, len(data)), row + fields[2])
                 at += len(data)
+    except BaseException:
+        copy.unlink(missing_ok=True)
+        raise
+    return copy
+
+
+def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> Path:
+    """`path`, or a copy of it (`copy`, which it may be already) whose line sequences of code
+    that GNU ld discarded are moved away from the code they overlap (line_sequences.py)."""
+    code_start = min((s.vaddr for s in layout.segments if s.executable), default=0)
+    if code_start == 0:  # code at 0: a sequence there may be real
+        return path
+    with path.open("rb") as f:
+        headers = read_headers(f.fileno())
+        lines = headers.section(".debug_line") if headers is not None else None
+        data = headers.data(lines) if headers is not None and lines is not None else None
+    if headers is None or lines is None or data is None or not headers.is64:
+        return path  # compressed, or not read here: as symbolic reads it
+    operands = discarded_sequences(data, headers.order, code_start)
+    if not operands:
+        return path
+    try:
+        if path != copy:
+            shutil.copyfile(path, copy)  # in the try: see _without_dwarf
+        with copy.open("r+b") as f:
+            away = struct.pack(headers.order + "Q", AWAY)
+            for at in operands:
+                os.pwrite(f.fileno(), away, lines.offset + at)
     except BaseException:
         copy.unlink(missing_ok=True)
         raise

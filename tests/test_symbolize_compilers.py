@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,62 @@ async def test_a_go_build_id_is_explained_not_taken_for_a_missing_one(
     assert [r.would_symbolize for r in rows] == [False]
     assert "Go build ID" in rows[0].verdict and "-B" in rows[0].verdict, rows[0].verdict
     assert "did not record one" not in rows[0].verdict
+
+
+def _gc_source() -> str:
+    """A function of some 18 KB that nothing calls, before the two that run."""
+    body = "\n".join(f"    acc = acc * {i + 3} + v[{i % 16}] * (acc >> {i % 13});"
+                     for i in range(900))
+    return ("#include <stdio.h>\n"
+            f"__attribute__((noinline)) long unused_big(long *v) {{\n    long acc = 1;\n{body}\n"
+            "    return acc;\n}\n"
+            "__attribute__((noinline)) long used(long *v) { return v[0] * 3 + v[1]; }\n"
+            "int main(int argc, char **argv) {\n    long v[16] = {argc};\n"
+            '    printf("%ld\\n", used(v));\n    return 0;\n}\n')
+
+
+@pytest.mark.parametrize("compiler", ["gcc", "clang"])
+async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_code(
+        start_symgate: SymgateFactory, tmp_path: Path, compiler: str) -> None:
+    """GNU ld resolves the addresses of a section --gc-sections dropped to 0, so the line
+    sequence of an uncalled 18 KB function claims [0, 18 KB) and overlaps a PIE's .text (from
+    0x1000). symbolic gave `main` and `used` the dropped function's lines (`used` at line 236
+    of 906 of unused_big's body) where llvm-symbolizer and eu-addr2line give their own
+    (binutils' addr2line names the dropped function: wrong too)."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"needs {compiler}")
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "gc.c").write_text(_gc_source())
+    exe = build / "prog"
+    subprocess.run([compiler, "-O2", "-g", "-ffunction-sections", "-Wl,--gc-sections",
+                    "gc.c", "-o", "prog"], cwd=build, check=True, capture_output=True)
+    assert not [s for s in function_symbols(exe) if s.name == "unused_big"]
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / "debug"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(exe, at / build_id[2:])
+    elf = Elf("prog", build_id, exe, exe, ())
+    vaddrs = code_addresses(elf)
+    # llvm-symbolizer names padding after _start by the dropped function's DWARF, and gives
+    # crt code (no DWARF, line 0) its start line (clang's build): neither is counted.
+    expected = {v: [replace(x, start_line=0) if not x.line else x for x in f]
+                for v, f in llvm_symbolize(exe, vaddrs).items()
+                if f[-1].function != "unused_big"}
+    live = {v for v, f in expected.items() if f[-1].function in ("main", "used")}
+    assert len(live) > 10
+    placed = place(elf, 0x55D0C0DE0000)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
+                                               Limits(1 << 30, max_build_ids=10))
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, _headers, body = await post(sg, sent)
+    assert status == 200, body
+    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
+        by_address = {loc.address: loc for loc in out.location}
+        wrong = [(hex(v), frames_of(out, by_address[placed.runtime(v)]), frames)
+                 for v, frames in expected.items()
+                 if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+        assert not wrong, (mode, len(wrong), wrong[:3])
