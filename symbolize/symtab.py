@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +42,15 @@ from .elf import (
     function_symbols,
     layout_of_file,
 )
-from .elf_headers import SHF_COMPRESSED, SHT_NOBITS, SHT_STRTAB, SHT_SYMTAB, read_headers
+from .elf_headers import (
+    SHF_COMPRESSED,
+    SHT_NOBITS,
+    SHT_STRTAB,
+    SHT_SYMTAB,
+    ElfHeaders,
+    SectionHeader,
+    read_headers,
+)
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
 from .line_sequences import AWAY, discarded_sequences
@@ -274,23 +283,8 @@ def _with_symtab_of(debug: Path, executable: Path, copy: Path) -> Path:
             own = dh.section(".symtab") if dh is not None else None
             if dh is None or own is None or symbols is None or names is None:
                 raise MalformedObject(f"{debug.name}: its symbol table cannot be replaced")
-            word = "Q" if dh.is64 else "I"
-            shoff, = struct.unpack_from(dh.order + word, os.pread(fd, 8, 0x28 if dh.is64
-                                                                   else 0x20))
-            entry = 64 if dh.is64 else 40
-            # sh_type's offset in a section header, then sh_offset's and sh_size's.
-            fields = (4, 24, 32) if dh.is64 else (4, 16, 20)
-            at = dh.file_size
-            targets = (dh.sections.index(own), own.link)
-            for index, kind, data in zip(targets, (SHT_SYMTAB, SHT_STRTAB), (symbols, names),
-                                         strict=True):
-                at = -(-at // 8) * 8
-                os.pwrite(fd, data, at)
-                row = shoff + index * entry
-                os.pwrite(fd, struct.pack(dh.order + "I", kind), row + fields[0])
-                os.pwrite(fd, struct.pack(dh.order + word, at), row + fields[1])
-                os.pwrite(fd, struct.pack(dh.order + word, len(data)), row + fields[2])
-                at += len(data)
+            _append_section(fd, dh, dh.sections.index(own), symbols, kind=SHT_SYMTAB)
+            _append_section(fd, dh, own.link, names, kind=SHT_STRTAB)
     except BaseException:
         copy.unlink(missing_ok=True)
         raise
@@ -299,30 +293,81 @@ def _with_symtab_of(debug: Path, executable: Path, copy: Path) -> Path:
 
 def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> Path:
     """`path`, or a copy of it (`copy`, which it may be already) whose line sequences of code
-    that GNU ld discarded are moved away from the code they overlap (line_sequences.py)."""
+    that GNU ld discarded are moved away from the code they overlap (line_sequences.py). A
+    zlib-compressed .debug_line (-gz) is written back whole, uncompressed, at the copy's end."""
     code_start = min((s.vaddr for s in layout.segments if s.executable), default=0)
     if code_start == 0:  # code at 0: a sequence there may be real
         return path
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
         lines = headers.section(".debug_line") if headers is not None else None
-        data = headers.data(lines) if headers is not None and lines is not None else None
+        data = _line_table(headers, lines) if headers is not None and lines is not None \
+            else None
     if headers is None or lines is None or data is None or not headers.is64:
-        return path  # compressed, or not read here: as symbolic reads it
+        return path  # zstd, or not read here: as symbolic reads it
     operands = discarded_sequences(data, headers.order, code_start)
     if not operands:
         return path
+    table = bytearray(data)
+    for at in operands:
+        struct.pack_into(headers.order + "Q", table, at, AWAY)
     try:
         if path != copy:
             shutil.copyfile(path, copy)  # in the try: see _without_dwarf
         with copy.open("r+b") as f:
-            away = struct.pack(headers.order + "Q", AWAY)
-            for at in operands:
-                os.pwrite(f.fileno(), away, lines.offset + at)
+            if lines.flags & SHF_COMPRESSED:
+                _append_section(f.fileno(), headers, headers.sections.index(lines),
+                                bytes(table), flags=lines.flags & ~SHF_COMPRESSED)
+            else:
+                os.pwrite(f.fileno(), table, lines.offset)
     except BaseException:
         copy.unlink(missing_ok=True)
         raise
     return copy
+
+
+# An ELF64 compression header: ch_type, ch_reserved, ch_size, ch_addralign.
+_CHDR64 = "IIQQ"
+_ELFCOMPRESS_ZLIB = 1
+
+
+def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
+    """.debug_line's bytes, inflated where zlib compressed them; None where it cannot be had
+    (zstd, a damaged header, past 1 GiB)."""
+    if not lines.flags & SHF_COMPRESSED:
+        return headers.data(lines)
+    if not headers.is64 or lines.size < 24 or lines.offset + lines.size > headers.file_size:
+        return None
+    raw = headers.read(lines.size, lines.offset)
+    kind, _reserved, size, _align = struct.unpack_from(headers.order + _CHDR64, raw)
+    if kind != _ELFCOMPRESS_ZLIB or size > 1 << 30:
+        return None
+    try:
+        inflater = zlib.decompressobj()
+        out = inflater.decompress(raw[24:], size + 1)
+    except zlib.error:
+        return None
+    return out if len(out) == size else None
+
+
+def _append_section(fd: int, headers: ElfHeaders, index: int, data: bytes, *,
+                    kind: int | None = None, flags: int | None = None) -> None:
+    """Write `data` at the end of the file open on `fd` (8-aligned) and point section
+    `index`'s header at it, with a new type and flags where given."""
+    word = "Q" if headers.is64 else "I"
+    shoff, = struct.unpack_from(headers.order + word,
+                                os.pread(fd, 8, 0x28 if headers.is64 else 0x20))
+    row = shoff + index * (64 if headers.is64 else 40)
+    # sh_type's, sh_flags', sh_offset's and sh_size's offsets in a section header.
+    type_at, flags_at, offset_at, size_at = (4, 8, 24, 32) if headers.is64 else (4, 8, 16, 20)
+    at = -(-os.fstat(fd).st_size // 8) * 8
+    os.pwrite(fd, data, at)
+    if kind is not None:
+        os.pwrite(fd, struct.pack(headers.order + "I", kind), row + type_at)
+    if flags is not None:
+        os.pwrite(fd, struct.pack(headers.order + word, flags), row + flags_at)
+    os.pwrite(fd, struct.pack(headers.order + word, at), row + offset_at)
+    os.pwrite(fd, struct.pack(headers.order + word, len(data)), row + size_at)
 
 
 def _without_dwarf(path: Path, copy: Path) -> Path:
