@@ -310,12 +310,14 @@ async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
     killed = await asyncio.create_subprocess_exec(
         *_cli("serve", "--config", str(config), "--workers", "2"),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env)
-    await wait_until_serving(f"http://127.0.0.1:{port}", killed)
-    family = descendants(killed.pid)
-    left = [f for f in temp.glob("symgate-metrics-*") if f != other]
+    try:
+        await wait_until_serving(f"http://127.0.0.1:{port}", killed)
+        family = descendants(killed.pid)
+        left = [f for f in temp.glob("symgate-metrics-*") if f != other]
+    finally:  # its workers die with it (supervisor.py)
+        killed.kill()
+        await killed.wait()
     assert len(left) == 1
-    killed.kill()
-    await killed.wait()
     async def all_gone() -> bool:
         return not [pid for pid in family if alive(pid)]
 
