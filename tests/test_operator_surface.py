@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -32,6 +35,18 @@ SECRET = "s3cr3t-T0KEN-in-the-url"
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "proxy.tools.cli", *args]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A TMPDIR of its own for a server, short: multiprocessing's forkserver puts its socket
+    in it, and a Unix socket's path may not pass 107 bytes (pytest's tmp_path under xdist
+    does, with a long test's name)."""
+    path = Path(tempfile.mkdtemp(prefix="sg-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_credentials_in_an_upstream_url_reach_no_log_metric_page_or_row(
@@ -110,7 +125,7 @@ async def test_cache_gauges_tell_what_is_cached_from_the_start_with_workers(
                                    "symgate_cache_entries": 2.0}
 
 
-def test_a_start_that_fails_leaves_no_metrics_folder(tmp_path: Path) -> None:
+def test_a_start_that_fails_leaves_no_metrics_folder(tmp_path: Path, short_tmp: Path) -> None:
     # A database out of reach: under a service manager that restarts it, symgate fails to
     # start again and again; each try must leave nothing in the temporary directory.
     config = tmp_path / "symgate.toml"
@@ -118,8 +133,7 @@ def test_a_start_that_fails_leaves_no_metrics_folder(tmp_path: Path) -> None:
                       f'data_dir = "{tmp_path / "d"}"\n[database]\n'
                       f'url = "postgresql+asyncpg://symgate@127.0.0.1:{free_port()}/none"\n'
                       f'timeout_s = 2.0\n')
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    temp = short_tmp
     result = subprocess.run(_cli("serve", "--config", str(config), "--workers", "2"),
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "TMPDIR": str(temp)})
@@ -271,11 +285,11 @@ async def test_cache_listings_of_a_dir_no_server_used_say_so_on_a_shared_databas
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-async def test_sighup_drains_and_stops_as_sigterm_does(tmp_path: Path, workers: int) -> None:
+async def test_sighup_drains_and_stops_as_sigterm_does(tmp_path: Path, short_tmp: Path,
+                                                       workers: int) -> None:
     # A terminal's hangup reaches the supervisor and its workers. It killed the supervisor at
     # once: no drain, its workers left to die as orphans, its metrics folder left in /tmp.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    temp = short_tmp
     port = free_port()
     config = tmp_path / "symgate.toml"
     config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
@@ -295,11 +309,10 @@ async def test_sighup_drains_and_stops_as_sigterm_does(tmp_path: Path, workers: 
 
 
 async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
-        tmp_path: Path) -> None:
+        tmp_path: Path, short_tmp: Path) -> None:
     # SIGKILL leaves no cleanup to run: the folder of its live metrics stays in /tmp until a
     # supervisor starts after it. A folder of a supervisor that runs is left alone.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    temp = short_tmp
     port = free_port()
     config = tmp_path / "symgate.toml"
     config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
@@ -315,7 +328,8 @@ async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
         family = descendants(killed.pid)
         left = [f for f in temp.glob("symgate-metrics-*") if f != other]
     finally:  # its workers die with it (supervisor.py)
-        killed.kill()
+        if killed.returncode is None:
+            killed.kill()
         await killed.wait()
     assert len(left) == 1
     async def all_gone() -> bool:
@@ -331,5 +345,6 @@ async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
         assert not left[0].exists()
         assert other.exists()
     finally:
-        again.terminate()
+        if again.returncode is None:
+            again.terminate()
         await again.wait()

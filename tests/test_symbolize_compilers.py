@@ -224,8 +224,8 @@ async def test_a_go_build_id_is_explained_not_taken_for_a_missing_one(
     status, headers, _body = await post(sg, body)
     assert status == 200
     assert headers["X-Symgate-Mappings-Unsymbolized"] == "invalid_build_id=1", headers
-    rows = await inspect_profile(body, make_config(tmp_path / "data", "sqlite://", []),
-                                 server=None, timeout_s=1, max_decompressed=1 << 20)
+    config = make_config(tmp_path / "data", f"sqlite+aiosqlite:///{tmp_path / 'i.sqlite'}", [])
+    rows = await inspect_profile(body, config, server=None, timeout_s=1, max_decompressed=1 << 20)
     assert [r.would_symbolize for r in rows] == [False]
     assert "Go build ID" in rows[0].verdict and "-B" in rows[0].verdict, rows[0].verdict
     assert "did not record one" not in rows[0].verdict
