@@ -19,6 +19,8 @@ from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf
 from tests.harness import SymgateFactory
 from tests.profiles import (
+    Expected,
+    Placed,
     code_addresses,
     frames_of,
     llvm_symbolize,
@@ -87,6 +89,29 @@ def _split_dwarf_program(tmp_path: Path, dwarf: str) -> tuple[Elf, Path]:
     return Elf("prog", build_id, exe, debug, ()), tree
 
 
+async def _offline_and_served(start_symgate: SymgateFactory, tree: Path, sent: bytes
+                              ) -> tuple[list[tuple[str, Profile]], dict[str, str]]:
+    """The profile `sent` symbolized offline and by a server, both over the debug tree `tree`:
+    [("offline", answer), ("server", answer)], and the server's headers."""
+    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
+                                               Limits(1 << 30, max_build_ids=10))
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, headers, body = await post(sg, sent)
+    assert status == 200, body
+    return [("offline", parse(offline)), ("server", parse(body))], headers
+
+
+def _assert_frames(answers: list[tuple[str, Profile]], placed: Placed,
+                   expected: dict[int, list[Expected]]) -> None:
+    """Every answer has the expected frames at each address (ELF-relative, placed)."""
+    for mode, out in answers:
+        by_address = {loc.address: loc for loc in out.location}
+        wrong = [(hex(v), frames_of(out, by_address[placed.runtime(v)]), frames)
+                 for v, frames in expected.items()
+                 if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
+        assert not wrong, (mode, len(wrong), wrong[:3])
+
+
 @pytest.mark.parametrize("dwarf", ["dwarf-5", "dwarf-4"])
 async def test_split_dwarf_cold_parts_are_named_as_without_split_dwarf(
         start_symgate: SymgateFactory, tmp_path: Path, dwarf: str) -> None:
@@ -104,18 +129,9 @@ async def test_split_dwarf_cold_parts_are_named_as_without_split_dwarf(
                            for v in in_cold)
     placed = place(elf, 0x55D0C0DE0000)
     sent = make_profile([(placed, vaddrs)]).SerializeToString()
-    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
-                                               Limits(1 << 30, max_build_ids=10))
-    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
-    status, headers, body = await post(sg, sent)
-    assert status == 200, body
+    answers, headers = await _offline_and_served(start_symgate, tree, sent)
     assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
-    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
-        by_address = {loc.address: loc for loc in out.location}
-        wrong = [(hex(v), frames_of(out, by_address[placed.runtime(v)]), frames)
-                 for v, frames in expected.items()
-                 if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
-        assert not wrong, (mode, len(wrong), wrong[:3])
+    _assert_frames(answers, placed, expected)
 
 
 STATIC_C = r"""
@@ -160,12 +176,8 @@ async def test_a_static_program_split_by_eu_strip_is_named_by_its_symbol_table(
     aliases = symbol_aliases(exe)
     placed = place(elf, 0)
     sent = make_profile([(placed, vaddrs)]).SerializeToString()
-    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
-                                               Limits(1 << 30, max_build_ids=10))
-    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
-    status, _headers, body = await post(sg, sent)
-    assert status == 200, body
-    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
+    answers, _headers = await _offline_and_served(start_symgate, tree, sent)
+    for mode, out in answers:
         by_address = {loc.address: loc for loc in out.location}
         unnamed, wrong = [], []
         for v, frames in expected.items():
@@ -279,14 +291,5 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     assert len(live) > 10
     placed = place(elf, 0x55D0C0DE0000)
     sent = make_profile([(placed, vaddrs)]).SerializeToString()
-    offline, _report = await asyncio.to_thread(symbolize_bytes, sent, [tree],
-                                               Limits(1 << 30, max_build_ids=10))
-    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
-    status, _headers, body = await post(sg, sent)
-    assert status == 200, body
-    for mode, out in (("offline", parse(offline)), ("server", parse(body))):
-        by_address = {loc.address: loc for loc in out.location}
-        wrong = [(hex(v), frames_of(out, by_address[placed.runtime(v)]), frames)
-                 for v, frames in expected.items()
-                 if not same_frames(frames_of(out, by_address[placed.runtime(v)]), frames)]
-        assert not wrong, (mode, len(wrong), wrong[:3])
+    answers, _headers = await _offline_and_served(start_symgate, tree, sent)
+    _assert_frames(answers, placed, expected)
