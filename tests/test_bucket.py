@@ -824,3 +824,31 @@ async def test_a_section_of_a_tenants_upload_too_big_to_keep_stays_the_tenants(
     assert status == 200 and body
     assert (await b.get(section, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
     assert (await b.get(section))[0] == 404
+
+
+@on_postgresql
+async def test_a_different_upload_of_a_key_uploaded_on_another_replica_is_a_conflict(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """A key's upload is the cluster's, not the replica's that took it: another file PUT
+    through another replica is a 409 there too, or the replicas serve two files for one key
+    (a keeps its own, b and the bucket the other) until one is deleted; the very same file
+    again is a 200, not a second upload."""
+    token = "symgate-test-upload-token"
+    a, b, c = [await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / name,
+                                   storage=prefix.config(),
+                                   upload=UploadConfig(admin_tokens=(token,)),
+                                   cache=CacheConfig(purge_poll_s=0.2))
+               for name in "abc"]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    first = elfs.prog.debug.read_bytes()
+    other = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    auth = {"Authorization": f"Bearer {token}"}
+    assert (await a.request("PUT", path, data=first, headers=auth))[0] == 201
+    assert (await b.request("PUT", path, data=other, headers=auth))[0] == 409
+    assert (await b.request("PUT", path, data=first, headers=auth))[0] == 200
+    await asyncio.sleep(0.5)  # purge_poll_s twice over: any notice has been applied
+    for sg in (a, b, c):
+        assert (await sg.get(path))[::2] == (200, first), sg.url
+

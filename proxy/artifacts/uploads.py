@@ -108,9 +108,10 @@ class Uploads:
 
     async def _commit(self, scope: str, key: ArtifactKey, temp: Path, fd: int, size: int,
                       digest: str, filename: str, ima_signature: str | None) -> Uploaded:
-        old = await self._check_budget(scope, key, size, digest)
-        if old is not None and old.pinned:
-            return Uploaded(size, digest, created=False)  # the same file again: done
+        old, upload = await self._check_budget(scope, key, size, digest)
+        if upload is not None:
+            # The same file again (through this replica or another): done.
+            return Uploaded(size, digest, created=False)
         if (download := self._held(scope, key, old)) is not None:
             # A download of the same ID in this scope: the upload takes its place, in the
             # other serving processes too, which hold the download in memory.
@@ -139,20 +140,26 @@ class Uploads:
         return Uploaded(size, digest, created=True)
 
     async def _check_budget(self, scope: str, key: ArtifactKey, size: int,
-                            digest: str | None = None) -> ArtifactRecord | None:
+                            digest: str | None = None
+                            ) -> tuple[ArtifactRecord | None, ArtifactRecord | None]:
         """UploadBudgetFull unless `size` more bytes fit upload.max_bytes, counting every
         process's uploads (from SQL) less the upload of this key it would replace; Conflict
-        when that upload is another file than `digest` says. The row of this key and scope,
-        if any."""
+        when the key has an upload (on this replica, or, with a bucket, on any: it is the
+        cluster's) of another file than `digest` says. The row of this key and scope here, if
+        any, and the key's upload, if any."""
+        kh = key_hash(scope, key)
         try:
             _, total = await self._repo.totals(pinned=True)
-            old = await self._repo.get_artifact(key_hash(scope, key))
+            old = await self._repo.get_artifact(kh)
+            upload = old if old is not None and old.pinned else None
+            if upload is None and self._service.tier is not None:
+                upload = await self._repo.upload_anywhere(kh)
         except DATABASE_ERRORS as e:
             self._cache.sql_failed("judging the upload budget", e)
             raise OutOfResources("the database cannot be reached to judge the upload "
                                  "budget; retry later") from e
         replaced = old.size if old is not None and old.pinned else 0
-        if replaced and digest is not None and old is not None and old.sha256 != digest:
+        if upload is not None and digest is not None and upload.sha256 != digest:
             # Serving processes keep small files' bytes in memory by key: a different file
             # under the same key would leave some answering with the old one.
             raise Conflict(f"a different upload of {key.id} is here; DELETE it first")
@@ -160,7 +167,7 @@ class Uploads:
             raise UploadBudgetFull(
                 f"uploads hold {total} bytes of upload.max_bytes {self._config.max_bytes}; "
                 f"{size} more do not fit: delete uploads first")
-        return old
+        return old, upload
 
     async def _forget_misses(self, scope: str, key: ArtifactKey) -> None:
         try:

@@ -285,6 +285,15 @@ class Repository:
         rows = await self._point(_ARTIFACT_READ, {"kh": key_hash, "replica": self.replica})
         return _record(rows[0]) if rows else None
 
+    async def upload_anywhere(self, key_hash: str) -> ArtifactRecord | None:
+        """The upload of this key on whichever replica took it (its pinned row), if any: an
+        upload is the cluster's, not only its own replica's."""
+        async with self._session() as s:
+            row = (await s.scalars(select(Artifact).where(
+                Artifact.key_hash == key_hash, Artifact.pinned.is_(True))
+                .order_by(Artifact.fetched_at.desc()).limit(1))).first()
+            return _record(row) if row is not None else None
+
     async def artifacts_of(self, build_id: str | None, *, every_replica: bool = True
                            ) -> Sequence[ArtifactRecord]:
         """All artifacts, or those of one build ID; most recently used first. Every
