@@ -852,3 +852,32 @@ async def test_a_different_upload_of_a_key_uploaded_on_another_replica_is_a_conf
     for sg in (a, b, c):
         assert (await sg.get(path))[::2] == (200, first), sg.url
 
+
+@on_postgresql
+async def test_an_upload_is_deleted_through_any_replica(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """Behind a balancer a DELETE need not reach the replica that took the PUT (a replica
+    replaced, the ring moved): any replica deletes the upload, from the bucket and every
+    replica, whether or not it has read a copy of it."""
+    token = "symgate-test-upload-token"
+    a, b, c = [await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / name,
+                                   storage=prefix.config(),
+                                   upload=UploadConfig(admin_tokens=(token,)),
+                                   cache=CacheConfig(purge_poll_s=0.2))
+               for name in "abc"]
+    auth = {"Authorization": f"Bearer {token}"}
+    for elf, deleter in ((elfs.prog, b), (elfs.other, c)):
+        path = f"/buildid/{elf.build_id}/debuginfo"
+        data = elf.debug.read_bytes()
+        assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+        assert (await b.get(path))[::2] == (200, data)  # b has a copy; c has none
+        await b.settled()
+        assert (await deleter.request("DELETE", path, headers=auth))[0] == 204, deleter.url
+        assert object_of(elf) not in await prefix.objects()
+
+        async def gone_everywhere(path: str = path) -> bool:
+            return [(await sg.get(path))[0] for sg in (a, b, c)] == [404, 404, 404]
+
+        await eventually(gone_everywhere, timeout=10)

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -182,13 +182,22 @@ class Uploads:
         file is the cache's to evict, not an uploader's to delete)."""
         lock = await asyncio.to_thread(self._cache.store.upload_lock)
         try:
+            kh = key_hash(scope, key)
             try:
-                row = await self._repo.get_artifact(key_hash(scope, key))
+                row = await self._repo.get_artifact(kh)
+                upload = self._held(scope, key, row)
+                if (upload is None or not upload.pinned) and self._service.tier is not None:
+                    # Taken in by another replica (this one has a copy from the bucket, or
+                    # none): it is the cluster's, and any replica deletes it.
+                    elsewhere = await self._repo.upload_anywhere(kh)
+                    if elsewhere is not None:
+                        upload = upload if upload is not None \
+                            and upload.sha256 == elsewhere.sha256 else elsewhere
+                        upload = replace(upload, pinned=True)
             except DATABASE_ERRORS as e:
                 self._cache.sql_failed("looking up an upload to delete", e)
                 raise OutOfResources("the database cannot be reached to delete the upload "
                                      "everywhere; retry later") from e
-            upload = self._held(scope, key, row)
             if upload is None or not upload.pinned:
                 raise NotFound(f"no upload of {key.id} here")
             if (tier := self._service.tier) is not None:
