@@ -881,3 +881,30 @@ async def test_an_upload_is_deleted_through_any_replica(
             return [(await sg.get(path))[0] for sg in (a, b, c)] == [404, 404, 404]
 
         await eventually(gone_everywhere, timeout=10)
+
+
+@on_postgresql
+async def test_a_tenants_first_upload_is_served_by_another_replica_at_the_next_request(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """README: an upload is found 'at the next request', by every replica. Replica b learns
+    which tenants have uploads only every purge_poll_s; until then a shared miss another
+    tenant made it remember (after the upload) answered alpha's request for its own upload
+    404, which elfutils' client then caches for ten minutes."""
+    a = await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / "a",
+                            storage=prefix.config(),
+                            tenants={"alpha": TenantConfig(tokens=(ALPHA,))})
+    b = await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / "b",
+                            storage=prefix.config(),
+                            tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
+                            cache=CacheConfig(purge_poll_s=3600.0))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    assert (await a.request("PUT", path, data=data, headers=alpha))[0] == 201
+    assert (await b.get(path, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
+    await b.settled()  # that miss's fetch has ended: it is remembered, not joined
+    assert (await b.get(path, headers=alpha))[::2] == (200, data)
+    assert (await b.get(path, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
+    assert (await b.get(path))[0] == 404

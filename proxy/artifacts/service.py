@@ -148,12 +148,12 @@ class ArtifactService:
         looked = self._has_own_uploads(req)
         try:
             return await self._find(key, req, cache_only, check_file)
-        except RememberedNotFound:
-            raise
         except NotFound:
             # A tenant's first upload on another replica or process is known here only at the
-            # next refresh of `uploaders`: a miss its sources just confirmed (an upstream round
-            # trip already) is worth a look there before it is answered.
+            # next refresh of `uploaders`: a miss of the shared scope, whether its sources just
+            # confirmed it or it is remembered (another tenant's, made after the upload), is
+            # worth a look there before it is answered: the upload's owner would otherwise get
+            # a 404 for it, which elfutils' client keeps for ten minutes.
             if key.kind is Kind.SECTION or not req.may_fetch or not req.tenant \
                     or req.scope == req.tenant or looked:
                 raise
