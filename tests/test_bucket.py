@@ -908,3 +908,42 @@ async def test_a_tenants_first_upload_is_served_by_another_replica_at_the_next_r
     assert (await b.get(path, headers=alpha))[::2] == (200, data)
     assert (await b.get(path, headers={"X-Scope-OrgID": "mallory"}))[0] == 404
     assert (await b.get(path))[0] == 404
+
+
+@on_postgresql
+async def test_a_tenants_upload_is_never_answered_404_while_the_database_is_down(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
+    faults: FaultUpstream, prefix: Prefix
+) -> None:
+    """The bucket's catalogue is in SQL: with the database down, replica b cannot tell
+    whether alpha (known to have uploads) has uploaded a key. Its upstream's 404 speaks for
+    the shared scope only; answering it to alpha told alpha's client (which caches a 404 for
+    ten minutes) that its own upload is not there. 503 with Retry-After, until the database
+    is back; then the upload."""
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=f"127.0.0.1:{forwarder.port}"))
+    a, b = [await start_symgate(config=make_config(
+        tmp_path / name, via, [faults.url_for("notfound")], storage=prefix.config(),
+        tenants={"alpha": TenantConfig(tokens=(ALPHA,))}, cache=CacheConfig(purge_poll_s=0.2),
+        database=DatabaseConfig(url=via, timeout_s=1.0))) for name in "ab"]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    alpha = {"Authorization": f"Bearer {ALPHA}"}
+    assert (await a.request("PUT", path, data=data, headers=alpha))[0] == 201
+
+    async def b_knows_alpha_uploads() -> bool:
+        return "alpha" in b.runner.app[STATE].service.uploaders
+
+    await eventually(b_knows_alpha_uploads, timeout=10)
+    await forwarder.cut()
+    status, headers, _ = await b.get(path, headers=alpha)
+    assert status == 503 and "Retry-After" in headers, status
+    assert (await b.get(path))[0] == 404  # the shared scope's own answer stands
+    await forwarder.start()
+
+    async def alpha_gets_it() -> bool:
+        return (await b.get(path, headers=alpha))[::2] == (200, data)
+
+    await eventually(alpha_gets_it, timeout=10)

@@ -27,6 +27,7 @@ from proxy.artifacts.resume import ResumedBody
 from proxy.artifacts.scope import RequestScope
 from proxy.config import FetchPolicy
 from proxy.errors import (
+    DatabaseUnavailable,
     InsufficientStorage,
     NotCached,
     NotFound,
@@ -146,9 +147,15 @@ class ArtifactService:
         # Whether _find looks for the tenant's uploads first, as `uploaders` says now: a refresh
         # of it during the upstream's answer must not skip the look below.
         looked = self._has_own_uploads(req)
+        # The look _find made when the database could not answer it.
+        unknown: list[DatabaseUnavailable] = []
         try:
-            return await self._find(key, req, cache_only, check_file)
+            return await self._find(key, req, cache_only, check_file, unknown)
         except NotFound:
+            if unknown:
+                # A tenant known to have uploads, whose upload of this key nobody can rule out
+                # while the database is down: the shared scope's miss is not its answer.
+                raise unknown[0] from None
             # A tenant's first upload on another replica or process is known here only at the
             # next refresh of `uploaders`: a miss of the shared scope, whether its sources just
             # confirmed it or it is remembered (another tenant's, made after the upload), is
@@ -157,14 +164,17 @@ class ArtifactService:
             if key.kind is Kind.SECTION or not req.may_fetch or not req.tenant \
                     or req.scope == req.tenant or looked:
                 raise
-            own = await self._own_upload(key, req)
+            try:
+                own = await self._own_upload(key, req)
+            except DatabaseUnavailable:
+                own = None  # a tenant not known to have uploads: most likely it has none
             if own is None:
                 raise
             self.uploaded(req.tenant)
             return own
 
     async def _find(self, key: ArtifactKey, req: RequestScope, cache_only: bool,
-                    check_file: bool) -> Hit | Streaming:
+                    check_file: bool, unknown: list[DatabaseUnavailable]) -> Hit | Streaming:
         if key.kind is Kind.SECTION:
             return await self._section(key, req, cache_only)
         visible = req.visible
@@ -191,8 +201,12 @@ class ArtifactService:
             if not req.may_fetch:
                 raise NotFound("not found (forwarded-ttl-limit reached; upstreams not asked)")
             raise NotCached("not in symgate's cache (Cache-Control: only-if-cached)")
-        if self._has_own_uploads(req) and (own := await self._own_upload(key, req)):
-            return own
+        if self._has_own_uploads(req):
+            try:
+                if (own := await self._own_upload(key, req)) is not None:
+                    return own
+            except DatabaseUnavailable as e:
+                unknown.append(e)  # what the shared scope has may still answer
         if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
             return joined
         # Both ask SQL (what another process cached, or found missing): at once, not in turn.
@@ -459,7 +473,8 @@ class ArtifactService:
         remembered misses (another tenant's 404 must not hide it) and its flights (which draw
         on shared copies alone). One another process of this replica took in is in SQL; one
         another replica took in is in the bucket, copied here under a flight of the tenant's
-        own. None when there is none."""
+        own. None when there is none; DatabaseUnavailable when the bucket's catalogue cannot
+        be read."""
         tenant = req.tenant
         if (stored := await self.cache.get(tenant, key)) is not None:
             return Hit(stored)
@@ -467,8 +482,13 @@ class ArtifactService:
             return None
         kh = key_hash(tenant, key)
         # A temp file and a flight only for a copy there is: most misses of a tenant's have none.
-        if kh not in self._flights and not await self.tier.holds(kh):
-            return None
+        if kh not in self._flights:
+            held = await self.tier.holds(kh)
+            if held is None:
+                raise DatabaseUnavailable("the database cannot be reached to look for the "
+                                          "tenant's uploads; retry")
+            if not held:
+                return None
         flight = self._flights.get(kh)
         if flight is None:
             temp, fd = self._new_temp()

@@ -177,13 +177,13 @@ class SharedTier:
         self._metrics.cluster_fetches.labels("alone").inc()
         return Obtained()
 
-    async def holds(self, kh: str) -> bool:
-        """Whether the catalogue has a whole copy under `kh` (False with the database failing):
-        asked before anything is made to copy it."""
+    async def holds(self, kh: str) -> bool | None:
+        """Whether the catalogue has a whole copy under `kh` (None with the database failing:
+        nobody can tell): asked before anything is made to copy it."""
         try:
             return bool(await self._repo.bucket_objects([kh]))
         except DATABASE_ERRORS:
-            return False
+            return None
 
     async def copy(self, hashes: Sequence[str], key: ArtifactKey) -> BucketBody | None:
         """The first of `hashes`' copies in the bucket, opened, without waiting for any other
