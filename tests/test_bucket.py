@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import logging
 import re
 import signal
 from collections.abc import Iterator
@@ -947,3 +948,32 @@ async def test_a_tenants_upload_is_never_answered_404_while_the_database_is_down
         return (await b.get(path, headers=alpha))[::2] == (200, data)
 
     await eventually(alpha_gets_it, timeout=10)
+
+
+@on_postgresql
+async def test_a_database_outage_is_one_warning_per_background_job_not_a_traceback(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, faults: FaultUpstream,
+    prefix: Prefix, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database down is a condition every replica is built to ride out: its background
+    jobs (purge notices, the bucket's catch-up, the shared budget) try again at their next
+    round. Each round logged an ERROR with a full traceback, every purge_poll_s, for every
+    job and process, paging whoever watches ERRORs for what needs nobody."""
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=f"127.0.0.1:{forwarder.port}"))
+    await start_symgate(config=make_config(
+        tmp_path / "a", via, [faults.url_for("notfound")], storage=prefix.config(),
+        cache=CacheConfig(purge_poll_s=0.1), database=DatabaseConfig(url=via, timeout_s=1.0)))
+    await forwarder.cut()
+
+    async def purge_poll_failed() -> bool:
+        return any("PurgeNotices.poll" in r.getMessage() for r in caplog.records)
+
+    await eventually(purge_poll_failed, timeout=10)
+    await forwarder.start()
+    failed = [r for r in caplog.records if r.name == "proxy.web.app"
+              and "background job" in r.getMessage()]
+    assert failed and all(r.levelno == logging.WARNING and r.exc_info is None
+                          for r in failed), [(r.levelname, r.getMessage()) for r in failed]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from sqlalchemy.exc import SQLAlchemyError
 
 from proxy import __version__
 from proxy.artifacts.board import FlightBoard
@@ -256,11 +257,22 @@ def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, replic
     return SharedTier(bucket, repo, config.storage, metrics, replica)
 
 
+# What a background job meets while the database is away: SQLAlchemy's errors, and the
+# driver's own refused or timed-out connections.
+_OUTAGES: tuple[type[BaseException], ...] = (SQLAlchemyError, ConnectionError, TimeoutError)
+
+
 async def _every(seconds: float, job: Callable[[], Awaitable[object]]) -> None:
     while True:
         await asyncio.sleep(seconds)
         try:
             await job()
+        except _OUTAGES as e:
+            # An outage every job rides out (README: the database down): one line, no
+            # traceback, each round; the job tries again at the next. A disk's OSError, or a
+            # bug, keeps its traceback.
+            log.warning("background job %s failed (%s: %s); trying again in %g s",
+                        getattr(job, "__qualname__", job), type(e).__name__, e, seconds)
         except Exception:  # a failed background job is logged and tried again next time
             log.exception("background job %s failed", getattr(job, "__qualname__", job))
 
