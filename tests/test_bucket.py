@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -90,11 +91,14 @@ def prefix(s3: S3Server) -> Prefix:
     return s3.prefix()
 
 
-async def replicas(start_symgate: SymgateFactory, tmp_path: Path, upstream: str,
-                   names: str, storage: StorageConfig) -> list[Symgate]:
-    """In-process replicas, each a data dir (a disk) of its own, sharing the bucket."""
-    return [await start_symgate([upstream], data_dir=tmp_path / name, storage=storage,
-                                symbolize=symbolize_config()) for name in names]
+async def replicas(start_symgate: SymgateFactory, tmp_path: Path, upstream: str | None,
+                   names: str, storage: StorageConfig, **options: Any) -> list[Symgate]:
+    """In-process replicas, each a data dir (a disk) of its own, sharing the bucket; one
+    upstream or none; `options` as start_symgate takes them, for every replica."""
+    options.setdefault("symbolize", symbolize_config())
+    return [await start_symgate([upstream] if upstream is not None else [],
+                                data_dir=tmp_path / name, storage=storage, **options)
+            for name in names]
 
 
 @on_postgresql
@@ -175,8 +179,7 @@ async def test_a_file_too_big_for_every_replicas_disk_still_crosses_from_upstrea
     fetching one's lease reads the bucket's copy rather than fetch it upstream itself."""
     held = faults.url_for("held")  # sends half the body, then waits for `release`
     small = CacheConfig(max_bytes=elfs.big.debug.stat().st_size // 2)
-    a, b = [await start_symgate([held], data_dir=tmp_path / name, storage=prefix.config(),
-                                cache=small) for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, held, "ab", prefix.config(), cache=small)
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     on_a = asyncio.ensure_future(a.get(path))
     await asyncio.wait_for(faults.held_half_sent.wait(), 30)  # a holds the key's lease
@@ -202,10 +205,9 @@ async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_f
 ) -> None:
     nowhere = faults.url_for("notfound")  # the upload is the only place it is
     token = "symgate-test-upload-token"
-    a, b = [await start_symgate([nowhere], data_dir=tmp_path / name, storage=prefix.config(),
-                                upload=UploadConfig(admin_tokens=(token,)),
-                                cache=CacheConfig(purge_poll_s=0.2))
-            for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, nowhere, "ab", prefix.config(),
+                          upload=UploadConfig(admin_tokens=(token,)),
+                          cache=CacheConfig(purge_poll_s=0.2))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     data = elfs.prog.debug.read_bytes()
     auth = {"Authorization": f"Bearer {token}"}
@@ -227,11 +229,9 @@ async def test_an_upload_over_a_download_replaces_it_on_every_replica(
     prefix: Prefix
 ) -> None:
     token = "symgate-test-upload-token"
-    a, b = [await start_symgate([debuginfod.url], data_dir=tmp_path / name,
-                                storage=prefix.config(),
-                                upload=UploadConfig(admin_tokens=(token,)),
-                                cache=CacheConfig(purge_poll_s=0.2))
-            for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config(),
+                          upload=UploadConfig(admin_tokens=(token,)),
+                          cache=CacheConfig(purge_poll_s=0.2))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     downloaded = elfs.prog.debug.read_bytes()
     uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
@@ -478,9 +478,8 @@ async def test_the_bucket_is_kept_under_its_budget_oldest_read_first(
     # 8 KiB too: prog and its table, written first, go.
     budget = sum(elf.debug.stat().st_size for elf in (elfs.other, elfs.big)) + (
         elfs.prog.debug.stat().st_size // 2)
-    a, b = [await start_symgate([debuginfod.url], data_dir=tmp_path / name,
-                                storage=prefix.config(max_bytes=budget))
-            for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab",
+                          prefix.config(max_bytes=budget))
     for elf in (elfs.prog, elfs.other, elfs.big):  # prog is read longest ago
         assert (await get(a.url, elf.build_id))[0] == 200
         for path in (object_of(elf), table_object_of(elf)):  # in this order of writing
@@ -737,11 +736,9 @@ async def test_a_tenants_upload_learnt_of_during_its_miss_is_still_looked_for(
     upstream answers (a miss), the upload must still be looked for: it was answered 404 (a
     race CI met under load: the PUT had its 201, the bucket had the file)."""
     faults.release.clear()
-    a, b = [await start_symgate([faults.url_for("hold404")], data_dir=tmp_path / name,
-                                storage=prefix.config(),
-                                tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
-                                cache=CacheConfig(purge_poll_s=3600.0))
-            for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, faults.url_for("hold404"), "ab",
+                          prefix.config(), tenants={"alpha": TenantConfig(tokens=(ALPHA,))},
+                          cache=CacheConfig(purge_poll_s=3600.0))
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     data = elfs.big.debug.read_bytes()
     alpha = {"Authorization": f"Bearer {ALPHA}"}
@@ -790,9 +787,8 @@ async def test_an_upload_reaches_replicas_without_any_remote_upstream(
     """No remote source to remember a miss of is no proof of one: the bucket still holds
     what another replica took in."""
     token = "symgate-test-upload-token"
-    a, b = [await start_symgate([], data_dir=tmp_path / name, storage=prefix.config(),
-                                upload=UploadConfig(admin_tokens=(token,)))
-            for name in "ab"]
+    a, b = await replicas(start_symgate, tmp_path, None, "ab", prefix.config(),
+                          upload=UploadConfig(admin_tokens=(token,)))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     data = elfs.prog.debug.read_bytes()
     assert (await b.get(path))[0] == 404
@@ -837,11 +833,9 @@ async def test_a_different_upload_of_a_key_uploaded_on_another_replica_is_a_conf
     (a keeps its own, b and the bucket the other) until one is deleted; the very same file
     again is a 200, not a second upload."""
     token = "symgate-test-upload-token"
-    a, b, c = [await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / name,
-                                   storage=prefix.config(),
-                                   upload=UploadConfig(admin_tokens=(token,)),
-                                   cache=CacheConfig(purge_poll_s=0.2))
-               for name in "abc"]
+    a, b, c = await replicas(start_symgate, tmp_path, faults.url_for("notfound"), "abc",
+                             prefix.config(), upload=UploadConfig(admin_tokens=(token,)),
+                             cache=CacheConfig(purge_poll_s=0.2))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     first = elfs.prog.debug.read_bytes()
     other = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
@@ -863,11 +857,9 @@ async def test_an_upload_is_deleted_through_any_replica(
     replaced, the ring moved): any replica deletes the upload, from the bucket and every
     replica, whether or not it has read a copy of it."""
     token = "symgate-test-upload-token"
-    a, b, c = [await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / name,
-                                   storage=prefix.config(),
-                                   upload=UploadConfig(admin_tokens=(token,)),
-                                   cache=CacheConfig(purge_poll_s=0.2))
-               for name in "abc"]
+    a, b, c = await replicas(start_symgate, tmp_path, faults.url_for("notfound"), "abc",
+                             prefix.config(), upload=UploadConfig(admin_tokens=(token,)),
+                             cache=CacheConfig(purge_poll_s=0.2))
     auth = {"Authorization": f"Bearer {token}"}
     for elf, deleter in ((elfs.prog, b), (elfs.other, c)):
         path = f"/buildid/{elf.build_id}/debuginfo"
