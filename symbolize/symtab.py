@@ -120,7 +120,12 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     # DWARF that dwz moved partly into a supplementary file (.gnu_debugaltlink) is read by
     # neither reader whole: its functions would be nameless, its lines of the wrong files.
     # Such a file is read for its symbol table alone, as llvm-symbolizer names its code.
-    supplemented = _has_supplementary_dwarf(elf_path)
+    headers = _headers_of(elf_path)
+    supplemented = headers is not None and any(
+        s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
+    # The executable's program headers, when it is the program of `build_id`: read once, for
+    # the eu-strip check and for the names (_second_reading).
+    segments = executable_segments(executable, build_id)
     copy = out_path.with_suffix(f".src.{os.getpid()}.tmp")
     source = elf_path
     try:
@@ -128,26 +133,28 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         # relocations name it (a static one) and makes the debug file's empty: its functions
         # without DWARF (all of libc's) are named by the executable's, as llvm-symbolizer and
         # eu-addr2line name them.
-        if executable is not None and _symtab_only_in(executable, elf_path, build_id):
+        if executable is not None and executable != elf_path and segments is not None \
+                and headers is not None and _symtab_only_in(executable, headers):
             source = _with_symtab_of(elf_path, executable, copy)
         if supplemented:
             source = _without_dwarf(source, copy)
         else:
             source = _without_discarded_lines(source, copy, layout)
-        return _build(elf_path, source, out_path, layout, executable, build_id,
+        return _build(elf_path, source, out_path, layout, executable, segments,
                       read_dwarf=not supplemented, started=started)
     finally:
         copy.unlink(missing_ok=True)
 
 
 def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
-           executable: Path | None, build_id: str, *, read_dwarf: bool,
+           executable: Path | None, segments: tuple[LoadSegment, ...] | None, *,
+           read_dwarf: bool,
            started: float) -> BuildResult:
     # symbolic's build releases the GIL: the second reading of the file runs beside it, but for
     # a small file's, made first in this thread (_beside).
     with _beside(elf_path) as beside:
         # The source: a debug file's own symbol table, or the executable's (_with_symtab_of).
-        second = beside.submit(_second_reading, source, executable, build_id, read_dwarf)
+        second = beside.submit(_second_reading, source, executable, segments, read_dwarf)
         try:
             archive = Archive.open(str(source))
             obj = next(iter(archive.iter_objects()))
@@ -212,15 +219,15 @@ class _InCaller(Executor):
         return done
 
 
-def _second_reading(path: Path, executable: Path | None, build_id: str, read_dwarf: bool = True
+def _second_reading(path: Path, executable: Path | None,
+                    segments: tuple[LoadSegment, ...] | None, read_dwarf: bool = True
                     ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
                                tuple[FunctionSymbol, ...] | None,
                                tuple[LoadSegment, ...] | None]:
     """The symbol table, the DWARF facts (none unless `read_dwarf`), the executable's exports
-    (None without the executable of `build_id`, () when it names code by its .symtab:
-    function_names.py), and its program headers (None without it)."""
+    (None without the executable of the build ID, whose program headers `segments` are, and
+    () when it names code by its .symtab: function_names.py), and `segments`."""
     symbols = function_symbols(path)
-    segments = executable_segments(executable, build_id)
     exports = exports_of(executable) if executable is not None and segments is not None \
         else None
     dwarf = read_functions(path, sorted({s.value for s in symbols})) if read_dwarf \
@@ -228,31 +235,22 @@ def _second_reading(path: Path, executable: Path | None, build_id: str, read_dwa
     return symbols, dwarf, exports, segments
 
 
-def _has_supplementary_dwarf(path: Path) -> bool:
-    """Whether the file's DWARF refers to a supplementary file (dwz -m's .gnu_debugaltlink,
-    DWARF 5's .debug_sup), which symbolic does not read."""
+def _headers_of(path: Path) -> ElfHeaders | None:
+    """The file's section headers; None where it cannot be read or they cannot (the build
+    itself then reports what is wrong with the file)."""
     try:
         with path.open("rb") as f:
-            headers = read_headers(f.fileno())
+            return read_headers(f.fileno())
     except OSError:
-        return False
-    return headers is not None and any(
-        s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
+        return None
 
 
-def _symtab_only_in(executable: Path, debug: Path, build_id: str) -> bool:
-    """Whether `debug`'s .symtab is empty (SHT_NOBITS, as eu-strip -f leaves it, and its
-    names' too) where `executable`, the program of `build_id`, keeps a whole one."""
-    if executable == debug or executable_segments(executable, build_id) is None:
-        return False
-    try:
-        with debug.open("rb") as f:
-            dh = read_headers(f.fileno())
-        with executable.open("rb") as f:
-            eh = read_headers(f.fileno())
-    except OSError:
-        return False
-    if dh is None or eh is None or (dh.is64, dh.order) != (eh.is64, eh.order):
+def _symtab_only_in(executable: Path, dh: ElfHeaders) -> bool:
+    """Whether the debug file of headers `dh` has an empty .symtab (SHT_NOBITS, as eu-strip -f
+    leaves it, and its names' too) where `executable`, the program of its build ID, keeps a
+    whole one."""
+    eh = _headers_of(executable)
+    if eh is None or (dh.is64, dh.order) != (eh.is64, eh.order):
         return False
     own = dh.section(".symtab")
     theirs = eh.section(".symtab", SHT_SYMTAB)
