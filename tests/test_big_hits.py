@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from proxy.config import UpstreamConfig
-from proxy.web.artifacts import SMALL_FILE_BYTES
 from proxy.web.connections import ConnectionGuard
 from proxy.web.fast_hits import FastHits
 from proxy.web.file_sends import ShortFile, room_for, send_at_once, send_whole
+from proxy.web.hot_files import SMALL_FILE_BYTES
 from proxy.web.state import STATE
 from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually

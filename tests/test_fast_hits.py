@@ -691,6 +691,41 @@ async def test_a_big_hit_is_answered_quickly_as_aiohttp_answers_it(
     slow.close()
 
 
+async def test_the_first_hit_after_a_download_is_answered_quickly(
+    server: Server, elfs: ElfSet
+) -> None:
+    """No aiohttp hit needed first: a new connection's first request for a file just
+    downloaded reads its headers on the quick path, and a big file's connection keeps getting
+    quick answers (one that aiohttp had would never get a big file's again)."""
+    for elf in (elfs.big, elfs.prog):
+        path = f"/buildid/{elf.build_id}/debuginfo"
+        want = elf.debug.read_bytes()
+        entries = await server.metric("symgate_cache_entries")
+        fetch = await Conn.open(server)
+        await fetch.send(get(path))
+        assert (await fetch.answer()).body == want  # a miss, streamed as it downloads
+        fetch.close()
+
+        async def committed(entries: float = entries) -> bool:  # after the last byte
+            return await server.metric("symgate_cache_entries") == entries + 1
+
+        await eventually(committed)
+        before = await server.quick()
+        conn = await Conn.open(server)
+        quick = []
+        for method in ("GET", "HEAD", "GET"):
+            await conn.send(get(path, method=method))
+            quick.append(await conn.answer(head_only=method == "HEAD"))
+        assert await server.quick() == before + 3
+        slow = await Conn.open(server)
+        await slow.send(get(path, "Cache-Control: no-cache"))
+        usual = await slow.answer()
+        assert quick[0].body == quick[2].body == usual.body == want
+        assert quick[0].headers == quick[1].headers == usual.headers
+        conn.close()
+        slow.close()
+
+
 async def test_a_big_hits_access_line_is_the_same_either_way(
     server: Server, elfs: ElfSet
 ) -> None:

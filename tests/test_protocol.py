@@ -92,7 +92,7 @@ async def test_head_on_a_hit_says_what_get_says_and_conditionals_still_hold(
 async def test_a_small_hit_sent_from_memory_is_what_sendfile_sends(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
-    from proxy.web.artifacts import SMALL_FILE_BYTES
+    from proxy.web.hot_files import SMALL_FILE_BYTES
 
     sg = await start_symgate([debuginfod.url])
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"

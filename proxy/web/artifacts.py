@@ -26,33 +26,14 @@ from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
 from proxy.sources.base import Hop
-from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.web.errors import cut_off
 from proxy.web.file_sends import cork, send_file
-from proxy.web.hot_files import HotFile, hot_file
+from proxy.web.hot_files import artifact_headers, etag
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
 
 log = logging.getLogger(__name__)
-# Hits up to this size are read and sent from memory rather than with sendfile.
-SMALL_FILE_BYTES = 256 * 1024
-
-
-def _artifact_headers(
-    size: int | None, filename: str, archive: str | None, ima_signature: str | None = None
-) -> dict[str, str]:
-    headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
-               "X-DEBUGINFOD-FILE": filename}
-    if size is not None:
-        headers["X-DEBUGINFOD-SIZE"] = str(size)
-    if archive:
-        headers["X-DEBUGINFOD-ARCHIVE"] = archive
-    if ima_signature:
-        headers[IMA_SIGNATURE] = ima_signature
-    return headers
-
-
 def _max_size(request: web.Request) -> int | None:
     raw = request.headers.get("X-DEBUGINFOD-MAXSIZE")
     if raw is None:
@@ -128,7 +109,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         if not any(name in request.headers for name in _CONDITIONAL):
             kh = result.artifact.record.key_hash
             hot = (state.hot.get(kh, result.artifact.record.fetched_at)
-                   or _hot_file(state, kh, result.artifact))
+                   or state.hot.load(kh, result.artifact))
             if hot is not None:
                 if request.method == "HEAD":
                     return web.Response(headers=hot.headers)
@@ -163,48 +144,6 @@ _CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified
                 "If-Range", "Range")
 # Those _without_foreign_range may change before FileResponse reads them.
 _DATED = ("If-Modified-Since", "If-Unmodified-Since", "Range")
-
-
-def _etag(st: os.stat_result) -> str:
-    """FileResponse's ETag of the file of `st`: its time and size."""
-    return f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
-
-
-def _file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
-    """What FileResponse says of a file, for the responses that do without it."""
-    rec = artifact.record
-    headers = _artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature)
-    headers.update({
-        "ETag": _etag(st),
-        "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
-        "Accept-Ranges": "bytes",
-    })
-    return headers
-
-
-def _hot_file(state: AppState, kh: str, artifact: CachedArtifact) -> HotFile | None:
-    """A hit's headers (FileResponse's), and a small file's bytes, read here and kept (see
-    proxy.web.hot_files): a read of a few pages costs less than FileResponse's two trips to
-    the thread pool and sendfile's setup, which dominated the cost of small hits. Read at once,
-    with no await in between, so eviction cannot pull the file away halfway. None when the file
-    is gone or could not be read whole, or is not the hit's commit (another process replaced
-    it, and this one's index is not told yet): FileResponse's path then answers as it would
-    have, and nothing is kept for the next hit."""
-    try:
-        with open(artifact.path, "rb") as f:
-            st = os.fstat(f.fileno())
-            small = st.st_size <= SMALL_FILE_BYTES
-            body = f.read(SMALL_FILE_BYTES + 1) if small else None
-    except OSError:
-        return None
-    if body is not None and len(body) != st.st_size:  # changed by another process meanwhile
-        return None
-    if st.st_size != artifact.record.size:
-        return None
-    hot = hot_file({**_file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
-                   artifact.record.fetched_at)
-    state.hot.put(kh, hot)
-    return hot
 
 
 def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:
@@ -282,7 +221,7 @@ class _LeasedFileResponse(web.FileResponse):
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
                  fd: int) -> None:
         rec = artifact.record
-        super().__init__(f"/proc/self/fd/{fd}", headers=_artifact_headers(
+        super().__init__(f"/proc/self/fd/{fd}", headers=artifact_headers(
             rec.size, rec.filename, rec.archive, rec.ima_signature))
         self._symgate = state
         self._key = key
@@ -371,7 +310,7 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
         return True
     validator = validator.strip()
     if validator.startswith('"'):
-        return validator == _etag(st)
+        return validator == etag(st)
     # A date matches only when it is the file's Last-Modified exactly (RFC 9110 13.1.5):
     # FileResponse takes any date at or after the file's, and a file replaced by an older
     # one (a purge and a fetch anew from an upstream that dates it earlier) would have the
@@ -394,7 +333,7 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.received
-    headers = _artifact_headers(size, meta.filename or key.default_filename, meta.archive,
+    headers = artifact_headers(size, meta.filename or key.default_filename, meta.archive,
                                 meta.ima_signature)
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified

@@ -21,9 +21,10 @@ and no header but those that change nothing in the answer (and an X-DEBUGINFOD-M
 fits), each once, Host among them in HTTP/1.1, every line in RFC 9110's plain syntax: a head
 aiohttp's parser would refuse is its to refuse. Anything else (a tenant's header or token,
 conditional and range requests, forwarding headers, Cache-Control, a body, pipelined requests,
-a head split across reads, a miss that memory alone cannot tell, a file not yet hot) goes to
-aiohttp as before; proxy.web.connections says when a connection aiohttp has had gets quick
-answers again (a big file's, never: aiohttp's keep-alive timer would not see it being sent).
+a head split across reads, a miss that memory alone cannot tell, a hit whose file another
+process replaced) goes to aiohttp as before; proxy.web.connections says when a connection
+aiohttp has had gets quick answers again (a big file's, never: aiohttp's keep-alive timer
+would not see it being sent).
 """
 
 from __future__ import annotations
@@ -134,7 +135,11 @@ class FastHits:
         hit = state.service.hit_now(_VISIBLE, req.key)
         if hit is None or 0 <= req.max_size < hit.record.size:
             return None
-        hot = state.hot.get(hit.record.key_hash, hit.record.fetched_at)
+        # The first hit since the commit (a download's, or another process's) reads the
+        # file's headers here, as aiohttp's path would: a client's first request would
+        # otherwise go to aiohttp, and with it every big file after on that connection.
+        kh = hit.record.key_hash
+        hot = state.hot.get(kh, hit.record.fetched_at) or state.hot.load(kh, hit)
         if hot is None or not hot.head:
             return None
         file = None
