@@ -811,6 +811,60 @@ async def test_a_server_stopping_lets_a_big_file_under_way_go_out_whole(
     assert await asyncio.wait_for(server.proc.wait(), 10) == 0
 
 
+async def handed_to_aiohttp(server: Server, elfs: ElfSet) -> Conn:
+    """A connection aiohttp has had: its first request one the quick path leaves to it."""
+    conn = await Conn.open(server)
+    await conn.send(get(f"/buildid/{elfs.prog.build_id}/debuginfo", "Cache-Control: no-cache"))
+    assert (await conn.answer()).status == 200
+    return conn
+
+
+async def test_aiohttps_connection_gets_a_big_file_quickly_and_its_keep_alive_after(
+    server: Server, elfs: ElfSet
+) -> None:
+    """A pooled connection aiohttp has had gets a big hit quickly too: aiohttp's keep-alive
+    timer, which does not see the send, is held while the file goes out to a client that
+    reads it slower than the timeout, then set going again: a next request is answered, and
+    the idle connection is closed after a timeout, as aiohttp closes its own."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    conn = await handed_to_aiohttp(server, elfs)
+    before = await server.quick()
+    await conn.send(get(path))
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    first = await conn.reader.readexactly(1 << 20)
+    await asyncio.sleep(2.5 * HEADER_TIMEOUT_S)  # the rest waits in the server's socket
+    rest = await asyncio.wait_for(conn.reader.readexactly(len(want) - len(first)), 30)
+    assert head.startswith(b"HTTP/1.1 200 ") and first + rest == want
+    assert await server.quick() == before + 1
+    await asyncio.sleep(HEADER_TIMEOUT_S / 2)
+    await conn.send(get(path, method="HEAD"))
+    assert (await conn.answer(head_only=True)).status == 200
+    assert await server.quick() == before + 2
+    assert await conn.closed(HEADER_TIMEOUT_S * 4)
+
+
+async def test_a_server_stopping_lets_a_big_file_on_aiohttps_connection_go_out_whole(
+    server: Server, elfs: ElfSet
+) -> None:
+    """aiohttp would close the connection at once (idle, to it): the guard lets the file go
+    out within the grace, then closes it."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    conn = await handed_to_aiohttp(server, elfs)
+    await conn.send(get(path))
+    await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    first = await conn.reader.readexactly(1 << 20)
+    server.proc.terminate()
+    await asyncio.sleep(0.3)
+    rest = await asyncio.wait_for(conn.reader.readexactly(len(want) - len(first)), 30)
+    assert first + rest == want
+    assert await conn.closed(5)
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+
+
 def _cached_file(tmp_path: Path, size: int) -> Path:
     """The cache's file of this size, in the data dir of `running`."""
     return next(p for p in (tmp_path / "data").rglob("*")

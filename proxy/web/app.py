@@ -352,7 +352,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
         server.close()  # no new connections; idle kept-alive ones are closed by the drain
         guard.close_quick()  # and those aiohttp was never told of
         assert runner.server is not None
-        await asyncio.gather(_drain(runner.server, config.server.shutdown_grace_s),
+        # aiohttp's connections sending a quick file are the guard's to finish, then close.
+        await asyncio.gather(_drain(runner.server, config.server.shutdown_grace_s,
+                                    guard.sending_for_aiohttp()),
                              guard.finish_sends(config.server.shutdown_grace_s))
     finally:
         server.close()
@@ -381,20 +383,26 @@ _LINGER_S = 1.0
 _CUT_S = 0.05
 
 
-async def _drain(server: web.Server, grace_s: float) -> None:
+async def _drain(server: web.Server, grace_s: float,
+                 sending: set[asyncio.BaseProtocol]) -> None:
     """Let requests under way finish for up to `grace_s`, then cut them: aiohttp's own
     shutdown(timeout) waits the timeout twice over (once for the handler, once more for its
-    cancellation), so the grace is kept here."""
-    server.pre_shutdown()  # idle connections close now; busy ones after their response
-    waits = [asyncio.create_task(conn.shutdown(grace_s)) for conn in server.connections]
+    cancellation), so the grace is kept here. The connections in `sending` are left alone:
+    idle to aiohttp, each is sending a file and closes once it is out."""
+    # server.pre_shutdown(), but for them: idle connections close now, busy ones after their
+    # response.
+    ours = [conn for conn in server.connections if conn not in sending]
+    for conn in ours:
+        conn.close()
+    waits = [asyncio.create_task(conn.shutdown(grace_s)) for conn in ours]
     if not waits:
         return
     _, late = await asyncio.wait(waits, timeout=grace_s)
     for task in late:
         task.cancel()
     await asyncio.gather(*late, return_exceptions=True)
-    await asyncio.gather(*(conn.shutdown(_CUT_S) for conn in server.connections),
-                         return_exceptions=True)
+    await asyncio.gather(*(conn.shutdown(_CUT_S) for conn in server.connections
+                           if conn not in sending), return_exceptions=True)
 
 
 def startup_error(config: Config, e: Exception) -> Exception:

@@ -110,20 +110,28 @@ class ConnectionGuard:
         # Connections aiohttp has not been told of yet (all their requests answered quickly):
         # closed by close_quick() when the server stops, as aiohttp closes its idle ones.
         self._quick_only: set[_Counted] = set()
+        # Connections with a quick file send under way, aiohttp's among them: the server lets
+        # them finish (finish_sends) rather than aiohttp's drain closing them.
+        self._senders: set[_Counted] = set()
         # Set once the app is up: the count and log of clients cut for not reading.
         self.send_timeouts: SendTimeouts | None = None
 
     def close_quick(self) -> None:
         """Close the connections only quick answers were written to: they are idle whenever
         the loop runs (an answer is written whole, at once), but for a file being sent,
-        which is closed once sent (finish_sends)."""
-        for conn in list(self._quick_only):
+        which is closed once sent (finish_sends), aiohttp's connections' too."""
+        for conn in [*self._quick_only, *self._senders]:
             conn.close()
+
+    def sending_for_aiohttp(self) -> set[asyncio.BaseProtocol]:
+        """aiohttp's protocols of the connections it has whose quick file send is under way:
+        idle to aiohttp, which would close them at once when the server stops."""
+        return {conn._inner for conn in self._senders if conn._handed}
 
     async def finish_sends(self, grace_s: float) -> None:
         """The files quick connections are sending get `grace_s` to go out, as aiohttp's
         responses under way do when the server stops; then they are cut."""
-        sends = [c._sending for c in self._quick_only if c._sending is not None]
+        sends = [c._sending for c in self._senders if c._sending is not None]
         if not sends:
             return
         _done, late = await asyncio.wait(sends, timeout=grace_s)
@@ -132,7 +140,7 @@ class ConnectionGuard:
         # Cut by shutting the sockets down: the sendfile under way then fails at once and
         # asyncio leaves the file's position past what went out, which the access line tells
         # (a cancelled sendfile leaves it where it began).
-        for conn in list(self._quick_only):
+        for conn in list(self._senders):
             if conn._sending in late:
                 conn.cut_send()
         _done, late = await asyncio.wait(late, timeout=_CUT_S)
@@ -161,8 +169,9 @@ class _Counted(asyncio.Protocol):
     Once aiohttp has the connection, a request is answered quickly only while aiohttp waits
     for the next one with nothing under way and nothing half-read (_aiohttp_idle): a client's
     kept-alive connection whose first request was a miss still gets quick hits after it, and
-    aiohttp's keep-alive timer is then moved on as its own answers move it. A request with a
-    body, or a head in pieces, leaves the connection to aiohttp for good."""
+    aiohttp's keep-alive timer is then moved on as its own answers move it, and held while a
+    big file goes out. A request with a body, or a head in pieces, leaves the connection to
+    aiohttp for good."""
 
     def __init__(self, inner: asyncio.BaseProtocol, guard: ConnectionGuard,
                  quick: QuickAnswers | None = None) -> None:
@@ -246,11 +255,11 @@ class _Counted(asyncio.Protocol):
                 self._idle.cancel()
                 self._idle = None
             transport = self._transport
-            # A big file only where aiohttp was never told of the connection: its keep-alive
-            # timer, blind to the send, could close the connection in the middle of it.
+            # A big file where aiohttp was never told of the connection, or where its keep-alive
+            # timer, blind to the send, can be held until the file is out (_hold_keep_alive).
+            whole_files = not self._handed or _keep_alive_holdable(self._inner)
             if not self._paused and transport is not None and not transport.is_closing() \
-                    and (answer := quick.answer(data, self._remote, not self._handed)) \
-                    is not None:
+                    and (answer := quick.answer(data, self._remote, whole_files)) is not None:
                 if isinstance(answer, bytes):
                     transport.write(answer)
                     self._answered_quickly()
@@ -296,7 +305,11 @@ class _Counted(asyncio.Protocol):
             return
         # Nothing more is read (a next request) until the file is out.
         transport.pause_reading()
+        if self._handed:
+            _hold_keep_alive(self._inner)  # set going again by _answered_quickly
         self._sending = send = asyncio.ensure_future(self._send(transport, answer, sent))
+        if self._guard is not None:
+            self._guard._senders.add(self)
         # A send cancelled before its first step never runs its own `finally`.
         send.add_done_callback(lambda _: self._sent(send, answer))
 
@@ -335,6 +348,8 @@ class _Counted(asyncio.Protocol):
         """The send is over, whichever way: its file let go, counted and logged, once."""
         if self._sending is send:
             self._sending = None
+            if self._guard is not None:
+                self._guard._senders.discard(self)
         answer.finish()
 
     def cut_send(self) -> None:
@@ -412,6 +427,7 @@ class _Counted(asyncio.Protocol):
         if self._guard is not None:
             self._guard.open -= 1
             self._guard._quick_only.discard(self)
+            self._guard._senders.discard(self)
             if is_send_timeout(exc) and self._guard.send_timeouts is not None:
                 self._guard.send_timeouts.note(self._peer())
             self._guard = None
@@ -448,10 +464,30 @@ def _aiohttp_idle(inner: asyncio.BaseProtocol) -> bool:
 
 def _keep_alive_from_now(inner: asyncio.BaseProtocol) -> None:
     """Move aiohttp's keep-alive deadline on, as its own answers do: its timer, when it fires
-    early, waits for the new one."""
-    timeout = getattr(inner, "_keepalive_timeout", 0)
-    inner._next_keepalive_close_time = (  # type: ignore[attr-defined]
-        asyncio.get_running_loop().time() + timeout)
+    early, waits for the new one; one held for a big file's send (_hold_keep_alive) is set
+    going again, as aiohttp sets it after a response."""
+    loop = asyncio.get_running_loop()
+    close_time = loop.time() + getattr(inner, "_keepalive_timeout", 0)
+    inner._next_keepalive_close_time = close_time  # type: ignore[attr-defined]
+    if _keep_alive_holdable(inner) and inner._keepalive_handle is None:  # type: ignore[attr-defined]
+        inner._keepalive_handle = loop.call_at(  # type: ignore[attr-defined]
+            close_time, inner._process_keepalive)  # type: ignore[attr-defined]
+
+
+def _keep_alive_holdable(inner: asyncio.BaseProtocol) -> bool:
+    """Whether aiohttp's keep-alive timer is one _hold_keep_alive knows how to hold: its handle
+    and the method it calls (private to RequestHandler, the same from 3.9 to 3.14)."""
+    return hasattr(inner, "_keepalive_handle") and callable(
+        getattr(inner, "_process_keepalive", None))
+
+
+def _hold_keep_alive(inner: asyncio.BaseProtocol) -> None:
+    """Stop aiohttp's keep-alive timer while a big file goes out on its idle connection: it
+    would close the connection in the middle of the send, which it does not see."""
+    handle = inner._keepalive_handle  # type: ignore[attr-defined]
+    if handle is not None:
+        handle.cancel()
+        inner._keepalive_handle = None  # type: ignore[attr-defined]
 
 
 class _Shed(asyncio.Protocol):

@@ -23,8 +23,8 @@ aiohttp's parser would refuse is its to refuse. Anything else (a tenant's header
 conditional and range requests, forwarding headers, Cache-Control, a body, pipelined requests,
 a head split across reads, a miss that memory alone cannot tell, a hit whose file another
 process replaced) goes to aiohttp as before; proxy.web.connections says when a connection
-aiohttp has had gets quick answers again (a big file's, never: aiohttp's keep-alive timer
-would not see it being sent).
+aiohttp has had gets quick answers again (a big file's too, aiohttp's keep-alive timer held
+while it goes out).
 """
 
 from __future__ import annotations
