@@ -55,17 +55,28 @@ def _named_functions(profile: RawProfile) -> dict[int, str]:
     return out
 
 
+def _nameless_functions(profile: RawProfile) -> set[int]:
+    """The ids of functions with neither a name nor a system name: what Go's runtime/pprof
+    writes for a PC it could not symbolize (C code of a cgo program, libc), one line of a
+    function named "" at line 0, where other profilers write no line at all."""
+    strings = profile.string_table
+    return {f.id for f in profile.function
+            if not (0 < f.name < len(strings) and strings[f.name])
+            and not (0 < f.system_name < len(strings) and strings[f.system_name])}
+
+
 def strip(profile: RawProfile, mapping_ids: Iterable[int]) -> int:
-    """Take the names this module gave back off the locations of these mappings (which are
-    about to be symbolized), so that the rewrite sees them as it saw them before. The
-    locations stripped."""
+    """Take the names this module gave back, and lines that name no function (Go's), off the
+    locations of these mappings (which are about to be symbolized), so that the rewrite sees
+    them as the locations without lines they are. The locations stripped."""
     ids = set(mapping_ids)
     unsymbolized = {m.id: _module(profile, m.filename) for m in profile.mapping
                     if m.id in ids and not m.has_functions}
     if not unsymbolized or not profile.function:
         return 0
     named = _named_functions(profile)
-    if not named:
+    nameless = _nameless_functions(profile)
+    if not named and not nameless:
         return 0
     encoded = list(profile.location)
     columns = location_columns(encoded)
@@ -75,7 +86,9 @@ def strip(profile: RawProfile, mapping_ids: Iterable[int]) -> int:
     for i in candidates.tolist():
         loc = Location.FromString(encoded[i])
         module = unsymbolized[loc.mapping_id]
-        if module and loc.line and all(named.get(ln.function_id) == module for ln in loc.line):
+        if loc.line and all(ln.function_id in nameless
+                            or (module and named.get(ln.function_id) == module)
+                            for ln in loc.line):
             loc.ClearField("line")
             encoded[i] = loc.SerializeToString()
             stripped += 1

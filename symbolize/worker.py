@@ -216,8 +216,8 @@ class Workspace:
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
         written: list[npt.NDArray[np.uint8]] = []
         if usable:
-            # Names an earlier pass gave in their stead; the encoding's locations are still the
-            # profile's where it took none.
+            # Names an earlier pass gave in their stead, and Go's lines of no function; the
+            # encoding's locations are still the profile's where it took none.
             stripped = fallback.strip(profile, usable)
             # The fallback pass reads the locations back from the profile: only without it
             # are they kept apart, to be appended to its encoding.
