@@ -107,8 +107,19 @@ def fill(profile: RawProfile) -> int:
         return 0
     encoded = list(profile.location)
     columns = location_columns(encoded)
-    wanted = np.flatnonzero(~columns.has_lines & np.isin(
-        columns.mapping_id, np.array(list(modules), dtype=np.uint64)))
+    ours = np.isin(columns.mapping_id, np.array(list(modules), dtype=np.uint64))
+    blank = ~columns.has_lines
+    # Go's lines that name no function are no lines: such a location is named as well, in
+    # their stead.
+    bare: dict[int, bytes] = {}
+    if nameless := _nameless_functions(profile):
+        for i in np.flatnonzero(columns.has_lines & ours).tolist():
+            loc = Location.FromString(encoded[i])
+            if all(ln.function_id in nameless for ln in loc.line):
+                loc.ClearField("line")
+                bare[i] = loc.SerializeToString()
+                blank[i] = True
+    wanted = np.flatnonzero(blank & ours)
     if not len(wanted):
         return 0
     names: list[tuple[int, str]] = []
@@ -125,7 +136,8 @@ def fill(profile: RawProfile) -> int:
     ids = _function_ids(profile, (name for _i, name in names))
     for i, name in names:
         line = varint.encode_one(1 << 3) + varint.encode_one(ids[name])  # Line.function_id
-        encoded[i] += bytes([_LINE]) + varint.encode_one(len(line)) + line
+        encoded[i] = bare.get(i, encoded[i]) + bytes([_LINE]) + varint.encode_one(len(line)) \
+            + line
     if names:
         _replace(profile, encoded)
     return len(names)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,6 @@ from symbolize.pprof.profile_pb2 import Location, Mapping, Profile
 from tests.elfs import build_id_tree
 from tests.harness import SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
-from tests.processes import run_in_thread
 from tests.profiles import Expected, frames_of, llvm_symbolize
 from tests.symbolize_helpers import parse, post, same_frames, symbolize_config
 
@@ -115,30 +116,40 @@ def _vaddr(m: Mapping, address: int, elf: Path) -> int | None:
     return None
 
 
-@pytest.mark.skipif(shutil.which("go") is None, reason="needs Debian's golang-go")
+@dataclass(frozen=True)
+class GoProfile:
+    exe: Path  # built with DWARF, not stripped: its own debug file
+    body: bytes  # gzipped, as runtime/pprof writes it
+
+
+@pytest.fixture(scope="module")
+def go_cgo_profile(tmp_path_factory: pytest.TempPathFactory) -> GoProfile:
+    if shutil.which("go") is None:
+        pytest.skip("needs Debian's golang-go")
+    root = tmp_path_factory.mktemp("cgo")
+    src = root / "src"
+    src.mkdir()
+    (src / "main.go").write_text(CGO_MAIN)
+    (src / "go.mod").write_text("module cgoprof\n\ngo 1.19\n")
+    env = {**os.environ, "HOME": str(root), "GOCACHE": str(root / "gocache"),
+           "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", "CGO_ENABLED": "1",
+           "GOPATH": str(root / "gopath")}
+    exe = root / "cgoprog"
+    subprocess.run(["go", "build", "-o", str(exe), "."], cwd=src, env=env, check=True,
+                   capture_output=True, timeout=300)
+    subprocess.run([str(exe), str(root / "cpu.pprof")], env=env, check=True,
+                   capture_output=True, timeout=300)
+    return GoProfile(exe, (root / "cpu.pprof").read_bytes())
+
+
 @pytest.mark.skipif(not LIBC_DEBUG.exists(), reason="needs Debian's libc6-dbg")
 async def test_a_go_cgo_cpu_profile_gets_its_c_and_libc_frames_named(
-    start_symgate: SymgateFactory, tmp_path: Path
+    start_symgate: SymgateFactory, go_cgo_profile: GoProfile, tmp_path: Path
 ) -> None:
     """Go names the PCs it cannot symbolize (C code, libc) with one line of a function whose
     name is "" rather than leaving the location without lines. Such a location was taken for a
     symbolized one: a real cgo profile came back with nothing filled in."""
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "main.go").write_text(CGO_MAIN)
-    (src / "go.mod").write_text("module cgoprof\n\ngo 1.19\n")
-    env = {**os.environ, "HOME": str(tmp_path), "GOCACHE": str(tmp_path / "gocache"),
-           "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", "CGO_ENABLED": "1",
-           "GOPATH": str(tmp_path / "gopath")}
-    exe = tmp_path / "cgoprog"
-    built = await run_in_thread(["sh", "-c", f"cd {src} && go build -o {exe} ."], env=env,
-                                timeout=300)
-    assert built.returncode == 0, built.stderr
-    pprof_file = tmp_path / "cpu.pprof"
-    ran = await run_in_thread([str(exe), str(pprof_file)], env=env, timeout=300)
-    assert ran.returncode == 0, ran.stderr
-    body = pprof_file.read_bytes()  # gzipped, as runtime/pprof writes it
-
+    exe, body = go_cgo_profile.exe, go_cgo_profile.body
     exe_id = build_id_of_file(exe)
     assert exe_id
     tree = build_id_tree(tmp_path / "debug", exe_id, exe, exe)
@@ -195,3 +206,29 @@ async def test_a_go_cgo_cpu_profile_gets_its_c_and_libc_frames_named(
     limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
     offline, _report = await asyncio.to_thread(symbolize_bytes, body, [tree], limits)
     assert offline == served
+
+
+async def test_go_s_unnamed_frames_get_the_fallback_name(
+    start_symgate: SymgateFactory, go_cgo_profile: GoProfile, tmp_path: Path
+) -> None:
+    """With ?fallback=module-offset, a frame no debug info names is `module+0xoffset`: Go's
+    frames of a function named "" too, which were left as they came, nameless."""
+    body = go_cgo_profile.body
+    empty = tmp_path / "debug"
+    empty.mkdir()
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(empty,)))
+    status, _headers, served = await sg.request(
+        "POST", "/symbolize?fallback=module-offset", data=body,
+        headers={"Content-Type": "application/octet-stream"})
+    assert status == 200
+    before, after = parse(body), parse(served)
+    s = before.string_table
+    libc = next(m for m in before.mapping if s[m.build_id] == LIBC_ID)
+    unnamed = [loc for loc in before.location if loc.mapping_id == libc.id
+               and _nameless(before, loc)]
+    assert unnamed  # the C threads ran for seconds, much of it in qsort and strlen
+    after_by_id = {loc.id: loc for loc in after.location}
+    for loc in unnamed:
+        offset = loc.address - libc.memory_start + libc.file_offset
+        assert [f.function for f in frames_of(after, after_by_id[loc.id])] == \
+            [f"libc.so.6+{offset:#x}"], hex(loc.address)
