@@ -865,6 +865,30 @@ async def test_a_server_stopping_lets_a_big_file_on_aiohttps_connection_go_out_w
     assert await asyncio.wait_for(server.proc.wait(), 10) == 0
 
 
+@pytest.mark.parametrize("handed", [False, True], ids=["quick", "aiohttps"])
+async def test_a_server_stopping_lets_a_big_file_go_out_whole_past_a_request_sent_meanwhile(
+    server: Server, elfs: ElfSet, handed: bool
+) -> None:
+    """A request sent while the file goes out waits unread in the socket (reading is paused
+    for the send). The server stops: the file still goes out whole, then the connection ends,
+    never reset for the unread request with the file's tail still in its buffers."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    conn = await (handed_to_aiohttp(server, elfs) if handed else Conn.open(server))
+    await conn.send(get(path))
+    await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    first = await conn.reader.readexactly(1 << 20)
+    await conn.send(get(f"/buildid/{elfs.prog.build_id}/debuginfo"))
+    server.proc.terminate()
+    await asyncio.sleep(0.3)
+    rest = await asyncio.wait_for(conn.reader.readexactly(len(want) - len(first)), 30)
+    assert first + rest == want
+    assert await conn.closed(5)
+    conn.close()
+    assert await asyncio.wait_for(server.proc.wait(), 10) == 0
+
+
 def _cached_file(tmp_path: Path, size: int) -> Path:
     """The cache's file of this size, in the data dir of `running`."""
     return next(p for p in (tmp_path / "data").rglob("*")

@@ -194,6 +194,8 @@ class _Counted(asyncio.Protocol):
         # connection is to close once it has (the server stopping).
         self._sending: asyncio.Task[None] | None = None
         self._close_after_send = False
+        # Its file sent as the server stops, its end sent too: what comes in is dropped.
+        self._draining = False
         # After the client's half-close: until aiohttp has answered what it sent, and how long
         # the next look waits.
         self._answering: asyncio.TimerHandle | None = None
@@ -240,6 +242,8 @@ class _Counted(asyncio.Protocol):
                 self._guard.header_timeout_s, self._head_too_slow)
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:
+            return
         if self._timer is not None:
             seen = self._tail + data
             self._head_bytes += len(data)
@@ -339,10 +343,26 @@ class _Counted(asyncio.Protocol):
             if not sent:
                 transport.abort()
         if self._close_after_send:
-            transport.close()
+            if not transport.is_closing():
+                self._end_after_file(transport)
         elif not transport.is_closing():
             transport.resume_reading()
             self._answered_quickly()
+
+    def _end_after_file(self, transport: asyncio.Transport) -> None:
+        """The server stops: the file is out, the connection ends. Its end is sent after the
+        file's last byte, and what the client sent meanwhile (a next request, which reading,
+        paused for the send, left in the socket) is read and dropped until the client closes,
+        or for SHED_LINGER_S: a socket closed with unread bytes is reset, and the file's tail
+        still in the buffers is lost. (aiohttp reads such a request before it closes.)"""
+        self._draining = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:
+            transport.close()
+            return
+        transport.resume_reading()
+        self._idle = asyncio.get_running_loop().call_later(SHED_LINGER_S, self._idle_too_long)
 
     def _sent(self, send: asyncio.Future[None] | None, answer: QuickFile) -> None:
         """The send is over, whichever way: its file let go, counted and logged, once."""
@@ -378,7 +398,7 @@ class _Counted(asyncio.Protocol):
             self._transport.close()
 
     def eof_received(self) -> bool | None:
-        if not self._handed:
+        if not self._handed or self._draining:
             return None  # all its requests answered: close
         if not self._clean or _aiohttp_idle(self._inner):
             # Nothing under way (or a body cut short: that client is gone): close.
