@@ -87,6 +87,37 @@ async def test_an_upload_over_a_download_is_what_every_worker_serves(
     assert set(after) == {"upload"}, f"{after.count('download')} of {ASKED} still the download"
 
 
+@pytest.mark.parametrize("headers", [{}, {"Cache-Control": "no-cache"}],
+                         ids=["quick", "aiohttp"])
+async def test_a_big_file_put_over_by_another_process_is_never_sent_as_the_old_one(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, headers: dict[str, str]
+) -> None:
+    """A process that has not polled the upload's notice yet still holds the download's row
+    and headers, and opens the key's path, where the upload is now: it sends the upload,
+    whole, or the download it had, never the upload's first bytes under the download's
+    Content-Length (a body that looks whole and is neither file)."""
+    slow = (f'[upload]\nadmin_tokens = ["{ADMIN}"]\n[cache]\npurge_poll_s = 600\n'
+            "[symbolize]\nenabled = false\n")  # b hears of no notice in this test
+    a, _ = await serve(debuginfod.url, extra=slow)
+    b, _ = await serve(debuginfod.url, extra=slow)
+    big = elfs.big
+    url = f"/buildid/{big.build_id}/debuginfo"
+    old = big.debug.read_bytes()
+    # The same build ID, other bytes and more of them: its padding changed, and a tail.
+    mid = len(old) // 2
+    new = old[:mid] + b"\xaa" * 100 + old[mid + 100:] + bytes(3000)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):  # fetched, then a hit: its headers in b's memory
+            async with s.get(b + url) as r:
+                assert await r.read() == old
+        assert await _send("PUT", a, big.build_id, new) == 201
+        async with s.get(b + url, headers=headers) as r:
+            body = await r.read()
+            assert r.status == 200 and int(r.headers["Content-Length"]) == len(body)
+    got = {new: "upload", old: "download"}.get(body, f"{len(body)} bytes of neither")
+    assert got in ("upload", "download")
+
+
 async def test_a_reupload_right_after_a_delete_outlives_the_delete_s_notice(
     serve: Start, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

@@ -123,6 +123,12 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             await state.service.vanished(result.artifact)
             continue
         if hot is not None and request.method == "GET":
+            if not hot.describes(fd):
+                # Another process put another commit of the key there (an upload over a
+                # download), which this one's index is not told of yet: its row tells it.
+                os.close(fd)
+                await state.service.cache.vanished(result.artifact.record)
+                continue
             return _SentFile(state, key, result.artifact, fd, hot.headers)
         return _LeasedFileResponse(state, key, result.artifact, fd)
     else:

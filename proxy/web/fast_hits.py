@@ -147,9 +147,13 @@ class FastHits:
             if not whole_files:
                 return None
             try:
-                file = _OpenedFile(os.open(hit.path, os.O_RDONLY | os.O_CLOEXEC), hit)
+                fd = os.open(hit.path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return None  # evicted by another process: aiohttp's path looks again
+            if not hot.describes(fd):  # replaced by another process: aiohttp's path finds
+                os.close(fd)           # the new commit
+                return None
+            file = _OpenedFile(fd, hit)
         state.service.cache.touch(hit)
         return 200, hot, {"endpoint": "buildid", "kind": req.kind, "outcome": Served.HIT,
                           "upstream": hit.record.upstream}, file

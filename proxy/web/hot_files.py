@@ -39,6 +39,14 @@ class HotFile:
     # The commit of the key it was read from (its row's fetched_at); None for no file's.
     fetched_at: datetime | None = None
 
+    def describes(self, fd: int) -> bool:
+        """Whether the file open on `fd` is the one these headers were read from (its time
+        and size, the ETag's): another process may have put another commit of the key at its
+        path (an upload over a download) before this one's index hears of it, and that file's
+        first Content-Length bytes, sent under these headers, would be a body that looks
+        whole and is neither file."""
+        return etag(os.fstat(fd)) == self.headers.get("ETag")
+
 
 def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None
              ) -> HotFile:
