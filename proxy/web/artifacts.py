@@ -122,13 +122,19 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             # Evicted by another process, or deleted: find it again (fetched anew).
             await state.service.vanished(result.artifact)
             continue
+        if not (hot.describes(fd) if hot is not None
+                else os.fstat(fd).st_size == result.artifact.record.size):
+            # Not the hit's commit: another process put another there (an upload over a
+            # download), which this one's index is not told of yet and its row tells, or the
+            # file was damaged. Sent, it would be a body that looks whole and is not the file
+            # its headers describe: forgotten, and found again (or fetched anew).
+            os.close(fd)
+            log.warning("cached %s is not the file its index entry describes (replaced by "
+                        "another process, or changed on disk); looking it up again",
+                        result.artifact.record.key)
+            await state.service.cache.vanished(result.artifact.record)
+            continue
         if hot is not None and request.method == "GET":
-            if not hot.describes(fd):
-                # Another process put another commit of the key there (an upload over a
-                # download), which this one's index is not told of yet: its row tells it.
-                os.close(fd)
-                await state.service.cache.vanished(result.artifact.record)
-                continue
             return _SentFile(state, key, result.artifact, fd, hot.headers)
         return _LeasedFileResponse(state, key, result.artifact, fd)
     else:
