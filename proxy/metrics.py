@@ -33,7 +33,7 @@ ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")
 UPSTREAM_RESULTS = (Outcome.OK, Outcome.NOT_FOUND, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)
 VERIFICATION_REASONS = ("truncated", "not_elf", "build_id_mismatch", "too_large")
 PROFILE_OUTCOMES = ("symbolized", "unchanged", "disabled", Outcome.REJECTED, Outcome.INTERNAL)
-MAPPING_RESULTS = ("symbolized", "has_functions", "no_build_id", "invalid_build_id",
+MAPPING_RESULTS = ("symbolized", "has_functions", "kernel", "no_build_id", "invalid_build_id",
                    "no_locations", "unresolved", Outcome.NOT_FOUND, Outcome.NO_SYMBOLS,
                    Outcome.MALFORMED, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
                    Outcome.INTERNAL)

@@ -94,6 +94,8 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
         if m.has_functions:
             report.mappings_skipped["has_functions"] += 1
+        elif is_kernel(m.memory_start, strings[m.filename] if m.filename < len(strings) else ""):
+            report.mappings_skipped["kernel"] += 1
         elif not raw:
             report.mappings_skipped["no_build_id"] += 1
         else:
@@ -102,6 +104,21 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
             except InvalidBuildId:
                 report.mappings_skipped["invalid_build_id"] += 1
     return out
+
+
+# Where the kernel's half of the address space starts on x86-64 and arm64 (canonical
+# addresses with the top bit set).
+_KERNEL_SPACE = 1 << 63
+
+
+def is_kernel(memory_start: int, filename: str) -> bool:
+    """Whether a mapping is the kernel's or a module's (`[kernel.kallsyms]`, perf's name, or
+    code in the kernel's half of the address space). Its addresses are kernel virtual
+    addresses, relocated by KASLR, which no user-space program-header translation turns into
+    the vmlinux's; and its debug file is the whole kernel's, hundreds of MB from an upstream,
+    for nothing. Profilers name kernel frames themselves (perf, the eBPF profilers, from
+    /proc/kallsyms)."""
+    return filename.startswith("[kernel") or memory_start >= _KERNEL_SPACE
 
 
 class _Functions:

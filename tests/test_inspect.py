@@ -23,7 +23,8 @@ UNKNOWN = "feedface" * 5
 def profile(elfs: ElfSet) -> bytes:
     p = Profile()
     p.string_table.extend(["", "/usr/bin/prog", elfs.prog.build_id, "[vdso]", "/usr/bin/app",
-                           "/usr/lib/libdone.so", elfs.other.build_id, "/opt/mystery", UNKNOWN])
+                           "/usr/lib/libdone.so", elfs.other.build_id, "/opt/mystery", UNKNOWN,
+                           "[kernel.kallsyms]"])
     p.mapping.add(id=1, memory_start=0x555500001000, memory_limit=0x555500002000,
                   filename=1, build_id=2)
     p.mapping.add(id=2, memory_start=0x7FFF00000000, memory_limit=0x7FFF00002000, filename=3)
@@ -32,6 +33,8 @@ def profile(elfs: ElfSet) -> bytes:
                   build_id=6, has_functions=True)
     p.mapping.add(id=5, memory_start=0x7F1000000000, memory_limit=0x7F1000010000, filename=7,
                   build_id=8)
+    p.mapping.add(id=6, memory_start=0xFFFFFFFF81000000, memory_limit=0xFFFFFFFF82000000,
+                  filename=9, build_id=6)
     return gzip.compress(p.SerializeToString())
 
 
@@ -63,6 +66,9 @@ async def test_inspect_explains_every_mapping(
     assert "HasFunctions is already true" in rows[4]["verdict"]
     assert [c["status"] for c in rows[5]["checks"]] == ["404", "504"]  # 504: not cached
     assert "not on any upstream" in rows[5]["verdict"]
+    # /symbolize leaves the kernel alone: not asked anywhere, though an upstream has its ID.
+    assert not rows[6]["would_symbolize"] and not rows[6]["checks"]
+    assert "the kernel's or a module's code" in rows[6]["verdict"]
     # Nothing was fetched by the cache check (only-if-cached).
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                            outcome="not_cached") == 1

@@ -68,3 +68,35 @@ async def test_addresses_outside_the_mapping_stay_as_they_were(
     assert headers["X-Symgate-Locations-Unresolved"] == "outside_mapping=2"
     out = parse(body)
     assert [loc.line for loc in out.location if loc.id >= 1000] == [[], []]
+
+
+async def test_kernel_mappings_are_left_alone_and_their_debug_files_never_fetched(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """perf's `[kernel.kallsyms]` and a module's mapping, each with a build ID an upstream
+    has: their addresses are the running kernel's (KASLR), which no program-header
+    translation maps into the file, and a real vmlinux's debug file is hundreds of MB. Both
+    pass through untouched, counted as `kernel`, and nothing is asked upstream for them."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elfs.prog, BASES["prog"])
+    profile = make_profile([(placed, code_addresses(elfs.prog)[:20])])
+    profile.string_table.extend(["[kernel.kallsyms]", "/lib/modules/6.1.0/kernel/x.ko",
+                                 elfs.other.build_id])
+    names = len(profile.string_table) - 3
+    for mid, name, start in ((7, names, 0xFFFFFFFF81000000),
+                             (8, names + 1, 0xFFFFFFFFC0000000)):
+        profile.mapping.append(Mapping(id=mid, memory_start=start, memory_limit=start + 0x100000,
+                                       filename=name, build_id=names + 2))
+        profile.location.add(id=900 + mid, mapping_id=mid, address=start + 0x1234)
+        profile.sample.add(location_id=[900 + mid], value=[1])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "kernel=2"
+    out = parse(body)
+    assert [m for m in out.mapping if m.id in (7, 8)] == list(profile.mapping[1:])
+    assert [loc.line for loc in out.location if loc.id > 900] == [[], []]
+    await sg.settled()
+    async with sg.session.head(f"{sg.url}/buildid/{elfs.other.build_id}/debuginfo",
+                               headers={"Cache-Control": "only-if-cached"}) as r:
+        assert r.status == 504  # never fetched

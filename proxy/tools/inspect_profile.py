@@ -24,6 +24,7 @@ from proxy.sources.localdir import LocalDirectory
 from proxy.tools.text_table import render_table
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
+from symbolize.rewrite import is_kernel
 
 USER_AGENT = f"symgate-inspect/{__version__}"
 
@@ -107,6 +108,10 @@ def _verdict(row: Row) -> str:
     if row.has_functions:
         return ("HasFunctions is already true: the profiler symbolized this mapping itself, "
                 "so /symbolize leaves it alone")
+    if not row.would_symbolize:
+        return ("the kernel's or a module's code: /symbolize leaves it alone (its addresses "
+                "are the running kernel's, and its debug file hundreds of MB); have the "
+                "profiler name kernel frames, as perf and the eBPF profilers do")
     found = [c for c in row.checks if c.status == "200"]
     if found:
         c = found[0]
@@ -131,14 +136,16 @@ async def inspect_profile(
     rows: list[Row] = []
     for m in profile.mapping:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
+        name = strings[m.filename] if m.filename < len(strings) else ""
+        kernel = not m.has_functions and is_kernel(m.memory_start, name)
         reason = ""
         try:
             bid = normalize_build_id(raw) if raw else None
         except InvalidBuildId as e:
             bid, reason = None, str(e).removeprefix("invalid build ID: ")
-        rows.append(Row(m.id, strings[m.filename] if m.filename < len(strings) else "",
+        rows.append(Row(m.id, name,
                         m.memory_start, m.memory_limit, bid, m.has_functions,
-                        bid is not None and not m.has_functions,
+                        bid is not None and not m.has_functions and not kernel,
                         invalid_build_id=raw if reason else "", invalid_reason=reason))
     metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
     locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
