@@ -19,7 +19,10 @@ from symbolize import buildid as symbolize_buildid
 # Bytes of UTF-8, as PATH_MAX counts them: no file a compiler named can be longer, and
 # elfutils' client cuts its whole request URL at PATH_MAX, so no real client sends more.
 MAX_SOURCE_PATH = 4096
-_SECTION = re.compile(r"[A-Za-z0-9._$@-]{1,255}")
+# An ELF section name is any bytes but NUL, and elfutils' debuginfod serves whichever the file
+# has (`.text.` and a long C++ name, `__ksymtab+sym`, `.a b`): text without control
+# characters, and no "/", which would name another path upstream.
+_SECTION_REFUSED = re.compile(r"[\x00-\x1f\x7f/]")
 
 
 class Kind(StrEnum):
@@ -86,9 +89,11 @@ def normalize_source_path(raw: str) -> str:
 
 
 def normalize_section(raw: str) -> str:
-    # fullmatch: `$` would let a final newline through into SQL keys and log lines. "." and
-    # ".." would be resolved away by HTTP clients, asking upstream for another path.
-    if not _SECTION.fullmatch(raw) or raw in (".", ".."):
+    # Control characters would reach SQL keys and log lines. "." and ".." would be resolved
+    # away by HTTP clients, asking upstream for another path. A name that is not UTF-8 (a lone
+    # surrogate) is no text SQL takes.
+    if (not raw or raw in (".", "..") or _SECTION_REFUSED.search(raw) is not None
+            or not is_text(raw) or len(raw.encode()) > MAX_SOURCE_PATH):
         raise InvalidRequest("invalid section name")
     return raw
 

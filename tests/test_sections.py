@@ -10,6 +10,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,6 +194,36 @@ async def test_an_empty_section_is_no_section_as_for_elfutils(
             f"{sg.url}/buildid/{elfs.prog.build_id}/section/.both")
         assert (status, body, headers["X-DEBUGINFOD-FILE"]) == (200, marker.read_bytes(),
                                                                 "prog")
+
+
+# Names an ELF file may give its sections, which elfutils serves as the file has them: the
+# characters of `__ksymtab+sym`, C++ -ffunction-sections names longer than 255 bytes.
+ODD_SECTIONS = (".a+b", ".a:b", ".a~b", ".a b", ".a%b", ".a#b", ".a?b", ".caf\u00e9",
+                ".text." + "_ZN" * 120)
+
+
+@sqlite_only
+async def test_sections_of_any_name_the_file_has_are_served_as_elfutils_serves_them(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """symgate refused (400, which elfutils' client keeps as a miss for ten minutes) every
+    name outside [A-Za-z0-9._$@-] or longer than 255 characters, though ELF section names
+    are any bytes but NUL and elfutils' debuginfod serves them."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    marker = tmp_path / "marker"
+    marker.write_bytes(b"an oddly named section")
+    adds = [arg for name in ODD_SECTIONS for arg in ("--add-section", f"{name}={marker}")]
+    subprocess.run(["objcopy", *adds, elfs.prog.debug, out / "prog.debug"], check=True)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    with _debuginfod_of(tmp_path, out, elfs.prog.build_id) as url:
+        sg = await start_symgate([url])
+        quoted = tuple(urllib.parse.quote(name, safe="") for name in ODD_SECTIONS)
+        assert await _same_as_elfutils(sg.url, url, elfs.prog.build_id, HEADERS, quoted) == []
+        for name in quoted:
+            status, _, body = await _direct(
+                f"{sg.url}/buildid/{elfs.prog.build_id}/section/{name}")
+            assert (status, body) == (200, marker.read_bytes()), name
 
 
 @sqlite_only
