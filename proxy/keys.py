@@ -83,9 +83,11 @@ def normalize_source_path(raw: str) -> str:
         raise InvalidRequest(f"invalid source path: longer than {MAX_SOURCE_PATH} bytes")
     if any(ord(c) < 0x20 or c == "\x7f" for c in raw):
         raise InvalidRequest("invalid source path: contains control characters")
-    path = posixpath.normpath(raw)
-    # normpath keeps a leading "//" (POSIX allows it to mean something else); we do not.
-    return "/" + path.lstrip("/")
+    path = "/" + posixpath.normpath(raw).lstrip("/")
+    # normpath keeps a leading "//" (POSIX allows it to mean something else); we do not. It
+    # drops a final "/", which elfutils keeps: "main.c/" names a directory, no file (404),
+    # and must not be answered with main.c.
+    return path + "/" if raw.endswith("/") and path != "/" else path
 
 
 def normalize_section(raw: str) -> str:

@@ -120,7 +120,11 @@ def test_an_upstream_source_path_stays_under_its_build_id() -> None:
     ("/../../etc/passwd", "/etc/passwd"),
     ("/usr/src/../../../../etc/passwd", "/etc/passwd"),
     ("//usr//src///a.c", "/usr/src/a.c"),
-    ("/usr/src/dir/", "/usr/src/dir"),
+    # elfutils resolves "." and "..", but keeps a final "/": a directory, never a file.
+    ("/usr/src/dir/", "/usr/src/dir/"),
+    ("/usr/src/a.c//", "/usr/src/a.c/"),
+    ("/usr/src/x/../a.c/", "/usr/src/a.c/"),
+    ("/usr/src/a.c/.", "/usr/src/a.c"),
     ("/", "/"),
     ("/%2e%2e/a.c", "/%2e%2e/a.c"),  # already decoded by the router: a literal name here
 ])

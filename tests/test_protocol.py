@@ -170,6 +170,25 @@ async def test_source_paths_cannot_climb_out(
         assert ".." not in seen and "%2e" not in seen.lower(), seen
 
 
+async def test_a_source_path_with_a_final_slash_is_no_file_as_for_elfutils(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """"util.c/" names a directory: elfutils' debuginfod answers 404, and resolves "." and
+    "..". symgate dropped the final slash and served util.c's bytes for it."""
+    sg = await start_symgate([debuginfod.url])
+    source = str(elfs.prog.sources[1])
+    folder, name = source.rsplit("/", 1)
+    async with aiohttp.ClientSession() as s:
+        for path in (source, source + "/", source + "//", f"{folder}/./{name}/",
+                     source + "/.", f"{folder}/../{folder.rsplit('/', 1)[1]}/{name}"):
+            answers = []
+            for server in (debuginfod.url, sg.url):
+                url = URL(f"{server}/buildid/{elfs.prog.build_id}/source{path}", encoded=True)
+                async with s.get(url) as r:
+                    answers.append((r.status, await r.read() if r.status == 200 else b""))
+            assert answers[1] == answers[0], path
+
+
 async def test_relative_and_control_character_source_paths_are_400(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
