@@ -212,6 +212,46 @@ async def test_a_follower_gets_the_bytes_as_the_other_process_writes_them(
 
 
 
+async def test_every_client_that_follows_another_process_fetch_counts_as_one_join(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Clients that wait together for the other process's fetch to stream: the first makes
+    the local mirror flight, the rest join it; each joined a fetch it did not start."""
+    first, _ = await serve(faults.url_for("hold"))
+    second, _ = await serve(faults.url_for("hold"))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    expected = elfs.prog.debug.read_bytes()
+    async with aiohttp.ClientSession() as s:
+        writer = asyncio.create_task(s.get(first + path))
+
+        async def asked() -> bool:
+            return faults.count("hold") == 1
+
+        await eventually(asked)
+
+        async def follow() -> bytes:
+            async with s.get(second + path) as r:
+                assert r.status == 200
+                return await r.read()
+
+        followers = [asyncio.create_task(follow()) for _ in range(10)]
+        await asyncio.sleep(1)  # the followers wait for it to stream (none of them is timed)
+        faults.release.set()
+        assert await asyncio.gather(*followers) == [expected] * 10
+        r = await writer
+        assert await r.read() == expected
+        async with s.get(second + "/metrics") as m:
+            text = await m.text()
+    samples = [sample for family in text_string_to_metric_families(text)
+               for sample in family.samples]
+    joins = next(sample.value for sample in samples
+                 if sample.name == "symgate_singleflight_joins_total")
+    outcomes = {sample.labels["outcome"]: sample.value for sample in samples
+                if sample.name == "symgate_requests_total" and sample.value}
+    assert (joins, outcomes) == (10, {"miss": 10})
+    assert faults.count("hold") == 1
+
+
 async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_byte_yet(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

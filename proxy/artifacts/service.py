@@ -69,8 +69,9 @@ UNWRITTEN_FLOOR = 2 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class Hit:
     artifact: CachedArtifact
-    # A section cut from a file this request had to fetch (or join the fetch of): the
-    # request cost an upstream download, and is counted as the miss it was.
+    # A section cut from a file this request had to fetch (or join the fetch of), or a file
+    # another process fetched while this request waited for it: the request cost an upstream
+    # download, and is counted as the miss it was.
     fetched: bool = False
 
 
@@ -283,7 +284,11 @@ class ArtifactService:
             if (followed := await self._follow(kh)) is not None:
                 return followed
             if (stored := await self.stored(req.visible, key)) is not None:
-                return Hit(stored)
+                # Committed while this request waited for it (a small file goes from streaming
+                # to settled between two looks): the other process's fetch, joined, and a
+                # miss, as it is for a client of the process that fetched it.
+                self._metrics.singleflight_joins.inc()
+                return Hit(stored, fetched=True)
             if (joined := await self._join_or_remembered(kh, req.scope, key, names,
                                                          local_has)):
                 return joined
@@ -340,6 +345,7 @@ class ArtifactService:
             return None
         if (flight := self._flights.get(kh)) is not None:  # another client got here first
             os.close(followed.fd)
+            self._metrics.singleflight_joins.inc()
             return await self._join(flight)
         flight = Flight(followed.fd)
         flight.started(followed.meta)
@@ -776,7 +782,7 @@ class ArtifactService:
             yield _Parent(path=cached.path, scope=cached.scope, upstream=cached.record.upstream,
                           filename=cached.record.filename, archive=cached.record.archive,
                           mtime=cached.path.stat().st_mtime,
-                          fetched=not isinstance(result, Hit))
+                          fetched=not isinstance(result, Hit) or result.fetched)
 
     async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
                              size: int) -> CachedArtifact:
