@@ -252,6 +252,40 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
     assert faults.count("hold") == 1
 
 
+async def test_the_cache_gauges_are_not_set_back_by_a_worker_that_learns_of_a_file(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The gauges show the most recent worker's reading of the whole cache: a worker that
+    serves a file the other fetched must not set them back to its own older reading."""
+    # The periodic reading only where this test takes it: at the start, and at the commit.
+    base, _ = await serve(debuginfod.url, workers=2, extra="access_flush_s = 3600\n")
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    size = elfs.prog.debug.stat().st_size
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def gauges() -> tuple[float, float]:
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            found = {sample.name: sample.value
+                     for family in text_string_to_metric_families(text)
+                     for sample in family.samples}
+            return found["symgate_cache_entries"], found["symgate_cache_size_bytes"]
+
+        async with s.get(base + path) as r:
+            assert r.status == 200
+
+        async def committed() -> bool:
+            return await gauges() == (1, size)
+
+        await eventually(committed)
+        # A new connection each: the kernel spreads them over both workers.
+        for _ in range(20):
+            async with s.get(base + path) as r:
+                assert r.status == 200 and len(await r.read()) == size
+        assert {await gauges() for _ in range(10)} == {(1, size)}
+
+
 async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_byte_yet(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -190,7 +190,7 @@ class ArtifactCache:
             # to SQL: read now, not at the first judge of the budget (access_flush_s away), or
             # a restarted server says its cache is empty meanwhile.
             self._shared_totals = await self._repo.totals()
-            self._publish()
+            self._publish_shared()
         await self.evict()
 
     def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
@@ -239,12 +239,17 @@ class ArtifactCache:
 
     def _publish(self) -> None:
         if self.shared:
-            # One of several processes: the whole cache's figures, as last read from SQL.
-            self._metrics.cache_entries.set(self._shared_totals[0])
-            self._metrics.cache_size.set(self._shared_totals[1])
+            # One of several processes: the whole cache's figures, set only where they are
+            # read from SQL (_publish_shared). The gauges show the most recent process's
+            # value: set again here, as a file another process fetched is learnt or one of
+            # this process's goes, an old reading would hide the newer one of another.
             return
         self._metrics.cache_size.set(self._bytes)
         self._metrics.cache_entries.set(len(self._entries))
+
+    def _publish_shared(self) -> None:
+        self._metrics.cache_entries.set(self._shared_totals[0])
+        self._metrics.cache_size.set(self._shared_totals[1])
 
     def peek(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
         kh = key_hash(scope, key)
@@ -598,7 +603,7 @@ class ArtifactCache:
                     evicted = await self._remove_victims(victims)
                     self._shared_totals = (count - len(evicted),
                                            total - sum(r.size for r in evicted))
-                self._publish()
+                self._publish_shared()
         finally:
             os.close(fd)
 
