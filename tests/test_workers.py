@@ -211,7 +211,6 @@ async def test_a_follower_gets_the_bytes_as_the_other_process_writes_them(
     assert faults.count("held") == 1
 
 
-
 async def test_every_client_that_follows_another_process_fetch_counts_as_one_join(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
