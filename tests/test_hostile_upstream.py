@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gzip
 import ipaddress
 import logging
 import socket
@@ -351,6 +352,24 @@ async def test_a_gzip_stream_cut_short_at_a_whole_length_is_no_whole_source(
             continue  # cut off after the response began: not taken for a whole file
         assert status == 502 or body == whole, (status, len(body), len(whole))
         assert faults.count("gzip-cut") == attempt  # nothing kept for the next one
+
+
+async def test_upstream_bytes_count_what_came_over_the_wire_not_what_it_inflated_to(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """An upstream that compresses though asked for identity: the file is served and kept
+    inflated, and symgate_upstream_bytes_total (an operator's egress) counts the bytes the
+    upstream sent, as its help says, not the file's size."""
+    sg = await start_symgate([fast_upstream(faults.url_for("gzip"), retries=0)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    whole = elfs.prog.debug.read_bytes()
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == whole
+    sent = len(gzip.compress(whole))
+    assert sent < len(whole) // 2
+    received = await sg.metric("symgate_upstream_bytes_total", upstream=faults.url_for("gzip"))
+    assert abs(received - sent) <= 64, (received, sent, len(whole))  # gzip's own header bytes
+    assert (await sg.get(path))[2] == whole and faults.count("gzip") == 1  # kept inflated
 
 
 async def test_a_source_whose_end_cannot_be_told_from_a_cut_is_served_never_kept(

@@ -90,10 +90,11 @@ class UpstreamBody:
                         # whole Content-Length would otherwise be a short file taken as whole.
                         inflater.end()
                     return
+                # What came over the wire (an operator's egress), not what it inflates to.
+                self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
                 # A piece at a time, each checked against the limits by the download before
                 # the next is inflated: not all a bomb's chunk inflates to at once.
                 for part in inflater.pieces(chunk) if inflater is not None else (chunk,):
-                    self.upstream.metrics.upstream_bytes.labels(name).inc(len(part))
                     yield part
         except Unreadable as e:
             error = UpstreamUnavailable(f"{name}: {encoding} body unreadable ({e})")
