@@ -94,7 +94,7 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
         if m.has_functions:
             report.mappings_skipped["has_functions"] += 1
-        elif is_kernel(m.memory_start, strings[m.filename] if m.filename < len(strings) else ""):
+        elif _is_kernel(m.memory_start, strings[m.filename] if m.filename < len(strings) else ""):
             report.mappings_skipped["kernel"] += 1
         elif not raw:
             report.mappings_skipped["no_build_id"] += 1
@@ -111,7 +111,7 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
 _KERNEL_SPACE = 1 << 63
 
 
-def is_kernel(memory_start: int, filename: str) -> bool:
+def _is_kernel(memory_start: int, filename: str) -> bool:
     """Whether a mapping is the kernel's or a module's (`[kernel.kallsyms]`, perf's name, or
     code in the kernel's half of the address space). Its addresses are kernel virtual
     addresses, relocated by KASLR, which no user-space program-header translation turns into

@@ -24,7 +24,7 @@ from proxy.sources.localdir import LocalDirectory
 from proxy.tools.text_table import render_table
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
-from symbolize.rewrite import is_kernel
+from symbolize.rewrite import Report, candidates
 
 USER_AGENT = f"symgate-inspect/{__version__}"
 
@@ -134,18 +134,17 @@ async def inspect_profile(
     profile = decode(body, max_decompressed).profile
     strings = profile.string_table
     rows: list[Row] = []
+    # The mappings /symbolize would take, by its own rule (a kernel's is left alone).
+    taken = candidates(profile, Report())
     for m in profile.mapping:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
-        name = strings[m.filename] if m.filename < len(strings) else ""
-        kernel = not m.has_functions and is_kernel(m.memory_start, name)
         reason = ""
         try:
             bid = normalize_build_id(raw) if raw else None
         except InvalidBuildId as e:
             bid, reason = None, str(e).removeprefix("invalid build ID: ")
-        rows.append(Row(m.id, name,
-                        m.memory_start, m.memory_limit, bid, m.has_functions,
-                        bid is not None and not m.has_functions and not kernel,
+        rows.append(Row(m.id, strings[m.filename] if m.filename < len(strings) else "",
+                        m.memory_start, m.memory_limit, bid, m.has_functions, m.id in taken,
                         invalid_build_id=raw if reason else "", invalid_reason=reason))
     metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
     locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
