@@ -19,6 +19,7 @@ objects are made only for the few CUs with code outside every subprogram.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -37,7 +38,7 @@ _DW_AT_LINKAGE_NAME = 0x6E
 _DW_AT_MIPS_LINKAGE_NAME = 0x2007
 
 
-class _Die(ctypes.Structure):
+class Die(ctypes.Structure):
     _fields_ = [("addr", ctypes.c_void_p), ("cu", ctypes.c_void_p),
                 ("abbrev", ctypes.c_void_p), ("padding", ctypes.c_long)]
 
@@ -82,6 +83,14 @@ def _load() -> ctypes.CDLL | None:
         "dwarf_linecol": (ctypes.c_int, [_P, _P]),
         "dwarf_lineendsequence": (ctypes.c_int, [_P, _P]),
         "dwarf_linesrc": (ctypes.c_char_p, [_P, _P, _P]),
+        # For a file that dwz gave a supplementary file (supplementary.py).
+        "dwarf_setalt": (None, [_P, _P]),
+        "dwarf_tag": (ctypes.c_int, [_P]),
+        "dwarf_child": (ctypes.c_int, [_P, _P]),
+        "dwarf_siblingof": (ctypes.c_int, [_P, _P]),
+        "dwarf_formudata": (ctypes.c_int, [_P, _P]),
+        "dwarf_getsrcfiles": (ctypes.c_int, [_P, _P, _P]),
+        "dwarf_filesrc": (_P, [_P, ctypes.c_size_t, _P, _P]),
     }
     for fn, (restype, argtypes) in sig.items():
         getattr(lib, fn).restype = restype
@@ -89,7 +98,7 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-_LIB = _load()
+LIBDW = _load()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,35 +146,44 @@ class DwarfFunctions:
     columns: npt.NDArray[np.uint16] = field(default_factory=lambda: np.zeros(0, np.uint16))
 
 
-def read_functions(path: Path, symbol_starts: Sequence[int]) -> DwarfFunctions:
+def read_functions(path: Path, symbol_starts: Sequence[int],
+                   supplement: Path | None = None) -> DwarfFunctions:
     """The DWARF facts of the file at `path`; empty when it has no DWARF or libdw is missing
-    (names then come from the symbol table alone).
+    (names then come from the symbol table alone). `supplement`: the file that dwz moved part
+    of its DWARF to (supplementary.py), whose names and declared lines it refers to.
 
     `symbol_starts` (sorted): where .symtab's functions start. A CU's code outside its
     subprograms matters where a function starts in it; elsewhere it is the padding between
     functions, and reading those CUs' line tables would cost a second for libc.
     """
     out = DwarfFunctions()
-    if _LIB is None:
+    if LIBDW is None:
         return out
-    with _opened(path) as dbg:
+    with opened(path, supplement) as dbg:
         if dbg:
-            _Reader(_LIB, out, symbol_starts).read(dbg)
+            _Reader(LIBDW, out, symbol_starts).read(dbg)
     return out
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[int]:
-    assert _LIB is not None
-    fd = os.open(path, os.O_RDONLY)
-    dbg = 0
-    try:
-        dbg = _LIB.dwarf_begin(fd, 0) or 0  # DWARF_C_READ; NULL: no DWARF
-        yield dbg
-    finally:
-        if dbg:
-            _LIB.dwarf_end(dbg)
-        os.close(fd)
+def opened(path: Path, supplement: Path | None = None) -> Iterator[int]:
+    """libdw's handle on the DWARF of `path` (0: it has none), with `supplement`'s DWARF as
+    the one its DW_FORM_GNU_ref_alt and DW_FORM_GNU_strp_alt forms point into."""
+    assert LIBDW is not None
+    with contextlib.ExitStack() as held:
+        alt = held.enter_context(opened(supplement)) if supplement is not None else 0
+        fd = os.open(path, os.O_RDONLY)
+        dbg = 0
+        try:
+            dbg = LIBDW.dwarf_begin(fd, 0) or 0  # DWARF_C_READ; NULL: no DWARF
+            if dbg and alt:
+                # Set before any unit is read; the supplement's handle outlives this one.
+                LIBDW.dwarf_setalt(dbg, alt)
+            yield dbg
+        finally:
+            if dbg:
+                LIBDW.dwarf_end(dbg)
+            os.close(fd)
 
 
 class _Reader:
@@ -197,7 +215,7 @@ class _Reader:
         lib = self._lib
         callback = _Callback(self._subprogram)
         offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
-        version, die = ctypes.c_uint16(), _Die()
+        version, die = ctypes.c_uint16(), Die()
         at = ctypes.addressof
         while lib.dwarf_next_unit(dbg, offset, at(following), at(header), at(version),
                                   None, None, None, None, None) == 0:
@@ -286,7 +304,7 @@ class _Reader:
             for line, at in declared:
                 path = paths.get(at)
                 if path is None:  # the table lives as long as the Dwarf handle: still read
-                    path = paths[at] = _clean(self._file_dirs[at],
+                    path = paths[at] = clean_path(self._file_dirs[at],
                                               ctypes.string_at(at).decode(errors="replace"))
                 in_file.setdefault(path, set()).add(line)
             for path, lines in in_file.items():
@@ -348,7 +366,7 @@ class _Reader:
             source = lib.dwarf_linesrc(row, None, None)
             path = paths.get(source)
             if path is None:
-                path = paths[source] = _clean(comp_dir, source.decode(errors="replace")) \
+                path = paths[source] = clean_path(comp_dir, source.decode(errors="replace")) \
                     if source else ""
             rows.append(LineRow(address.value, path, max(number.value, 0),
                                 max(column.value, 0), bool(end.value)))
@@ -417,7 +435,7 @@ class _RowLayout:
         return address[changes], column[changes]
 
 
-def _clean(comp_dir: str, path: str) -> str:
+def clean_path(comp_dir: str, path: str) -> str:
     """A line row's file as symbolic writes its paths: joined to the CU's directory, `.` and
     `..` resolved (`./malloc/./malloc/mcheck.c` is `malloc/malloc/mcheck.c`)."""
     return posixpath.normpath(posixpath.join(comp_dir, path))

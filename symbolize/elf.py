@@ -274,9 +274,10 @@ class FunctionSymbol:
     name: str
 
 
-def function_symbols(path: Path, section: str = ".symtab") -> tuple[FunctionSymbol, ...]:
-    """The sized, defined STT_FUNC and STT_GNU_IFUNC symbols of `section` (.symtab, or an
-    executable's .dynsym), in table order; () without one.
+def function_symbols(path: Path, section: str = ".symtab", *, unsized: bool = False
+                     ) -> tuple[FunctionSymbol, ...]:
+    """The sized (and `unsized` too), defined STT_FUNC and STT_GNU_IFUNC symbols of `section`
+    (.symtab, or an executable's .dynsym), in table order; () without one.
 
     The symbol array is read with struct, because building a pyelftools object per symbol
     costs 0.2 s for libc's 9,000 symbols; the sections are found by elf_headers, and by
@@ -295,7 +296,7 @@ def function_symbols(path: Path, section: str = ".symtab") -> tuple[FunctionSymb
                 data, strtab = headers.data(symtab), headers.data(names)
                 if data is None or strtab is None:  # past the end of the file
                     return ()
-                return _function_symbols(data, strtab, headers.is64, headers.order)
+                return _function_symbols(data, strtab, headers.is64, headers.order, unsized)
         # Compressed tables, and files whose headers only pyelftools reads.
         try:
             elf = ELFFile(f)
@@ -310,13 +311,13 @@ def function_symbols(path: Path, section: str = ".symtab") -> tuple[FunctionSymb
             strtab = names_section.data()
             data = table.data()
             return _function_symbols(data, strtab, elf.elfclass == 64,
-                                     "<" if elf.little_endian else ">")
+                                     "<" if elf.little_endian else ">", unsized)
         except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError):
             return ()
 
 
-def _function_symbols(data: bytes, strtab: bytes, is64: bool, order: str
-                      ) -> tuple[FunctionSymbol, ...]:
+def _function_symbols(data: bytes, strtab: bytes, is64: bool, order: str,
+                      unsized: bool = False) -> tuple[FunctionSymbol, ...]:
     if is64:  # st_name, st_info, st_other, st_shndx, st_value, st_size
         fmt, name_i, info_i, shndx_i, value_i, size_i = order + "IBBHQQ", 0, 1, 3, 4, 5
     else:  # st_name, st_value, st_size, st_info, st_other, st_shndx
@@ -324,7 +325,7 @@ def _function_symbols(data: bytes, strtab: bytes, is64: bool, order: str
     entry = struct.calcsize(fmt)
     found = []
     for sym in struct.iter_unpack(fmt, data[: len(data) - len(data) % entry]):
-        if sym[info_i] & 0xF not in (STT_FUNC, STT_GNU_IFUNC) or not sym[size_i] \
+        if sym[info_i] & 0xF not in (STT_FUNC, STT_GNU_IFUNC) or not (sym[size_i] or unsized) \
                 or not sym[shndx_i]:  # SHN_UNDEF: another file's function
             continue
         start = sym[name_i]

@@ -16,6 +16,7 @@ from .debugdirs import find_debug_file, find_executable
 from .outcome import Outcome
 from .pipeline import Limits, Resolved, symbolize_profile
 from .rewrite import Report
+from .supplementary import supplement_beside, supplement_link
 from .symtab import MalformedObject, NoSymbols, TableSpec, build_symbol_table
 
 
@@ -39,7 +40,7 @@ class LocalDebugDirs:
             return Resolved(None, outcome=Outcome.NOT_FOUND)
         out = self._workdir / f"{build_id}.symc"
         try:
-            built = build_symbol_table(source, out, build_id, exe)
+            built = build_symbol_table(source, out, build_id, exe, self._supplement(source))
         except NoSymbols:
             return Resolved(None, outcome=Outcome.NO_SYMBOLS)
         except MalformedObject:
@@ -48,6 +49,18 @@ class LocalDebugDirs:
                           built.has_lines)
         # The executable's program headers when it was at hand (build_symbol_table read them).
         return Resolved(table, built.file_layout if needs_layout else None)
+
+
+    def _supplement(self, debug_file: Path) -> Path | None:
+        """The supplementary file that dwz gave `debug_file`: by its build ID in the debug
+        directories, else where the link names it (`/usr/lib/debug/.dwz/<package>`, or beside
+        the debug file), as gdb finds it."""
+        link = supplement_link(debug_file)
+        if link is None:
+            return None
+        if link.build_id and (found := find_debug_file(self._dirs, link.build_id)) is not None:
+            return found
+        return supplement_beside(debug_file, link)
 
 
 def symbolize_bytes(body: bytes, dirs: Sequence[Path], limits: Limits) -> tuple[bytes, Report]:

@@ -56,6 +56,7 @@ from .function_names import names_from_executable as names_from_executable
 from .line_sequences import AWAY, discarded_sequences
 from .lld_layout import lld_layout
 from .range_index import RangeIndex, sorted_union
+from .supplementary import supplement_link, supplement_matches, write_breakpad
 from .symcache_columns import NONE, UnreadableSymCache, read_columns
 
 # The SymCache's version, and that of what symgate writes behind it (function_names.py) and
@@ -64,8 +65,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # function without a linkage name named after its symbol, and Rust names chosen here demangled
 # as Rust; since 7, start lines by file where a name is declared at several lines, line
 # sequences of code GNU ld discarded moved off live code, and an eu-stripped debug file's empty
-# .symtab replaced by the executable's): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-7"
+# .symtab replaced by the executable's; since 8, a dwz'd file read whole with its supplementary
+# file): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-8"
 
 
 class NoSymbols(Exception):
@@ -102,13 +104,15 @@ _KEYS_BATCH = 1 << 16
 
 
 def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
-                       executable: Path | None = None) -> BuildResult:
+                       executable: Path | None = None,
+                       supplement: Path | None = None) -> BuildResult:
     """Write the SymCache of `elf_path` to `out_path` (atomically); blocking.
 
     The file must carry `build_id`: a stale local debug tree must not give wrong symbols.
     `executable`, the executable of `build_id` when it is at hand beside a debug file: its
     .dynsym names exported functions as llvm-symbolizer does (function_names.py); ignored
-    when it is not that executable.
+    when it is not that executable. `supplement`, the supplementary file that dwz gave a debug
+    file (supplementary.py), when it is at hand: ignored when it is not the one linked.
     """
     started = time.perf_counter()
     layout = layout_of_file(elf_path)
@@ -117,16 +121,21 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     if layout.build_id != build_id:
         raise MalformedObject(f"{elf_path.name}: build ID {layout.build_id}, not {build_id}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    # DWARF that dwz moved partly into a supplementary file (.gnu_debugaltlink) is read by
-    # neither reader whole: its functions would be nameless, its lines of the wrong files.
-    # Such a file is read for its symbol table alone, as llvm-symbolizer names its code.
+    # DWARF that dwz moved partly into a supplementary file (.gnu_debugaltlink) is not read
+    # whole by symbolic: its functions would be nameless, its lines of the wrong files. With
+    # the supplement, libdw reads it for symbolic (supplementary.py); without, it is read for
+    # its symbol table alone, as llvm-symbolizer names its code.
     headers = _headers_of(elf_path)
     supplemented = headers is not None and any(
         s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
+    link = supplement_link(elf_path) if supplemented else None
+    if supplement is not None and (link is None or not supplement_matches(supplement, link)):
+        supplement = None
     # The executable's program headers, when it is the program of `build_id`: read once, for
     # the eu-strip check and for the names (_second_reading).
     segments = executable_segments(executable, build_id)
     copy = out_path.with_suffix(f".src.{os.getpid()}.tmp")
+    breakpad = out_path.with_suffix(f".sym.{os.getpid()}.tmp")
     source = elf_path
     try:
         # eu-strip (Fedora's and RHEL's find-debuginfo) leaves .symtab in a program whose
@@ -136,27 +145,45 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         if executable is not None and executable != elf_path and segments is not None \
                 and headers is not None and _symtab_only_in(executable, headers):
             source = _with_symtab_of(elf_path, executable, copy)
-        if supplemented:
+        if supplemented and supplement is None:
             source = _without_dwarf(source, copy)
         else:
             source = _without_discarded_lines(source, copy, layout)
+        symbolic_source = source
+        if supplemented and supplement is not None:
+            symbolic_source = _as_breakpad(source, supplement, breakpad, layout)
         return _build(elf_path, source, out_path, layout, executable, segments,
-                      read_dwarf=not supplemented, started=started)
+                      read_dwarf=not supplemented or supplement is not None,
+                      supplement=supplement, symbolic_source=symbolic_source,
+                      started=started)
     finally:
         copy.unlink(missing_ok=True)
+        breakpad.unlink(missing_ok=True)
+
+
+def _as_breakpad(source: Path, supplement: Path, out: Path, layout: elf.ElfLayout) -> Path:
+    """`out`, the Breakpad text of dwz'd `source` read with its `supplement`, for symbolic."""
+    code = [(s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable]
+    with out.open("w", encoding="utf-8", errors="replace") as f:
+        if not write_breakpad(source, supplement, f, layout.load_address, code,
+                              function_symbols(source, unsized=True)):
+            raise MalformedObject(f"{source.name}: its DWARF cannot be read with libdw")
+    return out
 
 
 def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
            executable: Path | None, segments: tuple[LoadSegment, ...] | None, *,
-           read_dwarf: bool,
+           read_dwarf: bool, supplement: Path | None, symbolic_source: Path,
            started: float) -> BuildResult:
     # symbolic's build releases the GIL: the second reading of the file runs beside it, but for
     # a small file's, made first in this thread (_beside).
     with _beside(elf_path) as beside:
         # The source: a debug file's own symbol table, or the executable's (_with_symtab_of).
-        second = beside.submit(_second_reading, source, executable, segments, read_dwarf)
+        second = beside.submit(_second_reading, source, executable, segments, read_dwarf,
+                               supplement)
         try:
-            archive = Archive.open(str(source))
+            # What symbolic reads: the source, or its Breakpad text (_as_breakpad).
+            archive = Archive.open(str(symbolic_source))
             obj = next(iter(archive.iter_objects()))
             features = set(obj.features)
             if not features & {"debug", "symtab"}:
@@ -220,7 +247,8 @@ class _InCaller(Executor):
 
 
 def _second_reading(path: Path, executable: Path | None,
-                    segments: tuple[LoadSegment, ...] | None, read_dwarf: bool = True
+                    segments: tuple[LoadSegment, ...] | None, read_dwarf: bool = True,
+                    supplement: Path | None = None
                     ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
                                tuple[FunctionSymbol, ...] | None,
                                tuple[LoadSegment, ...] | None]:
@@ -230,7 +258,7 @@ def _second_reading(path: Path, executable: Path | None,
     symbols = function_symbols(path)
     exports = exports_of(executable) if executable is not None and segments is not None \
         else None
-    dwarf = read_functions(path, sorted({s.value for s in symbols})) if read_dwarf \
+    dwarf = read_functions(path, sorted({s.value for s in symbols}), supplement) if read_dwarf \
         else DwarfFunctions()
     return symbols, dwarf, exports, segments
 

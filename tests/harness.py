@@ -4,10 +4,12 @@ waiting for background work. Fixtures live in conftest.py and build on these."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import socket
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -172,6 +174,33 @@ async def read_rest(r: aiohttp.ClientResponse, got: int = 0) -> tuple[int, int, 
 
 async def gather_bounded(n: int, make: Callable[[int], Awaitable[Any]]) -> list[Any]:
     return list(await asyncio.gather(*(make(i) for i in range(n))))
+
+
+@contextlib.contextmanager
+def running_debuginfod(scanned: Path, work: Path, *flags: str) -> Iterator[Debuginfod]:
+    """A real elfutils debuginfod on a loopback port, scanning the files under `scanned` (-F)
+    with `flags` beside; its database and its log (debuginfod.log) in `work`."""
+    exe = shutil.which("debuginfod")
+    assert exe is not None, "apt-get install debuginfod"
+    port = free_port()
+    with (work / "debuginfod.log").open("wb") as log:
+        proc = subprocess.Popen([exe, "-p", str(port), "-d", str(work / "db.sqlite"),
+                                 "-F", str(scanned), *flags],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield Debuginfod(f"http://127.0.0.1:{port}", proc)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def serves(url: str) -> bool:
+    """Whether a GET of `url` answers 200 (for servers that index in the background)."""
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,7 +16,14 @@ import pytest
 from aiohttp import web
 
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory, eventually, free_port, serve_loopback
+from tests.harness import (
+    Debuginfod,
+    SymgateFactory,
+    eventually,
+    running_debuginfod,
+    serve_loopback,
+    serves,
+)
 from tests.processes import debuginfod_find
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -91,27 +96,8 @@ async def modern(elfs: ElfSet) -> AsyncIterator[ModernUpstream]:
 @pytest.fixture
 def verbose_debuginfod(elfs: ElfSet, tmp_path: Path) -> Iterator[tuple[Debuginfod, Path]]:
     """A real elfutils debuginfod whose log shows each request's User-Agent."""
-    exe = shutil.which("debuginfod")
-    assert exe is not None, "apt-get install debuginfod"
-    port = free_port()
-    log = tmp_path / "debuginfod.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([exe, "-p", str(port), "-d", str(tmp_path / "db.sqlite"), "-F",
-                                 str(elfs.upstream_dir), "-t", "0", "-g", "0", "-v"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield Debuginfod(f"http://127.0.0.1:{port}", proc), log
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-async def _served(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession() as s, s.get(url) as r:
-            return r.status == 200
-    except aiohttp.ClientError:
-        return False
+    with running_debuginfod(elfs.upstream_dir, tmp_path, "-t", "0", "-g", "0", "-v") as d:
+        yield d, tmp_path / "debuginfod.log"
 
 
 async def test_client_user_agent_reaches_a_real_upstream_with_symgate_appended(
@@ -120,7 +106,7 @@ async def test_client_user_agent_reaches_a_real_upstream_with_symgate_appended(
 ) -> None:
     upstream, log = verbose_debuginfod
     prog = elfs.prog
-    await eventually(lambda: _served(f"{upstream.url}/buildid/{prog.build_id}/debuginfo"))
+    await eventually(lambda: serves(f"{upstream.url}/buildid/{prog.build_id}/debuginfo"))
     sg = await start_symgate([upstream.url])
     got = await asyncio.to_thread(debuginfod_find, sg.url, tmp_path / "c", "executable",
                                   prog.build_id)

@@ -29,11 +29,14 @@ class BuildPool:
         self._arrivals = itertools.count()
 
     async def build(self, source: Path, out: Path, build_id: str,
-                    executable: Path | None = None) -> BuildResult:
+                    executable: Path | None = None,
+                    supplement: Path | None = None) -> BuildResult:
         """Raises symbolize.symtab.NoSymbols or MalformedObject for a file without a table,
-        proxy.errors.WorkerLost if the worker died. `executable`: see build_symbol_table."""
+        proxy.errors.WorkerLost if the worker died. `executable`, `supplement`: see
+        build_symbol_table."""
         async with self._slot(_size(source)):
-            return await self.pool.run(build_symbol_table, source, out, build_id, executable)
+            return await self.pool.run(build_symbol_table, source, out, build_id, executable,
+                                       supplement)
 
     @contextlib.asynccontextmanager
     async def _slot(self, size: int) -> AsyncIterator[None]:

@@ -29,10 +29,12 @@ from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import (
+    WITHOUT_SUPPLEMENT,
     TableStore,
     from_executable,
     layout_from_json,
     local_source_key,
+    partial,
     ranges_from_json,
     stale,
 )
@@ -41,6 +43,7 @@ from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
+from symbolize.supplementary import supplement_link
 from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
 log = logging.getLogger(__name__)
@@ -55,19 +58,26 @@ _Layout = tuple[str, Segments] | None
 UNREADABLE_AGAIN_S = 3600.0
 
 
+# A file beside the one a table is built from, and its cached artifact (to lease), if any.
+_Beside = tuple[Path, tuple[str, ArtifactKey] | None]
+
+
 class _Source:
     """The ELF file a table is built from, and the cached artifact it is (to lease), if any;
-    and the executable beside a debug file, whose .dynsym names exported functions as
-    llvm-symbolizer does (symbolize/function_names.py), and its artifact."""
+    the executable beside a debug file, whose .dynsym names exported functions as
+    llvm-symbolizer does (symbolize/function_names.py); and the supplementary file dwz gave a
+    debug file (symbolize/supplementary.py)."""
 
     def __init__(self, path: Path, source_key: str, scope: str,
                  artifact: tuple[str, ArtifactKey] | None,
-                 executable: tuple[Path, tuple[str, ArtifactKey] | None] | None = None) -> None:
+                 executable: _Beside | None = None, supplement: _Beside | None = None
+                 ) -> None:
         self.path = path
         self.source_key = source_key
         self.scope = scope
         self.artifact = artifact
         self.executable = executable
+        self.supplement = supplement
 
 
 class SymbolResolver:
@@ -252,8 +262,9 @@ class SymbolResolver:
         local = find_debug_file(self._debug_dirs, build_id)
         local_exe = find_executable(self._debug_dirs, build_id)
         if local is not None:
-            return _Source(local, local_source_key(local, executable=False), SHARED, None,
-                           (local_exe, None) if local_exe else None)
+            return await self._with_supplement(req, _Source(
+                local, local_source_key(local, executable=False), SHARED, None,
+                (local_exe, None) if local_exe else None))
         # The executable is fetched beside the debug file (the layout search of a profile with
         # runtime addresses fetches it too: one upstream fetch for both).
         exe_key = ArtifactKey(build_id, Kind.EXECUTABLE)
@@ -277,7 +288,8 @@ class SymbolResolver:
                              "local executable", build_id, e.reason)
                     raise NotFound(e.reason) from e
                 beside = await self._beside(scope, local_exe, exe, exe_key)
-                return _Source(path, key.id, scope, (scope, key), beside)
+                return await self._with_supplement(
+                    req, _Source(path, key.id, scope, (scope, key), beside))
             if exe is not None:
                 with contextlib.suppress(NotFound):
                     scope, path = await exe
@@ -290,6 +302,49 @@ class SymbolResolver:
             return None
         return _Source(local_exe, local_source_key(local_exe, executable=True), SHARED, None,
                        (local_exe, None))
+
+    async def _with_supplement(self, req: RequestScope | None, source: _Source
+                               ) -> _Source | None:
+        """`source` with the supplementary file that dwz gave it, when it has one: from the
+        local debug directories, the cache, or (with a request) the request's sources. A
+        table built without it, named by its symbols alone, is recorded as such
+        (WITHOUT_SUPPLEMENT), to be built again once it can be had. None when there is no
+        request to fetch it with (a prebuild): the first profile fetches it."""
+        link = await asyncio.to_thread(supplement_link, source.path)
+        if link is None:
+            return source
+        found = await self._supplement(req, source.scope, link.build_id)
+        if found is None and req is None:
+            return None
+        if found is None:
+            log.info("supplementary file %s of %s not had: its table has no lines",
+                     link.build_id or link.name, source.source_key)
+            source.source_key += WITHOUT_SUPPLEMENT
+        source.supplement = found
+        return source
+
+    async def _supplement(self, req: RequestScope | None, scope: str, build_id: str
+                          ) -> _Beside | None:
+        try:
+            key = ArtifactKey.parse(build_id, Kind.DEBUGINFO.value)
+        except SymgateError:
+            return None  # a link without a build ID, or a damaged one: not to be found
+        if (local := find_debug_file(self._debug_dirs, key.build_id)) is not None:
+            return local, None
+        for held in dict.fromkeys((scope, SHARED)):
+            if (cached := self._artifacts.cache.peek(held, key)) is not None:
+                return cached.path, (held, key)
+        if req is None:
+            return None
+        try:
+            found_scope, path = await self._artifact_path(key, req)
+        except TryAgain:
+            raise  # a full disk: the profile is refused, not answered without lines
+        except SymgateError as e:
+            log.info("supplementary file %s: %s", build_id, e.reason)
+            return None
+        # Not a tenant's own file for a table that others see.
+        return (path, (found_scope, key)) if found_scope in (SHARED, scope) else None
 
     @staticmethod
     async def _beside(scope: str, local_exe: Path | None,
@@ -334,7 +389,8 @@ class SymbolResolver:
     @contextlib.contextmanager
     def _leased(self, source: _Source) -> Iterator[None]:
         with contextlib.ExitStack() as leases:
-            for artifact in (source.artifact, source.executable and source.executable[1]):
+            for artifact in (source.artifact, source.executable and source.executable[1],
+                             source.supplement and source.supplement[1]):
                 if artifact is not None:
                     leases.enter_context(self._artifacts.cache.lease(*artifact))
             yield
@@ -385,8 +441,8 @@ class SymbolResolver:
         if rec.outcome != Outcome.OK:
             # A failure speaks for the file that failed, not for another one.
             return Outcome(rec.outcome) if rec.source_key == source.source_key else None
-        if from_executable(rec.source_key) and not from_executable(source.source_key):
-            return None  # a debug file has the lines that a table from the executable lacks
+        if partial(rec.source_key) and not partial(source.source_key):
+            return None  # this build has the lines that the one recorded lacks
         log.info("symbol table for %s: built by another process", build_id)
         return scope, self._remember(rec)
 
@@ -397,7 +453,8 @@ class SymbolResolver:
             # A table is smaller than the file it is built from: that much room is enough.
             result = await self._with_room(lambda: self._pool.build(
                 source.path, self._tables.path(scope, build_id), build_id,
-                source.executable and source.executable[0]), _size_of(source.path))
+                source.executable and source.executable[0],
+                source.supplement and source.supplement[0]), _size_of(source.path))
         except NoSymbols as e:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
@@ -510,7 +567,7 @@ class SymbolResolver:
             # A tenant's file adds nothing where a shared table with lines exists already.
             shared = await self._tables.usable(SHARED, bid)
             if (shared is not None and shared.outcome == Outcome.OK
-                    and not from_executable(shared.source_key)):
+                    and not partial(shared.source_key)):
                 return SHARED, self._open.get(SHARED, bid) or self._remember(shared)
         rec = await self._tables.here(scope, bid)  # another replica's build: from the bucket
         cached = self._artifacts.cache.peek(scope, key)
@@ -522,8 +579,12 @@ class SymbolResolver:
             self._open.drop(scope, bid)
             beside = self._cached_executable(scope, bid) if key.kind is Kind.DEBUGINFO \
                 else (cached.path, (scope, key))
-            return await self._build(bid, _Source(cached.path, key.id, scope, (scope, key),
-                                                  beside))
+            found: _Source | None = _Source(cached.path, key.id, scope, (scope, key), beside)
+            if key.kind is Kind.DEBUGINFO and found is not None:
+                found = await self._with_supplement(None, found)
+            if found is None:
+                return Outcome.NOT_FOUND  # its supplement not at hand: the first profile's
+            return await self._build(bid, found)
         if key.kind is Kind.EXECUTABLE and not exe_table \
                 and (debug := self._artifacts.cache.peek(scope, ArtifactKey(
                     bid, Kind.DEBUGINFO))) is not None \
@@ -536,9 +597,12 @@ class SymbolResolver:
             # executable's .dynsym (one that keeps its .symtab would change no name). Not while
             # a resolution is under way: that one fetched the executable itself.
             self._open.drop(scope, bid)
-            return await self._build(bid, _Source(
-                debug.path, rec.source_key, scope, (scope, ArtifactKey(bid, Kind.DEBUGINFO)),
-                (cached.path, (scope, key))))
+            again = await self._with_supplement(None, _Source(
+                debug.path, ArtifactKey(bid, Kind.DEBUGINFO).id, scope,
+                (scope, ArtifactKey(bid, Kind.DEBUGINFO)), (cached.path, (scope, key))))
+            if again is None:
+                return scope, self._open.get(scope, bid) or self._remember(rec)
+            return await self._build(bid, again)
         opened = self._open.get(scope, bid) or self._remember(rec)
         if key.kind is Kind.EXECUTABLE and rec.file_layout is None:
             layout = await asyncio.to_thread(layout_of_file, cached.path)

@@ -110,11 +110,11 @@ class TableStore:
     async def record(self, scope: str, build_id: str, outcome: Outcome, source_key: str,
                      result: BuildResult | None, error: str | None) -> SymbolTableRecord:
         """Write a build's outcome, believed for as long as the expiry policy says; a table
-        built from an executable until the debug file is worth asking for again (stale())."""
+        built from an executable until the debug file is worth asking for again (stale()),
+        and one without its supplementary file until that one is."""
         now = datetime.now(UTC)
         keep = self._expiry.seconds(
-            Outcome.NOT_FOUND if outcome == Outcome.OK and from_executable(source_key)
-            else outcome)
+            Outcome.NOT_FOUND if outcome == Outcome.OK and partial(source_key) else outcome)
         rec = SymbolTableRecord(
             scope=scope, build_id=build_id, outcome=outcome, format=FORMAT,
             source_key=source_key, size=result.size if result else 0,
@@ -180,6 +180,18 @@ async def _sql(call: Awaitable[T]) -> T:
 _LOCAL_EXECUTABLE = "local-executable:"
 
 
+# Marks the source key of a debug file's table built without the supplementary file that dwz
+# gave it (symbolize/supplementary.py): named by its symbols alone, as a table from an
+# executable is, and asked about again as that one is.
+WITHOUT_SUPPLEMENT = "#without-supplement"
+
+
+def partial(source_key: str) -> bool:
+    """Whether a table lacks the lines that a later build may have: one from an executable,
+    or one from a debug file without its supplementary file."""
+    return from_executable(source_key) or source_key.endswith(WITHOUT_SUPPLEMENT)
+
+
 def from_executable(source_key: str) -> bool:
     """Whether a table was built from an executable (its bare symbols, no lines)."""
     return source_key.endswith("/executable") or source_key.startswith(_LOCAL_EXECUTABLE)
@@ -190,8 +202,8 @@ def local_source_key(path: Path, *, executable: bool) -> str:
 
 
 def stale(rec: SymbolTableRecord) -> bool:
-    """A table from an executable whose debug file is worth asking for again: one may have
-    been published, or the upstream that failed may answer now. Its table still serves
-    until a debug file is had."""
+    """A table from an executable whose debug file is worth asking for again (or from a debug
+    file whose supplementary file is): one may have been published, or the upstream that
+    failed may answer now. Its table still serves until a better one is built."""
     return (rec.outcome == Outcome.OK and rec.expires_at is not None
             and rec.expires_at <= datetime.now(UTC))

@@ -1,0 +1,227 @@
+"""Debug files that `dwz -m` gave a supplementary file, as Fedora's, RHEL's and (for packages of
+several programs) Debian's and Ubuntu's debug packages ship them: read with it, they give the
+frames the debug files gave before dwz, offline, through a real debuginfod and symgate's cache,
+and from the debug directories; without it (or with another file in its place), names alone,
+never frames in the wrong files."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from proxy.config import NegativeConfig, SymbolizeConfig
+from symbolize.chains import FunctionIds
+from symbolize.elf import build_id_of_file
+from symbolize.offline import symbolize_bytes
+from symbolize.pipeline import Limits
+from symbolize.pprof.profile_pb2 import Profile
+from symbolize.rewrite import MappingSymbols
+from symbolize.supplementary import SupplementLink, parse_link, supplement_link
+from symbolize.symtab import build_symbol_table
+from tests.elfs import Elf, build_program
+from tests.harness import Debuginfod, SymgateFactory, eventually, running_debuginfod, serves
+from tests.profiles import Expected, code_addresses, frames_of, make_profile, place
+from tests.rewriting import open_table, run_rewrite
+
+pytestmark = [pytest.mark.one_database,
+              pytest.mark.skipif(shutil.which("dwz") is None, reason="needs dwz")]
+
+LIMITS = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+
+
+@dataclass(frozen=True)
+class DwzSet:
+    programs: list[Elf]  # their debug files dwz'd
+    originals: dict[str, Path]  # build ID -> the debug file as gcc and objcopy made it
+    common: Path  # the supplementary file
+    common_id: str
+
+
+def _dwz_set(root: Path, *flags: str) -> DwzSet:
+    """Two C++ programs and two C programs, their debug files given one
+    supplementary file by `dwz -m`."""
+    shapes = [("cpp", 1), ("cpp", 2), ("exe", 3), ("exe", 4)]
+    programs = [build_program(root / "src", root, f"p{seed}", seed, shape=shape)
+                for shape, seed in shapes]
+    (root / "orig").mkdir()
+    originals = {}
+    for p in programs:
+        originals[p.build_id] = root / "orig" / p.debug.name
+        shutil.copyfile(p.debug, originals[p.build_id])
+    common = root / "common.debug"
+    subprocess.run(["dwz", *flags, "-m", str(common), *(str(p.debug) for p in programs)],
+                   check=True, capture_output=True)
+    return DwzSet(programs, originals, common, build_id_of_file(common) or "")
+
+
+@pytest.fixture(scope="module")
+def dwz_set(tmp_path_factory: pytest.TempPathFactory) -> DwzSet:
+    return _dwz_set(tmp_path_factory.mktemp("dwz"))
+
+
+def _frames(debug: Path, elf: Elf, supplement: Path | None, work: Path
+            ) -> tuple[bool, dict[int, list[Expected]]]:
+    """Whether the table has lines, and its frames at every instruction of .text."""
+    out = work / f"{elf.name}-{debug.parent.name}-{supplement.name if supplement else 0}.symc"
+    built = build_symbol_table(debug, out, elf.build_id, elf.executable, supplement)
+    vaddrs = code_addresses(elf)
+    ids_profile = Profile()
+    ids_profile.string_table.extend(["", str(elf.executable), elf.build_id])
+    ids_profile.mapping.add(id=1, filename=1, build_id=2)
+    for i, v in enumerate(vaddrs, start=1):
+        ids_profile.location.add(id=i, mapping_id=1, address=v)
+    ids = FunctionIds()
+    rewritten = run_rewrite(ids_profile.SerializeToString(),
+                            {elf.build_id: MappingSymbols(open_table(out, built, ids), ())},
+                            ids)[0]
+    return built.has_lines, {loc.address: frames_of(rewritten, loc)
+                             for loc in rewritten.location}
+
+
+def test_the_link_names_the_supplement_by_path_and_build_id(dwz_set: DwzSet) -> None:
+    for p in dwz_set.programs:
+        assert supplement_link(p.debug) == SupplementLink(str(dwz_set.common), dwz_set.common_id)
+        assert supplement_link(dwz_set.originals[p.build_id]) is None
+
+
+def test_damaged_links_name_nothing() -> None:
+    assert parse_link(b"") is None
+    assert parse_link(b"no terminator") is None
+    assert parse_link(b"\0\x01\x02") is None  # no name
+    assert parse_link(b"/a/b\0") == SupplementLink("/a/b", "")  # no build ID: never matches
+    assert parse_link(b"/a/b\0\xab\xcd") == SupplementLink("/a/b", "abcd")
+
+
+def test_with_its_supplement_a_dwz_debug_file_gives_the_frames_it_gave_before(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """Names, files, lines, start lines and inline chains at every instruction, as the debug
+    file gave them before dwz moved its shared DWARF away (inline functions' names, their
+    declared lines, the types that qualify C++ names)."""
+    inlined = 0
+    for p in dwz_set.programs:
+        lines, want = _frames(dwz_set.originals[p.build_id], p, None, tmp_path)
+        got_lines, got = _frames(p.debug, p, dwz_set.common, tmp_path)
+        assert lines and got_lines
+        assert got == want, p.name
+        inlined += sum(len(frames) > 1 for frames in want.values())
+    assert inlined > 50  # the chains dwz's moved DIEs name are there
+
+
+def test_without_its_supplement_or_with_another_file_names_alone(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """A supplement that is not the linked one (another build ID: another package's, or an
+    older build of the same) would give the code another program's names and lines."""
+    other = dwz_set.programs[1].debug  # a real ELF debug file, of another build ID
+    p = dwz_set.programs[0]
+    bare_lines, bare = _frames(p.debug, p, None, tmp_path)
+    wrong_lines, wrong = _frames(p.debug, p, other, tmp_path)
+    assert not bare_lines and not wrong_lines
+    assert wrong == bare
+    assert all(f.function and not f.file and not f.line for frames in bare.values()
+               for f in frames)
+
+
+def test_a_dwarf5_debug_sup_link_is_named_by_symbols(tmp_path: Path) -> None:
+    """`dwz -5` links with DWARF 5's .debug_sup, whose references libdw 0.188 reads as nameless
+    (eu-addr2line cuts the inline chains): not followed, even with the supplement at hand."""
+    made = _dwz_set(tmp_path, "-5")
+    p = made.programs[0]
+    raw = subprocess.run(["readelf", "-S", str(p.debug)], capture_output=True, text=True).stdout
+    assert ".debug_sup" in raw and ".gnu_debugaltlink" not in raw
+    assert supplement_link(p.debug) is None
+    lines, frames = _frames(p.debug, p, made.common, tmp_path)
+    assert not lines
+    assert all(f.function and not f.line for fs in frames.values() for f in fs)
+
+
+def _tree(root: Path, dwz_set: DwzSet, *, originals: bool, common: bool) -> Path:
+    for p in dwz_set.programs:
+        d = root / ".build-id" / p.build_id[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        debug = dwz_set.originals[p.build_id] if originals else p.debug
+        (d / (p.build_id[2:] + ".debug")).symlink_to(debug)
+        (d / p.build_id[2:]).symlink_to(p.executable)
+    if common:
+        d = root / ".build-id" / dwz_set.common_id[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / (dwz_set.common_id[2:] + ".debug")).symlink_to(dwz_set.common)
+    return root
+
+
+def _profile(dwz_set: DwzSet) -> bytes:
+    placed = [(place(p, 0x7F00_0000_0000 + (n << 32)), code_addresses(p)[::2])
+              for n, p in enumerate(dwz_set.programs)]
+    return gzip.compress(make_profile(placed).SerializeToString(), mtime=0)
+
+
+def test_offline_finds_the_supplement_by_build_id_and_where_the_link_names_it(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    body = _profile(dwz_set)
+    want, report = symbolize_bytes(
+        body, [_tree(tmp_path / "orig", dwz_set, originals=True, common=False)], LIMITS)
+    assert report.mappings_symbolized == len(dwz_set.programs)
+    by_id, _r = symbolize_bytes(
+        body, [_tree(tmp_path / "by-id", dwz_set, originals=False, common=True)], LIMITS)
+    # Not under .build-id: where .gnu_debugaltlink says (dwz wrote the absolute path).
+    by_link, _r = symbolize_bytes(
+        body, [_tree(tmp_path / "by-link", dwz_set, originals=False, common=False)], LIMITS)
+    assert by_id == want and by_link == want
+
+
+@pytest.fixture
+def dwz_upstream(dwz_set: DwzSet, tmp_path: Path) -> Iterator[tuple[Debuginfod, Path]]:
+    """A real elfutils debuginfod over the executables and dwz'd debug files, rescanning its
+    directory every second; the supplementary file is not there yet (the test puts it)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    for p in dwz_set.programs:
+        shutil.copyfile(p.executable, served / p.executable.name)
+        shutil.copyfile(p.debug, served / p.debug.name)
+    with running_debuginfod(served, tmp_path, "-t", "1", "-g", "0") as upstream:
+        yield upstream, served
+
+
+async def test_the_server_fetches_the_supplement_and_builds_again_once_it_is_published(
+        start_symgate: SymgateFactory, dwz_upstream: tuple[Debuginfod, Path], dwz_set: DwzSet,
+        tmp_path: Path) -> None:
+    """Through symgate's cache: the supplementary file is fetched by its build ID beside the
+    debug file. While the upstream lacks it, the mappings are named by their symbols; once it
+    is published, the next profile after the miss's TTL is answered as the debug files
+    answered before dwz, byte for byte as offline from those files."""
+    upstream, served = dwz_upstream
+    for p in dwz_set.programs:
+        await eventually(lambda p=p: serves(f"{upstream.url}/buildid/{p.build_id}/debuginfo"))
+    body = _profile(dwz_set)
+    want, _r = await asyncio.to_thread(
+        symbolize_bytes, body, [_tree(tmp_path / "orig", dwz_set, originals=True, common=False)],
+        LIMITS)
+    sg = await start_symgate([upstream.url], symbolize=SymbolizeConfig(build_workers=1),
+                             negative=NegativeConfig(not_found_initial_ttl_s=1,
+                                                     not_found_ttl_s=1))
+    headers = {"Content-Type": "application/octet-stream"}
+    status, got_headers, bare = await sg.request("POST", "/symbolize", data=body,
+                                                 headers=headers)
+    assert status == 200
+    assert got_headers["X-Symgate-Mappings-Symbolized"] == str(len(dwz_set.programs))
+    out = Profile.FromString(gzip.decompress(bare))
+    frames = [f for loc in out.location for f in frames_of(out, loc)]
+    assert frames and all(f.function and not f.line for f in frames)
+
+    shutil.copyfile(dwz_set.common, served / dwz_set.common.name)
+    await eventually(lambda: serves(f"{upstream.url}/buildid/{dwz_set.common_id}/debuginfo"))
+
+    async def lines_now() -> bool:
+        status, _h, answer = await sg.request("POST", "/symbolize", data=body, headers=headers)
+        return status == 200 and answer == want
+
+    await eventually(lines_now)
+    status, _h, cached = await sg.get(f"/buildid/{dwz_set.common_id}/debuginfo")
+    assert status == 200 and cached == dwz_set.common.read_bytes()
