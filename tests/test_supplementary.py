@@ -225,3 +225,28 @@ async def test_the_server_fetches_the_supplement_and_builds_again_once_it_is_pub
     await eventually(lines_now)
     status, _h, cached = await sg.get(f"/buildid/{dwz_set.common_id}/debuginfo")
     assert status == 200 and cached == dwz_set.common.read_bytes()
+
+
+def test_dies_nested_past_any_real_code_do_not_fail_the_build(tmp_path: Path) -> None:
+    """1,200 nested blocks (a hostile or damaged file's) took the reader past Python's
+    recursion limit: the build failed, and every profile asked for it again."""
+    depth = 1200
+    body = "".join(f"{{ volatile int v{i} = {i}; " for i in range(depth))
+    body += f"v0 = v{depth - 1};" + "}" * depth
+    elves = []
+    for k in (1, 2):
+        src, exe = tmp_path / f"deep{k}.c", tmp_path / f"deep{k}"
+        src.write_text(f"int deep{k}(void) {{ {body} return 0; }}\n"
+                       f"int main(void) {{ return deep{k}(); }}\n")
+        subprocess.run(["gcc", "-g", "-O0", "-Wl,--build-id", "-o", str(exe), str(src)],
+                       check=True)
+        subprocess.run(["objcopy", "--only-keep-debug", str(exe), f"{exe}.debug"], check=True)
+        build_id = build_id_of_file(exe)
+        assert build_id
+        elves.append(Elf(f"deep{k}", build_id, exe, Path(f"{exe}.debug"), (src,)))
+    common = tmp_path / "common.debug"
+    subprocess.run(["dwz", "-m", str(common), *(str(e.debug) for e in elves)], check=True,
+                   capture_output=True)
+    lines, frames = _frames(elves[0].debug, elves[0], common, tmp_path)
+    assert lines
+    assert {f.function for fs in frames.values() for f in fs} >= {"deep1", "main"}
