@@ -95,6 +95,10 @@ def _load() -> ctypes.CDLL | None:
     for fn, (restype, argtypes) in sig.items():
         getattr(lib, fn).restype = restype
         getattr(lib, fn).argtypes = argtypes
+    # Since elfutils 0.178: a row's file table and index (supplementary.py checks with it).
+    if hasattr(lib, "dwarf_line_file"):
+        lib.dwarf_line_file.restype = ctypes.c_int
+        lib.dwarf_line_file.argtypes = [_P, _P, _P]
     return lib
 
 

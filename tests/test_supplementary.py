@@ -70,6 +70,7 @@ def dwz_set(tmp_path_factory: pytest.TempPathFactory) -> DwzSet:
 def _frames(debug: Path, elf: Elf, supplement: Path | None, work: Path
             ) -> tuple[bool, dict[int, list[Expected]]]:
     """Whether the table has lines, and its frames at every instruction of .text."""
+    work.mkdir(parents=True, exist_ok=True)
     out = work / f"{elf.name}-{debug.parent.name}-{supplement.name if supplement else 0}.symc"
     built = build_symbol_table(debug, out, elf.build_id, elf.executable, supplement)
     vaddrs = code_addresses(elf)
@@ -250,3 +251,15 @@ def test_dies_nested_past_any_real_code_do_not_fail_the_build(tmp_path: Path) ->
     lines, frames = _frames(elves[0].debug, elves[0], common, tmp_path)
     assert lines
     assert {f.function for fs in frames.values() for f in fs} >= {"deep1", "main"}
+
+
+def test_line_rows_read_in_bulk_are_the_rows_read_one_by_one(
+        dwz_set: DwzSet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are taken from libdw's row array at once, its layout checked against libdw's
+    accessors; where a check fails they are read one by one. Both give the same table."""
+    import symbolize.supplementary as supplementary
+
+    p = dwz_set.programs[0]
+    bulk = _frames(p.debug, p, dwz_set.common, tmp_path / "bulk")
+    monkeypatch.setattr(supplementary._Walker, "_rows_in_bulk", lambda *_a: None)
+    assert _frames(p.debug, p, dwz_set.common, tmp_path / "one") == bulk
