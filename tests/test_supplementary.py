@@ -263,3 +263,36 @@ def test_line_rows_read_in_bulk_are_the_rows_read_one_by_one(
     bulk = _frames(p.debug, p, dwz_set.common, tmp_path / "bulk")
     monkeypatch.setattr(supplementary._Walker, "_rows_in_bulk", lambda *_a: None)
     assert _frames(p.debug, p, dwz_set.common, tmp_path / "one") == bulk
+
+
+async def test_a_fetched_dwz_debug_file_brings_its_supplement_for_a_site_cut_off_later(
+        start_symgate: SymgateFactory, dwz_upstream: tuple[Debuginfod, Path], dwz_set: DwzSet,
+        tmp_path: Path) -> None:
+    """A debugger's or `symgate prefetch`'s fetch of a dwz'd debug file brings its
+    supplementary file into the cache too, as the table built ahead needs it: once the
+    upstream is gone, profiles still get the lines."""
+    upstream, served = dwz_upstream
+    shutil.copyfile(dwz_set.common, served / dwz_set.common.name)
+    for p in dwz_set.programs:
+        await eventually(lambda p=p: serves(f"{upstream.url}/buildid/{p.build_id}/debuginfo"))
+    await eventually(lambda: serves(f"{upstream.url}/buildid/{dwz_set.common_id}/debuginfo"))
+    body = _profile(dwz_set)
+    want, _r = await asyncio.to_thread(
+        symbolize_bytes, body, [_tree(tmp_path / "orig", dwz_set, originals=True, common=False)],
+        LIMITS)
+    sg = await start_symgate([upstream.url], symbolize=SymbolizeConfig(build_workers=1))
+    for p in dwz_set.programs:
+        for kind in ("debuginfo", "executable"):
+            status, _h, _b = await sg.get(f"/buildid/{p.build_id}/{kind}")
+            assert status == 200
+
+    async def tables_built() -> bool:
+        built = await sg.metric("symgate_symtab_builds_total", result="ok")
+        return built is not None and built >= len(dwz_set.programs)
+
+    await eventually(tables_built)
+    upstream.process.terminate()
+    upstream.process.wait(10)
+    status, _h, answer = await sg.request("POST", "/symbolize", data=body,
+                                          headers={"Content-Type": "application/octet-stream"})
+    assert status == 200 and answer == want

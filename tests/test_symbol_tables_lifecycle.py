@@ -57,7 +57,7 @@ async def test_with_symbolization_off_no_table_is_built_and_no_worker_started(
     # callbacks run in order): a table set off then would be under way.
     building_at_commit: list[bool] = []
     state.service.committed.append(
-        lambda _scope, _key: building_at_commit.append(state.symbols.busy))
+        lambda _scope, _key, _req: building_at_commit.append(state.symbols.busy))
     for kind in ("debuginfo", "executable"):
         status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
         assert status == 200

@@ -128,8 +128,9 @@ class ArtifactService:
         # Tidying of ended fetches' files (seconds later): not work anybody waits for.
         self._tidying: set[asyncio.Task[None]] = set()
         self._cuts: dict[str, asyncio.Future[Hit]] = {}  # sections being cut, by key_hash
-        # Called with each artifact's scope and key once it is committed to the cache.
-        self.committed: list[Callable[[str, ArtifactKey], None]] = []
+        # Called with each artifact's scope and key once it is committed to the cache, and the
+        # request whose fetch brought it (None: an upload, a copy of one from the bucket).
+        self.committed: list[Callable[[str, ArtifactKey, RequestScope | None], None]] = []
         # The scopes holding an upload on some replica, as SQL said at the last look (and
         # this process's own uploads since): where a tenant without sources of its own has
         # files the shared scope does not speak for (_own_upload).
@@ -424,7 +425,7 @@ class ArtifactService:
                                            self._metrics.bucket_copies_resumed.inc)
                         try:
                             await self._download(key, copy.rec.scope, flight, temp, body,
-                                                 claim, publish=False)
+                                                 claim, publish=False, req=req)
                         finally:
                             body.close()
                         return
@@ -443,7 +444,7 @@ class ArtifactService:
                              scope)
                 try:
                     await self._download(key, owner, flight, temp, result.body, claim,
-                                         publish=self.tier is not None)
+                                         publish=self.tier is not None, req=req)
                 finally:
                     result.body.close()
         except Exception as e:
@@ -554,9 +555,10 @@ class ArtifactService:
 
     async def _download(
         self, key: ArtifactKey, scope: str, flight: Flight, temp: Path, body: Body,
-        claim: Claim | None, *, publish: bool,
+        claim: Claim | None, *, publish: bool, req: RequestScope | None = None,
     ) -> None:
-        """`publish`: write the file to the shared bucket once it is committed here."""
+        """`publish`: write the file to the shared bucket once it is committed here. `req`:
+        the request whose fetch it is, told to the `committed` listeners."""
         meta = body.meta
         if meta.size is not None and meta.size > self._max_artifact:
             self._reject(key, "too_large")
@@ -679,7 +681,7 @@ class ArtifactService:
         await self.cache.add(record)
         self.misses.forget(scope, key)
         for listener in self.committed:
-            listener(scope, key)
+            listener(scope, key, req)
         if publish and self.tier is not None:
             # Under the key's lease: the replicas waiting for it read this copy next.
             with self.cache.lease(scope, key):

@@ -135,7 +135,7 @@ class Uploads:
                 await tier.publish(record, final)
         await self._forget_misses(scope, key)
         for listener in self._service.committed:
-            listener(scope, key)
+            listener(scope, key, None)
         log.info("upload of %s into %s: %d bytes", key.id, scope or "the shared scope", size)
         return Uploaded(size, digest, created=True)
 

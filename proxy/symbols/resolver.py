@@ -537,29 +537,32 @@ class SymbolResolver:
             return None
 
     # -- cache events --------------------------------------------------------------------------
-    def _on_committed(self, scope: str, key: ArtifactKey) -> None:
+    def _on_committed(self, scope: str, key: ArtifactKey, req: RequestScope | None) -> None:
         """Pre-extract as soon as an ELF artifact is cached, off the request path. A debug
         file committed while a table is under way (one from the executable, committed a moment
         before: an upload of both, a prefetch) is judged again once that is done, so that its
-        lines are not lost to the executable's bare symbols."""
+        lines are not lost to the executable's bare symbols. `req`: the request whose fetch
+        brought it, whose sources fetch the supplementary file of a dwz'd debug file (a
+        debugger's, a prefetch's: a site about to be cut off needs it too)."""
         if not key.kind.is_elf or not self._enabled:
             return
         pending = self._resolving.get((scope, key.build_id))
         if pending is None:
-            started = self._track((scope, key.build_id), self._prebuild(scope, key))
+            started = self._track((scope, key.build_id), self._prebuild(scope, key, req))
         elif key.kind is Kind.DEBUGINFO:
             started = self._track((scope, key.build_id),
-                                  self._prebuild_after(pending, scope, key))
+                                  self._prebuild_after(pending, scope, key, req))
         else:
             return
         started.add_done_callback(_passing_trouble_told)
 
     async def _prebuild_after(self, pending: asyncio.Future[_Found], scope: str,
-                              key: ArtifactKey) -> _Found:
+                              key: ArtifactKey, req: RequestScope | None) -> _Found:
         await asyncio.wait([pending])
-        return await self._prebuild(scope, key)
+        return await self._prebuild(scope, key, req)
 
-    async def _prebuild(self, scope: str, key: ArtifactKey) -> _Found:
+    async def _prebuild(self, scope: str, key: ArtifactKey, req: RequestScope | None = None
+                        ) -> _Found:
         bid = key.build_id
         if (running := self._building.get((scope, bid))) is not None:
             await asyncio.wait([running])  # then judge what it built, below
@@ -581,7 +584,7 @@ class SymbolResolver:
                 else (cached.path, (scope, key))
             found: _Source | None = _Source(cached.path, key.id, scope, (scope, key), beside)
             if key.kind is Kind.DEBUGINFO and found is not None:
-                found = await self._with_supplement(None, found)
+                found = await self._with_supplement(req, found)
             if found is None:
                 return Outcome.NOT_FOUND  # its supplement not at hand: the first profile's
             return await self._build(bid, found)
@@ -597,7 +600,7 @@ class SymbolResolver:
             # executable's .dynsym (one that keeps its .symtab would change no name). Not while
             # a resolution is under way: that one fetched the executable itself.
             self._open.drop(scope, bid)
-            again = await self._with_supplement(None, _Source(
+            again = await self._with_supplement(req, _Source(
                 debug.path, ArtifactKey(bid, Kind.DEBUGINFO).id, scope,
                 (scope, ArtifactKey(bid, Kind.DEBUGINFO)), (cached.path, (scope, key))))
             if again is None:
