@@ -13,7 +13,8 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm
 # libdw1: elfutils' DWARF reader, for function names, start lines and the lines symbolic's
-# SymCache lacks (symbolize/dwarf.py; without it those fall back to the symbol table).
+# SymCache lacks (symbolize/dwarf.py; without it those fall back to the symbol table), and for
+# the debug files that dwz gave a supplementary file (symbolize/supplementary.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libdw1 \
