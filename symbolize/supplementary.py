@@ -109,13 +109,6 @@ def supplement_beside(debug_file: Path, link: SupplementLink) -> Path | None:
 
 
 @dataclass
-class _Function:
-    start: int
-    end: int
-    name: str
-
-
-@dataclass
 class _Inline:
     depth: int
     call_line: int
@@ -157,9 +150,9 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
         walker.read(dbg)
     out.write("MODULE Linux unknown 000000000000000000000000000000000 debug\n")
     for name, number in walker.files.items():
-        out.write(f"FILE {number} {name}\n")
+        out.write(f"FILE {number} {_one_line(name)}\n")
     for name, number in walker.origins.items():
-        out.write(f"INLINE_ORIGIN {number} {name}\n")
+        out.write(f"INLINE_ORIGIN {number} {_one_line(name)}\n")
     covered: list[tuple[int, int]] = []
     for start, sub in sorted(walker.functions.items()):
         end = max(e for s, e in sub.ranges if s == start)
@@ -173,7 +166,7 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
 
 def _write_function(out: TextIO, sub: _Subprogram, start: int, end: int,
                     load_address: int) -> None:
-    out.write(f"FUNC {start - load_address:x} {end - start:x} 0 {sub.name}\n")
+    out.write(f"FUNC {start - load_address:x} {end - start:x} 0 {_one_line(sub.name)}\n")
     for inline in sub.inlines:
         inside = [(max(a, start), min(b, end)) for a, b in inline.ranges if a < end and b > start]
         if inside:
@@ -200,16 +193,22 @@ def _write_symbols(out: TextIO, symbols: Sequence[FunctionSymbol],
     seen: set[int] = set()
     for s in sorted(symbols, key=lambda s: s.value):  # stable: table order at one address
         i = bisect.bisect_right(starts, s.value) - 1
-        if (i >= 0 and s.value < covered[i][1]) or s.value in seen:
+        if (i >= 0 and s.value < covered[i][1]) or s.value in seen or not s.name.strip():
             continue
         seen.add(s.value)
         if not s.size:
-            out.write(f"PUBLIC {s.value - load_address:x} 0 {s.name}\n")
+            out.write(f"PUBLIC {s.value - load_address:x} 0 {_one_line(s.name)}\n")
             continue
         end = s.value + s.size
         if i + 1 < len(starts):
             end = min(end, starts[i + 1])
-        out.write(f"FUNC {s.value - load_address:x} {end - s.value:x} 0 {s.name}\n")
+        out.write(f"FUNC {s.value - load_address:x} {end - s.value:x} 0 {_one_line(s.name)}\n")
+
+
+def _one_line(name: str) -> str:
+    """A name as a Breakpad record's last field, which ends at the line's end: a file's own
+    line breaks (a damaged or hostile one's) would start records of their own."""
+    return name.replace("\n", " ").replace("\r", " ")
 
 
 class _Walker:
@@ -323,8 +322,7 @@ class _Walker:
         lib = self._lib
         attr = lib.dwarf_attr_integrate(die, attribute, ctypes.addressof(self._attr))
         raw = lib.dwarf_formstring(attr) if attr else None
-        # Breakpad's records end at the line: a name is never allowed to hold one.
-        return raw.decode(errors="replace").replace("\n", " ") if raw else ""
+        return raw.decode(errors="replace") if raw else ""
 
     def _udata(self, die: int, attribute: int) -> int:
         lib = self._lib

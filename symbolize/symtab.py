@@ -145,17 +145,25 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         if executable is not None and executable != elf_path and segments is not None \
                 and headers is not None and _symtab_only_in(executable, headers):
             source = _with_symtab_of(elf_path, executable, copy)
-        if supplemented and supplement is None:
-            source = _without_dwarf(source, copy)
-        else:
+        if not supplemented:
             source = _without_discarded_lines(source, copy, layout)
-        symbolic_source = source
-        if supplemented and supplement is not None:
-            symbolic_source = _as_breakpad(source, supplement, breakpad, layout)
-        return _build(elf_path, source, out_path, layout, executable, segments,
-                      read_dwarf=not supplemented or supplement is not None,
-                      supplement=supplement, symbolic_source=symbolic_source,
-                      started=started)
+            return _build(elf_path, source, out_path, layout, executable, segments,
+                          read_dwarf=True, supplement=None, symbolic_source=source,
+                          started=started)
+        if supplement is not None:
+            lines = _without_discarded_lines(source, copy, layout)
+            try:
+                return _build(elf_path, lines, out_path, layout, executable, segments,
+                              read_dwarf=True, supplement=supplement,
+                              symbolic_source=_as_breakpad(lines, supplement, breakpad, layout),
+                              started=started)
+            except MalformedObject:
+                # What libdw read of a damaged file and symbolic would not take: named by
+                # its symbols, as without the supplement, rather than not at all.
+                source = lines
+        bare = _without_dwarf(source, copy)
+        return _build(elf_path, bare, out_path, layout, executable, segments, read_dwarf=False,
+                      supplement=None, symbolic_source=bare, started=started)
     finally:
         copy.unlink(missing_ok=True)
         breakpad.unlink(missing_ok=True)

@@ -296,3 +296,22 @@ async def test_a_fetched_dwz_debug_file_brings_its_supplement_for_a_site_cut_off
     status, _h, answer = await sg.request("POST", "/symbolize", data=body,
                                           headers={"Content-Type": "application/octet-stream"})
     assert status == 200 and answer == want
+
+
+def test_a_symbol_name_with_a_line_break_does_not_cost_the_lines(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """The DWARF is read into Breakpad text, whose records end at a line's end: a hostile
+    symbol table's name with a line break in it made the text unreadable to symbolic."""
+    p = dwz_set.programs[2]
+    damaged = tmp_path / "damaged.debug"
+    raw = p.debug.read_bytes()
+    assert raw.count(b"\0deregister_tm_clones\0") == 1
+    damaged.write_bytes(raw.replace(b"\0deregister_tm_clones\0", b"\0deregister\ntm_clones\0"))
+    _lines, want = _frames(dwz_set.originals[p.build_id], p, None, tmp_path / "orig")
+    lines, got = _frames(damaged, p, dwz_set.common, tmp_path / "damaged")
+    assert lines
+    # .strtab keeps `register_tm_clones` as the tail of `deregister_tm_clones`: both changed.
+    for v, frames in want.items():
+        assert [f.function for f in got[v]] == [
+            f.function.replace("register_tm_clones", "register tm_clones") for f in frames]
+        assert [(f.file, f.line) for f in got[v]] == [(f.file, f.line) for f in frames]
