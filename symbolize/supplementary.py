@@ -32,6 +32,7 @@ from typing import TextIO
 
 import numpy as np
 
+from .breakpad import HEADER, one_line, write_symbols
 from .dwarf import LIBDW, Die, clean_path, opened
 from .elf import FunctionSymbol, build_id_of_file
 from .elf_headers import SHF_COMPRESSED, read_headers
@@ -148,11 +149,11 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
             return False
         walker = _Walker(code, first_at)
         walker.read(dbg)
-    out.write("MODULE Linux unknown 000000000000000000000000000000000 debug\n")
+    out.write(HEADER)
     for name, number in walker.files.items():
-        out.write(f"FILE {number} {_one_line(name)}\n")
+        out.write(f"FILE {number} {one_line(name)}\n")
     for name, number in walker.origins.items():
-        out.write(f"INLINE_ORIGIN {number} {_one_line(name)}\n")
+        out.write(f"INLINE_ORIGIN {number} {one_line(name)}\n")
     covered: list[tuple[int, int]] = []
     for start, sub in sorted(walker.functions.items()):
         end = max(e for s, e in sub.ranges if s == start)
@@ -160,13 +161,13 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
             continue  # nested in or overlapping the one before: symbolic keeps the outer
         covered.append((start, end))
         _write_function(out, sub, start, end, load_address)
-    _write_symbols(out, symbols, covered, load_address)
+    write_symbols(out, symbols, covered, load_address)
     return True
 
 
 def _write_function(out: TextIO, sub: _Subprogram, start: int, end: int,
                     load_address: int) -> None:
-    out.write(f"FUNC {start - load_address:x} {end - start:x} 0 {_one_line(sub.name)}\n")
+    out.write(f"FUNC {start - load_address:x} {end - start:x} 0 {one_line(sub.name)}\n")
     for inline in sub.inlines:
         inside = [(max(a, start), min(b, end)) for a, b in inline.ranges if a < end and b > start]
         if inside:
@@ -182,33 +183,6 @@ def _write_function(out: TextIO, sub: _Subprogram, start: int, end: int,
         if file >= 0 and b > a:  # -1: past a sequence's end
             out.write(f"{a - load_address:x} {b - a:x} {line} {file}\n")
         i += 1
-
-
-def _write_symbols(out: TextIO, symbols: Sequence[FunctionSymbol],
-                   covered: list[tuple[int, int]], load_address: int) -> None:
-    """The symbol table's functions that start where no DWARF function is, as symbolic adds
-    them to a SymCache from DWARF: the first listed at an address, over its size up to the
-    next function (a FUNC without lines), or up to the next symbol where it has none."""
-    starts = [a for a, _b in covered]
-    seen: set[int] = set()
-    for s in sorted(symbols, key=lambda s: s.value):  # stable: table order at one address
-        i = bisect.bisect_right(starts, s.value) - 1
-        if (i >= 0 and s.value < covered[i][1]) or s.value in seen or not s.name.strip():
-            continue
-        seen.add(s.value)
-        if not s.size:
-            out.write(f"PUBLIC {s.value - load_address:x} 0 {_one_line(s.name)}\n")
-            continue
-        end = s.value + s.size
-        if i + 1 < len(starts):
-            end = min(end, starts[i + 1])
-        out.write(f"FUNC {s.value - load_address:x} {end - s.value:x} 0 {_one_line(s.name)}\n")
-
-
-def _one_line(name: str) -> str:
-    """A name as a Breakpad record's last field, which ends at the line's end: a file's own
-    line breaks (a damaged or hostile one's) would start records of their own."""
-    return name.replace("\n", " ").replace("\r", " ")
 
 
 class _Walker:

@@ -18,18 +18,15 @@ from pathlib import Path
 import pytest
 
 from proxy.config import NegativeConfig, SymbolizeConfig
-from symbolize.chains import FunctionIds
 from symbolize.elf import build_id_of_file
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
-from symbolize.rewrite import MappingSymbols
 from symbolize.supplementary import SupplementLink, parse_link, supplement_link
-from symbolize.symtab import build_symbol_table
 from tests.elfs import Elf, build_program
 from tests.harness import Debuginfod, SymgateFactory, eventually, running_debuginfod, serves
 from tests.profiles import Expected, code_addresses, frames_of, make_profile, place
-from tests.rewriting import open_table, run_rewrite
+from tests.rewriting import table_frames
 
 pytestmark = [pytest.mark.one_database,
               pytest.mark.skipif(shutil.which("dwz") is None, reason="needs dwz")]
@@ -69,22 +66,8 @@ def dwz_set(tmp_path_factory: pytest.TempPathFactory) -> DwzSet:
 
 def _frames(debug: Path, elf: Elf, supplement: Path | None, work: Path
             ) -> tuple[bool, dict[int, list[Expected]]]:
-    """Whether the table has lines, and its frames at every instruction of .text."""
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / f"{elf.name}-{debug.parent.name}-{supplement.name if supplement else 0}.symc"
-    built = build_symbol_table(debug, out, elf.build_id, elf.executable, supplement)
-    vaddrs = code_addresses(elf)
-    ids_profile = Profile()
-    ids_profile.string_table.extend(["", str(elf.executable), elf.build_id])
-    ids_profile.mapping.add(id=1, filename=1, build_id=2)
-    for i, v in enumerate(vaddrs, start=1):
-        ids_profile.location.add(id=i, mapping_id=1, address=v)
-    ids = FunctionIds()
-    rewritten = run_rewrite(ids_profile.SerializeToString(),
-                            {elf.build_id: MappingSymbols(open_table(out, built, ids), ())},
-                            ids)[0]
-    return built.has_lines, {loc.address: frames_of(rewritten, loc)
-                             for loc in rewritten.location}
+    return table_frames(debug, elf, work / f"with-{supplement.name if supplement else 0}",
+                        supplement)
 
 
 def test_the_link_names_the_supplement_by_path_and_build_id(dwz_set: DwzSet) -> None:
