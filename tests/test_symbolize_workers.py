@@ -277,6 +277,44 @@ async def test_gzip_bombs_are_refused_without_being_inflated(
     assert max(grown.values()) < 64 * 1024 * 1024, grown
 
 
+def _reset_peak_rss() -> None:
+    """VmHWM from now on (proc(5): clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A body sent with Content-Encoding: gzip was inflated as soon as it was read, before it
+    waited for a slot: six waiting 60 KiB bodies held 60 MiB each, 16 of them 4 GiB under the
+    default limits. It is measured as it comes (a bomb is refused without a slot) and inflated
+    in its slot, as a body gzipped in itself is."""
+    faults.release.clear()
+    sg = await start_symgate([faults.url_for("hold")], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=6, deadline_s=60.0,
+        max_decompressed_bytes=64 << 20))
+    workers = sg.runner.app[STATE].symbols.workers
+    first = asyncio.ensure_future(post(sg, _profile(elfs)))  # the slot, held by its debuginfo
+    await eventually(lambda: _true(faults.count("hold") > 1))
+    # One past the limit is refused as it waits, without a slot.
+    status, _, text = await post(sg, _gzip_bomb(128 << 20), **{"Content-Encoding": "gzip"})
+    assert status == 413 and b"inflates to more than" in text and not first.done(), text
+    _reset_peak_rss()  # the server is this process (tests/harness.py)
+    before = _peak_rss(os.getpid())
+    bomb = _gzip_bomb(60 << 20)
+    waiting = [asyncio.ensure_future(post(sg, bomb, **{"Content-Encoding": "gzip"}))
+               for _ in range(6)]
+    await eventually(lambda: _true(workers.queued_count == 6))
+    grown = _peak_rss(os.getpid()) - before
+    faults.release.set()
+    assert (await first)[0] == 200
+    for pending in waiting:
+        status, _, text = await pending
+        assert status == 400 and b"not a pprof profile" in text, text
+    assert grown < 32 << 20, grown
+
+
 async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

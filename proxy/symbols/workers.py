@@ -210,6 +210,7 @@ class SymbolizeWorkers:
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
+        self._queued = 0  # of the admitted, those whose body is in and that wait for a slot
         # Until a worker could not open a memory file of this process (shared_bodies.py).
         self.sharing = hasattr(os, "memfd_create")
 
@@ -217,6 +218,11 @@ class SymbolizeWorkers:
     def admitted_count(self) -> int:
         """Profiles in work or waiting for a slot."""
         return self._admitted
+
+    @property
+    def queued_count(self) -> int:
+        """Profiles whose body is in, waiting for a slot."""
+        return self._queued
 
     @contextlib.asynccontextmanager
     async def admitted(self) -> AsyncIterator[Callable[[], AsyncContextManager[None]]]:
@@ -228,9 +234,21 @@ class SymbolizeWorkers:
                              "as many waiting as it may: try again later")
         self._admitted += 1
         try:
-            yield lambda: self._slots
+            yield self._slot
         finally:
             self._admitted -= 1
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        self._queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._queued -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await self.run(worker.scan, body, limits)

@@ -56,14 +56,18 @@ async def _one(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
-async def inflate_body(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
-    """A whole body inflated; 413 the moment it passes `limit` bytes (`setting` names it).
+async def measure_body(body: bytes, wbits: int, limit: int, setting: str) -> None:
+    """413 the moment `body` inflates past `limit` bytes (`setting` names it).
 
-    Measured first, each piece thrown away as it comes, as codec does a gzipped profile: a
-    bomb is refused without ever being held (kept as it came, it would be the whole limit,
-    256 MiB by default, in memory before its 413), and only what is known to fit is inflated
-    whole."""
+    Each piece is thrown away as it comes, as codec does a gzipped profile: a bomb is refused
+    without ever being held (kept as it came, it would be the whole limit, 256 MiB by default,
+    in memory before its 413), and only what is known to fit is inflated whole, by
+    inflate_measured, when it is wanted: a profile waiting for a slot holds it as sent."""
     await _inflate(body, wbits, limit, setting, keep=False)
+
+
+async def inflate_measured(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
+    """A whole body that measure_body has passed, inflated."""
     return await _inflate(body, wbits, limit, setting, keep=True)
 
 

@@ -20,7 +20,7 @@ from aiohttp.abc import AbstractStreamWriter
 from proxy.config import Fallback, SymbolizeConfig, TenantConfig
 from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from proxy.web.artifacts import hop_of
-from proxy.web.content_encoding import coding_of, inflate_body
+from proxy.web.content_encoding import coding_of, inflate_measured, measure_body
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
 from symbolize import fallback
@@ -53,11 +53,28 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
 async def read_profile(request: web.Request, cfg: SymbolizeConfig, wbits: int | None) -> bytes:
     """The request's body, inflated where it came with a Content-Encoding (`wbits`): to no
     more than a gzipped profile may inflate to (symbolize.pprof.codec), in a thread."""
+    body = await read_measured(request, cfg, wbits)
+    return await inflate(body, cfg, wbits)
+
+
+async def read_measured(request: web.Request, cfg: SymbolizeConfig, wbits: int | None
+                        ) -> bytes:
+    """The request's body as sent, where it came with a Content-Encoding (`wbits`) measured
+    (413 past the limit) but not kept inflated: `inflate` does that once it is worked on."""
     body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+    if wbits is not None:
+        await measure_body(body, wbits, cfg.max_decompressed_bytes, _LIMIT)
+    return body
+
+
+async def inflate(body: bytes, cfg: SymbolizeConfig, wbits: int | None) -> bytes:
+    """A body read_measured gave, inflated."""
     if wbits is None:
         return body
-    return await inflate_body(body, wbits, cfg.max_decompressed_bytes,
-                              "symbolize.max_decompressed_bytes")
+    return await inflate_measured(body, wbits, cfg.max_decompressed_bytes, _LIMIT)
+
+
+_LIMIT = "symbolize.max_decompressed_bytes"
 
 
 def report_headers(report: Report, state: str) -> dict[str, str]:
@@ -123,11 +140,15 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
                             headers={"X-Symgate-Symbolize": "disabled"})
     limits = replace(limits_of(cfg), fallback=fallback_of(request, cfg, settings))
     async with state.symbols.workers.admitted() as take_slot:
-        body = await read_profile(request, cfg, wbits)
+        # A bomb is refused here, before it takes a slot; the body is inflated in its slot.
+        body = await read_measured(request, cfg, wbits)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
         async with take_slot():
+            # Inflated only now, as a gzipped body is (pipeline.py): a waiting profile holds
+            # what it was sent, not the up to max_decompressed_bytes it inflates to.
+            body = await inflate(body, cfg, wbits)
             with state.symbols.workers.for_request() as work:
                 answer, done = await fmt.run(body, state.symbols.provider(req), limits, work)
     count(state, done)
