@@ -169,6 +169,47 @@ async def test_past_the_slots_a_profile_gets_429_at_once_and_hits_stay_served(
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
 
 
+async def _expecting(sg: Symgate, head: bytes
+                     ) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """The first answer to a POST /symbolize head sent with `Expect: 100-continue`, its body
+    held back as curl holds it."""
+    host, port = sg.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                 b"Content-Type: application/octet-stream\r\n" + head + b"\r\n")
+    await writer.drain()
+    return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30), reader, writer
+
+
+async def test_a_profile_refused_before_its_body_is_never_asked_for_its_body(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """aiohttp answered `Expect: 100-continue` with a 100 before the handler ran: curl then
+    sent a body the server had already refused, a 413 or a 429 after the upload."""
+    faults.release.set()
+    sg = await start_symgate([faults.url_for("hold")], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=0, deadline_s=60.0, max_request_bytes=1 << 20))
+    head, _, writer = await _expecting(sg, b"Content-Length: %d\r\n" % (2 << 20))
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    writer.close()
+    faults.release.clear()
+    first = asyncio.ensure_future(post(sg, _profile(elfs)))  # the one place, held
+    await eventually(lambda: _true(faults.count("hold") > 1))
+    head, _, writer = await _expecting(sg, b"Content-Length: %d\r\n" % len(_profile(elfs)))
+    assert head.startswith(b"HTTP/1.1 429 "), head
+    writer.close()
+    faults.release.set()
+    assert (await first)[0] == 200
+    # Admitted: asked for its body, and answered.
+    head, reader, writer = await _expecting(sg, b"Content-Length: %d\r\n"
+                                            % len(_profile(elfs)))
+    assert head == b"HTTP/1.1 100 Continue\r\n\r\n", head
+    writer.write(_profile(elfs))
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"X-Symgate-Mappings-Symbolized: 1" in answer
+    writer.close()
+
+
 async def _trickle(sg: Symgate, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A POST /symbolize that announces `body` and sends only its first bytes, then stalls."""
     host, port = sg.url.removeprefix("http://").split(":")

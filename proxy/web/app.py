@@ -52,7 +52,7 @@ from proxy.web.otlp import symbolize_otlp
 from proxy.web.send_timeout import SendTimeouts
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 from proxy.web.state import STATE, AppState
-from proxy.web.symbolize import symbolize
+from proxy.web.symbolize import expect_continue, symbolize
 from proxy.web.tenancy import Tenancy
 
 if TYPE_CHECKING:
@@ -77,8 +77,8 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
         for method, handler in (("PUT", upload.put), ("DELETE", upload.delete)):
             app.router.add_route(method, "/buildid/{build_id}/{kind:debuginfo|executable}",
                                  handler, expect_handler=upload.expect_continue)
-    app.router.add_post("/symbolize", symbolize)
-    app.router.add_post("/symbolize/otlp", symbolize_otlp)
+    app.router.add_post("/symbolize", symbolize, expect_handler=expect_continue)
+    app.router.add_post("/symbolize/otlp", symbolize_otlp, expect_handler=expect_continue)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/healthz", ops.healthz)
     app.router.add_get("/", ops.status_page)
