@@ -21,6 +21,7 @@ from .pprof.columns import location_columns
 from .pprof.new_ids import NewIds
 from .pprof.profile_pb2 import Location
 from .pprof.profile_raw_pb2 import RawProfile
+from .pprof.string_index import first_indices
 
 MODULE_OFFSET = "module-offset"
 # The count of named locations, among the unresolved ones of the report.
@@ -149,11 +150,12 @@ def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
     strings = profile.string_table
     if not strings:
         strings.append("")
-    index = {s: i for i, s in reversed(list(enumerate(strings)))}
+    distinct = dict.fromkeys(names)
+    index = first_indices(strings, distinct.keys())
     own = {(f.name, f.system_name, f.filename): f.id for f in profile.function}
     ids: dict[str, int] = {}
     new: list[tuple[str, int]] = []
-    for name in dict.fromkeys(names):
+    for name in distinct:
         if name not in index:
             index[name] = len(strings)
             strings.append(name)

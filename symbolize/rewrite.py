@@ -39,6 +39,7 @@ from .pprof.columns import (
 )
 from .pprof.new_ids import NewIds
 from .pprof.profile_raw_pb2 import RawProfile
+from .pprof.string_index import first_indices
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable
 from .translate import to_vaddrs
@@ -136,16 +137,24 @@ class _Functions:
         self._ids = ids
         if not profile.string_table:
             profile.string_table.append("")
-        self._strings: dict[str, int] = {}
-        for i, s in enumerate(profile.string_table):
-            self._strings.setdefault(s, i)
-        self._own: dict[tuple[int, int, int, int], int] = {}
         table = profile.string_table
-        for f in profile.function:  # by the strings, in case the table has one twice
-            key = (self._strings[table[f.name]], self._strings[table[f.system_name]],
-                   self._strings[table[f.filename]], f.start_line)
-            self._own.setdefault(key, f.id)
+        self._own_texts = [(table[f.name], table[f.system_name], table[f.filename],
+                            f.start_line, f.id) for f in profile.function]
         self._new_ids = NewIds(f.id for f in profile.function)
+
+    def _index(self, words: list[str]) -> tuple[dict[str, int],
+                                                dict[tuple[int, int, int, int], int]]:
+        """Where each of `words` and of the profile's functions' strings first is in the
+        string table; and the profile's own functions by those indices."""
+        wanted = set(words)
+        for name, system_name, filename, _line, _id in self._own_texts:
+            wanted.update((name, system_name, filename))
+        strings = first_indices(self._profile.string_table, wanted)
+        own: dict[tuple[int, int, int, int], int] = {}
+        for name, system_name, filename, line, fid in self._own_texts:
+            # by the strings, in case the table has one twice
+            own.setdefault((strings[name], strings[system_name], strings[filename], line), fid)
+        return strings, own
 
     def add(self, used: U64) -> U64:
         """Add a Function for each id of `used` (sorted) that the profile lacks; return the id
@@ -154,6 +163,7 @@ class _Functions:
         texts, at = np.unique(rows[:, :3], return_inverse=True)
         at = at.reshape(-1, 3)
         words = [self._ids.texts[t] for t in texts.tolist()]
+        strings, own = self._index(words)
         rank = np.empty(len(words), dtype=np.int64)
         rank[sorted(range(len(words)), key=words.__getitem__)] = np.arange(len(words))
         ranked = rank[at]
@@ -164,29 +174,29 @@ class _Functions:
         in_use_order = at[order].ravel()[np.sort(first_use)].tolist()
         table = self._profile.string_table
         in_order = [words[t] for t in in_use_order]
-        found = np.array([self._strings.get(w, -1) for w in in_order], dtype=np.int64)
+        found = np.array([strings.get(w, -1) for w in in_order], dtype=np.int64)
         missing = found < 0
         new_strings = [w for w, m in zip(in_order, missing.tolist(), strict=True) if m]
         found[missing] = len(table) + np.arange(len(new_strings))
-        self._strings.update(zip(new_strings, found[missing].tolist(), strict=True))
+        strings.update(zip(new_strings, found[missing].tolist(), strict=True))
         index = np.zeros(len(words), dtype=np.uint64)
         index[in_use_order] = found
         fields = np.column_stack((index[at], rows[:, 3].astype(np.uint64)))[order]
         written = np.zeros(len(used), dtype=np.uint64)
         fresh = np.ones(len(used), dtype=np.bool_)  # in `order`
-        if self._own:
+        if own:
             keys = [(r[0], r[1], r[2], r[3]) for r in fields.tolist()]
             # The profile's own where it has the function; new ids, in one take, in the
             # order of first use, for the rest.
-            new = [key for key in dict.fromkeys(keys) if key not in self._own]
-            self._own.update(zip(new, self._new_ids.take(len(new)).tolist(), strict=True))
+            new = [key for key in dict.fromkeys(keys) if key not in own]
+            own.update(zip(new, self._new_ids.take(len(new)).tolist(), strict=True))
             unwritten = set(new)
             for k, key in enumerate(keys):
                 if key in unwritten:
                     unwritten.discard(key)  # its first row writes the new Function
                 else:
                     fresh[k] = False
-                written[order[k]] = self._own[key]
+                written[order[k]] = own[key]
         else:
             written[order] = self._new_ids.take(len(used))
         table.extend(new_strings)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from symbolize import fallback
 from symbolize.chains import ChainStore, FrameColumns, FunctionIds
 from symbolize.elf import layout_of_file
 from symbolize.pprof.codec import encode
@@ -121,6 +122,67 @@ def test_a_warm_rewrite_takes_memory_in_proportion(tmp_path: Path) -> None:
                Profile.FromString(out.SerializeToString()).location[:100]) > 90
     assert peak < 5 * len(body), (peak, len(body), peak / len(body))
 
+
+
+def test_a_big_string_table_costs_no_memory_beyond_itself(
+        libc_ids: tuple[SymbolTable, FunctionIds]) -> None:
+    """The rewrite kept a dict of every string of the table, to find the few it reuses: a
+    microsecond and some 120 bytes a string, so a profile of ten million short strings
+    (21 MB gzipped, inside every limit) held a worker for 13 s and 2 GB. Only the strings it
+    asks about are kept now, whatever the table's size; the answer is the same."""
+    libc, ids = libc_ids
+    p = Profile()
+    p.string_table.extend(["", str(LIBC), LIBC_ID, "__libc_start_main"])
+    p.mapping.add(id=1, filename=1, build_id=2)
+    p.function.add(id=1, name=3, system_name=3)
+    for i, v in enumerate(_text_addresses(100).tolist(), start=1):
+        p.location.add(id=i, mapping_id=1, address=v)
+        p.sample.add(location_id=[i], value=[1])
+    padding = [f"{i:07x}" for i in range(300_000)]
+    p.string_table.extend(padding)
+    body = p.SerializeToString()
+    del padding
+    symbols = {LIBC_ID: MappingSymbols(libc, ())}
+
+    def once() -> tuple[RawProfile, Report]:
+        profile, report = RawProfile.FromString(body), Report()
+        rewrite(profile, {1: LIBC_ID}, symbols, ids, report)
+        return profile, report
+
+    once()  # warm: the chains are known
+    tracemalloc.start()
+    try:
+        out, report = once()
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.locations_symbolized > 90
+    got = Profile.FromString(out.SerializeToString())
+    names = {got.string_table[f.name] for f in got.function}
+    assert len(got.string_table) > 300_000 and len(names) > 10
+    assert peak < 8 * 1024 * 1024, peak  # 300,000 strings: 36 MB in a dict
+
+
+def test_naming_frames_in_a_big_string_table_costs_no_memory_beyond_it() -> None:
+    """The module+offset names (symbolize.fallback) were looked for in a list and a dict of the
+    whole string table: some 200 bytes a string."""
+    p = Profile()
+    p.string_table.extend(["", "/usr/lib/libfoo.so"])
+    p.mapping.add(id=1, filename=1, memory_start=0x1000, memory_limit=0x9000)
+    for i in range(1, 101):
+        p.location.add(id=i, mapping_id=1, address=0x1000 + 16 * i)
+    p.string_table.extend(f"{i:07x}" for i in range(300_000))
+    profile = RawProfile.FromString(p.SerializeToString())
+    tracemalloc.start()
+    try:
+        named = fallback.fill(profile)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert named == 100
+    got = Profile.FromString(profile.SerializeToString())
+    assert got.string_table[got.function[0].name] == "libfoo.so+0x10"
+    assert peak < 8 * 1024 * 1024, peak  # 300,000 strings: 60 MB in a list and a dict
 
 
 @pytest.mark.parametrize("mappings", [1, 3, 70_000])
