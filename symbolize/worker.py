@@ -158,7 +158,8 @@ def scan(body: Buffer, limits: Limits) -> Scanned:
 
 
 def check_samples(body: Buffer, limits: Limits) -> None:
-    """Raise ProfileError where a sample or label set of the profile is not a valid message.
+    """Raise ProfileError where a sample, location or label set of the profile is not a valid
+    message.
 
     The one check the scan leaves out, a step of its own: nothing the resolution or the rewrite
     does reads a sample, and a million of them take 55 to 190 ms to check (codec.check_samples),

@@ -47,6 +47,14 @@ def test_a_location_that_is_not_protobuf_is_malformed() -> None:
         location_columns([b"\x08\x01", b"\x22\x05\x08"])
 
 
+def test_a_malformed_location_is_named_by_its_place_in_the_profile() -> None:
+    """Past the first batch of 65,536 it was named by its place in its batch."""
+    encoded = [b"\x08\x01"] * 70_000
+    encoded[66_000] = b"\x22\x05\x08"
+    with pytest.raises(MalformedLocation, match="location 66000 is not a valid Location"):
+        location_columns(encoded)
+
+
 def test_to_vaddrs_is_to_vaddr_for_every_address() -> None:
     rng = random.Random(3)
     segments = (LoadSegment(0, 0, 0x1000, 0x1000, False),

@@ -105,6 +105,24 @@ async def test_a_profile_with_a_corrupt_sample_is_400(
         assert b"not a pprof profile: sample 2 is not a valid Sample message" in text, text
 
 
+async def test_a_profile_with_a_corrupt_location_is_400_whether_or_not_it_is_symbolized(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Locations are read only where the rewrite fills some in: a corrupt one was a 400 for a
+    profile whose debug file was found, and its own bytes sent back in a 200 for one whose
+    debug file was not, which a backend then kept."""
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
+    for build_id in ("ab" * 20, elfs.prog.build_id):  # not found upstream, and found
+        placed = replace(place(elfs.prog, BASES["prog"]), build_id=build_id)
+        raw = RawProfile.FromString(
+            make_profile([(placed, code_addresses(elfs.prog)[:5])]).SerializeToString())
+        raw.location[2] = b"\x22\x05\x01"  # a line: 5 bytes declared, 1 there
+        status, _, text = await post(sg, raw.SerializeToString())
+        assert status == 400, (build_id, text)
+        assert b"not a pprof profile: location 2 is not a valid Location message" in text, text
+    assert (await sg.get("/healthz"))[0] == 200
+
+
 async def test_a_corrupt_sample_is_400_without_waiting_for_the_resolution(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -17,8 +17,8 @@ from typing import cast
 from google.protobuf.message import DecodeError
 from isal import igzip, isal_zlib
 
-from .profile_pb2 import LabelSet, Sample
-from .profile_raw_pb2 import CheckedSamples, RawProfile
+from .profile_pb2 import LabelSet, Location, Sample
+from .profile_raw_pb2 import CheckedAsBytes, RawProfile
 
 # Bytes, or a view of them: a request's as a worker maps them (proxy.symbols.shared_bodies).
 Buffer = bytes | memoryview
@@ -142,15 +142,17 @@ def inflated(body: Buffer, max_decompressed: int, *, measured: bool = False
 
 def check(decoded: Decoded) -> None:
     """Raise ProfileError where the profile's string indices point outside its string table,
-    or a sample or label set it keeps as bytes is not a valid message."""
+    or a sample, location or label set it keeps as bytes is not a valid message."""
     check_strings(decoded.profile)
     check_samples(decoded.raw)
 
 
 def check_samples(raw: Buffer) -> None:
-    """Raise ProfileError where a Sample or LabelSet of the encoded profile `raw` is not a valid
-    message. A RawProfile passes them on as bytes unread: unchecked, a corrupt one (a packed
-    field longer than its sample, say) went out in an answer no pprof reader can parse.
+    """Raise ProfileError where a Sample, Location or LabelSet of the encoded profile `raw` is
+    not a valid message. A RawProfile passes them on as bytes unread: unchecked, a corrupt one
+    (a packed field longer than its sample, say) went out in an answer no pprof reader can
+    parse. Locations are read by the rewrite only where it fills some in: a corrupt one was a
+    400 where a profile's debug files were found and a 200, its bytes sent back, where not.
 
     protobuf parses them all in C, as a reader will, against a microsecond each for a loop in
     Python; but it makes a message of each: for a million one-frame samples 55 ms where malloc
@@ -158,23 +160,24 @@ def check_samples(raw: Buffer) -> None:
     while it lasts. (Their shapes vary with stack depth and labels: they have no rows for numpy
     to check in bulk, as columns.py does locations.)"""
     try:
-        CheckedSamples.FromString(as_bytes(raw))
+        CheckedAsBytes.FromString(as_bytes(raw))
     except DecodeError:
         raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
 
 
 def _first_corrupt(raw: Buffer) -> str:
-    """Which sample or label set is corrupt, for the error: a loop in Python, only once a
-    profile is known to have one."""
+    """Which sample, location or label set is corrupt, for the error: a loop in Python, only
+    once a profile is known to have one."""
     profile = RawProfile.FromString(as_bytes(raw))
     for what, kind, encoded in (("sample", Sample, profile.sample),
+                                ("location", Location, profile.location),
                                 ("label set", LabelSet, profile.label_set)):
         for i, one in enumerate(encoded):
             try:
                 kind.FromString(one)
             except DecodeError as e:
                 return f"{what} {i} is not a valid {kind.__name__} message ({e})"
-    return "a sample or label set is not a valid message"
+    return "a sample, location or label set is not a valid message"
 
 
 def check_strings(profile: RawProfile) -> None:

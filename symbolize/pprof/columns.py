@@ -71,7 +71,7 @@ def location_columns(encoded: Sequence[bytes], keep_encodings: bool = False
                           np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64))
     kept = []
     for i in range(0, n, _BATCH):  # into columns made once: no second copy to join
-        part = _columns(encoded[i: i + _BATCH], keep_encodings)
+        part = _columns(encoded[i: i + _BATCH], keep_encodings, first=i)
         for f in ("mapping_id", "address", "has_lines", "length"):
             getattr(out, f)[i: i + _BATCH] = getattr(part, f)
         kept += part.encodings or []
@@ -141,7 +141,9 @@ def record_columns(records: bytes, count: int) -> LocationColumns | None:
                            head=2)
 
 
-def _columns(encoded: Sequence[bytes], keep_encodings: bool) -> LocationColumns:
+def _columns(encoded: Sequence[bytes], keep_encodings: bool, first: int = 0
+             ) -> LocationColumns:
+    """`first`: the index in the profile of the first of `encoded`, for errors."""
     n = len(encoded)
     mapping_id = np.zeros(n, dtype=np.uint64)
     address = np.zeros(n, dtype=np.uint64)
@@ -160,7 +162,9 @@ def _columns(encoded: Sequence[bytes], keep_encodings: bool) -> LocationColumns:
         try:
             loc = Location.FromString(encoded[i])
         except DecodeError as e:
-            raise MalformedLocation(f"location {i}: {e}") from None
+            # The words codec.check_samples says it in, whichever of the two finds it first.
+            raise MalformedLocation(f"not a pprof profile: location {first + i} is not a valid "
+                                    f"Location message ({e})") from None
         mapping_id[i], address[i], has_lines[i] = loc.mapping_id, loc.address, bool(loc.line)
     return LocationColumns(mapping_id, address, has_lines, lengths,
                            [buf] if keep_encodings else None)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from symbolize.pprof import profile_pb2 as symbolize_dot_pprof_dot_profile__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!symbolize/pprof/profile_raw.proto\x12\x12perftools.profiles\x1a\x1dsymbolize/pprof/profile.proto\"\xc4\x03\n\nRawProfile\x12\x32\n\x0bsample_type\x18\x01 \x03(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06sample\x18\x02 \x03(\x0c\x12,\n\x07mapping\x18\x03 \x03(\x0b\x32\x1b.perftools.profiles.Mapping\x12\x10\n\x08location\x18\x04 \x03(\x0c\x12.\n\x08\x66unction\x18\x05 \x03(\x0b\x32\x1c.perftools.profiles.Function\x12\x14\n\x0cstring_table\x18\x06 \x03(\t\x12\x13\n\x0b\x64rop_frames\x18\x07 \x01(\x03\x12\x13\n\x0bkeep_frames\x18\x08 \x01(\x03\x12\x12\n\ntime_nanos\x18\t \x01(\x03\x12\x16\n\x0e\x64uration_nanos\x18\n \x01(\x03\x12\x32\n\x0bperiod_type\x18\x0b \x01(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06period\x18\x0c \x01(\x03\x12\x0f\n\x07\x63omment\x18\r \x03(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_sample_type\x18\x0e \x01(\x03\x12\x11\n\ttick_unit\x18\x0f \x01(\x03\x12\x11\n\tlabel_set\x18\x10 \x03(\x0c\" \n\x0cRawLocations\x12\x10\n\x08location\x18\x04 \x03(\x0c\"m\n\x0e\x43heckedSamples\x12*\n\x06sample\x18\x02 \x03(\x0b\x32\x1a.perftools.profiles.Sample\x12/\n\tlabel_set\x18\x10 \x03(\x0b\x32\x1c.perftools.profiles.LabelSetb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!symbolize/pprof/profile_raw.proto\x12\x12perftools.profiles\x1a\x1dsymbolize/pprof/profile.proto\"\xc4\x03\n\nRawProfile\x12\x32\n\x0bsample_type\x18\x01 \x03(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06sample\x18\x02 \x03(\x0c\x12,\n\x07mapping\x18\x03 \x03(\x0b\x32\x1b.perftools.profiles.Mapping\x12\x10\n\x08location\x18\x04 \x03(\x0c\x12.\n\x08\x66unction\x18\x05 \x03(\x0b\x32\x1c.perftools.profiles.Function\x12\x14\n\x0cstring_table\x18\x06 \x03(\t\x12\x13\n\x0b\x64rop_frames\x18\x07 \x01(\x03\x12\x13\n\x0bkeep_frames\x18\x08 \x01(\x03\x12\x12\n\ntime_nanos\x18\t \x01(\x03\x12\x16\n\x0e\x64uration_nanos\x18\n \x01(\x03\x12\x32\n\x0bperiod_type\x18\x0b \x01(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06period\x18\x0c \x01(\x03\x12\x0f\n\x07\x63omment\x18\r \x03(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_sample_type\x18\x0e \x01(\x03\x12\x11\n\ttick_unit\x18\x0f \x01(\x03\x12\x11\n\tlabel_set\x18\x10 \x03(\x0c\" \n\x0cRawLocations\x12\x10\n\x08location\x18\x04 \x03(\x0c\"\x9d\x01\n\x0e\x43heckedAsBytes\x12*\n\x06sample\x18\x02 \x03(\x0b\x32\x1a.perftools.profiles.Sample\x12.\n\x08location\x18\x04 \x03(\x0b\x32\x1c.perftools.profiles.Location\x12/\n\tlabel_set\x18\x10 \x03(\x0b\x32\x1c.perftools.profiles.LabelSetb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RAWPROFILE']._serialized_end=541
   _globals['_RAWLOCATIONS']._serialized_start=543
   _globals['_RAWLOCATIONS']._serialized_end=575
-  _globals['_CHECKEDSAMPLES']._serialized_start=577
-  _globals['_CHECKEDSAMPLES']._serialized_end=686
+  _globals['_CHECKEDASBYTES']._serialized_start=578
+  _globals['_CHECKEDASBYTES']._serialized_end=735
 # @@protoc_insertion_point(module_scope)

@@ -49,10 +49,12 @@ class RawLocations(_message.Message):
     location: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, location: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
-class CheckedSamples(_message.Message):
-    __slots__ = ("sample", "label_set")
+class CheckedAsBytes(_message.Message):
+    __slots__ = ("sample", "location", "label_set")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
     LABEL_SET_FIELD_NUMBER: _ClassVar[int]
     sample: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Sample]
+    location: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Location]
     label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
-    def __init__(self, sample: _Optional[_Iterable[_Union[_profile_pb2.Sample, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+    def __init__(self, sample: _Optional[_Iterable[_Union[_profile_pb2.Sample, _Mapping]]] = ..., location: _Optional[_Iterable[_Union[_profile_pb2.Location, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
