@@ -325,6 +325,7 @@ class SymbolizeConfig:
     # Distinct build IDs one request may make symgate fetch or build; more is a 422.
     max_mappings: Count = 256
     # Past this, the profile is answered with what is symbolized so far; fetches go on.
+    # 0: no deadline.
     deadline_s: Seconds = 30.0
     # Worker processes that build symbol tables.
     build_workers: AtLeastOne = 2

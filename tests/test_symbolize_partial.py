@@ -93,6 +93,18 @@ async def test_deadline_answers_with_what_is_ready(
         headers["X-Symgate-Mappings-Unsymbolized"])
 
 
+async def test_a_zero_deadline_is_no_deadline(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """As 0 is no bound for the configuration's other limits. It was a deadline already past:
+    every profile was answered `deadline=1` before any table, even an open one, was looked at,
+    and a server so configured never symbolized anything."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(deadline_s=0.0))
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+
 async def test_a_mapping_whose_addresses_are_in_no_function_is_told_apart_from_no_symbols(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

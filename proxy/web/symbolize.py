@@ -219,8 +219,9 @@ def fallback_of(request: web.Request, cfg: SymbolizeConfig, settings: TenantConf
 
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
-    return Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s,
-                  # 0: no bound, as for the other limits of the configuration
+    # 0: no bound, as for the other limits of the configuration (a deadline of 0 answered
+    # every profile before any table, even an open one, was looked at: nothing, ever)
+    return Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s or None,
                   max_profile_mappings=cfg.max_profile_mappings or None,
                   max_profile_locations=cfg.max_profile_locations or None,
                   max_profile_functions=cfg.max_profile_functions or None,
