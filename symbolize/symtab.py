@@ -328,13 +328,16 @@ def _with_symtab_of(debug: Path, executable: Path, copy: Path) -> Path:
 def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> Path:
     """`path`, or a copy of it (`copy`, which it may be already) whose line sequences of code
     that GNU ld discarded are moved away from the code they overlap (line_sequences.py). A
-    zlib-compressed .debug_line (-gz) is written back whole, uncompressed, at the copy's end."""
+    zlib-compressed .debug_line (-gz) is written back whole, uncompressed, at the copy's end;
+    a .zdebug_line (`objcopy --compress-debug-sections=zlib-gnu`, older distributions' debug
+    packages) compressed again, since its readers know it by its name."""
     code_start = min((s.vaddr for s in layout.segments if s.executable), default=0)
     if code_start == 0:  # code at 0: a sequence there may be real
         return path
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
-        lines = headers.section(".debug_line") if headers is not None else None
+        lines = None if headers is None else (
+            headers.section(".debug_line") or headers.section(".zdebug_line"))
         data = _line_table(headers, lines) if headers is not None and lines is not None \
             else None
     if headers is None or lines is None or data is None or not headers.is64:
@@ -352,6 +355,9 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
             if lines.flags & SHF_COMPRESSED:
                 _append_section(f.fileno(), headers, headers.sections.index(lines),
                                 bytes(table), flags=lines.flags & ~SHF_COMPRESSED)
+            elif lines.name == ".zdebug_line":
+                _append_section(f.fileno(), headers, headers.sections.index(lines),
+                                _GNU_ZLIB + struct.pack(">Q", len(table)) + zlib.compress(table))
             else:
                 os.pwrite(f.fileno(), table, lines.offset)
     except BaseException:
@@ -363,22 +369,34 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
 # An ELF64 compression header: ch_type, ch_reserved, ch_size, ch_addralign.
 _CHDR64 = "IIQQ"
 _ELFCOMPRESS_ZLIB = 1
+# A .zdebug_* section's own header: this magic, then the inflated size (8 bytes, big-endian).
+_GNU_ZLIB = b"ZLIB"
 
 
 def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
-    """.debug_line's bytes, inflated where zlib compressed them; None where it cannot be had
-    (zstd, a damaged header, past 1 GiB)."""
-    if not lines.flags & SHF_COMPRESSED:
+    """.debug_line's (or .zdebug_line's) bytes, inflated where zlib compressed them; None
+    where it cannot be had (zstd, a damaged header, past 1 GiB)."""
+    gnu = lines.name == ".zdebug_line" and not lines.flags & SHF_COMPRESSED
+    if not lines.flags & SHF_COMPRESSED and not gnu:
         return headers.data(lines)
-    if not headers.is64 or lines.size < 24 or lines.offset + lines.size > headers.file_size:
+    header = 12 if gnu else 24
+    if not headers.is64 or lines.size < header \
+            or lines.offset + lines.size > headers.file_size:
         return None
     raw = headers.read(lines.size, lines.offset)
-    kind, _reserved, size, _align = struct.unpack_from(headers.order + _CHDR64, raw)
-    if kind != _ELFCOMPRESS_ZLIB or size > 1 << 30:
+    if gnu:
+        if raw[:4] != _GNU_ZLIB:
+            return None
+        size, = struct.unpack_from(">Q", raw, 4)
+    else:
+        kind, _reserved, size, _align = struct.unpack_from(headers.order + _CHDR64, raw)
+        if kind != _ELFCOMPRESS_ZLIB:
+            return None
+    if size > 1 << 30:
         return None
     try:
         inflater = zlib.decompressobj()
-        out = inflater.decompress(raw[24:], size + 1)
+        out = inflater.decompress(raw[header:], size + 1)
     except zlib.error:
         return None
     return out if len(out) == size else None

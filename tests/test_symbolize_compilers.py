@@ -255,7 +255,7 @@ def _gc_source() -> str:
             '    printf("%ld\\n", used(v));\n    return 0;\n}\n')
 
 
-@pytest.mark.parametrize("compiler", ["gcc", "clang", "gcc -gz"])
+@pytest.mark.parametrize("compiler", ["gcc", "clang", "gcc -gz", "gcc | zlib-gnu"])
 async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_code(
         start_symgate: SymgateFactory, tmp_path: Path, compiler: str) -> None:
     """GNU ld resolves the addresses of a section --gc-sections dropped to 0, so the line
@@ -263,7 +263,10 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     0x1000). symbolic gave `main` and `used` the dropped function's lines (`used` at line 236
     of 906 of unused_big's body) where llvm-symbolizer and eu-addr2line give their own
     (binutils' addr2line names the dropped function: wrong too). With -gz the line table is
-    zlib-compressed: read inflated."""
+    zlib-compressed: read inflated. `| zlib-gnu`: compressed after the link by `objcopy
+    --compress-debug-sections=zlib-gnu` (older Debian and Ubuntu debug packages), as
+    .zdebug_line, which was not read at all: `main` had line 201 of unused_big's body."""
+    compiler, _, compress = (part.strip() for part in compiler.partition("|"))
     compiler, *flags = compiler.split()
     if shutil.which(compiler) is None:
         pytest.skip(f"needs {compiler}")
@@ -274,6 +277,11 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     subprocess.run([compiler, "-O2", "-g", *flags, "-ffunction-sections", "-Wl,--gc-sections",
                     "gc.c", "-o", "prog"], cwd=build, check=True, capture_output=True)
     assert not [s for s in function_symbols(exe) if s.name == "unused_big"]
+    if compress:
+        subprocess.run(["objcopy", f"--compress-debug-sections={compress}", exe], check=True)
+        sections = subprocess.run(["readelf", "-SW", exe], check=True, capture_output=True,
+                                  text=True).stdout
+        assert ".zdebug_line" in sections
     build_id = build_id_of_file(exe)
     assert build_id
     tree = tmp_path / "debug"
