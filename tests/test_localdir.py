@@ -97,3 +97,24 @@ async def test_a_local_directory_before_a_remote_upstream(
     assert (await sg.get("/buildid/abcdef01/debuginfo"))[0] == 404
     assert (await sg.get("/buildid/abcdef01/debuginfo"))[0] == 404
     assert faults.count("ok") == 2  # the second miss was remembered for the remote upstream
+
+
+async def test_a_debug_file_compressed_as_zdebug_sections_is_served_as_debuginfo(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A plain file's debug sections compressed the GNU way (`objcopy
+    --compress-debug-sections=zlib-gnu`, older Debian and Ubuntu debug packages) are named
+    .zdebug_*: symgate took such a file for neither a debug file nor a program (a 404, and
+    `symgate upload` skipped it), where elfutils' debuginfod serves it as the debuginfo."""
+    plain = tmp_path / "debug" / "opt"
+    plain.mkdir(parents=True)
+    debug = plain / "prog.debug"
+    subprocess.run(["objcopy", "--compress-debug-sections=zlib-gnu", str(elfs.prog.debug),
+                    str(debug)], check=True)
+    sections = subprocess.run(["readelf", "-SW", str(debug)], check=True, capture_output=True,
+                              text=True).stdout
+    assert ".zdebug_info" in sections and " .debug_info" not in sections
+    sg = await start_symgate([UpstreamConfig(path=tmp_path / "debug", rescan_s=0)])
+    status, headers, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert (status, headers["X-DEBUGINFOD-FILE"]) == (200, "prog.debug")
+    assert body == debug.read_bytes()

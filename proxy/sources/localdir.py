@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
 _BUILD_ID_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2,126})(\.debug)?$")
 _ELF_MAGIC = b"\x7fELF"
+_DWARF_INFO = (".debug_info", ".zdebug_info")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,9 @@ def classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
             elf = ELFFile(f)
             text = elf.get_section_by_name(".text")
             has_code = text is not None and text["sh_type"] != "SHT_NOBITS"
-            has_dwarf = any(s.name == ".debug_info" and s["sh_type"] != "SHT_NOBITS"
+            # .zdebug_info: compressed by `objcopy --compress-debug-sections=zlib-gnu`, as
+            # older Debian and Ubuntu debug packages are (elfutils' debuginfod takes both).
+            has_dwarf = any(s.name in _DWARF_INFO and s["sh_type"] != "SHT_NOBITS"
                             for s in elf.iter_sections())
             f.seek(0)
             build_id = build_id_of_stream(f)
