@@ -340,6 +340,11 @@ class _Reader:
                 declared.setdefault(name, set()).add((line, at))
             if linkage and linkage != name:
                 declared.setdefault(linkage, set()).add((line, at))
+        elif name:
+            # A definition without a line (GCC gives a lambda's `operator()` none) leaves its
+            # name's line unknown: not another function's, std::function's `operator()`
+            # declared at line 587 of <bits/std_function.h>.
+            self._declared.setdefault(name, set()).add((0, 0))
         ranges = self._ranges(die)
         if ranges:
             self._cu_ranges += ranges

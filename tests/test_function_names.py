@@ -346,6 +346,44 @@ int main(int argc, char **) { std::printf("%d\n", twice(argc)); return 0; }
 """
 
 
+# A lambda held by a std::function: GCC gives the lambda's `operator()` no DW_AT_decl_line,
+# while std::function's own `operator()` is declared at a line of <bits/std_function.h>.
+_LAMBDA_CPP = """#include <cstdio>
+#include <functional>
+int main(int argc, char **) {
+    std::function<int(int)> f = [argc](int x) { return x * argc + 1; };
+    std::printf("%d\\n", f(argc));
+}
+"""
+
+
+def test_a_lambda_without_a_declared_line_has_no_start_line_of_another_function(
+        tmp_path: Path) -> None:
+    """The start line was looked up by the inlined frame's name, `operator()`, and the lambda
+    got std::function's (587 of std_function.h, in a 7-line main.cpp); llvm-symbolizer
+    gives none."""
+    (tmp_path / "main.cpp").write_text(_LAMBDA_CPP)
+    exe = tmp_path / "lambda"
+    subprocess.run(["g++", "-O2", "-g", "-o", str(exe), "main.cpp"], cwd=tmp_path, check=True)
+    layout = layout_of_file(exe)
+    assert layout is not None and layout.build_id
+    out = tmp_path / "lambda.symc"
+    built = build_symbol_table(exe, out, layout.build_id)
+    text = next(s for s in layout.segments if s.executable)
+    vaddrs = list(range(text.vaddr, text.vaddr + text.filesz))
+    got = _symbolized((out, built), vaddrs, (exe, layout.build_id))
+    llvm = llvm_symbolize(exe, vaddrs)
+    lambda_frames = [(hex(v), ours) for v, want in llvm.items()
+                     for ours, theirs in zip(got[v], want, strict=True)
+                     if theirs.function == "operator()" and theirs.file.endswith("main.cpp")]
+    assert lambda_frames
+    assert [f for f in lambda_frames if f[1].start_line] == []
+    wrong = [(hex(v), ours, theirs) for v, want in llvm.items()
+             for ours, theirs in zip(got[v], want, strict=True)
+             if theirs.start_line and ours.start_line not in (0, theirs.start_line)]
+    assert wrong == []
+
+
 def test_functions_without_a_dwarf_linkage_name_are_named_after_their_symbol(
         tmp_path: Path) -> None:
     """GCC gives a lambda's operator() and a template instantiated with a lambda no
