@@ -28,7 +28,7 @@ from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
-from . import elf
+from . import elf, zstd
 from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
 from .distinct import sorted_distinct
@@ -341,7 +341,7 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
         data = _line_table(headers, lines) if headers is not None and lines is not None \
             else None
     if headers is None or lines is None or data is None or not headers.is64:
-        return path  # zstd, or not read here: as symbolic reads it
+        return path  # not read here: as symbolic reads it
     operands = discarded_sequences(data, headers.order, code_start)
     if not operands:
         return path
@@ -374,8 +374,8 @@ _GNU_ZLIB = b"ZLIB"
 
 
 def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
-    """.debug_line's (or .zdebug_line's) bytes, inflated where zlib compressed them; None
-    where it cannot be had (zstd, a damaged header, past 1 GiB)."""
+    """.debug_line's (or .zdebug_line's) bytes, inflated where zlib or zstd compressed them;
+    None where they cannot be had (a damaged header, past 1 GiB, zstd without libzstd)."""
     gnu = lines.name == ".zdebug_line" and not lines.flags & SHF_COMPRESSED
     if not lines.flags & SHF_COMPRESSED and not gnu:
         return headers.data(lines)
@@ -390,6 +390,8 @@ def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
         size, = struct.unpack_from(">Q", raw, 4)
     else:
         kind, _reserved, size, _align = struct.unpack_from(headers.order + _CHDR64, raw)
+        if kind == zstd.ELFCOMPRESS_ZSTD and size <= 1 << 30:
+            return zstd.inflate(raw[header:], size)
         if kind != _ELFCOMPRESS_ZLIB:
             return None
     if size > 1 << 30:

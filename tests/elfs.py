@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import random
 import struct
@@ -246,3 +248,35 @@ def build_elf_set(root: Path) -> ElfSet:
         cpp=build_program(src, upstream_dir, "cpp", 6, shape="cpp"),
         aliased=build_aliased_library(upstream_dir),
     )
+
+
+def compress_debug_sections_zstd(path: Path) -> None:
+    """Compress every .debug_* section of the ELF64 little-endian file at `path` with zstd
+    (SHF_COMPRESSED, ELFCOMPRESS_ZSTD), as `objcopy --compress-debug-sections=zstd` does where
+    binutils was built with zstd (Debian 12's silently leaves the sections as they are)."""
+    zstd = ctypes.CDLL(ctypes.util.find_library("zstd") or "libzstd.so.1")
+    zstd.ZSTD_compressBound.restype = ctypes.c_size_t
+    zstd.ZSTD_compressBound.argtypes = [ctypes.c_size_t]
+    zstd.ZSTD_compress.restype = ctypes.c_size_t
+    zstd.ZSTD_compress.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p,
+                                   ctypes.c_size_t, ctypes.c_int]
+    data = bytearray(path.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    count, names_at = struct.unpack_from("<HH", data, 0x3C)
+    row = "<IIQQQQIIQQ"  # name, type, flags, addr, offset, size, link, info, align, entsize
+    names = struct.unpack_from(row, data, shoff + names_at * 64)[4]
+    for i in range(count):
+        name, kind, flags, addr, offset, size, link, info, align, entsize = struct.unpack_from(
+            row, data, shoff + i * 64)
+        own = data[names + name:data.index(b"\0", names + name)]
+        if not own.startswith(b".debug_") or kind == 8 or flags & 0x800 or not size:
+            continue
+        raw = bytes(data[offset:offset + size])
+        out = ctypes.create_string_buffer(zstd.ZSTD_compressBound(size))
+        n = zstd.ZSTD_compress(out, len(out), raw, size, 19)
+        data.extend(bytes(-len(data) % 8))
+        at = len(data)
+        data += struct.pack("<IIQQ", 2, 0, size, align or 1) + out.raw[:n]
+        struct.pack_into(row, data, shoff + i * 64, name, kind, flags | 0x800, addr, at,
+                         len(data) - at, link, info, 8, entsize)
+    path.write_bytes(data)

@@ -16,7 +16,7 @@ from symbolize.elf import build_id_of_file, function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import Elf
+from tests.elfs import Elf, compress_debug_sections_zstd
 from tests.harness import SymgateFactory
 from tests.profiles import (
     Expected,
@@ -255,7 +255,8 @@ def _gc_source() -> str:
             '    printf("%ld\\n", used(v));\n    return 0;\n}\n')
 
 
-@pytest.mark.parametrize("compiler", ["gcc", "clang", "gcc -gz", "gcc | zlib-gnu"])
+@pytest.mark.parametrize("compiler", ["gcc", "clang", "gcc -gz", "gcc | zlib-gnu",
+                                      "gcc | zstd"])
 async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_code(
         start_symgate: SymgateFactory, tmp_path: Path, compiler: str) -> None:
     """GNU ld resolves the addresses of a section --gc-sections dropped to 0, so the line
@@ -265,7 +266,10 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     (binutils' addr2line names the dropped function: wrong too). With -gz the line table is
     zlib-compressed: read inflated. `| zlib-gnu`: compressed after the link by `objcopy
     --compress-debug-sections=zlib-gnu` (older Debian and Ubuntu debug packages), as
-    .zdebug_line, which was not read at all: `main` had line 201 of unused_big's body."""
+    .zdebug_line, which was not read at all: `main` had line 201 of unused_big's body.
+    `| zstd`: zstd-compressed (SHF_COMPRESSED), which symbolic reads and symgate did not fix
+    up: line 201 again. llvm-symbolizer 14 and libdw 0.188 read no zstd, so the expected
+    frames are theirs on the program before it was compressed, start lines left out."""
     compiler, _, compress = (part.strip() for part in compiler.partition("|"))
     compiler, *flags = compiler.split()
     if shutil.which(compiler) is None:
@@ -277,7 +281,11 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     subprocess.run([compiler, "-O2", "-g", *flags, "-ffunction-sections", "-Wl,--gc-sections",
                     "gc.c", "-o", "prog"], cwd=build, check=True, capture_output=True)
     assert not [s for s in function_symbols(exe) if s.name == "unused_big"]
-    if compress:
+    plain = build / "prog.plain"
+    shutil.copy(exe, plain)
+    if compress == "zstd":
+        compress_debug_sections_zstd(exe)
+    elif compress:
         subprocess.run(["objcopy", f"--compress-debug-sections={compress}", exe], check=True)
         sections = subprocess.run(["readelf", "-SW", exe], check=True, capture_output=True,
                                   text=True).stdout
@@ -292,8 +300,9 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     vaddrs = code_addresses(elf)
     # llvm-symbolizer names padding after _start by the dropped function's DWARF, and gives
     # crt code (no DWARF, line 0) its start line (clang's build): neither is counted.
-    expected = {v: [replace(x, start_line=0) if not x.line else x for x in f]
-                for v, f in llvm_symbolize(exe, vaddrs).items()
+    expected = {v: [replace(x, start_line=0) if not x.line or compress == "zstd" else x
+                    for x in f]
+                for v, f in llvm_symbolize(plain, vaddrs).items()
                 if f[-1].function != "unused_big"}
     live = {v for v, f in expected.items() if f[-1].function in ("main", "used")}
     assert len(live) > 10
