@@ -28,7 +28,7 @@ from symbolic.debuginfo import Archive
 from symbolic.exceptions import SymbolicError
 from symbolic.symcache import SYMCACHE_LATEST_VERSION, SymCache
 
-from . import elf, zstd
+from . import elf, minidebuginfo, zstd
 from .chains import Chains, ChainStore, FrameColumns, FunctionIds, FunctionKey
 from .demangle import demangle
 from .distinct import sorted_distinct
@@ -145,6 +145,10 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         if executable is not None and executable != elf_path and segments is not None \
                 and headers is not None and _symtab_only_in(executable, headers):
             source = _with_symtab_of(elf_path, executable, copy)
+        # Fedora's programs stripped to .dynsym name their other functions in .gnu_debugdata.
+        if source == elf_path and headers is not None \
+                and minidebuginfo.has_minidebuginfo(headers):
+            source = minidebuginfo.with_minidebuginfo(source, copy)
         if not supplemented:
             source = _without_discarded_lines(source, copy, layout)
             return _build(elf_path, source, out_path, layout, executable, segments,

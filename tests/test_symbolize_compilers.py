@@ -5,6 +5,7 @@ llvm-symbolizer on the same files, offline and through a server; Go programs' ow
 from __future__ import annotations
 
 import asyncio
+import lzma
 import shutil
 import subprocess
 from dataclasses import replace
@@ -310,3 +311,78 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     sent = make_profile([(placed, vaddrs)]).SerializeToString()
     answers, _headers = await _offline_and_served(start_symgate, tree, sent)
     _assert_frames(answers, placed, expected)
+
+
+MINI_C = r"""
+static __attribute__((noinline)) int hidden_a(int x) {
+    for (int i = 0; i < x; i++) x ^= i * 7;
+    return x;
+}
+static __attribute__((noinline)) int hidden_b(int x) {
+    for (int i = 0; i < x; i++) x += i * 3;
+    return x * 5;
+}
+int exported_one(int x) { return hidden_a(x) + 1; }
+int exported_two(int x) { return hidden_b(x) + 2; }
+"""
+
+
+def _names(args: list[str]) -> set[str]:
+    out = subprocess.run(["nm", "--format=posix", "--defined-only", *args], check=True,
+                         capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.split()[1:2] in (["T"], ["t"])}
+
+
+def _fedora_stripped(build: Path) -> tuple[Path, Path]:
+    """A shared library stripped to .dynsym with MiniDebugInfo, as Fedora's find-debuginfo
+    makes it (`.gnu_debugdata`: the xz-compressed debug file reduced to the .symtab entries
+    of the functions .dynsym lacks), and the library before it was stripped."""
+    (build / "lib.c").write_text(MINI_C)
+    full, debug, mini = build / "libmini.so.full", build / "libmini.so.debug", build / "mini"
+    subprocess.run(["gcc", "-O2", "-g", "-fPIC", "-shared", "-o", str(full), "lib.c"],
+                   cwd=build, check=True)
+    subprocess.run(["objcopy", "--only-keep-debug", str(full), str(debug)], check=True)
+    keep = build / "keep"
+    keep.write_text("\n".join(sorted(_names([str(debug)]) - _names(["-D", str(full)]))) + "\n")
+    subprocess.run(["objcopy", "-S", "--remove-section", ".gdb_index", "--remove-section",
+                    ".comment", f"--keep-symbols={keep}", str(debug), str(mini)], check=True)
+    packed = build / "mini.xz"
+    packed.write_bytes(lzma.compress(mini.read_bytes()))
+    exe = build / "libmini.so"
+    subprocess.run(["objcopy", "--strip-all", f"--add-section=.gnu_debugdata={packed}",
+                    str(full), str(exe)], check=True)
+    return exe, full
+
+
+async def test_a_fedora_program_without_its_debug_file_is_named_by_its_minidebuginfo(
+        start_symgate: SymgateFactory, tmp_path: Path) -> None:
+    """Where no debug file can be had, a program stripped to .dynsym was named by .dynsym
+    alone: its static functions stayed bare addresses, though Fedora ships each program with
+    their names in .gnu_debugdata (MiniDebugInfo), by which eu-addr2line, eu-stack, perf and
+    gdb name them."""
+    build = tmp_path / "build"
+    build.mkdir()
+    exe, full = _fedora_stripped(build)
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / "debug"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(exe, at / build_id[2:])  # the program alone: no debug file anywhere
+    elf = Elf("libmini.so", build_id, exe, exe, ())
+    vaddrs = code_addresses(Elf("libmini.so", build_id, full, full, ()))
+    out = subprocess.run(["eu-addr2line", "-f", "-e", str(exe), *map(hex, vaddrs)],
+                         check=True, capture_output=True, text=True).stdout.splitlines()[0::2]
+    by_elfutils = {v: name for v, name in zip(vaddrs, out, strict=True) if name != "??"}
+    assert {"hidden_a", "hidden_b", "exported_one"} <= set(by_elfutils.values())
+    placed = place(elf, 0x7F3A12340000)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    answers, _headers = await _offline_and_served(start_symgate, tree, sent)
+    for mode, answer in answers:
+        by_address = {loc.address: loc for loc in answer.location}
+        ours = {v: frames_of(answer, by_address[placed.runtime(v)]) for v in vaddrs}
+        wrong = {hex(v): (name, ours[v]) for v, name in by_elfutils.items()
+                 if [f.function for f in ours[v]] != [name]}
+        assert not wrong, (mode, wrong)
+        # No name where elfutils has none either (the padding between functions).
+        assert not [v for v in vaddrs if v not in by_elfutils and ours[v]], mode
