@@ -43,7 +43,9 @@ from .elf import (
     layout_of_file,
 )
 from .elf_headers import (
+    SHF_ALLOC,
     SHF_COMPRESSED,
+    SHF_EXECINSTR,
     SHT_NOBITS,
     SHT_STRTAB,
     SHT_SYMTAB,
@@ -335,16 +337,21 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
     zlib-compressed .debug_line (-gz) is written back whole, uncompressed, at the copy's end;
     a .zdebug_line (`objcopy --compress-debug-sections=zlib-gnu`, older distributions' debug
     packages) compressed again, since its readers know it by its name."""
-    code_start = min((s.vaddr for s in layout.segments if s.executable), default=0)
-    if code_start == 0:  # code at 0: a sequence there may be real
-        return path
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
-        lines = None if headers is None else (
-            headers.section(".debug_line") or headers.section(".zdebug_line"))
-        data = _line_table(headers, lines) if headers is not None and lines is not None \
-            else None
-    if headers is None or lines is None or data is None or not headers.is64:
+        if headers is None or not headers.is64:
+            return path  # not read here: as symbolic reads it
+        # Where the code starts: its first section's address (kept in a debug file, whose
+        # code sections are NOBITS), not its segment's, which begins at 0 with the ELF header
+        # where gold or GNU ld -z noseparate-code (its default off x86) put both in one.
+        code_start = min((s.addr for s in headers.sections
+                          if s.size and s.flags & _CODE == _CODE), default=0) \
+            or min((s.vaddr for s in layout.segments if s.executable), default=0)
+        if code_start == 0:  # code at 0: a sequence there may be real
+            return path
+        lines = headers.section(".debug_line") or headers.section(".zdebug_line")
+        data = _line_table(headers, lines) if lines is not None else None
+    if lines is None or data is None:
         return path  # not read here: as symbolic reads it
     operands = discarded_sequences(data, headers.order, code_start)
     if not operands:
@@ -370,6 +377,7 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
     return copy
 
 
+_CODE = SHF_ALLOC | SHF_EXECINSTR
 # An ELF64 compression header: ch_type, ch_reserved, ch_size, ch_addralign.
 _CHDR64 = "IIQQ"
 _ELFCOMPRESS_ZLIB = 1
