@@ -18,11 +18,13 @@ DW_LNE_SET_ADDRESS = 2
 DW_LNS_ADVANCE_PC = 2
 DW_LNS_CONST_ADD_PC = 8
 DW_LNS_FIXED_ADVANCE_PC = 9
-# Where a discarded sequence is moved: far above any code, and far enough below 2^64 that
-# its rows' advances do not wrap.
-AWAY = 0xFFFF_FF00_0000_0000
-# DW_LNE_set_address 0 as an 8-byte address encodes it: extended op, length 9, the op, 0.
-_SET_ADDRESS_0 = bytes([0, 9, DW_LNE_SET_ADDRESS]) + bytes(8)
+# Where a discarded sequence is moved, by the size of its address (8 bytes, or 4 in an ELF32
+# file: i686, armhf): far above any code, and far enough below 2^64 (2^32) that its rows'
+# advances do not wrap.
+AWAY = {8: 0xFFFF_FF00_0000_0000, 4: 0xF000_0000}
+# DW_LNE_set_address 0 as an 8-byte (4-byte) address encodes it: extended op, length 9 (5),
+# the op, 0.
+_SET_ADDRESS_0 = tuple(bytes([0, 1 + size, DW_LNE_SET_ADDRESS]) + bytes(size) for size in AWAY)
 
 
 def _uleb(data: bytes, at: int) -> tuple[int, int]:
@@ -36,13 +38,14 @@ def _uleb(data: bytes, at: int) -> tuple[int, int]:
             return value, at
 
 
-def discarded_sequences(data: bytes, order: str, code_start: int) -> list[int]:
-    """Offsets in `data` (a whole, uncompressed .debug_line) of the 8-byte address operands
-    that start a sequence at address 0 and reach `code_start` or past it. [] for a table
-    this does not read (an odd version, a 4-byte address): nothing is moved then."""
-    found: list[int] = []
-    if _SET_ADDRESS_0 not in data:  # no sequence at 0, read at C speed (0.14 s a 1.3 MB table
-        return found                # in Python: libc's)
+def discarded_sequences(data: bytes, order: str, code_start: int) -> list[tuple[int, int]]:
+    """(offset, size) in `data` (a whole, uncompressed .debug_line) of the address operands
+    (8 or 4 bytes) that start a sequence at address 0 and reach `code_start` or past it. []
+    for a table this does not read (an odd version or address size): nothing is moved then."""
+    found: list[tuple[int, int]] = []
+    # No sequence at 0, read at C speed (0.14 s a 1.3 MB table in Python: libc's).
+    if not any(operand in data for operand in _SET_ADDRESS_0):
+        return found
     unit = 0
     try:
         while unit + 4 <= len(data):
@@ -59,7 +62,7 @@ def discarded_sequences(data: bytes, order: str, code_start: int) -> list[int]:
             if version not in (2, 3, 4, 5):
                 return found
             if version >= 5:
-                if data[at] != 8:  # address size
+                if data[at] not in AWAY:  # address size
                     return found
                 at += 2  # and the segment selector's size
             header_length, = struct.unpack_from(order + ("Q" if offset_size == 8 else "I"),
@@ -82,9 +85,9 @@ def discarded_sequences(data: bytes, order: str, code_start: int) -> list[int]:
 
 
 def _sequences(data: bytes, order: str, at: int, end: int, min_inst: int, line_range: int,
-               opcode_base: int, lengths: bytes, code_start: int) -> list[int]:
-    found: list[int] = []
-    address, start, operand = 0, None, -1
+               opcode_base: int, lengths: bytes, code_start: int) -> list[tuple[int, int]]:
+    found: list[tuple[int, int]] = []
+    address, start, operand = 0, None, (-1, 0)
     while at < end:
         op = data[at]
         at += 1
@@ -93,14 +96,14 @@ def _sequences(data: bytes, order: str, at: int, end: int, min_inst: int, line_r
         elif op == 0:
             size, at = _uleb(data, at)
             sub = data[at]
-            if sub == DW_LNE_SET_ADDRESS and size == 9:
-                address, = struct.unpack_from(order + "Q", data, at + 1)
+            if sub == DW_LNE_SET_ADDRESS and size - 1 in AWAY:
+                address, = struct.unpack_from(order + ("Q" if size == 9 else "I"), data, at + 1)
                 if start is None:
-                    start, operand = address, at + 1
+                    start, operand = address, (at + 1, size - 1)
             elif sub == DW_LNE_END_SEQUENCE:
                 if start == 0 and address > code_start:
                     found.append(operand)
-                address, start, operand = 0, None, -1
+                address, start, operand = 0, None, (-1, 0)
             at += size
         elif op == DW_LNS_ADVANCE_PC:
             advance, at = _uleb(data, at)

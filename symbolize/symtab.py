@@ -339,7 +339,7 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
     packages) compressed again, since its readers know it by its name."""
     with path.open("rb") as f:
         headers = read_headers(f.fileno())
-        if headers is None or not headers.is64:
+        if headers is None:
             return path  # not read here: as symbolic reads it
         # Where the code starts: its first section's address (kept in a debug file, whose
         # code sections are NOBITS), not its segment's, which begins at 0 with the ELF header
@@ -357,8 +357,8 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
     if not operands:
         return path
     table = bytearray(data)
-    for at in operands:
-        struct.pack_into(headers.order + "Q", table, at, AWAY)
+    for at, size in operands:
+        struct.pack_into(headers.order + ("Q" if size == 8 else "I"), table, at, AWAY[size])
     try:
         if path != copy:
             shutil.copyfile(path, copy)  # in the try: see _without_dwarf
@@ -378,8 +378,9 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
 
 
 _CODE = SHF_ALLOC | SHF_EXECINSTR
-# An ELF64 compression header: ch_type, ch_reserved, ch_size, ch_addralign.
-_CHDR64 = "IIQQ"
+# A compression header: ch_type, ch_reserved, ch_size, ch_addralign (ELF64); ch_type,
+# ch_size, ch_addralign (ELF32).
+_CHDR64, _CHDR32 = "IIQQ", "III"
 _ELFCOMPRESS_ZLIB = 1
 # A .zdebug_* section's own header: this magic, then the inflated size (8 bytes, big-endian).
 _GNU_ZLIB = b"ZLIB"
@@ -391,22 +392,22 @@ def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
     gnu = lines.name == ".zdebug_line" and not lines.flags & SHF_COMPRESSED
     if not lines.flags & SHF_COMPRESSED and not gnu:
         return headers.data(lines)
-    header = 12 if gnu else 24
-    if not headers.is64 or lines.size < header \
-            or lines.offset + lines.size > headers.file_size:
+    header = 12 if gnu or not headers.is64 else 24
+    if lines.size < header or lines.offset + lines.size > headers.file_size:
         return None
     raw = headers.read(lines.size, lines.offset)
     if gnu:
-        if raw[:4] != _GNU_ZLIB:
-            return None
+        kind = _ELFCOMPRESS_ZLIB if raw[:4] == _GNU_ZLIB else 0
         size, = struct.unpack_from(">Q", raw, 4)
-    else:
+    elif headers.is64:
         kind, _reserved, size, _align = struct.unpack_from(headers.order + _CHDR64, raw)
-        if kind == zstd.ELFCOMPRESS_ZSTD and size <= 1 << 30:
-            return zstd.inflate(raw[header:], size)
-        if kind != _ELFCOMPRESS_ZLIB:
-            return None
+    else:
+        kind, size, _align = struct.unpack_from(headers.order + _CHDR32, raw)
     if size > 1 << 30:
+        return None
+    if kind == zstd.ELFCOMPRESS_ZSTD:
+        return zstd.inflate(raw[header:], size)
+    if kind != _ELFCOMPRESS_ZLIB:
         return None
     try:
         inflater = zlib.decompressobj()

@@ -317,6 +317,51 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
     _assert_frames(answers, placed, expected)
 
 
+def _gc_source_freestanding() -> str:
+    """_gc_source without libc, for a 32-bit build where no 32-bit libc is installed."""
+    body = "\n".join(f"    acc = acc * {i + 3} + v[{i % 16}] * (acc >> {i % 13});"
+                     for i in range(900))
+    return (f"__attribute__((noinline)) long unused_big(long *v) {{\n    long acc = 1;\n{body}\n"
+            "    return acc;\n}\n"
+            "__attribute__((noinline)) long used(long *v) { return v[0] * 3 + v[1]; }\n"
+            "volatile long sink;\n"
+            "void _start(void) {\n    long v[16] = {7};\n    sink = used(v);\n    for (;;) ;\n}\n")
+
+
+@pytest.mark.parametrize("flags", ["", "-gdwarf-4", "-gz"])
+async def test_lines_of_code_gc_sections_dropped_are_moved_in_a_32_bit_program_too(
+        start_symgate: SymgateFactory, tmp_path: Path, flags: str) -> None:
+    """The dropped function's line sequence was moved away only where addresses are 8 bytes:
+    in an ELF32 PIE (i686, armhf) `used` and `_start` had lines 206-209 of unused_big's body,
+    where llvm-symbolizer says 905 and 907-910."""
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "gc.c").write_text(_gc_source_freestanding())
+    exe = build / "prog"
+    made = subprocess.run(["gcc", "-m32", "-O2", "-g", *flags.split(), "-ffreestanding",
+                           "-nostdlib", "-fPIE", "-pie", "-ffunction-sections",
+                           "-Wl,--gc-sections", "gc.c", "-o", "prog"],
+                          cwd=build, capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"gcc -m32 cannot link here: {made.stderr[-200:]}")
+    assert not [s for s in function_symbols(exe) if s.name == "unused_big"]
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / "debug"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(exe, at / build_id[2:])
+    elf = Elf("prog", build_id, exe, exe, ())
+    vaddrs = code_addresses(elf)
+    expected = {v: f for v, f in llvm_symbolize(exe, vaddrs).items()
+                if f[-1].function in ("used", "_start")}
+    assert len(expected) > 10
+    placed = place(elf, 0x56555000)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    answers, _headers = await _offline_and_served(start_symgate, tree, sent)
+    _assert_frames(answers, placed, expected)
+
+
 MINI_C = r"""
 static __attribute__((noinline)) int hidden_a(int x) {
     for (int i = 0; i < x; i++) x ^= i * 7;
