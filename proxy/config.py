@@ -322,7 +322,8 @@ class SymbolizeConfig:
     max_request_bytes: Size = 32 * 1024**2
     # A gzip bomb is refused once it inflates past this, not after.
     max_decompressed_bytes: Size = 256 * 1024**2
-    # Distinct build IDs one request may make symgate fetch or build; more is a 422.
+    # Distinct build IDs one request may make symgate fetch or build; more is a 422. 0: no
+    # bound.
     max_mappings: Count = 256
     # Past this, the profile is answered with what is symbolized so far; fetches go on.
     # 0: no deadline.

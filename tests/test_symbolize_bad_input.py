@@ -167,6 +167,11 @@ async def test_too_many_build_ids_is_422(
     status, _, text = await post(sg, make_profile(placed).SerializeToString())
     assert status == 422 and b"3 build IDs" in text
     assert faults.count("ok") == 0
+    # 0 is no bound, as for the other limits: it refused every profile with a build ID.
+    sg = await start_symgate([faults.url_for("ok")], data_dir=sg.config.server.data_dir.parent
+                             / "unbounded", symbolize=symbolize_config(max_mappings=0))
+    status, headers, _ = await post(sg, make_profile(placed).SerializeToString())
+    assert status == 200 and "X-Symgate-Mappings-Unsymbolized" in headers
 
 
 async def test_a_2000_character_build_id_is_reported_not_fetched(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -220,8 +221,10 @@ def fallback_of(request: web.Request, cfg: SymbolizeConfig, settings: TenantConf
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
     # 0: no bound, as for the other limits of the configuration (a deadline of 0 answered
-    # every profile before any table, even an open one, was looked at: nothing, ever)
-    return Limits(cfg.max_decompressed_bytes, cfg.max_mappings, cfg.deadline_s or None,
+    # every profile before any table, even an open one, was looked at: nothing, ever; a
+    # max_mappings of 0 refused every profile with a build ID)
+    return Limits(cfg.max_decompressed_bytes, cfg.max_mappings or sys.maxsize,
+                  cfg.deadline_s or None,
                   max_profile_mappings=cfg.max_profile_mappings or None,
                   max_profile_locations=cfg.max_profile_locations or None,
                   max_profile_functions=cfg.max_profile_functions or None,
