@@ -6,8 +6,10 @@ from __future__ import annotations
 import gzip
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
+from proxy.config import TenantConfig
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet, build_id_tree
 from tests.harness import Debuginfod, SymgateFactory
@@ -59,3 +61,32 @@ def test_cli_rejects_a_profile_with_a_corrupt_sample(tmp_path: Path) -> None:
     assert result.returncode == 1, result
     assert "not a pprof profile: sample 0 is not a valid Sample" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+async def test_cli_sends_a_tenants_token_and_asks_for_fallback_names(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A tenant configured with tokens is named by its bearer token, which --server could not
+    send (every such tenant got a 401); --fallback names what stays unsymbolized, offline and
+    through a server alike."""
+    token = "a-token-long-enough-1234"
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(),
+                             tenants={"a": TenantConfig(tokens=(token,))})
+    gone = replace(place(elfs.prog, BASES["prog"]), build_id="ab" * 20)  # found nowhere
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile([(gone, [0x1100])]).SerializeToString()))
+    (tmp_path / "token").write_text(token + "\n")
+    cli = ["symgate", "symbolize", str(source)]
+    refused = await run_in_thread([*cli, "-o", str(tmp_path / "x"), "--server", sg.url,
+                                   "--tenant", "a"], timeout=120)
+    assert refused.returncode == 1 and "answered 401" in refused.stderr
+    names = {}
+    for mode, flags in (("offline", ["--debug-dir", str(tmp_path / "none")]),
+                        ("server", ["--server", sg.url, "--token-file", str(tmp_path / "token")])):
+        out = tmp_path / f"{mode}.pb.gz"
+        done = await run_in_thread([*cli, "-o", str(out), *flags, "--fallback", "module-offset"],
+                                   timeout=120)
+        assert done.returncode == 0, done.stderr
+        profile = parse(out.read_bytes())
+        names[mode] = {f.function for loc in profile.location for f in frames_of(profile, loc)}
+    assert names["offline"] == names["server"] == {f"{elfs.prog.executable.name}+0x1100"}

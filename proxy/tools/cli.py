@@ -8,9 +8,17 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
 from proxy import __version__
-from proxy.config import Config, ConfigError, SymbolizeConfig, load_config, parse_listen
+from proxy.config import (
+    Config,
+    ConfigError,
+    Fallback,
+    SymbolizeConfig,
+    load_config,
+    parse_listen,
+)
 from proxy.store import migrate
 from proxy.tools.text_table import render_table
 from proxy.web import logs
@@ -79,12 +87,19 @@ def _symbolize(args: argparse.Namespace) -> int:
         return 1
     if args.server:
         import urllib.error
+        import urllib.parse
         import urllib.request
 
+        # A tenant configured with tokens is named by its token (the header alone is 401).
+        token = (args.token_file.read_text().strip() if args.token_file
+                 else os.environ.get("SYMGATE_TOKEN", ""))
+        query = f"?{urllib.parse.urlencode({'fallback': args.fallback})}" if args.fallback \
+            else ""
         req = urllib.request.Request(
-            args.server.rstrip("/") + "/symbolize", data=body, method="POST",
+            args.server.rstrip("/") + "/symbolize" + query, data=body, method="POST",
             headers={"Content-Type": "application/octet-stream",
-                     **({"X-Scope-OrgID": args.tenant} if args.tenant else {})})
+                     **({"X-Scope-OrgID": args.tenant} if args.tenant else {}),
+                     **({"Authorization": f"Bearer {token}"} if token else {})})
         try:
             with urllib.request.urlopen(req, timeout=args.timeout) as r:
                 out, headers = r.read(), dict(r.headers)
@@ -103,7 +118,8 @@ def _symbolize(args: argparse.Namespace) -> int:
         from symbolize.pprof.codec import ProfileError
 
         # Offline, the user's own machine does the work: no limit on build IDs or time.
-        limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+        limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize,
+                        fallback=args.fallback == "module-offset")
         try:
             out, report = symbolize_bytes(body, args.debug_dir or [Path("/usr/lib/debug")],
                                           limits)
@@ -342,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a tree like /usr/lib/debug (.build-id/xx/rest.debug); repeatable;"
                             " the default when --server is not given is /usr/lib/debug")
     sym.add_argument("--tenant", help="X-Scope-OrgID to send with --server")
+    sym.add_argument("--token-file", type=Path,
+                     help="with --server, a file holding the tenant's bearer token (default: "
+                          "$SYMGATE_TOKEN, if set)")
+    sym.add_argument("--fallback", choices=get_args(Fallback),
+                     help="names for frames left unsymbolized: none, or module-offset "
+                          "(libc.so.6+0x1234); default: the server's setting, or none")
     sym.add_argument("--timeout", type=float, default=120.0, help="seconds, with --server")
     sym.set_defaults(func=_symbolize)
 
