@@ -27,7 +27,7 @@ from .pprof.codec import (
     Buffer,
     Decoded,
     ProfileError,
-    check_strings,
+    check_tables,
     decode,
     encode,
     inflated,
@@ -117,7 +117,7 @@ def _decode(body: Buffer, limits: Limits) -> Decoded:
     # again by `finish` for the same bytes a scan has checked (Python, some 0.5 us a mapping
     # and a function). The samples are `check_samples`'s.
     if limits.scanned_size is None:
-        check_strings(profile)
+        check_tables(profile)
     return decoded
 
 

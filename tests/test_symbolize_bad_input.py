@@ -123,6 +123,34 @@ async def test_a_profile_with_a_corrupt_location_is_400_whether_or_not_it_is_sym
     assert (await sg.get("/healthz"))[0] == 200
 
 
+async def test_mapping_and_function_ids_that_are_0_or_repeated_are_400(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """As pprof's own reader refuses them (CheckValid). Of two mappings with one id, the
+    locations of either were translated with the last one's range, and answered 200."""
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
+    placed = [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:3]),
+              (place(elfs.shlib, BASES["libmix.so"]), code_addresses(elfs.shlib)[:3])]
+    for damage, said in (("repeat mapping", b"mapping id 1 is repeated"),
+                         ("zero mapping", b"mapping id 0 is reserved"),
+                         ("repeat function", b"function id 7 is repeated"),
+                         ("zero function", b"function id 0 is reserved")):
+        profile = make_profile(placed)
+        if damage == "repeat mapping":
+            profile.mapping[1].id = profile.mapping[0].id
+        elif damage == "zero mapping":
+            profile.mapping[0].id = 0
+        else:
+            profile.string_table.append("f")
+            for _ in range(2):
+                profile.function.add(id=7 if damage == "repeat function" else 0,
+                                     name=len(profile.string_table) - 1)
+        status, _, text = await post(sg, profile.SerializeToString())
+        assert status == 400 and said in text, (damage, text)
+    assert faults.count("ok") == 0
+    assert (await sg.get("/healthz"))[0] == 200
+
+
 async def test_a_corrupt_sample_is_400_without_waiting_for_the_resolution(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

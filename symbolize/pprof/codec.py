@@ -141,9 +141,8 @@ def inflated(body: Buffer, max_decompressed: int, *, measured: bool = False
 
 
 def check(decoded: Decoded) -> None:
-    """Raise ProfileError where the profile's string indices point outside its string table,
-    or a sample, location or label set it keeps as bytes is not a valid message."""
-    check_strings(decoded.profile)
+    """Raise ProfileError where check_tables or check_samples finds the profile wrong."""
+    check_tables(decoded.profile)
     check_samples(decoded.raw)
 
 
@@ -180,19 +179,30 @@ def _first_corrupt(raw: Buffer) -> str:
     return "a sample, location or label set is not a valid message"
 
 
-def check_strings(profile: RawProfile) -> None:
-    """Raise ProfileError where the profile's string indices point outside its string table.
-    A Python loop over its mappings and functions: some 0.5 us each."""
+def check_tables(profile: RawProfile) -> None:
+    """Raise ProfileError where the profile's string indices point outside its string table,
+    or a mapping's or function's id is 0 or another's, as pprof's own reader refuses them
+    (Profile.CheckValid): of two mappings with one id, a location's addresses would be
+    translated with either's range. A Python loop over its mappings and functions: some
+    0.5 us each."""
     strings = len(profile.string_table)
     if strings and profile.string_table[0] != "":
         raise ProfileError("not a pprof profile: string_table[0] must be empty")
+    seen: set[int] = set()
     for m in profile.mapping:
         if not (0 <= m.filename < max(strings, 1) and 0 <= m.build_id < max(strings, 1)):
             raise ProfileError(f"mapping {m.id}: string index out of range")
+        if m.id == 0 or m.id in seen:
+            raise ProfileError(f"mapping id {m.id} is {'reserved' if not m.id else 'repeated'}")
+        seen.add(m.id)
+    seen.clear()
     for f in profile.function:
         for index in (f.name, f.system_name, f.filename):
             if not 0 <= index < max(strings, 1):
                 raise ProfileError(f"function {f.id}: string index out of range")
+        if f.id == 0 or f.id in seen:
+            raise ProfileError(f"function id {f.id} is {'reserved' if not f.id else 'repeated'}")
+        seen.add(f.id)
 
 
 def encode(profile: RawProfile, gzipped: bool, appended: Sequence[bytes | memoryview] = ()
