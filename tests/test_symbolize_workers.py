@@ -210,12 +210,14 @@ async def test_a_profile_refused_before_its_body_is_never_asked_for_its_body(
     writer.close()
 
 
-async def _trickle(sg: Symgate, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _trickle(sg: Symgate, body: bytes, headers: dict[str, str] | None = None
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A POST /symbolize that announces `body` and sends only its first bytes, then stalls."""
     host, port = sg.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
+    more = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
     writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream"
-                 b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:3])
+                 b"\r\n" + more + b"Content-Length: %d\r\n\r\n" % len(body) + body[:3])
     await writer.drain()
     return reader, writer
 
@@ -254,7 +256,7 @@ async def test_a_client_that_hangs_up_mid_upload_is_no_server_error(
     assert status == 200
 
 
-async def test_pass_through_takes_no_place_and_a_zero_bound_is_no_bound(
+async def test_pass_through_takes_a_place_of_its_own_and_a_zero_bound_is_no_bound(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
     sg = await start_symgate(
@@ -271,6 +273,13 @@ async def test_pass_through_takes_no_place_and_a_zero_bound_is_no_bound(
     assert (await post(sg, _profile(elfs)))[0] == 429
     writer.close()
     await eventually(lambda: _true(workers.admitted_count == 0))
+    # Passed-through bodies are held whole too: as many at once as may be admitted, apart.
+    _reader, writer = await _trickle(sg, _profile(elfs), {"X-Scope-OrgID": "off"})
+    await eventually(lambda: _true(workers.passing_count == 1))
+    assert (await post(sg, _profile(elfs), **{"X-Scope-OrgID": "off"}))[0] == 429
+    assert workers.admitted_count == 0
+    writer.close()
+    await eventually(lambda: _true(workers.passing_count == 0))
     # 0 is no bound, as for the configuration's other limits, not "refuse everything".
     status, headers, _ = await post(sg, _profile(elfs))
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"

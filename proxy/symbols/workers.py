@@ -209,6 +209,7 @@ class SymbolizeWorkers:
         self._max_concurrent = cfg.max_concurrent
         self._admissible = cfg.max_concurrent + cfg.max_waiting
         self._admitted = 0
+        self._passing = 0  # bodies being passed through (passing())
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self._queued = 0  # of the admitted, those whose body is in and that wait for a slot
         # Until a worker could not open a memory file of this process (shared_bodies.py).
@@ -237,6 +238,25 @@ class SymbolizeWorkers:
             yield self._slot
         finally:
             self._admitted -= 1
+
+    @property
+    def passing_count(self) -> int:
+        """Profiles being passed through untouched (symbolization off for them)."""
+        return self._passing
+
+    @contextlib.asynccontextmanager
+    async def passing(self) -> AsyncIterator[None]:
+        """A place among the profiles passed through untouched, as many as may be admitted
+        (Overloaded past them), apart from those: they need no worker, but each body is held
+        whole, inflated, and without a bound a client could send any number at once."""
+        if self._passing >= self._admissible:
+            raise Overloaded(f"symgate is passing {self._passing} profiles through, as many "
+                             "as it may: try again later")
+        self._passing += 1
+        try:
+            yield
+        finally:
+            self._passing -= 1
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:

@@ -148,8 +148,10 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
     settings = state.tenancy.settings(tenant)
     annotate(request, tenant=tenant or None)
     if not cfg.enabled or (settings is not None and not settings.symbolize):
-        # Passed through untouched: no work, so no place among the admitted to take.
-        body = await read_profile(request, cfg, wbits)
+        # Passed through untouched: no work, so no place among the admitted to take, but one
+        # among those passed through (their bodies are held whole).
+        async with state.symbols.workers.passing():
+            body = await read_profile(request, cfg, wbits)
         annotate(request, outcome="disabled")
         return web.Response(body=body, content_type=fmt.content_type,
                             headers={"X-Symgate-Symbolize": "disabled"})
