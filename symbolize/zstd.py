@@ -9,6 +9,7 @@ import ctypes.util
 import functools
 
 ELFCOMPRESS_ZSTD = 2
+_MAX_RATIO = 64
 
 
 @functools.cache
@@ -29,7 +30,9 @@ def inflate(data: bytes, size: int) -> bytes | None:
     """The `size` bytes the zstd frames `data` hold; None where libzstd is missing, or `data`
     is not frames of exactly that many bytes."""
     lib = _lib()
-    if lib is None:
+    # The buffer is allocated (and zeroed) whole before a byte is inflated: a size claimed past
+    # any real section's ratio (a line table packs some 5 to 15 times) is not believed.
+    if lib is None or size > _MAX_RATIO * len(data) + (1 << 20):
         return None
     out = ctypes.create_string_buffer(size)
     got = lib.ZSTD_decompress(out, size, data, len(data))

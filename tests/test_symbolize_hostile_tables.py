@@ -5,6 +5,7 @@ reported, never a 500 or a 503, and the workers stay up."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,17 @@ async def test_an_inline_chain_hundreds_of_frames_deep_is_given_whole(
     chains = [[names[line.function_id] for line in loc.line] for loc in out.location]
     assert chains[0] == [f"f{i}" for i in range(depth)] + ["deep"]
     assert chains[1] == ["shallow"]
+
+
+def test_a_zstd_section_claiming_a_gibibyte_is_not_given_one() -> None:
+    """A compressed .debug_line's header says how big it inflates; libzstd is handed a buffer
+    of that size, allocated before a byte is read: a few bytes claiming a GiB took a build
+    worker's GiB."""
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))\n"
+        "from symbolize import zstd\n"
+        "print(zstd.inflate(b'\\x28\\xb5\\x2f\\xfd' + bytes(16), 1 << 30))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
