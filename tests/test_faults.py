@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from proxy.config import FetchConfig, FetchPolicy
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken
@@ -81,6 +82,44 @@ async def test_wrong_build_id_is_502_counted_and_not_cached(
     status, _, _ = await sg.get(path)
     assert status == 502 and faults.count("wrong-bytes") == 2
     assert await sg.metric("symgate_cache_entries") == 0
+
+
+@pytest.mark.parametrize("policy", ["in_order", "race"])
+async def test_an_upstream_that_sent_the_wrong_file_is_asked_after_one_that_has_it(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, policy: FetchPolicy
+) -> None:
+    """The first upstream answers with another build ID's file, the second has the right one.
+    Its fetch fails (its bytes were the liar's); from then on the liar is asked after the
+    others, so the next request gets the right file, which is kept, instead of a 502 for as
+    long as the liar lies."""
+    sg = await start_symgate([faults.url_for("wrong-bytes"), faults.url_for("hold")],
+                             fetch=FetchConfig(policy=policy))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, _, body = await sg.get(path)  # "hold" answers nothing yet: the liar's is first
+    assert status == 502 and f"build ID {elfs.other.build_id}".encode() in body
+    await sg.settled()
+    faults.release.set()
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("wrong-bytes") == 1
+    await sg.settled()
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert (await sg.get(path))[0] == 200 and faults.count("wrong-bytes") == 1
+
+
+async def test_a_doubted_upstream_is_still_asked_when_no_other_has_the_file(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Doubt reorders, never hides: with the others missing the file, the liar's answer is
+    still the answer (502, not a 404 that elfutils' client would keep for ten minutes)."""
+    sg = await start_symgate([faults.url_for("wrong-bytes"), faults.url_for("notfound")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 502
+    await sg.settled()
+    status, _, body = await sg.get(path)
+    assert status == 502 and b"build ID" in body
+    assert faults.count("wrong-bytes") == 2
+    assert faults.paths[-2].startswith("/notfound/") and faults.paths[-1].startswith("/wrong")
 
 
 async def test_wrong_build_id_of_a_streamed_file_breaks_the_response(

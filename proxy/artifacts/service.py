@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
 from proxy.artifacts.chunk_writer import Backlog, ChunkWriter
+from proxy.artifacts.doubts import Doubts
 from proxy.artifacts.flight import Flight, FlightReader
 from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
@@ -110,6 +111,7 @@ class ArtifactService:
         metrics: ProxyMetrics,
         board: FlightBoard,
         tier: SharedTier | None = None,
+        doubt_s: float = 600.0,
     ) -> None:
         self.cache = cache
         # The bucket shared by a cluster's replicas ([storage]); None on a single node.
@@ -123,6 +125,8 @@ class ArtifactService:
         self._slots = asyncio.Semaphore(max_concurrent_fetches)
         self._backlog = Backlog(UNWRITTEN_LIMIT)
         self._metrics = metrics
+        # Upstreams whose last answer for a key was another file: asked after the others.
+        self._doubts = Doubts(doubt_s)
         self._flights: dict[str, Flight] = {}  # keyed by key_hash(request scope, key)
         self._tasks: set[asyncio.Task[None]] = set()
         # Tidying of ended fetches' files (seconds later): not work anybody waits for.
@@ -429,7 +433,9 @@ class ArtifactService:
                         finally:
                             body.close()
                         return
-                result = await ask(ups, key, req.hop, self._policy)
+                kh = key_hash(scope, key)
+                result = await ask(ups, key, req.hop, self._policy,
+                                   self._doubts.doubted(kh, [u.name for u in ups]))
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
                 if misses:
@@ -442,11 +448,19 @@ class ArtifactService:
                 # What a source of the request's tenant gave stays the tenant's.
                 owner = next((u.scope for u in ups if u.name == result.body.meta.upstream),
                              scope)
+                answered = result.body.meta.upstream
                 try:
                     await self._download(key, owner, flight, temp, result.body, claim,
                                          publish=self.tier is not None, req=req)
+                except VerificationFailed:
+                    if len(ups) > 1:
+                        log.warning("%s answered %s with what is not its file; asked after the "
+                                    "other upstreams for it from now on", answered, key.id)
+                    self._doubts.doubt(kh, answered)
+                    raise
                 finally:
                     result.body.close()
+                self._doubts.forget(kh, answered)
         except Exception as e:
             self._failed(flight, e, "fetching", key)
         finally:

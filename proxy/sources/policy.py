@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from proxy.config import FetchPolicy
@@ -31,6 +31,21 @@ class AskResult:
 
 
 async def ask(
+    upstreams: Sequence[Source], key: ArtifactKey, hop: Hop, policy: FetchPolicy,
+    doubted: Collection[str] = (),
+) -> AskResult:
+    """The upstreams named in `doubted` (their last answer for the key was not its file) are
+    asked only once the others have given no body, in the same way, after them."""
+    first = [u for u in upstreams if u.name not in doubted]
+    result = await _ask(first, key, hop, policy)
+    if result.body is None and len(first) < len(upstreams):
+        later = await _ask([u for u in upstreams if u.name in doubted], key, hop, policy)
+        result = AskResult(later.body, result.not_found + later.not_found,
+                           result.failures + later.failures)
+    return result
+
+
+async def _ask(
     upstreams: Sequence[Source], key: ArtifactKey, hop: Hop, policy: FetchPolicy
 ) -> AskResult:
     if policy == "race":

@@ -175,7 +175,7 @@ def _lifecycle(
             cache=cache, misses=misses, policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches,
             max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
-            board=board, tier=tier,
+            board=board, tier=tier, doubt_s=config.negative.not_found_ttl_s,
         )
         await service.warm_up()
         symbolize_metrics = SymbolizeMetrics(registry)
