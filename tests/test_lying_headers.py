@@ -94,6 +94,37 @@ async def test_an_upstreams_unstorable_headers_cost_nothing_but_themselves(
         assert await sg.metric("symgate_cache_entries") == 1
 
 
+async def test_an_upstream_that_breaks_http_is_named_in_a_line_not_quoted_at_length(
+    start_symgate: SymgateFactory, elfs: ElfSet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Content-Length shorter than the body it comes with (the rest, before the connection
+    closes, is no response). aiohttp's parser error quotes what it read after: a whole read
+    of the file, 100 KB and more of escaped binary, which was the reason a client's 502
+    body, the access log's error field and the status page's recent misses carried."""
+    body = elfs.big.debug.read_bytes()[: 1 << 20]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\n"
+                     + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        sg = await start_symgate([url])
+        status, _, answer = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
+        assert status == 502 and len(answer) < 1024, (status, len(answer))
+        assert b"\\x7fELF" not in answer and b"\\x00" not in answer
+        _, _, page = await sg.get("/")
+        assert b"\\x00\\x00" not in page
+        assert all(len(r.getMessage()) < 2048 for r in caplog.records)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize("value", ["²", "9" * 5000, "-1", "", "0x10"])
 async def test_a_clients_maxsize_header_always_gets_an_answer(
     start_symgate: SymgateFactory, value: str

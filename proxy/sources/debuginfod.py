@@ -207,7 +207,7 @@ class Upstream:
         except _Permanent as e:
             raise e.error from None
         except (aiohttp.ClientError, OSError) as e:
-            raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}") from e
+            raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}") from e
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         started = time.perf_counter()
@@ -223,7 +223,7 @@ class Upstream:
             self.count(Outcome.UPSTREAM_ERROR)
             raise
         except (aiohttp.ClientError, OSError) as e:
-            error = UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {e}")
+            error = UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}")
             self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
             raise error from e
         finally:
@@ -314,6 +314,21 @@ class Upstream:
         except OSError as e:
             return f"cannot resolve: {e}"
         return redirects.refusal(self._base_url, own, target, theirs, self.cfg.redirect_hosts)
+
+
+# The most of an exception's text a reason carries: reasons go to clients, logs and the page.
+MAX_TOLD = 200
+
+
+def _told(error: BaseException) -> str:
+    """What `error` says, for a reason: its first line, cut at MAX_TOLD characters. aiohttp's
+    parser errors quote the bytes an upstream sent after it (a whole read of the body, 100 KB
+    and more of escaped binary) on the lines after the first."""
+    # A response error's str() is its message's repr, newlines escaped: the message itself.
+    said = (f"{error.status} {error.message}" if isinstance(error, aiohttp.ClientResponseError)
+            else str(error))
+    text = said.split("\n", 1)[0].rstrip(" :")
+    return text if len(text) <= MAX_TOLD else text[:MAX_TOLD] + "..."
 
 
 class _Permanent(Exception):
