@@ -22,13 +22,13 @@ HALF = 0.5
 MIB = 1024 * 1024
 
 
-def _gzip_zeros() -> tuple[bytes, bytes]:
-    """The start of a gzip stream of zeros, and a block that, repeated, continues it: each
-    block inflates to 1 MiB, so a bomb of any size costs the sender nothing to make. (The
-    trailer never comes: a reader that stops at its limit never needs it.)"""
+def _gzip_zeros(start: bytes = b"") -> tuple[bytes, bytes]:
+    """The start of a gzip stream of zeros (after `start`), and a block that, repeated,
+    continues it: each block inflates to 1 MiB, so a bomb of any size costs the sender nothing
+    to make. (The trailer never comes: a reader that stops at its limit never needs it.)"""
     c = zlib.compressobj(9, zlib.DEFLATED, 31)
     zeros = bytes(MIB)
-    head = c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH)
+    head = c.compress(start + zeros[len(start):]) + c.flush(zlib.Z_SYNC_FLUSH)
     block = c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH)
     assert c.compress(zeros) + c.flush(zlib.Z_SYNC_FLUSH) == block
     return head, block
@@ -104,7 +104,8 @@ class FaultUpstream:
         return None
 
     async def _gzip_bomb(self, request: web.Request) -> web.StreamResponse:
-        head, block = _gzip_zeros()
+        # It starts as an ELF file does: only its size can stop it.
+        head, block = _gzip_zeros(b"\x7fELF")
         response = web.StreamResponse(headers={
             "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
         await response.prepare(request)
@@ -119,6 +120,13 @@ class FaultUpstream:
         self.bomb_finished = True
         await response.write_eof()
         return response
+
+    async def _zeros(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        block = bytes(MIB)
+        while True:  # until the reader hangs up, which ends this with an error
+            await response.write(block)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         mode = request.match_info["mode"]
@@ -154,6 +162,8 @@ class FaultUpstream:
                                 content_type="text/html")
         if mode == "gzip-bomb":
             return await self._gzip_bomb(request)
+        if mode == "zeros":  # a 200 of no stated size whose body never ends, and is no file
+            return await self._zeros(request)
         if mode == "slow-first-byte":
             await asyncio.sleep(self.first_byte_delay)
         if mode == "late":  # a prompt upstream, but not instant

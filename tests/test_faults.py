@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.config import FetchConfig, FetchPolicy
+from proxy.config import CacheConfig, FetchConfig, FetchPolicy, SymbolizeConfig
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken
@@ -147,6 +147,28 @@ async def test_not_elf_is_rejected(
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/executable")
     assert status == 502 and b"build ID none" in body
     assert await sg.metric("symgate_verification_failures_total", kind="executable",
+                           reason="not_elf") == 1
+
+
+async def test_a_body_that_is_no_elf_file_is_refused_at_its_first_bytes_evicting_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A 200 of no stated size that never ends and is no ELF file (zeros: an error page or a
+    broken server's stream would do). The budget makes room as a body grows: until it was cut
+    at max_artifact_bytes, and failed, it had evicted the cached files for bytes that could
+    never be kept; its client had a 200 cut off. Its first bytes tell it is no debug file."""
+    sg = await start_symgate(
+        [faults.url_for("ok"), faults.url_for("zeros")],
+        cache=CacheConfig(max_bytes=40 << 20, max_artifact_bytes=30 << 20),
+        symbolize=SymbolizeConfig(enabled=False))  # a table's build holds its file a while
+    assert (await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo"))[0] == 200
+    await sg.settled()
+    status, _, body = await sg.get("/buildid/" + "ab" * 20 + "/debuginfo")  # "ok" lacks it
+    assert status == 502 and b"build ID none (not ELF)" in body
+    await sg.settled()
+    assert await sg.metric("symgate_cache_evictions_total") == 0
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
                            reason="not_elf") == 1
 
 

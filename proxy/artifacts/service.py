@@ -65,6 +65,7 @@ INLINE_WRITE = 64 * 1024
 # together, and each download however many run (proxy.artifacts.chunk_writer).
 UNWRITTEN_LIMIT = 32 * 1024 * 1024
 UNWRITTEN_FLOOR = 2 * 1024 * 1024
+ELF_MAGIC = b"\x7fELF"
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,8 +595,19 @@ class ArtifactService:
         # between every client and its bytes).
         writer = ChunkWriter(lambda chunk, offset: self._write(fd, flight, chunk, offset),
                              self._backlog, UNWRITTEN_FLOOR)
+        head = b""  # the body's first bytes, up to ELF_MAGIC's length
         try:
             async for chunk in body.chunks():
+                if key.kind.is_elf and len(head) < len(ELF_MAGIC):
+                    # Told from its first bytes, before any client gets one and before the
+                    # budget makes room for it: a body that will never verify (an error page,
+                    # an endless stream of anything) would otherwise evict files as it grows.
+                    head = (head + chunk[:len(ELF_MAGIC)])[:len(ELF_MAGIC)]
+                    if head != ELF_MAGIC[:len(head)]:
+                        self._reject(key, "not_elf")
+                        raise VerificationFailed(
+                            f"{meta.upstream} sent a file with build ID none (not ELF), not "
+                            f"{key.build_id}")
                 needed = flight.received + len(chunk)
                 if keep and needed > held:
                     held = -(-needed // step) * step
