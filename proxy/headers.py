@@ -44,6 +44,20 @@ def http_date(value: str | None) -> str | None:
     return email.utils.formatdate(when, usegmt=True)
 
 
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds a Retry-After asks to wait (delta-seconds, or an HTTP date, RFC 9110 10.2.3),
+    from `now` (a Unix time); None for none, or one that does not parse."""
+    if (seconds := decimal(value)) is not None:
+        return float(seconds)
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return max(0.0, when - now)
+
+
 def printable(value: str | None, max_length: int = 1024) -> str | None:
     """`value` when it is storable, printable text of at most `max_length` characters."""
     if value is None or len(value) > max_length:

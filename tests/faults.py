@@ -46,6 +46,7 @@ class FaultUpstream:
         self.chunk_size = 1024 * 1024
         self.chunk_delay = 0.05
         self.flaky_failures = 1
+        self.retry_after = "120"  # what the busy mode's 429 says
         self.gate_open = False
         self.gate_delay = 0.0  # before the answer of an open gate
         # Where the redirect-to mode sends clients (an absolute URL).
@@ -135,6 +136,9 @@ class FaultUpstream:
         bid, kind, rest = (request.match_info[k] for k in ("build_id", "kind", "rest"))
         if mode == "notfound":
             return web.Response(status=404, text="not found")
+        if mode == "busy":  # rate limited, and says for how long
+            return web.Response(status=429, text="slow down",
+                                headers={"Retry-After": self.retry_after})
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
         if mode in ("hold", "hold500", "hold404"):

@@ -186,6 +186,21 @@ async def test_500s_are_retried_then_502_and_not_remembered(
                            upstream=faults.url_for("status500"), result="upstream_error") == 6
 
 
+@pytest.mark.parametrize("wait", ["120", "Sun, 06 Nov 2994 08:49:37 GMT", "0"])
+async def test_a_429_is_not_asked_again_sooner_than_its_retry_after_says(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, wait: str
+) -> None:
+    """A rate-limited upstream says how long to wait: its retries, a fraction of a second
+    apart, would only be refused again and add to its load. A wait shorter than the backoff
+    (0) is retried as any transient failure is."""
+    faults.retry_after = wait
+    sg = await start_symgate([fast_upstream(faults.url_for("busy"), retries=2)])
+    status, headers, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 502 and "Retry-After" in headers and b"answered 429" in body
+    assert faults.count("busy") == (3 if wait == "0" else 1)
+    assert (b"Retry-After: 0 s" if wait == "0" else b"Retry-After: ") in body
+
+
 async def test_flaky_upstream_succeeds_after_a_retry(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -14,7 +14,7 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig, shown_url
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.headers import decimal, http_date, printable
+from proxy.headers import decimal, http_date, printable, retry_after
 from proxy.inflating import CODINGS, Inflater, Unreadable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import BreakerState, ProxyMetrics
@@ -171,12 +171,18 @@ class Upstream:
         what remains after the retries is raised as UpstreamTimeout or UpstreamUnavailable.
         """
         last: UpstreamUnavailable | None = None
+        asked_wait = 0.0  # what the last answer's Retry-After asked for
         for attempt in range(self.cfg.retries + 1):
             if not self.breaker.allow():
                 raise last or UpstreamUnavailable(f"{self.name}: circuit breaker open")
             if attempt:
                 delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
                             self.cfg.retry_backoff_max_s)
+                if asked_wait > delay:
+                    # Asked again sooner than it said it could answer (a 429 or 503 with
+                    # Retry-After): the same answer, and more load on a server that said it
+                    # has too much. The request fails now, its client told to retry.
+                    break
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             trial = self.breaker.state is BreakerState.HALF_OPEN
             try:
@@ -187,8 +193,10 @@ class Upstream:
                 raise
             except _Permanent as e:
                 raise e.error from None
+            except _Busy as e:
+                last, asked_wait = e.error, e.wait_s
             except UpstreamUnavailable as e:
-                last = e
+                last, asked_wait = e, 0.0
         assert last is not None
         raise last
 
@@ -245,8 +253,12 @@ class Upstream:
             self.count(Outcome.NOT_FOUND)
             return None
         if status in _TRANSIENT_STATUS:
-            error = UpstreamUnavailable(f"{self.name}: answered {status}")
+            wait = retry_after(response.headers.get("Retry-After"), time.time())
+            said = f" (Retry-After: {wait:g} s)" if wait is not None else ""
+            error = UpstreamUnavailable(f"{self.name}: answered {status}{said}")
             self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
+            if wait is not None:
+                raise _Busy(error, wait)
             raise error
         # 401/403 and the like: a misconfiguration, not a miss, and not worth retrying.
         self.count(Outcome.UPSTREAM_ERROR)
@@ -329,6 +341,15 @@ def _told(error: BaseException) -> str:
             else str(error))
     text = said.split("\n", 1)[0].rstrip(" :")
     return text if len(text) <= MAX_TOLD else text[:MAX_TOLD] + "..."
+
+
+class _Busy(Exception):
+    """Carries a transient failure whose answer said when to ask again (Retry-After)."""
+
+    def __init__(self, error: UpstreamUnavailable, wait_s: float) -> None:
+        super().__init__(error.reason)
+        self.error = error
+        self.wait_s = wait_s
 
 
 class _Permanent(Exception):
