@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,7 +24,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -68,6 +69,15 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
             cur.execute("PRAGMA busy_timeout=10000")
             cur.close()
 
+        @event.listens_for(engine.sync_engine, "handle_error")
+        def _renew_stuck(context: ExceptionContext) -> None:
+            # A connection that could not write its file (made read-only, immutable, on a
+            # filesystem remounted read-only) stays read-only once the file is writable
+            # again: pooled, it would fail every write until a restart. Dropped instead, so
+            # that the next query opens the file afresh.
+            if _SQLITE_STUCK.search(str(context.original_exception)):
+                context.is_disconnect = True
+
         return engine
     if timeout_s is None:
         return create_async_engine(url, pool_pre_ping=True)
@@ -76,6 +86,9 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
         connect_args={"timeout": timeout_s,
                       **({"command_timeout": timeout_s} if statements else {})})
 
+
+# SQLITE_READONLY and SQLITE_IOERR, as sqlite3 words them.
+_SQLITE_STUCK = re.compile(r"attempt to write a readonly database|disk I/O error")
 
 # What a query raises when the database cannot be reached or written (a PostgreSQL that is
 # down, a SQLite file on a full disk), as opposed to a bug in the query.
