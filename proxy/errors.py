@@ -82,9 +82,15 @@ class Conflict(SymgateError):
 
 
 class UpstreamUnavailable(SymgateError):
-    """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker."""
+    """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker.
+    `retry_after_s`: how long the upstream itself asked to be left alone (its Retry-After),
+    which its clients are not told to come back before."""
 
     outcome = Outcome.UPSTREAM_ERROR
+
+    def __init__(self, reason: str, retry_after_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamTimeout(UpstreamUnavailable):

@@ -199,6 +199,9 @@ async def test_a_429_is_not_asked_again_sooner_than_its_retry_after_says(
     assert status == 502 and "Retry-After" in headers and b"answered 429" in body
     assert faults.count("busy") == (3 if wait == "0" else 1)
     assert (b"Retry-After: 0 s" if wait == "0" else b"Retry-After: ") in body
+    # Its clients are not sent back sooner than it asked (within an hour), nor sooner than
+    # the server's own retry_after_s.
+    assert headers["Retry-After"] == {"120": "120", "0": "30"}.get(wait, "3600")
 
 
 async def test_flaky_upstream_succeeds_after_a_retry(

@@ -255,7 +255,7 @@ class Upstream:
         if status in _TRANSIENT_STATUS:
             wait = retry_after(response.headers.get("Retry-After"), time.time())
             said = f" (Retry-After: {wait:g} s)" if wait is not None else ""
-            error = UpstreamUnavailable(f"{self.name}: answered {status}{said}")
+            error = UpstreamUnavailable(f"{self.name}: answered {status}{said}", wait)
             self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
             if wait is not None:
                 raise _Busy(error, wait)

@@ -27,7 +27,10 @@ class AskResult:
         reasons = "; ".join(f.reason for f in self.failures)
         if any(isinstance(f, UpstreamTimeout) for f in self.failures):
             return UpstreamTimeout(reasons)
-        return UpstreamUnavailable(reasons)
+        # The soonest any of them may answer: only when each said when (Retry-After).
+        waits = [f.retry_after_s for f in self.failures]
+        soonest = min(w for w in waits if w is not None) if None not in waits else None
+        return UpstreamUnavailable(reasons, soonest)
 
 
 async def ask(

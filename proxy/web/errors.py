@@ -6,6 +6,7 @@ and the status page's recent misses. Handlers parse, call and respond; they do n
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -105,12 +106,26 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
         status for cls, status in STATUS if isinstance(error, cls))
 
 
+# The longest Retry-After an upstream's own is passed on as: a client is not kept away for
+# a day by one server's say.
+MAX_RETRY_AFTER_S = 3600
+
+
+def _retry_after(error: SymgateError, default_s: int) -> int:
+    """The server's Retry-After, or the longer wait the upstream itself asked for: a client
+    sent back sooner meets the same refusal, and adds to the load it was refused for."""
+    asked = error.retry_after_s if isinstance(error, UpstreamUnavailable) else None
+    if asked is None:
+        return default_s
+    return max(default_s, min(math.ceil(asked), MAX_RETRY_AFTER_S))
+
+
 def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
     status = status_of(error, user_agent)
     headers: dict[str, str] = {}
     if status in (429, 502, 503, 504, 507) and not isinstance(error, (NotCached,
                                                                        UploadBudgetFull)):
-        headers["Retry-After"] = str(retry_after_s)
+        headers["Retry-After"] = str(_retry_after(error, retry_after_s))
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="symgate"'
     return web.Response(status=status, text=error.reason + "\n", headers=headers)
