@@ -211,3 +211,45 @@ async def test_a_write_failing_after_the_verdict_and_a_follower(
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         signal.signal(signal.SIGXFSZ, old_sig)
         await up.stop()
+
+
+async def _get_http10(url: str, path: str) -> tuple[bytes, bytes]:
+    """GET over HTTP/1.0 (no chunked encoding): the head, and the body read to the end of
+    the connection, as such a client reads one without a Content-Length."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+    await writer.drain()
+    try:
+        got = await reader.read()
+    except ConnectionResetError:
+        got = b""
+    writer.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, body
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["cut", "whole"])
+async def test_an_http10_client_of_a_file_of_unknown_size_can_tell_a_cut_from_the_end(
+    start_symgate: SymgateFactory, elfs: ElfSet, reset: bool
+) -> None:
+    """An HTTP/1.0 client has no chunked encoding: a body of unknown size was sent until the
+    connection closed, and a download cut mid-body closed it too, so the client had a few MB
+    of a 25 MB file that looked whole (nginx speaks HTTP/1.0 to its upstreams by default).
+    Such a client waits for the file, and gets a Content-Length or a status that failed."""
+    body = elfs.big.debug.read_bytes()
+    parts = [body[i:i + 500_000] for i in range(0, 3_000_000, 500_000)]
+    up = Raw(parts if reset else [body[:1_000_000], body[1_000_000:]], size=None,
+             chunked=True, reset=reset)
+    await up.start()
+    try:
+        sg = await start_symgate([fast_upstream(up.url, retries=0)])
+        head, got = await _get_http10(sg.url, f"/buildid/{elfs.big.build_id}/debuginfo")
+        status = head.split(b"\r\n")[0]
+        if reset:
+            assert status.startswith(b"HTTP/1.0 502"), head
+        else:
+            assert status.startswith(b"HTTP/1.0 200"), head
+            assert f"Content-Length: {len(body)}".encode() in head and got == body
+    finally:
+        await up.stop()

@@ -14,7 +14,7 @@ import os
 import weakref
 from typing import IO, Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
@@ -337,8 +337,11 @@ async def _send_streaming(
     meta = streaming.meta
     flight = streaming.flight
     size = meta.size
-    if request.method == "HEAD" and size is None:
-        await flight.wait_finished()  # HEAD must tell the real size: wait for the whole file
+    if size is None and (request.method == "HEAD" or request.version < HttpVersion11):
+        # Wait for the whole file: HEAD must tell the real size, and an HTTP/1.0 client (a
+        # proxy's default upstream protocol: nginx's) has no chunked encoding, so a body
+        # without a Content-Length ends where the connection does, and a cut would look whole.
+        await flight.wait_finished()
     else:
         await flight.wait_streamable()
     if flight.error is not None:
