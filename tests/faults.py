@@ -201,6 +201,8 @@ class FaultUpstream:
         if mode != "chunked":  # chunked: an upstream that does not say how big the file is
             response.headers["X-DEBUGINFOD-SIZE"] = str(len(data))
             response.content_length = len(data)
+        if mode == "huge-size":  # the right bytes, said to be a terabyte
+            response.headers["X-DEBUGINFOD-SIZE"] = str(1 << 40)
         await response.prepare(request)
         if mode == "headers-held":
             # aiohttp holds a head back until the first body bytes; this one goes alone.

@@ -84,27 +84,32 @@ async def test_wrong_build_id_is_502_counted_and_not_cached(
     assert await sg.metric("symgate_cache_entries") == 0
 
 
+@pytest.mark.parametrize("mode", ["wrong-bytes", "huge-size"])
 @pytest.mark.parametrize("policy", ["in_order", "race"])
 async def test_an_upstream_that_sent_the_wrong_file_is_asked_after_one_that_has_it(
-    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, policy: FetchPolicy
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, policy: FetchPolicy,
+    mode: str,
 ) -> None:
-    """The first upstream answers with another build ID's file, the second has the right one.
-    Its fetch fails (its bytes were the liar's); from then on the liar is asked after the
-    others, so the next request gets the right file, which is kept, instead of a 502 for as
-    long as the liar lies."""
-    sg = await start_symgate([faults.url_for("wrong-bytes"), faults.url_for("hold")],
+    """The first upstream answers with another build ID's file (or says the file is a
+    terabyte, past max_artifact_bytes), the second has the right one. Its fetch fails; from
+    then on the liar is asked after the others, so the next request gets the right file,
+    which is kept, instead of a 502 (or 406) for as long as the liar lies."""
+    sg = await start_symgate([faults.url_for(mode), faults.url_for("hold")],
                              fetch=FetchConfig(policy=policy))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     status, _, body = await sg.get(path)  # "hold" answers nothing yet: the liar's is first
-    assert status == 502 and f"build ID {elfs.other.build_id}".encode() in body
+    if mode == "wrong-bytes":
+        assert status == 502 and f"build ID {elfs.other.build_id}".encode() in body
+    else:
+        assert status == 406 and b"cache.max_artifact_bytes" in body
     await sg.settled()
     faults.release.set()
     status, _, body = await sg.get(path)
     assert status == 200 and body == elfs.prog.debug.read_bytes()
-    assert faults.count("wrong-bytes") == 1
+    assert faults.count(mode) == 1
     await sg.settled()
     assert await sg.metric("symgate_cache_entries") == 1
-    assert (await sg.get(path))[0] == 200 and faults.count("wrong-bytes") == 1
+    assert (await sg.get(path))[0] == 200 and faults.count(mode) == 1
 
 
 async def test_a_doubted_upstream_is_still_asked_when_no_other_has_the_file(

@@ -1,11 +1,11 @@
 """Upstreams doubted for a key: those whose last answer for it was not the file asked for.
 
 An upstream that answers 200 with another file (another build ID, no ELF at all, fewer bytes
-than it announced, more than symgate fetches) cannot be told from a good one until its body
-is in, and by then that fetch has failed. Asked first again, it would fail every later fetch
-of the key too, though an upstream after it has the right file: so for a while it is asked
-after the others, and only when none of them has the file. Not forgotten on its own first:
-a doubt only reorders, and an upstream that has the file alone is still asked.
+than it announced, more than symgate fetches, or a size past cache.max_artifact_bytes) cannot
+be told from a good one until its answer is in, and by then that fetch has failed. Asked first
+again, it would fail every later fetch of the key too, though an upstream after it has the
+right file: so for a while it is asked after the others, and only when none of them has the
+file. A doubt only reorders: an upstream that alone has the file is still asked.
 
 Kept in memory, per process: the cost of forgetting is one more failed fetch.
 """

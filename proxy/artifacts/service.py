@@ -453,7 +453,9 @@ class ArtifactService:
                 try:
                     await self._download(key, owner, flight, temp, result.body, claim,
                                          publish=self.tier is not None, req=req)
-                except VerificationFailed:
+                except (VerificationFailed, TooLarge):
+                    # TooLarge: the size it announced, which the others may not (a lie, or
+                    # another file); if it is the truth, they say so too.
                     if len(ups) > 1:
                         log.warning("%s answered %s with what is not its file; asked after the "
                                     "other upstreams for it from now on", answered, key.id)
