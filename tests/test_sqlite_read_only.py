@@ -56,6 +56,9 @@ async def test_rows_kept_while_sqlite_was_read_only_are_written_once_it_is_not(
         assert status == 200 and body == elfs.other.debug.read_bytes()
         await sg.settled()
         assert f"{elfs.other.build_id}/debuginfo" not in _rows(db)
+        # A ping reads, and reads still work: /healthz said "ok" while every write failed.
+        status, _, text = await sg.get("/healthz")
+        assert status == 200 and text.startswith(b"degraded\ndatabase: "), text
     finally:
         _immutable(files, False)
 
@@ -63,6 +66,7 @@ async def test_rows_kept_while_sqlite_was_read_only_are_written_once_it_is_not(
         return f"{elfs.other.build_id}/debuginfo" in _rows(db)
 
     await eventually(written, timeout=20)
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
     status, _, body = await sg.get(f"/buildid/{elfs.big.build_id}/debuginfo")
     assert status == 200 and body == elfs.big.debug.read_bytes()
     # Each a write of its own (a remembered miss), on whichever pooled connection comes. The

@@ -607,6 +607,11 @@ class ArtifactCache:
         finally:
             os.close(fd)
 
+    @property
+    def rows_pending(self) -> int:
+        """Rows this process could not write to SQL and keeps for a later flush."""
+        return len(self._unsynced)
+
     def recheck_space(self) -> None:
         """Clear a full-disk condition once space is back (an operator freed some)."""
         if self.health.get(DISK) is not None:

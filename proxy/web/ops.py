@@ -39,7 +39,10 @@ async def healthz(request: web.Request) -> web.Response:
     except Exception as e:  # any failure to reach SQL is "unreachable", whatever its type
         health.fail(DATABASE, f"unreachable: {type(e).__name__}")
     else:
-        health.ok(DATABASE)
+        # Reached, but not written to while rows wait for it: a read-only SQLite file answers
+        # a ping (a read) and refuses every write. Those rows' flush says when it is well.
+        if not state.service.cache.rows_pending:
+            health.ok(DATABASE)
     state.service.cache.recheck_space()
     if conditions := health.conditions:
         return web.Response(text="degraded\n" + "".join(
