@@ -207,6 +207,28 @@ async def test_a_429_is_not_asked_again_sooner_than_its_retry_after_says(
     # Its clients are not sent back sooner than it asked (within an hour), nor sooner than
     # the server's own retry_after_s.
     assert headers["Retry-After"] == {"120": "120", "0": "30"}.get(wait, "3600")
+    # Nor is it asked again meanwhile, for any file: each miss of the site asked it again.
+    status, headers, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 502
+    if wait == "0":
+        assert faults.count("busy") == 6
+    else:
+        assert faults.count("busy") == 1 and b"as its Retry-After asked" in body, body
+        assert int(headers["Retry-After"]) >= 100
+
+
+async def test_a_resting_upstream_leaves_the_others_to_answer(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Asked first, a rate-limited upstream said how long to wait: until then the next one
+    answers every miss, and the first is not asked."""
+    sg = await start_symgate([fast_upstream(faults.url_for("busy")), faults.url_for("ok")])
+    for elf in (elfs.prog, elfs.other):
+        status, _, body = await sg.get(f"/buildid/{elf.build_id}/debuginfo")
+        assert status == 200 and body == elf.debug.read_bytes()
+    assert faults.count("busy") == 1 and faults.count("ok") == 2
+    assert await sg.metric("symgate_upstream_breaker_state",
+                           upstream=faults.url_for("busy")) == 2
 
 
 async def test_flaky_upstream_succeeds_after_a_retry(

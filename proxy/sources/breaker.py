@@ -11,10 +11,16 @@ from proxy.metrics import BreakerState
 log = logging.getLogger(__name__)
 
 
+# The longest an upstream's Retry-After keeps it from being asked: a date far ahead (a broken
+# clock, or a hostile server) must not silence it for good.
+MAX_REST_S = 3600.0
+
+
 class CircuitBreaker:
     """Opens after `threshold` consecutive failures; after `cooldown_s` one trial is let through.
 
     Only transport failures (connect errors, resets, timeouts, 5xx) count: a 404 is an answer.
+    Also open while the upstream rests as it asked (rest): its Retry-After on a 429 or 503.
     """
 
     def __init__(
@@ -36,6 +42,7 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self._trial_in_flight = False
+        self._rest_until = 0.0
         self.state = BreakerState.CLOSED
         on_change(self.state)
 
@@ -61,6 +68,10 @@ class CircuitBreaker:
                         self._name)
 
     def allow(self) -> bool:
+        if self._clock() < self._rest_until:
+            return False
+        if self._threshold == 0 and self.state is not BreakerState.CLOSED:
+            self._set(BreakerState.CLOSED)  # its rest is over, and failures are not counted
         if self._threshold == 0 or self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN:
@@ -76,6 +87,23 @@ class CircuitBreaker:
         """The trial was given up before any answer (cancelled: another upstream won a race,
         or shutdown): the next request may try again, or the breaker would never close."""
         self._trial_in_flight = False
+
+    def rest(self, seconds: float, reason: str) -> bool:
+        """The upstream asked not to be asked again for `seconds` (Retry-After on a 429 or a
+        503): open until then (a trial at its end), whatever the threshold: counting failures
+        may be off, answering a server's request is not. True when this opened the breaker."""
+        now = self._clock()
+        self.last_failure = reason
+        self._trial_in_flight = False
+        self._rest_until = max(self._rest_until, now + min(seconds, MAX_REST_S))
+        self._opened_at = self._rest_until - self._cooldown_s  # the cooldown ends with it
+        opened = self.state is not BreakerState.OPEN
+        self._set(BreakerState.OPEN)
+        return opened
+
+    def resting_s(self) -> float:
+        """How much longer the upstream asked not to be asked; 0 when it did not."""
+        return max(self._rest_until - self._clock(), 0.0)
 
     def success(self) -> None:
         self._failures = 0

@@ -174,6 +174,10 @@ class Upstream:
         asked_wait = 0.0  # what the last answer's Retry-After asked for
         for attempt in range(self.cfg.retries + 1):
             if not self.breaker.allow():
+                if last is None and (resting := self.breaker.resting_s()):
+                    raise UpstreamUnavailable(
+                        f"{self.name}: not asked for {resting:.0f} s more, as its "
+                        f"Retry-After asked ({self.breaker.last_failure})", resting)
                 raise last or UpstreamUnavailable(f"{self.name}: circuit breaker open")
             if attempt:
                 delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
@@ -198,6 +202,10 @@ class Upstream:
             except UpstreamUnavailable as e:
                 last, asked_wait = e, 0.0
         assert last is not None
+        # Not asked again, for any file, until it said it could answer: every miss of the
+        # site would otherwise ask a server that is turning it away.
+        if asked_wait > 0 and self.breaker.rest(asked_wait, last.reason):
+            self.metrics.breaker_trips.labels(self.name).inc()
         raise last
 
     async def query(self, path_qs: str, hop: Hop) -> aiohttp.ClientResponse:
