@@ -138,6 +138,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     segments = executable_segments(executable, build_id)
     copy = out_path.with_suffix(f".src.{os.getpid()}.tmp")
     breakpad = out_path.with_suffix(f".sym.{os.getpid()}.tmp")
+    inflated_supplement = out_path.with_suffix(f".sup.{os.getpid()}.tmp")
     source = elf_path
     try:
         # eu-strip (Fedora's and RHEL's find-debuginfo) leaves .symtab in a program whose
@@ -157,11 +158,13 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
                           read_dwarf=True, supplement=None, symbolic_source=source,
                           started=started)
         if supplement is not None:
-            lines = _without_discarded_lines(source, copy, layout)
+            # Read by libdw alone, which reads no zstd-compressed section (before 0.189).
+            lines = _zstd_inflated(_without_discarded_lines(source, copy, layout), copy)
+            held = _zstd_inflated(supplement, inflated_supplement)
             try:
                 return _build(elf_path, lines, out_path, layout, executable, segments,
-                              read_dwarf=True, supplement=supplement,
-                              symbolic_source=_as_breakpad(lines, supplement, breakpad, layout),
+                              read_dwarf=True, supplement=held,
+                              symbolic_source=_as_breakpad(lines, held, breakpad, layout),
                               started=started)
             except MalformedObject:
                 # What libdw read of a damaged file and symbolic would not take: named by
@@ -173,6 +176,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     finally:
         copy.unlink(missing_ok=True)
         breakpad.unlink(missing_ok=True)
+        inflated_supplement.unlink(missing_ok=True)
 
 
 def _as_breakpad(source: Path, supplement: Path, out: Path, layout: elf.ElfLayout) -> Path:
@@ -387,8 +391,9 @@ _GNU_ZLIB = b"ZLIB"
 
 
 def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
-    """.debug_line's (or .zdebug_line's) bytes, inflated where zlib or zstd compressed them;
-    None where they cannot be had (a damaged header, past 1 GiB, zstd without libzstd)."""
+    """.debug_line's (or .zdebug_line's, or another SHF_COMPRESSED section's) bytes, inflated
+    where zlib or zstd compressed them; None where they cannot be had (a damaged header, past
+    1 GiB, zstd without libzstd)."""
     gnu = lines.name == ".zdebug_line" and not lines.flags & SHF_COMPRESSED
     if not lines.flags & SHF_COMPRESSED and not gnu:
         return headers.data(lines)
@@ -415,6 +420,42 @@ def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
     except zlib.error:
         return None
     return out if len(out) == size else None
+
+
+def _zstd_inflated(path: Path, copy: Path) -> Path:
+    """`path`, or a copy of it (`copy`, which it may be already) whose zstd-compressed debug
+    sections (`objcopy --compress-debug-sections=zstd`, `gcc -gz=zstd`) are written back
+    inflated at its end, for libdw 0.188, which reads them as missing. One that cannot be
+    inflated is left as it is: libdw reads the file as without it."""
+    with path.open("rb") as f:
+        headers = read_headers(f.fileno())
+        packed = [i for i, s in enumerate(headers.sections)
+                  if s.flags & SHF_COMPRESSED and s.name.startswith(".debug_")
+                  and _compression(headers, s) == zstd.ELFCOMPRESS_ZSTD] \
+            if headers is not None else []
+        if headers is None or not packed:
+            return path
+        try:
+            if path != copy:
+                shutil.copyfile(path, copy)  # in the try: see _without_dwarf
+            with copy.open("r+b") as out:
+                for i in packed:  # one at a time: a big file's sections inflate to GiBs
+                    section = headers.sections[i]
+                    if (data := _line_table(headers, section)) is not None:
+                        _append_section(out.fileno(), headers, i, data,
+                                        flags=section.flags & ~SHF_COMPRESSED)
+        except BaseException:
+            copy.unlink(missing_ok=True)
+            raise
+    return copy
+
+
+def _compression(headers: ElfHeaders, section: SectionHeader) -> int:
+    """The ch_type of an SHF_COMPRESSED section's compression header; 0 if it has none."""
+    if section.size < 4 or section.offset + section.size > headers.file_size:
+        return 0
+    kind: int = struct.unpack_from(headers.order + "I", headers.read(4, section.offset))[0]
+    return kind
 
 
 def _append_section(fd: int, headers: ElfHeaders, index: int, data: bytes, *,

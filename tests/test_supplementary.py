@@ -298,3 +298,25 @@ def test_a_symbol_name_with_a_line_break_does_not_cost_the_lines(
         assert [f.function for f in got[v]] == [
             f.function.replace("register_tm_clones", "register tm_clones") for f in frames]
         assert [(f.file, f.line) for f in got[v]] == [(f.file, f.line) for f in frames]
+
+
+@pytest.mark.parametrize("compressed", ["debug file", "supplement", "both"])
+def test_zstd_compressed_sections_are_read_by_libdw_too(
+        dwz_set: DwzSet, tmp_path: Path, compressed: str) -> None:
+    """`objcopy --compress-debug-sections=zstd` (or `gcc -gz=zstd`): libdw 0.188, which alone
+    reads a dwz'd file, reads no zstd section, and such a file had no lines at all."""
+    p = dwz_set.programs[0]
+    debug, common = p.debug, dwz_set.common
+    if compressed in ("debug file", "both"):
+        debug = tmp_path / "zstd.debug"
+        subprocess.run(["objcopy", "--compress-debug-sections=zstd", str(p.debug), str(debug)],
+                       check=True)
+    if compressed in ("supplement", "both"):
+        common = tmp_path / "common-zstd.debug"
+        subprocess.run(["objcopy", "--compress-debug-sections=zstd", str(dwz_set.common),
+                        str(common)], check=True)
+    _lines, want = _frames(dwz_set.originals[p.build_id], p, None, tmp_path / "orig")
+    lines, got = _frames(debug, p, common, tmp_path / "zstd")
+    assert lines
+    assert got == want
+    assert not list((tmp_path / "zstd").glob("*.tmp"))
