@@ -160,7 +160,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         if supplement is not None:
             # Read by libdw alone, which reads no zstd-compressed section (before 0.189).
             lines = _zstd_inflated(_without_discarded_lines(source, copy, layout), copy)
-            held = _zstd_inflated(supplement, inflated_supplement)
+            held = _openable_by_libdw(_zstd_inflated(supplement, inflated_supplement),
+                                      inflated_supplement)
             try:
                 return _build(elf_path, lines, out_path, layout, executable, segments,
                               read_dwarf=True, supplement=held,
@@ -448,6 +449,52 @@ def _zstd_inflated(path: Path, copy: Path) -> Path:
             copy.unlink(missing_ok=True)
             raise
     return copy
+
+
+_STANDALONE = (".debug_info", ".debug_line", ".debug_frame")
+# The sections of _openable_by_libdw's file: none, its strings, a line table, their names.
+_NAMES = b"\0.debug_str\0.debug_line\0.shstrtab\0"
+_SHT_PROGBITS = 1
+
+
+def _openable_by_libdw(supplement: Path, out: Path) -> Path:
+    """`supplement`, or where dwz moved nothing but strings into it (the debug files shared no
+    unit: its .debug_str alone), a small ELF file `out` (which it may be) of that .debug_str
+    and a one-byte .debug_line: libdw opens no file without .debug_info, .debug_line or
+    .debug_frame, and the debug file's DW_FORM_GNU_strp_alt names could not be read. No
+    reference reads the supplement's line table: only its units would."""
+    with supplement.open("rb") as f:
+        headers = read_headers(f.fileno())
+        strings = headers.section(".debug_str") if headers is not None else None
+        if headers is None or strings is None or strings.type == SHT_NOBITS \
+                or strings.offset + strings.size > headers.file_size \
+                or any(headers.section(name) for name in _STANDALONE):
+            return supplement
+        head = bytearray(headers.read(64 if headers.is64 else 52, 0))
+        data = headers.read(strings.size, strings.offset)  # as stored: libdw inflates zlib
+    order, word = headers.order, "Q" if headers.is64 else "I"
+    row = order + ("IIQQQQIIQQ" if headers.is64 else "IIIIIIIIII")
+    at_strings = len(head)
+    at_line = at_strings + len(data)
+    at_names = at_line + 1
+    at_rows = -(-(at_names + len(_NAMES)) // 8) * 8
+    rows = [bytes(struct.calcsize(row)),
+            struct.pack(row, 1, _SHT_PROGBITS, strings.flags, 0, at_strings, len(data), 0, 0,
+                        max(strings.align, 1), 0 if strings.flags & SHF_COMPRESSED else 1),
+            struct.pack(row, 12, _SHT_PROGBITS, 0, 0, at_line, 1, 0, 0, 1, 0),
+            struct.pack(row, 24, SHT_STRTAB, 0, 0, at_names, len(_NAMES), 0, 0, 1, 0)]
+    # e_phoff, e_shoff; e_phnum, e_shentsize, e_shnum, e_shstrndx.
+    fields = (0x20, 0x28, 0x38) if headers.is64 else (0x1C, 0x20, 0x2C)
+    struct.pack_into(order + word + word, head, fields[0], 0, at_rows)
+    struct.pack_into(order + "HHHH", head, fields[2], 0, struct.calcsize(row), len(rows), 3)
+    try:
+        with out.open("wb") as w:
+            w.write(b"".join((head, data, b"\0", _NAMES,
+                              bytes(at_rows - at_names - len(_NAMES)), *rows)))
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out
 
 
 def _compression(headers: ElfHeaders, section: SectionHeader) -> int:

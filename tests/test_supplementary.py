@@ -320,3 +320,58 @@ def test_zstd_compressed_sections_are_read_by_libdw_too(
     assert lines
     assert got == want
     assert not list((tmp_path / "zstd").glob("*.tmp"))
+
+
+def _dwz_programs(root: Path, sources: dict[str, str], compiler: str, *flags: str
+                  ) -> tuple[list[Elf], dict[str, Path], Path]:
+    """Programs built from `sources` (name -> text) with `compiler` and `flags`, their debug
+    files dwz'd with one supplementary file: the programs, their debug files as built, the
+    supplement."""
+    elves, originals = [], {}
+    (root / "orig").mkdir(parents=True)
+    for name, text in sources.items():
+        src, exe = root / f"{name}.{'cpp' if compiler == 'g++' else 'c'}", root / name
+        src.write_text(text)
+        subprocess.run([compiler, "-g", *flags, "-Wl,--build-id", "-o", str(exe), str(src)],
+                       check=True)
+        debug = root / f"{name}.debug"
+        subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(debug)], check=True)
+        build_id = build_id_of_file(exe)
+        assert build_id
+        elves.append(Elf(name, build_id, exe, debug, (src,)))
+        originals[name] = root / "orig" / debug.name
+        shutil.copyfile(debug, originals[name])
+    common = root / "common.debug"
+    subprocess.run(["dwz", "-m", str(common), *(str(e.debug) for e in elves)], check=True,
+                   capture_output=True)
+    assert all(supplement_link(e.debug) for e in elves)
+    return elves, originals, common
+
+
+STRINGS_ONLY_C = r"""
+static inline __attribute__((always_inline)) int helper_number_K(int x) {
+    volatile int v = x * K;
+    return v + 7;
+}
+int work_K(int x) { return helper_number_K(x) + helper_number_K(x + 1); }
+int main(void) { return work_K(3); }
+"""
+
+
+def test_a_supplement_of_strings_alone_is_read(tmp_path: Path) -> None:
+    """Debug files that share no DWARF unit get a supplement of their shared strings alone
+    (.debug_str, no .debug_info): libdw opens no such file, and the names the debug files
+    took from it (DW_FORM_GNU_strp_alt) were lost: inline functions dropped, their lines in
+    their callers', `main` without its name."""
+    elves, originals, common = _dwz_programs(
+        tmp_path, {f"strings{k}": STRINGS_ONLY_C.replace("K", str(k)) for k in (1, 2)},
+        "gcc", "-O0")
+    raw = subprocess.run(["readelf", "-SW", str(common)], capture_output=True, text=True).stdout
+    assert ".debug_str" in raw and ".debug_info" not in raw
+    for e in elves:
+        _lines, want = _frames(originals[e.name], e, None, tmp_path / "orig")
+        lines, got = _frames(e.debug, e, common, tmp_path)
+        assert lines
+        assert sum(len(frames) > 1 for frames in want.values()) > 5
+        assert got == want, e.name
+        assert not list(tmp_path.glob("*.tmp"))
