@@ -176,6 +176,13 @@ def opened(path: Path, supplement: Path | None = None) -> Iterator[int]:
     assert LIBDW is not None
     with contextlib.ExitStack() as held:
         alt = held.enter_context(opened(supplement)) if supplement is not None else 0
+        if supplement is not None and not alt:
+            # A supplement without DWARF (damaged, stripped, hostile) is none: libdw, not
+            # given one, would look for it itself where the link says, any path on this
+            # machine (a FIFO there hangs the build), or read the file without it (nameless
+            # inline functions whose lines land in their callers).
+            yield 0
+            return
         fd = os.open(path, os.O_RDONLY)
         dbg = 0
         try:

@@ -375,3 +375,32 @@ def test_a_supplement_of_strings_alone_is_read(tmp_path: Path) -> None:
         assert sum(len(frames) > 1 for frames in want.values()) > 5
         assert got == want, e.name
         assert not list(tmp_path.glob("*.tmp"))
+
+
+def _relinked(debug: Path, out: Path, old: bytes, new: bytes) -> Path:
+    """`debug` with its .gnu_debugaltlink's `old` (the path's or the build ID's bytes) made
+    `new`, of the same length."""
+    raw = debug.read_bytes()
+    assert len(old) == len(new) and raw.count(old) == 1
+    out.write_bytes(raw.replace(old, new))
+    return out
+
+
+def test_a_supplement_without_dwarf_is_none_not_a_search_by_the_link(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """A supplementary file of the linked build ID whose DWARF is gone (stripped, damaged, a
+    hostile upstream's) gave libdw no supplement: it looked for one itself at the path the
+    link names, any path on the machine (a FIFO there hung the build for good), and
+    without one read the file's inline functions nameless, their lines in their callers'."""
+    p = dwz_set.programs[0]
+    no_dwarf = tmp_path / "no-dwarf.debug"
+    subprocess.run(["objcopy", *(f"--remove-section={s}" for s in (
+        ".debug_info", ".debug_abbrev", ".debug_str", ".debug_line")),
+        str(dwz_set.common), str(no_dwarf)], check=True)
+    assert build_id_of_file(no_dwarf) == dwz_set.common_id
+    name = str(dwz_set.common).encode()
+    nowhere = _relinked(p.debug, tmp_path / "p.debug", name, name[:-1] + b"X")
+    _lines, bare = _frames(p.debug, p, None, tmp_path / "bare")
+    lines, got = _frames(nowhere, p, no_dwarf, tmp_path / "no-dwarf")
+    assert not lines
+    assert got == bare
