@@ -131,7 +131,10 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     supplemented = headers is not None and any(
         s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
     link = supplement_link(elf_path) if supplemented else None
-    if supplement is not None and (link is None or not supplement_matches(supplement, link)):
+    # A link naming the file's own build ID names no supplement: read as its own, the file's
+    # references into it land on its own DIEs, which gives functions other names and files.
+    if supplement is not None and (link is None or link.build_id == build_id
+                                   or not supplement_matches(supplement, link)):
         supplement = None
     # The executable's program headers, when it is the program of `build_id`: read once, for
     # the eu-strip check and for the names (_second_reading).

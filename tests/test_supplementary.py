@@ -404,3 +404,16 @@ def test_a_supplement_without_dwarf_is_none_not_a_search_by_the_link(
     lines, got = _frames(nowhere, p, no_dwarf, tmp_path / "no-dwarf")
     assert not lines
     assert got == bare
+
+
+def test_a_link_to_the_files_own_build_id_names_no_supplement(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """Found by its build ID, the supplement of such a link is the debug file itself, whose
+    references into the supplement then land on its own DIEs: other names, other files."""
+    p = dwz_set.programs[0]
+    own = _relinked(p.debug, tmp_path / "own.debug", bytes.fromhex(dwz_set.common_id),
+                    bytes.fromhex(p.build_id))
+    _lines, bare = _frames(p.debug, p, None, tmp_path / "bare")
+    lines, got = _frames(own, p, own, tmp_path / "own")
+    assert not lines
+    assert got == bare
