@@ -46,8 +46,9 @@ _DW_TAG_INLINED_SUBROUTINE = 0x1D
 _DW_TAG_SUBPROGRAM = 0x2E
 _DW_TAG_NAMESPACE = 0x39
 _DW_TAG_MODULE = 0x1E
-# Where subprograms are found: in a unit, a namespace or a type (C++ members defined in the
-# class), never in a variable's or a type's other children.
+# Where subprograms are found: in a unit, a function, a namespace or a type (C++ members
+# defined in the class, a local class's in a function), never in a variable's or a type's
+# other children.
 _SCOPES = frozenset({_DW_TAG_NAMESPACE, _DW_TAG_STRUCTURE_TYPE, _DW_TAG_CLASS_TYPE,
                      _DW_TAG_UNION_TYPE, _DW_TAG_MODULE})
 # DIEs nested deeper are not visited: each level is two Python frames (the recursion limit is
@@ -249,7 +250,10 @@ class _Walker:
                 self._inline(at, sub, depth)
             elif tag == _DW_TAG_LEXICAL_BLOCK and sub is not None:
                 self._children(at, sub, depth)
-            elif tag in _SCOPES and sub is None:
+            elif tag in _SCOPES:
+                # In a function too: a lambda's operator() (not inlined: at -O0, or called
+                # through std::function) and a local class's methods are defined in their
+                # class, in the function. Their own functions, not part of this one.
                 self._children(at, None, 0)
             if lib.dwarf_siblingof(at, at) != 0:
                 return

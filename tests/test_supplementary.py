@@ -417,3 +417,35 @@ def test_a_link_to_the_files_own_build_id_names_no_supplement(
     lines, got = _frames(own, p, own, tmp_path / "own")
     assert not lines
     assert got == bare
+
+
+
+LAMBDAS_CPP = r"""
+#include <cstdio>
+#include <functional>
+#include <string>
+int main(int argc, char **argv) {
+    std::string tag = argv[0];
+    auto sized = [&](int k) { return (long)tag.size() * k + SEED; };
+    std::function<long(long)> twice = [](long x) { return x * 2; };
+    struct Local { long v; long get() const { return v + 1; } };
+    Local l{argc};
+    std::printf("%ld %ld %ld\n", sized(argc), twice(argc), l.get());
+    return 0;
+}
+"""
+
+
+def test_lambdas_and_local_classes_keep_their_lines(tmp_path: Path) -> None:
+    """A lambda's operator() that is not inlined (at -O0; or called through std::function),
+    and a local class's method, are defined in their class within the function: the reader
+    did not look into a function's classes, so their code had no lines."""
+    elves, originals, common = _dwz_programs(
+        tmp_path, {f"lambdas{k}": LAMBDAS_CPP.replace("SEED", str(k)) for k in (1, 2)},
+        "g++", "-O0")
+    for e in elves:
+        _lines, want = _frames(originals[e.name], e, None, tmp_path / "orig")
+        lines, got = _frames(e.debug, e, common, tmp_path)
+        assert lines
+        assert any("lambda" in f.function and f.line for fs in want.values() for f in fs)
+        assert got == want, e.name
