@@ -176,7 +176,7 @@ def _write_function(out: TextIO, sub: _Subprogram, start: int, end: int,
             out.write(f"INLINE {inline.depth} {inline.call_line} {inline.call_file} "
                       f"{inline.origin} {spans}\n")
     addresses, lines, files = sub.rows
-    i = max(bisect.bisect_right(addresses, start) - 1, 0)
+    i = bisect.bisect_left(addresses, start)
     while i < len(addresses) and addresses[i] < end:
         line, file = lines[i], files[i]
         a = max(addresses[i], start)
