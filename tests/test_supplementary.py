@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import NegativeConfig, SymbolizeConfig
+from proxy.config import NegativeConfig, SymbolizeConfig, TenantConfig
 from symbolize.elf import build_id_of_file
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
@@ -527,3 +527,48 @@ def test_a_line_row_running_into_the_next_function_is_not_its_line(tmp_path: Pat
         assert lines
         assert sum(len(frames) > 1 for frames in want.values()) > 500
         assert got == want, e.name
+
+
+async def test_a_tenants_own_supplement_gives_the_tenant_lines_whoever_asked_first(
+        start_symgate: SymgateFactory, dwz_upstream: tuple[Debuginfod, Path], dwz_set: DwzSet,
+        tmp_path: Path) -> None:
+    """The shared upstream serves the dwz'd debug files, only a tenant's own serves their
+    supplementary file. Had a profile without a tenant cached the debug files first, the
+    tenant's profiles never got the lines: its supplement was refused for the shared table
+    (rightly: others see it) and nothing else was built. Its table is now the tenant's own;
+    others still get the shared table without lines."""
+    upstream, _served = dwz_upstream
+    own = tmp_path / "own"
+    (own / "served").mkdir(parents=True)
+    shutil.copyfile(dwz_set.common, own / "served" / dwz_set.common.name)
+    body = _profile(dwz_set)
+    want, _r = await asyncio.to_thread(
+        symbolize_bytes, body, [_tree(tmp_path / "orig", dwz_set, originals=True, common=False)],
+        LIMITS)
+    with running_debuginfod(own / "served", own, "-t", "1", "-g", "0") as tenants:
+        for p in dwz_set.programs:
+            await eventually(lambda p=p: serves(
+                f"{upstream.url}/buildid/{p.build_id}/debuginfo"))
+        await eventually(lambda: serves(f"{tenants.url}/buildid/{dwz_set.common_id}/debuginfo"))
+        sg = await start_symgate([upstream.url], symbolize=SymbolizeConfig(build_workers=1),
+                                 negative=NegativeConfig(not_found_initial_ttl_s=1,
+                                                         not_found_ttl_s=1),
+                                 tenants={"acme": TenantConfig(upstreams=(tenants.url,))})
+
+        async def symbolized(tenant: str) -> bytes:
+            headers = {"Content-Type": "application/octet-stream"}
+            if tenant:
+                headers["X-Scope-OrgID"] = tenant
+            status, _h, answer = await sg.request("POST", "/symbolize", data=body,
+                                                  headers=headers)
+            assert status == 200
+            return answer
+
+        bare = await symbolized("")
+        assert bare != want
+
+        async def tenant_has_lines() -> bool:
+            return await symbolized("acme") == want
+
+        await eventually(tenant_has_lines)
+        assert await symbolized("") == bare

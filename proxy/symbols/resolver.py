@@ -264,7 +264,7 @@ class SymbolResolver:
         if local is not None:
             return await self._with_supplement(req, _Source(
                 local, local_source_key(local, executable=False), SHARED, None,
-                (local_exe, None) if local_exe else None))
+                (local_exe, None) if local_exe else None), tenant_table=True)
         # The executable is fetched beside the debug file (the layout search of a profile with
         # runtime addresses fetches it too: one upstream fetch for both).
         exe_key = ArtifactKey(build_id, Kind.EXECUTABLE)
@@ -289,7 +289,7 @@ class SymbolResolver:
                     raise NotFound(e.reason) from e
                 beside = await self._beside(scope, local_exe, exe, exe_key)
                 return await self._with_supplement(
-                    req, _Source(path, key.id, scope, (scope, key), beside))
+                    req, _Source(path, key.id, scope, (scope, key), beside), tenant_table=True)
             if exe is not None:
                 with contextlib.suppress(NotFound):
                     scope, path = await exe
@@ -303,28 +303,35 @@ class SymbolResolver:
         return _Source(local_exe, local_source_key(local_exe, executable=True), SHARED, None,
                        (local_exe, None))
 
-    async def _with_supplement(self, req: RequestScope | None, source: _Source
-                               ) -> _Source | None:
+    async def _with_supplement(self, req: RequestScope | None, source: _Source, *,
+                               tenant_table: bool = False) -> _Source | None:
         """`source` with the supplementary file that dwz gave it, when it has one: from the
         local debug directories, the cache, or (with a request) the request's sources. A
         table built without it, named by its symbols alone, is recorded as such
         (WITHOUT_SUPPLEMENT), to be built again once it can be had. None when there is no
-        request to fetch it with (a prebuild): the first profile fetches it."""
+        request to fetch it with (a prebuild): the first profile fetches it.
+
+        `tenant_table`: a shared debug file whose supplement only the request's tenant has
+        (its own upstream's, its upload) is built with it into the tenant's table, seen by
+        that tenant alone. Not for a prebuild, whose table others wait on."""
         link = await asyncio.to_thread(supplement_link, source.path)
         if link is None:
             return source
-        found = await self._supplement(req, source.scope, link.build_id)
+        tenant = req.tenant if req is not None and tenant_table else source.scope
+        found = await self._supplement(req, source.scope, tenant, link.build_id)
         if found is None and req is None:
             return None
         if found is None:
             log.info("supplementary file %s of %s not had: its table has no lines",
                      link.build_id or link.name, source.source_key)
             source.source_key += WITHOUT_SUPPLEMENT
+        elif found[1] is not None and found[1][0] not in (SHARED, source.scope):
+            source.scope = found[1][0]
         source.supplement = found
         return source
 
-    async def _supplement(self, req: RequestScope | None, scope: str, build_id: str
-                          ) -> _Beside | None:
+    async def _supplement(self, req: RequestScope | None, scope: str, tenant: str,
+                          build_id: str) -> _Beside | None:
         try:
             key = ArtifactKey.parse(build_id, Kind.DEBUGINFO.value)
         except SymgateError:
@@ -344,7 +351,7 @@ class SymbolResolver:
             log.info("supplementary file %s: %s", build_id, e.reason)
             return None
         # Not a tenant's own file for a table that others see.
-        return (path, (found_scope, key)) if found_scope in (SHARED, scope) else None
+        return (path, (found_scope, key)) if found_scope in (SHARED, scope, tenant) else None
 
     @staticmethod
     async def _beside(scope: str, local_exe: Path | None,
