@@ -139,7 +139,7 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
     table's functions `symbols` (sized or not, in table order) to `out`, addresses relative to
     `load_address`; only code within `code` ([start, end) of the executable segments: a
     function that GNU ld discarded keeps its address 0). False if there is no DWARF to read
-    (or no libdw)."""
+    (or no libdw), or it does not fit `supplement`."""
     if LIBDW is None:
         return False
     first_at: dict[int, str] = {}
@@ -150,6 +150,11 @@ def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
             return False
         walker = _Walker(code, first_at)
         walker.read(dbg)
+    if walker.unnamed:
+        # gcc and clang name every inline function: references that do not resolve are a
+        # supplement that is not the one dwz wrote (damaged, cut short, another with its build
+        # ID), whose inline functions would be dropped and their lines put in their callers.
+        return False
     out.write(HEADER)
     for name, number in walker.files.items():
         out.write(f"FILE {number} {one_line(name)}\n")
@@ -207,6 +212,7 @@ class _Walker:
         self._rows: _Rows = (array("Q"), array("q"), array("q"))
         self._comp_dir = ""
         self._nesting = 0
+        self.unnamed = 0  # inline functions with code whose name could not be read
 
     def read(self, dbg: int) -> None:
         lib = self._lib
@@ -278,7 +284,8 @@ class _Walker:
     def _inline(self, die: int, sub: _Subprogram, depth: int) -> None:
         ranges = self._ranges(die)
         name = self._name(die) if ranges else ""
-        if not name:  # no code, or damaged: its code is its caller's
+        if ranges and not name:
+            self.unnamed += 1
             ranges = []
         if ranges:
             file = self._udata(die, _DW_AT_CALL_FILE)

@@ -572,3 +572,27 @@ async def test_a_tenants_own_supplement_gives_the_tenant_lines_whoever_asked_fir
 
         await eventually(tenant_has_lines)
         assert await symbolized("") == bare
+
+
+def test_a_damaged_supplement_of_the_linked_build_id_names_alone(
+        dwz_set: DwzSet, tmp_path: Path) -> None:
+    """A supplementary file with the linked build ID whose DWARF is not what dwz wrote (its
+    .debug_info zeroed or garbled: damaged, cut short, forged) resolved none of the debug
+    file's references: its inline functions were dropped and their lines put in their
+    callers', whose frames then named another function's file."""
+    from symbolize.elf_headers import read_headers
+
+    p = dwz_set.programs[0]
+    with dwz_set.common.open("rb") as f:
+        headers = read_headers(f.fileno())
+        assert headers is not None
+        info = headers.section(".debug_info")
+        assert info is not None
+    raw = dwz_set.common.read_bytes()
+    zeroed = tmp_path / "zeroed.debug"
+    zeroed.write_bytes(raw[:info.offset] + bytes(info.size) + raw[info.offset + info.size:])
+    assert build_id_of_file(zeroed) == dwz_set.common_id
+    _lines, bare = _frames(p.debug, p, None, tmp_path / "bare")
+    lines, got = _frames(p.debug, p, zeroed, tmp_path / "zeroed")
+    assert not lines
+    assert got == bare
