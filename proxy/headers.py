@@ -33,15 +33,20 @@ def http_date(value: str | None) -> str | None:
     written again in RFC 9110's form; None for one that does not parse or that a file's time
     would not keep (before 1970, past 2038): a miss must not say one Last-Modified and the hits
     after it another."""
+    when = _date(value)
+    if when is None or not 0 <= when < _LATEST_TIME:
+        return None
+    return email.utils.formatdate(when, usegmt=True)
+
+
+def _date(value: str | None) -> float | None:
+    """An HTTP date as a Unix time; None for none, or one that does not parse."""
     if not value:
         return None
     try:
-        when = email.utils.parsedate_to_datetime(value).timestamp()
+        return email.utils.parsedate_to_datetime(value).timestamp()
     except (TypeError, ValueError, OverflowError):
         return None
-    if not 0 <= when < _LATEST_TIME:
-        return None
-    return email.utils.formatdate(when, usegmt=True)
 
 
 def retry_after(value: str | None, now: float) -> float | None:
@@ -49,13 +54,8 @@ def retry_after(value: str | None, now: float) -> float | None:
     from `now` (a Unix time); None for none, or one that does not parse."""
     if (seconds := decimal(value)) is not None:
         return float(seconds)
-    if not value:
-        return None
-    try:
-        when = email.utils.parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return max(0.0, when - now)
+    when = _date(value)
+    return max(0.0, when - now) if when is not None else None
 
 
 def printable(value: str | None, max_length: int = 1024) -> str | None:

@@ -317,14 +317,7 @@ def test_a_static_function_of_one_name_in_two_files_has_each_files_start_line(
     exe = tmp_path / "steps"
     subprocess.run(["gcc", "-O2", "-g", "-o", str(exe), "a.c", "b.c", "main.c"],
                    cwd=tmp_path, check=True)
-    layout = layout_of_file(exe)
-    assert layout is not None and layout.build_id
-    out = tmp_path / "steps.symc"
-    built = build_symbol_table(exe, out, layout.build_id)
-    text = next(s for s in layout.segments if s.executable)
-    vaddrs = list(range(text.vaddr, text.vaddr + text.filesz))
-    got = _symbolized((out, built), vaddrs, (exe, layout.build_id))
-    llvm = llvm_symbolize(exe, vaddrs)
+    got, llvm = _every_byte(exe)
     seen: dict[str, set[int]] = {}
     for v, want in llvm.items():
         for ours, theirs in zip(got[v], want, strict=True):
@@ -365,14 +358,7 @@ def test_a_lambda_without_a_declared_line_has_no_start_line_of_another_function(
     (tmp_path / "main.cpp").write_text(_LAMBDA_CPP)
     exe = tmp_path / "lambda"
     subprocess.run(["g++", "-O2", "-g", "-o", str(exe), "main.cpp"], cwd=tmp_path, check=True)
-    layout = layout_of_file(exe)
-    assert layout is not None and layout.build_id
-    out = tmp_path / "lambda.symc"
-    built = build_symbol_table(exe, out, layout.build_id)
-    text = next(s for s in layout.segments if s.executable)
-    vaddrs = list(range(text.vaddr, text.vaddr + text.filesz))
-    got = _symbolized((out, built), vaddrs, (exe, layout.build_id))
-    llvm = llvm_symbolize(exe, vaddrs)
+    got, llvm = _every_byte(exe)
     lambda_frames = [(hex(v), ours) for v, want in llvm.items()
                      for ours, theirs in zip(got[v], want, strict=True)
                      if theirs.function == "operator()" and theirs.file.endswith("main.cpp")]
@@ -479,6 +465,19 @@ def test_a_dwz_copy_cut_short_by_a_full_disk_is_removed(tmp_path: Path) -> None:
                          cwd=Path(__file__).resolve().parent.parent)
     assert got.stdout.strip() == str(errno.EFBIG), got
     assert list(tables.iterdir()) == []
+
+
+def _every_byte(exe: Path) -> tuple[dict[int, list[Expected]], dict[int, list[Expected]]]:
+    """symgate's frames (its table built from `exe`) and llvm-symbolizer's at every byte of
+    the code of `exe`, a program built with its DWARF."""
+    layout = layout_of_file(exe)
+    assert layout is not None and layout.build_id
+    out = exe.with_suffix(".symc")
+    built = build_symbol_table(exe, out, layout.build_id)
+    text = next(s for s in layout.segments if s.executable)
+    vaddrs = list(range(text.vaddr, text.vaddr + text.filesz))
+    return (_symbolized((out, built), vaddrs, (exe, layout.build_id)),
+            llvm_symbolize(exe, vaddrs))
 
 
 def _text_addresses(path: Path) -> list[int]:

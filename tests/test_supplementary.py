@@ -436,6 +436,18 @@ int main(int argc, char **argv) {
 """
 
 
+def _same_frames_as_before_dwz(elves: list[Elf], originals: dict[str, Path], common: Path,
+                               work: Path) -> Iterator[dict[int, list[Expected]]]:
+    """Each program's frames (as its debug file gave them before dwz), once checked equal to
+    those of its dwz'd debug file read with `common`."""
+    for e in elves:
+        _lines, want = _frames(originals[e.name], e, None, work / "orig")
+        lines, got = _frames(e.debug, e, common, work)
+        assert lines
+        assert got == want, e.name
+        yield want
+
+
 def test_lambdas_and_local_classes_keep_their_lines(tmp_path: Path) -> None:
     """A lambda's operator() that is not inlined (at -O0; or called through std::function),
     and a local class's method, are defined in their class within the function: the reader
@@ -443,12 +455,8 @@ def test_lambdas_and_local_classes_keep_their_lines(tmp_path: Path) -> None:
     elves, originals, common = _dwz_programs(
         tmp_path, {f"lambdas{k}": LAMBDAS_CPP.replace("SEED", str(k)) for k in (1, 2)},
         "g++", "-O0")
-    for e in elves:
-        _lines, want = _frames(originals[e.name], e, None, tmp_path / "orig")
-        lines, got = _frames(e.debug, e, common, tmp_path)
-        assert lines
+    for want in _same_frames_as_before_dwz(elves, originals, common, tmp_path):
         assert any("lambda" in f.function and f.line for fs in want.values() for f in fs)
-        assert got == want, e.name
 
 
 TEMPLATES_CPP = r"""
@@ -521,12 +529,8 @@ def test_a_line_row_running_into_the_next_function_is_not_its_line(tmp_path: Pat
     elves, originals, common = _dwz_programs(
         tmp_path, {f"templates{k}": TEMPLATES_CPP.replace("SEED", str(k)) for k in (1, 2)},
         "g++", "-O2")
-    for e in elves:
-        _lines, want = _frames(originals[e.name], e, None, tmp_path / "orig")
-        lines, got = _frames(e.debug, e, common, tmp_path)
-        assert lines
+    for want in _same_frames_as_before_dwz(elves, originals, common, tmp_path):
         assert sum(len(frames) > 1 for frames in want.values()) > 500
-        assert got == want, e.name
 
 
 async def test_a_tenants_own_supplement_gives_the_tenant_lines_whoever_asked_first(

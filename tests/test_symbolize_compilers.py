@@ -295,13 +295,7 @@ async def test_lines_of_a_function_gc_sections_dropped_are_not_given_to_live_cod
         sections = subprocess.run(["readelf", "-SW", exe], check=True, capture_output=True,
                                   text=True).stdout
         assert ".zdebug_line" in sections
-    build_id = build_id_of_file(exe)
-    assert build_id
-    tree = tmp_path / "debug"
-    at = tree / ".build-id" / build_id[:2]
-    at.mkdir(parents=True)
-    shutil.copy(exe, at / build_id[2:])
-    elf = Elf("prog", build_id, exe, exe, ())
+    tree, elf = _served_alone(exe, tmp_path)
     vaddrs = code_addresses(elf)
     # llvm-symbolizer names padding after _start by the dropped function's DWARF, and gives
     # crt code (no DWARF, line 0) its start line (clang's build): neither is counted.
@@ -345,13 +339,7 @@ async def test_lines_of_code_gc_sections_dropped_are_moved_in_a_32_bit_program_t
     if made.returncode:
         pytest.skip(f"gcc -m32 cannot link here: {made.stderr[-200:]}")
     assert not [s for s in function_symbols(exe) if s.name == "unused_big"]
-    build_id = build_id_of_file(exe)
-    assert build_id
-    tree = tmp_path / "debug"
-    at = tree / ".build-id" / build_id[:2]
-    at.mkdir(parents=True)
-    shutil.copy(exe, at / build_id[2:])
-    elf = Elf("prog", build_id, exe, exe, ())
+    tree, elf = _served_alone(exe, tmp_path)
     vaddrs = code_addresses(elf)
     expected = {v: f for v, f in llvm_symbolize(exe, vaddrs).items()
                 if f[-1].function in ("used", "_start")}
@@ -435,3 +423,14 @@ async def test_a_fedora_program_without_its_debug_file_is_named_by_its_minidebug
         assert not wrong, (mode, wrong)
         # No name where elfutils has none either (the padding between functions).
         assert not [v for v in vaddrs if v not in by_elfutils and ours[v]], mode
+
+
+def _served_alone(exe: Path, tmp_path: Path) -> tuple[Path, Elf]:
+    """A debug tree holding `exe` alone (its own debug file), and `exe` as an Elf."""
+    build_id = build_id_of_file(exe)
+    assert build_id
+    tree = tmp_path / "debug"
+    at = tree / ".build-id" / build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copy(exe, at / build_id[2:])
+    return tree, Elf("prog", build_id, exe, exe, ())
