@@ -133,7 +133,7 @@ class _Subprogram:
     inlines: list[_Inline] = field(default_factory=list)
 
 
-def write_breakpad(path: Path, supplement: Path, out: TextIO, load_address: int,
+def write_breakpad(path: Path, supplement: Path | None, out: TextIO, load_address: int,
                    code: Sequence[tuple[int, int]], symbols: Sequence[FunctionSymbol]) -> bool:
     """Write the Breakpad text of `path`'s DWARF (read with `supplement`'s) and of its symbol
     table's functions `symbols` (sized or not, in table order) to `out`, addresses relative to

@@ -11,6 +11,7 @@ names of functions and files are symbolic's answers, asked once per function and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
@@ -157,6 +158,17 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
             source = minidebuginfo.with_minidebuginfo(source, copy)
         if not supplemented:
             source = _without_discarded_lines(source, copy, layout)
+            if _gcc_lto_dwarf4(source):
+                # symbolic reads GCC's link-time-optimized DWARF 4 wrongly (a function's code
+                # named after another in another file: main's as __new_allocator::allocate in
+                # new_allocator.h); libdw, as llvm-symbolizer and eu-addr2line, reads it right.
+                lines = _zstd_inflated(source, copy)
+                with contextlib.suppress(MalformedObject):  # else as symbolic reads it
+                    return _build(elf_path, lines, out_path, layout, executable, segments,
+                                  read_dwarf=True, supplement=None,
+                                  symbolic_source=_as_breakpad(lines, None, breakpad, layout),
+                                  started=started)
+                source = lines
             return _build(elf_path, source, out_path, layout, executable, segments,
                           read_dwarf=True, supplement=None, symbolic_source=source,
                           started=started)
@@ -183,8 +195,10 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         inflated_supplement.unlink(missing_ok=True)
 
 
-def _as_breakpad(source: Path, supplement: Path, out: Path, layout: elf.ElfLayout) -> Path:
-    """`out`, the Breakpad text of dwz'd `source` read with its `supplement`, for symbolic."""
+def _as_breakpad(source: Path, supplement: Path | None, out: Path, layout: elf.ElfLayout
+                 ) -> Path:
+    """`out`, the Breakpad text of `source` as libdw reads it (a dwz'd file with its
+    `supplement`), for symbolic."""
     code = [(s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable]
     with out.open("w", encoding="utf-8", errors="replace") as f:
         if not write_breakpad(source, supplement, f, layout.load_address, code,
@@ -394,11 +408,40 @@ _ELFCOMPRESS_ZLIB = 1
 _GNU_ZLIB = b"ZLIB"
 
 
+# GCC's DW_AT_producer for the units of a link-time optimization ("GNU GIMPLE 12.2.0 ...").
+_LTO_PRODUCER = b"GNU GIMPLE "
+
+
+def _gcc_lto_dwarf4(path: Path) -> bool:
+    """Whether the file's DWARF is GCC's link-time optimization's in DWARF 4 (or older): its
+    strings name the LTO producer, and its first unit is of version 2 to 4."""
+    try:
+        with path.open("rb") as f:
+            headers = read_headers(f.fileno())
+            if headers is None:
+                return False
+            strings = headers.section(".debug_str") or headers.section(".zdebug_str")
+            info = headers.section(".debug_info") or headers.section(".zdebug_info")
+            if strings is None or info is None:
+                return False
+            text = _line_table(headers, strings)
+            if text is None or _LTO_PRODUCER not in text:
+                return False
+            units = _line_table(headers, info)
+    except OSError:
+        return False
+    if units is None or len(units) < 12:
+        return False
+    at = 12 if units[:4] == b"\xff\xff\xff\xff" else 4  # 64-bit DWARF's unit length
+    version: int = struct.unpack_from(headers.order + "H", units, at)[0]
+    return 2 <= version <= 4
+
+
 def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
-    """.debug_line's (or .zdebug_line's, or another SHF_COMPRESSED section's) bytes, inflated
-    where zlib or zstd compressed them; None where they cannot be had (a damaged header, past
-    1 GiB, zstd without libzstd)."""
-    gnu = lines.name == ".zdebug_line" and not lines.flags & SHF_COMPRESSED
+    """.debug_line's (or .zdebug_line's, or another SHF_COMPRESSED or .zdebug_ section's)
+    bytes, inflated where zlib or zstd compressed them; None where they cannot be had (a
+    damaged header, past 1 GiB, zstd without libzstd)."""
+    gnu = lines.name.startswith(".zdebug_") and not lines.flags & SHF_COMPRESSED
     if not lines.flags & SHF_COMPRESSED and not gnu:
         return headers.data(lines)
     header = 12 if gnu or not headers.is64 else 24
