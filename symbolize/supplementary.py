@@ -103,10 +103,12 @@ def supplement_matches(path: Path, link: SupplementLink) -> bool:
 def supplement_beside(debug_file: Path, link: SupplementLink) -> Path | None:
     """The supplementary file where `link` says it is (`/usr/lib/debug/.dwz/<package>`, or a
     path relative to the debug file's directory, as gdb and libdw look), if it is that one."""
-    where = Path(link.name) if os.path.isabs(link.name) else debug_file.parent / link.name
     try:
+        # Relative to the file itself, not to a .build-id link to it.
+        where = Path(link.name) if os.path.isabs(link.name) \
+            else debug_file.resolve().parent / link.name
         return where if where.is_file() and supplement_matches(where, link) else None
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a loop of links
         return None
 
 

@@ -160,6 +160,22 @@ def test_offline_finds_the_supplement_by_build_id_and_where_the_link_names_it(
     assert by_id == want and by_link == want
 
 
+async def test_the_server_finds_a_local_debug_files_supplement_where_its_link_says(
+        start_symgate: SymgateFactory, dwz_set: DwzSet, tmp_path: Path) -> None:
+    """A debug directory laid out as a distribution installs one: the supplement under
+    `.dwz/`, where the debug file's link names it, not under `.build-id/`. The offline CLI
+    found it there, as gdb does; the server looked by build ID alone, and had no lines."""
+    body = _profile(dwz_set)
+    want, _r = await asyncio.to_thread(
+        symbolize_bytes, body, [_tree(tmp_path / "orig", dwz_set, originals=True, common=False)],
+        LIMITS)
+    tree = _tree(tmp_path / "by-link", dwz_set, originals=False, common=False)
+    sg = await start_symgate([], symbolize=SymbolizeConfig(build_workers=1, debug_dirs=(tree,)))
+    status, _h, answer = await sg.request("POST", "/symbolize", data=body,
+                                          headers={"Content-Type": "application/octet-stream"})
+    assert status == 200 and answer == want
+
+
 @pytest.fixture
 def dwz_upstream(dwz_set: DwzSet, tmp_path: Path) -> Iterator[tuple[Debuginfod, Path]]:
     """A real elfutils debuginfod over the executables and dwz'd debug files, rescanning its

@@ -43,7 +43,7 @@ from symbolize.debugdirs import find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.supplementary import supplement_link
+from symbolize.supplementary import supplement_beside, supplement_link
 from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
 log = logging.getLogger(__name__)
@@ -319,6 +319,12 @@ class SymbolResolver:
             return source
         tenant = req.tenant if req is not None and tenant_table else source.scope
         found = await self._supplement(req, source.scope, tenant, link.build_id)
+        if found is None and source.artifact is None:
+            # A debug file of the local debug directories (the operator's own tree, as
+            # /usr/lib/debug): its supplement also where its link says, `.dwz/<package>`
+            # beside, as gdb and the offline CLI find it; never for a file an upstream sent.
+            beside = await asyncio.to_thread(supplement_beside, source.path, link)
+            found = (beside, None) if beside is not None else None
         if found is None and req is None:
             return None
         if found is None:
