@@ -129,6 +129,11 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     # the supplement, libdw reads it for symbolic (supplementary.py); without, it is read for
     # its symbol table alone, as llvm-symbolizer names its code.
     headers = _headers_of(elf_path)
+    if headers is not None and headers.sections \
+            and not any(s.flags & SHF_EXECINSTR for s in headers.sections):
+        # dwz's supplementary file (committed to the cache as any debug file is): no code to
+        # name, and its table cost a build worker 0.5 s for libc's, beside a cold profile's.
+        raise NoSymbols(f"{elf_path.name}: describes no code (a dwz supplementary file?)")
     supplemented = headers is not None and any(
         s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
     link = supplement_link(elf_path) if supplemented else None

@@ -23,6 +23,7 @@ from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.supplementary import SupplementLink, parse_link, supplement_link
+from symbolize.symtab import NoSymbols, build_symbol_table
 from tests.elfs import Elf, build_program
 from tests.harness import Debuginfod, SymgateFactory, eventually, running_debuginfod, serves
 from tests.profiles import Expected, code_addresses, frames_of, make_profile, place
@@ -97,6 +98,13 @@ def test_with_its_supplement_a_dwz_debug_file_gives_the_frames_it_gave_before(
         assert got == want, p.name
         inlined += sum(len(frames) > 1 for frames in want.values())
     assert inlined > 50  # the chains dwz's moved DIEs name are there
+
+
+def test_the_supplement_itself_gets_no_table(dwz_set: DwzSet, tmp_path: Path) -> None:
+    """Cached as any debug file, the supplement had a table of its own built, of no code:
+    0.5 s of a build worker for libc's, beside the builds of the profile that fetched it."""
+    with pytest.raises(NoSymbols, match="describes no code"):
+        build_symbol_table(dwz_set.common, tmp_path / "common.symc", dwz_set.common_id)
 
 
 def test_without_its_supplement_or_with_another_file_names_alone(
