@@ -377,7 +377,7 @@ def _without_discarded_lines(path: Path, copy: Path, layout: elf.ElfLayout) -> P
         if code_start == 0:  # code at 0: a sequence there may be real
             return path
         lines = headers.section(".debug_line") or headers.section(".zdebug_line")
-        data = _line_table(headers, lines) if lines is not None else None
+        data = _section_bytes(headers, lines) if lines is not None else None
     if lines is None or data is None:
         return path  # not read here: as symbolic reads it
     operands = discarded_sequences(data, headers.order, code_start)
@@ -429,10 +429,12 @@ def _gcc_lto_dwarf4(path: Path) -> bool:
             info = headers.section(".debug_info") or headers.section(".zdebug_info")
             if strings is None or info is None:
                 return False
-            text = _line_table(headers, strings)
+            text = _section_bytes(headers, strings)
             if text is None or _LTO_PRODUCER not in text:
                 return False
-            units = _line_table(headers, info)
+            # Its first unit's header alone: an LTO program's .debug_info runs to hundreds
+            # of MB, which libdw or symbolic read next anyway.
+            units = _section_bytes(headers, info, head=12)
     except OSError:
         return False
     if units is None or len(units) < 12:
@@ -442,17 +444,25 @@ def _gcc_lto_dwarf4(path: Path) -> bool:
     return 2 <= version <= 4
 
 
-def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
-    """.debug_line's (or .zdebug_line's, or another SHF_COMPRESSED or .zdebug_ section's)
-    bytes, inflated where zlib or zstd compressed them; None where they cannot be had (a
-    damaged header, past 1 GiB, zstd without libzstd)."""
+def _section_bytes(headers: ElfHeaders, lines: SectionHeader, head: int | None = None
+                   ) -> bytes | None:
+    """A debug section's bytes (.debug_line's, .zdebug_line's, any SHF_COMPRESSED or
+    .zdebug_ section's), inflated where zlib or zstd compressed them; with `head`, its first
+    `head` bytes only, inflating no more than those where zlib did. None where they cannot be
+    had (a damaged header, past 1 GiB, zstd without libzstd)."""
     gnu = lines.name.startswith(".zdebug_") and not lines.flags & SHF_COMPRESSED
     if not lines.flags & SHF_COMPRESSED and not gnu:
-        return headers.data(lines)
+        if head is None or lines.type == SHT_NOBITS:
+            return headers.data(lines)
+        return headers.read(min(head, lines.size), lines.offset) \
+            if lines.offset + lines.size <= headers.file_size else None
     header = 12 if gnu or not headers.is64 else 24
     if lines.size < header or lines.offset + lines.size > headers.file_size:
         return None
-    raw = headers.read(lines.size, lines.offset)
+    # A zlib stream's first bytes inflate from its first ones: 64 KiB of it is plenty for a
+    # unit's header.
+    raw = headers.read(lines.size if head is None else min(lines.size, header + (64 << 10)),
+                       lines.offset)
     if gnu:
         kind = _ELFCOMPRESS_ZLIB if raw[:4] == _GNU_ZLIB else 0
         size, = struct.unpack_from(">Q", raw, 4)
@@ -463,15 +473,18 @@ def _line_table(headers: ElfHeaders, lines: SectionHeader) -> bytes | None:
     if size > 1 << 30:
         return None
     if kind == zstd.ELFCOMPRESS_ZSTD:
-        return zstd.inflate(raw[header:], size)
+        if head is not None:  # a frame is inflated whole
+            raw = headers.read(lines.size, lines.offset)
+        whole = zstd.inflate(raw[header:], size)
+        return whole[:head] if whole is not None and head is not None else whole
     if kind != _ELFCOMPRESS_ZLIB:
         return None
     try:
         inflater = zlib.decompressobj()
-        out = inflater.decompress(raw[header:], size + 1)
+        out = inflater.decompress(raw[header:], size + 1 if head is None else min(head, size))
     except zlib.error:
         return None
-    return out if len(out) == size else None
+    return out if len(out) == (size if head is None else min(head, size)) else None
 
 
 def _zstd_inflated(path: Path, copy: Path) -> Path:
@@ -493,7 +506,7 @@ def _zstd_inflated(path: Path, copy: Path) -> Path:
             with copy.open("r+b") as out:
                 for i in packed:  # one at a time: a big file's sections inflate to GiBs
                     section = headers.sections[i]
-                    if (data := _line_table(headers, section)) is not None:
+                    if (data := _section_bytes(headers, section)) is not None:
                         _append_section(out.fileno(), headers, i, data,
                                         flags=section.flags & ~SHF_COMPRESSED)
         except BaseException:

@@ -443,7 +443,7 @@ def _served_alone(exe: Path, tmp_path: Path) -> tuple[Path, Elf]:
 LTO_CPP = Path(__file__).parent / "sources" / "lto_dwarf4.cpp"
 
 
-@pytest.mark.parametrize("dwarf", ["dwarf-4", "dwarf-5"])
+@pytest.mark.parametrize("dwarf", ["dwarf-4", "dwarf-4 -gz", "dwarf-5"])
 def test_gcc_link_time_optimized_programs_are_named_as_llvm_names_them(
         tmp_path: Path, dwarf: str) -> None:
     """symbolic reads GCC's LTO DWARF 4 wrongly: half the code of this program came out in
@@ -452,8 +452,8 @@ def test_gcc_link_time_optimized_programs_are_named_as_llvm_names_them(
     Such a file is read by libdw; DWARF 5's, which symbolic reads right, as before."""
     shutil.copyfile(LTO_CPP, tmp_path / "main.cpp")
     exe = tmp_path / "lto"
-    subprocess.run(["g++", "-O2", "-g", f"-g{dwarf}", "-flto", "-Wl,--build-id", "-o", str(exe),
-                    "main.cpp"], cwd=tmp_path, check=True)
+    subprocess.run(["g++", "-O2", "-g", *f"-g{dwarf}".split(), "-flto", "-Wl,--build-id", "-o",
+                    str(exe), "main.cpp"], cwd=tmp_path, check=True)
     debug = tmp_path / "lto.debug"
     subprocess.run(["objcopy", "--only-keep-debug", str(exe), str(debug)], check=True)
     build_id = build_id_of_file(exe)
