@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-_DW_AT_COMP_DIR = 0x1B
-_DW_AT_LINKAGE_NAME = 0x6E
-_DW_AT_MIPS_LINKAGE_NAME = 0x2007
+DW_AT_COMP_DIR = 0x1B
+DW_AT_LINKAGE_NAME = 0x6E
+DW_AT_MIPS_LINKAGE_NAME = 0x2007
 
 
 class Die(ctypes.Structure):
@@ -197,6 +197,46 @@ def opened(path: Path, supplement: Path | None = None) -> Iterator[int]:
             os.close(fd)
 
 
+class DieAttributes:
+    """A DIE's attributes as libdw reads them (through DW_AT_abstract_origin and
+    DW_AT_specification, into a supplement where one is set), into out-parameters made once
+    and passed by address: a big file's DIEs are read with a handful of calls each."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._attr, self._value = _Attribute(), ctypes.c_uint64()
+        self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
+            ctypes.c_uint64()
+        at = ctypes.addressof
+        self._attr_at, self._value_at = at(self._attr), at(self._value)
+        self._range_at = (at(self._base), at(self._start), at(self._end))
+
+    def string(self, die: int, attribute: int) -> str:
+        """The attribute's string, "" where the DIE (or the one it comes from) has none."""
+        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_at)
+        raw = self._lib.dwarf_formstring(attr) if attr else None
+        return raw.decode(errors="replace") if raw else ""
+
+    def udata(self, die: int, attribute: int) -> int:
+        """The attribute's unsigned constant; -1 where there is none."""
+        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_at)
+        if not attr or self._lib.dwarf_formudata(attr, self._value_at) != 0:
+            return -1
+        return self._value.value
+
+    def ranges(self, die: int) -> list[tuple[int, int]]:
+        """The DIE's [start, end) address ranges, empty ones left out."""
+        found: list[tuple[int, int]] = []
+        offset = 0
+        ranges, base, start, end = self._lib.dwarf_ranges, *self._range_at
+        while True:
+            offset = ranges(die, offset, base, start, end)
+            if offset <= 0:
+                return found
+            if self._end.value > self._start.value:
+                found.append((self._start.value, self._end.value))
+
+
 class _Reader:
     def __init__(self, lib: ctypes.CDLL, out: DwarfFunctions, starts: Sequence[int]) -> None:
         self._lib = lib
@@ -204,13 +244,11 @@ class _Reader:
         self._starts = starts
         # Out-parameters, made once and passed by address: libc has some 6,000 subprograms
         # and 8,000 range lists, each read with a handful of calls through ctypes.
-        self._attr, self._int = _Attribute(), ctypes.c_int()
-        self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
-            ctypes.c_uint64()
+        self._die = DieAttributes(lib)
+        self._int = ctypes.c_int()
         self._lines_p, self._count = ctypes.c_void_p(), ctypes.c_size_t()
         at = ctypes.addressof
-        self._attr_at, self._int_at = at(self._attr), at(self._int)
-        self._range_at = (at(self._base), at(self._start), at(self._end))
+        self._int_at = at(self._int)
         self._lines_at, self._count_at = at(self._lines_p), at(self._count)
         self._version = 0
         self._cu_ranges: list[tuple[int, int]] = []
@@ -234,9 +272,9 @@ class _Reader:
             if cu:
                 self._version = version.value
                 self._cu_ranges = []
-                self._comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+                self._comp_dir = self._die.string(cu, DW_AT_COMP_DIR)
                 lib.dwarf_getfuncs(cu, callback, None, 0)
-                outside = [(a, b) for a, b in _subtract(self._ranges(cu), self._cu_ranges)
+                outside = [(a, b) for a, b in _subtract(self._die.ranges(cu), self._cu_ranges)
                            if bisect.bisect_left(self._starts, a) < len(self._starts)
                            and self._starts[bisect.bisect_left(self._starts, a)] < b]
                 if outside:
@@ -283,23 +321,6 @@ class _Reader:
             self._layout = None
             self._row_arrays = []
 
-    def _ranges(self, die: int) -> list[tuple[int, int]]:
-        found: list[tuple[int, int]] = []
-        offset = 0
-        ranges, base, start, end = self._lib.dwarf_ranges, *self._range_at
-        while True:
-            offset = ranges(die, offset, base, start, end)
-            if offset <= 0:
-                return found
-            if self._end.value > self._start.value:
-                found.append((self._start.value, self._end.value))
-
-    def _string(self, die: int, attribute: int) -> str:
-        """The attribute's string, "" where the DIE (or the one it comes from) has none."""
-        attr = self._lib.dwarf_attr_integrate(die, attribute, self._attr_at)
-        raw = self._lib.dwarf_formstring(attr) if attr else None
-        return raw.decode(errors="replace") if raw else ""
-
     def _decl_lines(self) -> None:
         """Each name's declared line, 0 where its subprograms disagree; and for those, the
         line in each file that declares the name at one line."""
@@ -326,11 +347,11 @@ class _Reader:
         lib = self._lib
         raw = lib.dwarf_diename(die)
         name = raw.decode(errors="replace") if raw else ""
-        linkage = self._string(die, _DW_AT_LINKAGE_NAME)
+        linkage = self._die.string(die, DW_AT_LINKAGE_NAME)
         # DWARF 5 has no use for the MIPS name, and producers emit it only for older
         # versions: a call saved per subprogram.
         if not linkage and self._version < 5:
-            linkage = self._string(die, _DW_AT_MIPS_LINKAGE_NAME)
+            linkage = self._die.string(die, DW_AT_MIPS_LINKAGE_NAME)
         self._int.value = 0
         lib.dwarf_decl_line(die, self._int_at)
         line = max(self._int.value, 0)
@@ -352,7 +373,7 @@ class _Reader:
             # name's line unknown: not another function's, std::function's `operator()`
             # declared at line 587 of <bits/std_function.h>.
             self._declared.setdefault(name, set()).add((0, 0))
-        ranges = self._ranges(die)
+        ranges = self._die.ranges(die)
         if ranges:
             self._cu_ranges += ranges
             found = Subprogram(name, linkage, line)

@@ -10,7 +10,8 @@ what a SymCache holds (functions' address ranges and names, inline chains with t
 sites, the lines of the line tables within functions, and the symbol table's functions where
 no DWARF function is) is written as Breakpad text, from which symbolic builds the SymCache.
 The rest of the table (names users expect, start lines, columns) is read as for any file,
-with the supplement (dwarf.read_functions).
+with the supplement (dwarf.read_functions). The same reading, with no supplement, serves GCC's
+link-time-optimized DWARF 4, which symbolic misreads (symtab.build_symbol_table).
 
 Breakpad keeps no language: a Rust function's legacy (`_ZN...17h<hash>E`) name is then
 demangled as C++'s. DWARF 5's standard link, `.debug_sup` (`dwz -5`), is not followed: libdw
@@ -33,7 +34,16 @@ from typing import TextIO
 import numpy as np
 
 from .breakpad import HEADER, one_line, write_symbols
-from .dwarf import LIBDW, Die, clean_path, opened
+from .dwarf import (
+    DW_AT_COMP_DIR,
+    DW_AT_LINKAGE_NAME,
+    DW_AT_MIPS_LINKAGE_NAME,
+    LIBDW,
+    Die,
+    DieAttributes,
+    clean_path,
+    opened,
+)
 from .elf import FunctionSymbol, build_id_of_file
 from .elf_headers import SHF_COMPRESSED, read_headers
 
@@ -57,9 +67,6 @@ _MAX_NESTING = 300
 _DW_AT_NAME = 0x03
 _DW_AT_CALL_FILE = 0x58
 _DW_AT_CALL_LINE = 0x59
-_DW_AT_LINKAGE_NAME = 0x6E
-_DW_AT_MIPS_LINKAGE_NAME = 0x2007
-_DW_AT_COMP_DIR = 0x1B
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +212,7 @@ class _Walker:
         self.files: dict[str, int] = {}
         self.origins: dict[str, int] = {}
         self.functions: dict[int, _Subprogram] = {}
-        self._attr = ctypes.create_string_buffer(32)  # a Dwarf_Attribute
-        self._value = ctypes.c_uint64()
-        self._base, self._start, self._end = ctypes.c_uint64(), ctypes.c_uint64(), \
-            ctypes.c_uint64()
+        self._die = DieAttributes(LIBDW)
         self._unit_files: list[int] = []  # this unit's file table, as numbers of self.files
         self._unit_table = 0  # libdw's Dwarf_Files of it
         self._rows: _Rows = (array("Q"), array("q"), array("q"))
@@ -229,7 +233,7 @@ class _Walker:
             offset = following.value
 
     def _unit(self, cu: int) -> None:
-        self._comp_dir = self._string(cu, _DW_AT_COMP_DIR)
+        self._comp_dir = self._die.string(cu, DW_AT_COMP_DIR)
         self._unit_files = self._file_table(cu)
         self._rows = self._line_rows(cu)
         self._children(cu, None, 0)
@@ -272,9 +276,9 @@ class _Walker:
             return  # a declaration, an abstract instance, or code GNU ld discarded
         # symbolic names a function without a linkage name after the symbol at its lowest
         # address where there is one (a split function's `.cold` part's, often).
-        name = self._string(die, _DW_AT_LINKAGE_NAME) \
-            or self._string(die, _DW_AT_MIPS_LINKAGE_NAME) \
-            or self._first_symbol_at.get(min(ranges)[0]) or self._string(die, _DW_AT_NAME)
+        name = self._die.string(die, DW_AT_LINKAGE_NAME) \
+            or self._die.string(die, DW_AT_MIPS_LINKAGE_NAME) \
+            or self._first_symbol_at.get(min(ranges)[0]) or self._die.string(die, _DW_AT_NAME)
         if not name:
             return  # damaged: the symbol table names its code
         sub = _Subprogram(name, ranges, self._rows)
@@ -290,50 +294,27 @@ class _Walker:
             self.unnamed += 1
             ranges = []
         if ranges:
-            file = self._udata(die, _DW_AT_CALL_FILE)
+            file = self._die.udata(die, _DW_AT_CALL_FILE)
             call_file = self._unit_files[file] if 0 <= file < len(self._unit_files) else 0
             origin = self.origins.setdefault(name, len(self.origins))
-            sub.inlines.append(_Inline(depth, max(self._udata(die, _DW_AT_CALL_LINE), 0),
+            sub.inlines.append(_Inline(depth, max(self._die.udata(die, _DW_AT_CALL_LINE), 0),
                                        call_file, origin, ranges))
         self._children(die, sub, depth + 1 if ranges else depth)
 
     def _name(self, die: int) -> str:
         """The linkage name, else the name, as symbolic names a function by DWARF; followed
         through DW_AT_abstract_origin and DW_AT_specification, into the supplement."""
-        for attribute in (_DW_AT_LINKAGE_NAME, _DW_AT_MIPS_LINKAGE_NAME, _DW_AT_NAME):
-            if name := self._string(die, attribute):
+        for attribute in (DW_AT_LINKAGE_NAME, DW_AT_MIPS_LINKAGE_NAME, _DW_AT_NAME):
+            if name := self._die.string(die, attribute):
                 return name
         return ""
-
-    def _string(self, die: int, attribute: int) -> str:
-        lib = self._lib
-        attr = lib.dwarf_attr_integrate(die, attribute, ctypes.addressof(self._attr))
-        raw = lib.dwarf_formstring(attr) if attr else None
-        return raw.decode(errors="replace") if raw else ""
-
-    def _udata(self, die: int, attribute: int) -> int:
-        lib = self._lib
-        attr = lib.dwarf_attr_integrate(die, attribute, ctypes.addressof(self._attr))
-        if not attr or lib.dwarf_formudata(attr, ctypes.addressof(self._value)) != 0:
-            return -1
-        return self._value.value
 
     def _in_code(self, start: int) -> bool:
         i = bisect.bisect_right(self._code, (start, 1 << 64)) - 1
         return i >= 0 and start < self._code[i][1]
 
     def _ranges(self, die: int) -> list[tuple[int, int]]:
-        found: list[tuple[int, int]] = []
-        offset = 0
-        at = ctypes.addressof
-        while True:
-            offset = self._lib.dwarf_ranges(die, offset, at(self._base), at(self._start),
-                                            at(self._end))
-            if offset <= 0:
-                return found
-            start, end = self._start.value, self._end.value
-            if end > start and self._in_code(start):
-                found.append((start, end))
+        return [(start, end) for start, end in self._die.ranges(die) if self._in_code(start)]
 
     def _file_number(self, name: str) -> int:
         return self.files.setdefault(clean_path(self._comp_dir, name), len(self.files))
