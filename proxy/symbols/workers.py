@@ -193,6 +193,24 @@ def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
                       init=worker.init_worker, args=(cfg.open_tables,))
 
 
+class _Places:
+    """At most `limit` held at once; past them, Overloaded (429)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    @contextlib.contextmanager
+    def take(self, refusal: str) -> Iterator[None]:
+        if self.taken >= self.limit:
+            raise Overloaded(refusal)
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
+
+
 class SymbolizeWorkers:
     """symbolize.pipeline.Work in worker processes, behind an admission gate: at most
     `max_concurrent` profiles in work and `max_waiting` waiting; past that, Overloaded (429)
@@ -207,9 +225,9 @@ class SymbolizeWorkers:
         # its addresses yet: a million locations took 0.75-0.9 s there, 0.45 where they were.
         self.checks = WorkerPool(cfg.workers, idle_s=cfg.worker_idle_s)
         self._max_concurrent = cfg.max_concurrent
-        self._admissible = cfg.max_concurrent + cfg.max_waiting
-        self._admitted = 0
-        self._passing = 0  # bodies being passed through (passing())
+        # Profiles in work or waiting for a slot; and, apart, those passed through untouched.
+        self._admission = _Places(cfg.max_concurrent + cfg.max_waiting)
+        self._passes = _Places(cfg.max_concurrent + cfg.max_waiting)
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self._queued = 0  # of the admitted, those whose body is in and that wait for a slot
         # Until a worker could not open a memory file of this process (shared_bodies.py).
@@ -218,7 +236,7 @@ class SymbolizeWorkers:
     @property
     def admitted_count(self) -> int:
         """Profiles in work or waiting for a slot."""
-        return self._admitted
+        return self._admission.taken
 
     @property
     def queued_count(self) -> int:
@@ -230,33 +248,23 @@ class SymbolizeWorkers:
         """A place among the profiles in work or waiting (Overloaded past them), and what
         takes a worker slot once the profile's body is in: an upload that trickles in must
         hold a waiting place, never a slot."""
-        if self._admitted >= self._admissible:
-            raise Overloaded(f"symgate is symbolizing {self._max_concurrent} profiles and has "
-                             "as many waiting as it may: try again later")
-        self._admitted += 1
-        try:
+        with self._admission.take(f"symgate is symbolizing {self._max_concurrent} profiles "
+                                  "and has as many waiting as it may: try again later"):
             yield self._slot
-        finally:
-            self._admitted -= 1
 
     @property
     def passing_count(self) -> int:
         """Profiles being passed through untouched (symbolization off for them)."""
-        return self._passing
+        return self._passes.taken
 
     @contextlib.asynccontextmanager
     async def passing(self) -> AsyncIterator[None]:
         """A place among the profiles passed through untouched, as many as may be admitted
         (Overloaded past them), apart from those: they need no worker, but each body is held
         whole, inflated, and without a bound a client could send any number at once."""
-        if self._passing >= self._admissible:
-            raise Overloaded(f"symgate is passing {self._passing} profiles through, as many "
-                             "as it may: try again later")
-        self._passing += 1
-        try:
+        with self._passes.take(f"symgate is passing {self._passes.taken} profiles through, "
+                               "as many as it may: try again later"):
             yield
-        finally:
-            self._passing -= 1
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
