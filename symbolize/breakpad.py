@@ -1,6 +1,6 @@
 """Breakpad symbol text, written for symbolic to build a SymCache from where it cannot read an
-ELF file as it is: a dwz'd debug file read by libdw (supplementary.py), or an executable whose
-function symbols are in its MiniDebugInfo (minidebuginfo.py)."""
+ELF file's DWARF right: a dwz'd debug file, or GCC's link-time-optimized DWARF 4, which libdw
+reads instead (supplementary.py)."""
 
 from __future__ import annotations
 

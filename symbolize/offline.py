@@ -50,7 +50,6 @@ class LocalDebugDirs:
         # The executable's program headers when it was at hand (build_symbol_table read them).
         return Resolved(table, built.file_layout if needs_layout else None)
 
-
     def _supplement(self, debug_file: Path) -> Path | None:
         """The supplementary file that dwz gave `debug_file`: by its build ID in the debug
         directories, else where the link names it (`/usr/lib/debug/.dwz/<package>`, or beside

@@ -595,9 +595,9 @@ class SymbolResolver:
             self._open.drop(scope, bid)
             beside = self._cached_executable(scope, bid) if key.kind is Kind.DEBUGINFO \
                 else (cached.path, (scope, key))
-            found: _Source | None = _Source(cached.path, key.id, scope, (scope, key), beside)
-            if key.kind is Kind.DEBUGINFO and found is not None:
-                found = await self._with_supplement(req, found)
+            source = _Source(cached.path, key.id, scope, (scope, key), beside)
+            found = await self._with_supplement(req, source) \
+                if key.kind is Kind.DEBUGINFO else source
             if found is None:
                 return Outcome.NOT_FOUND  # its supplement not at hand: the first profile's
             return await self._build(bid, found)

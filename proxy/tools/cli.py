@@ -91,8 +91,7 @@ def _symbolize(args: argparse.Namespace) -> int:
         import urllib.request
 
         # A tenant configured with tokens is named by its token (the header alone is 401).
-        token = (args.token_file.read_text().strip() if args.token_file
-                 else os.environ.get("SYMGATE_TOKEN", ""))
+        token = _token(args)
         query = f"?{urllib.parse.urlencode({'fallback': args.fallback})}" if args.fallback \
             else ""
         req = urllib.request.Request(
@@ -198,11 +197,16 @@ def _prefetch(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _token(args: argparse.Namespace) -> str:
+    """The bearer token of --token-file, else of $SYMGATE_TOKEN; "" for none."""
+    return (args.token_file.read_text().strip() if args.token_file
+            else os.environ.get("SYMGATE_TOKEN", ""))
+
+
 def _upload(args: argparse.Namespace) -> int:
     from proxy.tools.upload import Summary, find_items, report, terminal_progress, upload
 
-    token = (args.token_file.read_text().strip() if args.token_file
-             else os.environ.get("SYMGATE_TOKEN", ""))
+    token = _token(args)
     if not token:
         print("symgate: uploads need a bearer token: SYMGATE_TOKEN, or --token-file",
               file=sys.stderr)
