@@ -49,6 +49,12 @@ def _date(value: str | None) -> float | None:
         return None
 
 
+# The longest an upstream's Retry-After is believed, by symgate (which asks that upstream
+# nothing meanwhile) and for its clients (whose 502 carries it): a date far ahead (a broken
+# clock, a hostile server) must not silence an upstream, or keep a client away, for good.
+MAX_RETRY_AFTER_S = 3600
+
+
 def retry_after(value: str | None, now: float) -> float | None:
     """Seconds a Retry-After asks to wait (delta-seconds, or an HTTP date, RFC 9110 10.2.3),
     from `now` (a Unix time); None for none, or one that does not parse."""

@@ -6,14 +6,10 @@ import logging
 import time
 from collections.abc import Callable
 
+from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import BreakerState
 
 log = logging.getLogger(__name__)
-
-
-# The longest an upstream's Retry-After keeps it from being asked: a date far ahead (a broken
-# clock, or a hostile server) must not silence it for good.
-MAX_REST_S = 3600.0
 
 
 class CircuitBreaker:
@@ -95,7 +91,7 @@ class CircuitBreaker:
         now = self._clock()
         self.last_failure = reason
         self._trial_in_flight = False
-        self._rest_until = max(self._rest_until, now + min(seconds, MAX_REST_S))
+        self._rest_until = max(self._rest_until, now + min(seconds, MAX_RETRY_AFTER_S))
         self._opened_at = self._rest_until - self._cooldown_s  # the cooldown ends with it
         opened = self.state is not BreakerState.OPEN
         self._set(BreakerState.OPEN)

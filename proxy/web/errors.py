@@ -36,6 +36,7 @@ from proxy.errors import (
     VerificationFailed,
     WorkerLost,
 )
+from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import ABORTED, Served
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
@@ -104,11 +105,6 @@ def status_of(error: SymgateError, user_agent: str = "") -> int:
         return 406
     return _STATUS_OF_TYPE.get(type(error)) or next(
         status for cls, status in STATUS if isinstance(error, cls))
-
-
-# The longest Retry-After an upstream's own is passed on as: a client is not kept away for
-# a day by one server's say.
-MAX_RETRY_AFTER_S = 3600
 
 
 def _retry_after(error: SymgateError, default_s: int) -> int:
