@@ -190,11 +190,19 @@ async def test_a_second_server_on_the_same_port_is_refused(
     assert "address already in use" in out.decode(), out.decode()
 
 
+async def _two_servers(serve: Start, upstream: str
+                       ) -> tuple[str, str, asyncio.subprocess.Process]:
+    """Two serving processes on one data dir, in front of `upstream`: their URLs, and the
+    first one's process."""
+    first, process = await serve(upstream)
+    second, _ = await serve(upstream)
+    return first, second, process
+
+
 async def test_a_follower_gets_the_bytes_as_the_other_process_writes_them(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
-    first, _ = await serve(faults.url_for("held"))
-    second, _ = await serve(faults.url_for("held"))
+    first, second, _ = await _two_servers(serve, faults.url_for("held"))
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     expected = elfs.big.debug.read_bytes()
     async with aiohttp.ClientSession() as s:
@@ -216,8 +224,7 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
 ) -> None:
     """Clients that wait together for the other process's fetch to stream: the first makes
     the local mirror flight, the rest join it; each joined a fetch it did not start."""
-    first, _ = await serve(faults.url_for("hold"))
-    second, _ = await serve(faults.url_for("hold"))
+    first, second, _ = await _two_servers(serve, faults.url_for("hold"))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     expected = elfs.prog.debug.read_bytes()
     async with aiohttp.ClientSession() as s:
@@ -291,8 +298,7 @@ async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_
     """The fetching process tells the others it streams only once its first chunk is on
     disk: until then a follower waits as for a fetch that has said nothing, and then gets
     every byte, the upstream asked once."""
-    first, _ = await serve(faults.url_for("headers-held"))
-    second, _ = await serve(faults.url_for("headers-held"))
+    first, second, _ = await _two_servers(serve, faults.url_for("headers-held"))
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     expected = elfs.big.debug.read_bytes()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -310,8 +316,7 @@ async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_
 async def test_a_follower_is_cut_off_when_the_fetching_process_dies(
     serve: Start, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
-    first, writer_proc = await serve(faults.url_for("held"))
-    second, _ = await serve(faults.url_for("held"))
+    first, second, writer_proc = await _two_servers(serve, faults.url_for("held"))
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
     expected = elfs.big.debug.read_bytes()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -333,8 +338,7 @@ async def test_a_follower_is_cut_off_when_the_fetching_process_dies(
 async def test_a_miss_found_by_one_process_is_the_answer_in_the_other(
     serve: Start, faults: FaultUpstream
 ) -> None:
-    first, _ = await serve(faults.url_for("hold"))
-    second, _ = await serve(faults.url_for("hold"))
+    first, second, _ = await _two_servers(serve, faults.url_for("hold"))
     path = f"/buildid/{'cd' * 20}/debuginfo"
     async with aiohttp.ClientSession() as s:
         asking = asyncio.create_task(s.get(first + path))
