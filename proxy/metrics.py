@@ -91,8 +91,8 @@ class ProxyMetrics:
         )
         self.verification_failures = Counter(
             f"{p}_verification_failures",
-            "Fetched artifacts rejected before caching, by reason",
-            ["kind", "reason"], registry=registry,
+            "Fetched artifacts rejected before caching, by reason and by the upstream that sent "
+            "them", ["kind", "reason", "upstream"], registry=registry,
         )
         self.cache_size = Gauge(
             f"{p}_cache_size_bytes", "Bytes of artifacts in the disk cache", registry=registry,
@@ -188,9 +188,6 @@ class ProxyMetrics:
                                   for kind in ARTIFACT_KINDS for outcome in REQUEST_OUTCOMES}
         self.served_from_cache = self.served_bytes.labels("cache")
         self.served_from_upstream = self.served_bytes.labels("upstream")
-        for kind in ("debuginfo", "executable"):
-            for reason in VERIFICATION_REASONS:
-                self.verification_failures.labels(kind, reason)
 
     def count_buildid(self, kind: str, outcome: str) -> None:
         child = self._buildid_requests.get((kind, outcome))
@@ -206,6 +203,9 @@ class ProxyMetrics:
         self.upstream_bytes.labels(name)
         self.negative_entries_written.labels(name)
         self.breaker_trips.labels(name)
+        for kind in ("debuginfo", "executable"):
+            for reason in VERIFICATION_REASONS:
+                self.verification_failures.labels(kind, reason, name)
 
     def set_breaker(self, upstream: str, state: BreakerState) -> None:
         self.breaker_state.labels(upstream).set(_BREAKER_VALUE[state])

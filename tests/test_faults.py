@@ -78,7 +78,8 @@ async def test_wrong_build_id_is_502_counted_and_not_cached(
     assert status == 502
     assert f"build ID {elfs.other.build_id}, not {elfs.prog.build_id}".encode() in body
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="build_id_mismatch") == 1
+                           reason="build_id_mismatch",
+                           upstream=faults.url_for("wrong-bytes")) == 1
     status, _, _ = await sg.get(path)
     assert status == 502 and faults.count("wrong-bytes") == 2
     assert await sg.metric("symgate_cache_entries") == 0
@@ -125,6 +126,11 @@ async def test_a_doubted_upstream_is_still_asked_when_no_other_has_the_file(
     assert status == 502 and b"build ID" in body
     assert faults.count("wrong-bytes") == 2
     assert faults.paths[-2].startswith("/notfound/") and faults.paths[-1].startswith("/wrong")
+    # Counted against the upstream that lied; the honest one's series is there, at 0.
+    for upstream, lies in (("wrong-bytes", 2), ("notfound", 0)):
+        assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                               reason="build_id_mismatch",
+                               upstream=faults.url_for(upstream)) == lies
 
 
 async def test_wrong_build_id_of_a_streamed_file_breaks_the_response(
@@ -138,7 +144,7 @@ async def test_wrong_build_id_of_a_streamed_file_breaks_the_response(
     # build ID is read as the body ends): never the whole body, whose last byte waits for it.
     assert 0 < got < elfs.big.debug.stat().st_size
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="build_id_mismatch") == 1
+                           reason="build_id_mismatch", upstream=faults.url_for("wrong-big")) == 1
     assert await sg.metric("symgate_cache_entries") == 0
 
 
@@ -152,7 +158,7 @@ async def test_not_elf_is_rejected(
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/executable")
     assert status == 502 and b"build ID none" in body
     assert await sg.metric("symgate_verification_failures_total", kind="executable",
-                           reason="not_elf") == 1
+                           reason="not_elf", upstream=faults.url_for("ok")) == 1
 
 
 async def test_a_body_that_is_no_elf_file_is_refused_at_its_first_bytes_evicting_nothing(
@@ -174,7 +180,7 @@ async def test_a_body_that_is_no_elf_file_is_refused_at_its_first_bytes_evicting
     assert await sg.metric("symgate_cache_evictions_total") == 0
     assert await sg.metric("symgate_cache_entries") == 1
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="not_elf") == 1
+                           reason="not_elf", upstream=faults.url_for("zeros")) == 1
 
 
 async def test_500s_are_retried_then_502_and_not_remembered(

@@ -284,7 +284,7 @@ async def test_a_gzip_bomb_is_cut_off_at_the_size_limit(
     assert faults.bomb_finished is False  # symgate hung up long before the 64 GiB
     assert faults.bomb_sent < faults.bomb_mib * 1036 // 4
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="too_large") == 1
+                           reason="too_large", upstream=faults.url_for("gzip-bomb")) == 1
     # Debuginfod never compresses, so symgate asks for the bytes as they are.
     assert faults.headers[-1].get("Accept-Encoding") == "identity"
     status, _, cut = await read_broken(sg.url + path)

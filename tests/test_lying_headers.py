@@ -185,7 +185,7 @@ async def test_a_body_longer_than_announced_never_reaches_a_client_whole(
                 cut = True
         assert cut and 0 < got < len(body) // 2, (got, cut)
         assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                               reason="truncated") == 1
+                               reason="truncated", upstream=url) == 1
         await sg.settled()
         assert await sg.metric("symgate_cache_entries") == 0
         assert (await sg.get("/healthz"))[0] == 200

@@ -578,7 +578,7 @@ class ArtifactService:
         the request whose fetch it is, told to the `committed` listeners."""
         meta = body.meta
         if meta.size is not None and meta.size > self._max_artifact:
-            self._reject(key, "too_large")
+            self._reject(key, meta, "too_large")
             raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
                            f"{self._max_artifact} (cache.max_artifact_bytes)")
         # The budget holds during the download: room is made as the bytes come, a step ahead
@@ -606,7 +606,7 @@ class ArtifactService:
                     # an endless stream of anything) would otherwise evict files as it grows.
                     head = (head + chunk[:len(ELF_MAGIC)])[:len(ELF_MAGIC)]
                     if head != ELF_MAGIC[:len(head)]:
-                        self._reject(key, "not_elf")
+                        self._reject(key, meta, "not_elf")
                         raise VerificationFailed(
                             f"{meta.upstream} sent a file with build ID none (not ELF), not "
                             f"{key.build_id}")
@@ -617,14 +617,14 @@ class ArtifactService:
                         held = min(held, meta.size)
                     keep = await self.cache.reserve(flight, held)
                 if needed > self._max_artifact:
-                    self._reject(key, "too_large")
+                    self._reject(key, meta, "too_large")
                     raise VerificationFailed(
                         f"{meta.upstream} sent more than {self._max_artifact} bytes "
                         "(cache.max_artifact_bytes)")
                 if meta.size is not None and needed > meta.size:
                     # Before any client gets those bytes: a reader trusts the announced size
                     # to hold back the last byte until the file is verified.
-                    self._reject(key, "truncated")
+                    self._reject(key, meta, "truncated")
                     raise VerificationFailed(
                         f"{meta.upstream} sent more than the {meta.size} bytes it announced")
                 offset = flight.received
@@ -654,7 +654,7 @@ class ArtifactService:
                 claim.streaming(temp, meta)  # an empty body: said all the same
             flight.body_ended()
             if meta.size is not None and flight.received != meta.size:
-                self._reject(key, "truncated")
+                self._reject(key, meta, "truncated")
                 raise VerificationFailed(
                     f"{meta.upstream} sent {flight.received} of {meta.size} bytes")
             if key.kind.is_elf:
@@ -853,7 +853,7 @@ class ArtifactService:
             await writer.flush()
             found = await asyncio.to_thread(build_id_of_file, temp)
         if found != key.build_id:
-            self._reject(key, "not_elf" if found is None else "build_id_mismatch")
+            self._reject(key, meta, "not_elf" if found is None else "build_id_mismatch")
             raise VerificationFailed(
                 f"{meta.upstream} sent a file with build ID {found or 'none'},"
                 f" not {key.build_id}")
@@ -932,8 +932,9 @@ class ArtifactService:
             shared=self.tier is not None and not publish,  # read from the bucket
         )
 
-    def _reject(self, key: ArtifactKey, reason: str) -> None:
-        self._metrics.verification_failures.labels(str(key.kind), reason).inc()
+    def _reject(self, key: ArtifactKey, meta: ArtifactMeta, reason: str) -> None:
+        # By upstream: which one lies is what an operator has to act on.
+        self._metrics.verification_failures.labels(str(key.kind), reason, meta.upstream).inc()
 
     async def warm_up(self) -> None:
         """Run a miss's SQL lookups once, for a key nobody has: the first client's cold fetch
