@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from symbolize.symtab import TableSpec, build_symbol_table  # noqa: E402
 from symbolize.worker import Answer, Limits, Workspace  # noqa: E402
 
 PAGE = 0x1000
+ROUNDS = 3  # of the cold measures
 _C = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -296,21 +298,24 @@ def cold(programs: list[tuple[Path, Path, str]], libc: Path, libc_id: str, work:
         (d / bid[2:]).symlink_to(exe)
     body = placed_profile([(exe, bid, v) for exe, _d, bid, v in mappings],
                           relative=False).SerializeToString()
-    llvm_s, _frames = llvm_frames([(debug, v) for _e, debug, _b, vs in mappings for v in vs])
-    times = []
+    pairs = [(debug, v) for _e, debug, _b, vs in mappings for v in vs]
     # A request the moment /healthz answers, and one to a server up for a while (its workers
-    # started): both with no table built yet.
-    for settle_s in (0.0, 8.0):
-        proc, url = serve_tree(tree, settle_s)
-        try:
-            elapsed, _headers, _out = post(url, body)
-        finally:
-            stop(proc)
-        times.append(elapsed)
+    # started): both with no table built yet. Medians of interleaved rounds: one cold run of
+    # each moved by 30-50% between runs minutes apart.
+    llvm, first, running = [], [], []
+    for _round in range(ROUNDS):
+        llvm.append(llvm_frames(pairs)[0])
+        for settle_s, times in ((0.0, first), (8.0, running)):
+            proc, url = serve_tree(tree, settle_s)
+            try:
+                times.append(post(url, body)[0])
+            finally:
+                stop(proc)
+    llvm_s, first_s, running_s = map(statistics.median, (llvm, first, running))
     return {"locations": float(sum(len(v) for *_x, v in mappings)),
-            "llvm_symbolizer_s": llvm_s, "first_after_start_s": times[0],
-            "cold_on_a_running_server_s": times[1], "ratio_vs_llvm": times[1] / llvm_s,
-            "first_over_running": times[0] / times[1]}
+            "llvm_symbolizer_s": llvm_s, "first_after_start_s": first_s,
+            "cold_on_a_running_server_s": running_s, "ratio_vs_llvm": running_s / llvm_s,
+            "first_over_running": first_s / running_s}
 
 
 def many_programs(work: Path, serve_tree: Serve, post: Post, stop: Stop, count: int = 60
@@ -328,13 +333,17 @@ def many_programs(work: Path, serve_tree: Serve, post: Post, stop: Stop, count: 
         (d / bid[2:]).symlink_to(exe)
     body = placed_profile([(exe, bid, v) for exe, _d, bid, v in mappings],
                           relative=False).SerializeToString()
-    llvm_s, _frames = llvm_frames([(debug, v) for _e, debug, _b, vs in mappings for v in vs])
-    proc, url = serve_tree(tree, 8.0)
-    try:
-        cold_s = post(url, body)[0]
-        warm_s = sorted(post(url, body)[0] for _ in range(7))[3]
-    finally:
-        stop(proc)
+    pairs = [(debug, v) for _e, debug, _b, vs in mappings for v in vs]
+    llvm, cold_runs, warm_runs = [], [], []
+    for _round in range(ROUNDS):  # medians of interleaved rounds, as cold()
+        llvm.append(llvm_frames(pairs)[0])
+        proc, url = serve_tree(tree, 8.0)
+        try:
+            cold_runs.append(post(url, body)[0])
+            warm_runs += [post(url, body)[0] for _ in range(7)]
+        finally:
+            stop(proc)
+    llvm_s, cold_s, warm_s = map(statistics.median, (llvm, cold_runs, warm_runs))
     return {"mappings": float(count), "locations": float(370 * count),
             "llvm_symbolizer_s": llvm_s, "cold_s": cold_s, "warm_s": warm_s,
             "cold_over_llvm": cold_s / llvm_s, "llvm_over_warm": llvm_s / warm_s}
