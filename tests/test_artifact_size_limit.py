@@ -33,7 +33,7 @@ async def test_an_announced_size_over_the_limit_is_refused_unread(
     assert status == 406 and b"max_artifact_bytes" in body
     await sg.settled()
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="too_large") == 1
+                           reason="too_large", upstream=faults.url_for("ok")) == 1
     assert leftovers(sg.config.server.data_dir) == []
     # Small files still come through.
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
@@ -51,7 +51,7 @@ async def test_a_body_without_a_size_is_cut_off_at_the_limit(
     assert status == 200 and broken and got <= LIMIT
     await sg.settled()
     assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
-                           reason="too_large") == 1
+                           reason="too_large", upstream=faults.url_for("chunked")) == 1
     assert await sg.metric("symgate_cache_entries") == 0
     assert leftovers(sg.config.server.data_dir) == []
     assert (await sg.get("/healthz"))[0] == 200
