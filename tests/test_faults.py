@@ -92,25 +92,52 @@ async def test_an_upstream_that_sent_the_wrong_file_is_asked_after_one_that_has_
     mode: str,
 ) -> None:
     """The first upstream answers with another build ID's file (or says the file is a
-    terabyte, past max_artifact_bytes), the second has the right one. Its fetch fails; from
-    then on the liar is asked after the others, so the next request gets the right file,
-    which is kept, instead of a 502 (or 406) for as long as the liar lies."""
+    terabyte, past max_artifact_bytes), the second has the right one. The fetch fails before
+    the client got a byte, and is made again at once with the liar asked after the others:
+    the client gets the right file, which is kept, and so does every later request, instead
+    of a 502 (or 406), the first one's included."""
     sg = await start_symgate([faults.url_for(mode), faults.url_for("hold")],
                              fetch=FetchConfig(policy=policy))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    status, _, body = await sg.get(path)  # "hold" answers nothing yet: the liar's is first
-    if mode == "wrong-bytes":
-        assert status == 502 and f"build ID {elfs.other.build_id}".encode() in body
-    else:
-        assert status == 406 and b"cache.max_artifact_bytes" in body
-    await sg.settled()
+    first = asyncio.ensure_future(sg.get(path))  # "hold" answers nothing yet: the liar's is first
+    reason = "build_id_mismatch" if mode == "wrong-bytes" else "too_large"
+    while not await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                              reason=reason, upstream=faults.url_for(mode)):
+        await asyncio.sleep(0.01)
+    assert not first.done()  # asking "hold" now, which the liar comes after
     faults.release.set()
-    status, _, body = await sg.get(path)
+    status, _, body = await first
     assert status == 200 and body == elfs.prog.debug.read_bytes()
     assert faults.count(mode) == 1
     await sg.settled()
     assert await sg.metric("symgate_cache_entries") == 1
     assert (await sg.get(path))[0] == 200 and faults.count(mode) == 1
+
+
+async def test_a_fetch_made_again_after_a_lie_is_made_once_for_all_its_clients(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Ten clients wait on the liar's answer: each asks again, and they share one fetch from
+    the next upstream, as they shared the first."""
+    sg = await start_symgate([faults.url_for("wrong-bytes"), faults.url_for("hold")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    clients = [asyncio.ensure_future(sg.get(path)) for _ in range(10)]
+    while not await sg.metric("symgate_verification_failures_total", kind="debuginfo",
+                              reason="build_id_mismatch", upstream=faults.url_for("wrong-bytes")):
+        await asyncio.sleep(0.01)
+    faults.release.set()
+    for status, _, body in await asyncio.gather(*clients):
+        assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("wrong-bytes") == 1 and faults.count("hold") == 1
+
+
+async def test_a_lie_with_no_other_upstream_to_ask_is_not_fetched_again_at_once(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Asked again, the only upstream would lie again: the client has the 502."""
+    sg = await start_symgate([faults.url_for("wrong-bytes")])
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 502 and faults.count("wrong-bytes") == 1
 
 
 async def test_a_doubted_upstream_is_still_asked_when_no_other_has_the_file(
@@ -121,13 +148,15 @@ async def test_a_doubted_upstream_is_still_asked_when_no_other_has_the_file(
     sg = await start_symgate([faults.url_for("wrong-bytes"), faults.url_for("notfound")])
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     assert (await sg.get(path))[0] == 502
+    # Its lie made the fetch again at once: the other upstream first, then the liar.
+    assert [p.split("/")[1] for p in faults.paths] == ["wrong-bytes", "notfound", "wrong-bytes"]
     await sg.settled()
     status, _, body = await sg.get(path)
     assert status == 502 and b"build ID" in body
-    assert faults.count("wrong-bytes") == 2
-    assert faults.paths[-2].startswith("/notfound/") and faults.paths[-1].startswith("/wrong")
+    # The other's miss is remembered: the liar alone is asked, once.
+    assert [p.split("/")[1] for p in faults.paths[3:]] == ["wrong-bytes"]
     # Counted against the upstream that lied; the honest one's series is there, at 0.
-    for upstream, lies in (("wrong-bytes", 2), ("notfound", 0)):
+    for upstream, lies in (("wrong-bytes", 3), ("notfound", 0)):
         assert await sg.metric("symgate_verification_failures_total", kind="debuginfo",
                                reason="build_id_mismatch",
                                upstream=faults.url_for(upstream)) == lies

@@ -69,6 +69,27 @@ async def test_an_upstream_that_lies_or_dies_mid_body_costs_its_mapping_only(
     assert parse(body).mapping[0].has_functions
 
 
+async def test_a_liar_before_an_upstream_that_has_the_file_costs_nothing(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The first upstream sends another build ID's file, the second has the right one: the
+    fetch is made again at once, with the liar asked after it, and the first profile is
+    symbolized (it was left bare, and its answer kept so by a caching backend)."""
+    sg = await start_symgate([fast_upstream(faults.url_for("wrong-bytes")), debuginfod.url],
+                             symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    status, headers, body = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert parse(body).mapping[0].has_functions
+    # Once for the debug file, once for the executable (its program headers): each lie cost
+    # one answer, then the other upstream had the file.
+    assert faults.count("wrong-bytes") == 2
+    for kind in ("debuginfo", "executable"):
+        assert await sg.metric("symgate_verification_failures_total", kind=kind,
+                               reason="build_id_mismatch",
+                               upstream=faults.url_for("wrong-bytes")) == 1
+
+
 async def test_deadline_answers_with_what_is_ready(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -62,6 +62,11 @@ class Flight:
         self._settled = asyncio.Event()
         # The upstream's body has ended: what remains is verification, not more bytes.
         self.received_all = False
+        # Set before the flight fails for an answer that was not the file (another build ID,
+        # not ELF, past its announced or the cache's largest size) where other upstreams are
+        # left, which the next fetch asks first (ArtifactService's doubts): a client that got
+        # no byte of it asks again at once rather than take the failure.
+        self.lied = False
 
     # -- writer side (the fetch task) -----------------------------------------------------------
     def started(self, meta: ArtifactMeta) -> None:

@@ -459,6 +459,9 @@ class ArtifactService:
                     if len(ups) > 1:
                         log.warning("%s answered %s with what is not its file; asked after the "
                                     "other upstreams for it from now on", answered, key.id)
+                    # Asked again, a fetch that only the liar can answer would lie again.
+                    flight.lied = any(u.name != answered and u.name not in result.not_found
+                                      for u in ups)
                     self._doubts.doubt(kh, answered)
                     raise
                 finally:
@@ -577,6 +580,9 @@ class ArtifactService:
         """`publish`: write the file to the shared bucket once it is committed here. `req`:
         the request whose fetch it is, told to the `committed` listeners."""
         meta = body.meta
+        # Before any verdict: a failure then reaches the clients as one on the way does
+        # (Flight.wait_streamable), which they may ask again for (Flight.lied).
+        flight.started(meta)
         if meta.size is not None and meta.size > self._max_artifact:
             self._reject(key, meta, "too_large")
             raise TooLarge(f"{meta.upstream} has {meta.size} bytes; symgate fetches at most "
@@ -590,7 +596,6 @@ class ArtifactService:
         keep = meta.framed and (meta.size is None or self.cache.could_fit(flight, meta.size))
         step = max(1, min(RESERVE_STEP, self.cache.max_bytes // 16))
         held = 0
-        flight.started(meta)
         fd = flight.writer_fd
         # Written behind the reads, in a thread: the clients get each chunk from memory as it
         # comes (pwrite's page allocation cost 1-7 ms of a 4 MB body here, on the loop,

@@ -379,19 +379,23 @@ class SymbolResolver:
 
     async def _artifact_path(self, key: ArtifactKey, req: RequestScope) -> tuple[str, Path]:
         """(scope, path) of the cached artifact, fetched through the request's sources."""
-        result = await self._artifacts.find(key, req)
-        if isinstance(result, Streaming):
-            try:
-                await result.flight.wait_settled()
-            finally:
-                result.reader.close()
-            if result.flight.error is not None:
-                raise result.flight.error
-            # A file served whole but not stored for want of room is not in the cache to read:
-            # that passing trouble refuses the profile, rather than a NotFound that builds from
-            # the executable or leaves the mapping bare in a 200 kept for good.
-            if isinstance(result.flight.store_error, TryAgain):
-                raise result.flight.store_error
+        for attempt in range(2):
+            result = await self._artifacts.find(key, req)
+            if isinstance(result, Streaming):
+                try:
+                    await result.flight.wait_settled()
+                finally:
+                    result.reader.close()
+                if result.flight.error is not None:
+                    if result.flight.lied and not attempt:
+                        continue  # the other upstreams are asked first now (Flight.lied)
+                    raise result.flight.error
+                # A file served whole but not stored for want of room is not in the cache to
+                # read: that passing trouble refuses the profile, rather than a NotFound that
+                # builds from the executable or leaves the mapping bare in a 200 kept for good.
+                if isinstance(result.flight.store_error, TryAgain):
+                    raise result.flight.store_error
+            break
         # Committed here, or by the process whose download this one followed.
         cached = self._artifacts.cache.peek_any(req.visible, key) \
             or await self._artifacts.stored(req.visible, key)

@@ -97,10 +97,23 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     if tenant:
         annotate(request, tenant=tenant, scope=req.scope or None)
     only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
+    asked_again = False
     for _ in range(_VANISHED_RETRIES):
         result = await state.service.find(key, req, cache_only=only_if_cached,
                                           check_file=False)
         if not isinstance(result, Hit):
+            try:
+                _check_size(result.meta.size, max_size)
+                lied = not asked_again and await _lied_before_start(request, result)
+            except BaseException:
+                result.reader.close()
+                raise
+            if lied:
+                # Nothing sent yet: the other upstreams are asked first now, as the client's
+                # own retry would find, which elfutils' client does not make.
+                result.reader.close()
+                asked_again = True
+                continue
             break
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.MISS if result.fetched else Served.HIT,
@@ -140,7 +153,6 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     else:
         raise OutOfResources("the cached file kept disappearing while being sent; retry")
     try:
-        _check_size(result.meta.size, max_size)
         annotate(request, outcome=Served.MISS, upstream=result.meta.upstream)
         return await _send_streaming(request, state, key, result)
     finally:
@@ -331,19 +343,33 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
     return when is not None and math.floor(when.timestamp()) == math.floor(st.st_mtime)
 
 
-async def _send_streaming(
-    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming
-) -> web.StreamResponse:
-    meta = streaming.meta
+async def _until_start(request: web.Request, streaming: Streaming) -> None:
+    """Until the response can start (its status line rests on what came by then)."""
     flight = streaming.flight
-    size = meta.size
-    if size is None and (request.method == "HEAD" or request.version < HttpVersion11):
+    if streaming.meta.size is None and (request.method == "HEAD"
+                                        or request.version < HttpVersion11):
         # Wait for the whole file: HEAD must tell the real size, and an HTTP/1.0 client (a
         # proxy's default upstream protocol: nginx's) has no chunked encoding, so a body
         # without a Content-Length ends where the connection does, and a cut would look whole.
         await flight.wait_finished()
     else:
         await flight.wait_streamable()
+
+
+async def _lied_before_start(request: web.Request, streaming: Streaming) -> bool:
+    """Whether the download failed, before the response could start, for an upstream's answer
+    that was not the file, with other upstreams to ask (Flight.lied)."""
+    await _until_start(request, streaming)
+    return streaming.flight.error is not None and streaming.flight.lied
+
+
+async def _send_streaming(
+    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming
+) -> web.StreamResponse:
+    meta = streaming.meta
+    flight = streaming.flight
+    size = meta.size
+    await _until_start(request, streaming)  # at once: the caller waited for it already
     if flight.error is not None:
         raise flight.error
     if size is None and flight.succeeded:
