@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from proxy.keys import ArtifactKey
@@ -21,6 +22,7 @@ from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
 from tests.harness import Symgate, SymgateFactory, eventually, make_config
+from tests.processes import start_serve, stop_serve
 from tests.profiles import make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
@@ -374,3 +376,31 @@ async def test_no_room_for_the_executable_a_layout_needs_is_507_not_a_guess(
     status, _, text = await post(sg, runtime)
     assert status == 200 and any(parse(text).function), text
     assert faults.count("ok") >= 2  # the executable, asked for again once there was room
+
+
+async def test_every_serving_process_says_the_disk_is_full(
+    tmp_path: Path, small_disk: Path, faults: FaultUpstream, elfs: ElfSet, database_url: str
+) -> None:
+    """Under `serve --workers 2`, a probe reaches either process: the one whose download met
+    the full disk and the one that has written nothing since. Both say so (the second said
+    "ok", and a probe's answer flapped with the connection)."""
+    base, proc = await start_serve(tmp_path, small_disk / "data", database_url,
+                                   faults.url_for("ok"), workers=2)
+    try:
+        _fill(small_disk / "filler")
+        connector = aiohttp.TCPConnector(force_close=True)  # spread over both processes
+        async with aiohttp.ClientSession(connector=connector) as s:
+            async with s.get(f"{base}/buildid/{elfs.other.build_id}/debuginfo") as r:
+                assert r.status == 507
+            answers = set()
+            for _ in range(20):
+                async with s.get(base + "/healthz") as r:
+                    answers.add((r.status, (await r.text()).split("\n")[0]))
+            assert answers == {(200, "degraded")}
+            (small_disk / "filler").unlink()
+            for _ in range(20):
+                async with s.get(base + "/healthz") as r:
+                    answers.add((r.status, await r.text()))
+            assert answers == {(200, "degraded"), (200, "ok\n")}
+    finally:
+        await stop_serve([proc])

@@ -613,15 +613,21 @@ class ArtifactCache:
         return len(self._unsynced)
 
     def recheck_space(self) -> None:
-        """Clear a full-disk condition once space is back (an operator freed some)."""
-        if self.health.get(DISK) is not None:
-            try:
-                inodes = self.store.free_inodes()
-                if (self.store.free_bytes() >= SPACE_BACK_BYTES
-                        and (inodes is None or inodes >= SPACE_BACK_INODES)):
-                    self.health.ok(DISK)
-            except OSError:
-                pass
+        """Judge the disk again: a full-disk condition cleared once space is back (an operator
+        freed some), and set while the disk is that full though this process met no write
+        that failed: another serving process on this data dir may have, and /healthz must not
+        say "ok" or "degraded" by which of them a probe reaches."""
+        try:
+            inodes = self.store.free_inodes()
+            full = (self.store.free_bytes() < SPACE_BACK_BYTES
+                    or (inodes is not None and inodes < SPACE_BACK_INODES))
+        except OSError:
+            return
+        if not full:
+            self.health.ok(DISK)
+        elif self.health.get(DISK) is None:
+            self.health.fail(DISK, "the cache's disk is full (less than "
+                             f"{SPACE_BACK_BYTES >> 20} MiB or {SPACE_BACK_INODES} files free)")
 
     async def make_room(self, wanted: int) -> int:
         """Evict least recently used artifacts not being sent until `wanted` bytes are freed,
