@@ -441,3 +441,77 @@ async def test_workers_starting_together_after_a_crash_both_clear_its_flights(
         assert r.status == 200
     assert proc.returncode is None
     assert not list(flights.iterdir())
+
+
+async def test_a_stop_signal_while_a_dead_worker_is_replaced_stops_the_new_one_too(
+        tmp_path: Path, database_url: str, faults: FaultUpstream) -> None:
+    """SIGTERM after the supervisor decided to replace a dead worker and before the new one
+    exists: the new one must be told to stop as well, or the supervisor waits for it for good.
+    The supervisor is held in that window by its own log line ("starting another"), written
+    to a pipe the test keeps full."""
+    from tests.harness import free_port
+
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "d"}"\n'
+        f'shutdown_grace_s = 1\n[database]\nurl = "{database_url}"\n'
+        f'[[upstreams]]\nurl = "{faults.url_for("ok")}"\n')
+    out_r, out_w = os.pipe()
+    proc = await asyncio.create_subprocess_exec(
+        "symgate", "serve", "--config", str(config), "--workers", "2",
+        stdout=out_w, stderr=out_w, env={**os.environ, "HOME": str(tmp_path)})
+    os.set_blocking(out_r, False)
+    # Writes of its own that never wait, on a description of the pipe that is not the
+    # server's (whose writes must wait).
+    filler = os.open(f"/proc/self/fd/{out_w}", os.O_WRONLY | os.O_NONBLOCK)
+    said = bytearray()
+
+    def drain() -> None:
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(out_r, 65536):
+                said.extend(chunk)
+
+    try:
+        asyncio.get_running_loop().add_reader(out_r, drain)
+        await wait_until_serving(f"http://127.0.0.1:{port}", proc)
+
+        async def supervising() -> bool:  # its last line of the start written
+            return b"serving with 2 workers" in said
+
+        await eventually(supervising)
+        workers = _workers_of(proc)
+        assert len(workers) == 2
+        asyncio.get_running_loop().remove_reader(out_r)
+        drain()
+        with contextlib.suppress(BlockingIOError):  # the pipe full: every write to it waits
+            while True:
+                os.write(filler, b"#" * 4096)
+        os.kill(workers[0], signal.SIGKILL)
+
+        async def reaped() -> bool:
+            return len(_workers_of(proc)) == 1
+
+        await eventually(reaped)
+        await asyncio.sleep(0.3)  # and writing that it starts another, which waits
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        asyncio.get_running_loop().add_reader(out_r, drain)
+        try:
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+        except TimeoutError:
+            left = _workers_of(proc)
+            proc.kill()
+            await proc.wait()
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the supervisor still waits, for workers {left}; it said:\n"
+                        + said.replace(b"#", b"").decode(errors="replace")[-2000:])
+    finally:
+        asyncio.get_running_loop().remove_reader(out_r)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for fd in (out_r, out_w, filler):
+            os.close(fd)

@@ -231,11 +231,17 @@ class _Keeper:
         config = dataclasses.replace(  # migrated already, by _migrate_in_a_fork
             self._config, database=dataclasses.replace(self._config.database,
                                                        migrate_on_start=False))
-        theirs, ours = os.pipe()
         supervisor = os.getpid()
         # A SIGTERM between the fork and the worker's own handlers must not run the
         # supervisor's handler in the worker: held back until the default is in place.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        if self.stopping:
+            # A stop signal came after the caller decided to start it (while it logged
+            # why, say): the handler has signalled the workers there were, and a new one
+            # would serve on while the supervisor waits for it.
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            return
+        theirs, ours = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker: never returns
             for sig in _STOP_SIGNALS:
@@ -251,12 +257,13 @@ class _Keeper:
                 # without unwinding into the supervisor's frames that the fork copied.
                 atexit._run_exitfuncs()
                 os._exit(code)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(ours)
         if index in self._pipes:  # a worker restarted while serving: nobody waits on it
             os.close(self._pipes[index])
         self._pids[index] = pid
         self._pipes[index] = theirs
+        # Only now: a stop signal held back meanwhile reaches this worker too.
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def wait_ready(self, index: int) -> tuple[int, str] | None:
         """Until worker `index` serves: None then, or (pid, how it ended) if a signal killed
