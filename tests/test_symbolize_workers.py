@@ -478,3 +478,38 @@ async def test_a_rewrite_its_profile_was_refused_during_keeps_its_slot_until_it_
             os.kill(pid, signal.SIGCONT)
     status, headers, _ = await after
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+
+async def test_a_build_worker_killed_mid_write_leaves_no_half_written_table(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """What a killed builder was writing (`<build ID>.<its pid>.tmp`, libc's a few MB) goes
+    with it, not at the server's next start: an OOM killer that takes the builder of one big
+    file at each try would otherwise fill the disk with them while the server runs on."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    tree = tmp_path / "debug"
+    folder = tree / ".build-id" / LIBC_ID[:2]
+    folder.mkdir(parents=True)
+    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
+    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
+    symtabs = sg.config.server.data_dir / "symtabs"
+    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
+    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
+                        ).SerializeToString()
+    await _started(sg)
+    pending = asyncio.ensure_future(post(sg, body))
+    writing: list[Path] = []
+    for _ in range(20000):  # bounded: until the worker writes the table
+        if writing := list(symtabs.rglob("*.tmp")):
+            break
+        await asyncio.sleep(0.0005)
+    assert writing, "no table was written"
+    writer = int(writing[0].name.removesuffix(".tmp").rpartition(".")[2])
+    os.kill(writer, signal.SIGKILL)
+    status, headers, text = await pending
+    assert status == 503, (status, headers, text)
+    assert not list(symtabs.rglob("*.tmp"))
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers

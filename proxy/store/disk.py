@@ -24,7 +24,7 @@ import os
 import shutil
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -78,6 +78,8 @@ class Store(Protocol):
     def count_symtabs(self) -> int: ...
 
     def clear_symtab_temp(self) -> int: ...
+
+    def clear_table_temp(self, scope: str, build_id: str) -> int: ...
 
 
 class DiskStore:
@@ -237,14 +239,24 @@ class DiskStore:
         """Remove the tables that build workers left half-written when they died (they are
         SIGKILLed with their server): `<build ID>.<writer's pid>.tmp`, beside the table. One
         whose writer is alive stays: another server on this data dir may be building it."""
-        removed = 0
-        for temp in self.symtabs.rglob("*.tmp"):
-            if _alive(_writer_pid(temp.name)):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-                removed += 1
-        return removed
+        return _remove_orphan_temps(self.symtabs.rglob("*.tmp"))
+
+    def clear_table_temp(self, scope: str, build_id: str) -> int:
+        """clear_symtab_temp for one table's files (`<build ID>.[<part>.]<pid>.tmp`): what
+        its build left when its worker died."""
+        table = self.symtab_path(scope, build_id)
+        return _remove_orphan_temps(table.parent.glob(f"{build_id}.*.tmp"))
+
+
+def _remove_orphan_temps(temps: Iterable[Path]) -> int:
+    removed = 0
+    for temp in temps:
+        if _alive(_writer_pid(temp.name)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+            removed += 1
+    return removed
 
 
 def _writer_pid(name: str) -> int:

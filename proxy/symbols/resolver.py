@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from proxy.artifacts.index import SPACE_BACK_BYTES
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
-from proxy.errors import InsufficientStorage, NotFound, SymgateError
+from proxy.errors import InsufficientStorage, NotFound, SymgateError, WorkerLost
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
 from proxy.store.repository import SymbolTableRecord, is_disk_full
@@ -476,6 +476,12 @@ class SymbolResolver:
             outcome, error = Outcome.NO_SYMBOLS, str(e)
         except MalformedObject as e:
             outcome, error = Outcome.MALFORMED, str(e)
+        except WorkerLost:
+            # Its worker died (the OOM killer, say) with the table half-written: removed now,
+            # not at the next start, or a file that kills its builder at each try fills the
+            # disk with them while the server runs on.
+            self._tables.clear_leftovers_of(scope, build_id)
+            raise
         except FileNotFoundError as e:
             # The source went away before the worker opened it (evicted between its lookup
             # and its lease, a local file removed): nothing about it to believe; asked again,

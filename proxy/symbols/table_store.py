@@ -58,6 +58,10 @@ class TableStore:
         """Blocking (walks the folder): half-written tables of dead build workers, removed."""
         return self._store.clear_symtab_temp()
 
+    def clear_leftovers_of(self, scope: str, build_id: str) -> int:
+        """Those of one table (one folder's glob)."""
+        return self._store.clear_table_temp(scope, build_id)
+
     def path(self, scope: str, build_id: str) -> Path:
         return self._store.symtab_path(scope, build_id)
 
