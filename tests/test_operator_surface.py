@@ -348,3 +348,61 @@ async def test_a_killed_supervisors_metrics_folder_is_removed_by_the_next_start(
         if again.returncode is None:
             again.terminate()
         await again.wait()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_ctrl_c_drains_a_profile_under_way_without_tracebacks(
+        tmp_path: Path, short_tmp: Path, workers: int) -> None:
+    """Ctrl-C on a terminal sends SIGINT to every process of the foreground group: the build
+    and profile workers too, which died of it (a KeyboardInterrupt traceback each), so the
+    profile under way, which the drain was to let finish, got a 503."""
+    from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
+    from tests.profiles import make_profile, place
+    from tests.symbolize_helpers import BASES
+
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    from tests.elfs import Elf
+
+    tree = tmp_path / "debug"
+    folder = tree / ".build-id" / LIBC_ID[:2]
+    folder.mkdir(parents=True)
+    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
+    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
+    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
+                        ).SerializeToString()
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
+                      f'data_dir = "{tmp_path / "d"}"\n[symbolize]\ndebug_dirs = ["{tree}"]\n')
+    proc = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(short_tmp)}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_until_serving(base, proc)
+        family = descendants(proc.pid)
+        async with aiohttp.ClientSession() as s:
+            pending = asyncio.ensure_future(s.post(
+                base + "/symbolize", data=body,
+                headers={"Content-Type": "application/octet-stream"}))
+            symtabs = tmp_path / "d" / "symtabs"
+            for _ in range(20000):  # bounded: until libc's table is being written
+                if list(symtabs.rglob("*.tmp")) or pending.done():
+                    break
+                await asyncio.sleep(0.0005)
+            os.killpg(proc.pid, signal.SIGINT)
+            async with await pending as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-Symgate-Mappings-Symbolized"] == "1"
+        assert proc.stdout is not None
+        out = (await proc.stdout.read()).decode()
+        assert await proc.wait() == 0, out
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert "Traceback" not in out, out
+    assert not [pid for pid in family if alive(pid)]

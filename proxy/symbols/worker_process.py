@@ -34,6 +34,11 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 def init(server_pid: int, then: Callable[..., None] | None, args: tuple[Any, ...]) -> None:
     """A ProcessPoolExecutor initializer: die with the server, lower the priority, then
     `then(*args)`."""
+    # A terminal's Ctrl-C or hangup reaches every process of its foreground group: the server
+    # drains then, and the work under way must finish, not die with a KeyboardInterrupt (a
+    # 503 for the profile the drain waits for). Workers end with the server (_die_with).
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     _die_with(server_pid)
     name_process("symgate-worker")
     with contextlib.suppress(OSError):
