@@ -156,3 +156,11 @@ class WorkerLost(SymgateError, TryAgain):
     """The worker process doing the request's work died (killed, or crashed in native code)."""
 
     outcome = Outcome.INTERNAL
+
+
+class SourceEvicted(SymgateError, TryAgain):
+    """A cached file that the request's work was to read left the cache before it was read
+    (another serving process on the data dir evicted it): 503 with Retry-After; the next
+    request fetches it again."""
+
+    outcome = Outcome.INTERNAL

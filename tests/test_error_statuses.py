@@ -22,6 +22,7 @@ from proxy.errors import (
     PayloadTooLarge,
     RememberedNotFound,
     RequestTimeout,
+    SourceEvicted,
     SymgateError,
     TooLarge,
     Unauthorized,
@@ -52,6 +53,7 @@ STATUS = {
     VerificationFailed: 502,
     UpstreamTimeout: 504,
     WorkerLost: 503,
+    SourceEvicted: 503,  # a cached file another process evicted: fetched again
     OutOfResources: 503,  # out of file descriptors: they come back
     DatabaseUnavailable: 503,  # a symbol table's row out of reach: the database comes back
     NotCached: 504,  # RFC 9111's answer to only-if-cached: nothing to retry
@@ -65,7 +67,8 @@ TRANSIENT = {UpstreamUnavailable, UpstreamTimeout, VerificationFailed}
 PASSING = TRANSIENT | {InsufficientStorage}
 # Our own passing failures: a full /symbolize, a worker that died, no descriptor left;
 # retried by anyone.
-BUSY = {Overloaded: 429, WorkerLost: 503, OutOfResources: 503, DatabaseUnavailable: 503}
+BUSY = {Overloaded: 429, WorkerLost: 503, SourceEvicted: 503, OutOfResources: 503,
+        DatabaseUnavailable: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 

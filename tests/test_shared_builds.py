@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
+from pathlib import Path
 
+from proxy.keys import ArtifactKey
+from proxy.store.disk import DiskStore
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory, eventually
+from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
@@ -76,3 +80,39 @@ async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1
     assert not lock.exists()
+
+
+async def test_a_source_another_process_evicts_before_the_build_reads_it_is_a_503(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    database_url: str,
+) -> None:
+    """A process's lease on the file a build reads is its own: another process on the data
+    dir judging the whole cache's budget may evict that file before the build's worker opens
+    it. The profile then got a 200 with the mapping `not_found` (a backend keeps it for good,
+    though upstream has the file); it is refused with Retry-After, and the next one fetches
+    the file again and is symbolized."""
+    budget = elfs.prog.debug.stat().st_size + elfs.other.debug.stat().st_size - 1
+    cfg = make_config(tmp_path / "data", database_url, [debuginfod.url],
+                      symbolize=symbolize_config())
+    cfg = replace(cfg, cache=replace(cfg.cache, max_bytes=budget))
+    # Only the evicting process judges the whole budget, at once and often.
+    builder = await start_symgate(
+        config=replace(cfg, server=replace(cfg.server, access_flush_s=3600)))
+    evicting = await start_symgate(
+        config=replace(cfg, server=replace(cfg.server, access_flush_s=0.2)))
+    pool = builder.runner.app[STATE].symbols.workers.pool
+    await pool.start()
+    source = DiskStore(tmp_path / "data" / "cache", tmp_path / "data" / "symtabs"
+                       ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
+    with stopped(pool.pids()):
+        # Cached and leased for its table's build, which waits for a worker that cannot run.
+        assert (await builder.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+        await eventually(lambda: _true(pool.in_flight > 0))
+        pending = asyncio.ensure_future(post(builder, _profile(elfs)))
+        # The other process's file puts the cache over budget: the least recently used goes.
+        assert (await evicting.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
+        await eventually(lambda: _true(not source.exists()))
+    status, headers, text = await pending
+    assert status == 503 and "Retry-After" in headers, (status, headers, text)
+    status, headers, _ = await post(builder, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers

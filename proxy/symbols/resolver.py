@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 from proxy.artifacts.index import SPACE_BACK_BYTES
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
-from proxy.errors import InsufficientStorage, NotFound, SymgateError, WorkerLost
+from proxy.errors import (
+    InsufficientStorage,
+    NotFound,
+    SourceEvicted,
+    SymgateError,
+    WorkerLost,
+)
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
 from proxy.store.repository import SymbolTableRecord, is_disk_full
@@ -78,6 +84,12 @@ class _Source:
         self.artifact = artifact
         self.executable = executable
         self.supplement = supplement
+
+    def cached(self) -> list[tuple[str, ArtifactKey]]:
+        """The cached artifacts among its files."""
+        return [artifact for artifact in (self.artifact, self.executable and self.executable[1],
+                                          self.supplement and self.supplement[1])
+                if artifact is not None]
 
 
 class SymbolResolver:
@@ -406,10 +418,8 @@ class SymbolResolver:
     @contextlib.contextmanager
     def _leased(self, source: _Source) -> Iterator[None]:
         with contextlib.ExitStack() as leases:
-            for artifact in (source.artifact, source.executable and source.executable[1],
-                             source.supplement and source.supplement[1]):
-                if artifact is not None:
-                    leases.enter_context(self._artifacts.cache.lease(*artifact))
+            for artifact in source.cached():
+                leases.enter_context(self._artifacts.cache.lease(*artifact))
             yield
 
     async def _build(self, build_id: str, source: _Source) -> _Found:
@@ -483,10 +493,16 @@ class SymbolResolver:
             self._tables.clear_leftovers_of(scope, build_id)
             raise
         except FileNotFoundError as e:
-            # The source went away before the worker opened it (evicted between its lookup
-            # and its lease, a local file removed): nothing about it to believe; asked again,
-            # it is fetched or found again.
+            # The source went away before the worker opened it (a local file removed, a cached
+            # one evicted): nothing about it to believe; asked again, it is found or fetched
+            # again.
             log.info("symbol table for %s: its source is gone (%s)", build_id, e)
+            if source.cached():
+                # Evicted by another serving process on this data dir most likely, which knows
+                # nothing of this one's leases: the server's passing trouble, so the profile is
+                # refused, not answered with the mapping bare in a 200 kept for good.
+                raise SourceEvicted(f"{build_id}: a file its symbol table is built from left "
+                                    "the cache before it was read; try again") from e
             return Outcome.NOT_FOUND
         try:
             # SQLite sits on the data dir's disk by default, beside the tables: the table

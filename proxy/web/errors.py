@@ -25,6 +25,7 @@ from proxy.errors import (
     PayloadTooLarge,
     RememberedNotFound,
     RequestTimeout,
+    SourceEvicted,
     SymgateError,
     TooLarge,
     Unauthorized,
@@ -69,6 +70,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (InsufficientStorage, 507),
     (UploadBudgetFull, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
+    (SourceEvicted, 503),
     (OutOfResources, 503),
     (DatabaseUnavailable, 503),
     (SymgateError, 500),
