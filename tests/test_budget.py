@@ -14,9 +14,12 @@ import aiohttp
 
 from proxy.config import CacheConfig
 from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
 from tests.elfs import ElfSet, build_program
 from tests.faults import FaultUpstream
 from tests.harness import Symgate, SymgateFactory, eventually
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
 
 MiB = 1024 * 1024
 
@@ -163,3 +166,41 @@ async def test_an_announced_size_never_sent_evicts_nothing(
     assert await liar.metric("symgate_cache_evictions_total") == 0
     assert (await liar.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
     assert faults.count("ok") == 1
+
+
+async def test_a_profile_whose_debug_file_cannot_be_kept_now_is_refused_not_left_bare(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """While a client that reads nothing holds `big`'s room, the profile's debug file fits
+    the budget but not beside it: served, not kept, so not there for the table's build to read.
+    The profile was answered 200 with its mapping not_found, which a backend keeps for good;
+    it is a 507 with Retry-After, and symbolized once the room is back."""
+    small = elfs.prog.debug.stat().st_size
+    sg = await start_symgate(
+        [faults.url_for("ok")], symbolize=symbolize_config(),
+        cache=CacheConfig(max_bytes=elfs.big.debug.stat().st_size + small // 2))
+    big = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(big))[0] == 200
+    await _built(sg, 1)
+    host, port = sg.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET {big} HTTP/1.1\r\nHost: x\r\n\r\n".encode())  # and read nothing
+    cache = sg.runner.app[STATE].service.cache
+
+    async def sending() -> bool:
+        return bool(cache._leases)
+
+    await eventually(sending)
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    raw = profile.SerializeToString()
+    status, headers, _body = await post(sg, raw)
+    assert status == 507 and "Retry-After" in headers, (status, headers)
+    writer.close()
+    reader.feed_eof()
+    await sg.settled()
+
+    async def symbolized() -> bool:
+        status, headers, _body = await post(sg, raw)
+        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    await eventually(symbolized, timeout=30)
