@@ -412,12 +412,16 @@ class SymbolResolver:
         cached = self._artifacts.cache.peek_any(req.visible, key) \
             or await self._artifacts.stored(req.visible, key)
         if cached is None:
-            if isinstance(result, Streaming) \
-                    and result.flight.received > self._artifacts.cache.max_bytes:
-                raise NotFound(f"{key.id} is larger than cache.max_bytes: served, never kept")
-            # Served but not kept, for the room the files being sent and downloaded hold (or
-            # evicted at once for theirs): the passing trouble a full disk is, which refuses
-            # the profile. Read as missing, the mapping went bare in a 200 kept for good.
+            if key.kind is not Kind.DEBUGINFO or (
+                    isinstance(result, Streaming)
+                    and result.flight.received > self._artifacts.cache.max_bytes):
+                # An executable beside a debug file only adds to its table (names, program
+                # headers a guess stands in for); one larger than the budget is never kept.
+                raise NotFound(f"{key.id} left the cache before it could be read")
+            # A debug file served but not kept, for the room the files being sent and
+            # downloaded hold (or evicted at once for theirs): the passing trouble a full disk
+            # is, which refuses the profile. Read as missing, its mapping went bare (or named
+            # by the executable alone) in a 200 that a profiling backend keeps for good.
             raise InsufficientStorage(f"{key.id} does not fit cache.max_bytes now; retry")
         return cached.scope, cached.path
 
