@@ -39,12 +39,18 @@ __all__ = [
     "Resolved",
     "SymbolProvider",
     "Symbolized",
+    "TablesGone",
     "TooManyBuildIds",
     "TooMuchWork",
     "Work",
     "symbolize_profile",
 ]
 log = logging.getLogger(__name__)
+
+
+class TablesGone(TryAgain):
+    """Tables a profile's rewrite was to read left the disk, again after they were built
+    anew (evicted under a tight cache budget): the profile is refused, to be sent again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,22 +155,34 @@ async def _resolve_and_finish(body: bytes, raw: bytes, provider: SymbolProvider,
     """`body` the request's own bytes, answered where nothing is filled in; `raw` them
     inflated, which the steps read."""
     layouts = scanned.layouts
-    resolved = await _resolve_all(provider, layouts, limits.deadline_s)
+    wanted = dict(layouts)
     answers: dict[str, Answer] = {}
-    guesses = 0
-    for bid, r in resolved.items():
-        if r.table is None:
-            answers[bid] = Answer(None, outcome=r.outcome)
-            continue
-        segments = r.segments
-        if segments is None:
-            segments = r.table.guessed_layout() if layouts[bid] else ()
-            guesses += layouts[bid]
-        answers[bid] = Answer(r.table, segments)
-    done = await work.finish(raw, limits, answers)
-    for bid in sorted(done.report.unreadable):
-        await provider.unreadable(bid)
-    return Symbolized(done.body if done.body is not None else body, done.report, guesses)
+    guessed: set[str] = set()  # build IDs whose program headers had to be guessed
+    for _attempt in range(2):
+        resolved = await _resolve_all(provider, wanted, limits.deadline_s)
+        for bid, r in resolved.items():
+            guessed.discard(bid)
+            if r.table is None:
+                answers[bid] = Answer(None, outcome=r.outcome)
+                continue
+            segments = r.segments
+            if segments is None:
+                segments = r.table.guessed_layout() if layouts[bid] else ()
+                if layouts[bid]:
+                    guessed.add(bid)
+            answers[bid] = Answer(r.table, segments)
+        done = await work.finish(raw, limits, answers)
+        for bid in sorted(done.report.unreadable):
+            await provider.unreadable(bid)
+        if not done.report.gone:
+            return Symbolized(done.body if done.body is not None else body, done.report,
+                              len(guessed))
+        # Tables evicted (with the files they were built from) since they were resolved: the
+        # provider finds them gone and builds them again. Left bare, their mappings would
+        # be in a 200 that a profiling backend keeps for good.
+        wanted = {bid: layouts[bid] for bid in done.report.gone}
+    raise TablesGone(f"symbol tables of {', '.join(sorted(done.report.gone))} left the disk "
+                     "while the profile was rewritten; try again")
 
 
 async def _resolve_all(provider: SymbolProvider, layouts: Mapping[str, bool],

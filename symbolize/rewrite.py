@@ -78,6 +78,9 @@ class Report:
     locations_unresolved: Counter[str] = field(default_factory=Counter)  # reason -> count
     # Build IDs whose table could not be read (damaged on disk): the provider is told.
     unreadable: set[str] = field(default_factory=set)
+    # Build IDs whose table left the disk between its resolution and the rewrite (evicted
+    # with the file it was built from, by another serving process): resolved again.
+    gone: set[str] = field(default_factory=set)
 
     @property
     def changed(self) -> bool:

@@ -207,7 +207,9 @@ class Workspace:
                 continue
             try:
                 symbols[bid] = MappingSymbols(self.table(a.table), a.segments)
-            except (OSError, UnreadableSymCache):  # evicted since it was found, or damaged
+            except FileNotFoundError:
+                report.gone.add(bid)  # evicted since it was found: not damage
+            except (OSError, UnreadableSymCache):  # damaged
                 log.exception("symbol table of %s", bid)
                 outcomes[bid] = Outcome.MALFORMED
                 report.unreadable.add(bid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,8 +14,14 @@ from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
-from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
-from tests.processes import stopped
+from tests.faults import FaultUpstream
+from tests.harness import (
+    Debuginfod,
+    SymgateFactory,
+    eventually,
+    make_config,
+)
+from tests.processes import run_in_thread, stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
 
@@ -118,7 +125,7 @@ async def test_a_source_another_process_evicts_before_the_build_reads_it_is_a_50
     # the resolution came after the eviction, fetched again and symbolized. Never a 200 with
     # the mapping bare.
     if status == 200:
-        assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+        assert headers["X-Symgate-Mappings-Symbolized"] == "1", _said(headers)
     else:
         assert status in (503, 507) and "Retry-After" in headers, (status, headers, text)
 
@@ -127,9 +134,48 @@ async def test_a_source_another_process_evicts_before_the_build_reads_it_is_a_50
         # again before it is read, and that profile refused too.
         status, headers, _ = await post(builder, _profile(elfs))
         if status == 200:
-            assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers  # never bare
+            assert headers["X-Symgate-Mappings-Symbolized"] == "1", _said(headers)
             return True
         assert status in (503, 507), status
         return False
 
     await eventually(symbolized, timeout=30)
+
+
+def _said(headers: Mapping[str, str]) -> dict[str, str]:
+    """What symgate said of the profile's mappings, for an assertion's message."""
+    return {k: v for k, v in headers.items() if k.startswith("X-Symgate")}
+
+
+async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_again(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """A profile's tables are resolved, then read by the rewrite: one evicted in between (with
+    the file it was built from, under a tight budget another process judges, or purged) was
+    taken for a damaged table, its mapping answered `malformed` in a 200 that a backend keeps
+    for good, and, met twice within the hour, recorded malformed for a day. It is resolved
+    (built) again and the profile symbolized whole. The await point: a second mapping whose
+    fetch the upstream holds, while prog's table, resolved already, is purged."""
+    sg = await start_symgate([faults.url_for("hold404"), debuginfod.url],
+                             symbolize=symbolize_config())
+    faults.release.set()
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", _said(headers)
+    faults.release = asyncio.Event()
+    both = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5]),
+                         (place(elfs.other, 0x5633F00D0000), code_addresses(elfs.other)[:5])])
+    asked = faults.count("hold404")
+    pending = asyncio.ensure_future(post(sg, both.SerializeToString()))
+    # prog's table is resolved (open already); other's fetch waits on the upstream.
+    await eventually(lambda: _true(faults.count("hold404") > asked))
+    config = tmp_path / "admin.toml"
+    config.write_text(f'[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
+                      f'[database]\nurl = "{sg.config.database_url}"\n')
+    purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
+                                  "--config", str(config)], timeout=60)
+    assert purged.returncode == 0, purged.stderr
+    faults.release.set()
+    status, headers, _ = await pending
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "2", _said(headers)
+    assert await sg.metric("symgate_symtab_builds_total", result="malformed") == 0

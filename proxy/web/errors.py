@@ -43,7 +43,7 @@ from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.otlp import TooManyLocations
 from symbolize.outcome import Outcome
-from symbolize.pipeline import TooManyBuildIds, TooMuchWork
+from symbolize.pipeline import TablesGone, TooManyBuildIds, TooMuchWork
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))
+    if isinstance(error, TablesGone):
+        return SourceEvicted(str(error))
     if isinstance(error, web.RequestPayloadError):
         # aiohttp's, for a body it cannot read as its headers say: a broken chunked encoding.
         # (A Content-Encoding is symgate's to inflate: proxy.web.content_encoding.)
