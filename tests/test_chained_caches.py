@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port, make_config
-from tests.processes import debuginfod_find
+from tests.processes import Start, debuginfod_find
 
 
 async def test_two_symgates_in_a_chain(
@@ -52,5 +53,31 @@ async def test_two_symgates_that_are_each_others_upstream_answer_404_not_a_timeo
                               outcome="not_found") == 2  # the client's, and the loop's
         assert await a.metric("symgate_upstream_requests_total",
                               upstream=f"http://127.0.0.1:{port_b}", result="not_found") == 1
+    finally:
+        await b_runner.cleanup()
+
+
+async def test_a_loop_that_comes_back_to_another_worker_is_seen(
+    serve: Start, database_url: str, tmp_path: Path
+) -> None:
+    """A loop of caches whose request comes back to another worker of `serve --workers 2`
+    than the one that sent it: that worker must see its server's name in Via, or it follows
+    the other worker's fetch, which waits for the loop's answer (a timeout, not a 404)."""
+    port_b = free_port()
+    a_url, _ = await serve(f"http://127.0.0.1:{port_b}", workers=2)
+    b_config = make_config(tmp_path / "b", database_url.replace("symgate.sqlite", "b.sqlite"),
+                           [fast_upstream(a_url, first_byte_timeout_s=1, retries=0)])
+    b_runner = web.AppRunner(create_app(b_config, CollectorRegistry()), access_log=None,
+                             **body_options())
+    await b_runner.setup()
+    await web.TCPSite(b_runner, "127.0.0.1", port_b).start()
+    try:
+        # B keeps one connection to A, so the loop comes back to one worker; a connection of
+        # its own per request lands the client on either: half of them on the other.
+        for i in range(8):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)
+                                             ) as s, \
+                    s.get(f"{a_url}/buildid/{i:02x}{'ee' * 19}/debuginfo") as r:
+                assert r.status == 404, (i, await r.text())
     finally:
         await b_runner.cleanup()

@@ -194,7 +194,8 @@ def _lifecycle(
                               Catalogue(repo, local_dirs),
                               Uploads(service, repo, config.upload),
                               SendTimeouts(config.server.send_timeout_s,
-                                           metrics.send_timeouts.inc))
+                                           metrics.send_timeouts.inc),
+                              via_name=f"symgate-{replica}")
         cache.evicted.append(app[STATE].hot.forget)
         # A version another process removed (an upload deleted or replaced): its bytes too.
         cache.forgotten.append(app[STATE].hot.forget)

@@ -42,7 +42,9 @@ class AppState:
     recent_misses: RecentMisses = field(default_factory=RecentMisses)
     hot: HotFiles = field(default_factory=HotFiles)
     started: float = field(default_factory=time.time)
-    # This process's name in Via headers: a request that names it has come round a loop.
+    # This server's name in Via headers: a request that names it has come round a loop. The
+    # replica's (every process on the data dir), not the process's: with serve --workers N a
+    # request that comes back to another worker would follow the very fetch it waits on.
     via_name: str = field(default_factory=lambda: f"symgate-{uuid.uuid4().hex[:16]}")
 
     async def ping_database(self) -> None:
