@@ -109,3 +109,25 @@ async def test_netrc_credentials_reach_the_upstream_unless_it_has_its_own(
     sg2 = await start_symgate([own])
     assert (await sg2.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
     assert faults.headers[-1].get("Authorization") == "Bearer configured"
+
+
+async def test_credentials_in_an_upstream_url_are_its_authorization(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DEBUGINFOD_URLS=http://user:pass@host/ is an upstream configured with credentials: a
+    ~/.netrc `default` entry must not be added to them (aiohttp refused every such request:
+    a 500), and a redirect within the upstream's origin keeps them, as headers are kept."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("default login any password other\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    expected = aiohttp.encode_basic_auth("site", "s3cret")
+    # An absolute Location, as a server behind a proxy that knows its public name sends.
+    faults.redirect_target = f"{faults.url_for('ok')}/buildid/{elfs.other.build_id}/debuginfo"
+    for mode, elf in (("ok", elfs.prog), ("redirect-to", elfs.other)):
+        sg = await start_symgate([faults.url_for(mode).replace("://", "://site:s3cret@")],
+                                 data_dir=tmp_path / mode)
+        status, _, body = await sg.get(f"/buildid/{elf.build_id}/debuginfo")
+        assert status == 200, body
+        assert faults.headers[-1].get("Authorization") == expected, mode

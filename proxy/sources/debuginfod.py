@@ -129,7 +129,13 @@ class Upstream:
         shown = shown_url(cfg.url)
         self.name = shown if not scope else f"{shown} [{scope}]"
         self.scope = scope
-        self.base = cfg.url.rstrip("/")
+        base = URL(cfg.url.rstrip("/"))
+        # Credentials written into the URL are the upstream's Authorization, sent to its
+        # origin alone as configured headers are: left in the URL, aiohttp refuses a request
+        # that also carries one (from ~/.netrc), and a same-origin redirect went without them.
+        url_auth = aiohttp.BasicAuth.from_url(base)
+        self._url_authorization = url_auth.encode() if url_auth is not None else None
+        self.base = str(base.with_user(None)) if url_auth is not None else str(base)
         self.metrics = metrics
         self._session = session
         self.breaker = CircuitBreaker(
@@ -284,6 +290,9 @@ class Upstream:
                        "Accept-Encoding": "identity"}
             if redirects.origin(url) == redirects.origin(self._base_url):
                 headers.update(self.cfg.headers)  # credentials go to the upstream alone
+                if self._url_authorization and not any(k.lower() == "authorization"
+                                                       for k in headers):
+                    headers["Authorization"] = self._url_authorization
             route = await self._routes.route(url)
             if route.authorization and not any(k.lower() == "authorization" for k in headers):
                 headers["Authorization"] = route.authorization
