@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -64,6 +64,19 @@ def _nameless_functions(profile: RawProfile) -> set[int]:
     return {f.id for f in profile.function
             if not (0 < f.name < len(strings) and strings[f.name])
             and not (0 < f.system_name < len(strings) and strings[f.system_name])}
+
+
+def names_no_symbol(strings: Sequence[str], name: int, system_name: int, filename: int
+                    ) -> bool:
+    """Whether a function, by its string indices, is one this module wrote or one that names
+    nothing (Go's): a line of it is none that `strip` keeps, where it is of its mapping's
+    module. For tables other than a pprof profile's (OTLP's), which must tell such lines too."""
+    def text(i: int) -> str:
+        return strings[i] if 0 < i < len(strings) else ""
+
+    if not text(name) and not text(system_name):
+        return True
+    return system_name == name and not filename and _NAME.fullmatch(text(name)) is not None
 
 
 def strip(profile: RawProfile, mapping_ids: Iterable[int]) -> int:

@@ -29,9 +29,11 @@ from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 i
 )
 from opentelemetry.proto.profiles.v1development.profiles_pb2 import (
     KeyValueAndUnit,
+    Location,
     ProfilesDictionary,
 )
 
+from . import fallback
 from .pprof.codec import ProfileError
 from .pprof.profile_pb2 import Profile
 
@@ -89,6 +91,7 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
         raise ProfileError("not an OTLP profile: string_table[0] must be empty")
     build_ids = _attributes(d, BUILD_ID_KEY)
     not_native = {i for i, v in _attributes(d, FRAME_TYPE_KEY).items() if v != NATIVE}
+    no_symbol = _no_symbol_functions(d)
     p = Profile()
     p.string_table.extend(strings or [""])
     mappings = len(d.mapping_table)
@@ -102,7 +105,10 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
             if not 0 <= ln.function_index < max(functions, 1):
                 raise ProfileError(f"location {j}: function index {ln.function_index} "
                                    "out of range")
-        if j and loc.mapping_index and not loc.lines \
+        # Lines of names a fallback gave (a request symbolized before its debug info
+        # existed) are none: the mapping keeps has_functions false, as pprof's does, so
+        # that a later pass strips those names and symbolizes the frame.
+        if j and loc.mapping_index and _bare(loc, no_symbol) \
                 and not not_native.intersection(loc.attribute_indices):
             native.setdefault(loc.mapping_index, []).append(loc.address)
     for i, m in enumerate(d.mapping_table):
@@ -143,9 +149,11 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
 def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes | memoryview
                ) -> int:
     """Put what the rewrite added to the pprof counterpart back into `request`: lines of the
-    locations that had none, the functions and strings they use. The locations filled."""
+    locations that had none (or only a fallback's names), the functions and strings they use.
+    The locations filled."""
     p = Profile.FromString(bytes(symbolized))
     d = request.dictionary
+    no_symbol = _no_symbol_functions(d)  # of the request as sent, before what is added
     known = len(d.string_table)
     if not known:
         d.string_table.append("")
@@ -165,9 +173,24 @@ def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes | memory
     filled = 0
     for loc in p.location:
         target = d.location_table[loc.id]
-        if loc.line and not target.lines:
-            for ln in loc.line:
-                target.lines.add(function_index=index[ln.function_id], line=ln.line,
-                                 column=ln.column)
+        if not loc.line or not _bare(target, no_symbol):
+            continue
+        lines = [(index[ln.function_id], ln.line, ln.column) for ln in loc.line]
+        if lines != [(ln.function_index, ln.line, ln.column) for ln in target.lines]:
+            del target.lines[:]
+            for function_index, line, column in lines:
+                target.lines.add(function_index=function_index, line=line, column=column)
             filled += 1
     return filled
+
+
+def _no_symbol_functions(d: ProfilesDictionary) -> set[int]:
+    """The functions (past entry 0) whose lines are none: fallback.names_no_symbol."""
+    strings = d.string_table
+    return {i for i, f in enumerate(d.function_table) if i and fallback.names_no_symbol(
+        strings, f.name_strindex, f.system_name_strindex, f.filename_strindex)}
+
+
+def _bare(loc: Location, no_symbol: set[int]) -> bool:
+    """Whether a location is yet to be symbolized: no lines, or only lines that are none."""
+    return all(ln.function_index in no_symbol for ln in loc.lines)

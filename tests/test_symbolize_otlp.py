@@ -241,3 +241,32 @@ async def test_hostile_otlp_requests_get_their_precise_status(
     worse = Builder()
     worse.d.mapping_table.add(filename_strindex=999)
     assert (await _post(sg, worse.finish().SerializeToString()))[0] == 400
+
+
+async def test_frames_named_by_a_fallback_are_symbolized_once_debug_info_exists(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """As for pprof: `libfoo.so+0x1a2b` names are no symbols. A request named before its debug
+    info existed, sent again, comes back symbolized (it came back unchanged: the named frames
+    had lines, so the mapping looked symbolized), and as it came while there is still none."""
+    bare = await start_symgate([], symbolize=symbolize_config(), data_dir=tmp_path / "bare")
+    b = Builder()
+    m = b.mapping(elfs.prog.executable, elfs.prog.build_id, (0x5500000000, 0x5500010000, 0))
+    vaddrs = code_addresses(elfs.prog)[:3]
+    at = {v: b.location(m, v) for v in vaddrs}
+    body = b.finish().SerializeToString()
+    named_url = "/symbolize/otlp?fallback=module-offset"
+    status, headers, named = await bare.request("POST", named_url, data=body, headers=PROTOBUF)
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "named"
+    for url in (named_url, "/symbolize/otlp"):
+        status, _, again = await bare.request("POST", url, data=named, headers=PROTOBUF)
+        assert status == 200 and again == named, url
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(),
+                             data_dir=tmp_path / "full")
+    status, headers, out = await sg.request("POST", named_url, data=named, headers=PROTOBUF)
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    got = ExportProfilesServiceRequest.FromString(out)
+    expected = llvm_symbolize(elfs.prog.debug, vaddrs)
+    wrong = [(hex(v), _frames(got, at[v]), want) for v, want in expected.items()
+             if not same_frames(_frames(got, at[v]), want)]
+    assert not wrong, wrong

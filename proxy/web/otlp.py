@@ -24,7 +24,10 @@ async def _run(body: bytes, provider: SymbolProvider, limits: Limits, work: Work
         return body, done
 
     def back() -> bytes:
-        otlp.from_pprof(converted.request, done.body)
+        if not otlp.from_pprof(converted.request, done.body):
+            # A fallback's names taken away and given again (still no debug info): the
+            # request as it came, not one with the pprof's build-ID strings appended.
+            return body
         return converted.request.SerializeToString()
 
     return await asyncio.to_thread(back), done
