@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -107,6 +108,25 @@ async def test_a_redirect_to_another_scheme_is_refused(
     sg = await start_symgate([faults.url_for("redirect-to")])
     status, _, body = await sg.get(_source_path(elfs))
     assert status == 502 and b"bad redirect" in body, body
+
+
+@sqlite_only
+async def test_a_redirect_that_carries_credentials_is_refused(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A Location with user:password@ within the upstream's origin: aiohttp refused it beside
+    the upstream's configured Authorization with a ValueError, a 500 'internal error' and a
+    traceback for what is the upstream's fault; without one, the upstream chose what
+    credentials symgate sent."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    faults.redirect_target = faults.url_for("ok").replace("://", "://x:y@") + path
+    for name, headers in (("configured", {"Authorization": "Bearer sesame"}), ("none", {})):
+        sg = await start_symgate([fast_upstream(faults.url_for("redirect-to"),
+                                                headers=headers)],
+                                 data_dir=tmp_path / name)
+        status, _, body = await sg.get(path)
+        assert status == 502 and b"bad redirect" in body, (name, body)
+    assert faults.count("ok") == 0
 
 
 class FakeNetwork:

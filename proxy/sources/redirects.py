@@ -84,6 +84,10 @@ def refusal(base: URL, base_ips: Iterable[IpAddress], target: URL,
         return "from https to plain http"
     if not target.host:
         return "to a URL without a host"
+    if target.user is not None or target.password is not None:
+        # aiohttp would send them, and refuses them beside the upstream's own Authorization
+        # (a ValueError, not an upstream failure): a Location has no credentials to give.
+        return "to a URL with credentials"
     if origin(target) != origin(base) and not _listed(target, allowed_hosts):
         return "to another origin, not in the upstream's redirect_hosts"
     own = {address_class(ip) for ip in base_ips}
