@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.
 
 class ForwardProxy:
     """A plain HTTP forward proxy on loopback: takes absolute-form requests, passes them on,
-    and keeps the URLs it was asked for."""
+    and keeps the URLs it was asked for. Names under .invalid, which only it resolves (as an
+    egress proxy resolves names the site's own DNS does not), are 127.0.0.1 to it."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -32,7 +34,10 @@ class ForwardProxy:
         self.authorizations.append(request.headers.get("Proxy-Authorization", ""))
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "proxy-authorization", "proxy-connection")}
-        async with aiohttp.ClientSession() as s, s.get(request.url, headers=headers,
+        url = request.url
+        if (url.host or "").endswith(".invalid"):
+            url = url.with_host("127.0.0.1")
+        async with aiohttp.ClientSession() as s, s.get(url, headers=headers,
                                                        allow_redirects=False) as r:
             body = await r.read()
             passed = {k: v for k, v in r.headers.items()
@@ -131,3 +136,20 @@ async def test_credentials_in_an_upstream_url_are_its_authorization(
         status, _, body = await sg.get(f"/buildid/{elf.build_id}/debuginfo")
         assert status == 200, body
         assert faults.headers[-1].get("Authorization") == expected, mode
+
+
+async def test_an_upstream_only_the_proxy_resolves_may_redirect_within_itself(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    forward_proxy: ForwardProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a site whose one way out is the proxy, symgate cannot resolve the upstream's name:
+    a redirect within the upstream's own origin was refused all the same ("cannot resolve"),
+    for an address rule that has nothing to compare there."""
+    monkeypatch.setenv("HTTP_PROXY", forward_proxy.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    upstream = f"http://debuginfod.symgate-test.invalid:{URL(faults.url).port}"
+    sg = await start_symgate([f"{upstream}/redirect"])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes(), body
+    assert forward_proxy.asked[-1] == f"{upstream}/ok/buildid/{elfs.prog.build_id}/debuginfo"

@@ -337,6 +337,11 @@ class Upstream:
     async def _refusal(self, target: URL) -> str | None:
         if (why := redirects.refusal(self._base_url, [], target, [], self.cfg.redirect_hosts)):
             return why  # refused by name alone: nothing to resolve
+        if redirects.origin(target) == redirects.origin(self._base_url):
+            # The upstream's own host, which its every request reaches anyway: nothing to
+            # compare, and behind an HTTP proxy symgate may not resolve it at all (the proxy
+            # does), which refused every redirect of such an upstream.
+            return None
         try:
             own = await redirects.addresses(self._base_url)
             theirs = await redirects.addresses(target)
