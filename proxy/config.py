@@ -497,9 +497,14 @@ def parse_listen(value: str, key: str) -> tuple[str, int]:
 
 
 def upstreams_from_env(value: str) -> tuple[UpstreamConfig, ...]:
-    """DEBUGINFOD_URLS is a space-separated list, as elfutils' client reads it."""
+    """DEBUGINFOD_URLS is a space-separated list, as elfutils' client reads it: a URL given
+    again (with or without its trailing slash) is skipped, as that client skips it (a
+    profile.d script that appends what is there already): each would be asked on every miss."""
+    urls: dict[str, str] = {}
     try:
-        return tuple(UpstreamConfig(url=_url(u)) for u in value.split())
+        for u in value.split():
+            urls.setdefault(_url(u).rstrip("/"), u)
+        return tuple(UpstreamConfig(url=u) for u in urls.values())
     except ValueError as e:
         raise ConfigError(f"DEBUGINFOD_URLS: {e}") from None
 

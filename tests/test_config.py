@@ -45,6 +45,15 @@ def test_debuginfod_urls_is_the_upstream_list_when_the_file_has_none(tmp_path: P
     assert [u.url for u in cfg.upstreams] == ["http://c.example"]
 
 
+def test_debuginfod_urls_given_twice_are_one_upstream() -> None:
+    # As elfutils' client reads the list: each would otherwise be asked again on every miss.
+    env = {"DEBUGINFOD_URLS": " http://a.example:8002/\thttp://b.example http://a.example:8002"
+                              "  http://a.example:8002// http://b.example/x"}
+    cfg = load_config(None, environ=env)
+    assert [u.url for u in cfg.upstreams] == ["http://a.example:8002/", "http://b.example",
+                                              "http://b.example/x"]
+
+
 def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> None:
     example = ROOT / "config.example.toml"
     cfg = load_config(example, environ={})
