@@ -25,6 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import obstore
 import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from proxy.artifacts.index import key_hash
 from proxy.artifacts.scope import SHARED
@@ -40,6 +42,7 @@ from proxy.config import (
 )
 from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
+from proxy.web.app import body_options, create_app
 from proxy.web.state import STATE
 from tests.buckets import Prefix, S3Server, s3_server, wait_gone
 from tests.elfs import Elf, ElfSet
@@ -49,6 +52,8 @@ from tests.harness import (
     Symgate,
     SymgateFactory,
     eventually,
+    fast_upstream,
+    free_port,
     make_config,
     read_broken,
 )
@@ -969,3 +974,30 @@ async def test_a_database_outage_is_one_warning_per_background_job_not_a_traceba
               and "background job" in r.getMessage()]
     assert failed and all(r.levelno == logging.WARNING and r.exc_info is None
                           for r in failed), [(r.levelname, r.getMessage()) for r in failed]
+
+
+@on_postgresql
+async def test_a_loop_of_caches_back_to_another_replica_is_a_404_not_a_wait(
+    start_symgate: SymgateFactory, tmp_path: Path, prefix: Prefix
+) -> None:
+    """Replicas A1 and A2 ask B, which asks A (here A2, as a balancer in front of A may pick):
+    A2 must know the request has been through its cluster, or it waits for A1's fetch (the
+    key's lease), which waits for B, which waits for A2: a timeout, then a 502, and A1's
+    breaker opened on B, for what is a plain miss."""
+    port_b = free_port()
+    b_url = f"http://127.0.0.1:{port_b}"
+    a1 = await start_symgate([fast_upstream(b_url, first_byte_timeout_s=10)],
+                             data_dir=tmp_path / "a1", storage=prefix.config())
+    a2 = await start_symgate([fast_upstream(b_url, first_byte_timeout_s=10)],
+                             data_dir=tmp_path / "a2", storage=prefix.config())
+    b_config = make_config(tmp_path / "b", f"sqlite+aiosqlite:///{tmp_path}/b.sqlite",
+                           [fast_upstream(a2.url, first_byte_timeout_s=3, retries=0)])
+    b_runner = web.AppRunner(create_app(b_config, CollectorRegistry()), access_log=None,
+                             **body_options())
+    await b_runner.setup()
+    await web.TCPSite(b_runner, "127.0.0.1", port_b).start()
+    try:
+        status, _, body = await a1.get("/buildid/" + "ee" * 20 + "/debuginfo")
+        assert status == 404, body
+    finally:
+        await b_runner.cleanup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
 import sys
@@ -195,7 +196,7 @@ def _lifecycle(
                               Uploads(service, repo, config.upload),
                               SendTimeouts(config.server.send_timeout_s,
                                            metrics.send_timeouts.inc),
-                              via_name=f"symgate-{replica}")
+                              via_name=_via_name(config, replica))
         cache.evicted.append(app[STATE].hot.forget)
         # A version another process removed (an upload deleted or replaced): its bytes too.
         cache.forgotten.append(app[STATE].hot.forget)
@@ -276,6 +277,17 @@ async def _every(seconds: float, job: Callable[[], Awaitable[object]]) -> None:
                         getattr(job, "__qualname__", job), type(e).__name__, e, seconds)
         except Exception:  # a failed background job is logged and tried again next time
             log.exception("background job %s failed", getattr(job, "__qualname__", job))
+
+
+def _via_name(config: Config, replica: str) -> str:
+    """This server's name in Via, by which a request come round a loop of caches is known:
+    the replica's, or with [storage] the cluster's. A replica's miss waits for the fetch
+    another replica holds the key's lease for: a loop back to any replica of the cluster
+    would wait on the very fetch that waits for it."""
+    if config.storage is None:
+        return f"symgate-{replica}"
+    bucket = f"{config.storage.endpoint} {config.storage.url}".encode()
+    return f"symgate-{hashlib.sha256(bucket).hexdigest()[:16]}"
 
 
 def _safe_url(url: str) -> str:
