@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port, make_config
 from tests.processes import Start, debuginfod_find
 
@@ -81,3 +82,21 @@ async def test_a_loop_that_comes_back_to_another_worker_is_seen(
                 assert r.status == 404, (i, await r.text())
     finally:
         await b_runner.cleanup()
+
+
+async def test_the_far_cache_tells_the_near_one_its_real_failure_for_an_elfutils_client(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """An elfutils client gets 406 for an upstream's failure (its client would cache any
+    other error as a miss). Its User-Agent, relayed, made the regional cache answer the site
+    406 too: the site took it for a misconfiguration, neither resting on the regional cache
+    as its upstream's Retry-After asked nor saying what failed."""
+    regional = await start_symgate([fast_upstream(faults.url_for("busy"), retries=0)],
+                                   data_dir=tmp_path / "regional")
+    site = await start_symgate([fast_upstream(regional.url, retries=0)],
+                               data_dir=tmp_path / "site")
+    status, _, body = await site.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
+                                     headers={"User-Agent": "elfutils/0.188,Linux/x86_64"})
+    assert status == 406  # to the client itself, still
+    assert b"answered 502 (Retry-After: 120 s)" in body, body
+    assert await site.metric("symgate_upstream_breaker_state", upstream=regional.url) == 2

@@ -103,7 +103,11 @@ def as_symgate_error(error: Exception) -> SymgateError:
 def status_of(error: SymgateError, user_agent: str = "") -> int:
     if ((error.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.MALFORMED)
          or isinstance(error, InsufficientStorage))
-            and user_agent.startswith("elfutils/")):
+            and user_agent.startswith("elfutils/")
+            # Not to another symgate that relays an elfutils client's User-Agent (with its
+            # own appended): it gives its client the 406 itself, and needs the real status
+            # (and Retry-After) to retry, rest its breaker and tell what failed.
+            and not user_agent.rsplit(" ", 1)[-1].startswith("symgate/")):
         # elfutils' client caches every error but 406 as a miss for 10 minutes; a passing
         # upstream outage (or full disk) must not blind gdb and perf users for that long.
         return 406
