@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from yarl import URL
 
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
+from tests.test_env_proxy import ForwardProxy
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -133,3 +136,33 @@ async def test_inspect_asks_an_upstream_with_its_configured_headers(
     assert result.returncode == 0, result.stderr
     rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
     assert [c["status"] for c in rows[1]["checks"]] == ["200"], rows[1]
+
+
+async def test_inspect_reaches_upstreams_through_the_environments_proxy(
+    elfs: ElfSet, faults: FaultUpstream, tmp_path: Path,
+) -> None:
+    """At a site whose one way out is HTTP_PROXY, the server reaches its upstreams through it;
+    inspect asked them directly, and blamed the network ("unreachable") for every file."""
+    from aiohttp import web
+
+    from tests.harness import serve_loopback
+
+    forward_proxy = ForwardProxy()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward_proxy.handle)
+    runner, forward_proxy.url = await serve_loopback(app)
+    upstream = f"http://debuginfod.symgate-test.invalid:{URL(faults.url).port}/ok"
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    config = tmp_path / "inspect.toml"
+    config.write_text(f'[[upstreams]]\nurl = "{upstream}"\n')
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    try:
+        result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
+                                      "--config", str(config), "--json"],
+                                     env={**env, "HTTP_PROXY": forward_proxy.url}, timeout=60)
+    finally:
+        await runner.cleanup()
+    assert result.returncode == 0, result.stderr
+    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
+    assert [c["status"] for c in rows[1]["checks"]] == ["200"], rows[1]
+    assert forward_proxy.asked

@@ -294,10 +294,7 @@ class Upstream:
                                                        for k in headers):
                     headers["Authorization"] = self._url_authorization
             route = await self._routes.route(url)
-            if route.authorization and not any(k.lower() == "authorization" for k in headers):
-                headers["Authorization"] = route.authorization
-            if route.proxy_headers and url.scheme == "http":
-                headers.update(route.proxy_headers)
+            route.add_headers(url, headers)
             try:
                 response = await self._session.get(
                     url, headers=headers, timeout=self._timeout, allow_redirects=False,

@@ -27,6 +27,16 @@ class Route:
     # Authorization from ~/.netrc (or $NETRC): used only where the request carries none.
     authorization: str | None = None
 
+    def add_headers(self, url: URL, headers: dict[str, str]) -> None:
+        """What this route adds to a request for `url` beside `headers`: netrc's credentials
+        where it carries none (nor its URL), Proxy-Authorization where it goes to an http://
+        proxy as is (aiohttp sends proxy_headers only with a CONNECT)."""
+        if self.authorization and url.user is None \
+                and not any(k.lower() == "authorization" for k in headers):
+            headers["Authorization"] = self.authorization
+        if self.proxy_headers and url.scheme == "http":
+            headers.update(self.proxy_headers)
+
 
 class EnvironmentRoutes:
     def __init__(self) -> None:

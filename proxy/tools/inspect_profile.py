@@ -15,11 +15,13 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 from prometheus_client import CollectorRegistry
+from yarl import URL
 
 from proxy import __version__
 from proxy.config import Config, shown_url
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
+from proxy.sources.env_routes import EnvironmentRoutes, Route
 from proxy.sources.localdir import LocalDirectory
 from proxy.tools.text_table import render_table
 from symbolize.buildid import InvalidBuildId, normalize_build_id
@@ -57,12 +59,22 @@ class Row:
 
 
 async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
-                      timeout_s: float, headers: dict[str, str] | None = None) -> Check:
+                      timeout_s: float, headers: dict[str, str] | None = None,
+                      routes: EnvironmentRoutes | None = None) -> Check:
+    """`routes`: an upstream's check, reached as the server reaches it (the environment's
+    proxy and netrc), not symgate's own."""
     url = f"{base.rstrip('/')}{ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path}"
     where = shown_url(base)  # printed: never the credentials the URL may hold
+    headers = dict(headers or {})
+    route = Route()
     try:
+        if routes is not None:
+            route = await routes.route(URL(url))
+            route.add_headers(URL(url), headers)
         # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
-        async with asyncio.timeout(timeout_s), session.get(url, headers=headers) as r:
+        async with asyncio.timeout(timeout_s), session.get(
+                url, headers=headers, proxy=route.proxy,
+                proxy_headers=route.proxy_headers) as r:
             size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
             known = r.status == 200 and size is not None and size.isdigit()
             return Check(where, str(r.status), int(size) if known and size else None)
@@ -153,11 +165,12 @@ async def inspect_profile(
     # Each with its configured headers (credentials), as the server asks it: without them a
     # private upstream answers 401 here and the verdict blames the network.
     remote = [(u.url, dict(u.headers)) for u in config.upstreams if u.url]
+    routes = EnvironmentRoutes()
     async with aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
         async def checks(bid: str) -> list[Check]:
             key = ArtifactKey(bid, Kind.DEBUGINFO)
             found = [Check(local.name, "200" if local.has(key) else "404") for local in locals_]
-            tasks = [_http_check(session, url, bid, timeout_s, headers)
+            tasks = [_http_check(session, url, bid, timeout_s, headers, routes)
                      for url, headers in remote]
             if server:
                 tasks.append(_http_check(session, server, bid, timeout_s,
