@@ -135,7 +135,8 @@ def to_pprof(d: ProfilesDictionary) -> Profile:
         mapping = 0 if not_native.intersection(loc.attribute_indices) else loc.mapping_index
         out = p.location.add(id=j, mapping_id=mapping, address=loc.address)
         for ln in loc.lines:
-            out.line.add(function_id=ln.function_index, line=ln.line, column=ln.column)
+            if ln.function_index:  # entry 0, no function: a line of none (proto's zero value)
+                out.line.add(function_id=ln.function_index, line=ln.line, column=ln.column)
     for i, f in enumerate(d.function_table):
         if i:
             p.function.add(id=i, name=_string(strings, f.name_strindex, f"function {i}"),
@@ -185,9 +186,10 @@ def from_pprof(request: ExportProfilesServiceRequest, symbolized: bytes | memory
 
 
 def _no_symbol_functions(d: ProfilesDictionary) -> set[int]:
-    """The functions (past entry 0) whose lines are none: fallback.names_no_symbol."""
+    """The functions whose lines are none: entry 0, the empty one (where a converter from
+    pprof dedupes Go's nameless function to), and fallback.names_no_symbol's."""
     strings = d.string_table
-    return {i for i, f in enumerate(d.function_table) if i and fallback.names_no_symbol(
+    return {0} | {i for i, f in enumerate(d.function_table) if i and fallback.names_no_symbol(
         strings, f.name_strindex, f.system_name_strindex, f.filename_strindex)}
 
 

@@ -270,3 +270,22 @@ async def test_frames_named_by_a_fallback_are_symbolized_once_debug_info_exists(
     wrong = [(hex(v), _frames(got, at[v]), want) for v, want in expected.items()
              if not same_frames(_frames(got, at[v]), want)]
     assert not wrong, wrong
+
+
+async def test_a_line_of_no_function_is_no_symbol(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+) -> None:
+    """Go's runtime/pprof writes a PC it cannot name (cgo's C code) as a line of a nameless
+    function, which pprof-to-OTLP converters dedupe to entry 0 of the function table: such a
+    frame was left as it came, where the same pprof profile's is symbolized."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    b = Builder()
+    m = b.mapping(elfs.prog.executable, elfs.prog.build_id, (0, 0, 0))
+    vaddr = code_addresses(elfs.prog)[0]
+    go = b.location(m, vaddr)
+    b.d.location_table[go].lines.add(function_index=0)
+    status, headers, out = await _post(sg, b.finish().SerializeToString())
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    got = ExportProfilesServiceRequest.FromString(out)
+    want = llvm_symbolize(elfs.prog.debug, [vaddr])[vaddr]
+    assert same_frames(_frames(got, go), want), (_frames(got, go), want)
