@@ -104,7 +104,11 @@ def _database_url(value: str | None) -> str | None:
 
 def _url(value: object) -> str:
     if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
-        raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+        # Not even a URL shown_url can read ("https//user:token@host", a typo): whatever
+        # precedes an @ of its first part may be credentials, which start-up errors print.
+        shown = re.sub(r"^([^/]*/*)[^/]*@", r"\1***@", value) if isinstance(value, str) \
+            else value
+        raise ValueError(f"expected an http:// or https:// URL, got {shown!r}")
     if "?" in value or "#" in value:
         # /buildid/... is appended to the URL as a string (as elfutils' client does): after a
         # query it would be part of the query, and every request would ask for the root.

@@ -78,6 +78,15 @@ async def test_credentials_in_an_upstream_url_reach_no_log_metric_page_or_row(
         assert SECRET not in text, f"the upstream's credentials are in the {what}"
 
 
+@pytest.mark.parametrize("url", [f"ftp://ci:{SECRET}@mirror/", f"https//ci:{SECRET}@mirror/",
+                                 f"http:/ci:{SECRET}@mirror"])
+def test_a_url_that_is_not_one_is_refused_without_its_credentials(url: str) -> None:
+    # A typo in DEBUGINFOD_URLS: the start-up error, which logs keep, names it all the same.
+    with pytest.raises(ConfigError, match=r"^DEBUGINFOD_URLS: expected an http") as e:
+        load_config(None, environ={"DEBUGINFOD_URLS": url})
+    assert SECRET not in str(e.value) and "mirror" in str(e.value)
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1/?token=abc", "http://127.0.0.1:1/#x"])
 def test_an_upstream_url_with_a_query_is_refused_at_start(tmp_path: Path, url: str) -> None:
     # Request paths are appended to the URL: after a query every request would ask for "/".
