@@ -507,6 +507,11 @@ def upstreams_from_env(value: str) -> tuple[UpstreamConfig, ...]:
     urls: dict[str, str] = {}
     try:
         for u in value.split():
+            if u.startswith("ima:"):
+                # elfutils 0.190's policy tags (ima:enforcing ...), which Fedora's
+                # /etc/debuginfod/*.urls write: the client's to apply to what symgate relays
+                # (its X-DEBUGINFOD-IMASIGNATURE), not an upstream.
+                continue
             urls.setdefault(_url(u).rstrip("/"), u)
         return tuple(UpstreamConfig(url=u) for u in urls.values())
     except ValueError as e:

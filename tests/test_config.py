@@ -45,6 +45,15 @@ def test_debuginfod_urls_is_the_upstream_list_when_the_file_has_none(tmp_path: P
     assert [u.url for u in cfg.upstreams] == ["http://c.example"]
 
 
+def test_debuginfod_urls_ima_policy_tags_are_no_upstreams() -> None:
+    # debuginfod-client-config(7): policy tags for the client's IMA checks, read left to right.
+    env = {"DEBUGINFOD_URLS": "https://foo.example ima:enforcing https://bar.example "
+                              "ima:ignore https://baz.example"}
+    cfg = load_config(None, environ=env)
+    assert [u.url for u in cfg.upstreams] == ["https://foo.example", "https://bar.example",
+                                              "https://baz.example"]
+
+
 def test_debuginfod_urls_given_twice_are_one_upstream() -> None:
     # As elfutils' client reads the list: each would otherwise be asked again on every miss.
     env = {"DEBUGINFOD_URLS": " http://a.example:8002/\thttp://b.example http://a.example:8002"
