@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from multidict import CIMultiDict
 
 from proxy.config import CacheConfig, FetchConfig, FetchPolicy, SymbolizeConfig
 from tests.elfs import ElfSet
@@ -354,6 +355,24 @@ async def test_forwarding_loop_stops_at_the_hop_limit(
     status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
                                 headers={"X-Forwarded-For": hops})
     assert status == 200 and faults.count("ok") == 1
+
+
+async def test_every_forwarded_for_line_counts_and_goes_upstream(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A proxy that adds an X-Forwarded-For line of its own beside the one it got (HAProxy's
+    forwardfor): only the first line was read, so the hops of the others were neither
+    counted towards forwarded_ttl_limit nor passed on."""
+    sg = await start_symgate([faults.url_for("ok")])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    lines = [("X-Forwarded-For", ", ".join(f"10.0.0.{i}" for i in range(7))),
+             ("X-Forwarded-For", "10.0.1.1")]
+    status, _, body = await sg.get(path, headers=CIMultiDict(lines))
+    assert status == 404 and b"forwarded-ttl-limit" in body, body
+    status, _, _ = await sg.get(path, headers=CIMultiDict(
+        [("X-Forwarded-For", "10.1.2.3"), ("X-Forwarded-For", "10.4.5.6")]))
+    assert status == 200
+    assert faults.headers[-1]["X-Forwarded-For"] == "10.1.2.3, 10.4.5.6, 127.0.0.1"
 
 
 async def test_chunked_upstream_without_length_is_cached_and_head_waits_for_size(

@@ -57,7 +57,9 @@ def hop_of(request: web.Request, via_name: str, limit: int) -> tuple[Hop, bool]:
     if "X-Forwarded-For" not in headers and "Via" not in headers:
         return Hop(request.remote or "unknown", f"1.1 {via_name}",
                    headers.get("User-Agent", "")), limit > 0
-    incoming = headers.get("X-Forwarded-For", "")
+    # Each as all its lines, joined (RFC 9110 5.3): a proxy may add a line of its own
+    # (HAProxy's forwardfor does) rather than append to the one there.
+    incoming = ",".join(headers.getall("X-Forwarded-For", []))
     hops = [h.strip() for h in incoming.split(",") if h.strip()]
     via = [v.strip() for v in ",".join(request.headers.getall("Via", [])).split(",")
            if v.strip()]
