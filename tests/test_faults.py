@@ -375,6 +375,18 @@ async def test_every_forwarded_for_line_counts_and_goes_upstream(
     assert faults.headers[-1]["X-Forwarded-For"] == "10.1.2.3, 10.4.5.6, 127.0.0.1"
 
 
+async def test_only_if_cached_is_heard_on_any_cache_control_line(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Cache-Control may come as several lines (a proxy adds its own): only-if-cached on the
+    second was not heard, and the file was fetched for a client that asked for none."""
+    sg = await start_symgate([faults.url_for("ok")])
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo",
+                                headers=CIMultiDict([("Cache-Control", "max-age=0"),
+                                                     ("Cache-Control", "Only-If-Cached")]))
+    assert status == 504 and faults.count("ok") == 0
+
+
 async def test_chunked_upstream_without_length_is_cached_and_head_waits_for_size(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

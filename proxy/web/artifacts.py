@@ -98,7 +98,8 @@ async def buildid(request: web.Request) -> web.StreamResponse:
     req = state.tenancy.scope(tenant, hop, may_fetch)
     if tenant:
         annotate(request, tenant=tenant, scope=req.scope or None)
-    only_if_cached = "only-if-cached" in request.headers.get("Cache-Control", "")
+    only_if_cached = any("only-if-cached" in line.lower()
+                         for line in request.headers.getall("Cache-Control", []))
     asked_again = False
     for _ in range(_VANISHED_RETRIES):
         result = await state.service.find(key, req, cache_only=only_if_cached,
