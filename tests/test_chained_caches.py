@@ -7,13 +7,23 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port, make_config
+from tests.harness import (
+    Debuginfod,
+    SymgateFactory,
+    eventually,
+    fast_upstream,
+    free_port,
+    make_config,
+    running_debuginfod,
+    serves,
+)
 from tests.processes import Start, debuginfod_find
 
 
@@ -100,3 +110,27 @@ async def test_the_far_cache_tells_the_near_one_its_real_failure_for_an_elfutils
     assert status == 406  # to the client itself, still
     assert b"answered 502 (Retry-After: 120 s)" in body, body
     assert await site.metric("symgate_upstream_breaker_state", upstream=regional.url) == 2
+
+
+async def test_a_miss_behind_a_federating_debuginfod_at_its_hop_limit_is_not_remembered(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A federating elfutils debuginfod (debuginfod.elfutils.org is one) answers 404 without
+    asking its upstreams once X-Forwarded-For has --forwarded-ttl-limit (8) hops. A client
+    that sent 7 made symgate's request carry 8: that 404 says nothing of the file, yet it was
+    remembered for every client (60 s, doubling), and any client could keep a file from
+    everybody by asking for it so."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("DEBUGINFOD_URLS", debuginfod.url)
+    monkeypatch.setenv("DEBUGINFOD_CACHE_PATH", str(tmp_path / "federating-cache"))
+    with running_debuginfod(empty, empty, "-t", "0", "-g", "0") as federating:
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        await eventually(lambda: serves(federating.url + path))
+        sg = await start_symgate([federating.url])
+        hops = ", ".join(f"10.0.0.{i}" for i in range(7))
+        status, _, _ = await sg.get(path, headers={"X-Forwarded-For": hops})
+        assert status == 404  # the federating server's answer, passed on
+        status, _, body = await sg.get(path)
+        assert status == 200 and body == elfs.prog.debug.read_bytes()

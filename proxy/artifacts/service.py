@@ -113,8 +113,10 @@ class ArtifactService:
         board: FlightBoard,
         tier: SharedTier | None = None,
         doubt_s: float = 600.0,
+        forwarded_ttl_limit: int = 8,
     ) -> None:
         self.cache = cache
+        self._forwarded_ttl_limit = forwarded_ttl_limit
         # The bucket shared by a cluster's replicas ([storage]); None on a single node.
         self.tier = tier
         self._board = board
@@ -439,6 +441,12 @@ class ArtifactService:
                                    self._doubts.doubted(kh, [u.name for u in ups]))
                 remembering = {u.name for u in ups if u.remembers_misses}
                 misses = [name for name in result.not_found if name in remembering]
+                if misses and req.hop.hops() >= self._forwarded_ttl_limit:
+                    # As many hops as the limit: an elfutils debuginfod with the same (its
+                    # default) answers 404 without asking its own upstreams. That says
+                    # nothing of the file, and remembered it would answer every client, for
+                    # a client's X-Forwarded-For.
+                    misses = []
                 if misses:
                     await self.misses.record(scope, key, misses)
                     for name in misses:

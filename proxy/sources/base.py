@@ -45,6 +45,11 @@ class Hop:
     # upstream operators count their users' tools by it. Checked only when it goes upstream.
     user_agent: str = ""
 
+    def hops(self) -> int:
+        """The hops X-Forwarded-For tells upstream: what elfutils' --forwarded-ttl-limit
+        counts."""
+        return sum(1 for h in self.forwarded_for.split(",") if h.strip())
+
     def headers(self) -> dict[str, str]:
         out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
         if self.via:

@@ -177,6 +177,7 @@ def _lifecycle(
             max_concurrent_fetches=config.cache.max_concurrent_fetches,
             max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
             board=board, tier=tier, doubt_s=config.negative.not_found_ttl_s,
+            forwarded_ttl_limit=config.server.forwarded_ttl_limit,
         )
         await service.warm_up()
         symbolize_metrics = SymbolizeMetrics(registry)
