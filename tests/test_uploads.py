@@ -5,6 +5,7 @@ them back through symgate. Hostile uploads get their precise status and leave no
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gzip
 import json
 import os
@@ -381,3 +382,35 @@ async def test_a_file_replaced_within_the_second_has_another_etag(
     assert headers["Etag"] != etag
     status, _, body = await sg.get(path, headers={"Range": "bytes=0-3", "If-Range": etag})
     assert status == 200 and body == second
+
+
+async def test_more_uploads_at_once_than_the_loop_has_threads_all_end(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
+) -> None:
+    """Each PUT waited for the upload lock in a thread of the loop's pool (cores + 4 of them):
+    with more uploads at once than that, every thread waited on the lock, and the holder's
+    commit, which needs a thread too, never ran. The server hung for good."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    files = [(e.build_id, kind, path.read_bytes()) for e in elfs.all
+             for kind, path in (("debuginfo", e.debug), ("executable", e.executable))]
+    threads = min(32, (os.cpu_count() or 1) + 4)
+    files = (files * (threads // len(files) + 2))[:threads + 2]
+    # Another process on the data dir commits an upload meanwhile: every PUT reaches the lock
+    # and waits there before any takes it.
+    lock = os.open(sg.config.cache_dir / "uploads.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        puts = [asyncio.ensure_future(_put(sg, b, k, d)) for b, k, d in files]
+
+        async def all_received() -> bool:
+            return len(list((sg.config.cache_dir / "tmp").rglob("*.part"))) == len(files)
+
+        await eventually(all_received)
+        await asyncio.sleep(0.5)  # their build IDs read, in the pool's threads
+    finally:
+        os.close(lock)
+    answers = await asyncio.wait_for(asyncio.gather(*puts), 30)
+    assert {a[0] for a in answers} <= {200, 201}
+    assert sum(a[0] == 201 for a in answers) == len({(b, k) for b, k, _ in files})
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()

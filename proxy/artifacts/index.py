@@ -22,7 +22,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -105,6 +105,7 @@ class ArtifactCache:
         self._unsynced: OrderedDict[str, ArtifactRecord | _Gone] = OrderedDict()
         self.health = Health()
         self._evict_lock = asyncio.Lock()
+        self._upload_turn = asyncio.Lock()  # see uploads_locked
         self._deferred: asyncio.Task[None] | None = None
         # Awaited with each artifact's scope and key after it left the cache.
         self.evicted: list[Callable[[str, ArtifactKey], Awaitable[None]]] = []
@@ -152,6 +153,20 @@ class ArtifactCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @contextlib.asynccontextmanager
+    async def uploads_locked(self) -> AsyncIterator[None]:
+        """Hold the data dir's upload lock (Store.upload_lock). Its blocking wait takes a thread
+        of the loop's pool, which has only cores + 4: with a waiter per upload, as many uploads
+        at once took every thread, and the holder's own work in a thread (its commit's fsync)
+        never ran; every upload, and everything else the server does in threads, hung for
+        good. So one task of this process at a time waits for it."""
+        async with self._upload_turn:
+            fd = await asyncio.to_thread(self.store.upload_lock)
+            try:
+                yield
+            finally:
+                os.close(fd)
 
     async def load(self) -> None:
         """Rebuild the index from this replica's rows, keeping only those whose file is here

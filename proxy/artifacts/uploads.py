@@ -76,12 +76,9 @@ class Uploads:
                 raise UnprocessableUpload(
                     f"the file's build ID is {found}, not {key.build_id}" if found
                     else "not an ELF file with a GNU build-ID note")
-            lock = await asyncio.to_thread(self._cache.store.upload_lock)
-            try:
+            async with self._cache.uploads_locked():
                 return await self._commit(scope, key, temp, fd, size, digest, filename,
                                           ima_signature)
-            finally:
-                os.close(lock)
         finally:
             os.close(fd)
             temp.unlink(missing_ok=True)  # gone already once committed
@@ -180,8 +177,7 @@ class Uploads:
     async def delete(self, scope: str, key: ArtifactKey) -> None:
         """Remove the upload of `key` in `scope`; NotFound when there is none (a downloaded
         file is the cache's to evict, not an uploader's to delete)."""
-        lock = await asyncio.to_thread(self._cache.store.upload_lock)
-        try:
+        async with self._cache.uploads_locked():
             kh = key_hash(scope, key)
             try:
                 row = await self._repo.get_artifact(kh)
@@ -209,8 +205,6 @@ class Uploads:
                     raise OutOfResources("the database cannot be reached to delete the "
                                          "upload everywhere; retry later") from e
             await self._retire(upload, "deleting an upload")
-        finally:
-            os.close(lock)
 
     def _held(self, scope: str, key: ArtifactKey, row: ArtifactRecord | None
               ) -> ArtifactRecord | None:
