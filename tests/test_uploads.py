@@ -23,7 +23,7 @@ from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_program
-from tests.faults import _gzip_zeros
+from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import debuginfod_find, run_in_thread
 from tests.test_disk_full import _fill, _tmpfs
@@ -414,3 +414,29 @@ async def test_more_uploads_at_once_than_the_loop_has_threads_all_end(
     assert sum(a[0] == 201 for a in answers) == len({(b, k) for b, k, _ in files})
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert status == 200 and body == elfs.prog.debug.read_bytes()
+
+
+async def test_a_download_that_ends_after_an_upload_of_its_key_leaves_the_upload(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    database_url: str,
+) -> None:
+    """A GET's download, under way when a PUT of the same key was answered 201, was renamed
+    over the upload once it ended: the uploader's file was gone, the upstream's served in its
+    place under a row still pinned."""
+    sg = await _start(start_symgate, tmp_path, database_url, [faults.url_for("held")])
+    bid, path = elfs.prog.build_id, f"/buildid/{elfs.prog.build_id}/debuginfo"
+    fetched = asyncio.ensure_future(sg.get(path))
+    await faults.held_half_sent.wait()
+    mine = elfs.prog.executable.read_bytes()  # of that build ID, but not the upstream's file
+    status, _, body = await _put(sg, bid, "debuginfo", mine)
+    assert status == 201, body
+    faults.release.set()
+    status, _, got = await fetched
+    assert status == 200 and got == elfs.prog.debug.read_bytes()  # what it began to send
+    await sg.settled()
+    status, _, got = await sg.get(path)
+    assert status == 200 and got == mine
+    rows = await sg.runner.app[STATE].repo.artifacts_of(bid)
+    assert [(r.upstream, r.pinned, r.sha256) for r in rows] == [
+        ("upload", True, json.loads(body)["sha256"])]
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]

@@ -162,11 +162,37 @@ class ArtifactCache:
         never ran; every upload, and everything else the server does in threads, hung for
         good. So one task of this process at a time waits for it."""
         async with self._upload_turn:
-            fd = await asyncio.to_thread(self.store.upload_lock)
+            # At once where no other process holds it, as mostly: every download's commit
+            # takes it, and a thread's hand-over is a wait of its own on a busy pool.
+            fd = self.store.upload_lock(wait=False)
+            if fd is None:
+                fd = await asyncio.to_thread(self.store.upload_lock)
+            assert fd is not None
             try:
                 yield
             finally:
                 os.close(fd)
+
+    async def upload_here(self, scope: str, key: ArtifactKey) -> bool:
+        """Whether `key` has an upload in `scope` on this replica: in this process's memory,
+        or in SQL (another process's); memory alone while SQL fails (not asked then: every
+        download's commit waits under the lock, and would wait out its timeout each). Asked
+        under uploads_locked, it stays true or false until the lock is let go."""
+        kh = key_hash(scope, key)
+        held = self._entries.get(kh)
+        if held is not None and held.pinned:
+            return True
+        # An upload's file is in place before its row (both under the lock): with no file,
+        # no upload, and SQL is not asked on the way of every cold fetch's commit.
+        if not self.store.artifact_path(scope, key).exists() \
+                or self.health.get(DATABASE) is not None:
+            return False
+        try:
+            row = await self._repo.get_artifact(kh)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("looking for an upload of a fetched file", e)
+            return False
+        return row is not None and row.pinned
 
     async def load(self) -> None:
         """Rebuild the index from this replica's rows, keeping only those whose file is here

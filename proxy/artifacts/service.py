@@ -704,22 +704,32 @@ class ArtifactService:
             finally:
                 temp.unlink(missing_ok=True)
             return
-        try:
-            # Hashed here, from the page cache, in a thread: ~10 ms of a 4 MB file that the
-            # loop would otherwise spend while its clients wait.
-            digest = await asyncio.to_thread(_sha256_of, fd)
-            when = _http_date(meta.last_modified) if meta.last_modified else None
-            final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key,
-                                            when.timestamp() if when is not None else None)
-        except OSError as e:
-            if e.errno in _NO_SPACE:
-                self.disk_full(e)
-            log.warning("%s was served but could not be cached: %s", key.id, e)
-            return
-        self.cache.health.ok(DISK)
-        self.cache.release(flight)  # its bytes are counted as a file from now on
-        record = self._record(key, scope, meta, flight.written, digest, publish)
-        await self.cache.add(record)
+        # The rename and the row under the upload lock: a PUT of the key while it was fetched
+        # has put the uploader's file in its place, which this download would replace, though
+        # the PUT was told it is kept (and processes keeping its bytes in memory would go on
+        # serving them: two files under one key).
+        async with contextlib.AsyncExitStack() as locked:
+            try:
+                # Hashed here, from the page cache, in a thread: ~10 ms of a 4 MB file that the
+                # loop would otherwise spend while its clients wait. Synced before the lock,
+                # which other downloads' commits wait for: the commit's fsync is then quick.
+                digest = await asyncio.to_thread(_synced_sha256_of, fd)
+                when = _http_date(meta.last_modified) if meta.last_modified else None
+                await locked.enter_async_context(self.cache.uploads_locked())
+                if await self.cache.upload_here(scope, key):
+                    log.info("%s was uploaded while it was fetched: served, not kept", key.id)
+                    return
+                final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key,
+                                                when.timestamp() if when is not None else None)
+            except OSError as e:
+                if e.errno in _NO_SPACE:
+                    self.disk_full(e)
+                log.warning("%s was served but could not be cached: %s", key.id, e)
+                return
+            self.cache.health.ok(DISK)
+            self.cache.release(flight)  # its bytes are counted as a file from now on
+            record = self._record(key, scope, meta, flight.written, digest, publish)
+            await self.cache.add(record)
         self.misses.forget(scope, key)
         for listener in self.committed:
             listener(scope, key, req)
@@ -1011,6 +1021,11 @@ def _miss_judges(req: RequestScope, key: ArtifactKey) -> tuple[list[str], bool]:
     negative hit; the latter overrides any remembered miss."""
     names = [u.name for u in req.sources if u.remembers_misses]
     return names, any(u.has(key) for u in req.sources if not u.remembers_misses)
+
+
+def _synced_sha256_of(fd: int) -> str:
+    os.fsync(fd)
+    return _sha256_of(fd)
 
 
 def _sha256_of(fd: int) -> str:

@@ -61,7 +61,7 @@ class Store(Protocol):
 
     def try_budget_lock(self) -> int | None: ...
 
-    def upload_lock(self) -> int: ...
+    def upload_lock(self, *, wait: bool = True) -> int | None: ...
 
     def stored_names(self) -> Iterator[str]: ...
 
@@ -190,14 +190,18 @@ class DiskStore:
             return None
         return fd
 
-    def upload_lock(self) -> int:
+    def upload_lock(self, *, wait: bool = True) -> int | None:
         """The lock every process holds while it commits an upload or removes one, so that
-        the upload budget and a key's file and row change together. Blocking: take it in a
-        thread; close the descriptor to release it."""
+        the upload budget and a key's file and row change together, and while it commits a
+        download, which must not replace an upload. Blocking: take it in a thread; close the
+        descriptor to release it. Without `wait`, None while another process holds it."""
         fd = os.open(self.objects.parent / "uploads.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
                      0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
         except BaseException:
             os.close(fd)
             raise
