@@ -27,6 +27,7 @@ from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import debuginfod_find, run_in_thread
 from tests.test_disk_full import _fill, _tmpfs
+from tests.test_sqlite_read_only import _immutable, _rows
 
 ADMIN = "admin-token-of-sixteen-or-more"
 ACME = "acme-token-of-sixteen-or-more"
@@ -440,3 +441,30 @@ async def test_a_download_that_ends_after_an_upload_of_its_key_leaves_the_upload
     assert [(r.upstream, r.pinned, r.sha256) for r in rows] == [
         ("upload", True, json.loads(body)["sha256"])]
     assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_an_upload_whose_row_sql_refuses_is_503_and_not_kept(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """SQL that reads but does not write (a SQLite file made read-only) let the budget be
+    judged and then took no row: the PUT was 201, though no other serving process saw the
+    upload (nor could DELETE it) and a restart removed its file as an orphan."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    db = tmp_path / "symgate.sqlite"
+    files = [db, tmp_path / "symgate.sqlite-wal"]  # not -shm: see test_sqlite_read_only
+    _immutable(files, True)
+    try:
+        await sg.runner.app[STATE].repo.engine.dispose()  # its connections opened read-only
+        status, headers, body = await _put(sg, own.build_id, "debuginfo",
+                                           own.debug.read_bytes())
+        assert status == 503 and "Retry-After" in headers, body
+        assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
+    finally:
+        _immutable(files, False)
+    cache = sg.config.cache_dir
+    assert not [p for p in (cache / "objects").rglob("*") if p.is_file()]
+    assert not [p for p in (cache / "tmp").rglob("*.part")]
+    status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes())
+    assert status == 201, body
+    assert f"{own.build_id}/debuginfo" in _rows(db)

@@ -352,14 +352,17 @@ class ArtifactCache:
             else:
                 self._leases[kh] -= 1
 
-    async def add(self, rec: ArtifactRecord) -> None:
-        """Index a committed file; its row is written now, or at a later flush if SQL fails."""
+    async def add(self, rec: ArtifactRecord, *, row_now: bool = False) -> None:
+        """Index a committed file; its row is written now, or at a later flush if SQL fails.
+        With `row_now`, a failure is raised instead, with nothing indexed."""
         self._unsynced.pop(rec.key_hash, None)
         try:
             await self._repo.put_artifact(rec)
             self.health.ok(DATABASE)
         except DATABASE_ERRORS as e:
             self.sql_failed("writing an artifact's row", e)
+            if row_now:
+                raise
             self._unsynced[rec.key_hash] = rec
         self._add(rec)
         await self.evict(keep=rec.key_hash)

@@ -37,7 +37,7 @@ from proxy.errors import (
 )
 from proxy.health import DISK
 from proxy.keys import ArtifactKey
-from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, is_disk_full
 from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,18 @@ class Uploads:
             kind=str(key.kind), size=size, sha256=digest, upstream=UPSTREAM, filename=filename,
             archive=None, fetched_at=now, last_access=now, hits=0,
             ima_signature=ima_signature, pinned=True)
-        await self._cache.add(record)
+        try:
+            # Not kept for a later flush as a download's row is: until SQL has it, the other
+            # serving processes neither serve nor delete it, nor count it in the budget, and
+            # a restart removes its file as an orphan, though the PUT was told 201.
+            await self._cache.add(record, row_now=True)
+        except DATABASE_ERRORS as e:
+            self._cache.store.remove_artifact(scope, key)
+            if is_disk_full(e):  # SQLite's, on the cache's disk or another
+                raise InsufficientStorage("insufficient storage: the database's disk is full"
+                                          ) from e
+            raise OutOfResources("the database cannot take the upload's row; retry later"
+                                 ) from e
         self._service.uploaded(scope)
         if (tier := self._service.tier) is not None:
             # Every replica finds it once the PUT has its answer; a bucket that is down gets
