@@ -468,3 +468,23 @@ async def test_an_upload_whose_row_sql_refuses_is_503_and_not_kept(
     status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes())
     assert status == 201, body
     assert f"{own.build_id}/debuginfo" in _rows(db)
+
+
+async def test_an_upload_onto_a_disk_full_of_cached_files_evicts_them_for_room(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, own: Elf,
+    small_disk: Path, database_url: str,
+) -> None:
+    """A download on a full disk evicts least recently used files for room; an upload was a
+    507 there, however much of the disk the cache's own files held, until some download
+    evicted them."""
+    base = make_config(small_disk / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=_config(base))
+    for kind in ("debuginfo", "executable"):
+        assert (await sg.get(f"/buildid/{elfs.other.build_id}/{kind}"))[0] == 200
+    await sg.settled()
+    _fill(small_disk / "filler")
+    status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes())
+    assert status == 201, body
+    assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[2] == own.debug.read_bytes()
+    assert await sg.metric("symgate_cache_evictions_total") >= 1
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]

@@ -95,7 +95,7 @@ class Uploads:
                     if size + len(chunk) > limit:
                         raise PayloadTooLarge(f"more than {limit} bytes; uploads are at most "
                                               f"{limit} (upload.max_file_bytes)")
-                    self._write(fd, chunk, size)
+                    await self._write(fd, chunk, size)
                     digest.update(chunk)
                     size += len(chunk)
         except TimeoutError:
@@ -245,14 +245,25 @@ class Uploads:
         except OSError as e:
             raise self._os_failure(e) from e
 
-    def _write(self, fd: int, chunk: bytes, offset: int) -> None:
+    async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
+        """On a full disk, least recently used downloads are evicted to make room, as for a
+        download (ArtifactService._write): a disk full of cached files is room for an upload,
+        which a 507 would otherwise wait for until some download evicted them."""
+        end = offset + len(chunk)
         view = memoryview(chunk)
-        try:
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as e:
-            raise self._os_failure(e) from e
+        for _ in range(8):
+            try:
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+                return
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._os_failure(e) from e
+                error = e
+            if await self._cache.make_room(2 * end) == 0:
+                break
+        raise self._os_failure(error) from error
 
     def _os_failure(self, error: OSError) -> Exception:
         """A full disk is a 507 (and /healthz says so); no descriptor left, a 503."""
