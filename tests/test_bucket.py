@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import logging
+import os
 import re
 import signal
 from collections.abc import Iterator
@@ -226,6 +228,41 @@ async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_f
         return (await b.get(path))[0] == 404
 
     await eventually(gone_from_b, timeout=10)
+
+
+@on_postgresql
+async def test_a_copy_of_an_upload_committed_after_its_delete_elsewhere_is_not_kept(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    """A replica commits a copy it took from the bucket after its client had the last byte:
+    a DELETE on another replica meanwhile found no row of that copy to remove, and the copy's
+    row, written after it, kept the deleted upload served there for as long as it was
+    cached."""
+    nowhere = faults.url_for("notfound")
+    token = "symgate-test-upload-token"
+    a, b = await replicas(start_symgate, tmp_path, nowhere, "ab", prefix.config(),
+                          upload=UploadConfig(admin_tokens=(token,)),
+                          cache=CacheConfig(purge_poll_s=0.2))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    auth = {"Authorization": f"Bearer {token}"}
+    assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+    # b's commit waits for its data dir's upload lock, as while an upload is committed there.
+    lock = os.open(b.config.cache_dir / "uploads.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        assert (await b.get(path))[::2] == (200, data)
+        assert (await a.request("DELETE", path, headers=auth))[0] == 204
+    finally:
+        os.close(lock)
+    await b.settled()
+
+    async def gone_from_b() -> bool:
+        return (await b.get(path))[0] == 404
+
+    await eventually(gone_from_b, timeout=10)
+    assert not list((b.config.cache_dir / "objects").rglob("debuginfo"))
 
 
 @on_postgresql

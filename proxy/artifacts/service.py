@@ -730,6 +730,14 @@ class ArtifactService:
             self.cache.release(flight)  # its bytes are counted as a file from now on
             record = self._record(key, scope, meta, flight.written, digest, publish)
             await self.cache.add(record)
+        if record.shared and self.tier is not None \
+                and await self.tier.holds(record.key_hash) is False:
+            # Gone from the bucket while it was copied here: an upload deleted on another
+            # replica, whose removal of this replica's rows came before this row was written
+            # and found none. Kept, the deleted upload would be served here until evicted.
+            log.info("%s left the shared bucket while it was copied: not kept", key.id)
+            await self.cache.remove(scope, key)
+            return
         self.misses.forget(scope, key)
         for listener in self.committed:
             listener(scope, key, req)
