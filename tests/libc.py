@@ -27,6 +27,16 @@ LIBC_ID = _build_id()
 LIBC_DEBUG = Path(f"/usr/lib/debug/.build-id/{LIBC_ID[:2]}/{LIBC_ID[2:]}.debug")
 
 
+def libc_tree(root: Path) -> Path:
+    """`root`, made a debug tree (symbolize.debug_dirs) of libc's debug file and libc itself,
+    by build ID."""
+    folder = root / ".build-id" / LIBC_ID[:2]
+    folder.mkdir(parents=True)
+    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
+    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    return root
+
+
 def libc_placement(pid: int) -> tuple[int, int, int]:
     """(start, end, file offset) of libc's executable mapping in process `pid`."""
     for _ in range(200):  # the dynamic loader maps libc a moment after exec

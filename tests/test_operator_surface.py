@@ -365,7 +365,7 @@ async def test_ctrl_c_drains_a_profile_under_way_without_tracebacks(
     """Ctrl-C on a terminal sends SIGINT to every process of the foreground group: the build
     and profile workers too, which died of it (a KeyboardInterrupt traceback each), so the
     profile under way, which the drain was to let finish, got a 503."""
-    from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
+    from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_tree
     from tests.profiles import make_profile, place
     from tests.symbolize_helpers import BASES
 
@@ -373,11 +373,7 @@ async def test_ctrl_c_drains_a_profile_under_way_without_tracebacks(
         pytest.skip("needs Debian's libc6-dbg")
     from tests.elfs import Elf
 
-    tree = tmp_path / "debug"
-    folder = tree / ".build-id" / LIBC_ID[:2]
-    folder.mkdir(parents=True)
-    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
-    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    tree = libc_tree(tmp_path / "debug")
     libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
     body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
                         ).SerializeToString()

@@ -22,7 +22,7 @@ from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
-from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_tree
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -404,11 +404,7 @@ async def test_a_worker_killed_mid_build_is_a_503_and_the_next_profile_builds_th
     left bare would be kept by a profiling backend for good, never sent again."""
     if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
-    tree = tmp_path / "debug"
-    folder = tree / ".build-id" / LIBC_ID[:2]
-    folder.mkdir(parents=True)
-    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
-    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    tree = libc_tree(tmp_path / "debug")
     sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
     state = sg.runner.app[STATE]
     libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
@@ -488,11 +484,7 @@ async def test_a_build_worker_killed_mid_write_leaves_no_half_written_table(
     file at each try would otherwise fill the disk with them while the server runs on."""
     if not LIBC_DEBUG.exists():
         pytest.skip("needs Debian's libc6-dbg")
-    tree = tmp_path / "debug"
-    folder = tree / ".build-id" / LIBC_ID[:2]
-    folder.mkdir(parents=True)
-    (folder / (LIBC_ID[2:] + ".debug")).symlink_to(LIBC_DEBUG)
-    (folder / LIBC_ID[2:]).symlink_to(LIBC)
+    tree = libc_tree(tmp_path / "debug")
     sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
     symtabs = sg.config.server.data_dir / "symtabs"
     libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
