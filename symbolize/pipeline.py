@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol, cast
@@ -158,8 +159,11 @@ async def _resolve_and_finish(body: bytes, raw: bytes, provider: SymbolProvider,
     wanted = dict(layouts)
     answers: dict[str, Answer] = {}
     guessed: set[str] = set()  # build IDs whose program headers had to be guessed
+    # One deadline for the profile, a resolution made again (below) included.
+    ends = None if limits.deadline_s is None else time.monotonic() + limits.deadline_s
     for _attempt in range(2):
-        resolved = await _resolve_all(provider, wanted, limits.deadline_s)
+        left = None if ends is None else max(0.0, ends - time.monotonic())
+        resolved = await _resolve_all(provider, wanted, left)
         for bid, r in resolved.items():
             guessed.discard(bid)
             if r.table is None:
