@@ -27,6 +27,7 @@ from proxy.config import (
     ServerConfig,
     UpstreamConfig,
 )
+from tests.processes import run_in_thread
 
 
 async def serve_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -210,3 +211,17 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(0.05)
+
+
+def config_file(sg: Symgate, tmp_path: Path) -> Path:
+    """A config naming `sg`'s data dir and database: what the admin CLI (`symgate cache ...`)
+    is run with against a running server's state."""
+    path = tmp_path / "admin.toml"
+    path.write_text(f'[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
+                    f'[database]\nurl = "{sg.config.database_url}"\n')
+    return path
+
+
+async def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`symgate ARGS --config CONFIG`, its output captured."""
+    return await run_in_thread(["symgate", *args, "--config", str(config)], timeout=60)

@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from pathlib import Path
 
 from proxy.config import NegativeConfig
 from proxy.keys import ArtifactKey
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Symgate, SymgateFactory
-from tests.processes import run_in_thread
+from tests.harness import SymgateFactory, cli, config_file
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
 MISSING = "00112233445566778899aabbccddeeff00112233"
-
-
-def config_file(sg: Symgate, tmp_path: Path) -> Path:
-    path = tmp_path / "admin.toml"
-    path.write_text(f'[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
-                    f'[database]\nurl = "{sg.config.database_url}"\n')
-    return path
-
-
-async def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return await run_in_thread(["symgate", *args, "--config", str(config)], timeout=60)
 
 
 async def test_cache_ls_stats_and_purge(

@@ -18,10 +18,12 @@ from tests.faults import FaultUpstream
 from tests.harness import (
     Debuginfod,
     SymgateFactory,
+    cli,
+    config_file,
     eventually,
     make_config,
 )
-from tests.processes import run_in_thread, stopped
+from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
 
@@ -169,11 +171,7 @@ async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_a
     pending = asyncio.ensure_future(post(sg, both.SerializeToString()))
     # prog's table is resolved (open already); other's fetch waits on the upstream.
     await eventually(lambda: _true(faults.count("hold404") > asked))
-    config = tmp_path / "admin.toml"
-    config.write_text(f'[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
-                      f'[database]\nurl = "{sg.config.database_url}"\n')
-    purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
-                                  "--config", str(config)], timeout=60)
+    purged = await cli(config_file(sg, tmp_path), "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0, purged.stderr
     faults.release.set()
     status, headers, _ = await pending
