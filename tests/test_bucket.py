@@ -205,20 +205,28 @@ async def test_a_file_too_big_for_every_replicas_disk_still_crosses_from_upstrea
     assert faults.count("held") == 1
 
 
-@on_postgresql
-async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_from_all(
-    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
-    prefix: Prefix
-) -> None:
-    nowhere = faults.url_for("notfound")  # the upload is the only place it is
+async def _uploaded_to_a(start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet,
+                         faults: FaultUpstream, prefix: Prefix
+                         ) -> tuple[Symgate, Symgate, str, bytes, dict[str, str]]:
+    """Replicas a and b sharing the bucket, prog's debug file uploaded to a and nowhere else
+    (their upstream has nothing): a, b, its path, its bytes and the uploader's headers."""
     token = "symgate-test-upload-token"
-    a, b = await replicas(start_symgate, tmp_path, nowhere, "ab", prefix.config(),
-                          upload=UploadConfig(admin_tokens=(token,)),
+    a, b = await replicas(start_symgate, tmp_path, faults.url_for("notfound"), "ab",
+                          prefix.config(), upload=UploadConfig(admin_tokens=(token,)),
                           cache=CacheConfig(purge_poll_s=0.2))
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     data = elfs.prog.debug.read_bytes()
     auth = {"Authorization": f"Bearer {token}"}
     assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+    return a, b, path, data, auth
+
+
+@on_postgresql
+async def test_an_upload_to_one_replica_is_served_by_every_replica_and_deleted_from_all(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix
+) -> None:
+    a, b, path, data, auth = await _uploaded_to_a(start_symgate, tmp_path, elfs, faults, prefix)
     assert (await b.get(path))[::2] == (200, data)  # at once: the PUT waited for the bucket
     assert faults.count("notfound") == 0
     assert (await a.request("DELETE", path, headers=auth))[0] == 204
@@ -239,15 +247,7 @@ async def test_a_copy_of_an_upload_committed_after_its_delete_elsewhere_is_not_k
     a DELETE on another replica meanwhile found no row of that copy to remove, and the copy's
     row, written after it, kept the deleted upload served there for as long as it was
     cached."""
-    nowhere = faults.url_for("notfound")
-    token = "symgate-test-upload-token"
-    a, b = await replicas(start_symgate, tmp_path, nowhere, "ab", prefix.config(),
-                          upload=UploadConfig(admin_tokens=(token,)),
-                          cache=CacheConfig(purge_poll_s=0.2))
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    data = elfs.prog.debug.read_bytes()
-    auth = {"Authorization": f"Bearer {token}"}
-    assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+    a, b, path, data, auth = await _uploaded_to_a(start_symgate, tmp_path, elfs, faults, prefix)
     # b's commit waits for its data dir's upload lock, as while an upload is committed there.
     lock = os.open(b.config.cache_dir / "uploads.lock", os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(lock, fcntl.LOCK_EX)
