@@ -107,11 +107,11 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         if not isinstance(result, Hit):
             try:
                 _check_size(result.meta.size, max_size)
-                lied = not asked_again and await _lied_before_start(request, result)
+                await _until_start(request, result)
             except BaseException:
                 result.reader.close()
                 raise
-            if lied:
+            if not asked_again and result.flight.error is not None and result.flight.lied:
                 # Nothing sent yet: the other upstreams are asked first now, as the client's
                 # own retry would find, which elfutils' client does not make.
                 result.reader.close()
@@ -359,20 +359,13 @@ async def _until_start(request: web.Request, streaming: Streaming) -> None:
         await flight.wait_streamable()
 
 
-async def _lied_before_start(request: web.Request, streaming: Streaming) -> bool:
-    """Whether the download failed, before the response could start, for an upstream's answer
-    that was not the file, with other upstreams to ask (Flight.lied)."""
-    await _until_start(request, streaming)
-    return streaming.flight.error is not None and streaming.flight.lied
-
-
 async def _send_streaming(
     request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming
 ) -> web.StreamResponse:
+    """Once the response can start (_until_start, which the caller awaited)."""
     meta = streaming.meta
     flight = streaming.flight
     size = meta.size
-    await _until_start(request, streaming)  # at once: the caller waited for it already
     if flight.error is not None:
         raise flight.error
     if size is None and flight.succeeded:
