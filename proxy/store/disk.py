@@ -181,31 +181,14 @@ class DiskStore:
         """The lock one process at a time holds to judge the whole cache against its budget
         and evict for it: a descriptor to close to release it, or None while another process
         holds it (then that one is doing the work)."""
-        fd = os.open(self.objects.parent / "budget.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return flocked(self.objects.parent / "budget.lock", wait=False)
 
     def upload_lock(self, *, wait: bool = True) -> int | None:
         """The lock every process holds while it commits an upload or removes one, so that
         the upload budget and a key's file and row change together, and while it commits a
         download, which must not replace an upload. Blocking: take it in a thread; close the
         descriptor to release it. Without `wait`, None while another process holds it."""
-        fd = os.open(self.objects.parent / "uploads.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return flocked(self.objects.parent / "uploads.lock", wait=wait)
 
     def free_bytes(self) -> int:
         """Space left for the cache on its filesystem (for an unprivileged writer)."""
@@ -279,6 +262,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+def flocked(path: Path, *, wait: bool) -> int | None:
+    """A descriptor of the file at `path` (made if missing) holding an exclusive flock(2) on
+    it, to close to release it; without `wait`, None while another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def same_file(fd: int, path: Path) -> bool:

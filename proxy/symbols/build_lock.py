@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import threading
 from pathlib import Path
 
-from proxy.store.disk import same_file
+from proxy.store.disk import flocked, same_file
 
 
 class BuildLock:
@@ -76,15 +75,9 @@ def _lock(path: Path, *, blocking: bool) -> int | None:
     """A descriptor holding the lock of the file now at `path`; None if another holds it
     (when not `blocking`)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = flocked(path, wait=blocking)
+        if fd is None:
             return None
-        except BaseException:
-            os.close(fd)
-            raise
         if same_file(fd, path):
             return fd
         os.close(fd)  # its holder removed it as it let go: lock the file there now
