@@ -15,15 +15,16 @@ from pathlib import Path
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.config import SymbolizeConfig, TenantConfig, UpstreamConfig
+from proxy.config import SymbolizeConfig, TenantConfig, UploadConfig, UpstreamConfig
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, fast_upstream
+from tests.harness import Symgate, SymgateFactory, eventually, fast_upstream
 from tests.profiles import code_addresses, make_profile, place
 
 BASE = 0x5555_5555_4000
 TOKEN_A = "a-token-long-enough-1234"
+ADMIN = "an-admin-token-long-enough-5678"
 
 
 def private(faults: FaultUpstream) -> UpstreamConfig:
@@ -140,6 +141,51 @@ async def test_a_malformed_tenant_header_is_400(start_symgate: SymgateFactory) -
     path = "/buildid/" + "ab" * 20 + "/debuginfo"
     assert (await sg.get(path, headers={"X-Scope-OrgID": "x" * 256}))[0] == 400
     assert (await sg.get(path, headers={"X-Scope-OrgID": "a\tb"}))[0] == 400
+
+
+async def _status_of_raw(sg: Symgate, head: bytes) -> bytes:
+    """The status line of the answer to `head`, sent as it is (aiohttp's client sends header
+    values as UTF-8 only)."""
+    host, port = sg.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        return (await asyncio.wait_for(reader.read(), 10)).split(b"\r\n", 1)[0]
+    finally:
+        writer.close()
+
+
+async def test_tenant_headers_and_tokens_that_are_not_utf8_are_refused_not_500(
+    start_symgate: SymgateFactory, elfs: ElfSet
+) -> None:
+    """aiohttp keeps a header's bytes that are not UTF-8 as surrogate escapes: such an
+    X-Scope-OrgID became a scope whose key could not be hashed, and such a bearer token one
+    that could not be compared, each a 500 with a traceback."""
+    sg = await start_symgate(
+        [], tenants={"a": TenantConfig(tokens=(TOKEN_A,))},
+        upload=UploadConfig(admin_tokens=(ADMIN,)))
+    bid = elfs.prog.build_id
+    admin = f"Authorization: Bearer {ADMIN}\r\n".encode()
+    for method, path, extra, status in [
+            (b"GET", f"/buildid/{bid}/debuginfo", b"X-Scope-OrgID: caf\xe9\r\n", b"400"),
+            (b"HEAD", f"/buildid/{bid}/debuginfo", b"X-Scope-OrgID: \xff\r\n", b"400"),
+            (b"GET", f"/metadata?key=buildid&value={bid}", b"X-Scope-OrgID: \xff\r\n",
+             b"400"),
+            (b"POST", "/symbolize", b"X-Scope-OrgID: \xff\r\n"
+             b"Content-Type: application/octet-stream\r\nContent-Length: 0\r\n", b"400"),
+            (b"PUT", f"/buildid/{bid}/debuginfo", admin + b"X-Scope-OrgID: \xff\r\n"
+             b"Content-Length: 0\r\n", b"400"),
+            (b"GET", f"/buildid/{bid}/debuginfo", b"Authorization: Bearer \xff\xfe\r\n",
+             b"401"),
+            (b"PUT", f"/buildid/{bid}/debuginfo", b"Authorization: Bearer \xff\r\n"
+             b"Content-Length: 0\r\n", b"401"),
+            (b"DELETE", f"/buildid/{bid}/debuginfo", b"Authorization: Bearer \xff\r\n",
+             b"401")]:
+        head = (method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + extra
+                + b"Connection: close\r\n\r\n")
+        line = await _status_of_raw(sg, head)
+        assert line.split(b" ")[1] == status, (method, path, extra, line)
+    assert (await sg.get("/healthz"))[0] == 200
 
 
 async def test_many_clients_of_two_scopes_at_once(

@@ -79,13 +79,13 @@ class Tenancy:
         return owner
 
     def _is_admin(self, token: str) -> bool:
-        given = token.encode()
+        given = _as_sent(token)
         # Every one compared, in constant time, as for tenants' tokens.
         return sum(hmac.compare_digest(given, admin) for admin in self._admin_tokens) > 0
 
     def _owner_of(self, token: str) -> str | None:
         """Compared with every token, in constant time: a mismatch tells nothing of where."""
-        given = token.encode()
+        given = _as_sent(token)
         owner: str | None = None
         for candidate, name in self._tokens:
             if hmac.compare_digest(given, candidate):
@@ -108,9 +108,26 @@ def _claimed(request: web.BaseRequest) -> str:
     if len(given) > 1:  # a gateway that appends rather than replaces: trust neither
         raise InvalidRequest("more than one X-Scope-OrgID")
     claimed = given[0].strip() if given else ""
-    if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed):
+    if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed) \
+            or not _is_utf8(claimed):
+        # Bytes that are not UTF-8 (kept by aiohttp as surrogate escapes) name no tenant a
+        # config can have, and a scope of them can be neither hashed nor stored.
         raise InvalidRequest("invalid X-Scope-OrgID")
     return claimed
+
+
+def _as_sent(value: str) -> bytes:
+    """A header's value as the client sent it: aiohttp decodes header bytes as UTF-8, and
+    keeps those that are not as surrogate escapes, which plain encode() refuses."""
+    return value.encode("utf-8", "surrogateescape")
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # surrogate escapes: bytes that were not UTF-8
+        return False
+    return True
 
 
 def _bearer(request: web.BaseRequest) -> str:
