@@ -21,7 +21,7 @@ from proxy.web.state import STATE
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
+from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_upstream
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_tree
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
@@ -167,6 +167,46 @@ async def test_past_the_slots_a_profile_gets_429_at_once_and_hits_stay_served(
         status, headers, _ = await pending
         assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 1
+
+
+async def test_a_profile_whose_client_left_while_it_waited_gives_its_place_up(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """aiohttp runs a handler on after its client hangs up: profiles whose clients had given
+    up held every waiting place, then the slot, and were worked on for nobody, while the
+    clients that were there got 429s."""
+    faults.release.set()
+    held = fast_upstream(faults.url_for("hold"), first_byte_timeout_s=60)  # as long as needed
+    sg = await start_symgate([held], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=2, deadline_s=60.0))
+    assert (await sg.get(f"/buildid/{elfs.other.build_id}/executable"))[0] == 200
+    faults.release.clear()
+    workers = sg.runner.app[STATE].symbols.workers
+    first = asyncio.ensure_future(post(sg, _profile(elfs)))  # in work, held by its debuginfo
+    await eventually(lambda: _true(faults.count("hold") > 1))
+    body = _profile(elfs)
+    host, port = sg.url.removeprefix("http://").split(":")
+    left = []
+    for _ in range(2):  # the waiting places, taken by clients that then hang up
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/octet-stream\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
+        left.append(writer)
+    await eventually(lambda: _true(workers.queued_count == 2))
+    for writer in left:
+        writer.transport.abort()
+    await eventually(lambda: _true(workers.admitted_count == 1))
+    # Their places are free for clients that wait for an answer.
+    second = asyncio.ensure_future(post(sg, _profile(elfs)))
+    await eventually(lambda: _true(workers.queued_count == 1))
+    faults.release.set()
+    for pending in (first, second):
+        status, headers, _ = await pending
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert workers.admitted_count == 0
+    for outcome, count in (("symbolized", 2), ("aborted", 2), ("internal", 0)):
+        assert await sg.metric("symgate_symbolize_profiles_total", outcome=outcome) == count
 
 
 async def _expecting(sg: Symgate, head: bytes

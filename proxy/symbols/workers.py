@@ -39,6 +39,8 @@ from symbolize.worker import Answer, Finished, Limits, Scanned
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# How often a profile waiting for a worker slot looks whether its client is still there.
+_GONE_POLL_S = 0.5
 
 
 class WorkerPool:
@@ -244,10 +246,11 @@ class SymbolizeWorkers:
         return self._queued
 
     @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[Callable[[], AsyncContextManager[None]]]:
+    async def admitted(self) -> AsyncIterator[Callable[[Callable[[], bool]],
+                                                       AsyncContextManager[None]]]:
         """A place among the profiles in work or waiting (Overloaded past them), and what
-        takes a worker slot once the profile's body is in: an upload that trickles in must
-        hold a waiting place, never a slot."""
+        takes a worker slot once the profile's body is in (given what tells that its client
+        has left): an upload that trickles in must hold a waiting place, never a slot."""
         with self._admission.take(f"symgate is symbolizing {self._max_concurrent} profiles "
                                   "and has as many waiting as it may: try again later"):
             yield self._slot
@@ -267,16 +270,42 @@ class SymbolizeWorkers:
             yield
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    async def _slot(self, gone: Callable[[], bool]) -> AsyncIterator[None]:
+        """A worker slot, waited for while the profile's client is there (`gone` says when
+        it has left): aiohttp lets a handler run on after its client hangs up, and a profile
+        nobody waits for any more held its waiting place, then a slot and the work, while
+        the clients that were there got 429s (a client that gives up on a long queue and
+        sends again filled it with its own abandoned profiles)."""
         self._queued += 1
         try:
-            await self._slots.acquire()
+            await self._acquire_for(gone)
         finally:
             self._queued -= 1
         try:
             yield
         finally:
             self._slots.release()
+
+    async def _acquire_for(self, gone: Callable[[], bool]) -> None:
+        if gone():
+            raise ConnectionResetError("the client left before its profile was worked on")
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return
+        # One acquire, looked in on: cancelling and retrying it would lose its turn.
+        acquiring = asyncio.ensure_future(self._slots.acquire())
+        try:
+            while not acquiring.done():
+                await asyncio.wait([acquiring], timeout=_GONE_POLL_S)
+                if not acquiring.done() and gone():
+                    raise ConnectionResetError("the client left while its profile waited "
+                                               "for a worker slot")
+        except BaseException:
+            # Given up (the client gone, or the request cancelled): a pending acquire is
+            # cancelled, and a slot it got meanwhile is handed on.
+            if not acquiring.cancel() and not acquiring.cancelled():
+                self._slots.release()
+            raise
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await self.run(worker.scan, body, limits)

@@ -162,7 +162,9 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
-        async with take_slot():
+        # A client that left meanwhile gives its place up rather than have its profile
+        # worked on for nobody (proxy.web.errors answers it as a client closed request).
+        async with take_slot(lambda: request.transport is None):
             # Inflated only now, as a gzipped body is (pipeline.py): a waiting profile holds
             # what it was sent, not the up to max_decompressed_bytes it inflates to.
             body = await inflate(body, cfg, wbits)
