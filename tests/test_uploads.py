@@ -325,6 +325,9 @@ async def test_expect_continue_refuses_before_the_body_is_sent(
     assert (await _expect(sg, own.build_id, size, "an-unknown-token-0123")).startswith(
         b"HTTP/1.1 401")
     assert (await _expect(sg, own.build_id, size + 1, ADMIN)).startswith(b"HTTP/1.1 413")
+    # A malformed build ID too: its 400 came after a 100 Continue, and the body with it.
+    for bad in ("abc", "zz" * 20, "ab" * 65):
+        assert (await _expect(sg, bad, size, ADMIN)).startswith(b"HTTP/1.1 400"), bad
     assert (await _expect(sg, own.build_id, size, ADMIN)).startswith(b"HTTP/1.1 100")
     # And curl, which sends Expect for any body past a KiB, uploads through it.
     done = await run_in_thread(["curl", "-s", "-w", "%{http_code}", "-X", "PUT",

@@ -22,9 +22,11 @@ CHUNK = 256 * 1024
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """`Expect: 100-continue` (curl sends it for any upload past a KiB): say what will be
-    refused anyway (no token, too large) before the client sends the body, not after."""
+    refused anyway (a malformed build ID, no token, too large) before the client sends the
+    body, not after."""
     state = request.app[STATE]
     try:
+        _key(request)
         state.tenancy.uploader(request)
         coding_of(request)
         limit = state.config.upload.max_file_bytes
