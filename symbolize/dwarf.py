@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 DW_AT_COMP_DIR = 0x1B
+DW_AT_DECL_FILE = 0x3A
 DW_AT_LINKAGE_NAME = 0x6E
 DW_AT_MIPS_LINKAGE_NAME = 0x2007
 
@@ -91,6 +92,8 @@ def _load() -> ctypes.CDLL | None:
         "dwarf_formudata": (ctypes.c_int, [_P, _P]),
         "dwarf_getsrcfiles": (ctypes.c_int, [_P, _P, _P]),
         "dwarf_filesrc": (_P, [_P, ctypes.c_size_t, _P, _P]),
+        # Unit, result, version, abbrev offset, address size, offset size, unit id, subdie.
+        "dwarf_cu_die": (_P, [_P, _P, _P, _P, _P, _P, _P, _P]),
     }
     for fn, (restype, argtypes) in sig.items():
         getattr(lib, fn).restype = restype
@@ -248,6 +251,8 @@ class _Reader:
         self._int = ctypes.c_int()
         self._lines_p, self._count = ctypes.c_void_p(), ctypes.c_size_t()
         at = ctypes.addressof
+        self._decl_attr, self._decl_value = _Attribute(), ctypes.c_uint64()
+        self._decl_attr_at, self._decl_value_at = at(self._decl_attr), at(self._decl_value)
         self._int_at = at(self._int)
         self._lines_at, self._count_at = at(self._lines_p), at(self._count)
         self._version = 0
@@ -362,7 +367,9 @@ class _Reader:
             # end, for the few names declared at several lines (_decl_lines).
             declared = self._declared
             at = lib.dwarf_decl_file(die) or 0
-            if at not in self._file_dirs:
+            if not at:
+                at = self._decl_file_zero(die)
+            elif at not in self._file_dirs:
                 self._file_dirs[at] = self._comp_dir
             if name:
                 declared.setdefault(name, set()).add((line, at))
@@ -383,6 +390,32 @@ class _Reader:
             for start, _end in ranges:
                 self._out.by_entry[start] = found
         return 0  # DWARF_CB_OK
+
+    def _decl_file_zero(self, die: int) -> int:
+        """The DIE's DW_AT_decl_file where it is file 0 of a DWARF 5 unit, as libdw's pointer
+        into that unit's file table (0: it is not). Clang declares every function of the
+        unit's own source file so, and libdw's dwarf_decl_file (0.188) takes index 0 for no
+        file, as it is before DWARF 5: `helper` static in two files was declared nowhere,
+        and its frames had no start line."""
+        lib = self._lib
+        attr = lib.dwarf_attr_integrate(die, DW_AT_DECL_FILE, self._decl_attr_at)
+        if not attr or lib.dwarf_formudata(attr, self._decl_value_at) != 0 \
+                or self._decl_value.value != 0 or not self._decl_attr.cu:
+            return 0
+        # The unit of the attribute, which DW_AT_abstract_origin or DW_AT_specification may
+        # have taken from another one (a link-time optimized program's).
+        at = ctypes.addressof
+        unit, version = Die(), ctypes.c_uint16()
+        if not lib.dwarf_cu_die(self._decl_attr.cu, at(unit), at(version), None, None, None,
+                                None, None) or version.value < 5:
+            return 0
+        files, count = ctypes.c_void_p(), ctypes.c_size_t()
+        if lib.dwarf_getsrcfiles(at(unit), at(files), at(count)) != 0 or not count.value:
+            return 0
+        name: int = lib.dwarf_filesrc(files, 0, None, None) or 0
+        if name and name not in self._file_dirs:
+            self._file_dirs[name] = self._die.string(at(unit), DW_AT_COMP_DIR)
+        return name
 
     def _rows(self, cu: int) -> list[LineRow]:
         lib = self._lib

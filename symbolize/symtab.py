@@ -70,8 +70,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # as Rust; since 7, start lines by file where a name is declared at several lines, line
 # sequences of code GNU ld discarded moved off live code, and an eu-stripped debug file's empty
 # .symtab replaced by the executable's; since 8, a dwz'd file read whole with its supplementary
-# file): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-8"
+# file; since 9, start lines by the file a DWARF 5 unit declares as its file 0, as clang
+# declares its functions): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-9"
 
 
 class NoSymbols(Exception):

@@ -476,3 +476,45 @@ def test_gcc_link_time_optimized_programs_are_named_as_llvm_names_them(
             differ[hex(v)] = (ours, theirs)
     assert len(wanted) > 1000
     assert differ == {}
+
+
+# Two files, each with a static `helper` of its own, declared at another line: clang inlines
+# both, and declares each in its unit's file 0.
+HELPER_A_C = r"""
+static int helper(int x) { int s = 0; for (int i = 0; i < x; i++) s += i * x ^ (s >> 2); return s; }
+int in_a(int n) { return helper(n) + 1; }
+"""
+HELPER_B_C = r"""
+#include <stdio.h>
+int in_a(int n);
+
+
+static int helper(int x) { int s = 1; for (int i = 0; i < x * 3; i++) s ^= i + s * 7; return s; }
+int main(int argc, char **argv) { printf("%d\n", helper(argc) + in_a(argc)); return 0; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="needs clang")
+async def test_clang_dwarf5_static_functions_of_one_name_have_their_start_lines(
+        start_symgate: SymgateFactory, tmp_path: Path) -> None:
+    """A name declared at several lines (`helper`, static in two files) gets its start line
+    by the file of its frame. clang's DWARF 5 declares every function of a unit's own source
+    file as file 0, which libdw's dwarf_decl_file (0.188) takes for none: the two helpers were
+    declared nowhere, and their frames had start line 0 where llvm-symbolizer says 2 and 6."""
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "a.c").write_text(HELPER_A_C)
+    (build / "b.c").write_text(HELPER_B_C)
+    exe = build / "prog"
+    subprocess.run(["clang", "-O2", "-g", "-gdwarf-5", "-Wl,--build-id", "a.c", "b.c", "-o",
+                    "prog"], cwd=build, check=True, capture_output=True)
+    tree, elf = _served_alone(exe, tmp_path)
+    vaddrs = code_addresses(elf)
+    expected = llvm_symbolize(exe, vaddrs)
+    helpers = {f.start_line for frames in expected.values() for f in frames
+               if f.function == "helper"}
+    assert helpers == {2, 6}, helpers  # both inlined, each known to llvm-symbolizer
+    placed = place(elf, 0x55D0C0DE0000)
+    sent = make_profile([(placed, vaddrs)]).SerializeToString()
+    answers, _headers = await _offline_and_served(start_symgate, tree, sent)
+    _assert_frames(answers, placed, expected)
