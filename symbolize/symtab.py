@@ -710,7 +710,8 @@ class SymbolTable:
     the index of the line row that gives the line of code outside every subprogram
     (function_names.py), plus the number of such rows where that code is in a `.cold` part
     (named as the pieces of one are: a split-DWARF program's). The innermost frame has its
-    piece's column; the frames it is inlined into none (their DW_AT_call_column is not read).
+    piece's column where a line row covers it; the frames it is inlined into none (their
+    DW_AT_call_column is not read).
     """
 
     def __init__(
@@ -855,7 +856,12 @@ class SymbolTable:
         outermost = np.append(owner[1:] != owner[:-1], True)
         innermost = np.ones(len(owner), dtype=np.bool_)
         innermost[1:] = owner[1:] != owner[:-1]
-        column = np.where(innermost, self._piece_column[piece][owner], 0).astype(np.uint64)
+        # A frame of no line row (no file: code without DWARF) has no column either. Past
+        # the end of a line sequence no row holds, but the sequence's last row may sit at its
+        # end address (GCC's, after a call that does not return), and its column ran on into
+        # the code after (_start, after main in a g++ -O2 program, had main's column 19).
+        column = np.where(innermost & (file != NONE), self._piece_column[piece][owner],
+                          0).astype(np.uint64)
         # One FunctionKey per (function, file, outermost in a hot or a cold part), and frames
         # without a name dropped.
         hot = outermost & renamed[owner]

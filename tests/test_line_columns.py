@@ -10,14 +10,16 @@ import random
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from symbolize.chains import FunctionIds
-from symbolize.elf import layout_of_file
+from symbolize.dwarf import read_functions
+from symbolize.elf import build_id_of_file, function_symbols, layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
 from symbolize.rewrite import MappingSymbols
 from symbolize.symtab import build_symbol_table
-from tests.elfs import ElfSet
+from tests.elfs import Elf, ElfSet
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
 from tests.profiles import code_addresses
 from tests.rewriting import open_table, run_rewrite
@@ -85,3 +87,45 @@ def test_libc_columns_are_llvm_symbolizers(tmp_path: Path) -> None:
     want = llvm_columns(LIBC, vaddrs)
     assert len(want) > 2500
     assert _compare(symgate_columns(LIBC_DEBUG, LIBC_ID, vaddrs, tmp_path), want) > 2000
+
+
+# main's last line sequence ends in landing pads that jump to main.cold, its last row at its
+# end address; crt1's _start, without DWARF, follows.
+LANDING_PADS_CPP = r"""
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+static int __attribute__((noinline)) call_twice(const std::function<int(int)> &f, int x) {
+    return f(x) + f(x + 1);
+}
+int main(int argc, char **) {
+    std::map<std::string, int> m;
+    for (int i = 0; i < argc * 10; i++) m[std::to_string(i)] = i;
+    int k = argc;
+    auto lam = [&k](int x) { return x * k; };
+    std::printf("%d %zu\n", call_twice(lam, argc), m.size());
+    return 0;
+}
+"""
+
+
+def test_code_without_dwarf_after_a_line_sequence_has_no_column(tmp_path: Path) -> None:
+    """llvm-symbolizer gives code that no line row covers no column. GCC may end a line
+    sequence with a row at its end address, which libdw sorts after the end of the sequence:
+    its column ran on into the code after. `_start` (crt1's, no DWARF) had column 19 of
+    main's last row."""
+    (tmp_path / "main.cpp").write_text(LANDING_PADS_CPP)
+    exe = tmp_path / "prog"
+    subprocess.run(["g++", "-O2", "-g", "-Wl,--build-id", "main.cpp", "-o", "prog"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    build_id = build_id_of_file(exe)
+    assert build_id
+    start = next(s.value for s in function_symbols(exe) if s.name == "_start")
+    dwarf = read_functions(exe, [start])
+    at = np.searchsorted(dwarf.column_starts, start, side="right") - 1
+    assert at >= 0 and dwarf.columns[at], "the compiler ended main's sequence otherwise"
+    vaddrs = code_addresses(Elf("prog", build_id, exe, exe, ()))
+    want = llvm_columns(exe, vaddrs)
+    assert want[start] == [0]
+    _compare(symgate_columns(exe, build_id, vaddrs, tmp_path), want)
