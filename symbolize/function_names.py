@@ -13,11 +13,13 @@ GCC `.cold` part) is named as llvm-symbolizer names it given the stripped execut
 the executable's .dynsym symbol there, the largest, the last listed of equals (`select`, not
 `__select`; `getcwd` where libc hides the DWARF name `__getcwd`). .dynsym's order is GNU hash
 order, which only the executable carries: a detached debug file keeps the table's header but
-not its contents. Without it, the DWARF name where it is exported, else the last exported name
-that .symtab lists there. Inlined frames keep the DWARF name, and so does a `.cold` part where
-.dynsym named the rest (no .dynsym symbol covers it: llvm-symbolizer names it by DWARF too);
-without .dynsym, a `.cold` part is named after its `.cold` symbol, as llvm-symbolizer names it
-by a .symtab (the debug file's, or an executable's that keeps one).
+not its contents. Without it, the DWARF name where it is exported, else, where .symtab has it
+there but hidden, the last exported name that .symtab lists there (a DWARF name that is no
+symbol is kept: Go's `runtime.mstart`, whose symbol is `runtime.mstart.abi0`). Inlined
+frames keep the DWARF name, and so does a `.cold` part where .dynsym named the rest (no
+.dynsym symbol covers it: llvm-symbolizer names it by DWARF too); without .dynsym, a `.cold`
+part is named after its `.cold` symbol, as llvm-symbolizer names it by a .symtab (the debug
+file's, or an executable's that keeps one).
 """
 
 from __future__ import annotations
@@ -175,10 +177,15 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             exported = _exported(aliases.get(address, []))
             if pick is not None:
                 chosen = (demangle_as(pick), system)
-            elif picks is None and exported and not {sub.name, system} & set(exported):
-                # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`) and
-                # exports the function as `getcwd`, `pthread_create`: what its callers wrote,
-                # and what llvm-symbolizer says given the executable (from its .dynsym).
+            elif picks is None and exported and not {sub.name, system} & set(exported) \
+                    and {sub.name, system} & {s.name.partition("@")[0]
+                                              for s in aliases[address]}:
+                # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`: a
+                # local symbol there) and exports the function as `getcwd`, `pthread_create`:
+                # what its callers wrote, and what llvm-symbolizer says given the executable
+                # (from its .dynsym). A DWARF name that is no symbol at all is hidden by
+                # nothing: Go names an assembly function `runtime.mstart` in DWARF, as its
+                # runtime and its profiles do, and its linker `runtime.mstart.abi0`.
                 chosen = (demangle_as(exported[-1]), system)
             if mangled and system == own and chosen == by_dwarf:
                 continue  # symbolic's name, demangled knowing the language

@@ -71,8 +71,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # sequences of code GNU ld discarded moved off live code, and an eu-stripped debug file's empty
 # .symtab replaced by the executable's; since 8, a dwz'd file read whole with its supplementary
 # file; since 9, start lines by the file a DWARF 5 unit declares as its file 0, as clang
-# declares its functions): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-9"
+# declares its functions; since 10, a DWARF name that is no symbol not taken for one a library
+# hides): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-10"
 
 
 class NoSymbols(Exception):
