@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import struct
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -32,6 +33,8 @@ class Forwarder:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.StreamWriter] = set()
         self._silent = False  # connections accepted and never answered (silence())
+        # (SQLSTATE, message) each new connection is refused with (refuse()), or None.
+        self._refusal: tuple[str, str] | None = None
         # Not port 0's answer, which is in the kernel's ephemeral range: while the forwarder
         # is cut, an outgoing connection of any test may take that port as its own, and
         # binding it again then fails (seen once in CI: EADDRINUSE in silence()).
@@ -61,6 +64,33 @@ class Forwarder:
             w.transport.abort()
         self._pipes.clear()
 
+    async def refuse(self, sqlstate: str, message: str) -> None:
+        """From now on, each connection is answered as PostgreSQL answers while it starts up
+        or shuts down (57P03), or has too many clients (53300): its FATAL error, then the
+        connection closed; those open are cut. heal() ends it."""
+        self._refusal = (sqlstate, message)
+        for w in list(self._pipes):
+            w.transport.abort()
+        self._pipes.clear()
+
+    def heal(self) -> None:
+        self._refusal = None
+        self._silent = False
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      sqlstate: str, message: str) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            length, code = struct.unpack("!ii", await reader.readexactly(8))
+            if code == 80877103:  # SSLRequest: "N", no TLS here; the startup message follows
+                writer.write(b"N")
+                length, _ = struct.unpack("!ii", await reader.readexactly(8))
+            await reader.readexactly(length - 8)
+            fields = b"".join(tag + text.encode() + b"\0" for tag, text in (
+                (b"S", "FATAL"), (b"V", "FATAL"), (b"C", sqlstate), (b"M", message)))
+            writer.write(b"E" + struct.pack("!i", 4 + len(fields) + 1) + fields + b"\0")
+            await writer.drain()
+        writer.close()
+
     async def _hang(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._pipes.add(writer)
         with contextlib.suppress(OSError):
@@ -75,6 +105,9 @@ class Forwarder:
         self._pipes.clear()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._refusal is not None:
+            await self._refuse(reader, writer, *self._refusal)
+            return
         if self._silent:
             await self._hang(reader, writer)
             return
@@ -222,3 +255,41 @@ async def test_a_profile_while_postgresql_is_down_is_named_or_refused_never_left
         return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
     await eventually(named, timeout=30)
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+@pytest.mark.parametrize("refusal", [
+    ("57P03", "the database system is starting up"),
+    ("53300", "sorry, too many clients already"),
+])
+async def test_a_postgresql_that_refuses_connections_refuses_a_profile_never_leaves_it_bare(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, refusal: tuple[str, str],
+) -> None:
+    """A PostgreSQL restarting (or out of connection slots) answers each connection with its
+    FATAL error, which reaches SQLAlchemy as a bare DBAPIError rather than an
+    OperationalError: it is the database out of reach all the same, a 503 with Retry-After,
+    never a table failed "internal" and its mapping left bare in a 200."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+                  symbolize=symbolize_config())
+    sg = await start_symgate(config=cfg)
+    profile = make_profile([(place(elfs.big, BASES["prog"]), code_addresses(elfs.big)[:5])]
+                           ).SerializeToString()
+
+    await forwarder.refuse(*refusal)
+    status, headers, text = await post(sg, profile)
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers, text)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    status, _, text = await sg.get("/healthz")
+    assert status == 200 and b"database: unreachable" in text
+
+    forwarder.heal()
+
+    async def named() -> bool:
+        status, headers, _ = await post(sg, profile)
+        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    await eventually(named, timeout=30)
+    await forwarder.cut()

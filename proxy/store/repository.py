@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import ExceptionContext, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -95,6 +95,27 @@ _SQLITE_STUCK = re.compile(r"attempt to write a readonly database|disk I/O error
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, OSError)
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+# SQLSTATE classes of a PostgreSQL that is there but cannot serve now: connection exceptions
+# (08), insufficient resources (53: too many connections, its disk full), operator
+# intervention (57: starting up, shutting down, a query cancelled) and system errors (58).
+# asyncpg's errors of these kinds reach SQLAlchemy as a bare DBAPIError, not an
+# OperationalError: told apart by their code, not their class.
+_OUTAGE_STATES = ("08", "53", "57", "58")
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """Whether a query failed because the database is gone or cannot serve now (a refused
+    or cut connection, a query past database.timeout_s, a server starting up or shutting
+    down), as opposed to a wrong query, which is a bug to show."""
+    if isinstance(error, (OperationalError, InterfaceError, OSError)):
+        return True
+    if isinstance(error, DBAPIError):
+        if error.connection_invalidated:
+            return True
+        state = getattr(error.orig, "sqlstate", None)
+        return isinstance(state, str) and state[:2] in _OUTAGE_STATES
+    return False
 
 
 def sql_failure(error: BaseException) -> str:

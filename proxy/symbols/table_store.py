@@ -11,12 +11,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from proxy.errors import DatabaseUnavailable
 from proxy.expiry import Expiry
 from proxy.store.disk import Store
-from proxy.store.repository import Repository, SymbolTableRecord, is_disk_full, sql_failure
+from proxy.store.repository import (
+    Repository,
+    SymbolTableRecord,
+    is_disk_full,
+    is_unreachable,
+    sql_failure,
+)
 from symbolize.elf import LoadSegment
 from symbolize.outcome import Outcome
 from symbolize.symtab import FORMAT, BuildResult
@@ -26,9 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A database gone or not answering, as the drivers say it (a refused or cut connection, a
-# query past database.timeout_s); not the errors of a wrong query, which are bugs to show.
-_UNREACHABLE = (OperationalError, InterfaceError, OSError)
+# What a query of the tables' rows may raise when the database is gone or not answering
+# (is_unreachable tells which of them say so; the others, a wrong query's, are bugs to show).
+_FAILURES = (DBAPIError, OSError)
 
 
 def layout_to_json(segments: Sequence[LoadSegment]) -> str:
@@ -150,7 +156,9 @@ class TableStore:
         without the row they are searched again after a restart."""
         try:
             await self._repo.set_file_layout(scope, build_id, layout_to_json(segments))
-        except _UNREACHABLE as e:  # SQLite's full disk too: an OperationalError
+        except _FAILURES as e:  # SQLite's full disk too: an OperationalError
+            if not is_unreachable(e):
+                raise
             log.warning("program headers of %s not recorded (%s): searched again after a "
                         "restart", build_id, sql_failure(e))
 
@@ -173,8 +181,8 @@ async def _sql(call: Awaitable[T]) -> T:
     caller to make room (SymbolResolver._with_room)."""
     try:
         return await call
-    except _UNREACHABLE as e:
-        if is_disk_full(e):
+    except _FAILURES as e:
+        if is_disk_full(e) or not is_unreachable(e):
             raise
         raise DatabaseUnavailable(f"the database does not answer ({sql_failure(e)}); "
                                   "try again") from e
