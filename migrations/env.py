@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy.engine import Connection
 
+from proxy.store.migrate import UnknownRevision
 from proxy.store.models import Base
 from proxy.store.repository import create_engine
 
@@ -30,7 +33,19 @@ def _run(connection: Connection) -> None:
             # (and fail on PostgreSQL's catalogue); one at a time, each later one finds the
             # schema at head. Held until this transaction ends. SQLite locks the file anyway.
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+        _known_revision()
         context.run_migrations()
+
+
+def _known_revision() -> None:
+    """UnknownRevision when the database is at a revision these scripts lack (a newer
+    symgate's), rather than alembic's traceback from deep in its revision map."""
+    script = ScriptDirectory.from_config(config)
+    for revision in context.get_context().get_current_heads():
+        try:
+            script.get_revision(revision)
+        except CommandError:
+            raise UnknownRevision(revision, script.get_current_head()) from None
 
 
 async def _run_online() -> None:

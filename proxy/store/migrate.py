@@ -13,6 +13,17 @@ if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
 
+class UnknownRevision(Exception):
+    """The database's schema is at a revision these migrations do not know: a newer symgate
+    migrated it. Neither upgraded nor used: this symgate's queries are not written for it."""
+
+    def __init__(self, revision: str, head: str | None) -> None:
+        super().__init__(f"its schema is at revision {revision}, which this symgate does not "
+                         f"know (its newest is {head}): a newer symgate migrated it; run that "
+                         "version, or give this one another database")
+        self.revision = revision
+
+
 def alembic_config(url: str, timeout_s: float | None = None) -> AlembicConfig:
     from alembic.config import Config as AlembicConfig
 

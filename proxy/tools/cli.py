@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"symgate: configuration error: {e}", file=sys.stderr)
         return 2
+    except migrate.UnknownRevision as e:  # db commands: a database a newer symgate migrated
+        print(f"symgate: database error: {e}", file=sys.stderr)
+        return 1
     except SQLAlchemyError as e:  # db and admin commands: a database out of reach, a bad URL
         text = str(getattr(e, "orig", None) or e).splitlines()[0]
         print(f"symgate: database error: {text}", file=sys.stderr)

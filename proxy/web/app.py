@@ -425,6 +425,8 @@ def startup_error(config: Config, e: Exception) -> Exception:
 
     where = _safe_url(config.database_url) if _parses(config.database_url) \
         else "the configured URL"
+    if isinstance(e, migrate.UnknownRevision):
+        return CannotStart(f"cannot use the database at {where}: {e}")
     if isinstance(e, SQLAlchemyError):
         text = str(getattr(e, "orig", None) or e).splitlines()[0]
         if "no such table" in text or ("relation" in text and "does not exist" in text):
