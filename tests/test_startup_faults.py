@@ -77,6 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
                                        _serve_config(root, newer)),
         "db-upgrade-newer-schema": (["db", "upgrade"], _serve_config(root, newer)),
         "db-current-newer-schema": (["db", "current"], _serve_config(root, newer)),
+        "no-migrate-older-schema": (["serve", "--no-migrate"], _serve_config(root, older)),
         "symbolize-missing-input": (
             ["symbolize", str(root / "absent.pb.gz"), "-o", str(root / "o1")], ""),
         "symbolize-missing-output-folder": (
@@ -141,6 +142,11 @@ def test_a_database_a_newer_symgate_migrated_is_one_line(runs: dict[str, Run], c
     """Neither upgraded nor used (this version's queries are not written for that schema),
     and said so: not alembic's traceback of a revision it cannot locate."""
     _one_clear_line(runs[case], "revision 0099", "a newer symgate")
+
+
+def test_no_migrate_on_an_older_schema_says_to_upgrade(runs: dict[str, Run]) -> None:
+    """A column a later migration added, missing: the same advice as a schema missing."""
+    _one_clear_line(runs["no-migrate-older-schema"], "symgate db upgrade")
 
 
 @pytest.mark.parametrize("case", ["serve-pg-unreachable", "serve-no-driver",

@@ -429,7 +429,10 @@ def startup_error(config: Config, e: Exception) -> Exception:
         return CannotStart(f"cannot use the database at {where}: {e}")
     if isinstance(e, SQLAlchemyError):
         text = str(getattr(e, "orig", None) or e).splitlines()[0]
-        if "no such table" in text or ("relation" in text and "does not exist" in text):
+        # A table missing (no schema), or a column (one from before a later migration:
+        # SQLite's "no such column", PostgreSQL's "column ... does not exist").
+        if "no such table" in text or "no such column" in text or (
+                ("relation" in text or "column" in text) and "does not exist" in text):
             return CannotStart(f"the database at {where} has no symgate schema, or an old one: "
                                "run `symgate db upgrade` (or serve without --no-migrate)")
         return CannotStart(f"cannot use the database at {where}: {text}")
