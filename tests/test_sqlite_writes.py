@@ -6,15 +6,20 @@ each other's sleeps (proxy.store.repository)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from sqlalchemy import event
 
 from proxy.store.migrate import upgrade
 from proxy.store.repository import Repository, create_engine
+from tests.faults import FaultUpstream
+from tests.harness import SymgateFactory, make_config
 from tests.test_local_reads import WHEN, _artifact, _table
 
 
@@ -53,3 +58,33 @@ async def test_concurrent_writes_of_one_process_never_meet_in_sqlite(
         assert got is not None and got.size == t.size
     for a in artifacts:
         assert await impatient.get_artifact(a.key_hash) is not None
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_file_locked_elsewhere_holds_no_miss_past_the_timeouts(
+    start_symgate: SymgateFactory, faults: FaultUpstream, database_url: str, tmp_path: Path,
+) -> None:
+    """Another process holds the file's write lock (an operator's `BEGIN EXCLUSIVE`, a
+    backup): each write fails after busy_timeout, and the misses queued behind the first
+    must not each wait their own turn of it after the others'. They are answered (their 404
+    remembered in memory), within database.timeout_s for their turn and as long again for
+    SQLite's lock, however many came at once."""
+    cfg = make_config(tmp_path / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=replace(cfg, database=replace(cfg.database, timeout_s=1.0)))
+    assert (await sg.get("/healthz"))[0] == 200  # schema made; the server up
+    blocker = sqlite3.connect(database_url.split("///", 1)[1], isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        # One after another, each waited its predecessors' busy_timeout: the last of 12 a
+        # minute, far past this client's patience.
+        patience = aiohttp.ClientTimeout(total=15)
+        statuses = await asyncio.gather(*(
+            sg.get(f"/buildid/{i:040x}/debuginfo", timeout=patience) for i in range(1, 13)))
+        assert [s for s, _, _ in statuses] == [404] * 12
+        # Remembered in memory meanwhile: a negative hit, not another upstream request.
+        before = faults.count("ok")
+        assert (await sg.get(f"/buildid/{1:040x}/debuginfo", timeout=patience))[0] == 404
+        assert faults.count("ok") == before
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()

@@ -51,13 +51,16 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
                   ) -> AsyncEngine:
     """`timeout_s` bounds connecting to PostgreSQL, waiting for a pooled connection and, with
     `statements`, each statement (None: the drivers' defaults, which wait a minute or
-    forever). Migrations bound the connecting only: a statement of theirs may wait for the
-    lock another replica's migration holds."""
+    forever); on SQLite, with `statements`, how long a statement waits for another
+    connection's lock on the file (a writer elsewhere, an operator's `BEGIN EXCLUSIVE`).
+    Migrations bound the connecting only: a statement of theirs may wait for the lock
+    another replica's migration holds."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url)
+        busy_ms = int(timeout_s * 1000) if timeout_s and statements else _SQLITE_BUSY_MS
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -66,7 +69,7 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA busy_timeout=10000")
+            cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.close()
 
         @event.listens_for(engine.sync_engine, "handle_error")
@@ -86,6 +89,9 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
         connect_args={"timeout": timeout_s,
                       **({"command_timeout": timeout_s} if statements else {})})
 
+
+# How long a SQLite statement waits for another connection's lock without a timeout given.
+_SQLITE_BUSY_MS = 10_000
 
 # SQLITE_READONLY and SQLITE_IOERR, as sqlite3 words them.
 _SQLITE_STUCK = re.compile(r"attempt to write a readonly database|disk I/O error")
@@ -264,11 +270,15 @@ _NEGATIVES_READ = PointRead(_NEGATIVES_BY_HASH)
 
 
 class Repository:
-    def __init__(self, engine: AsyncEngine, replica: str = "") -> None:
+    def __init__(self, engine: AsyncEngine, replica: str = "", *,
+                 timeout_s: float | None = None) -> None:
         """`replica`: the replica whose artifact rows this one reads and writes (its disk's
-        files, proxy.store.replica); reads marked so cover every replica's."""
+        files, proxy.store.replica); reads marked so cover every replica's. `timeout_s`
+        (database.timeout_s): how long a write waits for its turn in this process's queue
+        (SQLite) before it fails as a database out of reach."""
         self.engine = engine
         self.replica = replica
+        self._write_wait_s = timeout_s or None
         self._session = async_sessionmaker(engine, expire_on_commit=False)
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self._local = LocalReads.of(engine)
@@ -285,8 +295,19 @@ class Repository:
         if self._writes is None:
             yield
             return
-        async with self._writes:
+        # Bounded: a file locked elsewhere (another process's long transaction, an
+        # operator's `BEGIN EXCLUSIVE`) fails each write after busy_timeout, and unbounded,
+        # the N-th write queued behind it would fail after N of those, its request with it.
+        try:
+            async with asyncio.timeout(self._write_wait_s):
+                await self._writes.acquire()
+        except TimeoutError:
+            raise TimeoutError(f"no turn to write to SQLite within {self._write_wait_s:g} s: "
+                               "the writes before it wait for a lock on the file") from None
+        try:
             yield
+        finally:
+            self._writes.release()
 
     @contextlib.asynccontextmanager
     async def _begin(self) -> AsyncIterator[AsyncSession]:

@@ -141,7 +141,7 @@ def _lifecycle(
         except (OSError, ValueError) as e:
             raise CannotStart(f"cannot read or make this cache's replica id: {e}") from None
         repo = Repository(create_engine(config.database_url, config.database.timeout_s),
-                          replica=replica)
+                          replica=replica, timeout_s=config.database.timeout_s)
         metrics.replica.labels(replica=replica).set(1)
         store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
         cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
