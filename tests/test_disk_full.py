@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -120,6 +121,40 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     filler.unlink()
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     assert os.path.exists(kept)
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_full_disk_under_a_sqlite_file_of_its_own_is_degraded_until_space_is_back(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+    tmp_path: Path,
+) -> None:
+    """database.url puts the SQLite file on a filesystem of its own, and that one fills: every
+    write fails ("database or disk is full": its log can neither grow nor be checkpointed
+    into the file), while the cache's disk has room. Hits and misses are served as usual, and
+    /healthz says the database's disk is full, not "ok" by the cache's room, until it is not."""
+    cfg = make_config(tmp_path / "data", f"sqlite+aiosqlite:///{small_disk / 'symgate.sqlite'}",
+                      [faults.url_for("ok")])
+    cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1))
+    sg = await start_symgate(config=cfg)
+    hit, miss = (f"/buildid/{e.build_id}/debuginfo" for e in (elfs.prog, elfs.other))
+    assert (await sg.get(hit))[0] == 200
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    filler = small_disk / "filler"
+    _fill(filler)
+    assert (await sg.get("/buildid/" + "ee" * 20 + "/debuginfo"))[0] == 404  # not written
+    status, _, body = await sg.get(miss)
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    for _ in range(3):  # every probe, not only the first after a failed write
+        status, _, text = await sg.get("/healthz")
+        assert status == 200 and text.startswith(b"degraded\n") and b"disk" in text, text
+    assert (await sg.get(hit))[0] == 200
+
+    filler.unlink()  # space is back: the rows kept meanwhile are written
+
+    async def healthy() -> bool:
+        return (await sg.get("/healthz"))[2] == b"ok\n"
+
+    await eventually(healthy)
+
 
 
 async def test_a_full_disk_is_507_for_a_file_of_many_chunks_too(

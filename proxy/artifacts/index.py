@@ -665,13 +665,21 @@ class ArtifactCache:
             inodes = self.store.free_inodes()
             full = (self.store.free_bytes() < SPACE_BACK_BYTES
                     or (inodes is not None and inodes < SPACE_BACK_INODES))
+            database = self._repo.sqlite_file
+            # A SQLite file elsewhere (database.url on another filesystem): the condition
+            # its failed writes set is the same "disk", and its space is judged too, or
+            # the cache's room would clear it while every write fails, its log unable to
+            # grow or be checkpointed into the file.
+            database_full = database is not None and _free_bytes(database.parent) \
+                < SPACE_BACK_BYTES
         except OSError:
             return
-        if not full:
+        if not full and not database_full:
             self.health.ok(DISK)
         elif self.health.get(DISK) is None:
-            self.health.fail(DISK, "the cache's disk is full (less than "
-                             f"{SPACE_BACK_BYTES >> 20} MiB or {SPACE_BACK_INODES} files free)")
+            self.health.fail(DISK, f"the {'cache' if full else 'database'}'s disk is full "
+                             f"(less than {SPACE_BACK_BYTES >> 20} MiB"
+                             f"{f' or {SPACE_BACK_INODES} files' if full else ''} free)")
 
     async def make_room(self, wanted: int) -> int:
         """Evict least recently used artifacts not being sent until `wanted` bytes are freed,
@@ -679,6 +687,12 @@ class ArtifactCache:
         async with self._evict_lock:
             victims, _ = self._victims(self._entries.values(), wanted)
             return sum(r.size for r in await self._remove_victims(victims, rows_later=True))
+
+
+def _free_bytes(folder: Path) -> int:
+    """Space left on the filesystem of `folder` (for an unprivileged writer)."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def _size(path: Path) -> int | None:

@@ -321,6 +321,14 @@ class Repository:
         async with self._writing(), self.engine.begin() as c:
             yield c
 
+    @property
+    def sqlite_file(self) -> Path | None:
+        """The SQLite database's file; None for PostgreSQL, or a SQLite in memory."""
+        url = self.engine.url
+        if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+            return None
+        return Path(url.database)
+
     async def close(self) -> None:
         if self._local is not None:
             self._local.close()
