@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,17 @@ def is_disk_full(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or getattr(seen, "orig", None)
     return False
+
+
+def _identity(path: Path | None) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None when there is none (or no path)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def aware(dt: datetime) -> datetime:
@@ -289,6 +301,9 @@ class Repository:
         # a write). This process's writes queue here instead; another process's still meet
         # the busy handler. PostgreSQL locks rows, not the database: no queue.
         self._writes = asyncio.Lock() if engine.dialect.name == "sqlite" else None
+        # The SQLite file as it is now (made by the migrations): which file the connections
+        # opened, told from one put at its path later.
+        self._opened = _identity(self.sqlite_file)
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[None]:
@@ -328,6 +343,15 @@ class Repository:
         if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
             return None
         return Path(url.database)
+
+    def file_gone(self) -> bool:
+        """Whether the SQLite file this repository opened is no longer at its path (deleted,
+        or another moved there): its open connections go on writing to the old one, which
+        nothing will open again. False for PostgreSQL."""
+        if self._opened is None:
+            self._opened = _identity(self.sqlite_file)
+            return False
+        return _identity(self.sqlite_file) != self._opened
 
     async def close(self) -> None:
         if self._local is not None:

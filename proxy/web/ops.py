@@ -39,9 +39,14 @@ async def healthz(request: web.Request) -> web.Response:
     except Exception as e:  # any failure to reach SQL is "unreachable", whatever its type
         health.fail(DATABASE, f"unreachable: {type(e).__name__}")
     else:
+        if state.repo.file_gone():
+            # Its connections answer (the file they opened is still open), but what they
+            # write is lost at a restart, which finds another file or none.
+            health.fail(DATABASE, f"the file {state.repo.sqlite_file} was deleted or "
+                        "replaced while in use; restart symgate")
         # Reached, but not written to while rows wait for it: a read-only SQLite file answers
         # a ping (a read) and refuses every write. Those rows' flush says when it is well.
-        if not state.service.cache.rows_pending:
+        elif not state.service.cache.rows_pending:
             health.ok(DATABASE)
     state.service.cache.recheck_space()
     if conditions := health.conditions:
