@@ -258,3 +258,32 @@ async def test_a_file_evicted_as_it_is_committed_is_served_and_no_failed_fetch(
     store.commit = real_commit  # type: ignore[method-assign]
     status, _, body = await sg.get(path)  # its row names a file that is gone: fetched again
     assert (status, body) == (200, expected)
+
+
+async def test_a_debuginfo_evicted_as_it_is_committed_is_fetched_again_for_its_section(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A section is cut from its debuginfo, fetched for it. Another process (its eviction, an
+    operator's `cache purge`) may remove that file the moment it is committed, before the
+    cut opens it: the cut fetches it again, rather than failing with a 500 on a file that
+    this process's memory still holds."""
+    sg = await start_symgate([faults.url_for("ok")])
+    store = sg.runner.app[STATE].service.cache.store
+    real_commit = store.commit
+    lost: list[Path] = []
+
+    def commit_then_lose(*args: Any) -> Path:
+        final = real_commit(*args)
+        if not lost and final.name == "debuginfo":
+            final.unlink()  # what the other process does, right then
+            lost.append(final)
+        return final
+
+    store.commit = commit_then_lose  # type: ignore[method-assign]
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/section/.debug_info")
+    store.commit = real_commit  # type: ignore[method-assign]
+    assert lost, "the debuginfo was committed for the cut, and lost"
+    assert status == 200 and body, body[:200]
+    assert faults.count("ok") == 2  # fetched again after the loss
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -805,10 +805,11 @@ class ArtifactService:
         raise NotFound(f"not found (no section {key.detail} in the debuginfo or executable)")
 
     @contextlib.asynccontextmanager
-    async def _parent(self, key: ArtifactKey, req: RequestScope, cache_only: bool
-                      ) -> AsyncIterator[_Parent]:
+    async def _parent(self, key: ArtifactKey, req: RequestScope, cache_only: bool,
+                      again: bool = True) -> AsyncIterator[_Parent]:
         """The artifact to cut from, fetched first if need be (joining any fetch under way),
-        held (leased, or open) until the cut is done."""
+        held (leased, and open) until the cut is done. A cached file found gone as it is
+        opened is fetched again, once (`again`)."""
         result = await self.find(key, req, cache_only=cache_only)
         if isinstance(result, Hit):
             cached = result.artifact
@@ -840,10 +841,30 @@ class ArtifactService:
             finally:
                 result.reader.close()
         with self.cache.lease(cached.scope, key):
-            yield _Parent(path=cached.path, scope=cached.scope, upstream=cached.record.upstream,
-                          filename=cached.record.filename, archive=cached.record.archive,
-                          mtime=cached.path.stat().st_mtime,
-                          fetched=not isinstance(result, Hit) or result.fetched)
+            opened: int | None
+            try:
+                # Read through its descriptor: a lease keeps this process's eviction off the
+                # file, not another process's (its eviction, an operator's purge), which may
+                # remove it the moment it was committed, or as the cut reads it.
+                opened = os.open(cached.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                await self.vanished(cached)
+                opened = None
+            if opened is not None:
+                try:
+                    yield _Parent(
+                        path=Path(f"/proc/self/fd/{opened}"), scope=cached.scope,
+                        upstream=cached.record.upstream, filename=cached.record.filename,
+                        archive=cached.record.archive, mtime=os.fstat(opened).st_mtime,
+                        fetched=not isinstance(result, Hit) or result.fetched)
+                finally:
+                    os.close(opened)
+                return
+        if not again:
+            raise OutOfResources(f"the cached {key.id} was removed as it was read, twice; "
+                                 "try again")
+        async with self._parent(key, req, cache_only, again=False) as parent:
+            yield parent
 
     async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
                              size: int) -> CachedArtifact:
