@@ -126,6 +126,20 @@ class Symgate:
 
         await self.runner.app[STATE].service.wait_idle()
 
+    async def built(self) -> None:
+        """settled, and every symbol-table build done too: the files they read are leased
+        (not to be evicted) until then, and a build that started as a fetch committed may still
+        be writing its table to the disk."""
+        from proxy.web.state import STATE
+
+        await self.settled()
+        symbols = self.runner.app[STATE].symbols
+
+        async def idle() -> bool:
+            return not symbols.busy
+
+        await eventually(idle)
+
     async def stop(self) -> None:
         await self.runner.cleanup()
 

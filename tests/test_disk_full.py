@@ -19,10 +19,9 @@ import aiohttp
 import pytest
 
 from proxy.keys import ArtifactKey
-from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
-from tests.harness import Symgate, SymgateFactory, eventually, make_config
+from tests.harness import SymgateFactory, eventually, make_config
 from tests.processes import start_serve, stop_serve
 from tests.profiles import make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -103,7 +102,7 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     # Both files evictable before the disk fills again: the executable is committed after
     # its client's last byte (not before the response ends), a symbol-table build holds a
     # lease on what it reads, and the executable's commit starts table work of its own.
-    await _settled(sg)
+    await sg.built()
     assert await sg.metric("symgate_symtab_builds_total", result="ok") >= 1
     _fill(filler)  # full again, but now something can be evicted
     status, _, body = await sg.get(other)
@@ -273,17 +272,6 @@ def _profile_of(elf: Elf, base: int) -> bytes:
     return make_profile([(placed, [placed.text.vaddr + 16])]).SerializeToString()
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
-async def _settled(sg: Symgate) -> None:
-    """Every fetch committed and every symbol-table build done: no lease held for them."""
-    await sg.settled()
-    symbols = sg.runner.app[STATE].symbols
-    await eventually(lambda: _true(not symbols.busy))
-
-
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_recovers(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
@@ -299,7 +287,7 @@ async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_rec
                              symbolize=symbolize_config(debug_dirs=(tree,)))
     other = f"/buildid/{elfs.other.build_id}/debuginfo"
     assert (await sg.get(other))[0] == 200
-    await _settled(sg)  # its prebuild lets go of it
+    await sg.built()  # its prebuild lets go of it
     filler = small_disk / "filler"
     _fill(filler)
     status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
@@ -360,7 +348,7 @@ async def test_a_table_whose_row_finds_no_room_in_sqlite_makes_room_or_refuses_t
     sg = await start_symgate(config=cfg)
     for kind in ("debuginfo", "executable"):  # to evict: one for the table, one for its row
         assert (await sg.get(f"/buildid/{elfs.other.build_id}/{kind}"))[0] == 200
-    await _settled(sg)  # their prebuilds let go of them
+    await sg.built()  # their prebuilds let go of them
     filler = small_disk / "filler"
     _fill(filler)
     status, _, text = await post(sg, _profile_of(elfs.prog, BASES["prog"]))
@@ -399,7 +387,7 @@ async def test_no_room_for_the_executable_a_layout_needs_is_507_not_a_guess(
     relative = make_profile([(placed, [placed.text.vaddr + 16])], runtime=False)
     status, _, text = await post(sg, relative.SerializeToString())
     assert status == 200 and any(parse(text).function), text
-    await _settled(sg)
+    await sg.built()
     filler = small_disk / "filler"
     _fill(filler)
     runtime = _profile_of(elfs.prog, BASES["prog"])
