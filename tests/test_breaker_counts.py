@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiohttp import web
 
-from proxy.config import FetchConfig
+from proxy.config import CacheConfig, FetchConfig, SymbolizeConfig
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory, fast_upstream
+from tests.harness import Debuginfod, SymgateFactory, fast_upstream, serve_loopback
 
 _EMOJI = "%F0%9F%98%80"  # 4 bytes of UTF-8, 12 characters once percent-encoded
 
@@ -88,3 +89,66 @@ async def test_a_trial_cancelled_by_a_race_lets_the_next_request_try_again(
     # A trial given up is no trial in flight: the next request may try again.
     assert (await sg.get(third))[0] == 200
     assert faults.count("gate") == 3
+
+
+class _SlowMetadata:
+    """An upstream whose /metadata answers start and then wait for `release`, holding their
+    connections (a glob over a large index is slow); its artifacts are served at once."""
+
+    def __init__(self, elfs: ElfSet, hold: int) -> None:
+        self.elfs = elfs
+        self.hold = hold  # queries held once this many have come
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+        self.queries = 0
+        self.fetches = 0
+
+    async def metadata(self, request: web.Request) -> web.StreamResponse:
+        self.queries += 1
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"results": [')
+        if self.queries >= self.hold:
+            self.held.set()
+        await self.release.wait()
+        await response.write(b'], "complete": true}')
+        return response
+
+    async def artifact(self, request: web.Request) -> web.Response:
+        self.fetches += 1
+        if request.match_info["build_id"] != self.elfs.prog.build_id:
+            return web.Response(status=404)
+        return web.Response(body=self.elfs.prog.debug.read_bytes(),
+                            content_type="application/octet-stream")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_slow_metadata_queries_neither_hold_a_fetch_nor_open_the_breaker(
+    start_symgate: SymgateFactory, elfs: ElfSet
+) -> None:
+    """A client's /metadata queries, as many as symgate lets reach an upstream at once and
+    each held there, leave a fetch its connection: waiting for one, it timed out and the
+    upstream, never asked, was charged with the timeout and its breaker opened."""
+    slow = _SlowMetadata(elfs, hold=2)  # the query pool of max_concurrent_fetches = 1
+    app = web.Application()
+    app.router.add_get("/metadata", slow.metadata)
+    app.router.add_get("/buildid/{build_id}/{kind}", slow.artifact)
+    runner, url = await serve_loopback(app)
+    try:
+        # One counted failure would open it, and for the whole test.
+        up = fast_upstream(url, retries=0, breaker_failures=1, breaker_cooldown_s=3600,
+                           first_byte_timeout_s=1, read_timeout_s=60)
+        sg = await start_symgate([up], cache=CacheConfig(max_concurrent_fetches=1),
+                                 symbolize=SymbolizeConfig(enabled=False))
+        flood = [asyncio.ensure_future(sg.get("/metadata?key=glob&value=/usr/*"))
+                 for _ in range(4)]
+        await slow.held.wait()
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+        assert status == 200 and body == elfs.prog.debug.read_bytes()
+        assert slow.fetches == 1
+        assert await sg.metric("symgate_upstream_breaker_state", upstream=url) == 0
+        slow.release.set()
+        assert {s for s, _, _ in await asyncio.gather(*flood)} == {200}
+    finally:
+        slow.release.set()
+        await runner.cleanup()

@@ -8,6 +8,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 from yarl import URL
@@ -113,13 +114,23 @@ class UpstreamBody:
         self._response.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Sessions:
+    """The HTTP sessions upstream requests go through: `fetches` for artifacts, `queries` for
+    other API paths (/metadata), each with a pool of its own, so that queries waiting for a
+    connection never hold a fetch back (and its wait is never taken for the upstream's)."""
+
+    fetches: aiohttp.ClientSession
+    queries: aiohttp.ClientSession
+
+
 class Upstream:
     """A debuginfod server over HTTP(S)."""
 
     remembers_misses = True
 
     def __init__(
-        self, cfg: UpstreamConfig, session: aiohttp.ClientSession, metrics: ProxyMetrics,
+        self, cfg: UpstreamConfig, sessions: Sessions, metrics: ProxyMetrics,
         routes: EnvironmentRoutes, scope: str = "",
     ) -> None:
         self.cfg = cfg
@@ -137,7 +148,7 @@ class Upstream:
         self._url_authorization = url_auth.encode() if url_auth is not None else None
         self.base = str(base.with_user(None)) if url_auth is not None else str(base)
         self.metrics = metrics
-        self._session = session
+        self._sessions = sessions
         self.breaker = CircuitBreaker(
             cfg.breaker_failures, cfg.breaker_cooldown_s,
             lambda state: metrics.set_breaker(self.name, state), name=self.name,
@@ -223,7 +234,8 @@ class Upstream:
             raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
-                return await self._follow(URL(self.base + path_qs, encoded=True), hop)
+                return await self._follow(URL(self.base + path_qs, encoded=True), hop,
+                                          session=self._sessions.queries)
         except TimeoutError as e:
             raise UpstreamTimeout(f"{self.name}: no response in time") from e
         except _Permanent as e:
@@ -236,6 +248,7 @@ class Upstream:
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
                 response = await self._follow(URL(self.base + key.upstream_path), hop,
+                                              session=self._sessions.fetches,
                                               decompress=False)
         except TimeoutError as e:
             error: UpstreamUnavailable = UpstreamTimeout(f"{self.name}: no response in time")
@@ -278,8 +291,8 @@ class Upstream:
         self.count(Outcome.UPSTREAM_ERROR)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
 
-    async def _follow(self, url: URL, hop: Hop, decompress: bool = True
-                      ) -> aiohttp.ClientResponse:
+    async def _follow(self, url: URL, hop: Hop, session: aiohttp.ClientSession,
+                      decompress: bool = True) -> aiohttp.ClientResponse:
         """The first answer that is not a redirect, following only the redirects the
         operator allows (proxy.sources.redirects); _Permanent for any other."""
         previous = url
@@ -296,7 +309,7 @@ class Upstream:
             route = await self._routes.route(url)
             route.add_headers(url, headers)
             try:
-                response = await self._session.get(
+                response = await session.get(
                     url, headers=headers, timeout=self._timeout, allow_redirects=False,
                     proxy=route.proxy, proxy_headers=route.proxy_headers,
                     # An artifact's body is inflated by UpstreamBody, which knows a stream

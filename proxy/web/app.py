@@ -30,7 +30,7 @@ from proxy.expiry import Expiry
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
-from proxy.sources.debuginfod import Upstream
+from proxy.sources.debuginfod import Sessions, Upstream
 from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
 from proxy.sources.redirects import GuardedResolver
@@ -103,14 +103,30 @@ def create_app(config: Config, registry: CollectorRegistry | None = None, *,
     return app
 
 
+def _client_session(config: Config, limit: int) -> aiohttp.ClientSession:
+    """A session for upstream requests, with a pool of at most `limit` connections (0: no
+    limit)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=limit, ttl_dns_cache=300,
+            # Redirect targets are connected to only at addresses their rules allow.
+            resolver=GuardedResolver([*config.upstreams, *(
+                u for t in config.tenants.values() for u in t.upstreams)])),
+        # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual: the sources
+        # apply it (proxy.sources.env_routes), looked up once rather than per request.
+        trust_env=False,
+        headers={"User-Agent": f"symgate/{__version__}"},
+    )
+
+
 def _sources(
-    config: Config, session: aiohttp.ClientSession, metrics: ProxyMetrics
+    config: Config, sessions: Sessions, metrics: ProxyMetrics
 ) -> tuple[list[Source], dict[str, list[Source]]]:
     """The global sources, and each tenant's own (a global one where the URL is the same)."""
     routes = EnvironmentRoutes()
     shared: list[Source] = [
         LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
-        else Upstream(u, session, metrics, routes)
+        else Upstream(u, sessions, metrics, routes)
         for u in config.upstreams
     ]
     # A tenant's upstream is the global one only when configured the same in every respect:
@@ -122,7 +138,7 @@ def _sources(
             # The config allows servers only here: a tenant's directory would be a shared one.
             private[name] = [
                 next((s for cfg, s in configured if cfg == u), None)
-                or Upstream(u, session, metrics, routes, scope=name)
+                or Upstream(u, sessions, metrics, routes, scope=name)
                 for u in tenant.upstreams]
     return shared, private
 
@@ -153,18 +169,15 @@ def _lifecycle(
         await cache.load()
         board = FlightBoard(store.flights)
         board.clear_stale()
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=config.cache.max_concurrent_fetches * 2, ttl_dns_cache=300,
-                # Redirect targets are connected to only at addresses their rules allow.
-                resolver=GuardedResolver([*config.upstreams, *(
-                    u for t in config.tenants.values() for u in t.upstreams)])),
-            # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual: the sources
-            # apply it (proxy.sources.env_routes), looked up once rather than per request.
-            trust_env=False,
-            headers={"User-Agent": f"symgate/{__version__}"},
-        )
-        shared, private = _sources(config, session, metrics)
+        # Fetches and /metadata queries each have a pool of connections of their own. A
+        # fetch holds a fetch slot (cache.max_concurrent_fetches) and a connection per source
+        # it asks at once, so its pool needs no limit of its own; a limit there made a fetch
+        # wait for a connection within its first-byte limit, timed out and charged to an
+        # upstream it never reached: a client's flood of slow /metadata queries opened the
+        # breakers of healthy upstreams. Queries, which no slot bounds, have the limit.
+        session = _client_session(config, limit=0)
+        queries = _client_session(config, limit=config.cache.max_concurrent_fetches * 2)
+        shared, private = _sources(config, Sessions(session, queries), metrics)
         local_dirs = [s for s in shared if isinstance(s, LocalDirectory)]
         for local in local_dirs:
             await local.start()
@@ -236,6 +249,7 @@ def _lifecycle(
             with contextlib.suppress(Exception):
                 await cache.flush_access()
             await session.close()
+            await queries.close()
             board.close()
             await repo.close()
             store.close()
