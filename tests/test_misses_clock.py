@@ -109,3 +109,44 @@ async def test_long_expired_rows_are_swept(repo: Repository) -> None:
     assert await m.expire() == 0  # kept a while, so a repeat can grow its time
     clocks.advance(2)
     assert await m.expire() == 1
+
+
+async def test_a_wall_clock_stepped_back_does_not_stretch_a_remembered_miss(
+    repo: Repository,
+) -> None:
+    """Expiry is wall-clock time, written into SQL; stepped back an hour (NTP, a restored VM
+    snapshot), the clock made a 60 s miss last an hour and a minute. Believed for no longer
+    than its time from now, it is asked again, and remembered again by the clock of now."""
+    clocks = Clocks()
+    m = misses(repo, clocks)
+    await m.record("", KEY, ["u"])
+    clocks.mono += 2  # past the memo
+    clocks.wall -= timedelta(hours=1)
+    assert await m.live("", KEY) == frozenset()
+    assert await m.record("", KEY, ["u"]) == 120  # the miss repeated: its time grows
+    clocks.advance(119)
+    assert await m.live("", KEY) == {"u"}
+    clocks.advance(2)
+    assert await m.live("", KEY) == frozenset()
+
+
+async def test_a_restart_keeps_each_upstreams_expiry_and_applies_a_lowered_ttl(
+    repo: Repository,
+) -> None:
+    clocks = Clocks()
+    await misses(repo, clocks).record("", KEY, ["u"])
+    clocks.advance(30)
+    await misses(repo, clocks).record("", KEY, ["v"])
+    clocks.advance(20)
+    restarted = misses(repo, clocks)  # a new process: nothing in memory
+    assert await restarted.live("", KEY) == {"u", "v"}
+    clocks.advance(11)  # u's 60 s are over, v's are not
+    assert await misses(repo, clocks).live("", KEY) == {"v"}
+    # The operator lowers the TTL to 10 s: v's 29 s left are not believed after the restart.
+    lowered = Expiry(not_found_initial_s=10, not_found_max_s=10, no_symbols_s=600,
+                     malformed_s=86400)
+    quick = RememberedMisses(repo, lowered, memo_s=1.0, memo_entries=100,
+                             monotonic=lambda: clocks.mono, wall=lambda: clocks.wall)
+    assert await quick.live("", KEY) == frozenset()
+    assert await quick.record("", KEY, ["u", "v"]) == 10
+    assert await quick.live("", KEY) == {"u", "v"}

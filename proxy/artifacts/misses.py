@@ -7,6 +7,12 @@ of SQL makes repeated negative hits cost no SQL round trip.
 
 Both clocks are injected: tests move time instead of sleeping.
 
+A row's expiry is wall-clock time, which can step back (an NTP correction, a VM restored from a
+snapshot): a row is believed for no longer from now than the time its count of misses is given
+now, so that a step back of a day does not have a miss remembered for a day, and a lowered TTL
+applies to the rows already written. Such a row is asked again, and written again by the clock
+of now.
+
 SQL failing (a database that is down, a full disk) never turns a fetchable artifact into an
 error: a lookup that fails counts as "nothing remembered", and a miss that cannot be written
 is remembered in memory only.
@@ -23,10 +29,13 @@ from datetime import UTC, datetime, timedelta
 from proxy.artifacts.index import key_hash
 from proxy.expiry import Expiry
 from proxy.keys import ArtifactKey
-from proxy.store.repository import DATABASE_ERRORS, Repository
+from proxy.store.repository import DATABASE_ERRORS, NegativeRecord, Repository
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
+# How much further ahead than its time a row may expire and still be believed: another
+# replica's clock a little ahead of this one's (NTP keeps them within milliseconds).
+CLOCK_SKEW_S = 10.0
 
 
 def _utc_now() -> datetime:
@@ -79,7 +88,7 @@ class RememberedMisses:
         if (newer := self._memo.get(kh)) is not entry and newer is not None:
             # A miss was recorded while SQL was read: the read is older than the memo.
             return newer[0]
-        live = [r for r in rows if r.expires_at > wall]
+        live = [r for r in rows if self._believed(r, wall)]
         names = frozenset(r.upstream for r in live)
         if names:
             soonest = min(r.expires_at for r in live)
@@ -88,6 +97,17 @@ class RememberedMisses:
         else:
             self._memo.pop(kh, None)
         return names
+
+    def _believed(self, row: NegativeRecord, wall: datetime) -> bool:
+        """Whether `row` is live at `wall`: not expired, and not expiring further ahead than
+        its count of misses is remembered for (the clock stepped back since it was written,
+        or the TTL was lowered)."""
+        left = (row.expires_at - wall).total_seconds()
+        try:
+            longest = self._expiry.seconds(Outcome(row.outcome), row.misses)
+        except ValueError:  # an outcome this version does not know
+            return False
+        return left > 0 and longest is not None and left <= longest + CLOCK_SKEW_S
 
     def _remember(self, kh: str, names: frozenset[str], good_until: float) -> None:
         self._memo[kh] = (names, good_until)
@@ -126,7 +146,7 @@ class RememberedMisses:
                 self.sql_failed("remembering a miss", e)
             recorded.add(name)
         if recorded and shortest is not None:
-            live = {n for n, r in previous.items() if r.expires_at > wall} | recorded
+            live = {n for n, r in previous.items() if self._believed(r, wall)} | recorded
             self._remember(kh, frozenset(live), self._monotonic() + min(self._memo_s, shortest))
         return shortest
 
