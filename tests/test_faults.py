@@ -253,6 +253,23 @@ async def test_a_429_is_not_asked_again_sooner_than_its_retry_after_says(
         assert int(headers["Retry-After"]) >= 100
 
 
+async def test_a_retry_after_holds_past_the_cool_down_of_the_breaker_it_opened(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The 429 that opens the breaker (the threshold's last failure, or a half-open trial's)
+    says how long to wait: the breaker's cool-down, shorter, must not have it asked sooner.
+    It was, when the retry found the breaker open and gave up before resting it."""
+    faults.retry_after = "120"
+    sg = await start_symgate([fast_upstream(faults.url_for("busy"), retries=1,
+                                            breaker_failures=1, breaker_cooldown_s=0.2)])
+    status, headers, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 502 and headers["Retry-After"] == "120"
+    await asyncio.sleep(0.3)  # past the cool-down, far from the 120 s asked
+    status, headers, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 502 and b"as its Retry-After asked" in body, body
+    assert faults.count("busy") == 1 and int(headers["Retry-After"]) >= 100
+
+
 async def test_a_resting_upstream_leaves_the_others_to_answer(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -191,11 +191,15 @@ class Upstream:
         asked_wait = 0.0  # what the last answer's Retry-After asked for
         for attempt in range(self.cfg.retries + 1):
             if not self.breaker.allow():
-                if last is None and (resting := self.breaker.resting_s()):
+                if last is not None:
+                    # Its breaker opened on the way, by this request's own failure perhaps:
+                    # a Retry-After it carried still holds (below), past the cool-down.
+                    break
+                if resting := self.breaker.resting_s():
                     raise UpstreamUnavailable(
                         f"{self.name}: not asked for {resting:.0f} s more, as its "
                         f"Retry-After asked ({self.breaker.last_failure})", resting)
-                raise last or UpstreamUnavailable(f"{self.name}: circuit breaker open")
+                raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
             if attempt:
                 delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
                             self.cfg.retry_backoff_max_s)
