@@ -12,7 +12,14 @@ from aiohttp import web
 from proxy.config import CacheConfig, FetchConfig, SymbolizeConfig
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory, fast_upstream, serve_loopback
+from tests.harness import (
+    Debuginfod,
+    Symgate,
+    SymgateFactory,
+    eventually,
+    fast_upstream,
+    serve_loopback,
+)
 
 _EMOJI = "%F0%9F%98%80"  # 4 bytes of UTF-8, 12 characters once percent-encoded
 
@@ -89,6 +96,33 @@ async def test_a_trial_cancelled_by_a_race_lets_the_next_request_try_again(
     # A trial given up is no trial in flight: the next request may try again.
     assert (await sg.get(third))[0] == 200
     assert faults.count("gate") == 3
+
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_trial_cancelled_in_its_backoff_lets_the_next_request_try_again(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A retry let through as the half-open breaker's trial, then cancelled in its backoff by
+    a race the other upstream won, kept the trial for good: the upstream, back again, was
+    never asked again."""
+    gate = faults.url_for("gate")
+    sg = await start_symgate(
+        [fast_upstream(gate, retries=1, retry_backoff_s=60, breaker_failures=1,
+                       breaker_cooldown_s=0), faults.url_for("hold")],
+        fetch=FetchConfig(policy="race"))
+    first = asyncio.ensure_future(sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))
+    # The gate's 503 opened its breaker; its retry is the trial, waiting out its backoff.
+    await eventually(lambda: _breaker_is(sg, gate, 1))
+    faults.release.set()  # the other upstream answers: the race is won, the retry cancelled
+    assert (await first)[0] == 200 and faults.count("gate") == 1
+    faults.gate_open = True
+    assert (await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
+    assert faults.count("gate") == 2
+
+
+async def _breaker_is(sg: Symgate, upstream: str, state: int) -> bool:
+    return await sg.metric("symgate_upstream_breaker_state", upstream=upstream) == state
 
 
 class _SlowMetadata:

@@ -190,6 +190,13 @@ class Upstream:
         last: UpstreamUnavailable | None = None
         asked_wait = 0.0  # what the last answer's Retry-After asked for
         for attempt in range(self.cfg.retries + 1):
+            delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
+                        self.cfg.retry_backoff_max_s) if attempt else 0.0
+            if asked_wait > delay:
+                # Asked again sooner than it said it could answer (a 429 or 503 with
+                # Retry-After): the same answer, and more load on a server that said it has
+                # too much. The request fails now, its client told to retry.
+                break
             if not self.breaker.allow():
                 if last is not None:
                     # Its breaker opened on the way, by this request's own failure perhaps:
@@ -200,17 +207,12 @@ class Upstream:
                         f"{self.name}: not asked for {resting:.0f} s more, as its "
                         f"Retry-After asked ({self.breaker.last_failure})", resting)
                 raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
-            if attempt:
-                delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1),
-                            self.cfg.retry_backoff_max_s)
-                if asked_wait > delay:
-                    # Asked again sooner than it said it could answer (a 429 or 503 with
-                    # Retry-After): the same answer, and more load on a server that said it
-                    # has too much. The request fails now, its client told to retry.
-                    break
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            # Whether allow() let this attempt through as the half-open breaker's one trial,
+            # which a cancellation (a race lost, during the backoff too) must give back.
             trial = self.breaker.state is BreakerState.HALF_OPEN
             try:
+                if delay:
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 return await self._attempt(key, hop)
             except asyncio.CancelledError:
                 if trial:
