@@ -60,6 +60,27 @@ async def test_errors_are_not_remembered_as_misses(
     assert faults.count("notfound") == 1
 
 
+async def test_one_server_asked_with_two_credentials_is_two_upstreams_for_its_misses(
+    start_symgate: SymgateFactory, faults: FaultUpstream
+) -> None:
+    """The same server with two tokens (credentials in the URL, or headers) is shown as one
+    URL: by that one name, the 404 of the token it knows was taken for the other's too, which
+    was refused, and answered as a remembered miss."""
+    where = faults.url_for("auth").removeprefix("http://")
+    refused = fast_upstream(f"http://old:token@{where}", retries=0)
+    known = fast_upstream(f"http://new:token@{where}", retries=0,
+                          headers={"Authorization": "Bearer sesame"})
+    sg = await start_symgate([refused, known])
+    path = "/buildid/" + "ab" * 20 + "/debuginfo"
+    for asked in (2, 3):  # then only the refused one is asked: the other's 404 is remembered
+        status, _, body = await sg.get(path)
+        assert status == 502 and b"answered 401" in body, body
+        assert faults.count("auth") == asked
+    names = {dict(labels)["upstream"] for (name, labels) in await sg.metrics()
+             if name == "symgate_upstream_breaker_state"}
+    assert len(names) == 2, names
+
+
 async def test_elfutils_client_does_not_cache_a_transient_failure(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -114,6 +115,27 @@ class UpstreamBody:
         self._response.close()
 
 
+def upstream_names(cfgs: Sequence[UpstreamConfig], scope: str = "") -> list[str]:
+    """The name of each server of `cfgs`, a list of upstreams asked together ("" for a local
+    directory): its URL as shown, never with the credentials it may hold (the name is logged,
+    labels metrics, is shown on the status page and is written into SQL rows), and the scope
+    of a tenant's own. One shown as another before it in the list (the same server with other
+    credentials or headers) is told apart by its place among those, " (2)": misses, breakers,
+    doubts and metrics are by name, and one refused or down was taken to have said the 404
+    the other said."""
+    seen: Counter[str] = Counter()
+    names = []
+    for cfg in cfgs:
+        if not cfg.url:
+            names.append("")
+            continue
+        shown = shown_url(cfg.url)
+        name = shown if not scope else f"{shown} [{scope}]"
+        seen[name] += 1
+        names.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return names
+
+
 @dataclass(frozen=True, slots=True)
 class Sessions:
     """The HTTP sessions upstream requests go through: `fetches` for artifacts, `queries` for
@@ -131,14 +153,12 @@ class Upstream:
 
     def __init__(
         self, cfg: UpstreamConfig, sessions: Sessions, metrics: ProxyMetrics,
-        routes: EnvironmentRoutes, scope: str = "",
+        routes: EnvironmentRoutes, scope: str = "", name: str = "",
     ) -> None:
+        """`name`: the one upstream_names() gives it among the upstreams asked with it."""
         self.cfg = cfg
         self._routes = routes
-        # Never the credentials a URL may hold: the name is logged, labels metrics, is shown
-        # on the status page and is written into SQL rows.
-        shown = shown_url(cfg.url)
-        self.name = shown if not scope else f"{shown} [{scope}]"
+        self.name = name or upstream_names([cfg], scope)[0]
         self.scope = scope
         base = URL(cfg.url.rstrip("/"))
         # Credentials written into the URL are the upstream's Authorization, sent to its

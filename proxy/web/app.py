@@ -30,7 +30,7 @@ from proxy.expiry import Expiry
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
-from proxy.sources.debuginfod import Sessions, Upstream
+from proxy.sources.debuginfod import Sessions, Upstream, upstream_names
 from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
 from proxy.sources.redirects import GuardedResolver
@@ -126,8 +126,8 @@ def _sources(
     routes = EnvironmentRoutes()
     shared: list[Source] = [
         LocalDirectory(u.path, u.rescan_s, metrics) if u.path is not None
-        else Upstream(u, sessions, metrics, routes)
-        for u in config.upstreams
+        else Upstream(u, sessions, metrics, routes, name=name)
+        for u, name in zip(config.upstreams, upstream_names(config.upstreams), strict=True)
     ]
     # A tenant's upstream is the global one only when configured the same in every respect:
     # the same URL with the tenant's own credentials is the tenant's own, private source.
@@ -138,8 +138,9 @@ def _sources(
             # The config allows servers only here: a tenant's directory would be a shared one.
             private[name] = [
                 next((s for cfg, s in configured if cfg == u), None)
-                or Upstream(u, sessions, metrics, routes, scope=name)
-                for u in tenant.upstreams]
+                or Upstream(u, sessions, metrics, routes, scope=name, name=own)
+                for u, own in zip(tenant.upstreams, upstream_names(tenant.upstreams, name),
+                                  strict=True)]
     return shared, private
 
 
