@@ -163,3 +163,20 @@ def test_each_change_is_logged_once_with_the_name_and_the_last_failure(
     assert "ConnectionResetError" in opened and "answered 503" not in opened
     assert "trial failed" in reopened and "no response in time" in reopened
     assert "closed" in closed
+
+
+@pytest.mark.parametrize("threshold", [3, 0])
+def test_an_answer_sent_before_a_rest_was_asked_leaves_it_open(
+    clock: Clock, changes: list[BreakerState], threshold: int
+) -> None:
+    """A 404 to a request made before another's 429 asked for a rest says nothing against
+    the rest: the breaker stays open (as the status page and metrics show it) until its end."""
+    b = breaker(clock, changes, threshold=threshold, cooldown_s=10)
+    assert b.rest(120, "answered 429") is True
+    b.success()
+    assert b.state is OPEN and not b.allow()
+    clock.now += 120
+    assert b.allow()  # its end: a trial (with a threshold), or closed (without)
+    b.success()
+    assert b.state is CLOSED
+    assert changes == [CLOSED, OPEN, HALF_OPEN, CLOSED] if threshold else [CLOSED, OPEN, CLOSED]

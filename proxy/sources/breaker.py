@@ -104,6 +104,10 @@ class CircuitBreaker:
     def success(self) -> None:
         self._failures = 0
         self._trial_in_flight = False
+        if self._clock() < self._rest_until:
+            # The answer to a request sent before the upstream asked for its rest, which
+            # still holds: shown closed, it would be taken for asked meanwhile.
+            return
         self._set(BreakerState.CLOSED)
 
     def failure(self, reason: str = "") -> bool:
