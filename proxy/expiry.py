@@ -8,9 +8,14 @@ failures of a source or of symgate itself are never persisted at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from proxy.config import Config
 from symbolize.outcome import Outcome
+
+# How much further ahead than its time a row may expire and still be believed: another
+# replica's clock a little ahead of this one's (NTP keeps them within milliseconds).
+CLOCK_SKEW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +44,16 @@ class Expiry:
         if outcome is Outcome.MALFORMED:
             return self.malformed_s
         return None
+
+    def believed(self, outcome: str, expires_at: datetime, now: datetime, repeats: int = 1
+                 ) -> bool:
+        """Whether a row of `outcome` that expires at `expires_at` is still believed at `now`:
+        not expired, and not expiring further ahead than the outcome is kept for now. Rows
+        hold wall-clock times: a clock stepped back since one was written (an NTP step, a
+        restored snapshot), or a time lowered in the config since, must not stretch it."""
+        left = (expires_at - now).total_seconds()
+        try:
+            longest = self.seconds(Outcome(outcome), repeats)
+        except ValueError:  # an outcome this version does not know
+            return False
+        return left > 0 and longest is not None and left <= longest + CLOCK_SKEW_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,9 +15,12 @@ from proxy.artifacts.index import key_hash
 from proxy.artifacts.misses import RememberedMisses
 from proxy.expiry import Expiry
 from proxy.keys import ArtifactKey, Kind
+from proxy.store.disk import DiskStore
 from proxy.store.migrate import upgrade
-from proxy.store.repository import Repository, create_engine
+from proxy.store.repository import Repository, SymbolTableRecord, create_engine
+from proxy.symbols.table_store import TableStore
 from symbolize.outcome import Outcome
+from symbolize.symtab import FORMAT
 
 KEY = ArtifactKey("ab" * 20, Kind.DEBUGINFO)
 EXPIRY = Expiry(not_found_initial_s=60, not_found_max_s=600, no_symbols_s=600,
@@ -150,3 +154,38 @@ async def test_a_restart_keeps_each_upstreams_expiry_and_applies_a_lowered_ttl(
     assert await quick.live("", KEY) == frozenset()
     assert await quick.record("", KEY, ["u", "v"]) == 10
     assert await quick.live("", KEY) == {"u", "v"}
+
+
+async def test_a_symbol_table_verdict_is_believed_no_longer_from_now_than_its_time(
+        repo: Repository, tmp_path: Path) -> None:
+    """A build's failure (no symbols, malformed) and a table from an executable alone are kept
+    for their outcome's time as wall-clock rows, as misses are: one written before the clock
+    stepped back an hour (or under a longer configured time) was believed an hour too long,
+    the build ID's mapping left bare or named by its exports alone all that while."""
+    store = DiskStore(tmp_path / "cache", tmp_path / "symtabs")
+    tables = TableStore(repo, store, EXPIRY)
+    now = datetime.now(UTC)
+
+    def row(build_id: str, outcome: Outcome, source_key: str, left_s: float
+            ) -> SymbolTableRecord:
+        return SymbolTableRecord(
+            scope="", build_id=build_id, outcome=outcome, format=FORMAT, source_key=source_key,
+            size=0, load_address=0, code_ranges="[]", cold_ranges="[]", has_lines=False,
+            file_layout=None, error=None, built_at=now, build_seconds=0.0,
+            expires_at=now + timedelta(seconds=left_s))
+
+    for build_id, outcome, left_s, believed in (
+            ("a1" * 20, Outcome.NO_SYMBOLS, 590, True),
+            ("a2" * 20, Outcome.NO_SYMBOLS, 600 + 3600, False),  # the clock stepped back
+            ("a3" * 20, Outcome.MALFORMED, 86000, True),
+            ("a4" * 20, Outcome.MALFORMED, 86400 + 3600, False),
+            ("a5" * 20, Outcome.NO_SYMBOLS, -1, False)):  # over
+        await repo.put_symbol_table(row(build_id, outcome, "debuginfo", left_s))
+        found, _from_bucket = await tables.find("", build_id)
+        assert (found is not None) == believed, (outcome, left_s)
+    # A table from the executable alone: its debug file is asked for again after a first
+    # miss's time, 60 s here, however far ahead its row says.
+    exe_only = row("b1" * 20, Outcome.OK, "local-executable:/x", 50)
+    assert not tables.stale(exe_only)
+    assert tables.stale(replace(exe_only, expires_at=now + timedelta(seconds=60 + 3600)))
+    assert tables.stale(replace(exe_only, expires_at=now - timedelta(seconds=1)))

@@ -33,11 +33,6 @@ from proxy.store.repository import DATABASE_ERRORS, NegativeRecord, Repository
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
-# How much further ahead than its time a row may expire and still be believed: another
-# replica's clock a little ahead of this one's (NTP keeps them within milliseconds).
-CLOCK_SKEW_S = 10.0
-
-
 def _utc_now() -> datetime:
     return datetime.now(UTC)
 
@@ -99,15 +94,9 @@ class RememberedMisses:
         return names
 
     def _believed(self, row: NegativeRecord, wall: datetime) -> bool:
-        """Whether `row` is live at `wall`: not expired, and not expiring further ahead than
-        its count of misses is remembered for (the clock stepped back since it was written,
-        or the TTL was lowered)."""
-        left = (row.expires_at - wall).total_seconds()
-        try:
-            longest = self._expiry.seconds(Outcome(row.outcome), row.misses)
-        except ValueError:  # an outcome this version does not know
-            return False
-        return left > 0 and longest is not None and left <= longest + CLOCK_SKEW_S
+        """Whether `row` is live at `wall` (Expiry.believed): its count of misses says for
+        how long."""
+        return self._expiry.believed(row.outcome, row.expires_at, wall, row.misses)
 
     def _remember(self, kh: str, names: frozenset[str], good_until: float) -> None:
         self._memo[kh] = (names, good_until)

@@ -42,7 +42,6 @@ from proxy.symbols.table_store import (
     local_source_key,
     partial,
     ranges_from_json,
-    stale,
 )
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable, has_executable
@@ -233,7 +232,7 @@ class SymbolResolver:
         for scope in req.visible:
             rec, from_bucket = await self._tables.find(scope, build_id)
             if rec is not None and rec.outcome == Outcome.OK:
-                if stale(rec):
+                if self._tables.stale(rec):
                     recheck = recheck or rec
                     continue
                 self._metrics.symtab_cache.labels("bucket" if from_bucket else "hit").inc()

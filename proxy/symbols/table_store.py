@@ -90,7 +90,8 @@ class TableStore:
         if rec.outcome == Outcome.OK:
             present, from_bucket = await self._bring(rec)
             return (rec if present else None), from_bucket
-        if rec.expires_at is not None and rec.expires_at > datetime.now(UTC):
+        if rec.expires_at is not None and self._expiry.believed(rec.outcome, rec.expires_at,
+                                                                datetime.now(UTC)):
             return rec, False
         return None, False
 
@@ -141,6 +142,15 @@ class TableStore:
         if outcome == Outcome.OK and self._shared is not None:
             self._shared.publish_table(scope, build_id, self.path(scope, build_id))
         return rec
+
+    def stale(self, rec: SymbolTableRecord) -> bool:
+        """A table from an executable whose debug file is worth asking for again (or from a
+        debug file whose supplementary file is): one may have been published, or the upstream
+        that failed may answer now. Its table still serves until a better one is built. Asked
+        again as a miss is (Expiry.believed): a clock stepped back must not put it off."""
+        return (rec.outcome == Outcome.OK and rec.expires_at is not None
+                and not self._expiry.believed(Outcome.NOT_FOUND, rec.expires_at,
+                                              datetime.now(UTC)))
 
     async def renew(self, rec: SymbolTableRecord) -> SymbolTableRecord:
         """A stale table from an executable, believed again: its debug file is still not had."""
@@ -211,11 +221,3 @@ def from_executable(source_key: str) -> bool:
 
 def local_source_key(path: Path, *, executable: bool) -> str:
     return f"{_LOCAL_EXECUTABLE if executable else 'local:'}{path}"
-
-
-def stale(rec: SymbolTableRecord) -> bool:
-    """A table from an executable whose debug file is worth asking for again (or from a debug
-    file whose supplementary file is): one may have been published, or the upstream that
-    failed may answer now. Its table still serves until a better one is built."""
-    return (rec.outcome == Outcome.OK and rec.expires_at is not None
-            and rec.expires_at <= datetime.now(UTC))
