@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -91,6 +90,18 @@ async def _race(upstreams: Sequence[Source], key: ArtifactKey, hop: Hop) -> AskR
     finally:
         for task in pending:
             task.cancel()
-        for task in pending:
-            with contextlib.suppress(BaseException):
-                close_quietly(await task)
+            task.add_done_callback(_close_a_late_body)
+        if pending:
+            # Waited for, but not awaited one by one under a suppress: a cancellation of this
+            # race itself, arriving while they wind down, was swallowed with theirs.
+            try:
+                await asyncio.wait(pending)
+            except BaseException:
+                close_quietly(result.body)  # the winner's, which goes to nobody now
+                raise
+
+
+def _close_a_late_body(task: asyncio.Future[Body | None]) -> None:
+    """A 200 that came as its task was cancelled, closed: it lost the race."""
+    if not task.cancelled() and task.exception() is None:
+        close_quietly(task.result())
