@@ -4,12 +4,14 @@ not installable here), run in a thread of the test process, with one bucket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import urllib.request
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import obstore
 from moto.server import ThreadedMotoServer
@@ -117,3 +119,127 @@ async def wait_gone(s3: S3Server) -> None:
             return
         writer.close()
         await asyncio.sleep(0.05)
+
+
+@dataclass
+class Fault:
+    """What FaultyBucket does to the requests it matches: `method` (or "" for any) and a
+    `path` substring; `times` of them (0: every one until removed)."""
+
+    action: str
+    method: str = ""
+    path: str = ""
+    times: int = 0
+    hits: int = 0
+
+
+class FaultyBucket:
+    """An S3 endpoint on loopback that forwards to moto, except where a Fault says otherwise:
+    a bucket that fails, hangs, cuts, lies or holds a request at a point the test chooses.
+
+    Actions: "500", "503" (SlowDown), "403" (credentials revoked), "404" (NoSuchKey),
+    "nosuchbucket", "reset" (the connection dropped before any answer), "hang" (never
+    answered), "hang-body" (moto's status and headers, then nothing), "cut" (half the body,
+    then the connection dropped), "flip" (moto's answer with a byte of its body changed),
+    "hold" (forwarded once `release` is set; `held` is set when one arrives)."""
+
+    def __init__(self, s3: S3Server) -> None:
+        self._target = s3.endpoint
+        self.faults: list[Fault] = []
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+        self._runner: Any = None
+        self._session: Any = None
+        self._hanging: list[asyncio.Future[None]] = []
+        self.endpoint = ""
+
+    def add(self, action: str, method: str = "", path: str = "", times: int = 0) -> Fault:
+        fault = Fault(action, method, path, times)
+        self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        self.faults.clear()
+        for hanging in self._hanging:
+            hanging.cancel()
+        self._hanging.clear()
+
+    async def __aenter__(self) -> FaultyBucket:
+        import aiohttp
+        from aiohttp import web
+
+        from tests.harness import serve_loopback
+
+        self._session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner, self.endpoint = await serve_loopback(app)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.clear()
+        await self._runner.cleanup()
+        await self._session.close()
+
+    def _fault(self, method: str, path: str) -> Fault | None:
+        for fault in self.faults:
+            if (fault.method in ("", method) and fault.path in path
+                    and (not fault.times or fault.hits < fault.times)):
+                fault.hits += 1
+                return fault
+        return None
+
+    async def _handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.seen.append((request.method, request.path))
+        fault = self._fault(request.method, request.path)
+        action = fault.action if fault is not None else ""
+        errors = {"500": (500, "InternalError"), "503": (503, "SlowDown"),
+                  "403": (403, "AccessDenied"), "404": (404, "NoSuchKey"),
+                  "nosuchbucket": (404, "NoSuchBucket")}
+        if action in errors:
+            status, code = errors[action]
+            return web.Response(status=status, content_type="application/xml", text=(
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>{code}</Message></Error>"))
+        if action in ("reset", "hang"):
+            if action == "hang":
+                await self._hang()
+            request.transport.abort()
+            raise asyncio.CancelledError
+        if action == "hold":
+            self.held.set()
+            await self.release.wait()
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
+        async with self._session.request(request.method, self._target + request.raw_path,
+                                         headers=headers, data=body) as r:
+            data = await r.read()
+            if action == "flip" and data:
+                flipped = bytearray(data)
+                flipped[len(flipped) // 2] ^= 0xFF
+                data = bytes(flipped)
+            response = web.StreamResponse(status=r.status, headers={
+                k: v for k, v in r.headers.items()
+                if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                     "content-encoding", "server", "date")})
+            response.content_length = len(data)
+            await response.prepare(request)
+            if action == "hang-body":
+                await self._hang()
+            if action == "cut":
+                await response.write(data[:len(data) // 2])
+                request.transport.abort()
+                raise asyncio.CancelledError
+            await response.write(data)
+            await response.write_eof()
+            return response
+
+    async def _hang(self) -> None:
+        hanging = asyncio.get_running_loop().create_future()
+        self._hanging.append(hanging)
+        with contextlib.suppress(asyncio.CancelledError):
+            await hanging

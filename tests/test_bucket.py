@@ -46,7 +46,7 @@ from proxy.keys import ArtifactKey
 from proxy.store.repository import Repository, create_engine
 from proxy.web.app import body_options, create_app
 from proxy.web.state import STATE
-from tests.buckets import Prefix, S3Server, s3_server, wait_gone
+from tests.buckets import BUCKET, FaultyBucket, Prefix, S3Server, s3_server, wait_gone
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import (
@@ -1038,3 +1038,40 @@ async def test_a_loop_of_caches_back_to_another_replica_is_a_404_not_a_wait(
         assert status == 404, body
     finally:
         await b_runner.cleanup()
+
+
+@on_postgresql
+async def test_a_bucket_that_never_answers_a_delete_costs_the_upload_delete_only_its_timeout(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, faults: FaultUpstream,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    """An upload's DELETE removes its row from the catalogue first (no replica reads the
+    object after that), then the object. A bucket that took the object's DELETE and never
+    answered held the client's DELETE (and the replica's upload lock, which every upload and
+    every download's commit waits for) for the client library's limit: an hour."""
+    token = "symgate-test-upload-token"
+    async with FaultyBucket(s3) as bucket:
+        a, b = await replicas(start_symgate, tmp_path, faults.url_for("notfound"), "ab",
+                              prefix.config(endpoint=bucket.endpoint, read_timeout_s=1.0),
+                              upload=UploadConfig(admin_tokens=(token,)),
+                              cache=CacheConfig(purge_poll_s=0.2))
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        data = elfs.prog.debug.read_bytes()
+        auth = {"Authorization": f"Bearer {token}"}
+        assert (await a.request("PUT", path, data=data, headers=auth))[0] == 201
+        assert (await b.get(path))[::2] == (200, data)
+        bucket.add("hang", method="POST", path="/" + BUCKET)  # S3's DeleteObjects
+        bucket.add("hang", method="DELETE")
+        deleted = await asyncio.wait_for(b.request("DELETE", path, headers=auth), 15)
+        assert deleted[0] == 204
+        assert any(fault.hits for fault in bucket.faults), "the bucket was not asked"
+        # Another upload goes on meanwhile, and the deleted one is gone everywhere.
+        other = f"/buildid/{elfs.other.build_id}/debuginfo"
+        put = await asyncio.wait_for(b.request("PUT", other, data=elfs.other.debug.read_bytes(),
+                                               headers=auth), 15)
+        assert put[0] == 201
+
+        async def gone_everywhere() -> bool:
+            return [(await sg.get(path))[0] for sg in (a, b)] == [404, 404]
+
+        await eventually(gone_everywhere, timeout=10)

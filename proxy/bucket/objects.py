@@ -155,13 +155,17 @@ class Bucket:
         return True
 
     async def delete(self, paths: list[str]) -> None:
+        """Raises BucketDown if the bucket fails, or takes read_timeout_s to answer: a DELETE
+        of an upload, a purge and the eviction wait on it (the first under the replica's
+        upload lock), and the client library's own limit is an hour."""
         if not paths:
             return
         try:
-            await self._obstore.delete_async(self._store, paths)
+            await asyncio.wait_for(self._obstore.delete_async(self._store, paths),
+                                   self._config.read_timeout_s)
         except FileNotFoundError:
             pass
-        except (self._obstore.exceptions.BaseError, OSError) as e:
+        except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("delete", e) from e
         self._ok("delete")
 

@@ -259,9 +259,11 @@ class SharedTier:
         """Remove these artifacts from the bucket (a purge, a bad copy): rows first, so that
         nobody starts reading an object being deleted. Raises DATABASE_ERRORS."""
         await self._repo.delete_bucket_objects([r.key_hash for r in recs])
-        # Rowless objects are never read, and written over when published again.
-        with contextlib.suppress(BucketDown):
-            await self.bucket.delete([object_path(r.kind, r.key_hash) for r in recs])
+        # Rowless objects are never read, and written over when published again: a bucket
+        # known to be down is not waited on (read_timeout_s) for them.
+        if self.bucket.available:
+            with contextlib.suppress(BucketDown):
+                await self.bucket.delete([object_path(r.kind, r.key_hash) for r in recs])
 
     # -- symbol tables -----------------------------------------------------------------------
     async def table(self, scope: str, build_id: str, dest: Path) -> bool:
