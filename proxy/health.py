@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 DISK = "disk"
 DATABASE = "database"
+BUCKET = "bucket"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1075,3 +1075,27 @@ async def test_a_bucket_that_never_answers_a_delete_costs_the_upload_delete_only
             return [(await sg.get(path))[0] for sg in (a, b)] == [404, 404]
 
         await eventually(gone_everywhere, timeout=10)
+
+
+@on_postgresql
+async def test_healthz_says_the_bucket_fails_until_it_answers_again(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    """Credentials revoked (every request a 403): clients are served from upstream, and
+    only /healthz can tell the operator that the cluster now fetches each file once per
+    replica. It said ok."""
+    async with FaultyBucket(s3) as bucket:
+        (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                              prefix.config(endpoint=bucket.endpoint))
+        bucket.add("403")
+        assert (await get(a.url, elfs.prog.build_id)) == (200, elfs.prog.debug.read_bytes())
+        await a.settled()  # its upload to the bucket refused
+        status, _, body = await a.get("/healthz")
+        assert status == 200 and body.startswith(b"degraded\nbucket: a put failed"), body
+        bucket.clear()
+
+        async def healthy() -> bool:  # no client request needed: the catch-up asks
+            return (await a.get("/healthz"))[2] == b"ok\n"
+
+        await eventually(healthy, timeout=10)

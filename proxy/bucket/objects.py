@@ -3,7 +3,7 @@
 obstore (object_store's Rust client) is imported only when [storage] is set: a single node
 never pays for it. Every failure to reach or use the bucket is one exception, BucketDown; the
 bucket then counts as down for `retry_s`, so that a dead bucket costs one miss a timeout, not
-every miss.
+every miss, and /healthz says so (Health's BUCKET) until a request succeeds again.
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import StorageConfig
+from proxy.health import BUCKET, Health
 from proxy.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
 # Read from the file for an upload; obstore gathers them into parts of 5 MiB.
 PUT_CHUNK = 1024 * 1024
+# What probe() asks for: no object is ever written under it (object paths are kinds' names).
+PROBE = ".symgate-probe"
 
 
 class BucketDown(Exception):
@@ -31,13 +34,14 @@ class BucketDown(Exception):
 
 
 class Bucket:
-    def __init__(self, config: StorageConfig, metrics: ProxyMetrics) -> None:
+    def __init__(self, config: StorageConfig, metrics: ProxyMetrics, health: Health) -> None:
         import obstore
         from obstore.store import S3Store
 
         self._obstore = obstore
         self._config = config
         self._metrics = metrics
+        self._health = health
         options: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=config.connect_timeout_s),
             # Whole requests may be long (a GiB debug file); stalls are cut by read_timeout_s.
@@ -60,19 +64,32 @@ class Bucket:
         """False for retry_s after a failure."""
         return time.monotonic() >= self._down_until
 
+    @property
+    def failing(self) -> bool:
+        """Whether the last request failed: until one succeeds (see probe())."""
+        return self._health.get(BUCKET) is not None
+
     def _failed(self, op: str, error: BaseException) -> BucketDown:
         self._metrics.bucket_requests.labels(op, "error").inc()
         if self.available:
             log.warning("the shared bucket failed a %s (%s); not asked again for %.0f s",
                         op, _first_line(error), self._config.retry_s)
         self._down_until = time.monotonic() + self._config.retry_s
+        self._health.fail(BUCKET, f"a {op} failed: {_first_line(error)}")
         return BucketDown(f"{op}: {_first_line(error)}")
 
     def _ok(self, op: str, outcome: str = "ok") -> None:
         self._metrics.bucket_requests.labels(op, outcome).inc()
-        if self._down_until:
-            self._down_until = 0.0
+        if self.failing:
             log.info("the shared bucket answers again")
+        self._down_until = 0.0
+        self._health.ok(BUCKET)
+
+    async def probe(self) -> None:
+        """Ask the bucket for an object that is never written: its 404 says the bucket
+        answers. For a bucket that failed, while no request of a client's asks it (a quiet
+        replica would say `degraded` for ever after a blip). Raises BucketDown."""
+        await self.open(PROBE)
 
     async def open(self, path: str) -> AsyncIterator[bytes] | None:
         """The object's bytes as they come; None when there is no such object. The iterator

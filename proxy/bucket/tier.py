@@ -307,6 +307,11 @@ class SharedTier:
         time), then evict from the bucket past its budget or age (one replica at a time)."""
         if not self.bucket.available:
             return
+        if self.bucket.failing:
+            try:
+                await self.bucket.probe()
+            except BucketDown:
+                return
         lease = await self.leases.take(f"bucket-sync:{self._replica}")
         if lease is not None:
             try:

@@ -108,11 +108,12 @@ class Admin:
 
         from proxy.bucket.objects import Bucket
         from proxy.bucket.tier import SharedTier
+        from proxy.health import Health
         from proxy.metrics import ProxyMetrics
 
         metrics = ProxyMetrics(CollectorRegistry())
-        tier = SharedTier(Bucket(self.config.storage, metrics), self.repo, self.config.storage,
-                          metrics, self.repo.replica)
+        tier = SharedTier(Bucket(self.config.storage, metrics, Health()), self.repo,
+                          self.config.storage, metrics, self.repo.replica)
         await tier.forget(await self.repo.bucket_objects_of(build_id))
 
     async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:

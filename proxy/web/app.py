@@ -27,6 +27,7 @@ from proxy.artifacts.service import ArtifactService
 from proxy.artifacts.uploads import Uploads
 from proxy.config import Config, parse_listen
 from proxy.expiry import Expiry
+from proxy.health import Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics, SymbolizeMetrics
 from proxy.sources.base import Source
@@ -185,7 +186,7 @@ def _lifecycle(
         expiry = Expiry.from_config(config)
         misses = RememberedMisses(repo, expiry, memo_s=config.negative.memo_s,
                                   memo_entries=config.negative.memo_entries)
-        tier = _shared_tier(config, repo, metrics, replica)
+        tier = _shared_tier(config, repo, metrics, cache.health, replica)
         service = ArtifactService(
             cache=cache, misses=misses, policy=config.fetch.policy,
             max_concurrent_fetches=config.cache.max_concurrent_fetches,
@@ -258,8 +259,8 @@ def _lifecycle(
     return lifecycle
 
 
-def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, replica: str
-                 ) -> SharedTier | None:
+def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, health: Health,
+                 replica: str) -> SharedTier | None:
     """The bucket behind this replica's disk, when [storage] names one."""
     if config.storage is None:
         return None
@@ -267,7 +268,7 @@ def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, replic
     from proxy.bucket.tier import SharedTier
 
     try:
-        bucket = Bucket(config.storage, metrics)
+        bucket = Bucket(config.storage, metrics, health)
     except Exception as e:  # obstore's own kinds: an unusable URL or setting
         raise CannotStart(f"cannot use the bucket {config.storage.url}: {e}") from None
     log.info("shared bucket %s%s", config.storage.url,
