@@ -1099,3 +1099,34 @@ async def test_healthz_says_the_bucket_fails_until_it_answers_again(
             return (await a.get("/healthz"))[2] == b"ok\n"
 
         await eventually(healthy, timeout=10)
+
+
+@on_postgresql
+async def test_a_deleted_bucket_is_a_bucket_down_not_a_catalogue_of_missing_objects(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server, database_url: str
+) -> None:
+    """S3 answers 404 for an object of a bucket that is gone (or misnamed in one replica's
+    [storage]) as for a missing object, NoSuchBucket in its body: taken for a missing
+    object, every miss dropped the catalogue row of a file the other replicas still read
+    from the real bucket, and /healthz said ok."""
+    async with FaultyBucket(s3) as bucket:
+        a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+        (c,) = await replicas(start_symgate, tmp_path, debuginfod.url, "c",
+                              prefix.config(endpoint=bucket.endpoint))
+        bucket.add("nosuchbucket")
+        assert (await get(c.url, elfs.prog.build_id)) == (200, elfs.prog.debug.read_bytes())
+        assert bucket.seen, "the bucket was not asked"
+        repo = Repository(create_engine(database_url))
+        try:
+            assert _hash(elfs.prog) in await repo.bucket_objects([_hash(elfs.prog)])
+        finally:
+            await repo.close()
+        assert (await c.get("/healthz"))[2].startswith(b"degraded\nbucket: ")
+        assert await c.metric("symgate_bucket_requests_total", op="get", outcome="error") >= 1
+        assert await c.metric("symgate_cluster_fetches_total", how="alone") == 1
+        gets = await b.metric("symgate_cluster_fetches_total", how="bucket")
+        assert (await get(b.url, elfs.prog.build_id))[0] == 200
+        assert await b.metric("symgate_cluster_fetches_total", how="bucket") == gets + 1

@@ -97,7 +97,9 @@ class Bucket:
         try:
             got = await asyncio.wait_for(self._obstore.get_async(self._store, path),
                                          self._config.read_timeout_s)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if _no_bucket(e):
+                raise self._failed("get", e) from e
             self._ok("get", "not_found")
             return None
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
@@ -180,11 +182,19 @@ class Bucket:
         try:
             await asyncio.wait_for(self._obstore.delete_async(self._store, paths),
                                    self._config.read_timeout_s)
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError as e:
+            if _no_bucket(e):
+                raise self._failed("delete", e) from e
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("delete", e) from e
         self._ok("delete")
+
+
+def _no_bucket(error: FileNotFoundError) -> bool:
+    """Whether a 404 is the bucket's own (deleted, or a wrong name in [storage]), not an
+    object's: S3 says which in the error's body, which obstore quotes. Taken for an object's,
+    every read of the catalogue's objects dropped their rows, and /healthz said ok."""
+    return "NoSuchBucket" in str(error)
 
 
 def _first_line(error: BaseException) -> str:
