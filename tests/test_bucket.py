@@ -61,7 +61,7 @@ from tests.harness import (
 )
 from tests.processes import run_in_thread, start_serve, stop_serve
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 from tests.test_database_down import Forwarder
 from tests.test_replicas import upstream_requests
 
@@ -1130,3 +1130,42 @@ async def test_a_deleted_bucket_is_a_bucket_down_not_a_catalogue_of_missing_obje
         gets = await b.metric("symgate_cluster_fetches_total", how="bucket")
         assert (await get(b.url, elfs.prog.build_id))[0] == 200
         assert await b.metric("symgate_cluster_fetches_total", how="bucket") == gets + 1
+
+
+def _function_names(profile: bytes) -> set[str]:
+    parsed = parse(profile)
+    return {parsed.string_table[f.name] for f in parsed.function} - {""}
+
+
+def _held(name: str) -> bytes:
+    return bytes([len(name)]) + name.encode()
+
+
+@on_postgresql
+async def test_a_symbol_table_whose_bucket_copy_does_not_match_its_row_is_not_used(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    """A table read from the bucket was put in place without a look at its row's size and
+    sha256: a copy with another name where a function's was (the object overwritten, or
+    rotted) named that function so in every profile, and was kept on the replica's disk."""
+    a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+    status, _, on_a = await post(a, _profile(elfs))
+    assert status == 200
+    await eventually(lambda: _has(prefix, table_object_of(elfs.prog)))
+    await a.settled()
+    table = (await prefix.objects())[table_object_of(elfs.prog)]
+    # A function's name as the table holds it: its length, then its bytes.
+    name = next(n for n in _function_names(on_a) if table.count(_held(n)) == 1)
+    forged = table.replace(_held(name), _held("X" * len(name)))
+    await prefix.put(table_object_of(elfs.prog), forged)
+    status, _, on_b = await post(b, _profile(elfs))
+    assert status == 200
+    assert "X" * len(name) not in _function_names(on_b)
+    assert on_b == on_a
+    assert await b.metric("symgate_symtab_cache_total", result="bucket") == 0
+
+    async def good_copy_again() -> bool:  # b's own build, published over the bad one
+        return (await prefix.objects()).get(table_object_of(elfs.prog)) == table
+
+    await eventually(good_copy_again, timeout=10)

@@ -9,6 +9,7 @@ every miss, and /healthz says so (Health's BUCKET) until a request succeeds agai
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -31,6 +32,10 @@ PROBE = ".symgate-probe"
 
 class BucketDown(Exception):
     """The bucket could not be reached, or failed a request."""
+
+
+class WrongCopy(Exception):
+    """An object whose bytes are not those its catalogue row says were written there."""
 
 
 class Bucket:
@@ -156,18 +161,27 @@ class Bucket:
             put.cancel()
         self._ok("put")
 
-    async def get_file(self, path: str, dest: Path) -> bool:
-        """Download the object to `dest`, which appears only once whole; False when there is
-        no such object."""
+    async def get_file(self, path: str, dest: Path, size: int, sha256: str) -> bool:
+        """Download the object to `dest`, which appears only once whole and found to be the
+        `size` bytes of digest `sha256` that were written there (WrongCopy if not); False
+        when there is no such object."""
         chunks = await self.open(path)
         if chunks is None:
             return False
         temp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
         dest.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        got = 0
         try:
             with temp.open("wb") as f:
                 async for chunk in chunks:
+                    got += len(chunk)
+                    if got > size:  # not read to its end: it cannot be the copy
+                        break
+                    digest.update(chunk)
                     await asyncio.to_thread(f.write, chunk)
+            if got != size or digest.hexdigest() != sha256:
+                raise WrongCopy(f"{path} is not the {size} bytes written there")
             temp.replace(dest)
         finally:
             temp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from proxy.bucket.leases import Lease, Leases
-from proxy.bucket.objects import Bucket, BucketDown
+from proxy.bucket.objects import Bucket, BucketDown, WrongCopy
 from proxy.config import StorageConfig
 from proxy.errors import RememberedNotFound, UpstreamUnavailable, VerificationFailed
 from proxy.keys import ArtifactKey
@@ -273,10 +273,18 @@ class SharedTier:
             return False
         kh = table_hash(scope, build_id)
         try:
-            if not (await self._repo.bucket_objects([kh])).get(kh):
+            if (rec := (await self._repo.bucket_objects([kh])).get(kh)) is None:
                 return False
-            if not await self.bucket.get_file(object_path(TABLE, kh), dest):
-                await self._repo.delete_bucket_objects([kh])
+            try:
+                # Checked as an artifact's copy is: a table has no build ID to verify, and
+                # one that reads well with other bytes names functions wrongly in every
+                # profile.
+                if not await self.bucket.get_file(object_path(TABLE, kh), dest, rec.size,
+                                                  rec.sha256):
+                    await self._repo.delete_bucket_objects([kh])
+                    return False
+            except WrongCopy:
+                await self._refuse(rec)  # built here instead, and published over it
                 return False
         except _SHARED_ERRORS as e:
             log.info("symbol table of %s not read from the bucket (%s)", build_id,
