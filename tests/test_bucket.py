@@ -1169,3 +1169,37 @@ async def test_a_symbol_table_whose_bucket_copy_does_not_match_its_row_is_not_us
         return (await prefix.objects()).get(table_object_of(elfs.prog)) == table
 
     await eventually(good_copy_again, timeout=10)
+
+
+@on_postgresql
+async def test_a_copy_replaced_by_an_upload_while_it_was_read_leaves_the_upload_in_the_bucket(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica b reads the download's row, and its GET of the object comes after an upload
+    of the key put other bytes there (and its own row): the copy does not match the row b
+    read. Refused by key, that took the upload's row and object: the upload then reached no
+    other replica, and they served the download it replaced, fetched from upstream again."""
+    token = "symgate-test-upload-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    async with FaultyBucket(s3) as bucket:
+        a, c = await replicas(start_symgate, tmp_path, debuginfod.url, "ac", prefix.config(),
+                              upload=UploadConfig(admin_tokens=(token,)),
+                              cache=CacheConfig(purge_poll_s=0.2))
+        (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b",
+                              prefix.config(endpoint=bucket.endpoint),
+                              cache=CacheConfig(purge_poll_s=0.2))
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+        bucket.add("hold", method="GET", path=object_of(elfs.prog), times=1)
+        reading = asyncio.ensure_future(b.get(path))
+        await asyncio.wait_for(bucket.held.wait(), 10)  # b has the download's row
+        assert (await a.request("PUT", path, data=uploaded, headers=auth))[0] == 201
+        bucket.release.set()
+        status, _, body = await reading
+        assert body != uploaded or status != 200  # it was not the copy b asked for
+        await b.settled()
+    assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
+    assert (await c.get(path))[::2] == (200, uploaded)

@@ -209,7 +209,7 @@ class SharedTier:
                 return None
             if chunks is None:
                 log.warning("%s is in the bucket's catalogue but not in the bucket", rec.key)
-                await self._repo.delete_bucket_objects([kh])
+                await self._repo.delete_bucket_versions([(kh, rec.sha256)])
                 continue
             self._start(self._touch(kh))
             return BucketBody(rec, chunks, self._refuse)
@@ -217,11 +217,23 @@ class SharedTier:
 
     async def _refuse(self, rec: BucketRecord) -> None:
         """A copy that does not match its row: its row is gone before the client's response
-        is cut, so the retry the client makes next cannot be sent the same copy again."""
-        log.warning("the bucket's copy of %s does not match its row: deleted", rec.key)
-        with contextlib.suppress(*DATABASE_ERRORS):
-            await self._repo.delete_bucket_objects([rec.key_hash])
-        self._start(self.forget([rec]))  # the object, and the row if the database failed
+        is cut, so the retry the client makes next cannot be sent the same copy again.
+
+        That row only, not the key's: the copy most often fails its row because another
+        version took the key meanwhile (an upload over a download: its object first, then
+        its row), whose row and object are not this reader's to drop. Nor the object,
+        which may be that version's already: without a row it is never read, and the next
+        copy published writes over it."""
+        log.warning("the bucket's copy of %s does not match its row: its row deleted",
+                    rec.key)
+        try:
+            await self._repo.delete_bucket_versions([(rec.key_hash, rec.sha256)])
+        except DATABASE_ERRORS:
+            self._start(self._drop_row(rec))
+
+    async def _drop_row(self, rec: BucketRecord) -> None:
+        with contextlib.suppress(*DATABASE_ERRORS):  # the next reader refuses it again
+            await self._repo.delete_bucket_versions([(rec.key_hash, rec.sha256)])
 
     async def _touch(self, kh: str) -> None:
         with contextlib.suppress(*DATABASE_ERRORS):  # an access time: eviction's order
@@ -281,7 +293,7 @@ class SharedTier:
                 # profile.
                 if not await self.bucket.get_file(object_path(TABLE, kh), dest, rec.size,
                                                   rec.sha256):
-                    await self._repo.delete_bucket_objects([kh])
+                    await self._repo.delete_bucket_versions([(kh, rec.sha256)])
                     return False
             except WrongCopy:
                 await self._refuse(rec)  # built here instead, and published over it

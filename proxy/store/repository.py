@@ -715,6 +715,20 @@ class Repository:
             async with self._begin() as s:
                 await s.execute(delete(BucketObject).where(BucketObject.key_hash.in_(hashes)))
 
+    async def delete_bucket_versions(self, versions: Iterable[tuple[str, str]]) -> list[str]:
+        """Delete the rows of these (key hash, sha256) pairs that are still that version; the
+        key hashes of those deleted. A key's row may have been replaced since it was read (an
+        upload over a download, a fetch published again): the newer version is not this
+        caller's to drop."""
+        pairs = list(versions)
+        if not pairs:
+            return []
+        async with self._begin() as s:
+            result = await s.execute(delete(BucketObject).where(
+                tuple_(BucketObject.key_hash, BucketObject.sha256).in_(pairs)
+            ).returning(BucketObject.key_hash))
+            return list(result.scalars().all())
+
     async def bucket_totals(self) -> tuple[int, int]:
         """(objects, bytes) in the bucket that its eviction may take (uploads are pinned)."""
         async with self._session() as s:
