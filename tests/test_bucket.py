@@ -1203,3 +1203,84 @@ async def test_a_copy_replaced_by_an_upload_while_it_was_read_leaves_the_upload_
         await b.settled()
     assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
     assert (await c.get(path))[::2] == (200, uploaded)
+
+
+@on_postgresql
+async def test_a_purge_made_while_a_replica_uploads_the_file_keeps_it_out_of_the_bucket(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
+    elfs: ElfSet, prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica a commits a file, then writes it to the slow bucket, then its row. A purge
+    meanwhile found no bucket row to delete, and the row a wrote after it served the purged
+    file to every replica, for as long as the bucket kept it."""
+    async with FaultyBucket(s3) as bucket:
+        bucket.add("hold", path=object_of(elfs.prog), times=1)
+        (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                              prefix.config(endpoint=bucket.endpoint, read_timeout_s=30.0))
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await asyncio.wait_for(bucket.held.wait(), 10)  # a's upload to the bucket under way
+        config = tmp_path / "admin.toml"
+        config.write_text(f'[server]\ndata_dir = "{tmp_path / "a"}"\n'
+                          f'[database]\nurl = "{database_url}"\n{prefix.toml()}')
+        purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
+                                      "--config", str(config)], timeout=60)
+        assert purged.returncode == 0, purged.stderr
+        bucket.release.set()
+        await a.settled()
+        await eventually(lambda: _has(prefix, object_of(elfs.prog)))  # the upload ended
+    repo = Repository(create_engine(database_url))
+    try:
+        assert not await repo.bucket_objects([_hash(elfs.prog)]), "the purged file is back"
+    finally:
+        await repo.close()
+    (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b", prefix.config())
+    before = await upstream_requests(debuginfod)
+    assert (await get(b.url, elfs.prog.build_id))[0] == 200
+    assert await upstream_requests(debuginfod) == before + 1
+
+
+@on_postgresql
+async def test_a_catch_up_round_during_a_slow_upload_leaves_the_keys_lease_held(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
+    elfs: ElfSet, prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica a fetched a file and writes it to a slow bucket, holding the key's lease so
+    that b waits for that copy. a's catch-up came round meanwhile, took the same lease (its
+    holder's already, so granted) and released it when it found the upload under way: b
+    stopped waiting and fetched the file from upstream too."""
+    from sqlalchemy import text
+
+    async with FaultyBucket(s3) as bucket:
+        bucket.add("hold", path=object_of(elfs.prog), times=1)
+        (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                              prefix.config(endpoint=bucket.endpoint, read_timeout_s=30.0))
+        (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b", prefix.config())
+        before = await upstream_requests(debuginfod)
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await asyncio.wait_for(bucket.held.wait(), 10)  # a's upload to the bucket under way
+        # A catch-up round now (rather than at its time): the file counts as settled.
+        engine = create_engine(database_url)
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE artifacts SET fetched_at = fetched_at - "
+                                    "interval '1 hour'"))
+        await engine.dispose()
+        service = a.runner.app[STATE].service
+        assert service.tier is not None
+        await service.tier.sync(lambda rec: service.cache.store.artifact_path(
+            rec.scope, ArtifactKey.from_id(rec.key)))
+        repo = Repository(create_engine(database_url))
+        try:
+            assert await repo.lease_of(tier.fetch_lease(_hash(elfs.prog))) is not None
+        finally:
+            await repo.close()
+        on_b = asyncio.ensure_future(get(b.url, elfs.prog.build_id))
+
+        async def b_asks() -> bool:
+            return await b.metric("symgate_inflight_fetches") == 1
+
+        await eventually(b_asks)  # and waits for a's copy, the lease being held
+        bucket.release.set()
+        assert (await on_b)[0] == 200
+        await a.settled()
+    assert await upstream_requests(debuginfod) == before + 1
+    assert await b.metric("symgate_cluster_fetches_total", how="upstream") == 0

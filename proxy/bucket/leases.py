@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 class Lease:
     """A lease this process holds, renewed every third of its time until released."""
 
-    def __init__(self, repo: Repository, name: str, holder: str, lease_s: float) -> None:
+    def __init__(self, repo: Repository, name: str, holder: str, lease_s: float,
+                 held: set[str]) -> None:
         self._repo = repo
         self.name = name
         self._holder = holder
         self._lease_s = lease_s
+        self._held = held
         self.lost = False
         self._renewing = asyncio.create_task(self._renew())
 
@@ -53,6 +55,7 @@ class Lease:
         self._renewing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._renewing
+        self._held.discard(self.name)
         try:
             await self._repo.drop_lease(self.name, self._holder)
         except DATABASE_ERRORS as e:  # it lapses by itself
@@ -65,11 +68,26 @@ class Leases:
         # Each process its own holder: two processes of one replica must not share a lease.
         self._holder = f"{replica}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lease_s = lease_s
+        # Names this process holds. The row is its holder's to take again (a renewal's
+        # terms), but a second job of this process on the same name (the catch-up of a key
+        # whose fetch is publishing it to a slow bucket) would release the row under the
+        # first: the other replicas then stopped waiting and fetched the key themselves.
+        self._held: set[str] = set()
 
     async def take(self, name: str) -> Lease | None:
-        """The lease, or None while another holder has it. Raises DATABASE_ERRORS."""
-        now = datetime.now(UTC)
-        if not await self._repo.take_lease(name, self._holder, now,
-                                           now + timedelta(seconds=self._lease_s)):
+        """The lease, or None while another holder (or another job of this process) has it.
+        Raises DATABASE_ERRORS."""
+        if name in self._held:
             return None
-        return Lease(self._repo, name, self._holder, self._lease_s)
+        self._held.add(name)
+        now = datetime.now(UTC)
+        try:
+            taken = await self._repo.take_lease(name, self._holder, now,
+                                                now + timedelta(seconds=self._lease_s))
+        except BaseException:
+            self._held.discard(name)
+            raise
+        if not taken:
+            self._held.discard(name)
+            return None
+        return Lease(self._repo, name, self._holder, self._lease_s, self._held)
