@@ -141,7 +141,9 @@ class FaultyBucket:
     "nosuchbucket", "reset" (the connection dropped before any answer), "hang" (never
     answered), "hang-body" (moto's status and headers, then nothing), "cut" (half the body,
     then the connection dropped), "flip" (moto's answer with a byte of its body changed),
-    "hold" (forwarded once `release` is set; `held` is set when one arrives)."""
+    "hold" (forwarded once `release` is set; `held` is set when one arrives), "hold-after"
+    (forwarded at once, answered once `release` is set). `path` is matched against the
+    path and query."""
 
     def __init__(self, s3: S3Server) -> None:
         self._target = s3.endpoint
@@ -194,7 +196,7 @@ class FaultyBucket:
         from aiohttp import web
 
         self.seen.append((request.method, request.path))
-        fault = self._fault(request.method, request.path)
+        fault = self._fault(request.method, request.path_qs)
         action = fault.action if fault is not None else ""
         errors = {"500": (500, "InternalError"), "503": (503, "SlowDown"),
                   "403": (403, "AccessDenied"), "404": (404, "NoSuchKey"),
@@ -228,6 +230,9 @@ class FaultyBucket:
                                      "content-encoding", "server", "date")})
             response.content_length = len(data)
             await response.prepare(request)
+            if action == "hold-after":
+                self.held.set()
+                await self.release.wait()
             if action == "hang-body":
                 await self._hang()
             if action == "cut":

@@ -1210,24 +1210,27 @@ async def test_a_purge_made_while_a_replica_uploads_the_file_keeps_it_out_of_the
     start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
     elfs: ElfSet, prefix: Prefix, s3: S3Server
 ) -> None:
-    """Replica a commits a file, then writes it to the slow bucket, then its row. A purge
-    meanwhile found no bucket row to delete, and the row a wrote after it served the purged
-    file to every replica, for as long as the bucket kept it."""
+    """Replica a commits a file, then writes it to the bucket, then the bucket's row. A
+    purge in between found no bucket row to delete, and the row a wrote after it served the
+    purged file to every replica, for as long as the bucket kept it."""
     async with FaultyBucket(s3) as bucket:
-        bucket.add("hold", path=object_of(elfs.prog), times=1)
+        # The answer to the request that completes the object, held: it is whole there.
+        bucket.add("hold-after", method="POST", path=f"{object_of(elfs.prog)}?uploadId=",
+                   times=1)
         (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
-                              prefix.config(endpoint=bucket.endpoint, read_timeout_s=30.0))
+                              prefix.config(endpoint=bucket.endpoint, read_timeout_s=30.0),
+                              cache=CacheConfig(purge_poll_s=3600.0))
         assert (await get(a.url, elfs.prog.build_id))[0] == 200
-        await asyncio.wait_for(bucket.held.wait(), 10)  # a's upload to the bucket under way
+        await asyncio.wait_for(bucket.held.wait(), 10)
+        # Run on another machine: a's own copy goes at a's next poll of the notices.
         config = tmp_path / "admin.toml"
-        config.write_text(f'[server]\ndata_dir = "{tmp_path / "a"}"\n'
+        config.write_text(f'[server]\ndata_dir = "{tmp_path / "admin"}"\n'
                           f'[database]\nurl = "{database_url}"\n{prefix.toml()}')
         purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
                                       "--config", str(config)], timeout=60)
         assert purged.returncode == 0, purged.stderr
         bucket.release.set()
         await a.settled()
-        await eventually(lambda: _has(prefix, object_of(elfs.prog)))  # the upload ended
     repo = Repository(create_engine(database_url))
     try:
         assert not await repo.bucket_objects([_hash(elfs.prog)]), "the purged file is back"

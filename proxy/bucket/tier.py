@@ -249,6 +249,13 @@ class SharedTier:
         try:
             await self.bucket.put_file(object_path(rec.kind, rec.key_hash), path)
             mtime = path.stat().st_mtime
+            if await self._repo.purged_since(rec.key_hash, rec.sha256, rec.fetched_at):
+                # Purged (or this version removed) since it was committed here: the purge
+                # found no row of the bucket's to delete, and one written now would serve
+                # the file to every replica. The object, rowless, is never read.
+                log.info("%s was purged while it was written to the shared bucket: not "
+                         "published", rec.key)
+                return False
             now = datetime.now(UTC)
             await self._repo.put_bucket_object(BucketRecord(
                 key_hash=rec.key_hash, scope=rec.scope, key=rec.key, build_id=rec.build_id,

@@ -715,6 +715,14 @@ class Repository:
             async with self._begin() as s:
                 await s.execute(delete(BucketObject).where(BucketObject.key_hash.in_(hashes)))
 
+    async def purged_since(self, key_hash: str, sha256: str, since: datetime) -> bool:
+        """Whether a purge of the key, or a removal of this version of it (a notice with its
+        sha256), was made at `since` or after."""
+        async with self._session() as s:
+            return bool((await s.execute(select(func.count()).select_from(Purge).where(
+                Purge.key_hash == key_hash, Purge.purged_at >= since,
+                or_(Purge.sha256.is_(None), Purge.sha256 == sha256)))).scalar_one())
+
     async def delete_bucket_versions(self, versions: Iterable[tuple[str, str]]) -> list[str]:
         """Delete the rows of these (key hash, sha256) pairs that are still that version; the
         key hashes of those deleted. A key's row may have been replaced since it was read (an
