@@ -345,6 +345,9 @@ class SymbolizeConfig:
     # A profile's body must arrive within this (else 408): an upload that trickles in holds
     # an admission place, never a worker slot, and only for this long.
     body_timeout_s: Seconds = 60.0
+    # A body still coming slower than this (bytes a second, on average) gives its place up
+    # to a profile that would be refused 429 (it is answered 408). 0: never.
+    min_body_rate: Size = 64 * 1024
     # Work bounds per profile, checked as it is decoded (before any rewrite); more is a 422,
     # 0 is no bound. Far above a real profile of a big process (hundreds of mappings, 10^5
     # locations).

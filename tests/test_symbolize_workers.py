@@ -209,6 +209,46 @@ async def test_a_profile_whose_client_left_while_it_waited_gives_its_place_up(
         assert await sg.metric("symgate_symbolize_profiles_total", outcome=outcome) == count
 
 
+async def test_a_body_that_trickles_gives_its_place_up_to_a_profile_that_would_be_refused(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A place is taken before the body is read (a full server answers 429 at once), and a
+    body had body_timeout_s to come: a client that trickled bodies on max_concurrent +
+    max_waiting connections kept every other profile at 429, for as long as it went on. A body
+    coming slower than min_body_rate now gives its place up (408) to a profile that would be
+    refused; a profile whose body is in never does."""
+    faults.release.set()
+    held = fast_upstream(faults.url_for("hold"), first_byte_timeout_s=60)
+    # 1 MiB/s: a trickle is behind past its first 64 KiB's 63 ms.
+    sg = await start_symgate([held], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=1, deadline_s=60.0, min_body_rate=1 << 20))
+    assert (await sg.get(f"/buildid/{elfs.other.build_id}/executable"))[0] == 200
+    faults.release.clear()
+    workers = sg.runner.app[STATE].symbols.workers
+    first = asyncio.ensure_future(post(sg, _profile(elfs)))  # in work, held by its debuginfo
+    await eventually(lambda: _true(faults.count("hold") > 1))
+    host, port = sg.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/octet-stream\r\nContent-Length: 100000\r\n\r\n" + b"\x0a" * 10)
+    await eventually(lambda: _true(workers.admitted_count == 2))
+    await asyncio.sleep(0.2)  # three times what 10 bytes may lag at 1 MiB/s
+    second = asyncio.ensure_future(post(sg, _profile(elfs)))
+    answer = await asyncio.wait_for(reader.read(), 30)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"came too slowly" in answer
+    writer.close()
+    await eventually(lambda: _true(workers.queued_count == 1))
+    # Both places hold whole bodies now (one in work, one waiting for the slot): refused.
+    status, _headers, refused = await post(sg, _profile(elfs))
+    assert status == 429, refused
+    faults.release.set()
+    for pending in (first, second):
+        status, headers, _ = await pending
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert workers.admitted_count == 0
+
+
 async def _expecting(sg: Symgate, head: bytes
                      ) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
     """The first answer to a POST /symbolize head sent with `Expect: 100-continue`, its body

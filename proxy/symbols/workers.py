@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -195,22 +196,67 @@ def worker_pool(cfg: SymbolizeConfig) -> WorkerPool:
                       init=worker.init_worker, args=(cfg.open_tables,))
 
 
-class _Places:
-    """At most `limit` held at once; past them, Overloaded (429)."""
+# What a body may lag behind symbolize.min_body_rate before its place can be taken back: a
+# chunk of the slowest link's first second.
+_BODY_SLACK = 64 << 10
 
-    def __init__(self, limit: int) -> None:
+
+class Reception:
+    """A place held by a profile: how much of its body has come, since when, and whether the
+    place was taken back from it (`revoked`) while the body still came."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self.received = 0
+        self.whole = False  # its body is in: the place is never taken back then
+        self.revoked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def rate(self, now: float) -> float:
+        return self.received / max(now - self.since, 1e-6)
+
+    def behind(self, now: float, min_rate: float) -> bool:
+        """Still coming, slower than `min_rate` bytes a second (past a slack)."""
+        return not self.whole and not self.revoked.done() \
+            and self.received + _BODY_SLACK < min_rate * (now - self.since)
+
+
+class _Places:
+    """At most `limit` held at once; past them, Overloaded (429), unless a body still coming
+    slower than `min_rate` bytes a second holds one: that place is taken back (its request
+    answered 408) for the profile that would be refused. Else a client that trickles bodies
+    on `limit` connections, each within the body timeout, kept everyone else at 429."""
+
+    def __init__(self, limit: int, min_rate: float) -> None:
         self.limit = limit
         self.taken = 0
+        self._min_rate = min_rate
+        self._held: list[Reception] = []
 
     @contextlib.contextmanager
-    def take(self, refusal: str) -> Iterator[None]:
-        if self.taken >= self.limit:
+    def take(self, refusal: str) -> Iterator[Reception]:
+        if self.taken >= self.limit and not self._take_back():
             raise Overloaded(refusal)
         self.taken += 1
+        held = Reception()
+        self._held.append(held)
         try:
-            yield
+            yield held
         finally:
             self.taken -= 1
+            self._held.remove(held)
+
+    def _take_back(self) -> bool:
+        """Revoke the place of the slowest body behind the floor; whether there was one."""
+        if not self._min_rate:
+            return False
+        now = time.monotonic()
+        behind = [r for r in self._held if r.behind(now, self._min_rate)]
+        if not behind:
+            return False
+        slowest = min(behind, key=lambda r: r.rate(now))
+        slowest.revoked.set_result(None)
+        # Counted as held until its request leaves: briefly one over the limit.
+        return True
 
 
 class SymbolizeWorkers:
@@ -228,8 +274,8 @@ class SymbolizeWorkers:
         self.checks = WorkerPool(cfg.workers, idle_s=cfg.worker_idle_s)
         self._max_concurrent = cfg.max_concurrent
         # Profiles in work or waiting for a slot; and, apart, those passed through untouched.
-        self._admission = _Places(cfg.max_concurrent + cfg.max_waiting)
-        self._passes = _Places(cfg.max_concurrent + cfg.max_waiting)
+        self._admission = _Places(cfg.max_concurrent + cfg.max_waiting, cfg.min_body_rate)
+        self._passes = _Places(cfg.max_concurrent + cfg.max_waiting, cfg.min_body_rate)
         self._slots = asyncio.Semaphore(cfg.max_concurrent)
         self._queued = 0  # of the admitted, those whose body is in and that wait for a slot
         # Until a worker could not open a memory file of this process (shared_bodies.py).
@@ -246,14 +292,15 @@ class SymbolizeWorkers:
         return self._queued
 
     @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[Callable[[Callable[[], bool]],
-                                                       AsyncContextManager[None]]]:
-        """A place among the profiles in work or waiting (Overloaded past them), and what
-        takes a worker slot once the profile's body is in (given what tells that its client
-        has left): an upload that trickles in must hold a waiting place, never a slot."""
+    async def admitted(self) -> AsyncIterator[tuple[Reception, Callable[
+            [Callable[[], bool]], AsyncContextManager[None]]]]:
+        """A place among the profiles in work or waiting (Overloaded past them), to receive
+        the body in, and what takes a worker slot once the profile's body is in (given what
+        tells that its client has left): an upload that trickles in must hold a waiting
+        place, never a slot."""
         with self._admission.take(f"symgate is symbolizing {self._max_concurrent} profiles "
-                                  "and has as many waiting as it may: try again later"):
-            yield self._slot
+                                  "and has as many waiting as it may: try again later") as held:
+            yield held, self._slot
 
     @property
     def passing_count(self) -> int:
@@ -261,13 +308,13 @@ class SymbolizeWorkers:
         return self._passes.taken
 
     @contextlib.asynccontextmanager
-    async def passing(self) -> AsyncIterator[None]:
+    async def passing(self) -> AsyncIterator[Reception]:
         """A place among the profiles passed through untouched, as many as may be admitted
         (Overloaded past them), apart from those: they need no worker, but each body is held
         whole, inflated, and without a bound a client could send any number at once."""
         with self._passes.take(f"symgate is passing {self._passes.taken} profiles through, "
-                               "as many as it may: try again later"):
-            yield
+                               "as many as it may: try again later") as held:
+            yield held
 
     @contextlib.asynccontextmanager
     async def _slot(self, gone: Callable[[], bool]) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from proxy.config import Fallback, SymbolizeConfig, TenantConfig
 from proxy.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from proxy.symbols.workers import Reception
 from proxy.web.artifacts import hop_of
 from proxy.web.content_encoding import coding_of, inflate_measured, measure_body
 from proxy.web.logs import annotate
@@ -42,7 +44,10 @@ async def expect_continue(request: web.Request) -> None:
         raise web.HTTPExpectationFailed(text=f"unknown Expect: {expect}")
 
 
-async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float,
+                    held: Reception | None = None) -> bytes:
+    """The whole body, within `timeout_s` (408) and `limit` bytes (413); counted into the
+    place it is `held` in, and cut (408) if that place is taken back for coming too slowly."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is larger than {limit} bytes")
     if request.version == HttpVersion11 \
@@ -54,29 +59,56 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     size = 0
     try:
         async with asyncio.timeout(timeout_s or None):
-            while chunk := await request.content.read(1 << 20):
+            while chunk := await _chunk(request, held, size):
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"request body is larger than {limit} bytes")
                 chunks.append(chunk)
+                if held is not None:
+                    held.received = size
     except TimeoutError as e:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s "
                              f"({size} bytes came)") from e
+    if held is not None:
+        held.whole = True
     return b"".join(chunks)
 
 
-async def read_profile(request: web.Request, cfg: SymbolizeConfig, wbits: int | None) -> bytes:
+async def _chunk(request: web.Request, held: Reception | None, size: int) -> bytes:
+    """What comes of the body next (b"" at its end); RequestTimeout once its place is taken
+    back (workers._Places)."""
+    if held is None:
+        return await request.content.read(1 << 20)
+    if not held.revoked.done():
+        buffered = request.content.read_nowait(1 << 20)
+        if buffered or request.content.at_eof():
+            return buffered  # no task to make for what is there already
+        reading = asyncio.ensure_future(request.content.read(1 << 20))
+        try:
+            await asyncio.wait((reading, held.revoked), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+        if reading.done() and not reading.cancelled():
+            return reading.result()
+    raise RequestTimeout(f"the request body came too slowly ({size} bytes in "
+                         f"{time.monotonic() - held.since:.1f} s) while other profiles waited "
+                         "for its place: send it faster, or later")
+
+
+async def read_profile(request: web.Request, cfg: SymbolizeConfig, wbits: int | None,
+                       held: Reception | None = None) -> bytes:
     """The request's body, inflated where it came with a Content-Encoding (`wbits`): to no
     more than a gzipped profile may inflate to (symbolize.pprof.codec), in a thread."""
-    body = await read_measured(request, cfg, wbits)
+    body = await read_measured(request, cfg, wbits, held)
     return await inflate(body, cfg, wbits)
 
 
-async def read_measured(request: web.Request, cfg: SymbolizeConfig, wbits: int | None
-                        ) -> bytes:
+async def read_measured(request: web.Request, cfg: SymbolizeConfig, wbits: int | None,
+                        held: Reception | None = None) -> bytes:
     """The request's body as sent, where it came with a Content-Encoding (`wbits`) measured
     (413 past the limit) but not kept inflated: `inflate` does that once it is worked on."""
-    body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s)
+    body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s, held)
     if wbits is not None:
         await measure_body(body, wbits, cfg.max_decompressed_bytes, _LIMIT)
     return body
@@ -150,15 +182,15 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
     if not cfg.enabled or (settings is not None and not settings.symbolize):
         # Passed through untouched: no work, so no place among the admitted to take, but one
         # among those passed through (their bodies are held whole).
-        async with state.symbols.workers.passing():
-            body = await read_profile(request, cfg, wbits)
+        async with state.symbols.workers.passing() as held:
+            body = await read_profile(request, cfg, wbits, held)
         annotate(request, outcome="disabled")
         return web.Response(body=body, content_type=fmt.content_type,
                             headers={"X-Symgate-Symbolize": "disabled"})
     limits = replace(limits_of(cfg), fallback=fallback_of(request, cfg, settings))
-    async with state.symbols.workers.admitted() as take_slot:
+    async with state.symbols.workers.admitted() as (held, take_slot):
         # A bomb is refused here, before it takes a slot; the body is inflated in its slot.
-        body = await read_measured(request, cfg, wbits)
+        body = await read_measured(request, cfg, wbits, held)
         hop, may_fetch = hop_of(request, state.via_name,
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
