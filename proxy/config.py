@@ -334,6 +334,11 @@ class SymbolizeConfig:
     deadline_s: Seconds = 30.0
     # Worker processes that build symbol tables.
     build_workers: AtLeastOne = 2
+    # A build runs in a child of its worker (proxy/symbols/isolated_build.py), killed past
+    # this many seconds, and allowed this much address space (0: no bound; the kernel's OOM
+    # killer then takes that child first): the file is then remembered as malformed.
+    build_timeout_s: Seconds = 600.0
+    build_memory_bytes: Size = 0
     # Worker processes that decode, rewrite and encode profiles, off the event loop.
     workers: AtLeastOne = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     # Seconds without a job after which the worker processes exit (started again by the next

@@ -8,6 +8,7 @@ import os
 import random
 import struct
 import subprocess
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,3 +281,38 @@ def compress_debug_sections_zstd(path: Path) -> None:
         struct.pack_into(row, data, shoff + i * 64, name, kind, flags | 0x800, addr, at,
                          len(data) - at, link, info, 8, entsize)
     path.write_bytes(data)
+
+
+def replace_section_compressed(path: Path, section: str, stream: bytes, claimed: int,
+                               kind: int = 1) -> None:
+    """Make the section `section` of the ELF64 little-endian file at `path` SHF_COMPRESSED,
+    its contents `stream` (zlib's, `kind` 1, unless another ch_type is given) appended to the
+    file under a compression header that says it inflates to `claimed` bytes: what a hostile
+    upstream serves, the build-ID note untouched."""
+    data = bytearray(path.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    count, names_at = struct.unpack_from("<HH", data, 0x3C)
+    names = struct.unpack_from("<Q", data, shoff + names_at * 64 + 24)[0]
+    for i in range(count):
+        row = shoff + i * 64
+        name, = struct.unpack_from("<I", data, row)
+        if data[names + name:data.index(b"\0", names + name)] != section.encode():
+            continue
+        data.extend(bytes(-len(data) % 8))
+        at = len(data)
+        data += struct.pack("<IIQQ", kind, 0, claimed, 1) + stream
+        flags, = struct.unpack_from("<Q", data, row + 8)
+        struct.pack_into("<Q", data, row + 8, flags | 0x800)
+        struct.pack_into("<QQ", data, row + 24, at, len(data) - at)
+        path.write_bytes(data)
+        return
+    raise ValueError(f"{path.name} has no section {section}")
+
+
+def zlib_of_zeros(size: int) -> bytes:
+    """A zlib stream that inflates to `size` zero bytes (a thousandth of that deflated),
+    made a MiB at a time."""
+    packer = zlib.compressobj(9)
+    chunk = bytes(1 << 20)
+    out = [packer.compress(chunk) for _ in range(size >> 20)]
+    return b"".join([*out, packer.compress(bytes(size & ((1 << 20) - 1))), packer.flush()])

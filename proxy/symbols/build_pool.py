@@ -10,8 +10,9 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from proxy.symbols import isolated_build
 from proxy.symbols.workers import WorkerPool
-from symbolize.symtab import BuildResult, build_symbol_table
+from symbolize.symtab import BuildResult
 
 # A build that has waited this long goes next whatever its size: a steady stream of bigger
 # ones must not hold a small one back for good (with its cross-process build lock).
@@ -19,8 +20,10 @@ PATIENCE_S = 10.0
 
 
 class BuildPool:
-    def __init__(self, pool: WorkerPool, workers: int, patience_s: float = PATIENCE_S) -> None:
+    def __init__(self, pool: WorkerPool, workers: int, patience_s: float = PATIENCE_S, *,
+                 timeout_s: float = 0.0, memory_bytes: int = 0) -> None:
         self.pool = pool
+        self._limits = (timeout_s, memory_bytes)  # of each build: isolated_build.py
         self._free = workers  # slots in the pool not taken
         self._patience_s = patience_s
         # Builds waiting for a slot, the biggest source first:
@@ -31,12 +34,12 @@ class BuildPool:
     async def build(self, source: Path, out: Path, build_id: str,
                     executable: Path | None = None,
                     supplement: Path | None = None) -> BuildResult:
-        """Raises symbolize.symtab.NoSymbols or MalformedObject for a file without a table,
-        proxy.errors.WorkerLost if the worker died. `executable`, `supplement`: see
-        build_symbol_table."""
+        """Raises symbolize.symtab.NoSymbols or MalformedObject for a file without a table
+        (or whose build crashed, hung or ran out of memory), proxy.errors.WorkerLost if the
+        worker died. `executable`, `supplement`: see build_symbol_table."""
         async with self._slot(_size(source)):
-            return await self.pool.run(build_symbol_table, source, out, build_id, executable,
-                                       supplement)
+            return await self.pool.run(isolated_build.build, *self._limits, source, out,
+                                       build_id, executable, supplement)
 
     @contextlib.asynccontextmanager
     async def _slot(self, size: int) -> AsyncIterator[None]:

@@ -69,6 +69,14 @@ def _die_with(server_pid: int) -> None:
     threading.Thread(target=_watch, args=(pidfd,), daemon=True).start()
 
 
+def die_with_parent(parent: int) -> None:
+    """Kill this process, forked from `parent`, when that one exits (or has already)."""
+    with contextlib.suppress(OSError, AttributeError):
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _watch(pidfd: int) -> None:
     select.select([pidfd], [], [])  # readable once the process has exited
     os.kill(os.getpid(), signal.SIGKILL)

@@ -200,7 +200,9 @@ def _lifecycle(
         symbols = SymbolResolver(
             artifacts=service, tables=TableStore(repo, store, expiry, tier),
             open_tables=OpenTables(config.symbolize.open_tables),
-            pool=BuildPool(processes, config.symbolize.build_workers),
+            pool=BuildPool(processes, config.symbolize.build_workers,
+                           timeout_s=config.symbolize.build_timeout_s,
+                           memory_bytes=config.symbolize.build_memory_bytes),
             workers=SymbolizeWorkers(config.symbolize, processes),
             debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
             enabled=config.symbolize.enabled,

@@ -1,0 +1,68 @@
+"""Debug files an upstream (or a tenant's upload) crafted against the build of their symbol
+table, their build-ID note intact: each profile that names one gets that mapping's precise
+outcome, the build is not made again for every profile, and the server's workers, and the
+other profiles, go on."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from proxy.symbols import isolated_build
+from proxy.web.state import STATE
+from symbolize.symtab import MalformedObject
+from tests.elfs import ElfSet, build_id_tree, replace_section_compressed, zlib_of_zeros
+from tests.harness import Debuginfod, SymgateFactory
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
+
+def _profile(elfs: ElfSet, name: str) -> bytes:
+    elf = elfs.named(name)
+    placed = place(elf, BASES.get(name, 0x55D0C0E00000))
+    return make_profile([(placed, code_addresses(elf)[:5])]).SerializeToString()
+
+
+async def test_a_build_that_runs_out_of_memory_is_malformed_and_kills_no_worker(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A debug file whose .debug_str inflates to 768 MiB (from under a MiB): symbolic
+    allocates it whole. Past the memory a build may take, the build crashed its worker, which
+    broke the pool under every profile in work (503s), was never remembered, and was made
+    again, and crashed again, at the next profile that named it."""
+    bomb = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, bomb)
+    replace_section_compressed(bomb, ".debug_str", zlib_of_zeros(768 << 20), 768 << 20)
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, bomb, elfs.prog.executable)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(
+        debug_dirs=(tree,), build_memory_bytes=512 << 20))
+    pool = sg.runner.app[STATE].symbols.workers.pool
+    await pool.start()
+    workers = pool.pids()
+    for _ in range(2):
+        status, headers, body = await post(sg, _profile(elfs, "prog"))
+        assert status == 200, body
+        assert headers["X-Symgate-Mappings-Unsymbolized"] == "malformed=1", headers
+    assert await sg.metric("symgate_symtab_builds_total", result="malformed") == 1
+    status, headers, _ = await post(sg, _profile(elfs, "other"))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert pool.pids() == workers
+
+
+def test_a_build_past_its_time_is_killed_malformed_and_leaves_nothing(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A build that did not end (a loop over a crafted file's DWARF) held its worker for good:
+    now its child is killed at build_timeout_s, and what it half wrote is removed. The build
+    here inflates 768 MiB, some seconds, against a timeout of a twentieth of one."""
+    bomb = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, bomb)
+    replace_section_compressed(bomb, ".debug_str", zlib_of_zeros(768 << 20), 768 << 20)
+    out = tmp_path / "tables" / f"{elfs.prog.build_id}.symc"
+    with pytest.raises(MalformedObject, match=r"longer than 0\.05 s"):
+        isolated_build.build(0.05, 0, bomb, out, elfs.prog.build_id, elfs.prog.executable)
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
