@@ -132,6 +132,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     # the supplement, libdw reads it for symbolic (supplementary.py); without, it is read for
     # its symbol table alone, as llvm-symbolizer names its code.
     headers = _headers_of(elf_path)
+    if headers is not None and (lying := _inflation_lie(elf_path)) is not None:
+        raise MalformedObject(f"{elf_path.name}: {lying}")
     if headers is not None and headers.sections \
             and not any(s.flags & SHF_EXECINSTR for s in headers.sections):
         # dwz's supplementary file (committed to the cache as any debug file is): no code to
@@ -625,6 +627,46 @@ def _openable_by_libdw(supplement: Path, out: Path) -> Path:
         out.unlink(missing_ok=True)
         raise
     return out
+
+
+# Deflate makes at most 258 bytes of a 2-bit code: a zlib stream inflates to at most some
+# 1032 times its size. A compression header that claims more lies, and symbolic allocates
+# what it claims, before inflating a byte: a 20-byte stream claiming 1 GiB took a build a GiB
+# for each such section, and one claiming 2^48 bytes aborted it.
+_ZLIB_MAX_RATIO = 1032
+_ZLIB_SLACK = 1 << 10
+
+
+def _inflation_lie(path: Path) -> str | None:
+    """What is wrong with a zlib-compressed section (SHF_COMPRESSED, or a .zdebug_ one) whose
+    header claims more than its stream can inflate to; None where none does."""
+    try:
+        with path.open("rb") as f:
+            headers = read_headers(f.fileno())
+            return _lie_in(headers) if headers is not None else None
+    except OSError:
+        return None  # the build itself reports a file it cannot read
+
+
+def _lie_in(headers: ElfHeaders) -> str | None:
+    for section in headers.sections:
+        if section.type == SHT_NOBITS or section.offset + section.size > headers.file_size:
+            continue  # no bytes of its own here: nobody inflates it
+        if section.flags & SHF_COMPRESSED:
+            if _compression(headers, section) != _ELFCOMPRESS_ZLIB:
+                continue
+            claimed = _inflated_size(headers, section)
+        elif section.name.startswith(".zdebug_") and section.size >= 12:
+            head = headers.read(12, section.offset)
+            if head[:4] != _GNU_ZLIB:
+                continue
+            claimed, = struct.unpack_from(">Q", head, 4)
+        else:
+            continue
+        if claimed > section.size * _ZLIB_MAX_RATIO + _ZLIB_SLACK:
+            return (f"section {section.name} claims to inflate to {claimed} bytes, from "
+                    f"{section.size}")
+    return None
 
 
 def _compression(headers: ElfHeaders, section: SectionHeader) -> int:

@@ -4,15 +4,17 @@ reported, never a 500 or a 503, and the workers stay up."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import Elf, ElfSet
+from tests.elfs import Elf, ElfSet, replace_section_compressed
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -138,3 +140,29 @@ def test_a_zstd_section_claiming_a_gibibyte_is_not_given_one() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
+
+
+@pytest.mark.parametrize("claimed", [1 << 30, 1 << 48])
+def test_a_zlib_section_claiming_more_than_its_stream_can_inflate_to_is_malformed(
+        elfs: ElfSet, tmp_path: Path, claimed: int) -> None:
+    """symbolic allocates what a compression header claims before it inflates a byte: a
+    debug file whose .debug_str, 20 bytes of zlib, claimed a GiB took its build a GiB (each
+    such section one more), and one claiming 2^48 bytes aborted the process that built it.
+    Deflate inflates to at most some 1032 times its size: a header that claims more lies."""
+    bad = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, bad)
+    replace_section_compressed(bad, ".debug_str", zlib.compress(b"main\0"), claimed)
+    script = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))\n"
+        "from symbolize.symtab import MalformedObject, build_symbol_table\n"
+        "try:\n"
+        f"    build_symbol_table(Path({str(bad)!r}), Path({str(tmp_path / 't.symc')!r}),\n"
+        f"                       {elfs.prog.build_id!r})\n"
+        "except MalformedObject as e:\n"
+        "    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"claims to inflate to {claimed} bytes" in done.stdout, done.stdout
