@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import struct
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ def _malformed(error: Exception) -> bool:
     """Whether pyelftools failed on a file that is not valid ELF: it raises a spread of types
     on malformed input, and construct's errors have no common public base we can import."""
     return (isinstance(error, (ELFError, ELFParseError, ValueError, KeyError, EOFError,
-                               AssertionError))
+                               AssertionError, zlib.error))
             or type(error).__module__.startswith(("construct", "elftools")))
 
 
@@ -312,7 +313,9 @@ def function_symbols(path: Path, section: str = ".symtab", *, unsized: bool = Fa
             data = table.data()
             return _function_symbols(data, strtab, elf.elfclass == 64,
                                      "<" if elf.little_endian else ">", unsized)
-        except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError):
+        # zlib's error: a compressed table whose stream is not zlib's, which pyelftools
+        # inflates as it comes (it escaped the build, an "internal" failure at every profile).
+        except (ELFError, ELFParseError, ValueError, KeyError, OSError, EOFError, zlib.error):
             return ()
 
 

@@ -831,6 +831,10 @@ class SymbolTable:
         Addresses outside the code segments get none: symbolic would otherwise answer with
         the nearest preceding symbol.
         """
+        if not self._pieces:
+            # A table of no range at all (a program whose symbol names symbolic could not
+            # read): the lookups below index its empty per-piece arrays.
+            return np.zeros(len(vaddrs), dtype=np.int64)
         inside = np.zeros(len(vaddrs), dtype=np.bool_)
         for start, end in self.code_ranges:
             inside |= (vaddrs >= np.uint64(start)) & (vaddrs < np.uint64(end))

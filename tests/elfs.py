@@ -283,12 +283,12 @@ def compress_debug_sections_zstd(path: Path) -> None:
     path.write_bytes(data)
 
 
-def replace_section_compressed(path: Path, section: str, stream: bytes, claimed: int,
+def replace_section_compressed(path: Path, section: str, stream: bytes, claimed: int | None,
                                kind: int = 1) -> None:
     """Make the section `section` of the ELF64 little-endian file at `path` SHF_COMPRESSED,
     its contents `stream` (zlib's, `kind` 1, unless another ch_type is given) appended to the
-    file under a compression header that says it inflates to `claimed` bytes: what a hostile
-    upstream serves, the build-ID note untouched."""
+    file under a compression header that says it inflates to `claimed` bytes (no header at
+    all if None): what a hostile upstream serves, the build-ID note untouched."""
     data = bytearray(path.read_bytes())
     shoff, = struct.unpack_from("<Q", data, 0x28)
     count, names_at = struct.unpack_from("<HH", data, 0x3C)
@@ -300,7 +300,7 @@ def replace_section_compressed(path: Path, section: str, stream: bytes, claimed:
             continue
         data.extend(bytes(-len(data) % 8))
         at = len(data)
-        data += struct.pack("<IIQQ", kind, 0, claimed, 1) + stream
+        data += (b"" if claimed is None else struct.pack("<IIQQ", kind, 0, claimed, 1)) + stream
         flags, = struct.unpack_from("<Q", data, row + 8)
         struct.pack_into("<Q", data, row + 8, flags | 0x800)
         struct.pack_into("<QQ", data, row + 24, at, len(data) - at)

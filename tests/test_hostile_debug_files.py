@@ -13,7 +13,7 @@ import pytest
 from proxy.symbols import isolated_build
 from proxy.web.state import STATE
 from symbolize.symtab import MalformedObject
-from tests.elfs import ElfSet, build_id_tree, replace_section_compressed, zlib_of_zeros
+from tests.elfs import Elf, ElfSet, build_id_tree, replace_section_compressed, zlib_of_zeros
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
@@ -66,3 +66,34 @@ def test_a_build_past_its_time_is_killed_malformed_and_leaves_nothing(
     with pytest.raises(MalformedObject, match=r"longer than 0\.05 s"):
         isolated_build.build(0.05, 0, bomb, out, elfs.prog.build_id, elfs.prog.executable)
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def _executable_alone(root: Path, elf: Elf, executable: Path) -> Path:
+    """A debug tree at `root` with `executable` as the program of `elf`, and no debug file."""
+    at = root / ".build-id" / elf.build_id[:2]
+    at.mkdir(parents=True)
+    shutil.copyfile(executable, at / elf.build_id[2:])
+    return root
+
+
+@pytest.mark.parametrize(("stream", "claimed"), [
+    (b"\x01\x00", None),  # not even a compression header: symbolic reads no name at all
+    (b"not zlib at all", 4096),  # pyelftools' zlib.error escaped the build
+], ids=["cut-header", "not-zlib"])
+async def test_a_program_whose_symbol_names_cannot_be_read_is_answered(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    stream: bytes, claimed: int | None
+) -> None:
+    """A program whose .strtab is compressed in a way nothing can inflate: once the mapping's
+    outcome was `internal` at every profile (the build never remembered), or a table without
+    a single range whose lookup raised IndexError in the worker: a 500."""
+    exe = tmp_path / "prog"
+    shutil.copyfile(elfs.prog.executable, exe)
+    replace_section_compressed(exe, ".strtab", stream, claimed)
+    tree = _executable_alone(tmp_path / "debug", elfs.prog, exe)
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tree,)))
+    for _ in range(2):
+        status, headers, body = await post(sg, _profile(elfs, "prog"))
+        assert status == 200, body
+        assert "internal" not in headers["X-Symgate-Mappings-Unsymbolized"], headers
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1
