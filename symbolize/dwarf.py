@@ -200,6 +200,23 @@ def opened(path: Path, supplement: Path | None = None) -> Iterator[int]:
             os.close(fd)
 
 
+def units(lib: ctypes.CDLL, dbg: int) -> Iterator[tuple[int, int]]:
+    """(offset of its DIE, DWARF version) of each unit of .debug_info, up to the first that is
+    of no DWARF version (2 to 5). libdw reads zeros as units of 4 bytes and version 0: a
+    section of 64 MiB of zeros (inflated from 64 KiB) was 16 million units, read one ctypes
+    call at a time for a minute, and a dwz'd file's longer still; nothing past such a unit
+    can be told from garbage."""
+    offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
+    version = ctypes.c_uint16()
+    at = ctypes.addressof
+    while lib.dwarf_next_unit(dbg, offset, at(following), at(header), at(version),
+                              None, None, None, None, None) == 0:
+        if not 2 <= version.value <= 5:
+            return
+        yield offset + header.value, version.value
+        offset = following.value
+
+
 class DieAttributes:
     """A DIE's attributes as libdw reads them (through DW_AT_abstract_origin and
     DW_AT_specification, into a supplement where one is set), into out-parameters made once
@@ -268,14 +285,11 @@ class _Reader:
     def read(self, dbg: int) -> None:
         lib = self._lib
         callback = _Callback(self._subprogram)
-        offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
-        version, die = ctypes.c_uint16(), Die()
-        at = ctypes.addressof
-        while lib.dwarf_next_unit(dbg, offset, at(following), at(header), at(version),
-                                  None, None, None, None, None) == 0:
-            cu = lib.dwarf_offdie(dbg, offset + header.value, at(die))
+        die = Die()
+        for offset, version in units(lib, dbg):
+            cu = lib.dwarf_offdie(dbg, offset, ctypes.addressof(die))
             if cu:
-                self._version = version.value
+                self._version = version
                 self._cu_ranges = []
                 self._comp_dir = self._die.string(cu, DW_AT_COMP_DIR)
                 lib.dwarf_getfuncs(cu, callback, None, 0)
@@ -286,7 +300,6 @@ class _Reader:
                     self._out.orphan_ranges += outside
                     self._out.orphan_rows += self._rows(cu)
                 self._row_array(cu)
-            offset = following.value
         self._decl_lines()
         self._out.orphan_rows.sort(key=lambda r: (r.address, not r.end_sequence))
         if self._layout is not None:

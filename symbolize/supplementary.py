@@ -43,6 +43,7 @@ from .dwarf import (
     DieAttributes,
     clean_path,
     opened,
+    units,
 )
 from .elf import FunctionSymbol, build_id_of_file
 from .elf_headers import SHF_COMPRESSED, read_headers
@@ -222,15 +223,12 @@ class _Walker:
 
     def read(self, dbg: int) -> None:
         lib = self._lib
-        offset, following, header = 0, ctypes.c_uint64(), ctypes.c_size_t()
         at = ctypes.addressof
         die = Die()
-        while lib.dwarf_next_unit(dbg, offset, at(following), at(header), None, None, None,
-                                  None, None, None) == 0:
-            if lib.dwarf_offdie(dbg, offset + header.value, at(die)) \
+        for offset, _version in units(lib, dbg):
+            if lib.dwarf_offdie(dbg, offset, at(die)) \
                     and lib.dwarf_tag(at(die)) == _DW_TAG_COMPILE_UNIT:
                 self._unit(at(die))
-            offset = following.value
 
     def _unit(self, cu: int) -> None:
         self._comp_dir = self._die.string(cu, DW_AT_COMP_DIR)

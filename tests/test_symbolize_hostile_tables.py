@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from symbolize.dwarf import LIBDW, opened, units
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import Elf, ElfSet, replace_section_compressed
+from tests.elfs import Elf, ElfSet, replace_section_compressed, zlib_of_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -166,3 +167,30 @@ def test_a_zlib_section_claiming_more_than_its_stream_can_inflate_to_is_malforme
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"claims to inflate to {claimed} bytes" in done.stdout, done.stdout
+
+
+def test_a_debug_info_of_zeros_is_not_read_as_millions_of_units(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """libdw reads zeros as units of 4 bytes and version 0: a .debug_info of 128 MiB of zeros,
+    128 KiB of zlib, was 32 million units to read one ctypes call at a time, minutes of a
+    build worker (a dwz'd file's, read again for its supplement, longer still)."""
+    bad = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, bad)
+    replace_section_compressed(bad, ".debug_info", zlib_of_zeros(128 << 20), 128 << 20)
+    assert LIBDW is not None
+    with opened(elfs.prog.debug) as dbg:
+        assert [version for _offset, version in units(LIBDW, dbg)] == [5, 5]
+    with opened(bad) as dbg:
+        assert list(units(LIBDW, dbg)) == []
+    script = (
+        "from pathlib import Path\n"
+        "from symbolize.symtab import MalformedObject, build_symbol_table\n"
+        "try:\n"
+        f"    build_symbol_table(Path({str(bad)!r}), Path({str(tmp_path / 't.symc')!r}),\n"
+        f"                       {elfs.prog.build_id!r})\n"
+        "except MalformedObject as e:\n"
+        "    print('malformed')\n")
+    # Bounded, not timed: minutes before, a second or so now.
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=60)
+    assert done.stdout.strip() == "malformed", done.stderr[-2000:]
