@@ -247,6 +247,7 @@ def layout_of_file(path: Path) -> ElfLayout | None:
         return ElfLayout(build_id_of_stream(f), elf_type, segments, holds_code)
 
 
+_ADDRESS_END = (1 << 64) - 1  # the last address a 64-bit range may end at
 _COLD_SUFFIX = re.compile(r"\.cold(?:\.\d+)?$")
 
 
@@ -351,9 +352,12 @@ def exports_of(executable: Path) -> tuple[FunctionSymbol, ...]:
 
 
 def cold_ranges(symbols: tuple[FunctionSymbol, ...]) -> tuple[tuple[int, int], ...]:
-    """[start, end) of every `*.cold` function symbol."""
+    """[start, end) of every `*.cold` function symbol that ends within the address space
+    (a damaged table's may not: its range, recorded with the table, failed every process that
+    opened it)."""
     return tuple(sorted((s.value, s.value + s.size) for s in symbols
-                        if ".cold" in s.name and cold_part(s.name) is not None))
+                        if ".cold" in s.name and cold_part(s.name) is not None
+                        and s.value + s.size <= _ADDRESS_END))
 
 
 def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:

@@ -794,7 +794,10 @@ class SymbolTable:
         self._piece_lineless = self._piece_code & no_file & outermost
         self.load_address = load_address
         self.code_ranges = code_ranges
-        self._cold = np.array(cold_ranges, dtype=np.uint64).reshape(-1, 2)
+        # A range past the address space, as a damaged .symtab recorded before symgate left
+        # those out (elf.cold_ranges), cannot be a uint64: without it, the table opens.
+        self._cold = np.array([r for r in cold_ranges if r[1] < 1 << 64],
+                              dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
         self._orphan_ranges = np.array(extras.orphan_ranges, dtype=np.uint64).reshape(-1, 2)
         rows = extras.orphan_rows

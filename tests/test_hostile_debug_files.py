@@ -5,17 +5,24 @@ other profiles, go on."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import struct
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from proxy.symbols import isolated_build
 from proxy.web.state import STATE
-from symbolize.symtab import MalformedObject
+from symbolize.chains import FunctionIds
+from symbolize.elf_headers import read_headers
+from symbolize.symtab import MalformedObject, build_symbol_table
 from tests.elfs import Elf, ElfSet, build_id_tree, replace_section_compressed, zlib_of_zeros
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
+from tests.rewriting import open_table
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -97,3 +104,39 @@ async def test_a_program_whose_symbol_names_cannot_be_read_is_answered(
         assert status == 200, body
         assert "internal" not in headers["X-Symgate-Mappings-Unsymbolized"], headers
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1
+
+
+def test_a_cold_symbol_that_runs_past_the_address_space_is_left_out(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A `.cold` function symbol whose size carries its end past 2^64 (a .symtab size that
+    reads garbage as symbols, in libc's debug file): its range went into the table's record,
+    and every process that opened the table failed on it (OverflowError, a 500 for each
+    profile that named it)."""
+    debug = tmp_path / "libfx.so.debug"
+    shutil.copyfile(elfs.aliased.debug, debug)
+    with debug.open("r+b") as f:
+        headers = read_headers(f.fileno())
+        assert headers is not None
+        symtab = headers.section(".symtab")
+        assert symtab is not None
+        names = headers.data(headers.sections[symtab.link])
+        table = headers.data(symtab)
+        assert names is not None and table is not None
+        for at in range(0, len(table), 24):
+            name, _info, _other, _shndx, value, _size = struct.unpack_from("<IBBHQQ", table, at)
+            if names[name:names.index(b"\0", name)] == b"checked.cold":
+                os.pwrite(f.fileno(), struct.pack("<Q", (1 << 64) - value // 2),
+                          symtab.offset + at + 16)
+                break
+        else:
+            raise AssertionError("no checked.cold symbol")
+    out = tmp_path / "t.symc"
+    built = build_symbol_table(debug, out, elfs.aliased.build_id, elfs.aliased.executable)
+    assert all(end < 1 << 64 for _start, end in built.cold_ranges)
+    table_ = open_table(out, built, FunctionIds())
+    table_.chains(np.array([start for start, _end in built.code_ranges], dtype=np.uint64))
+    # As a table built before was recorded, with that range: it opens all the same.
+    recorded = replace(built, cold_ranges=((built.code_ranges[0][0], 1 << 64),))
+    open_table(out, recorded, FunctionIds()).chains(
+        np.array([start for start, _end in built.code_ranges], dtype=np.uint64))
