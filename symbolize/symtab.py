@@ -255,7 +255,8 @@ def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
     os.replace(tmp, out_path)
     return BuildResult(
         load_address=layout.load_address,
-        code_ranges=tuple((s.vaddr, s.vaddr + s.memsz) for s in layout.segments if s.executable),
+        code_ranges=_addressable(tuple((s.vaddr, s.vaddr + s.memsz) for s in layout.segments
+                                       if s.executable)),
         cold_ranges=elf.cold_ranges(symbols),
         has_lines="debug" in features,
         seconds=time.perf_counter() - started,
@@ -263,6 +264,17 @@ def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
         file_layout=(layout.segments if layout.has_file_layout
                      else executable_layout or lld_layout(elf_path)),
     )
+
+
+_LAST_ADDRESS = (1 << 64) - 1
+
+
+def _addressable(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """`ranges` cut at the end of the address space: a damaged program header's segment may
+    run past it (p_vaddr + p_memsz), and its end, no uint64, failed every lookup in the
+    table (OverflowError out of the rewrite job, at each profile)."""
+    return tuple((start, min(end, _LAST_ADDRESS)) for start, end in ranges
+                 if start < _LAST_ADDRESS)
 
 
 # Below this size a file's two readings take a few milliseconds together, less than a thread
@@ -793,10 +805,10 @@ class SymbolTable:
         self._piece_code = (self._piece_range >= 0) & ~empty
         self._piece_lineless = self._piece_code & no_file & outermost
         self.load_address = load_address
-        self.code_ranges = code_ranges
+        self.code_ranges = _addressable(code_ranges)  # as recorded before, too
         # A range past the address space, as a damaged .symtab recorded before symgate left
         # those out (elf.cold_ranges), cannot be a uint64: without it, the table opens.
-        self._cold = np.array([r for r in cold_ranges if r[1] < 1 << 64],
+        self._cold = np.array([r for r in cold_ranges if r[1] <= _LAST_ADDRESS],
                               dtype=np.uint64).reshape(-1, 2)
         self.has_lines = has_lines
         self._orphan_ranges = np.array(extras.orphan_ranges, dtype=np.uint64).reshape(-1, 2)

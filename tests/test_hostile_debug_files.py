@@ -140,3 +140,29 @@ def test_a_cold_symbol_that_runs_past_the_address_space_is_left_out(
     recorded = replace(built, cold_ranges=((built.code_ranges[0][0], 1 << 64),))
     open_table(out, recorded, FunctionIds()).chains(
         np.array([start for start, _end in built.code_ranges], dtype=np.uint64))
+
+
+def test_a_code_segment_that_runs_past_the_address_space_is_cut_at_its_end(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A debug file whose code segment's p_memsz carries it past 2^64: its range, recorded
+    with the table, was no uint64, and every lookup in the table failed (OverflowError out of
+    the rewrite job, at each profile that named the build ID)."""
+    debug = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, debug)
+    data = bytearray(debug.read_bytes())
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    count, = struct.unpack_from("<H", data, 0x38)
+    for at in range(phoff, phoff + count * 56, 56):
+        kind, flags = struct.unpack_from("<II", data, at)
+        if kind == 1 and flags & 1:  # PT_LOAD, PF_X
+            struct.pack_into("<Q", data, at + 40, (1 << 64) - 100)  # p_memsz
+    debug.write_bytes(data)
+    out = tmp_path / "t.symc"
+    built = build_symbol_table(debug, out, elfs.prog.build_id, elfs.prog.executable)
+    assert all(end < 1 << 64 for _start, end in built.code_ranges)
+    addresses = np.array([start + 8 for start, _end in built.code_ranges], dtype=np.uint64)
+    open_table(out, built, FunctionIds()).chains(addresses)
+    # As a table built before was recorded, with that range: it opens all the same.
+    recorded = replace(built, code_ranges=((built.code_ranges[0][0], 1 << 65),))
+    open_table(out, recorded, FunctionIds()).chains(addresses)
