@@ -4,11 +4,16 @@ serving, is fetched again rather than served."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
+from proxy.artifacts.index import key_hash
 from proxy.keys import ArtifactKey
+from proxy.store.replica import replica_id
+from proxy.store.repository import ArtifactRecord, Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -95,3 +100,38 @@ async def test_a_cached_file_deleted_behind_the_servers_back_is_fetched_again(
     await sg.settled()
     assert faults.count("ok") == 2 and stored.exists()
     assert await sg.metric("symgate_cache_entries") == 1
+
+
+async def test_a_process_starting_keeps_the_rows_another_commits_while_it_loads(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A serving process that starts beside running ones (a worker the supervisor replaces
+    after it died, a second server on the data dir) lists the disk, then reads the rows: a
+    file another process commits in between (renamed, then its row written) has a row but
+    was not in the listing. That row is the commit's, not a crash's, and must stay. The
+    commit is injected between the two reads."""
+    first = await start_symgate([faults.url_for("ok")], data_dir=tmp_path / "d")
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    real = Repository.all_artifacts
+    committed = False
+
+    async def commit_then_read(repo: Repository) -> Sequence[ArtifactRecord]:
+        nonlocal committed
+        if not committed:
+            committed = True
+            assert (await first.get(path))[0] == 200
+            await first.settled()
+        return await real(repo)
+
+    monkeypatch.setattr(Repository, "all_artifacts", commit_then_read)
+    await start_symgate([faults.url_for("ok")], data_dir=tmp_path / "d")
+    monkeypatch.undo()
+    assert committed
+    key = ArtifactKey.parse(elfs.prog.build_id, "debuginfo")
+    repo = Repository(create_engine(database_url), replica=replica_id(first.config.cache_dir))
+    try:
+        assert await repo.get_artifact(key_hash("", key)) is not None
+    finally:
+        await repo.close()
+    assert (first.config.cache_dir / "objects" / key.storage_name).exists()

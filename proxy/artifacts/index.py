@@ -235,8 +235,8 @@ class ArtifactCache:
         await self.evict()
 
     def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
-        """Whether the row's file is among `on_disk` with the row's size; if so it is taken
-        out of `on_disk` (what is left there has no row). A row whose key does not read as
+        """Whether the row's file is here with the row's size; if so it is taken out of
+        `on_disk` (what is left there has no row). A row whose key does not read as
         one (edited by hand, or damaged) names no file: it goes as a stale one does, and the
         server starts all the same."""
         try:
@@ -245,11 +245,13 @@ class ArtifactCache:
             log.warning("artifact row %s has a key that is no key (%r: %s): dropped",
                         rec.key_hash, rec.key[:200], e)
             return False
-        name = self.store.artifact_name(rec.scope, key)
-        if name in on_disk and _size(self.store.artifact_path(rec.scope, key)) == rec.size:
-            on_disk.discard(name)
-            return True
-        return False
+        # The file as it is now, not as the listing (made before the rows were read) saw it:
+        # another live process may have committed it in between, file first, then its row,
+        # which is no crash's leftover to drop.
+        if _size(self.store.artifact_path(rec.scope, key)) != rec.size:
+            return False
+        on_disk.discard(self.store.artifact_name(rec.scope, key))
+        return True
 
     def _add(self, rec: ArtifactRecord) -> None:
         old = self._entries.pop(rec.key_hash, None)
