@@ -411,3 +411,48 @@ async def test_ctrl_c_drains_a_profile_under_way_without_tracebacks(
             await proc.wait()
     assert "Traceback" not in out, out
     assert not [pid for pid in family if alive(pid)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_what_a_killed_server_leaves_in_the_temporary_directory_goes_at_the_next_start(
+        tmp_path: Path, short_tmp: Path, workers: int) -> None:
+    # Its forkserver's socket lived in multiprocessing's own pymp-* folder, which only a clean
+    # exit removes: each SIGKILL (a restart loop under a service manager) left one for good.
+    # A folder of a server that runs is left alone.
+    temp = short_tmp
+    port = free_port()
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{port}"\n'
+                      f'data_dir = "{tmp_path / "d"}"\n')
+    env = {**os.environ, "TMPDIR": str(temp)}
+    other = temp / f"symgate-mp-{os.getpid()}-running"
+    other.mkdir()
+    killed = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    try:
+        await wait_until_serving(f"http://127.0.0.1:{port}", killed)
+        family = descendants(killed.pid)
+    finally:  # the whole process group, as a container's or a cgroup's kill does
+        if killed.returncode is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+        await killed.wait()
+
+    async def all_gone() -> bool:
+        return not [pid for pid in family if alive(pid)]
+
+    await eventually(all_gone)
+    left = [f for f in temp.iterdir() if f != other]
+    assert left  # the forkserver's folder, and with workers the metrics folder
+    again = await asyncio.create_subprocess_exec(
+        *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+    try:
+        await wait_until_serving(f"http://127.0.0.1:{port}", again)
+        assert [f.name for f in left if f.exists()] == []
+        assert other.exists()
+    finally:
+        if again.returncode is None:
+            again.terminate()
+        await again.wait()

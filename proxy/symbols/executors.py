@@ -15,10 +15,13 @@ import contextlib
 import fcntl
 import logging
 import multiprocessing
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver, process, resource_tracker, util
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,27 @@ _PRELOAD = "proxy.symbols.forkserver_preload"
 _lock = threading.Lock()
 _pools = 0  # pools made and not yet retired, in this process
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's, named in fcntl since 3.10
+# multiprocessing's temporary folder, named after the process that made it (see own_temp_folder).
+TEMP_PREFIX = "symgate-mp-"
+
+
+def own_temp_folder() -> None:
+    """Have multiprocessing keep its temporary files (the forkserver's socket) in a folder
+    named `symgate-mp-<pid>-*`, instead of its own `pymp-*`. It removes that folder when the
+    process exits, but a server killed with SIGKILL runs no cleanup: each such start left one
+    in the temporary directory for good (a restart loop under a service manager, thousands).
+    Named after its process, one whose process is gone is removed by the next start, as the
+    metrics folders are (proxy.web.supervisor.sweep_dead_folders). Call it before anything
+    starts a forkserver; the processes forked from this one share the folder."""
+    config: dict[str, Any] = process.current_process()._config  # type: ignore[attr-defined]
+    if config.get("tempdir") is not None:
+        return
+    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    config["tempdir"] = folder
+    # What multiprocessing.util.get_temp_dir registers for its own folder: run at exit, in
+    # this process only (a fork's exit leaves it alone).
+    util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                  exitpriority=-100)
 
 
 def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any, ...]

@@ -30,8 +30,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from proxy.symbols.executors import own_temp_folder
     from proxy.web.startup import CannotStart
-    from proxy.web.supervisor import default_workers, supervise, sweep_metrics_folders
+    from proxy.web.supervisor import default_workers, supervise, sweep_dead_folders
 
     cfg = _config(args)
     if args.no_migrate:
@@ -42,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
     workers = args.workers or cfg.server.workers or default_workers()
     json_logs = cfg.server.log_format == "json"
     logs.configure(json_logs)
-    sweep_metrics_folders()  # of servers killed before, with one worker or several
+    sweep_dead_folders()  # of servers killed before, with one worker or several
+    own_temp_folder()
     try:
         if workers > 1:
             return supervise(cfg, workers, access_log=cfg.server.access_log,

@@ -185,13 +185,18 @@ def _migrate_in_a_fork(config: Config) -> None:
 _METRICS_PREFIX = "symgate-metrics-"
 
 
-def sweep_metrics_folders() -> None:
-    """Remove the metrics folders of supervisors that no longer run (on this host's temporary
-    directory: a folder of another host's, on a shared one, names a pid of that host)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{_METRICS_PREFIX}*-*"):
-        pid = folder.name[len(_METRICS_PREFIX):].partition("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+def sweep_dead_folders() -> None:
+    """Remove the metrics folders of supervisors, and multiprocessing's folders of servers
+    (proxy.symbols.executors.own_temp_folder), whose process no longer runs (on this host's
+    temporary directory: a folder of another host's, on a shared one, names a pid of that
+    host)."""
+    from proxy.symbols.executors import TEMP_PREFIX
+
+    for prefix in (_METRICS_PREFIX, TEMP_PREFIX):
+        for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+            pid = folder.name[len(prefix):].partition("-")[0]
+            if pid.isdigit() and not _running(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _running(pid: int) -> bool:
