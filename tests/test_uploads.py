@@ -5,6 +5,7 @@ them back through symgate. Hostile uploads get their precise status and leave no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import gzip
 import json
@@ -26,6 +27,8 @@ from tests.elfs import Elf, ElfSet, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import debuginfod_find, run_in_thread
+from tests.profiles import code_addresses, make_profile, place
+from tests.symbolize_helpers import BASES, post, symbolize_config
 from tests.test_disk_full import _fill, _tmpfs
 from tests.test_sqlite_read_only import _immutable, _rows
 
@@ -492,3 +495,52 @@ async def test_an_upload_onto_a_disk_full_of_cached_files_evicts_them_for_room(
     assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[2] == own.debug.read_bytes()
     assert await sg.metric("symgate_cache_evictions_total") >= 1
     assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+
+
+async def test_a_delete_cut_short_never_leaves_symbols_of_an_upload_that_is_gone(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, own: Elf
+) -> None:
+    """A DELETE took the upload's row, then its file, then the symbol table built from it: a
+    server killed in between kept the table, and profiles were symbolized for good by an
+    upload that GET says is gone (nor could `cache purge`, which finds tables by the rows of
+    their artifacts, take it). Whatever point the kill lands on, what GET says and what a
+    profile gets after the restart now agree. The kill is the DELETE's task cancelled where
+    the table is dropped: nothing after that point runs; the server then stops and another
+    starts on the same data dir and database."""
+    cfg = _config(make_config(tmp_path / "data", database_url, [],
+                              symbolize=symbolize_config()))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{own.build_id}/debuginfo"
+    assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes()))[0] == 201
+    profile = make_profile([(place(own, BASES["prog"]), code_addresses(own)[:20])]
+                           ).SerializeToString()
+    status, headers, _ = await post(sg, profile)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    tables = sg.runner.app[STATE].symbols._tables
+    killed = asyncio.Event()
+
+    async def killed_here(scope: str, build_id: str) -> None:
+        killed.set()
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+    tables.drop = killed_here  # type: ignore[method-assign]
+    with contextlib.suppress(aiohttp.ClientError):
+        await sg.request("DELETE", path, headers=_auth(ADMIN))
+    assert killed.is_set()
+    await sg.stop()
+    again = await start_symgate(config=cfg)
+    there = (await again.get(path))[0]
+    assert there in (200, 404)
+    status, headers, _ = await post(again, profile)
+    assert status == 200
+    symbolized = headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert symbolized == (there == 200), headers
+    # And a DELETE that runs its course takes the symbols with the upload.
+    if there == 200:
+        assert (await again.request("DELETE", path, headers=_auth(ADMIN)))[0] == 204
+    assert (await again.get(path))[0] == 404
+    status, headers, _ = await post(again, profile)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "0", headers

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from proxy.errors import InvalidRequest
+from proxy.errors import DatabaseUnavailable, InvalidRequest
 from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
@@ -444,12 +444,20 @@ class ArtifactCache:
         in one transaction (Repository.retire_artifact), then this process's memory and the
         file. Raises DATABASE_ERRORS with nothing removed: the other processes would go on
         serving it, unknowing. The caller holds the upload lock: the file is this commit's."""
+        key = ArtifactKey.from_id(rec.key)
+        # What was made from it (its symbol table) goes before its rows, and again with its
+        # file below (a profile may build it anew meanwhile): a process killed between the
+        # rows and the listeners kept a table of a file no row describes, and profiles were
+        # symbolized for good by an upload deleted with a 204 (nor could `cache purge`, which
+        # finds tables by their artifacts' rows, take it). Killed here, the file stays, and
+        # its table is made from it again.
+        await self._notify_evicted([(rec.scope, key)])
         await self._repo.retire_artifact(rec, datetime.now(UTC))
         if isinstance(self._unsynced.get(rec.key_hash), ArtifactRecord):
             del self._unsynced[rec.key_hash]  # kept while SQL was failing: its file goes now
         # Whichever commit memory holds: none is on disk once the file goes (a stale one is
         # another process's earlier removal, whose notice this one has not polled yet).
-        await self._let_go(rec.key_hash, rec.scope, ArtifactKey.from_id(rec.key))
+        await self._let_go(rec.key_hash, rec.scope, key)
 
     async def purged(self, notice: PurgeNotice) -> None:
         """Apply a purge notice: an operator's purge of every version of a key, or the one
@@ -529,6 +537,10 @@ class ArtifactCache:
             for listener in listeners:
                 try:
                     await listener(scope, key)
+                except DatabaseUnavailable as e:
+                    # An outage (a version retired tells them before its rows go, which
+                    # then fail too): one line, no traceback.
+                    log.warning("eviction listener for %s: %s", key.id, e.reason)
                 except Exception:  # a listener's failure must not stop eviction
                     log.exception("eviction listener failed for %s", key.id)
 
