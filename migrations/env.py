@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from alembic import context
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
+from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.store.migrate import UnknownRevision
 from proxy.store.models import Base
@@ -26,6 +29,9 @@ def _run(connection: Connection) -> None:
         connection=connection,
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
+        # Every migration in the one transaction, on SQLite too (see _transactional_ddl):
+        # alembic committed SQLite's one by one.
+        transactional_ddl=True,
     )
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
@@ -48,9 +54,28 @@ def _known_revision() -> None:
             raise UnknownRevision(revision, script.get_current_head()) from None
 
 
+def _transactional_ddl(engine: AsyncEngine) -> None:
+    """SQLite's DDL inside the migrations' transaction. Its driver begins one only before an
+    INSERT, UPDATE or DELETE: each CREATE or ALTER before one was committed by itself, so a
+    server killed while it migrated (its first start, or a newer version's) left tables
+    without their revision, and every later start failed on "table artifacts already
+    exists". The driver is told to begin nothing, and each transaction SQLAlchemy begins is
+    a BEGIN of SQLite's own, rolled back whole by a kill."""
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _no_implicit_begin(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+
 async def _run_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url") or "",
                            config.attributes.get("connect_timeout_s"), statements=False)
+    if engine.dialect.name == "sqlite":
+        _transactional_ddl(engine)
     async with engine.connect() as connection:
         await connection.run_sync(_run)
         await connection.commit()
