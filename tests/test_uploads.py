@@ -544,3 +544,44 @@ async def test_a_delete_cut_short_never_leaves_symbols_of_an_upload_that_is_gone
     assert (await again.get(path))[0] == 404
     status, headers, _ = await post(again, profile)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "0", headers
+
+
+# `symgate cache purge`, killed with SIGKILL as the statement that deletes the rows starts.
+_PURGE_KILLED = """
+import os, signal, sys
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from proxy.tools.cli import main
+
+@event.listens_for(Engine, "before_cursor_execute")
+def _killed(conn, cursor, statement, *args):
+    if statement.lstrip().upper().startswith("DELETE FROM ARTIFACTS"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_a_purge_killed_midway_leaves_no_row_without_its_file(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, own: Elf
+) -> None:
+    """`cache purge` removed the files, then the rows: killed in between (an operator's
+    Ctrl-C in a long `--all`), it left rows naming files that were gone, and a PUT of the
+    very upload again was told 200, 'the same file is there', with nothing on disk: the next
+    GET was a 404 (until a restart dropped the rows). The rows go first now; killed there,
+    nothing is removed. The server runs meanwhile, as it does under an operator's purge."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}/debuginfo"
+    data = own.debug.read_bytes()
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
+    config = tmp_path / "admin.toml"
+    config.write_text(f'upstreams = []\n[server]\ndata_dir = "{sg.config.server.data_dir}"\n'
+                      f'[database]\nurl = "{database_url}"\n')
+    killed = await run_in_thread([sys.executable, "-c", _PURGE_KILLED, "cache", "purge",
+                                  own.build_id, "--config", str(config)],
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    status, _, _ = await _put(sg, own.build_id, "debuginfo", data)
+    assert status in (200, 201)
+    status, _, body = await sg.get(path)
+    assert (status, body) == (200, data)

@@ -82,13 +82,17 @@ class Admin:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables, on every
         replica: each replica's copy is listed once per replica."""
         rows = await self.artifacts(build_id, every_replica=True)
+        # Rows first, then files: a purge killed in between (a Ctrl-C in a long --all) leaves
+        # files without rows, which the serving processes remove by the notices and a start
+        # by itself, never rows naming files that are gone, which a PUT of the same upload
+        # again took for the file being there (200, and nothing on disk).
+        await self.repo.purge_artifacts(rows, datetime.now(UTC))
         for rec in rows:
             self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
-        await self.repo.purge_artifacts(rows, datetime.now(UTC))
         tables = {(r.scope, r.build_id) for r in rows}
+        await self.repo.delete_symbol_tables(tables)
         for scope, bid in tables:
             self.store.remove_symtab(scope, bid)
-        await self.repo.delete_symbol_tables(tables)
         await self._purge_bucket(normalize_build_id(build_id) if build_id else None)
         return list({r.key_hash: r for r in rows}.values())  # each artifact once
 
