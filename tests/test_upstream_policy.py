@@ -102,3 +102,30 @@ async def test_a_race_cancelled_as_its_losers_wind_down_is_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await race
     assert race.cancelled() and body.closed
+
+
+async def test_a_race_lost_before_any_answer_is_no_response_time(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The slow upstream, cancelled when the other won, never answered: it was observed
+    (1 sample of a millisecond, the time to its cancellation) in the response-time histogram,
+    where it looked the fastest, with no request counted beside it."""
+    faults.first_byte_delay = 5
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for("slow-first-byte"), first_byte_timeout_s=10),
+         faults.url_for("ok")], fetch=FetchConfig(policy="race"))
+    status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200
+    await sg.settled()
+    metrics = await sg.metrics()
+    counts = {}
+    for mode in ("slow-first-byte", "ok"):
+        upstream = faults.url_for(mode)
+        answered = sum(v for (name, labels), v in metrics.items()
+                       if name == "symgate_upstream_requests_total"
+                       and ("upstream", upstream) in labels)
+        timed = metrics[("symgate_upstream_response_seconds_count", (("upstream", upstream),))]
+        counts[mode] = (timed, answered)
+    assert counts["slow-first-byte"] == (0, 0)
+    # The debug file, and maybe the executable for its table: each timed once, counted once.
+    assert counts["ok"][0] == counts["ok"][1] >= 1, counts

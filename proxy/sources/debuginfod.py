@@ -271,11 +271,19 @@ class Upstream:
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         started = time.perf_counter()
+        timed = True
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
                 response = await self._follow(URL(self.base + key.upstream_path), hop,
                                               session=self._sessions.fetches,
                                               decompress=False)
+        except asyncio.CancelledError:
+            # Given up before it answered (another upstream won the race, or the server
+            # stops): no result is counted, and its time so far is no response time. Observed,
+            # a slow upstream that always loses would show as the fastest of all, and the
+            # histogram's count would run ahead of upstream_requests_total.
+            timed = False
+            raise
         except TimeoutError as e:
             error: UpstreamUnavailable = UpstreamTimeout(f"{self.name}: no response in time")
             self.count(Outcome.TIMEOUT, failed=error.reason)
@@ -288,9 +296,10 @@ class Upstream:
             self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
             raise error from e
         finally:
-            self.metrics.upstream_latency.labels(self.name).observe(
-                time.perf_counter() - started
-            )
+            if timed:
+                self.metrics.upstream_latency.labels(self.name).observe(
+                    time.perf_counter() - started
+                )
         status = response.status
         if status == 200:
             if key.kind is Kind.SOURCE and response.content_type != _ARTIFACT_TYPE:
