@@ -258,6 +258,53 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
     assert faults.count("hold") == 1
 
 
+@pytest.mark.parametrize(("mode", "status", "outcome", "asked"), [
+    ("hold404", 404, "not_found", 1),
+    ("hold500", 502, "upstream_error", 3)])  # one fetch: its request, retried twice
+async def test_clients_that_follow_another_process_fetch_that_fails_count_as_joins(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet, mode: str, status: int, outcome: str,
+    asked: int
+) -> None:
+    """The fetch fails before it streams: each follower got its failure, as a client of the
+    fetching process's own does, and joined it as much. They were counted as no join at all
+    (board.follow raised past the count), so with --workers 2 fifty clients of one failed
+    fetch showed ten-odd joins, by which worker the kernel gave them to."""
+    first, second, _ = await _two_servers(serve, faults.url_for(mode))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def get(base: str) -> int:
+            async with s.get(base + path) as r:
+                await r.read()
+                return r.status
+
+        writer = asyncio.create_task(get(first))
+
+        async def fetching() -> bool:
+            return faults.count(mode) == 1
+
+        await eventually(fetching)
+        followers = [asyncio.create_task(get(second)) for _ in range(10)]
+        await asyncio.sleep(1)  # the followers wait on the fetch (none of them is timed)
+        faults.release.set()
+        assert await asyncio.gather(writer, *followers) == [status] * 11
+
+        async def counts(base: str) -> tuple[float, dict[str, float]]:
+            async with s.get(base + "/metrics") as m:
+                text = await m.text()
+            samples = [sample for family in text_string_to_metric_families(text)
+                       for sample in family.samples]
+            joins = next(sample.value for sample in samples
+                         if sample.name == "symgate_singleflight_joins_total")
+            return joins, {sample.labels["outcome"]: sample.value for sample in samples
+                           if sample.name == "symgate_requests_total" and sample.value}
+
+        assert await counts(first) == (0, {outcome: 1})
+        assert await counts(second) == (10, {outcome: 10})
+    assert faults.count(mode) == asked
+
+
 async def test_the_cache_gauges_are_not_set_back_by_a_worker_that_learns_of_a_file(
     serve: Start, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

@@ -348,7 +348,13 @@ class ArtifactService:
     async def _follow(self, kh: str) -> Streaming | None:
         """Join another process's fetch of `kh` through a local mirror flight, which this
         process's other clients then join too. Raises its failure; None if it ended."""
-        followed = await self._board.follow(kh)
+        try:
+            followed = await self._board.follow(kh)
+        except SymgateError:
+            # The followed fetch failed before it streamed: this request waited on it and gets
+            # its failure, as a client that joined this process's own failed fetch does.
+            self._metrics.singleflight_joins.inc()
+            raise
         if followed is None:
             return None
         if (flight := self._flights.get(kh)) is not None:  # another client got here first
