@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.elfs import ElfSet
 from tests.faults import HALF, FaultUpstream
@@ -116,7 +117,8 @@ async def test_access_log_counts_the_bytes_of_a_cached_file_whose_client_left(
     faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:
     """A hit sent with sendfile, whole or as a range: the line tells what went out, not the
-    file's size (it told the whole 24 MB of a client that read 64 KB)."""
+    file's size (it told the whole 24 MB of a client that read 64 KB), and the request is
+    counted and logged as cut off."""
     # One serving process: the next request waits for this fetch's commit, and is a hit.
     base, proc = await _start(tmp_path, faults.url_for("ok"), "workers = 1\n")
     path = f"/buildid/{elfs.big.build_id}/debuginfo"
@@ -124,13 +126,32 @@ async def test_access_log_counts_the_bytes_of_a_cached_file_whose_client_left(
     async with aiohttp.ClientSession() as s, s.get(base + path) as r:
         assert r.status == 200 and len(await r.read()) == size  # cached from now on
     port = int(base.rsplit(":", 1)[1])
-    for header in ("", "Range: bytes=1000-\r\n"):
+    # Answered before aiohttp parses it (web.fast_hits); by aiohttp, whole and as a range.
+    for header in ("", "Accept-Language: en\r\n", "Range: bytes=1000-\r\n"):
         await asyncio.to_thread(_leave_after, port, path, header, 1 << 16)
+
+    async def outcomes() -> dict[str, float]:
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+            text = await r.text()
+        return {sample.labels["outcome"]: sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "symgate_requests_total" and sample.value}
+
+    async def counted() -> bool:  # once the server has met each reset
+        return await outcomes() == {"miss": 1, "aborted": 3}
+
+    # Cut off after their status lines, as a download whose client leaves is: they were
+    # counted (and logged) as hits, as if the client had the file.
+    await eventually(counted)
+    async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+        assert r.status == 200 and len(await r.read()) == size
+    assert await outcomes() == {"miss": 1, "aborted": 3, "hit": 1}
     access, out = await _stopped_access(proc, path)
     assert [(a["status"], a["outcome"]) for a in access] == \
-        [(200, "miss"), (200, "hit"), (206, "hit")], out
-    assert access[0]["bytes"] == size
-    for cut in access[1:]:
+        [(200, "miss"), (200, "aborted"), (200, "aborted"), (206, "aborted"), (200, "hit")], out
+    assert access[0]["bytes"] == access[-1]["bytes"] == size
+    for cut in access[1:-1]:
         # What the client read at least (its 64 KiB less the head), far from the whole.
         assert 1 << 15 < cut["bytes"] < size // 4, (cut, size)
 

@@ -26,7 +26,7 @@ from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
 from proxy.sources.base import Hop
-from proxy.web.errors import cut_off
+from proxy.web.errors import CountedWhenSent, cut_off
 from proxy.web.file_sends import cork, send_file
 from proxy.web.hot_files import artifact_headers, etag
 from proxy.web.logs import annotate
@@ -197,7 +197,7 @@ def _count_cut(state: AppState, request: web.BaseRequest, file: IO[Any], offset:
     state.metrics.served_from_cache.inc(sent)
 
 
-class _SentFile(web.StreamResponse):
+class _SentFile(CountedWhenSent, web.StreamResponse):
     """A whole cached file, its headers known (proxy.web.hot_files), sent with sendfile(2)
     from the descriptor opened when the hit was found: none of FileResponse's trips to the
     thread pool to open, stat and close it. Ranges and conditional requests go to
@@ -216,6 +216,7 @@ class _SentFile(web.StreamResponse):
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         cork(sock)  # the head goes with the file's first bytes (file_sends)
+        cut: BaseException | None = None
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
@@ -225,6 +226,7 @@ class _SentFile(web.StreamResponse):
                 await send_file(transport, self._file, self._size, self._key.id)
                 await super().write_eof()
         except BaseException as e:
+            cut = e
             _count_cut(self._symgate, request, self._file, 0)
             if isinstance(e, OSError):
                 _note_send_timeout(self._symgate, request, e)
@@ -232,11 +234,12 @@ class _SentFile(web.StreamResponse):
         finally:
             cork(sock, on=False)  # unless the send was reached, which uncorked it already
             self._file.close()
+            self.sent(request, cut)
         self._symgate.metrics.served_from_cache.inc(self._size)
         return writer
 
 
-class _LeasedFileResponse(web.FileResponse):
+class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
     """A FileResponse of a file already open, holding the cache lease while aiohttp sends it.
 
     aiohttp prepares a FileResponse itself once the handler returns, so the lease has to live
@@ -266,15 +269,20 @@ class _LeasedFileResponse(web.FileResponse):
             raise
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        asked = request
         request = _without_foreign_range(request, self._fd)
+        cut: BaseException | None = None
         try:
             with self._symgate.service.cache.lease(self._scope, self._key):
                 writer = await super().prepare(request)
-        except OSError as e:
-            _note_send_timeout(self._symgate, request, e)
+        except BaseException as e:
+            cut = e
+            if isinstance(e, OSError):
+                _note_send_timeout(self._symgate, request, e)
             raise
         finally:
             self._fd_closer()
+            self.sent(asked, cut)
         if request.method != "HEAD":
             self._symgate.metrics.served_from_cache.inc(self.content_length or 0)
         return writer

@@ -170,8 +170,29 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
             state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
         response = error_response(error, request.headers.get("User-Agent", ""),
                                   state.config.server.retry_after_s)
+    if isinstance(response, CountedWhenSent):
+        request[_STARTED] = started  # counted by the response, once its body is out or cut
+        return response
     _count(request, time.perf_counter() - started)
     return response
+
+
+_STARTED: web.RequestKey[float] = web.RequestKey("symgate.started", float)
+
+
+class CountedWhenSent:
+    """A response whose body aiohttp sends after the handler has returned (a cached file,
+    with sendfile): it counts its request itself, once that body is out or cut off, by
+    calling sent(). Counted on the handler's return, a hit whose client left mid-body (or
+    was cut by the end of the shutdown grace) was a `hit`, where a download cut the same way
+    is `aborted`, as the outcome is documented."""
+
+    def sent(self, request: web.BaseRequest, cut: BaseException | None) -> None:
+        """Count (and log) the request: `cut` is what ended its body short, if anything."""
+        if cut is not None:
+            annotate(request, outcome=ABORTED, error=str(cut) or type(cut).__name__)
+        if isinstance(request, web.Request) and (started := request.get(_STARTED)) is not None:
+            _count(request, time.perf_counter() - started)
 
 
 def cut_off(request: web.BaseRequest, reason: str, sent: int | None = None) -> None:

@@ -43,7 +43,7 @@ from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.scope import SHARED
 from proxy.errors import RememberedNotFound, SymgateError
 from proxy.keys import ArtifactKey
-from proxy.metrics import Served
+from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
 from proxy.web.errors import error_response
 from proxy.web.hot_files import HotFile, hot_file
@@ -113,10 +113,10 @@ class FastHits:
         outcome = fields["outcome"]
         state = self._state
         response = self._response(req.one_zero, code, hot)
-        state.metrics.count_buildid(req.kind, outcome)
         (state.metrics.quick_hits if outcome is Served.HIT else state.metrics.quick_misses).inc()
-        if file is not None:
+        if file is not None:  # in requests_total once sent or cut off (errors.CountedWhenSent)
             return self._file_answer(req, remote, response, file, fields, started)
+        state.metrics.count_buildid(req.kind, outcome)
         sent = 0
         if not req.head_only and hot.body is not None:
             response += hot.body
@@ -170,9 +170,16 @@ class FastHits:
         def finish(sent: int) -> None:
             lease.__exit__(None, None, None)
             state.metrics.served_from_cache.inc(sent)
+            told = fields
+            if sent < file.artifact.record.size:  # the client left, or the server stopped
+                told = {**fields, "outcome": ABORTED,
+                        "error": "the connection ended before the file's last byte"}
+                state.metrics.count_buildid(req.kind, ABORTED)
+            else:
+                state.metrics.count_buildid(req.kind, Served.HIT)
             if self._access is not None:
                 self._access.line(remote, req.method, f"/buildid/{req.build_id}/{req.kind}",
-                                  200, sent, time.perf_counter() - started, fields,
+                                  200, sent, time.perf_counter() - started, told,
                                   req.user_agent)
 
         # Unbuffered: sendfile(2) reads it, never Python (a buffer costs a seek and an ioctl).
