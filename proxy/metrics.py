@@ -143,6 +143,23 @@ class ProxyMetrics:
             "Responses cut off because the fetch they streamed failed",
             registry=registry,
         )
+        # The connection guard's (proxy.web.connections): before aiohttp, so in no request
+        # count. A connection shed past server.max_connections gets a 503 unread.
+        self.open_connections = Gauge(
+            f"{p}_open_connections", "Client connections open (served, not shed)",
+            registry=registry, multiprocess_mode="livesum",
+        )
+        self.shed_connections = Counter(
+            f"{p}_shed_connections",
+            "Client connections answered 503 unread: past server.max_connections",
+            registry=registry,
+        )
+        self.header_timeouts = Counter(
+            f"{p}_header_timeouts",
+            "Client connections closed (408) for not sending a whole request head within "
+            "server.header_timeout_s",
+            registry=registry,
+        )
         self.send_timeouts = Counter(
             f"{p}_send_timeouts",
             "Client connections closed because the client acknowledged none of the bytes "

@@ -17,13 +17,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.web.connections import ConnectionGuard
 from proxy.web.logs import RepeatFilter, loop_exception_handler
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream, _gzip_zeros
-from tests.harness import free_port
-from tests.processes import wait_until_serving
+from tests.harness import eventually, free_port
+from tests.processes import Start, wait_until_serving
 
 
 @contextlib.asynccontextmanager
@@ -382,3 +383,81 @@ async def test_loop_errors_from_the_os_are_one_line(caplog: pytest.LogCaptureFix
                                       "exception": error})
     assert [(r.getMessage(), r.exc_info) for r in caplog.records] == [
         ("socket.accept() out of system resource: [Errno 24] Too many open files", None)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_connections_open_shed_and_timed_out_are_in_the_metrics(
+    serve: Start, faults: FaultUpstream, workers: int
+) -> None:
+    """Connections turned away past server.max_connections (503, unread) and cut for a slow
+    head (408) never reach aiohttp, so no request count has them: /metrics said nothing of a
+    server refusing its clients, nor how many it held open. Each worker has its own limit
+    and the kernel spreads connections over them, so the counts are checked against what the
+    clients saw: every 503 is one shed, every request waiting on the upstream one open."""
+    base, _ = await serve(faults.url_for("hold"), workers=workers,
+                          extra="max_connections = 4\nheader_timeout_s = 1\n")
+    port = int(base.rsplit(":", 1)[1])
+    shed = 0
+
+    async def held(i: int) -> int:
+        """A request that waits on the upstream (a fetch of its own), or is shed: its status."""
+        nonlocal shed
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"GET /buildid/{i:040x}/debuginfo HTTP/1.1\r\nHost: x\r\n\r\n"
+                         .encode())
+            status = int((await reader.readline()).split()[1])
+            shed += status == 503
+            return status
+        finally:
+            writer.close()
+
+    async def all_in(n: int) -> None:  # each request reached the upstream, or was shed
+        async def done() -> bool:
+            return faults.count("hold") + shed == n
+
+        await eventually(done)
+
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def scrape() -> dict[str, float]:
+            """/metrics, from a worker with room for the scrape's own connection."""
+            nonlocal shed
+            while True:
+                async with s.get(base + "/metrics") as r:
+                    if r.status == 503:
+                        shed += 1
+                        continue
+                    text = await r.text()
+                return {sample.name: sample.value
+                        for family in text_string_to_metric_families(text)
+                        for sample in family.samples if not sample.labels}
+
+        # Three: any worker has room for a scrape beside them.
+        requests = [asyncio.create_task(held(i)) for i in range(3)]
+        await all_in(3)
+        metrics = await scrape()
+        assert metrics["symgate_open_connections"] == faults.count("hold") + 1 == 4
+        assert metrics["symgate_shed_connections_total"] == shed == 0
+        # Three more: one worker has room for one of them.
+        requests += [asyncio.create_task(held(i)) for i in range(3, 6)]
+        await all_in(6)
+        if workers == 1:
+            assert shed == 2
+        faults.release.set()
+        statuses = await asyncio.gather(*requests)
+        assert sorted(statuses) == [404] * faults.count("hold") + [503] * shed
+
+        async def closed() -> bool:  # all but the scrape's own
+            return (await scrape())["symgate_open_connections"] == 1
+
+        await eventually(closed)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and the rest of its head never
+        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        await eventually(closed)
+        metrics = await scrape()
+        assert metrics["symgate_header_timeouts_total"] == 1
+        assert metrics["symgate_shed_connections_total"] == shed

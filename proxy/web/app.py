@@ -370,6 +370,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
         guard.quick = FastHits(runner.app[STATE], None if access_log is None
                                else access_log_class(access_log, ""))
         guard.send_timeouts = runner.app[STATE].send_timeouts
+        guard.watch(runner.app[STATE].metrics)
         await server.start_serving()
         if serving is not None:
             serving()

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
+from proxy.metrics import ProxyMetrics
 from proxy.web.file_sends import cork, send_if_room, send_whole
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
@@ -115,6 +116,19 @@ class ConnectionGuard:
         self._senders: set[_Counted] = set()
         # Set once the app is up: the count and log of clients cut for not reading.
         self.send_timeouts: SendTimeouts | None = None
+        self._metrics: ProxyMetrics | None = None
+
+    def watch(self, metrics: ProxyMetrics) -> None:
+        """Tell /metrics the connections open, shed and timed out from now on (once the app
+        is up): refused before aiohttp, they are in no request count, and an operator whose
+        server turns clients away saw nothing of it."""
+        self._metrics = metrics
+        metrics.open_connections.set(self.open)
+
+    def _opened(self, by: int) -> None:
+        self.open += by
+        if self._metrics is not None:
+            self._metrics.open_connections.set(self.open)
 
     def close_quick(self) -> None:
         """Close the connections only quick answers were written to: they are idle whenever
@@ -151,8 +165,10 @@ class ConnectionGuard:
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open >= self.limit:
             self.shed += 1
+            if self._metrics is not None:
+                self._metrics.shed_connections.inc()
             return _Shed(self)
-        self.open += 1
+        self._opened(1)
         return _Counted(self._factory(), self, self.quick)
 
 
@@ -393,6 +409,8 @@ class _Counted(asyncio.Protocol):
         self._timer = None
         if self._guard is not None:
             self._guard.timed_out += 1
+            if self._guard._metrics is not None:
+                self._guard._metrics.header_timeouts.inc()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(REQUEST_TIMEOUT)
             self._transport.close()
@@ -445,7 +463,7 @@ class _Counted(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         if self._guard is not None:
-            self._guard.open -= 1
+            self._guard._opened(-1)
             self._guard._quick_only.discard(self)
             self._guard._senders.discard(self)
             if is_send_timeout(exc) and self._guard.send_timeouts is not None:
