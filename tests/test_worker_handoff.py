@@ -188,7 +188,7 @@ def test_a_worker_trims_its_heap_once_no_job_follows(monkeypatch: pytest.MonkeyP
         trims.append(time.monotonic())
         trimmed.set()
 
-    monkeypatch.setattr(worker_process, "_trim", trim)
+    monkeypatch.setattr(worker_process, "trim", trim)
     monkeypatch.setattr(worker_process, "_TRIM_AFTER_S", 0.3)
     for _ in range(5):  # jobs back to back: the next one comes before any trim
         assert worker_process.run(len, b"abc") == 3

@@ -149,12 +149,13 @@ class _Trimmer:
                 while self._due is None or (left := self._due - time.monotonic()) > 0:
                     self._changed.wait(None if self._due is None else left)
                 self._due = None
-            _trim()  # outside the lock: a job that starts meanwhile does not wait for it
+            trim()  # outside the lock: a job that starts meanwhile does not wait for it
 
 
 _trimmer = _Trimmer()
 
 
-def _trim() -> None:
+def trim() -> None:
+    """Give the heap's free memory back to the system (glibc)."""
     with contextlib.suppress(AttributeError):  # not glibc
         _LIBC.malloc_trim(0)
