@@ -17,9 +17,10 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import forkserver, process, resource_tracker, util
 from pathlib import Path
@@ -73,11 +74,29 @@ def start(processes: int, initializer: Callable[..., None], initargs: tuple[Any,
     try:
         # A worker up and idle: the caller's first job neither waits for the forkserver on the
         # event loop (submit blocks until the fork) nor starts a second worker beside it.
-        executor.submit(worker_process.ready).result()
+        with _deaf_to_the_terminal():
+            executor.submit(worker_process.ready).result()
     except BaseException:
         retire(executor, cancel=True)
         raise
     return executor
+
+
+@contextlib.contextmanager
+def _deaf_to_the_terminal() -> Iterator[None]:
+    """A terminal's Ctrl-C and hangup held back from this thread while it starts helpers: a
+    process inherits its blocked signals and keeps them through exec, so the forkserver and
+    the resource tracker it may spawn now, and their forks (the workers), start with them
+    blocked. They reach every process of the foreground group, and one that came as the
+    forkserver imported what the workers run (0.2 s and more) killed it, and with it the pool
+    a profile under way waited for: a 503 where the drain was to let the profile finish.
+    The server's own thread (the loop's) still takes them."""
+    held = {signal.SIGINT, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _widen_pipes(executor: ProcessPoolExecutor) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 from multiprocessing import connection, forkserver, resource_tracker, util
 from typing import Any
@@ -140,6 +141,11 @@ def _run_child(name: str, run: Any, keep: set[int]) -> None:
     code = 0
     try:
         worker_process.name_process(name)
+        # A terminal's Ctrl-C or hangup reaches the whole foreground group: the helpers end
+        # when the server's pipes to them close, and the forkserver gives its forks (the
+        # workers, before their init ignores them too) the handlers it found here.
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for fd in _open_fds():
             if fd > 2 and fd not in keep:
                 with contextlib.suppress(OSError):

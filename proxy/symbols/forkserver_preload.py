@@ -16,6 +16,7 @@ copied into each. Two things keep them shared:
 from __future__ import annotations
 
 import gc
+import signal
 from multiprocessing import spawn
 from typing import Any
 
@@ -28,6 +29,13 @@ LOADED = (worker_process, shared_bodies, symtab, worker)  # what the workers run
 def _no_main(_main: Any) -> None:
     """In place of spawn's _fixup_main_from_name/_path: the main module stays unimported."""
 
+
+# Its forks (the workers) start with a terminal's Ctrl-C and hangup ignored, as
+# worker_process.init sets them: the forkserver gives its children the SIGINT handler it found
+# after this import, and a Ctrl-C between a worker's fork and its init killed that worker as the
+# drain began, breaking its pool (a 503 for the profile the drain was to let finish).
+for _sig in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(_sig, signal.SIG_IGN)
 
 spawn._fixup_main_from_name = _no_main  # type: ignore[attr-defined]
 spawn._fixup_main_from_path = _no_main  # type: ignore[attr-defined]
