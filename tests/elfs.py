@@ -316,3 +316,21 @@ def zlib_of_zeros(size: int) -> bytes:
     chunk = bytes(1 << 20)
     out = [packer.compress(chunk) for _ in range(size >> 20)]
     return b"".join([*out, packer.compress(bytes(size & ((1 << 20) - 1))), packer.flush()])
+
+
+def go_build(work: Path, source: str, module: str, *, ldflags: str = "",
+             cgo: bool = False) -> tuple[Path, dict[str, str]]:
+    """The Go program `source` (its main.go) as module `module`, built offline in `work`:
+    the executable, and the environment its build had (for `go tool`, or to run it)."""
+    src = work / "gosrc"
+    src.mkdir()
+    (src / "main.go").write_text(source)
+    (src / "go.mod").write_text(f"module {module}\n\ngo 1.19\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "GOCACHE": str(work / "cache"),
+           "GOPATH": str(work / "gopath"), "GOFLAGS": "-mod=mod", "GOPROXY": "off",
+           "GOTOOLCHAIN": "local", **({"CGO_ENABLED": "1"} if cgo else {})}
+    exe = work / "prog"
+    subprocess.run(["go", "build", *([f"-ldflags={ldflags}"] if ldflags else []), "-o",
+                    str(exe), "."], cwd=src, env=env, check=True, capture_output=True,
+                   timeout=300)
+    return exe, env

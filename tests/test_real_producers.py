@@ -19,7 +19,7 @@ from symbolize.elf import build_id_of_file, layout_of_file
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Location, Mapping, Profile
-from tests.elfs import build_id_tree
+from tests.elfs import build_id_tree, go_build
 from tests.harness import SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID
 from tests.profiles import Expected, frames_of, llvm_symbolize
@@ -127,16 +127,7 @@ def go_cgo_profile(tmp_path_factory: pytest.TempPathFactory) -> GoProfile:
     if shutil.which("go") is None:
         pytest.skip("needs Debian's golang-go")
     root = tmp_path_factory.mktemp("cgo")
-    src = root / "src"
-    src.mkdir()
-    (src / "main.go").write_text(CGO_MAIN)
-    (src / "go.mod").write_text("module cgoprof\n\ngo 1.19\n")
-    env = {**os.environ, "HOME": str(root), "GOCACHE": str(root / "gocache"),
-           "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", "CGO_ENABLED": "1",
-           "GOPATH": str(root / "gopath")}
-    exe = root / "cgoprog"
-    subprocess.run(["go", "build", "-o", str(exe), "."], cwd=src, env=env, check=True,
-                   capture_output=True, timeout=300)
+    exe, env = go_build(root, CGO_MAIN, "cgoprof", cgo=True)
     subprocess.run([str(exe), str(root / "cpu.pprof")], env=env, check=True,
                    capture_output=True, timeout=300)
     return GoProfile(exe, (root / "cpu.pprof").read_bytes())

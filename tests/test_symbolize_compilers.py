@@ -19,7 +19,7 @@ from symbolize.elf import build_id_of_file, function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
-from tests.elfs import Elf, compress_debug_sections_zstd
+from tests.elfs import Elf, compress_debug_sections_zstd, go_build
 from tests.harness import SymgateFactory
 from tests.profiles import (
     Expected,
@@ -219,15 +219,7 @@ async def test_a_go_build_id_is_explained_not_taken_for_a_missing_one(
     from proxy.tools.inspect_profile import inspect_profile
     from tests.harness import make_config
 
-    src = tmp_path / "gosrc"
-    src.mkdir()
-    (src / "main.go").write_text(GO_MAIN)
-    (src / "go.mod").write_text("module example.com/gobid\n\ngo 1.19\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GOCACHE": str(tmp_path / "cache"),
-           "GOPATH": str(tmp_path / "gopath"), "GOFLAGS": "-mod=mod", "GOPROXY": "off"}
-    exe = tmp_path / "prog"
-    subprocess.run(["go", "build", "-o", str(exe), "."], cwd=src, env=env, check=True,
-                   capture_output=True)
+    exe, env = go_build(tmp_path, GO_MAIN, "example.com/gobid")
     assert build_id_of_file(exe) is None  # no GNU build ID
     go_id = subprocess.run(["go", "tool", "buildid", str(exe)], env=env, check=True,
                            capture_output=True, text=True).stdout.strip()
@@ -544,17 +536,9 @@ def go_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GO_ASM_MAIN built once for this module's tests (a cold `go build` takes seconds)."""
     if shutil.which("go") is None:
         pytest.skip("needs Debian's golang-go")
-    work = tmp_path_factory.mktemp("go")
-    src = work / "gosrc"
-    src.mkdir()
-    (src / "main.go").write_text(GO_ASM_MAIN)
-    (src / "go.mod").write_text("module example.com/goasm\n\ngo 1.19\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "GOCACHE": str(work / "cache"),
-           "GOPATH": str(work / "gopath"), "GOFLAGS": "-mod=mod", "GOPROXY": "off"}
-    exe = work / "prog"
     # A GNU build ID, as `-B gobuildid` (Go 1.20 on) derives from the Go one.
-    subprocess.run(["go", "build", "-ldflags=-B 0x" + "5ca1ab1e" * 5, "-o", str(exe), "."],
-                   cwd=src, env=env, check=True, capture_output=True)
+    exe, _env = go_build(tmp_path_factory.mktemp("go"), GO_ASM_MAIN, "example.com/goasm",
+                         ldflags="-B 0x" + "5ca1ab1e" * 5)
     return exe
 
 
