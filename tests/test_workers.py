@@ -246,16 +246,21 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
         assert await asyncio.gather(*followers) == [expected] * 10
         r = await writer
         assert await r.read() == expected
-        async with s.get(second + "/metrics") as m:
-            text = await m.text()
+        assert await _joins_and_outcomes(s, second) == (10, {"miss": 10})
+    assert faults.count("hold") == 1
+
+
+async def _joins_and_outcomes(s: aiohttp.ClientSession, base: str
+                              ) -> tuple[float, dict[str, float]]:
+    """The process at `base`'s single-flight joins, and its requests by outcome (those seen)."""
+    async with s.get(base + "/metrics") as m:
+        text = await m.text()
     samples = [sample for family in text_string_to_metric_families(text)
                for sample in family.samples]
     joins = next(sample.value for sample in samples
                  if sample.name == "symgate_singleflight_joins_total")
-    outcomes = {sample.labels["outcome"]: sample.value for sample in samples
-                if sample.name == "symgate_requests_total" and sample.value}
-    assert (joins, outcomes) == (10, {"miss": 10})
-    assert faults.count("hold") == 1
+    return joins, {sample.labels["outcome"]: sample.value for sample in samples
+                   if sample.name == "symgate_requests_total" and sample.value}
 
 
 @pytest.mark.parametrize(("mode", "status", "outcome", "asked"), [
@@ -289,19 +294,8 @@ async def test_clients_that_follow_another_process_fetch_that_fails_count_as_joi
         await asyncio.sleep(1)  # the followers wait on the fetch (none of them is timed)
         faults.release.set()
         assert await asyncio.gather(writer, *followers) == [status] * 11
-
-        async def counts(base: str) -> tuple[float, dict[str, float]]:
-            async with s.get(base + "/metrics") as m:
-                text = await m.text()
-            samples = [sample for family in text_string_to_metric_families(text)
-                       for sample in family.samples]
-            joins = next(sample.value for sample in samples
-                         if sample.name == "symgate_singleflight_joins_total")
-            return joins, {sample.labels["outcome"]: sample.value for sample in samples
-                           if sample.name == "symgate_requests_total" and sample.value}
-
-        assert await counts(first) == (0, {outcome: 1})
-        assert await counts(second) == (10, {outcome: 10})
+        assert await _joins_and_outcomes(s, first) == (0, {outcome: 1})
+        assert await _joins_and_outcomes(s, second) == (10, {outcome: 10})
     assert faults.count(mode) == asked
 
 
