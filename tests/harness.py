@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -239,3 +240,19 @@ def config_file(sg: Symgate, tmp_path: Path) -> Path:
 async def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`symgate ARGS --config CONFIG`, its output captured."""
     return await run_in_thread(["symgate", *args, "--config", str(config)], timeout=60)
+
+
+async def served(base: str) -> dict[str, float]:
+    """A server's /buildid debuginfo answers by outcome (hit, miss, negative_hit, ...), by its
+    own count: unlike an upstream's request count, which every test sharing that upstream
+    moves, it tells what this one server did."""
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+        text = await r.text()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^symgate_requests_total\{endpoint="buildid",kind="debuginfo",outcome="(\w+)"\} (\S+)$',
+        text, re.M)}
+
+
+def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
+            if after.get(k, 0) != before.get(k, 0)}

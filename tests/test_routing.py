@@ -23,7 +23,7 @@ from proxy.config import load_config
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.front import SERVER_LINE, SHIPPED, front_config, nginx_binary
-from tests.harness import Debuginfod, eventually, free_port
+from tests.harness import Debuginfod, changes, eventually, free_port, served
 from tests.processes import (
     alive,
     descendants,
@@ -193,20 +193,6 @@ async def upstream_requests(debuginfod: Debuginfod) -> int:
         text = await r.text()
     found = re.search(r'^http_requests_total\{type="debuginfo"\} (\d+)', text, re.M)
     return int(found.group(1)) if found else 0
-
-
-async def served(base: str) -> dict[str, float]:
-    """A replica's /buildid debuginfo answers by outcome (hit, miss, not_found, ...)."""
-    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
-        text = await r.text()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^symgate_requests_total\{endpoint="buildid",kind="debuginfo",outcome="(\w+)"\} (\S+)$',
-        text, re.M)}
-
-
-def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
-            if after.get(k, 0) != before.get(k, 0)}
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, method: str = "GET"
