@@ -116,7 +116,7 @@ class InsufficientStorage(SymgateError, TryAgain):
     Retry-After, since space comes back as eviction and operators free it. A profile that
     needs a file or a table it cannot store is refused whole, like one whose worker died."""
 
-    outcome = Outcome.INTERNAL
+    outcome = Outcome.UNAVAILABLE
 
 
 class UploadBudgetFull(SymgateError):
@@ -142,20 +142,20 @@ class DatabaseUnavailable(SymgateError, TryAgain):
     """The database did not answer (gone, refusing, or slower than database.timeout_s) where
     an answer needs it (a symbol table's row): 503 with Retry-After, as it comes back."""
 
-    outcome = Outcome.INTERNAL
+    outcome = Outcome.UNAVAILABLE
 
 
 class OutOfResources(SymgateError):
     """The server ran out of something of its own that comes back by itself (file
     descriptors): answered 503 with Retry-After, not as an internal error."""
 
-    outcome = Outcome.INTERNAL
+    outcome = Outcome.UNAVAILABLE
 
 
 class WorkerLost(SymgateError, TryAgain):
     """The worker process doing the request's work died (killed, or crashed in native code)."""
 
-    outcome = Outcome.INTERNAL
+    outcome = Outcome.UNAVAILABLE
 
 
 class SourceEvicted(SymgateError, TryAgain):
@@ -163,4 +163,4 @@ class SourceEvicted(SymgateError, TryAgain):
     (another serving process on the data dir evicted it): 503 with Retry-After; the next
     request fetches it again."""
 
-    outcome = Outcome.INTERNAL
+    outcome = Outcome.UNAVAILABLE

@@ -27,16 +27,17 @@ ABORTED = "aborted"
 # The outcome label of symgate_requests_total: how it was served, or the typed failure.
 REQUEST_OUTCOMES: tuple[str, ...] = (
     *Served, ABORTED, Outcome.NOT_FOUND, Outcome.NOT_CACHED, Outcome.REJECTED, Outcome.TIMEOUT,
-    Outcome.UPSTREAM_ERROR, Outcome.MALFORMED, Outcome.INTERNAL,
+    Outcome.UPSTREAM_ERROR, Outcome.MALFORMED, Outcome.UNAVAILABLE, Outcome.INTERNAL,
 )
 ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")
 UPSTREAM_RESULTS = (Outcome.OK, Outcome.NOT_FOUND, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)
 VERIFICATION_REASONS = ("truncated", "not_elf", "build_id_mismatch", "too_large")
-PROFILE_OUTCOMES = ("symbolized", "unchanged", "disabled", Outcome.REJECTED, Outcome.INTERNAL)
+PROFILE_OUTCOMES = ("symbolized", "unchanged", "disabled", Outcome.REJECTED, Outcome.UNAVAILABLE,
+                    Outcome.INTERNAL)
 MAPPING_RESULTS = ("symbolized", "has_functions", "kernel", "no_build_id", "invalid_build_id",
                    "no_locations", "unresolved", Outcome.NOT_FOUND, Outcome.NO_SYMBOLS,
                    Outcome.MALFORMED, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
-                   Outcome.INTERNAL)
+                   Outcome.UNAVAILABLE, Outcome.INTERNAL)
 LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol")
 BUILD_RESULTS = (Outcome.OK, Outcome.NO_SYMBOLS, Outcome.MALFORMED)
 

@@ -20,6 +20,10 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # the client's request was refused (bad input, over a limit)
     NOT_CACHED = "not_cached"  # Cache-Control: only-if-cached, and it is not
     DEADLINE = "deadline"  # the request's own time ran out first; the work goes on
+    # The server's own trouble, which passes (a full disk, the database down, a worker process
+    # gone, out of file descriptors): apart from `internal`, so that an operator's alert on
+    # bugs is not set off by a full disk, nor a full disk hidden among bugs. Never remembered.
+    UNAVAILABLE = "unavailable"
     INTERNAL = "internal"  # a bug or an unexpected failure: never remembered
 
 

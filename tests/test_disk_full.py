@@ -83,6 +83,11 @@ async def test_a_full_disk_is_507_degraded_and_recovers(
     status, headers, body = await sg.get(other)
     assert status == 507, body
     assert headers["Retry-After"] == str(cfg.server.retry_after_s)
+    # The server's passing trouble, which an operator's alert on bugs must not count.
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="unavailable") == 1
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="internal") == 0
     status, _, _ = await sg.get("/buildid/" + "ee" * 20 + "/debuginfo")
     assert status == 404  # the upstream's answer, though it cannot be remembered in SQL
     status, _, text = await sg.get("/healthz")
@@ -300,6 +305,8 @@ async def test_a_symbol_table_makes_room_or_refuses_the_profile_with_507_and_rec
     status, headers, text = await post(sg, nopie)
     assert status == 507, text
     assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="unavailable") == 1
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="internal") == 0
     assert b"degraded" in (await sg.get("/healthz"))[2]
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 

@@ -56,8 +56,8 @@ def test_expiry_doubles_a_repeated_miss_up_to_its_ceiling() -> None:
         60, 120, 240, 480, 600, 600]
     assert EXPIRY.seconds(Outcome.MALFORMED) == 86400
     assert EXPIRY.seconds(Outcome.NO_SYMBOLS) == 600
-    for never in (Outcome.INTERNAL, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
-                  Outcome.REJECTED, Outcome.OK):
+    for never in (Outcome.INTERNAL, Outcome.UNAVAILABLE, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR,
+                  Outcome.DEADLINE, Outcome.REJECTED, Outcome.OK):
         assert EXPIRY.seconds(never) is None
 
 

@@ -116,7 +116,7 @@ async def test_every_queried_series_exists_at_zero_on_a_fresh_server(
     assert not missing
     # Outcome labels are the shared words, and all of them are there.
     for outcome in ("hit", "miss", "negative_hit", "not_found", "rejected", "timeout",
-                    "upstream_error", "malformed", "not_cached", "internal"):
+                    "upstream_error", "malformed", "not_cached", "unavailable", "internal"):
         assert ("symgate_requests_total", (("endpoint", "buildid"), ("kind", "debuginfo"),
                                            ("outcome", outcome))) in samples
     for result in ("ok", "not_found", "timeout", "upstream_error"):
