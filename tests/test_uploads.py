@@ -179,6 +179,16 @@ async def test_a_tenants_upload_is_its_own_and_delete_takes_it_back(
     assert (await sg.request("DELETE", path, headers=_auth(ACME)))[0] == 204
     assert (await sg.get(path, headers=_auth(ACME)))[0] == 404
     assert (await sg.request("DELETE", path, headers=_auth(ACME)))[0] == 404
+    # Uploads and metadata queries are counted as /buildid requests are.
+    assert {o: await sg.metric("symgate_requests_total", endpoint="upload", kind="debuginfo",
+                               outcome=o)
+            for o in ("uploaded", "deleted", "not_found", "rejected")} == {
+        "uploaded": 1, "deleted": 1, "not_found": 2, "rejected": 1}
+    assert await sg.metric("symgate_requests_total", endpoint="metadata", kind="buildid",
+                           outcome="ok") == 2
+    assert (await sg.get("/metadata?key=nonsense&value=x"))[0] == 400
+    assert await sg.metric("symgate_requests_total", endpoint="metadata", kind="invalid",
+                           outcome="rejected") == 1
 
 
 async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(

@@ -225,6 +225,8 @@ def _count(request: web.Request, seconds: float) -> None:
     state = request.app[STATE]
     if endpoint == "buildid":
         state.metrics.count_buildid(str(fields.get("kind", "invalid")), outcome)
+    elif endpoint in ("metadata", "upload"):
+        state.metrics.requests.labels(endpoint, str(fields.get("kind", "invalid")), outcome).inc()
     elif endpoint == "symbolize":
         state.symbolize_metrics.profiles.labels(outcome).inc()
         state.symbolize_metrics.duration.observe(seconds)

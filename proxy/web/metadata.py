@@ -18,6 +18,7 @@ async def metadata(request: web.Request) -> web.Response:
     if len(request.query.getall("key", [])) > 1 or len(request.query.getall("value", [])) > 1:
         raise InvalidRequest("one key and one value, please")
     query = MetadataQuery.parse(request.query.get("key"), request.query.get("value"))
+    annotate(request, kind=query.key)
     hop, may_fetch = hop_of(request, state.via_name, state.config.server.forwarded_ttl_limit)
     tenant = state.tenancy.tenant_of(request)
     answer = await state.catalogue.find(query, state.tenancy.scope(tenant, hop, may_fetch))
