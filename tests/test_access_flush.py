@@ -57,3 +57,33 @@ async def test_a_failed_flush_keeps_its_hits_for_the_next(
         assert row is not None and row.hits == 3 and row.last_access > then
     finally:
         await repo.close()
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_two_processes_flushing_the_same_files_never_deadlock(database_url: str) -> None:
+    """Two serving processes of one replica flush hit counts of the same files, each batch in
+    the order its own hits came. Rows updated in those orders, one transaction each, wait on
+    each other: PostgreSQL breaks the cycle by failing one flush ("deadlock detected"), a
+    logged error and a second of waiting every few flushes under real traffic."""
+    await asyncio.to_thread(upgrade, database_url)
+    repos = [Repository(create_engine(database_url), replica="r") for _ in range(2)]
+    then = datetime(2020, 1, 1, tzinfo=UTC)
+    hashes = []
+    try:
+        for i in range(20):
+            key = ArtifactKey.parse(f"{i:02x}" * 20, "debuginfo")
+            hashes.append(key_hash("", key))
+            await repos[0].put_artifact(ArtifactRecord(hashes[-1], "", key.id, key.build_id,
+                                                       "debuginfo", 10, "0", "u", "f", None,
+                                                       then, then, 0))
+        now = datetime.now(UTC)
+        # Each statement of a flush is an await: the two interleave, one row at a time.
+        await asyncio.gather(
+            repos[0].record_access({kh: (1, now) for kh in hashes}),
+            repos[1].record_access({kh: (1, now) for kh in reversed(hashes)}))
+        for kh in hashes:
+            row = await repos[0].get_artifact(kh)
+            assert row is not None and row.hits == 2
+    finally:
+        for repo in repos:
+            await repo.close()
