@@ -595,3 +595,27 @@ async def test_a_purge_killed_midway_leaves_no_row_without_its_file(
     assert status in (200, 201)
     status, _, body = await sg.get(path)
     assert (status, body) == (200, data)
+
+
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+async def test_the_same_upload_again_repairs_a_copy_damaged_on_disk(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str, damage: str,
+) -> None:
+    """An upload's file removed or cut short behind the server's back (an operator, a disk
+    cleaner, a damaged disk): uploading the very same file again must put it back, not answer
+    "nothing to do" from the row alone and leave the key unservable (an upload has no
+    upstream to fetch it from again)."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    data = own.debug.read_bytes()
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
+    stored = sg.config.cache_dir / "objects"
+    [file] = [p for p in stored.rglob("*") if p.is_file()]
+    if damage == "removed":
+        file.unlink()
+    else:
+        with file.open("r+b") as f:
+            f.truncate(len(data) // 2)
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 201
+    status, _, body = await sg.get(f"/buildid/{own.build_id}/debuginfo")
+    assert status == 200 and body == data
+    assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 200  # whole: nothing to do

@@ -203,14 +203,14 @@ class ArtifactCache:
         on_disk = set(self.store.stored_names())
         stale: list[ArtifactRecord] = []
         for rec in await self._repo.all_artifacts():
-            if self._whole_here(rec, on_disk):
+            if self._found_whole(rec, on_disk):
                 self._add(rec)
             else:
                 stale.append(rec)
         # Those commits only: another live process may have fetched one again since.
         await self._repo.delete_commits((r.key_hash, r.fetched_at) for r in stale)
         claimed = [rec for rec in await self._repo.unclaimed_artifacts()
-                   if self._whole_here(rec, on_disk)]
+                   if self._found_whole(rec, on_disk)]
         await self._repo.claim_artifacts(r.key_hash for r in claimed)
         for rec in claimed:
             self._add(rec)
@@ -234,7 +234,7 @@ class ArtifactCache:
             self._publish_shared()
         await self.evict()
 
-    def _whole_here(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
+    def _found_whole(self, rec: ArtifactRecord, on_disk: set[str]) -> bool:
         """Whether the row's file is here with the row's size; if so it is taken out of
         `on_disk` (what is left there has no row). A row whose key does not read as
         one (edited by hand, or damaged) names no file: it goes as a stale one does, and the
@@ -248,10 +248,15 @@ class ArtifactCache:
         # The file as it is now, not as the listing (made before the rows were read) saw it:
         # another live process may have committed it in between, file first, then its row,
         # which is no crash's leftover to drop.
-        if _size(self.store.artifact_path(rec.scope, key)) != rec.size:
+        if not self.whole_here(rec, key):
             return False
         on_disk.discard(self.store.artifact_name(rec.scope, key))
         return True
+
+    def whole_here(self, rec: ArtifactRecord, key: ArtifactKey | None = None) -> bool:
+        """Whether the row's file is on this disk with the row's size."""
+        key = key or ArtifactKey.from_id(rec.key)
+        return _size(self.store.artifact_path(rec.scope, key)) == rec.size
 
     def _add(self, rec: ArtifactRecord) -> None:
         old = self._entries.pop(rec.key_hash, None)

@@ -106,13 +106,15 @@ class Uploads:
     async def _commit(self, scope: str, key: ArtifactKey, temp: Path, fd: int, size: int,
                       digest: str, filename: str, ima_signature: str | None) -> Uploaded:
         old, upload = await self._check_budget(scope, key, size, digest)
-        if upload is not None:
+        if upload is not None and (upload is not old or self._cache.whole_here(old)):
             # The same file again (through this replica or another): done.
             return Uploaded(size, digest, created=False)
-        if (download := self._held(scope, key, old)) is not None:
-            # A download of the same ID in this scope: the upload takes its place, in the
-            # other serving processes too, which hold the download in memory.
-            await self._retire(download, "replacing a download with an upload")
+        if (held := self._held(scope, key, old)) is not None:
+            # A download of the same ID in this scope, or this very upload with its file gone
+            # or cut short on this disk (it has no upstream to come back from): this upload
+            # takes its place, in the other serving processes too, which hold it in memory.
+            await self._retire(held, "replacing a damaged copy of an upload" if held.pinned
+                               else "replacing a download with an upload")
         try:
             final = await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
         except OSError as e:
