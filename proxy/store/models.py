@@ -1,10 +1,12 @@
-"""SQL schema. Tables are created only by the alembic migrations in migrations/."""
+"""SQL schema. Tables are created only by the alembic migrations in migrations/; these models
+say the same, server defaults (which migrations gave columns added to tables with rows) and
+types included, as tests/test_schema.py checks."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -23,7 +25,7 @@ class Artifact(Base):
     # The replica whose disk holds the file (proxy.store.replica); see migration 0005.
     replica: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
     # "" for what every client may see; a tenant's name for what came from its own sources.
-    scope: Mapped[str] = mapped_column(String(255), default="")
+    scope: Mapped[str] = mapped_column(String(255), default="", server_default="")
     key: Mapped[str] = mapped_column(Text)
     build_id: Mapped[str] = mapped_column(String(128), index=True)
     kind: Mapped[str] = mapped_column(String(16))
@@ -38,9 +40,10 @@ class Artifact(Base):
     # X-DEBUGINFOD-IMASIGNATURE as the upstream (or uploader) sent it, served with every hit.
     ima_signature: Mapped[str | None] = mapped_column(Text, nullable=True)
     # An upload: kept outside the LRU budget (under upload.max_bytes) and never evicted.
-    pinned: Mapped[bool] = mapped_column(Boolean, default=False, index=True)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false(),
+                                         index=True)
     # In the shared bucket, or was: the catch-up does not upload it (again); migration 0006.
-    shared: Mapped[bool] = mapped_column(Boolean, default=False)
+    shared: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Negative(Base):
@@ -50,11 +53,11 @@ class Negative(Base):
 
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     upstream: Mapped[str] = mapped_column(Text, primary_key=True)
-    scope: Mapped[str] = mapped_column(String(255), default="")
+    scope: Mapped[str] = mapped_column(String(255), default="", server_default="")
     key: Mapped[str] = mapped_column(Text)
     build_id: Mapped[str] = mapped_column(String(128), index=True)
     # A symbolize.outcome.Outcome value: not_found today.
-    outcome: Mapped[str] = mapped_column(String(16))
+    outcome: Mapped[str] = mapped_column(String(16), server_default="not_found")
     # Consecutive misses: each one doubles the next TTL, up to the configured maximum.
     misses: Mapped[int] = mapped_column(Integer, default=1)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -67,7 +70,7 @@ class SymbolTableRow(Base):
     __tablename__ = "symbol_tables"
 
     # The scope of the artifact it was built from: "" for shared ones, else a tenant's name.
-    scope: Mapped[str] = mapped_column(String(255), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(255), primary_key=True, server_default="")
     build_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     # ok | no_symbols | malformed: a symbolize.outcome.Outcome value
     outcome: Mapped[str] = mapped_column(String(16))
@@ -83,7 +86,7 @@ class SymbolTableRow(Base):
     file_layout: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     built_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    build_seconds: Mapped[float] = mapped_column(default=0.0)
+    build_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     # For failed builds: until when the outcome is believed (then a build is tried again); for
     # a table from an executable: until its debug file is asked for again.
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -116,7 +119,7 @@ class BucketObject(Base):
     __tablename__ = "bucket_objects"
 
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
-    scope: Mapped[str] = mapped_column(String(255), default="")
+    scope: Mapped[str] = mapped_column(String(255), default="", server_default="")
     key: Mapped[str] = mapped_column(Text)
     build_id: Mapped[str] = mapped_column(String(128), index=True)
     # An artifact kind (debuginfo, executable, source, section), or "symtab".
@@ -129,7 +132,7 @@ class BucketObject(Base):
     last_modified: Mapped[str | None] = mapped_column(Text, nullable=True)
     ima_signature: Mapped[str | None] = mapped_column(Text, nullable=True)
     # An upload: never evicted from the bucket either.
-    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     stored_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # The last time a replica read it: the bucket's eviction goes oldest first.
     last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
