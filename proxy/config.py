@@ -225,6 +225,9 @@ class UpstreamConfig:
     redirect_hosts: Annotated[tuple[str, ...], BeforeValidator(_hosts)] = ()
     breaker_failures: Count = 5
     breaker_cooldown_s: Seconds = 30.0
+    # A file that failed here (5xx, a timeout, a reset once asked) is not asked of this
+    # upstream again for this long: its requests get 502 at once. 0: asked every time.
+    failed_file_rest_s: Seconds = 10.0
     headers: Annotated[Mapping[str, str], BeforeValidator(_headers)] = field(
         default_factory=dict)
 

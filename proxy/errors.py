@@ -82,9 +82,10 @@ class Conflict(SymgateError):
 
 
 class UpstreamUnavailable(SymgateError):
-    """No upstream could answer: connect errors, resets, 5xx, or an open circuit breaker.
-    `retry_after_s`: how long the upstream itself asked to be left alone (its Retry-After),
-    which its clients are not told to come back before."""
+    """No upstream could answer: connect errors, resets, 5xx, an open circuit breaker, or a
+    file resting after its failure. `retry_after_s`: how long the upstream itself asked to be
+    left alone (its Retry-After), or the file's rest has left, which its clients are not told
+    to come back before."""
 
     outcome = Outcome.UPSTREAM_ERROR
 

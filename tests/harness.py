@@ -164,10 +164,12 @@ def make_config(
 
 
 def fast_upstream(url: str, **kw: Any) -> UpstreamConfig:
-    """Short limits, so fault tests end in seconds."""
+    """Short limits, so fault tests end in seconds; no breaker and no rest of a failed file,
+    so each request of a test that fails asks the upstream (the tests of those turn them on)."""
     defaults: dict[str, Any] = dict(connect_timeout_s=2, first_byte_timeout_s=2,
                                     read_timeout_s=2, total_timeout_s=30, retries=1,
-                                    retry_backoff_s=0.05, breaker_failures=0)
+                                    retry_backoff_s=0.05, breaker_failures=0,
+                                    failed_file_rest_s=0)
     defaults.update(kw)
     return UpstreamConfig(url=url, **defaults)
 

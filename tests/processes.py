@@ -80,7 +80,8 @@ async def spawn_serve(tmp_path: Path, data_dir: Path, database_url: str, upstrea
     config.write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{data_dir}"\n'
         f'access_log = {str(access_log).lower()}\n{extra}[database]\nurl = "{database_url}"\n'
-        f'[[upstreams]]\nurl = "{upstream}"\nbreaker_failures = 0\n')
+        f'[[upstreams]]\nurl = "{upstream}"\nbreaker_failures = 0\n'
+        'failed_file_rest_s = 0\n')
     proc = await asyncio.create_subprocess_exec(
         "symgate", "serve", "--config", str(config), "--workers", str(workers),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

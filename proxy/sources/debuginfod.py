@@ -44,9 +44,11 @@ _ARTIFACT_TYPE = "application/octet-stream"
 class UpstreamBody:
     """A 200 response whose body has not been read yet."""
 
-    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, upstream: Upstream, response: aiohttp.ClientResponse, path: str
+                 ) -> None:
         self.upstream = upstream
         self._response = response
+        self._path = path  # what was asked of the upstream: the file its failure is about
         h = response.headers
         size: int | None = None
         for header in ("X-DEBUGINFOD-SIZE", "Content-Length"):
@@ -100,15 +102,15 @@ class UpstreamBody:
                     yield part
         except Unreadable as e:
             error = UpstreamUnavailable(f"{name}: {encoding} body unreadable ({e})")
-            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason)
+            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason, self._path)
             raise error from e
         except TimeoutError as e:
             timeout = UpstreamTimeout(f"{name}: stopped sending the body")
-            self.upstream.body_failed(Outcome.TIMEOUT, timeout.reason)
+            self.upstream.body_failed(Outcome.TIMEOUT, timeout.reason, self._path)
             raise timeout from e
         except (aiohttp.ClientError, OSError) as e:
             error = UpstreamUnavailable(f"{name}: body cut off ({type(e).__name__})")
-            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason)
+            self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason, self._path)
             raise error from e
 
     def close(self) -> None:
@@ -172,6 +174,7 @@ class Upstream:
         self.breaker = CircuitBreaker(
             cfg.breaker_failures, cfg.breaker_cooldown_s,
             lambda state: metrics.set_breaker(self.name, state), name=self.name,
+            key_rest_s=cfg.failed_file_rest_s,
         )
         self._base_url = URL(self.base)
         metrics.add_upstream(self.name)
@@ -183,8 +186,9 @@ class Upstream:
     def has(self, key: ArtifactKey) -> bool | None:
         return None  # only a request can tell
 
-    def count(self, result: Outcome, *, failed: str = "") -> None:
-        """Count one request's result; any answer at all closes the breaker again.
+    def count(self, result: Outcome, path: str | None, *, failed: str = "") -> None:
+        """Count one request's result, for the file at `path` (None: the upstream could not be
+        reached, so no file was asked); any answer at all closes the breaker again.
 
         `failed` says why, for a failure that is the upstream's own (it counts towards the
         breaker); answers that would be the same every time (a refused redirect, a 401) are
@@ -192,13 +196,13 @@ class Upstream:
         """
         self.metrics.upstream_requests.labels(self.name, result).inc()
         if not failed:
-            self.breaker.success()
-        elif self.breaker.failure(failed):
+            self.breaker.success(path)
+        elif self.breaker.failure(failed, path):
             self.metrics.breaker_trips.labels(self.name).inc()
 
-    def body_failed(self, result: Outcome, reason: str) -> None:
+    def body_failed(self, result: Outcome, reason: str, path: str) -> None:
         self.metrics.upstream_body_failures.labels(self.name, result).inc()
-        if self.breaker.failure(reason):
+        if self.breaker.failure(reason, path):
             self.metrics.breaker_trips.labels(self.name).inc()
 
     async def open(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
@@ -206,7 +210,15 @@ class Upstream:
 
         Transient failures are retried with exponential backoff before any body byte is read;
         what remains after the retries is raised as UpstreamTimeout or UpstreamUnavailable.
+        A file that failed here a moment ago is not asked again until its rest is over.
         """
+        if (rest := self.breaker.key_rest(key.upstream_path)) is not None:
+            left, reason = rest
+            # Its clients are answered from memory: one that asks for it again and again, on
+            # purpose or not, costs the upstream one request (and its retries) per rest.
+            raise UpstreamUnavailable(
+                f"{self.name}: not asked for this file for {left:.0f} s more, after it failed: "
+                f"{reason}", left)
         last: UpstreamUnavailable | None = None
         asked_wait = 0.0  # what the last answer's Retry-After asked for
         for attempt in range(self.cfg.retries + 1):
@@ -264,7 +276,7 @@ class Upstream:
                                           session=self._sessions.queries)
         except TimeoutError as e:
             raise UpstreamTimeout(f"{self.name}: no response in time") from e
-        except _Permanent as e:
+        except (_Permanent, _Unreachable) as e:
             raise e.error from None
         except (aiohttp.ClientError, OSError) as e:
             raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}") from e
@@ -272,6 +284,7 @@ class Upstream:
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         started = time.perf_counter()
         timed = True
+        path = key.upstream_path
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
                 response = await self._follow(URL(self.base + key.upstream_path), hop,
@@ -284,16 +297,24 @@ class Upstream:
             # histogram's count would run ahead of upstream_requests_total.
             timed = False
             raise
+        except _Unreachable as e:
+            # Not about this file: every file would have failed so, and each such failure
+            # counts towards the breaker.
+            self.count(e.error.outcome, None, failed=e.error.reason)
+            raise e.error from e.__cause__
         except TimeoutError as e:
             error: UpstreamUnavailable = UpstreamTimeout(f"{self.name}: no response in time")
-            self.count(Outcome.TIMEOUT, failed=error.reason)
+            self.count(Outcome.TIMEOUT, path, failed=error.reason)
             raise error from e
         except _Permanent:
-            self.count(Outcome.UPSTREAM_ERROR)
+            self.count(Outcome.UPSTREAM_ERROR, path)
             raise
         except (aiohttp.ClientError, OSError) as e:
+            # Sent, then reset or cut off before an answer: a request can cause that (a path
+            # that crashes the server, or that a proxy in front of it drops), so it is the
+            # file's failure, as a 5xx is.
             error = UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}")
-            self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
+            self.count(Outcome.UPSTREAM_ERROR, path, failed=error.reason)
             raise error from e
         finally:
             if timed:
@@ -304,26 +325,26 @@ class Upstream:
         if status == 200:
             if key.kind is Kind.SOURCE and response.content_type != _ARTIFACT_TYPE:
                 response.release()
-                self.count(Outcome.UPSTREAM_ERROR)
+                self.count(Outcome.UPSTREAM_ERROR, path)
                 reason = f"{self.name}: answered 200 with {printable(response.content_type, 64)}"
                 log.warning("%s for %s; not an artifact, nothing kept", reason, key.id)
                 raise _Permanent(UpstreamUnavailable(reason + ", not a debuginfod artifact"))
-            self.count(Outcome.OK)
-            return UpstreamBody(self, response)
+            self.count(Outcome.OK, path)
+            return UpstreamBody(self, response, path)
         response.release()
         if status in _NOT_FOUND:
-            self.count(Outcome.NOT_FOUND)
+            self.count(Outcome.NOT_FOUND, path)
             return None
         if status in _TRANSIENT_STATUS:
             wait = retry_after(response.headers.get("Retry-After"), time.time())
             said = f" (Retry-After: {wait:g} s)" if wait is not None else ""
             error = UpstreamUnavailable(f"{self.name}: answered {status}{said}", wait)
-            self.count(Outcome.UPSTREAM_ERROR, failed=error.reason)
+            self.count(Outcome.UPSTREAM_ERROR, path, failed=error.reason)
             if wait is not None:
                 raise _Busy(error, wait)
             raise error
         # 401/403 and the like: a misconfiguration, not a miss, and not worth retrying.
-        self.count(Outcome.UPSTREAM_ERROR)
+        self.count(Outcome.UPSTREAM_ERROR, path)
         raise _Permanent(UpstreamUnavailable(f"{self.name}: answered {status}"))
 
     async def _follow(self, url: URL, hop: Hop, session: aiohttp.ClientSession,
@@ -355,6 +376,14 @@ class Upstream:
                 # to, which may not be the one _refusal was given (DNS rebinding).
                 if isinstance(e.os_error, redirects.RefusedAddress):
                     raise self._refused(previous, url, str(e.os_error)) from None
+                if redirects.origin(url) == redirects.origin(self._base_url):
+                    raise _Unreachable(UpstreamUnavailable(
+                        f"{self.name}: {type(e).__name__}: {_told(e)}")) from e
+                raise  # a host a redirect for this file named: the file's failure
+            except aiohttp.ConnectionTimeoutError as e:
+                if redirects.origin(url) == redirects.origin(self._base_url):
+                    raise _Unreachable(UpstreamTimeout(
+                        f"{self.name}: no connection in time")) from e
                 raise
             if response.status not in _REDIRECT_STATUS:
                 return response
@@ -417,6 +446,17 @@ class _Busy(Exception):
         super().__init__(error.reason)
         self.error = error
         self.wait_s = wait_s
+
+
+class _Unreachable(Exception):
+    """The upstream's own host could not be connected to (refused, unresolvable, no answer to
+    the connect, TLS refused, the egress proxy down): nothing was asked of it, so it says
+    nothing of any file. A host a redirect names is a file's, not the upstream's: this
+    upstream may send each file to another mirror, one of them down."""
+
+    def __init__(self, error: UpstreamUnavailable) -> None:
+        super().__init__(error.reason)
+        self.error = error
 
 
 class _Permanent(Exception):
