@@ -198,11 +198,9 @@ def _aliases(debug_files: list[Path]) -> dict[str, set[str]]:
 
 
 def mismatch(got: Frames, wanted: list[str], aliases: dict[str, set[str]]) -> str:
-    """Why symgate's names are not llvm-symbolizer's, where the reason is one of the known:
+    """Why symgate's names are not llvm-symbolizer's, where the reason is one of the known
+    (both seen only where a table was built without the executable):
 
-      * gi_linkage_name: llvm prints a C function's DW_AT_linkage_name, an asm label such as
-        glibc's `__GI___regfree`, for an inlined frame and for an outer one the executable
-        does not export; symgate, by issue 14's rule, its DW_AT_name (`__regfree`);
       * another_exported_alias: the function is exported under several names (`strxfrm_l`
         and `__strxfrm_l`); llvm takes the last in the executable's .dynsym, which is in hash
         order and which a detached debug file lacks; symgate its DWARF name when exported;
@@ -216,9 +214,7 @@ def mismatch(got: Frames, wanted: list[str], aliases: dict[str, set[str]]) -> st
     for i, (ours, theirs) in enumerate(zip(names, wanted, strict=True)):
         if ours == theirs:
             continue
-        if theirs.startswith("__GI_") and got[i][1] == theirs:
-            reasons.add("gi_linkage_name")
-        elif i == len(names) - 1 and cold_part(ours) == theirs:
+        if i == len(names) - 1 and cold_part(ours) == theirs:
             reasons.add("cold_part")
         elif i == len(names) - 1 and ours in aliases.get(theirs, set()):
             reasons.add("another_exported_alias")

@@ -1,13 +1,13 @@
 """A second reader of a file's DWARF, beside symbolic's: elfutils' libdw, through ctypes.
 
 symbolic's SymCache keeps what a lookup needs, but not three things a profile's user expects:
-the subprogram's own name where the symbol table has several aliases for it (`__nanosleep`,
-not the `__GI___nanosleep` that symbolic takes from .symtab), its DW_AT_decl_line (pprof's
-Function.start_line), and lines for code that a CU's line table covers but that no
-subprogram's address range does. GCC emits the last for a function whose DW_TAG_subprogram
-carries no DW_AT_low_pc/DW_AT_ranges (glibc's `mcheck_pedantic`, `mtrace`, ...): symbolic
-takes a CU's lines only inside its subprograms' ranges and leaves such code without a line,
-while llvm-symbolizer reads the CU's line table.
+the subprogram's own names where the symbol table has several aliases for it (its linkage
+name and DW_AT_name, `__GI___nanosleep` and `__nanosleep`, where symbolic takes the first
+alias .symtab lists), its DW_AT_decl_line (pprof's Function.start_line), and lines for code
+that a CU's line table covers but that no subprogram's address range does. GCC emits the last
+for a function whose DW_TAG_subprogram carries no DW_AT_low_pc/DW_AT_ranges (glibc's
+`mcheck_pedantic`, `mtrace`, ...): symbolic takes a CU's lines only inside its subprograms'
+ranges and leaves such code without a line, while llvm-symbolizer reads the CU's line table.
 
 Only subprogram DIEs are visited (dwarf_getfuncs). Every line table is decoded (by libdw,
 0.1 s for libc), for the columns symbolic's SymCache drops; but read row by row through ctypes
@@ -137,10 +137,6 @@ class DwarfFunctions:
     # four `cancel_handler`s), the declared line of the name in each file that declares it
     # once, by (name, file as symbolic writes its paths).
     decl_lines_in: dict[tuple[str, str], int] = field(default_factory=dict)
-    # DW_AT_name by DW_AT_linkage_name, where the linkage name is not mangled (C functions
-    # with an asm label, such as glibc's `__GI___sigpause` for `__sigpause`), for inlined
-    # frames, which symbolic names by the linkage name.
-    names_by_linkage: dict[str, str] = field(default_factory=dict)
     # [start, end) ranges that a CU covers and none of its subprograms does, and the rows of
     # those CUs' line tables (sorted by address within each CU, CUs one after another).
     orphan_ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -373,8 +369,6 @@ class _Reader:
         self._int.value = 0
         lib.dwarf_decl_line(die, self._int_at)
         line = max(self._int.value, 0)
-        if linkage and name and not linkage.startswith(("_Z", "_R")):
-            self._out.names_by_linkage.setdefault(linkage, name)
         if line:  # a declaration without one says nothing, an abstract instance says it
             # With its file as libdw's pointer into the CU's file table: made a path at the
             # end, for the few names declared at several lines (_decl_lines).

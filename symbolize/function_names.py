@@ -2,18 +2,20 @@
 lines for code outside every subprogram. Chosen once, when the table is built, and kept in the
 table file behind the SymCache's own bytes (symbolic reads only as far as its header says).
 
-The name of a function with code: the DWARF subprogram's (demangled linkage name, or
-DW_AT_name for C; the raw linkage name is the system name); else the best of the symbol
-table's aliases at its entry: not an internal one (glibc's `__GI_*` and `*_alias*` hidden
-names, GCC's `.cold` parts), global or weak before local, the later listed of equals.
-symbolic takes the first alias listed, `__GI___nanosleep` for what gdb calls `__nanosleep`.
+The name of a function with code: the DWARF subprogram's, as gdb, addr2line, eu-addr2line and
+llvm-symbolizer name its frames: its linkage name, demangled (a C function's asm label as it
+is: glibc's `__GI___regfree` for `__regfree`), else its DW_AT_name; the raw linkage name is the
+system name. Without DWARF, the best of the symbol table's aliases at its entry: not an
+internal one (glibc's `__GI_*` and `*_alias*` hidden names, GCC's `.cold` parts), global or
+weak before local, the later listed of equals (symbolic takes the first listed).
 
 Where the function is exported, the code from its entry on (the outermost frame, but in a
 GCC `.cold` part) is named as llvm-symbolizer names it given the stripped executable: after
 the executable's .dynsym symbol there, the largest, the last listed of equals (`select`, not
 `__select`; `getcwd` where libc hides the DWARF name `__getcwd`). .dynsym's order is GNU hash
 order, which only the executable carries: a detached debug file keeps the table's header but
-not its contents. Without it, the DWARF name where it is exported, else, where .symtab has it
+not its contents. Without it, the DWARF name where it is exported, or the DW_AT_name where
+that is (`__nanosleep`, not its label `__GI___nanosleep`), else, where .symtab has either
 there but hidden, the last exported name that .symtab lists there (a DWARF name that is no
 symbol is kept: Go's `runtime.mstart`, whose symbol is `runtime.mstart.abi0`). Inlined
 frames keep the DWARF name, and so does a `.cold` part where .dynsym named the rest (no
@@ -146,8 +148,6 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
             extras.start_lines[f] = dwarf.decl_lines.get(own, 0)
             if own in ambiguous:
                 extras.start_lines_in[f] = ambiguous[own]
-            if (name := dwarf.names_by_linkage.get(own)) is not None and name != own:
-                extras.names[f] = (name, own)
             continue
         address = entry + load_address
         # A legacy Rust name (`_ZN...17h<hash>E`) is Itanium-shaped: demangled as Rust only
@@ -172,21 +172,26 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                 _mangled_alias(aliases[address], sub.name) if address in mangled_at else None
             ) or sub.name
             mangled = system.startswith(("_Z", "_R"))
-            by_dwarf = (demangle_as(system) if mangled else sub.name or system, system)
+            # The linkage name, as gdb, addr2line, eu-addr2line and llvm-symbolizer all name
+            # a subprogram: a C function's asm label too (glibc's `__GI___regfree`, for
+            # `__regfree`, which the library's own code calls it by).
+            by_dwarf = (demangle_as(system) if mangled else system, system)
             chosen = by_dwarf
             exported = _exported(aliases.get(address, []))
             if pick is not None:
                 chosen = (demangle_as(pick), system)
-            elif picks is None and exported and not {sub.name, system} & set(exported) \
-                    and {sub.name, system} & {s.name.partition("@")[0]
-                                              for s in aliases[address]}:
-                # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`: a
-                # local symbol there) and exports the function as `getcwd`, `pthread_create`:
-                # what its callers wrote, and what llvm-symbolizer says given the executable
-                # (from its .dynsym). A DWARF name that is no symbol at all is hidden by
-                # nothing: Go names an assembly function `runtime.mstart` in DWARF, as its
-                # runtime and its profiles do, and its linker `runtime.mstart.abi0`.
-                chosen = (demangle_as(exported[-1]), system)
+            elif picks is None and exported and system not in exported:
+                if sub.name in exported:  # `__nanosleep`, exported, not its `__GI_` label
+                    chosen = (sub.name, system)
+                elif {sub.name, system} & {s.name.partition("@")[0] for s in aliases[address]}:
+                    # The library hides the DWARF name (`__getcwd`, `__pthread_create_2_1`:
+                    # a local symbol there) and exports the function as `getcwd`,
+                    # `pthread_create`: what its callers wrote, and what llvm-symbolizer says
+                    # given the executable (from its .dynsym). A DWARF name that is no symbol
+                    # at all is hidden by nothing: Go names an assembly function
+                    # `runtime.mstart` in DWARF, as its runtime and its profiles do, and its
+                    # linker `runtime.mstart.abi0`.
+                    chosen = (demangle_as(exported[-1]), system)
             if mangled and system == own and chosen == by_dwarf:
                 continue  # symbolic's name, demangled knowing the language
             if chosen != by_dwarf:

@@ -72,8 +72,9 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # .symtab replaced by the executable's; since 8, a dwz'd file read whole with its supplementary
 # file; since 9, start lines by the file a DWARF 5 unit declares as its file 0, as clang
 # declares its functions; since 10, a DWARF name that is no symbol not taken for one a library
-# hides): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-10"
+# hides; since 11, a C function's asm label, its DWARF linkage name, named where no exported
+# name does): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-11"
 
 
 class NoSymbols(Exception):

@@ -220,19 +220,68 @@ void report(const char *what, int x) { fprintf(stderr, "%s %d\n", what, x); }
 ALIASES = ("mix_a", "mix_b", "mix_c", "mix_d")
 
 
-def build_aliased_library(out_dir: Path) -> Elf:
-    """ALIASED_C as a shared library, its debug file split off and the library stripped as
-    distributions ship them: .dynsym alone, which llvm-symbolizer then names code by."""
-    src = out_dir.parent / "src" / "fx.c" if out_dir.name == "upstream" else out_dir / "fx.c"
+# glibc's libc_hidden_proto and libc_hidden_def: the library calls a function by a hidden asm
+# label, `__GI_name` (its DW_AT_linkage_name), and defines the C name as an alias of it:
+# exported (`scaled`, `checked_sum`), or hidden too (`convert`, an internal function: both of
+# its names local symbols). `scaled` is inlined into both callers, `checked_sum` split cold.
+ASM_LABELLED_C = r"""
+#include <stdio.h>
+#define hidden_proto(name) \
+    extern __typeof(name) name __asm__("__GI_" #name) __attribute__((visibility("hidden")));
+#define hidden_def(name) \
+    extern __typeof(name) __EI_##name __asm__(#name) __attribute__((alias("__GI_" #name)));
+#define internal_def(name) extern __typeof(name) __EI_##name __asm__(#name) \
+    __attribute__((alias("__GI_" #name), visibility("hidden")));
+extern void __attribute__((cold, noinline)) complain(const char *, int);
+int scaled(int x);
+hidden_proto(scaled)
+int convert(const char *s, int n);
+hidden_proto(convert)
+int checked_sum(const int *v, int n);
+hidden_proto(checked_sum)
+int scaled(int x) { return x * 7 + (x >> 3); }
+hidden_def(scaled)
+int __attribute__((noinline)) convert(const char *s, int n) {
+    int r = 0;
+    for (int i = 0; i < n && s[i]; i++)
+        r = r * 10 + (s[i] - '0');
+    return scaled(r);
+}
+internal_def(convert)
+int checked_sum(const int *v, int n) {
+    int s = 0;
+    for (int i = 0; i < n; i++) {
+        if (v[i] < 0) {
+            complain("negative", i);
+            complain("value", v[i]);
+            s = -s;
+        }
+        s += scaled(v[i]) + convert("12", i);
+    }
+    return s;
+}
+hidden_def(checked_sum)
+void complain(const char *what, int x) { fprintf(stderr, "%s %d\n", what, x); }
+"""
+
+
+def build_aliased_library(out_dir: Path, source: str = ALIASED_C, name: str = "libfx.so"
+                          ) -> Elf:
+    """`source` (ALIASED_C unless told) as a shared library, its debug file split off and the
+    library stripped as distributions ship them: .dynsym alone, which llvm-symbolizer then
+    names code by."""
+    stem = name.removesuffix(".so").removeprefix("lib")
+    src = out_dir.parent / "src" / f"{stem}.c" if out_dir.name == "upstream" \
+        else out_dir / f"{stem}.c"
     src.parent.mkdir(parents=True, exist_ok=True)
-    exe, debug = out_dir / "libfx.so", out_dir / "libfx.so.debug"
-    src.write_text(ALIASED_C)
+    exe, debug = out_dir / name, out_dir / f"{name}.debug"
+    src.write_text(source)
     _run("gcc", "-g", "-O2", "-fPIC", "-shared", "-Wl,--build-id", "-o", exe, src)
     _run("objcopy", "--only-keep-debug", exe, debug)
     _run("objcopy", "--strip-all", f"--add-gnu-debuglink={debug}", exe)
     build_id = build_id_of_file(exe)
     assert build_id and build_id == build_id_of_file(debug)
-    return Elf("libfx.so", build_id, exe, debug, (src,))
+    return Elf(name, build_id, exe, debug, (src,))
 
 
 def build_elf_set(root: Path) -> ElfSet:

@@ -158,8 +158,9 @@ async def test_otlp_from_a_live_process_matches_llvm_symbolizer(
     assert not wrong, wrong[:5]
     if libc_vaddrs:
         # As for pprof (test_symbolize_exactness): the outer frame is named after its DWARF
-        # subprogram (llvm's --functions=short), llvm after one of its .symtab aliases; an
-        # inlined frame's linkage name, which llvm prints, is symgate's system name.
+        # subprogram or an exported name (llvm's --functions=short), llvm after one of its
+        # .symtab aliases; an inlined frame's linkage name, which llvm prints, is symgate's
+        # system name.
         aliases = symbol_aliases(LIBC_DEBUG)
         dwarf = llvm_symbolize(LIBC_DEBUG, libc_vaddrs, functions="short")
         for v, want in llvm_symbolize(LIBC_DEBUG, libc_vaddrs).items():
