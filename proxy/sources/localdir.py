@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
+import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -23,6 +25,7 @@ from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
 
 from proxy.errors import UpstreamUnavailable
+from proxy.headers import printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Hop
@@ -34,6 +37,10 @@ CHUNK = 256 * 1024
 _BUILD_ID_NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{2,126})(\.debug)?$")
 _ELF_MAGIC = b"\x7fELF"
 _DWARF_INFO = (".debug_info", ".zdebug_info")
+# Gone, or never a file: a dangling link, a loop of links, a directory on the way.
+_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG)
+# No file name is longer (PATH_MAX): what X-DEBUGINFOD-FILE may carry of one.
+_MAX_FILENAME = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +53,40 @@ class _Seen:
     kinds: tuple[Kind, ...]
 
 
-def classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
+def open_regular(path: str | Path) -> tuple[int, os.stat_result] | None:
+    """A descriptor on `path` (links followed) and its stat when it is a regular file; None for
+    anything else, which is never read: a FIFO's open would wait for a writer forever, a device
+    gives no file. Opened without blocking, and judged by what was opened, so that a file
+    swapped for one of those after a stat is caught too. OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(st.st_mode):
+        return fd, st
+    os.close(fd)
+    return None
+
+
+def classify(path: str | Path) -> tuple[str | None, tuple[Kind, ...]]:
     """(build ID, what it can serve as) of a plain ELF file; (None, ()) for anything else."""
     try:
-        with path.open("rb") as f:
-            if f.read(4) != _ELF_MAGIC:
-                return None, ()
+        return _classify(path)
+    except OSError:
+        return None, ()
+
+
+def _classify(path: str | Path) -> tuple[str | None, tuple[Kind, ...]]:
+    """classify; OSError when the file could not be read (to be tried again)."""
+    opened = open_regular(path)
+    if opened is None:
+        return None, ()
+    with os.fdopen(opened[0], "rb") as f:
+        if f.read(4) != _ELF_MAGIC:
+            return None, ()
+        try:
             f.seek(0)
             elf = ELFFile(f)
             text = elf.get_section_by_name(".text")
@@ -62,8 +97,8 @@ def classify(path: Path) -> tuple[str | None, tuple[Kind, ...]]:
                             for s in elf.iter_sections())
             f.seek(0)
             build_id = build_id_of_stream(f)
-    except (OSError, ELFError, ELFParseError, ValueError, KeyError, EOFError):
-        return None, ()
+        except (ELFError, ELFParseError, ValueError, KeyError, EOFError):
+            return None, ()
     if build_id is None:
         return None, ()
     kinds: list[Kind] = []
@@ -122,15 +157,17 @@ class LocalDirectory:
             for name in files:
                 path = here / name
                 rel = path.relative_to(self.root).as_posix()
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue  # dangling, a loop of links, gone since it was listed
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # a FIFO, socket, device or directory: nothing to open, or serve
                 if "/.build-id/" in f"/{rel}":
                     m = _BUILD_ID_NAME.match(rel.split(".build-id/", 1)[1])
                     if m:  # the layout names the build ID; the fetch verifies the bytes
                         kind = Kind.DEBUGINFO if m.group(3) else Kind.EXECUTABLE
                         index[(m.group(1) + m.group(2), kind)] = path
-                    continue
-                try:
-                    st = path.stat()
-                except OSError:
                     continue
                 prev = self._seen.get(path)
                 if prev is None or (prev.mtime_ns, prev.size) != (st.st_mtime_ns, st.st_size):
@@ -150,27 +187,50 @@ class LocalDirectory:
 
     async def open(self, key: ArtifactKey, hop: Hop) -> FileBody | None:
         path = self._index.get((key.build_id, key.kind))
-        body = FileBody(self.name, path) if path is not None and path.exists() else None
+        body = None
+        if path is not None:
+            try:  # in a thread: a slow disk (NFS) must not hold the loop
+                opened = await asyncio.to_thread(open_regular, path)
+            except OSError as e:
+                if e.errno not in _MISSING:
+                    self._metrics.upstream_requests.labels(self.name, Outcome.UPSTREAM_ERROR).inc()
+                    raise UpstreamUnavailable(f"{self.name}: cannot open "
+                                              f"{os.path.basename(path)!r}: {e.strerror}") from e
+                opened = None  # gone since the walk: not had
+            if opened is not None:
+                body = FileBody(self.name, str(path), *opened)
         result = Outcome.OK if body is not None else Outcome.NOT_FOUND
         self._metrics.upstream_requests.labels(self.name, result).inc()
         return body
 
 
 class FileBody:
-    def __init__(self, source: str, path: Path) -> None:
+    """A file of the directory, open: what is sent is the file that was opened, whatever the
+    tree's names point at meanwhile."""
+
+    def __init__(self, source: str, path: str, fd: int, st: os.stat_result) -> None:
+        self._fd: int | None = fd
         self._path = path
-        st = path.stat()
-        self.meta = ArtifactMeta(upstream=source, size=st.st_size, filename=path.name,
-                                 archive=None, last_modified=formatdate(st.st_mtime, usegmt=True))
+        name = os.path.basename(path)
+        # A header carries text without control characters: a name that is not such text (a
+        # newline, bytes that are not UTF-8) is not sent, nor stored; the default name is.
+        self.meta = ArtifactMeta(upstream=source, size=st.st_size,
+                                 filename=printable(name, _MAX_FILENAME), archive=None,
+                                 last_modified=formatdate(st.st_mtime, usegmt=True))
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        fd, offset = self._fd, 0
+        if fd is None:
+            return
         try:
-            with self._path.open("rb") as f:
-                while chunk := await asyncio.to_thread(f.read, CHUNK):
-                    yield chunk
+            while chunk := await asyncio.to_thread(os.pread, fd, CHUNK, offset):
+                offset += len(chunk)
+                yield chunk
         except OSError as e:
-            raise UpstreamUnavailable(f"{self.meta.upstream}: cannot read {self._path.name}: "
-                                      f"{e.strerror}") from e
+            raise UpstreamUnavailable(f"{self.meta.upstream}: cannot read "
+                                      f"{os.path.basename(self._path)!r}: {e.strerror}") from e
 
     def close(self) -> None:
-        pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
