@@ -1,20 +1,27 @@
 """A local directory source over a messy or hostile tree: special files where debug files are
-expected, names no header can carry. Each client gets the right file or a precise status, and
-the server goes on serving."""
+expected, names no header can carry, trees deeper than Python's recursion limit, files swapped
+under the index, and many files. Each client gets the right file or a precise status, and the
+server goes on serving."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from proxy.config import UpstreamConfig
+from proxy.metrics import ProxyMetrics
+from proxy.sources.localdir import LocalDirectory
 from tests.elfs import ElfSet
-from tests.harness import SymgateFactory
+from tests.harness import SymgateFactory, eventually
 
 FAKE_ID = "ab" + "cd" * 19
 
@@ -105,3 +112,84 @@ async def test_names_no_header_can_carry_are_served_under_the_default_name(
             await sg.settled()
     status, _, listed = await sg.get("/metadata?key=glob&value=*.debug")
     assert status == 200 and long_name.encode() in listed
+
+
+async def test_a_tree_deeper_than_the_recursion_limit_is_walked(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """os.walk recursed once per level: a tree deeper than Python's recursion limit failed
+    every walk, so the server did not start (and a rescan kept the index it had)."""
+    deep = tmp_path / "debug"
+    levels = sys.getrecursionlimit() + 100
+    bottom = Path(str(deep) + "/d" * levels)
+    assert len(str(bottom)) < 4000  # within PATH_MAX: reachable by its full path
+    deep.mkdir()
+    fd = os.open(deep, os.O_RDONLY)
+    for _ in range(levels):  # one level at a time: Path.mkdir(parents=True) recurses too
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(fd)
+    shutil.copy(elfs.prog.debug, bottom / "prog.debug")
+    try:
+        sg = await start_symgate([UpstreamConfig(path=deep, rescan_s=0)])
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+        assert status == 200 and body == elfs.prog.debug.read_bytes()
+    finally:  # removed bottom up: pytest's rmtree of its temporary directories recurses too
+        (bottom / "prog.debug").unlink()
+        while bottom != deep:
+            bottom.rmdir()
+            bottom = bottom.parent
+
+
+async def test_a_file_replaced_by_one_of_the_same_size_and_time_is_read_again(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A walk opened only files whose mtime or size changed: a debug file replaced by another
+    build's of the same size, its time kept (`rsync -a`, `cp -p`, then a rename), stayed
+    indexed under the old build ID and the new one was never found."""
+    tree = tmp_path / "debug"
+    tree.mkdir()
+    served = tree / "app.debug"
+    shutil.copy(elfs.prog.debug, served)
+    new_id = "f0" * 20
+    replacement = elfs.prog.debug.read_bytes().replace(bytes.fromhex(elfs.prog.build_id),
+                                                       bytes.fromhex(new_id))
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0.1)])
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    st = served.stat()
+    staged = tree.parent / "app.debug.new"
+    staged.write_bytes(replacement)
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    staged.rename(served)
+    assert (served.stat().st_size, served.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+    async def found() -> bool:
+        return (await sg.get(f"/buildid/{new_id}/debuginfo"))[0] == 200
+
+    await eventually(found, timeout=10)
+
+
+async def test_a_walk_leaves_no_object_per_file_for_the_garbage_collector(
+    tmp_path: Path
+) -> None:
+    """A walk kept a Path and a dataclass per file: on a tree of 100,000 files each rescan
+    (every 60 s by default) set off collections of the whole heap that stopped the event loop
+    for 0.2-0.4 s each, every request with it. Held as strings and tuples of numbers, the
+    index is nothing the collector looks at."""
+    tree = tmp_path / "debug"
+    for n in range(2000):
+        build_id = f"{n:040x}"
+        ids = tree / ".build-id" / build_id[:2]
+        ids.mkdir(parents=True, exist_ok=True)
+        (ids / f"{build_id[2:]}.debug").write_bytes(b"x")
+        plain = tree / "plain" / f"{n // 100}"
+        plain.mkdir(parents=True, exist_ok=True)
+        (plain / f"notes-{n}.txt").write_bytes(b"not ELF")
+    local = LocalDirectory(tree, 0, ProxyMetrics(CollectorRegistry()))
+    gc.collect()
+    before = len(gc.get_objects())
+    await local.rescan()
+    gc.collect()
+    assert len(local.catalogue()) == 2000
+    assert len(gc.get_objects()) - before < 500

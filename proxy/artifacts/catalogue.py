@@ -116,8 +116,8 @@ class Catalogue:
                 continue
             for build_id, kind, path in local.catalogue():
                 if (build_id == query.value) if query.key == "buildid" \
-                        else query.matches(str(path)):
-                    out.append({"type": str(kind), "buildid": build_id, "file": str(path)})
+                        else query.matches(path):
+                    out.append({"type": str(kind), "buildid": build_id, "file": path})
         names: Sequence[str] = ()
         if query.key == "file":
             names = [query.value, posixpath.basename(query.value)]
