@@ -1,7 +1,7 @@
-"""A local directory source over a messy or hostile tree: special files where debug files are
-expected, names no header can carry, trees deeper than Python's recursion limit, files swapped
-under the index, and many files. Each client gets the right file or a precise status, and the
-server goes on serving."""
+"""A local directory source (and [symbolize] debug_dirs) over a messy or hostile tree: special
+files where debug files are expected, names no header can carry, trees deeper than Python's
+recursion limit, files swapped under the index, links to files of another build ID. Each client
+gets the right file or a precise status, and the server goes on serving."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ from prometheus_client import CollectorRegistry
 from proxy.config import UpstreamConfig
 from proxy.metrics import ProxyMetrics
 from proxy.sources.localdir import LocalDirectory
-from tests.elfs import ElfSet
-from tests.harness import SymgateFactory, eventually
+from tests.elfs import ElfSet, build_id_tree
+from tests.harness import Debuginfod, SymgateFactory, eventually
+from tests.processes import run_in_thread
+from tests.symbolize_helpers import post, symbolize_config
+from tests.test_hostile_debug_files import _profile
 
 FAKE_ID = "ab" + "cd" * 19
 
@@ -193,3 +196,27 @@ async def test_a_walk_leaves_no_object_per_file_for_the_garbage_collector(
     gc.collect()
     assert len(local.catalogue()) == 2000
     assert len(gc.get_objects()) - before < 500
+
+
+async def test_a_debug_dir_link_to_another_build_id_is_passed_over(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A .build-id link of a debug_dirs tree to another build's file (a stale tree) was taken
+    as the debug file: its build was refused (never a table from the wrong file), and the
+    mapping answered `malformed` although the upstream had the right file."""
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.other.debug,
+                         elfs.other.executable)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(debug_dirs=(tree,)))
+    status, headers, body = await post(sg, _profile(elfs, "prog"))
+    assert status == 200, body
+    assert headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    # Offline, the next --debug-dir is looked in.
+    right = build_id_tree(tmp_path / "right", elfs.prog.build_id, elfs.prog.debug,
+                          elfs.prog.executable)
+    profile = tmp_path / "cpu.pb"
+    profile.write_bytes(_profile(elfs, "prog"))
+    done = await run_in_thread(["symgate", "symbolize", str(profile), "-o",
+                                str(tmp_path / "out.pb"), "--debug-dir", str(tree),
+                                "--debug-dir", str(right)])
+    assert done.returncode == 0, done.stderr
+    assert (await post(sg, profile.read_bytes()))[2] == (tmp_path / "out.pb").read_bytes()
