@@ -244,6 +244,16 @@ async def cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return await run_in_thread(["symgate", *args, "--config", str(config)], timeout=60)
 
 
+async def upstream_requests(debuginfod: Debuginfod) -> int:
+    """debuginfo requests the real debuginfod has answered, by its own count: every test of
+    an xdist worker shares that debuginfod, so a count moved by another test's leftover
+    request is possible; a server's own outcomes (served) are not."""
+    async with aiohttp.ClientSession() as s, s.get(debuginfod.url + "/metrics") as r:
+        text = await r.text()
+    found = re.search(r'^http_requests_total\{type="debuginfo"\} (\d+)', text, re.M)
+    return int(found.group(1)) if found else 0
+
+
 async def served(base: str) -> dict[str, float]:
     """A server's /buildid debuginfo answers by outcome (hit, miss, negative_hit, ...), by its
     own count: unlike an upstream's request count, which every test sharing that upstream

@@ -58,12 +58,12 @@ from tests.harness import (
     free_port,
     make_config,
     read_broken,
+    upstream_requests,
 )
 from tests.processes import run_in_thread, start_serve, stop_serve
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 from tests.test_database_down import Forwarder
-from tests.test_replicas import upstream_requests
 
 # A cluster's replicas share PostgreSQL.
 on_postgresql = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)

@@ -23,7 +23,14 @@ from proxy.config import load_config
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.front import SERVER_LINE, SHIPPED, front_config, nginx_binary
-from tests.harness import Debuginfod, changes, eventually, free_port, served
+from tests.harness import (
+    Debuginfod,
+    changes,
+    eventually,
+    free_port,
+    served,
+    upstream_requests,
+)
 from tests.processes import (
     alive,
     descendants,
@@ -185,14 +192,6 @@ async def front(tmp_path: Path, database_url: str, debuginfod: Debuginfod
                 ) -> AsyncIterator[Front]:
     async with nginx_in_front(tmp_path, database_url, debuginfod.url) as running:
         yield running
-
-
-async def upstream_requests(debuginfod: Debuginfod) -> int:
-    """debuginfo requests the real debuginfod has answered, by its own count."""
-    async with aiohttp.ClientSession() as s, s.get(debuginfod.url + "/metrics") as r:
-        text = await r.text()
-    found = re.search(r'^http_requests_total\{type="debuginfo"\} (\d+)', text, re.M)
-    return int(found.group(1)) if found else 0
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, method: str = "GET"
