@@ -26,7 +26,7 @@ import aiohttp
 
 from proxy.artifacts.scope import RequestScope
 from proxy.errors import InvalidRequest, SymgateError
-from proxy.keys import normalize_build_id
+from proxy.keys import Kind, normalize_build_id
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import Upstream
 from proxy.sources.localdir import LocalDirectory
@@ -88,6 +88,11 @@ class Catalogue:
     def __init__(self, repo: Repository, local_dirs: Sequence[LocalDirectory]) -> None:
         self._repo = repo
         self._local_dirs = tuple(local_dirs)
+        # A file or glob query walks every entry of a local directory (0.1-0.2 s for 100,000):
+        # off the event loop, and one walk at a time, so that a flood of them takes neither
+        # the loop nor the default executor's few threads (cached files' stat and open, uploads)
+        # from other requests.
+        self._walk = asyncio.Semaphore(1)
 
     async def find(self, query: MetadataQuery, req: RequestScope) -> Answer:
         upstreams = [s for s in req.sources if isinstance(s, Upstream)] if req.may_fetch else []
@@ -114,10 +119,13 @@ class Catalogue:
         for local in self._local_dirs:
             if local not in req.sources:
                 continue
-            for build_id, kind, path in local.catalogue():
-                if (build_id == query.value) if query.key == "buildid" \
-                        else query.matches(path):
-                    out.append({"type": str(kind), "buildid": build_id, "file": path})
+            if query.key == "buildid":
+                found = local.with_build_id(query.value)
+            else:
+                async with self._walk:
+                    found = await asyncio.to_thread(_matching, local, query)
+            out += [{"type": str(kind), "buildid": build_id, "file": path}
+                    for build_id, kind, path in found]
         names: Sequence[str] = ()
         if query.key == "file":
             names = [query.value, posixpath.basename(query.value)]
@@ -135,6 +143,10 @@ class Catalogue:
                     result["archive"] = rec.archive
                 out.append(result)
         return out, True
+
+
+def _matching(local: LocalDirectory, query: MetadataQuery) -> list[tuple[str, Kind, str]]:
+    return [entry for entry in local.catalogue() if query.matches(entry[2])]
 
 
 async def _ask(upstream: Upstream, query: MetadataQuery, hop: Hop

@@ -152,6 +152,11 @@ class LocalDirectory:
         return [(build_id, kind, path) for kind, paths in self._index.items()
                 for build_id, path in paths.items()]
 
+    def with_build_id(self, build_id: str) -> list[tuple[str, Kind, str]]:
+        """The catalogue's entries of one build ID: looked up, not walked."""
+        return [(build_id, kind, paths[build_id]) for kind, paths in self._index.items()
+                if build_id in paths]
+
     async def start(self) -> None:
         await self.rescan()
         if self._rescan_s:
