@@ -159,11 +159,13 @@ def fill(profile: RawProfile) -> int:
 
 def _function_ids(profile: RawProfile, names: Iterable[str]) -> dict[str, int]:
     """A Function for each name (name and system_name alike, no file), the profile's own where
-    it has one already (a profile named before), else new ones (NewIds)."""
+    it has one already (a profile named before), else new ones (NewIds), numbered and their
+    strings appended in the order of the names, as the rewrite numbers its functions: never
+    in the order of the locations, which another profiler may write otherwise."""
     strings = profile.string_table
     if not strings:
         strings.append("")
-    distinct = dict.fromkeys(names)
+    distinct = dict.fromkeys(sorted(set(names)))
     index = first_indices(strings, distinct.keys())
     own = {(f.name, f.system_name, f.filename): f.id for f in profile.function}
     ids: dict[str, int] = {}

@@ -4,17 +4,22 @@ with the debug info at hand symbolizes them as if the names had never been there
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
+import sys
 from pathlib import Path
 
 import pytest
 
-from proxy.config import TenantConfig
+from proxy.config import SymbolizeConfig, TenantConfig
+from symbolize.offline import symbolize_bytes
+from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Location, Mapping, Profile
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, same_frames, symbolize_config
+from tests.test_offline_matches_server import build_id_tree
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -191,3 +196,29 @@ async def test_no_names_where_a_mapping_gives_no_offset(
         for v in vaddrs)
     assert _names(named, 2) == {loc.id: [] for loc in named.location if loc.mapping_id == 2}
     assert _names(named, 3) == {loc.id: [] for loc in named.location if loc.mapping_id == 3}
+
+
+async def test_names_are_numbered_alike_whatever_the_order_of_the_locations(
+    elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """Symbolized functions are numbered in the order of their names, but the names given
+    in their stead were numbered (and their strings appended) in the order of the locations
+    first naming them: the same profile with its locations in another order got other
+    function ids and another string table. Both are numbered by name now."""
+    p, _offsets = _profile(elfs)
+    shuffled = Profile()
+    shuffled.CopyFrom(p)
+    locations = list(shuffled.location)
+    del shuffled.location[:]
+    shuffled.location.extend(locations[::-1])
+    tree = build_id_tree(tmp_path / "debug", [elfs.other])  # prog's debug info is nowhere
+    limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize,
+                    fallback=True)
+    outs = [Profile.FromString((await asyncio.to_thread(
+        symbolize_bytes, profile.SerializeToString(), [tree], limits))[0])
+        for profile in (p, shuffled)]
+    assert len(_names(outs[0], 1)) > 1 and _names(outs[0], 2)  # names and symbols
+    assert list(outs[0].string_table) == list(outs[1].string_table)
+    assert list(outs[0].function) == list(outs[1].function)
+    assert sorted(outs[0].location, key=lambda loc: loc.id) == sorted(
+        outs[1].location, key=lambda loc: loc.id)
