@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from proxy.config import SymbolizeConfig
+from proxy.config import NegativeConfig, SymbolizeConfig
 from symbolize.elf import function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf, ElfSet
-from tests.harness import Debuginfod, SymgateFactory
+from tests.harness import Debuginfod, SymgateFactory, eventually, running_debuginfod, serves
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+from tests.symbolize_helpers import post
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -120,3 +122,85 @@ async def test_a_stripped_librarys_exports_are_named_alike_offline_and_served(
             "POST", "/symbolize", data=body,
             headers={"Content-Type": "application/octet-stream"})
         assert status == 200 and served == offline, upstreams
+
+
+def aliased_profiles(lib: Elf) -> dict[str, bytes]:
+    """Addresses of `elfs.aliased` whose names its stripped executable's .dynsym decides (see
+    above), as a profiler with runtime addresses and as the eBPF profiler send them."""
+    starts = {s.name: s.value for s in function_symbols(lib.debug)}
+    vaddrs = [starts["mix_a"] + 4, starts["checked"] + 8, starts["checked.cold"] + 4]
+    placed = [(place(lib, BASES["shlib"]), vaddrs)]
+    return {"runtime": make_profile(placed).SerializeToString(),
+            "relative": make_profile(placed, runtime=False).SerializeToString()}
+
+
+async def answers(sg: object, bodies: dict[str, bytes]) -> dict[str, bytes]:
+    out = {}
+    for name, body in bodies.items():
+        status, headers, served = await post(sg, body)  # type: ignore[arg-type]
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+        out[name] = served
+    return out
+
+
+async def test_the_same_bytes_once_a_missing_executable_is_published(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """The upstream had the debug file but not yet the executable (its 404 remembered): the
+    table was built without the executable's .dynsym names and program headers, and believed
+    for good, so the server answered with other names than a fresh one for as long as it ran
+    (and a profile of ELF-relative addresses, which never fetches the executable, for good).
+    Once published, the executable is asked for again after the miss TTL, as a missing debug
+    file is, and the table is built again with it."""
+    lib = elfs.aliased
+    bodies = aliased_profiles(lib)
+    scanned, work = tmp_path / "upstream", tmp_path / "debuginfod"
+    scanned.mkdir()
+    work.mkdir()
+    shutil.copy(lib.debug, scanned / "libmix.so.debug")
+    negative = NegativeConfig(not_found_initial_ttl_s=1, not_found_ttl_s=1)
+    config = SymbolizeConfig(build_workers=1)
+    with running_debuginfod(scanned, work, "-t", "1") as upstream:
+        await eventually(lambda: serves(f"{upstream.url}/buildid/{lib.build_id}/debuginfo"))
+        sg = await start_symgate([upstream.url], data_dir=tmp_path / "seasoned",
+                                 symbolize=config, negative=negative)
+        before = await answers(sg, bodies)
+        shutil.copy(lib.executable, scanned / "libmix.so")
+        await eventually(lambda: serves(f"{upstream.url}/buildid/{lib.build_id}/executable"))
+        fresh = await start_symgate([upstream.url], data_dir=tmp_path / "fresh",
+                                    symbolize=config, negative=negative)
+        want = await answers(fresh, bodies)
+        assert before != want  # the executable's names: what this test is about
+
+        async def same() -> bool:
+            return await answers(sg, bodies) == want
+
+        await eventually(same)
+
+
+async def test_the_same_bytes_after_a_debugger_fetched_the_debug_file_alone(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """gdb fetched the debug file through symgate, whose table was built at once, without the
+    executable (nobody asked for it): profiles were answered from that table, with other
+    names than a fresh server gives, for good where their addresses are ELF-relative (a
+    profile of runtime addresses fetched the executable, and the table was built again). It
+    is asked about again after the miss TTL, as a table from an executable is."""
+    lib = elfs.aliased
+    bodies = aliased_profiles(lib)
+    config = SymbolizeConfig(build_workers=1)
+    negative = NegativeConfig(not_found_initial_ttl_s=1, not_found_ttl_s=1)
+    fresh = await start_symgate([debuginfod.url], data_dir=tmp_path / "fresh", symbolize=config)
+    want = await answers(fresh, bodies)
+    relative = {"relative": bodies["relative"]}
+    sg = await start_symgate([debuginfod.url], data_dir=tmp_path / "debugged", symbolize=config,
+                             negative=negative)
+    assert (await sg.get(f"/buildid/{lib.build_id}/debuginfo"))[0] == 200
+    await sg.built()
+    assert await answers(sg, relative) != {"relative": want["relative"]}
+
+    async def same() -> bool:
+        return await answers(sg, relative) == {"relative": want["relative"]}
+
+    await eventually(same)
+    assert await answers(sg, bodies) == want

@@ -35,13 +35,16 @@ from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
 from proxy.symbols.table_store import (
+    WITHOUT_EXECUTABLE,
     WITHOUT_SUPPLEMENT,
     TableStore,
+    built_from,
     from_executable,
     layout_from_json,
     local_source_key,
     partial,
     ranges_from_json,
+    without_executable,
 )
 from proxy.symbols.workers import SymbolizeWorkers
 from symbolize.debugdirs import find_debug_file, find_executable, has_executable
@@ -243,6 +246,23 @@ class SymbolResolver:
                 return Outcome(rec.outcome)
         self._metrics.symtab_cache.labels("miss").inc()
         try:
+            return await self._find_and_build(req, build_id, recheck)
+        except TryAgain as e:
+            if recheck is None or partial(recheck.source_key) \
+                    or not self._tables.path(recheck.scope, build_id).exists():
+                raise
+            # A debug file's table asked about again for its executable, which cannot be
+            # built with it now (a tight cache budget evicts one of the two, a full disk): it
+            # has every line and still serves, asked about again at the next profile.
+            log.info("symbol table for %s not built again with its executable (%s): the one "
+                     "without it serves", build_id, e)
+            return recheck.scope, self._remember(recheck)
+
+    async def _find_and_build(self, req: RequestScope, build_id: str,
+                              recheck: SymbolTableRecord | None) -> _Found:
+        """A source for the table and its build; or, where the source is the one `recheck`
+        was built from, that table believed again."""
+        try:
             source = await self._find_source(req, build_id)
         except TryAgain:
             raise  # the server's passing trouble (a full disk), not the build ID's
@@ -253,7 +273,7 @@ class SymbolResolver:
             return Outcome.NOT_FOUND
         if (recheck is not None and recheck.source_key == source.source_key
                 and recheck.scope == source.scope):
-            # Still no debug file: the table from the executable is as good as a new build.
+            # Still no debug file (or executable): the table it has is as good as a new build.
             return recheck.scope, self._remember(await self._tables.renew(recheck))
         return await self._build(build_id, source)
 
@@ -273,7 +293,7 @@ class SymbolResolver:
         local = find_debug_file(self._debug_dirs, build_id)
         local_exe = find_executable(self._debug_dirs, build_id)
         if local is not None:
-            return await self._with_supplement(req, _Source(
+            return await self._with_supplement(req, _debug_source(
                 local, local_source_key(local, executable=False), SHARED, None,
                 (local_exe, None) if local_exe else None), tenant_table=True)
         # The executable is fetched beside the debug file (the layout search of a profile with
@@ -300,7 +320,8 @@ class SymbolResolver:
                     raise NotFound(e.reason) from e
                 beside = await self._beside(scope, local_exe, exe, exe_key)
                 return await self._with_supplement(
-                    req, _Source(path, key.id, scope, (scope, key), beside), tenant_table=True)
+                    req, _debug_source(path, key.id, scope, (scope, key), beside),
+                    tenant_table=True)
             if exe is not None:
                 with contextlib.suppress(NotFound):
                     scope, path = await exe
@@ -628,25 +649,34 @@ class SymbolResolver:
         if (rec is None or rec.format != FORMAT or rec.outcome != Outcome.OK
                 or (key.kind is Kind.DEBUGINFO and exe_table)):
             self._open.drop(scope, bid)
-            beside = self._cached_executable(scope, bid) if key.kind is Kind.DEBUGINFO \
-                else (cached.path, (scope, key))
-            source = _Source(cached.path, key.id, scope, (scope, key), beside)
+            if key.kind is Kind.DEBUGINFO:
+                source = _debug_source(cached.path, key.id, scope, (scope, key),
+                                       self._cached_executable(scope, bid))
+            else:
+                source = _Source(cached.path, key.id, scope, (scope, key),
+                                 (cached.path, (scope, key)))
             found = await self._with_supplement(req, source) \
                 if key.kind is Kind.DEBUGINFO else source
             if found is None:
                 return Outcome.NOT_FOUND  # its supplement not at hand: the first profile's
             return await self._build(bid, found)
+        debug_id = ArtifactKey(bid, Kind.DEBUGINFO).id
         if key.kind is Kind.EXECUTABLE and not exe_table \
                 and (debug := self._artifacts.cache.peek(scope, ArtifactKey(
                     bid, Kind.DEBUGINFO))) is not None \
-                and rec.source_key == ArtifactKey(bid, Kind.DEBUGINFO).id \
-                and not await asyncio.to_thread(names_from_executable,
-                                                self._tables.path(scope, bid)) \
-                and bool(await asyncio.to_thread(exported_functions, cached.path, bid)):
+                and built_from(rec.source_key) == debug_id \
+                and (without_executable(rec.source_key)
+                     or (rec.source_key == debug_id
+                         and not await asyncio.to_thread(names_from_executable,
+                                                         self._tables.path(scope, bid))
+                         and bool(await asyncio.to_thread(exported_functions, cached.path,
+                                                          bid)))):
             # The debug file's table was built before its executable came (a debugger fetched
-            # the debug file alone): built again, to name exported functions by the stripped
-            # executable's .dynsym (one that keeps its .symtab would change no name). Not while
-            # a resolution is under way: that one fetched the executable itself.
+            # the debug file alone, or the upstream published it later): built again, to name
+            # exported functions by the stripped executable's .dynsym and translate by its
+            # program headers, as a table built with it from the start does (a row of an
+            # older version, unmarked, only where the executable changes names). Not while a
+            # resolution is under way: that one fetched the executable itself.
             self._open.drop(scope, bid)
             again = await self._with_supplement(req, _Source(
                 debug.path, ArtifactKey(bid, Kind.DEBUGINFO).id, scope,
@@ -701,7 +731,9 @@ class SymbolResolver:
 
     async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
         rec = await self._tables.get(scope, key.build_id)
-        if rec is not None and rec.source_key == key.id:
+        # By the file it was built from, whatever it lacked: a table without its
+        # supplementary file or executable is its debug file's too.
+        if rec is not None and built_from(rec.source_key) == key.id:
             self._open.drop(scope, key.build_id)
             await self._tables.drop(scope, key.build_id)
 
@@ -718,6 +750,20 @@ class _ScopedProvider:
 
     async def unreadable(self, build_id: str) -> None:
         await self._resolver.unreadable(self._req, build_id)
+
+
+def _debug_source(path: Path, source_key: str, scope: str,
+                  artifact: tuple[str, ArtifactKey] | None, executable: _Beside | None
+                  ) -> _Source:
+    """A debug file as a table's source. Without its executable (not had, or not asked for:
+    a debugger fetched the debug file alone), the table may name exported functions otherwise
+    than one built with it, as a fresh server builds it, and lacks its program headers: marked
+    (WITHOUT_EXECUTABLE), it is asked about again after the miss TTL, and built again once the
+    executable is had."""
+    source = _Source(path, source_key, scope, artifact, executable)
+    if executable is None:
+        source.source_key += WITHOUT_EXECUTABLE
+    return source
 
 
 def _size_of(path: Path) -> int:

@@ -122,10 +122,10 @@ class TableStore:
                      result: BuildResult | None, error: str | None) -> SymbolTableRecord:
         """Write a build's outcome, believed for as long as the expiry policy says; a table
         built from an executable until the debug file is worth asking for again (stale()),
-        and one without its supplementary file until that one is."""
+        and one without its supplementary file or its executable until that one is."""
         now = datetime.now(UTC)
         keep = self._expiry.seconds(
-            Outcome.NOT_FOUND if outcome == Outcome.OK and partial(source_key) else outcome)
+            Outcome.NOT_FOUND if outcome == Outcome.OK and rechecked(source_key) else outcome)
         rec = SymbolTableRecord(
             scope=scope, build_id=build_id, outcome=outcome, format=FORMAT,
             source_key=source_key, size=result.size if result else 0,
@@ -145,15 +145,17 @@ class TableStore:
 
     def stale(self, rec: SymbolTableRecord) -> bool:
         """A table from an executable whose debug file is worth asking for again (or from a
-        debug file whose supplementary file is): one may have been published, or the upstream
-        that failed may answer now. Its table still serves until a better one is built. Asked
-        again as a miss is (Expiry.believed): a clock stepped back must not put it off."""
+        debug file whose supplementary file or executable is): one may have been published,
+        or the upstream that failed may answer now. Its table still serves until a better one
+        is built. Asked again as a miss is (Expiry.believed): a clock stepped back must not
+        put it off."""
         return (rec.outcome == Outcome.OK and rec.expires_at is not None
                 and not self._expiry.believed(Outcome.NOT_FOUND, rec.expires_at,
                                               datetime.now(UTC)))
 
     async def renew(self, rec: SymbolTableRecord) -> SymbolTableRecord:
-        """A stale table from an executable, believed again: its debug file is still not had."""
+        """A stale table, believed again: what it lacks (its debug file, supplementary file or
+        executable) is still not had."""
         keep = self._expiry.seconds(Outcome.NOT_FOUND)
         assert keep is not None
         renewed = dataclasses.replace(rec, expires_at=datetime.now(UTC) + timedelta(seconds=keep))
@@ -206,6 +208,29 @@ _LOCAL_EXECUTABLE = "local-executable:"
 # gave it (symbolize/supplementary.py): named by its symbols alone, as a table from an
 # executable is, and asked about again as that one is.
 WITHOUT_SUPPLEMENT = "#without-supplement"
+
+
+# Marks the source key of a debug file's table built without its executable (not had, or not
+# asked for): the executable's .dynsym may name exported functions otherwise
+# (symbolize/function_names.py) and its program headers translate exactly, so the table is
+# asked about again as a partial one is, and built again once the executable is had. Before
+# WITHOUT_SUPPLEMENT, which _with_supplement appends later.
+WITHOUT_EXECUTABLE = "#without-executable"
+
+
+def without_executable(source_key: str) -> bool:
+    return WITHOUT_EXECUTABLE in source_key
+
+
+def built_from(source_key: str) -> str:
+    """The key of the file a table was built from, without the marks of what it lacked."""
+    return source_key.removesuffix(WITHOUT_SUPPLEMENT).removesuffix(WITHOUT_EXECUTABLE)
+
+
+def rechecked(source_key: str) -> bool:
+    """Whether a table is asked about again after the miss TTL: a later build may have more
+    (lines, or the executable's names)."""
+    return partial(source_key) or without_executable(source_key)
 
 
 def partial(source_key: str) -> bool:
