@@ -417,6 +417,10 @@ class StorageConfig:
     # The bucket's budget (0: none), and the oldest read an object may have (0: none).
     max_bytes: Size = 0
     max_age_s: Seconds = 0.0
+    # Objects no catalogue row names (a replica died between an object and its row, a purge
+    # met an upload, a deletion the bucket failed, tables of an older format) are deleted
+    # once written this long ago; the bucket is looked through for them as often (0: never).
+    orphan_grace_s: Seconds = 3600.0
 
 
 @dataclass(frozen=True, config=_SECTION)

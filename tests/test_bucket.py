@@ -1287,3 +1287,42 @@ async def test_a_catch_up_round_during_a_slow_upload_leaves_the_keys_lease_held(
         await a.settled()
     assert await upstream_requests(debuginfod) == before + 1
     assert await b.metric("symgate_cluster_fetches_total", how="upstream") == 0
+
+
+@on_postgresql
+async def test_objects_no_row_names_are_deleted_once_old_and_nothing_else(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix
+) -> None:
+    """What no row names is never read again, and would cost the bucket's storage for good:
+    an object whose replica was killed before its row, a table of an older format. The sweep
+    deletes them once past the grace (a publish writes its row just after its object), and
+    leaves what rows name and what is not symgate's."""
+    (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                          prefix.config(orphan_grace_s=3600.0))
+    assert (await a.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await a.built()
+    tier = a.runner.app[STATE].service.tier
+    assert tier is not None
+    rowless, old_table, foreign = (f"debuginfo/{'ab' * 32}", f"symtab/extras-1/{'cd' * 32}",
+                                   "notes/kept-by-an-operator.txt")
+    for path in (rowless, old_table, foreign):
+        await prefix.put(path, b"not named by any row")
+
+    async def sweep(now: datetime | None = None) -> int:
+        found: list[int] = []
+
+        async def swept() -> bool:  # once the start-up's own sweep has let go of the lease
+            found[:] = [n] if (n := await tier.sweep_orphans(now)) is not None else []
+            return bool(found)
+
+        await eventually(swept)
+        return found[0]
+
+    assert await sweep() == 0  # written just now: maybe a publish under way
+    assert await sweep(datetime.now(UTC) + timedelta(hours=2)) == 2
+    left = await prefix.paths()
+    assert rowless not in left and old_table not in left
+    assert {foreign, object_of(elfs.prog)} <= left
+    status, _, body = await a.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert (status, body) == (200, elfs.prog.debug.read_bytes())

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
 # Read from the file for an upload; obstore gathers them into parts of 5 MiB.
 PUT_CHUNK = 1024 * 1024
+# Objects a listing page holds: S3's own most.
+LIST_PAGE = 1000
 # What probe() asks for: no object is ever written under it (object paths are kinds' names).
 PROBE = ".symgate-probe"
 
@@ -186,6 +188,23 @@ class Bucket:
         finally:
             temp.unlink(missing_ok=True)
         return True
+
+    async def listing(self) -> AsyncIterator[tuple[str, datetime]]:
+        """Every object's path (under the configured prefix) and when it was written, a page
+        at a time. Raises BucketDown if the bucket fails, or takes read_timeout_s for a page."""
+        pages = self._obstore.list(self._store, chunk_size=LIST_PAGE)
+        while True:
+            try:
+                page = await asyncio.wait_for(anext(pages), self._config.read_timeout_s)
+            except StopAsyncIteration:
+                break
+            except FileNotFoundError as e:
+                raise self._failed("list", e) from e
+            except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
+                raise self._failed("list", e) from e
+            for meta in page:
+                yield meta["path"], meta["last_modified"]
+        self._ok("list")
 
     async def delete(self, paths: list[str]) -> None:
         """Raises BucketDown if the bucket fails, or takes read_timeout_s to answer: a DELETE

@@ -21,6 +21,8 @@ import contextlib
 import email.utils
 import hashlib
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -45,6 +47,10 @@ POLL_LONGEST_S = 0.5
 SYNC_BATCH = 64
 EVICT_BATCH = 100
 EVICTION_LEASE = "bucket-eviction"
+ORPHANS_LEASE = "bucket-orphans"
+# The only objects a sweep may delete: what object_path makes, of any table format. Anything
+# else under the prefix is not symgate's to judge.
+_OUR_OBJECT = re.compile(r"(?:[a-z]+|symtab/[^/]+)/([0-9a-f]{64})")
 TABLE = "symtab"
 # What a write to or read from the shared tier can meet that leaves this replica as it was.
 _SHARED_ERRORS: tuple[type[BaseException], ...] = (BucketDown, OSError, *DATABASE_ERRORS)
@@ -125,6 +131,7 @@ class SharedTier:
         self.leases = Leases(repo, replica, config.lease_s)
         self._tasks: set[asyncio.Task[None]] = set()
         self._publishing: set[str] = set()  # key hashes this process is writing now
+        self._next_sweep = 0.0  # time.monotonic() of this process's next orphan sweep
 
     # -- a local miss ------------------------------------------------------------------------
     async def obtain(self, kh: str, hashes: Sequence[str], key: ArtifactKey,
@@ -352,6 +359,61 @@ class SharedTier:
                 await lease.release()
         if self._config.max_bytes or self._config.max_age_s:
             await self._evict()
+        if self._config.orphan_grace_s and time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self._config.orphan_grace_s
+            try:
+                await self.sweep_orphans()
+            except _SHARED_ERRORS as e:
+                log.info("the sweep of the shared bucket's orphan objects put off: %s",
+                         type(e).__name__)
+
+    async def sweep_orphans(self, now: datetime | None = None) -> int | None:
+        """Delete the objects no catalogue row names that were written orphan_grace_s before
+        `now` or earlier (one replica at a time); how many, None while another sweeps. Rows
+        name every object readers may read, so the rest is never read again, and would cost
+        storage for good: an object whose row a killed replica never wrote, one a purge found
+        rowless as it was published, one whose deletion the bucket failed after its row went,
+        the tables of an older format. The grace covers the moment between a publish's object
+        and its row. Raises BucketDown and DATABASE_ERRORS."""
+        lease = await self.leases.take(ORPHANS_LEASE)
+        if lease is None:
+            return None
+        deleted = 0
+        try:
+            cutoff = (now or datetime.now(UTC)) - timedelta(seconds=self._config.orphan_grace_s)
+            old: dict[str, str] = {}  # key hash -> path
+            async for path, written in self.bucket.listing():
+                if written < cutoff and (ours := _OUR_OBJECT.fullmatch(path)) is not None:
+                    old[ours.group(1)] = path
+                    if len(old) >= EVICT_BATCH:
+                        deleted += await self._delete_orphans(old)
+                        old = {}
+            deleted += await self._delete_orphans(old)
+        finally:
+            await lease.release()
+        if deleted:
+            log.info("deleted %d objects of the shared bucket that no row names", deleted)
+        return deleted
+
+    async def _delete_orphans(self, objects: dict[str, str]) -> int:
+        """Those of `objects` (key hash -> path) that no row names at their path, each under
+        its key's lease (a replica fetching or catching up the key may be writing it anew)."""
+        rows = await self._repo.bucket_objects(list(objects))
+        deleted = 0
+        for kh, path in objects.items():
+            if (rec := rows.get(kh)) is not None and object_path(rec.kind, kh) == path:
+                continue
+            lease = await self.leases.take(fetch_lease(kh))
+            if lease is None:
+                continue  # being written: looked at again next sweep
+            try:
+                rec = (await self._repo.bucket_objects([kh])).get(kh)
+                if rec is None or object_path(rec.kind, kh) != path:
+                    await self.bucket.delete([path])
+                    deleted += 1
+            finally:
+                await lease.release()
+        return deleted
 
     async def _catch_up(self, rec: ArtifactRecord, path: Path) -> bool:
         """Upload a file this replica has, unless another replica has uploaded it meanwhile
