@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import Config, UpstreamConfig
 from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet, build_elf_set
-from tests.faults import FaultUpstream
+from tests.faults import FaultUpstream, RawUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, free_port, make_config
 from tests.processes import Start, start_serve, stop_serve
 
@@ -99,6 +99,16 @@ async def faults(elfs: ElfSet) -> AsyncIterator[FaultUpstream]:
     await upstream.stop()
 
 
+@pytest.fixture
+async def raw_upstream(elfs: ElfSet) -> AsyncIterator[RawUpstream]:
+    up = RawUpstream(elfs.prog.debug.read_bytes(), [])
+    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
+    up.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield up
+    server.close()
+    await server.wait_closed()
+
+
 async def _pg_reachable() -> bool:
     import asyncpg
 
@@ -169,10 +179,10 @@ async def serve(tmp_path: Path, database_url: str) -> AsyncIterator[Start]:
     """Starts `symgate serve` processes on one data dir and database; stops them after."""
     procs: list[asyncio.subprocess.Process] = []
 
-    async def start(upstream: str, workers: int = 1, extra: str = ""
+    async def start(upstream: str, workers: int = 1, extra: str = "", access_log: bool = False
                     ) -> tuple[str, asyncio.subprocess.Process]:
         base, proc = await start_serve(tmp_path, tmp_path / "d", database_url, upstream,
-                                       workers=workers, extra=extra)
+                                       workers=workers, extra=extra, access_log=access_log)
         procs.append(proc)
         return base, proc
 

@@ -237,3 +237,24 @@ class FaultUpstream:
             await response.write(data)
         await response.write_eof()
         return response
+
+
+class RawUpstream:
+    """Answers every GET with the artifact's bytes and the header lines it is given: a raw
+    socket server, because HTTP libraries refuse to send the bytes a broken or hostile server
+    does send (control characters and non-UTF-8 in header values)."""
+
+    def __init__(self, body: bytes, header_lines: list[bytes]) -> None:
+        self.body = body
+        self.header_lines = header_lines
+        self.requests = 0
+        self.url = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        self.requests += 1
+        head = [b"HTTP/1.1 200 OK", b"Content-Length: %d" % len(self.body),
+                b"Connection: close", *self.header_lines]
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + self.body)
+        await writer.drain()
+        writer.close()

@@ -8,14 +8,13 @@ broken or hostile server does send: control characters and non-UTF-8 in header v
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from proxy.headers import decimal, printable
 from tests.elfs import ElfSet
-from tests.faults import FaultUpstream
+from tests.faults import FaultUpstream, RawUpstream
 from tests.harness import SymgateFactory
 
 
@@ -33,35 +32,6 @@ def test_decimal_is_total(raw: str | None, value: int | None) -> None:
 ])
 def test_printable_refuses_what_cannot_be_stored_or_sent(raw: str, ok: bool) -> None:
     assert (printable(raw, 4096) == raw) is ok
-
-
-class RawUpstream:
-    """Answers every GET with the artifact's bytes and the header lines it is given."""
-
-    def __init__(self, body: bytes, header_lines: list[bytes]) -> None:
-        self.body = body
-        self.header_lines = header_lines
-        self.requests = 0
-        self.url = ""
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        self.requests += 1
-        head = [b"HTTP/1.1 200 OK", b"Content-Length: %d" % len(self.body),
-                b"Connection: close", *self.header_lines]
-        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + self.body)
-        await writer.drain()
-        writer.close()
-
-
-@pytest.fixture
-async def raw_upstream(elfs: ElfSet) -> AsyncIterator[RawUpstream]:
-    up = RawUpstream(elfs.prog.debug.read_bytes(), [])
-    server = await asyncio.start_server(up.handle, "127.0.0.1", 0)
-    up.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    yield up
-    server.close()
-    await server.wait_closed()
 
 
 @pytest.mark.parametrize("lines", [

@@ -76,11 +76,14 @@ class UpstreamBody:
         idle = self.upstream.cfg.read_timeout_s or None
         content = self._response.content
         encoding = self._response.headers.get("Content-Encoding", "identity").strip().lower()
+        # The upstream's own words go into the reason a client, the log and the status page
+        # get: raw, an escape sequence or a byte that is not UTF-8 made the 502 a 500.
+        shown = printable(encoding, 32) or "unprintable"
         try:
             inflater = None
             if encoding not in ("", "identity"):
                 if encoding not in CODINGS:
-                    raise Unreadable(f"unsupported Content-Encoding {printable(encoding, 32)}")
+                    raise Unreadable(f"unsupported Content-Encoding {shown}")
                 # symgate asks for identity; some servers send gzip anyway, or raw deflate.
                 inflater = Inflater(CODINGS[encoding], raw_deflate=True)
             while True:
@@ -101,7 +104,7 @@ class UpstreamBody:
                 for part in inflater.pieces(chunk) if inflater is not None else (chunk,):
                     yield part
         except Unreadable as e:
-            error = UpstreamUnavailable(f"{name}: {encoding} body unreadable ({e})")
+            error = UpstreamUnavailable(f"{name}: {shown} body unreadable ({e})")
             self.upstream.body_failed(Outcome.UPSTREAM_ERROR, error.reason, self._path)
             raise error from e
         except TimeoutError as e:

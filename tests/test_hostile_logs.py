@@ -1,0 +1,116 @@
+"""A site's one way out is attacked through its logs too. What a client or an upstream chooses
+(a path, a User-Agent, an upstream's headers) reaches the access and event lines and the status
+page; a line must stay one printable line (text) or valid JSON, and short; and a log reader
+that stops reading must cost lines, never the service. Real `symgate serve` processes, whose
+stdout and stderr are a real pipe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from tests.elfs import ElfSet
+from tests.faults import RawUpstream
+from tests.processes import Start, stop_serve
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
+# Docker's log drivers cut a line at 16 KiB and journald at 48 KiB (LineMax): the rest of a
+# longer one becomes a record of its own, whose text the client chose.
+MAX_LINE = 16 * 1024
+FORMATS = ["text", "json"]
+
+
+class Output:
+    """A server's stdout and stderr (one pipe), read as they come once read() is called."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.data = bytearray()
+        self._reading: asyncio.Task[None] | None = None
+
+    def read(self) -> None:
+        self._reading = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while chunk := await self.proc.stdout.read(65536):
+            self.data.extend(chunk)
+
+    async def lines(self) -> list[str]:
+        """The server stopped (SIGTERM), and every line it wrote."""
+        if self._reading is None:
+            self.read()
+        await stop_serve([self.proc])
+        assert self._reading is not None
+        await asyncio.wait_for(self._reading, 30)
+        return self.data.decode().splitlines()  # strictly UTF-8: anything else is a fault
+
+
+async def _raw_get(base: str, target: bytes, *headers: bytes) -> bytes:
+    """A GET with bytes no HTTP client library sends (non-UTF-8 in a header); its status."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                 + b"".join(h + b"\r\n" for h in headers) + b"Connection: close\r\n\r\n")
+    answer = await reader.read()
+    writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+async def _logged(serve: Start, upstream: str, log_format: str,
+                  asks: Callable[[str], Awaitable[None]]) -> list[str]:
+    """The lines of a server (access log on) that was asked what `asks` asks."""
+    base, proc = await serve(upstream, extra=f'log_format = "{log_format}"\n', access_log=True)
+    out = Output(proc)
+    out.read()
+    await asks(base)
+    return await out.lines()
+
+
+def _assert_well_formed(lines: list[str], log_format: str) -> None:
+    """Each line short, and one printable line of text or one object of valid JSON (I-JSON,
+    RFC 7493: no lone surrogate, which strict parsers such as serde_json refuse)."""
+    assert lines
+    for line in lines:
+        assert len(line.encode()) <= MAX_LINE, f"{len(line.encode())} bytes: {line[:300]}"
+        if log_format == "json":
+            record = json.loads(line)
+            json.dumps(record, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+        else:
+            assert line.isprintable(), repr(line[:2000])
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)[-4000:]
+
+
+# An upstream's header value with an ANSI escape (clear the screen), bytes that are not
+# UTF-8, and length: what a hostile or broken server sends.
+HOSTILE_VALUE = b"\x1b[2J\x9b31m\xff\xfe" + b"x" * 3000
+
+
+@pytest.mark.parametrize("log_format", FORMATS)
+async def test_an_upstreams_unprintable_content_encoding_is_a_502_with_a_clean_reason(
+    serve: Start, raw_upstream: RawUpstream, elfs: ElfSet, log_format: str
+) -> None:
+    """The Content-Encoding an upstream named went raw into the failure's reason: the 502
+    became a 500 (its body could not be encoded), with a traceback a request, and the status
+    page at / answered 500 for as long as the miss was among its recent ones."""
+    raw_upstream.header_lines = [b"Content-Encoding: " + HOSTILE_VALUE]
+    got: dict[str, tuple[int, bytes]] = {}
+
+    async def asks(base: str) -> None:
+        async with aiohttp.ClientSession() as s:
+            for path in (f"/buildid/{elfs.prog.build_id}/debuginfo", "/"):
+                async with s.get(base + path) as r:
+                    got[path] = r.status, await r.read()
+
+    lines = await _logged(serve, raw_upstream.url, log_format, asks)
+    status, body = got[f"/buildid/{elfs.prog.build_id}/debuginfo"]
+    assert status == 502 and b"Content-Encoding" in body and len(body) < 1024, (status, body)
+    assert b"\x1b" not in body
+    status, page = got["/"]
+    assert status == 200 and b"Content-Encoding" in page and b"\x1b" not in page
+    _assert_well_formed(lines, log_format)
