@@ -167,6 +167,12 @@ class ProxyMetrics:
             "sent to it for server.send_timeout_s",
             registry=registry,
         )
+        self.log_lines_dropped = Counter(
+            f"{p}_log_lines_dropped",
+            "Log lines (access and events) dropped because stderr was not read as fast as "
+            "they came",
+            registry=registry,
+        )
         self.bucket_requests = Counter(
             f"{p}_bucket_requests", "Requests to the shared bucket ([storage])",
             ["op", "outcome"], registry=registry,

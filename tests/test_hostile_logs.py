@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
 
 from tests.elfs import ElfSet
-from tests.faults import RawUpstream
+from tests.faults import FaultUpstream, RawUpstream
 from tests.processes import Start, stop_serve
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -114,3 +115,43 @@ async def test_an_upstreams_unprintable_content_encoding_is_a_502_with_a_clean_r
     status, page = got["/"]
     assert status == 200 and b"Content-Encoding" in page and b"\x1b" not in page
     _assert_well_formed(lines, log_format)
+
+
+async def test_a_log_reader_that_stops_reading_costs_lines_not_service(
+    serve: Start, faults: FaultUpstream
+) -> None:
+    """A pipe nobody reads (a stalled journald or log shipper, a `| less` left open) filled,
+    and the next write of the access log blocked the event loop: the server answered nothing
+    more until someone read. Lines are held up to a bound, then dropped and counted."""
+    from proxy.web.logs import HELD_BYTES
+
+    base, proc = await serve(faults.url_for("ok"), access_log=True)
+    out = Output(proc)  # not read until the flood is over
+    path = "/healthz/" + "x" * 1000  # a 404, and a line of about 1.2 KB
+    asked = 0
+
+    async def ask(s: aiohttp.ClientSession) -> None:
+        nonlocal asked
+        async with s.get(base + path) as r:
+            assert r.status == 404
+            await r.read()
+        asked += 1
+
+    # Lines enough to fill the pipe (64 KiB) and what is held, half as many again.
+    rounds = (HELD_BYTES + 64 * 1024) * 3 // 2 // 1200 // 16
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for _ in range(rounds):
+                await asyncio.gather(*(ask(s) for _ in range(16)))
+            async with s.get(base + "/metrics") as r:
+                metrics = await r.text()
+    finally:
+        out.read()
+    lines = await out.lines()
+    logged = sum(1 for line in lines if path in line)
+    said = [int(m.group(1)) for line in lines
+            if (m := re.search(r"(\d+) log lines dropped", line))]
+    dropped = re.search(r"^symgate_log_lines_dropped_total (\S+)$", metrics, re.M)
+    assert said and logged + sum(said) >= asked, (asked, logged, said)
+    assert dropped and float(dropped.group(1)) > 0
+

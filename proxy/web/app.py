@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import logging
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -239,9 +238,12 @@ def _lifecycle(
         log.info("symgate %s: replica %s, cache %s, database %s, upstreams %s", __version__,
                  replica, config.cache_dir, _safe_url(config.database_url),
                  " ".join(u.name for u in shared))
+        stderr = logs.stderr_lines()
+        stderr.on_dropped = metrics.log_lines_dropped.inc
         try:
             yield
         finally:
+            stderr.on_dropped = None
             for job in jobs:
                 job.cancel()
             await service.cancel_all()
@@ -333,7 +335,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
     host, listen_port = parse_listen(config.server.listen, "server.listen")
     port = listen_port if port is None else port
     make_data_dirs(config)
-    sink = logs.AccessSink(sys.stderr.fileno()) if access_log is not None else None
+    sink = logs.AccessSink(logs.stderr_lines()) if access_log is not None else None
     if sink is not None:
         access_log_class = logs.bind(access_log_class, sink)
     runner = web.AppRunner(

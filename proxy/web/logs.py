@@ -27,14 +27,129 @@ def annotate(request: BaseRequest, **fields: Any) -> None:
     request.setdefault(LOG_FIELDS, {}).update(fields)
 
 
+# What a process holds of its stderr lines while nobody reads them, before it drops lines.
+HELD_BYTES = 4 * 1024 * 1024
+# How long a stopping process waits for its held lines to go out to a reader that is stalled.
+_LAST_WRITE_S = 2.0
+
+
+class StderrLines:
+    """Everything a process writes to its stderr (access lines and event records), written by
+    a thread of its own. A reader that stops reading (a stalled journald or log shipper, a
+    pipe into a pager left open) blocked the event loop in write(2) once the pipe was full:
+    the server answered nothing more until someone read. Now only this thread waits; lines
+    are held up to `max_bytes`, past that dropped and counted, and once lines go out again a
+    line says how many were lost (and symgate_log_lines_dropped_total counts them)."""
+
+    def __init__(self, fd: int, max_bytes: int = HELD_BYTES) -> None:
+        self._fd = fd
+        self._max_bytes = max_bytes
+        self._held: list[bytes] = []
+        self._size = 0
+        self._dropped = 0
+        self._writing = False
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Condition()
+        # The line that reports drops, in the log's format (set by configure()).
+        self.notice: Callable[[int], bytes] = lambda n: f"{n} log lines dropped\n".encode()
+        # Told of every drop, from any thread (the app's metric).
+        self.on_dropped: Callable[[int], None] | None = None
+        os.register_at_fork(before=self._ready.acquire, after_in_parent=self._ready.release,
+                            after_in_child=self._forked)
+
+    def write(self, data: bytes, lines: int = 1) -> None:
+        """Hand `lines` of text to the writer, or drop them if too much is held already."""
+        with self._ready:
+            if self._size + len(data) > self._max_bytes:
+                self._dropped += lines
+                dropped = True
+            else:
+                dropped = False
+                self._held.append(data)
+                self._size += len(data)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="stderr lines",
+                                                    daemon=True)
+                    self._thread.start()
+                self._ready.notify()
+        if dropped and self.on_dropped is not None:
+            self.on_dropped(lines)
+
+    def flush(self, timeout_s: float = _LAST_WRITE_S) -> None:
+        """Wait up to `timeout_s` for what is held to be written (a process about to end)."""
+        with self._ready:
+            self._ready.wait_for(lambda: not (self._held or self._dropped or self._writing)
+                                 or self._thread is None, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: bool(self._held or self._dropped))
+                data = b"".join(self._held)
+                self._held.clear()
+                self._size = 0
+                dropped, self._dropped = self._dropped, 0
+                self._writing = True
+            if dropped:  # after the lines held before they were dropped
+                data += self.notice(dropped)
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(self._fd, view):]
+            except OSError:
+                pass  # a reader gone for good (EPIPE): nowhere left to say anything
+            with self._ready:
+                self._writing = False
+                self._ready.notify_all()
+
+    def _forked(self) -> None:
+        # The child has none of the parent's threads, and what was held is the parent's to
+        # write; the lock was taken before the fork, so nothing was half done.
+        self._ready = threading.Condition()
+        self._held, self._size, self._dropped, self._writing = [], 0, 0, False
+        self._thread = None
+
+
+_STDERR: StderrLines | None = None
+
+
+def stderr_lines() -> StderrLines:
+    """This process's one writer of fd 2 (a process has one stderr; every writer of it must
+    share one queue, or one could block where another would not)."""
+    global _STDERR
+    if _STDERR is None:
+        _STDERR = StderrLines(2)
+    return _STDERR
+
+
+class StderrHandler(logging.Handler):
+    """logging's records, written through stderr_lines(): never blocking the caller."""
+
+    def __init__(self, lines: StderrLines) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record) + "\n"
+        except Exception:
+            self.handleError(record)
+            return
+        self.lines.write(text.encode("utf-8", "backslashreplace"))
+
+    def flush(self) -> None:
+        self.lines.flush()
+
+
 class AccessSink:
-    """Access lines gathered in memory and written to a file descriptor in batches: one write
-    for up to `max_bytes` of lines, or `delay_s` after the first line of a batch, rather than
-    a trip through the logging module and a write(2) per request, which cost a third of a
+    """Access lines gathered in memory and handed to stderr_lines() in batches: one for up to
+    `max_bytes` of lines, or `delay_s` after the first line of a batch, rather than a trip
+    through the logging module and a write(2) per request, which cost a third of a
     remembered miss's time. What a crash can lose is the last `delay_s` of lines."""
 
-    def __init__(self, fd: int, *, max_bytes: int = 64 * 1024, delay_s: float = 0.2) -> None:
-        self._fd = fd
+    def __init__(self, lines: StderrLines, *, max_bytes: int = 64 * 1024,
+                 delay_s: float = 0.2) -> None:
+        self._out = lines
         self._max_bytes = max_bytes
         self._delay_s = delay_s
         self._lines: list[str] = []
@@ -66,16 +181,10 @@ class AccessSink:
         if not self._lines:
             return
         data = "".join(self._lines).encode(errors="replace")
+        count = len(self._lines)
         self._lines.clear()
         self._size = 0
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view):]
-        except BlockingIOError:
-            pass  # a log pipe that is full: these lines are lost, the server goes on
-        except OSError as e:
-            logging.getLogger(__name__).warning("cannot write access lines: %s", e)
+        self._out.write(data, count)
 
 
 def bind(access_logger: type[AccessLogger], sink: AccessSink) -> type[AccessLogger]:
@@ -268,9 +377,19 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
 
 
 def configure(json_lines: bool) -> None:
-    handler = logging.StreamHandler()
+    lines = stderr_lines()
+    handler = StderrHandler(lines)
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def notice(dropped: int) -> bytes:
+        record = logging.makeLogRecord({
+            "name": "symgate.log", "levelno": logging.WARNING, "levelname": "WARNING",
+            "msg": "%d log lines dropped: stderr was not read as fast as they came",
+            "args": (dropped,)})
+        return (handler.format(record) + "\n").encode()
+
+    lines.notice = notice
     handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
