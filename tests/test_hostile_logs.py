@@ -155,3 +155,19 @@ async def test_a_log_reader_that_stops_reading_costs_lines_not_service(
     assert said and logged + sum(said) >= asked, (asked, logged, said)
     assert dropped and float(dropped.group(1)) > 0
 
+
+@pytest.mark.parametrize("log_format", FORMATS)
+async def test_a_user_agent_that_is_not_utf8_keeps_json_lines_valid(
+    serve: Start, faults: FaultUpstream, log_format: str
+) -> None:
+    """aiohttp hands a header's bytes that are not UTF-8 on as lone surrogates, which
+    json.dumps wrote as "\\udcff": JSON that serde_json (Vector) and other strict parsers
+    refuse, so a client chose which access lines a log pipeline lost."""
+    async def asks(base: str) -> None:
+        assert await _raw_get(base, b"/healthz", b'User-Agent: ua \xff\xfe\xc3( "q" \\') \
+            == b"HTTP/1.1 200 OK"
+
+    lines = await _logged(serve, faults.url_for("ok"), log_format, asks)
+    _assert_well_formed(lines, log_format)
+    assert any("/healthz" in line and "ua " in line for line in lines)
+

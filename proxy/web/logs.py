@@ -232,9 +232,11 @@ class AccessLogger(AbstractAccessLogger):
         fields: dict[str, Any] = {
             "remote": remote, "method": method, "path": path, "status": status, "bytes": sent,
             "duration_s": round(time_s, 6),
-            **{k: v for k, v in fields_in.items() if k != "sent"},
+            **{k: _unicode(v) for k, v in fields_in.items() if k != "sent"},
             "user_agent": user_agent,
         }
+        if self.json_lines:
+            fields["path"], fields["user_agent"] = _unicode(path), _unicode(user_agent)
         if self.json_lines:
             if sink is None:
                 self.logger.info(json.dumps(fields))
@@ -254,6 +256,16 @@ def _why(fields: dict[str, Any]) -> str:
     failed and how, what was wrong with the request. Quoted and escaped as a path is."""
     error = fields.get("error")
     return f' error="{_one_line(str(error))}"' if error else ""
+
+
+def _unicode(value: Any) -> Any:
+    """`value`, a str as Unicode a JSON line can carry: aiohttp hands on the bytes of a header
+    that are not UTF-8 as lone surrogates, which json.dumps writes as "\\udcff", and strict
+    parsers (serde_json, as in Vector) refuse such a line (RFC 7493). Such a byte is written
+    as the text log writes it, "\\udcff" as text."""
+    if isinstance(value, str) and not value.isascii():
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def _one_line(text: str) -> str:
@@ -292,9 +304,9 @@ class JsonFormatter(logging.Formatter):
         if record.name == "symgate.access" and message.startswith("{"):
             out["access"] = json.loads(message)
         else:
-            out["message"] = message
+            out["message"] = _unicode(message)
         if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+            out["exception"] = _unicode(self.formatException(record.exc_info))
         return json.dumps(out)
 
 
