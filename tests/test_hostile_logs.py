@@ -171,3 +171,20 @@ async def test_a_user_agent_that_is_not_utf8_keeps_json_lines_valid(
     _assert_well_formed(lines, log_format)
     assert any("/healthz" in line and "ua " in line for line in lines)
 
+@pytest.mark.parametrize("log_format", FORMATS)
+async def test_an_access_line_is_short_whatever_the_request(
+    serve: Start, faults: FaultUpstream, log_format: str
+) -> None:
+    """An 8 KB User-Agent of bytes that are not UTF-8 was a 48 KB line (each byte written
+    as \\udcff), a path of control characters four times its length: past what log drivers
+    keep as one record, and a client's bytes multiplied on the disk."""
+    async def asks(base: str) -> None:
+        target = b"/buildid/zz" + b"%01" * 2700 + b"/debuginfo"
+        assert await _raw_get(base, target, b"User-Agent: " + b"\xff" * 8000) \
+            == b"HTTP/1.1 400 Bad Request"
+
+    lines = await _logged(serve, faults.url_for("ok"), log_format, asks)
+    _assert_well_formed(lines, log_format)
+    access = [line for line in lines if "/buildid/zz" in line]
+    assert len(access) == 1 and len(access[0]) < 12 * 1024, len(access[0])
+

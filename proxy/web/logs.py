@@ -219,6 +219,7 @@ class AccessLogger(AbstractAccessLogger):
     def line(self, remote: str | None, method: str, path: str, status: int, sent: int,
              time_s: float, fields_in: dict[str, Any], user_agent: str) -> None:
         """One request's line; also proxy.web.fast_hits', whose requests aiohttp never saw."""
+        path, user_agent = _clipped(path, MAX_PATH), _clipped(user_agent, MAX_USER_AGENT)
         if not self.json_lines:  # JSON escapes them itself
             path, user_agent = _one_line(path), _one_line(user_agent)
         sink = self.sink
@@ -232,7 +233,8 @@ class AccessLogger(AbstractAccessLogger):
         fields: dict[str, Any] = {
             "remote": remote, "method": method, "path": path, "status": status, "bytes": sent,
             "duration_s": round(time_s, 6),
-            **{k: _unicode(v) for k, v in fields_in.items() if k != "sent"},
+            **{k: _unicode(_clipped(v, MAX_ERROR)) for k, v in fields_in.items()
+               if k != "sent"},
             "user_agent": user_agent,
         }
         if self.json_lines:
@@ -255,7 +257,24 @@ def _why(fields: dict[str, Any]) -> str:
     """A failed request's reason in a text line (the JSON line's "error"): which upstream
     failed and how, what was wrong with the request. Quoted and escaped as a path is."""
     error = fields.get("error")
-    return f' error="{_one_line(str(error))}"' if error else ""
+    return f' error="{_one_line(_clipped(str(error), MAX_ERROR))}"' if error else ""
+
+
+# The most of a client's or an upstream's text an access line carries, in characters: each
+# may take six in the line (a control character escaped), and a line must stay well within
+# what log drivers keep as one record (Docker's 16 KiB, journald's 48 KiB): the rest of a
+# longer line becomes a record of its own, whose text the client chose. aiohttp lets a path
+# or a header be 8 KB, which made a 58 KB line.
+MAX_PATH = 1024
+MAX_USER_AGENT = 256
+MAX_ERROR = 512
+
+
+def _clipped(value: Any, limit: int) -> Any:
+    """A str of more than `limit` characters cut there, saying how much more there was."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]}...({len(value) - limit} more)"
+    return value
 
 
 def _unicode(value: Any) -> Any:
