@@ -188,3 +188,19 @@ async def test_an_access_line_is_short_whatever_the_request(
     access = [line for line in lines if "/buildid/zz" in line]
     assert len(access) == 1 and len(access[0]) < 12 * 1024, len(access[0])
 
+@pytest.mark.parametrize("log_format", FORMATS)
+async def test_event_lines_escape_what_a_client_put_in_a_source_path(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet, log_format: str
+) -> None:
+    """A source path may hold any character but C0 controls: NEL, CSI (an ANSI escape to a
+    terminal that reads C1 controls) and U+2028 (a line break to many log viewers) went raw
+    into the warning that names the key of an upstream's HTML answer."""
+    path = f"/buildid/{elfs.prog.build_id}/source/a%C2%85%C2%9B31m%E2%80%A8b.c"
+
+    async def asks(base: str) -> None:
+        async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+            assert r.status == 502
+
+    lines = await _logged(serve, faults.url_for("html"), log_format, asks)
+    _assert_well_formed(lines, log_format)
+    assert any("not an artifact" in line for line in lines), lines

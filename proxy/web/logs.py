@@ -329,6 +329,31 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class TextFormatter(logging.Formatter):
+    """Event records as text lines, whatever their arguments hold: a source path a client
+    chose, an upstream's words. A character that is not printable (a C1 control such as CSI,
+    an ANSI escape to a terminal that reads them; NEL or U+2028, a line break to many log
+    viewers; a byte that is not UTF-8) is escaped in the message, and in a traceback all but
+    its line breaks are."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if not record.message.isprintable():
+            record.message = "".join(map(_printable, record.message))
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        text = super().formatException(ei)
+        return "\n".join(line if line.isprintable() else "".join(map(_printable, line))
+                         for line in text.split("\n"))
+
+
+def _printable(c: str) -> str:
+    return c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+
+
 class RepeatFilter(logging.Filter):
     """Lets through `burst` records of one kind (logger, level, message template) per `window_s`
     and drops the rest; the first record let through after a window with drops says how many
@@ -410,8 +435,7 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
 def configure(json_lines: bool) -> None:
     lines = stderr_lines()
     handler = StderrHandler(lines)
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
 
     def notice(dropped: int) -> bytes:
         record = logging.makeLogRecord({
