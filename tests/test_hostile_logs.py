@@ -204,3 +204,26 @@ async def test_event_lines_escape_what_a_client_put_in_a_source_path(
     lines = await _logged(serve, faults.url_for("html"), log_format, asks)
     _assert_well_formed(lines, log_format)
     assert any("not an artifact" in line for line in lines), lines
+
+
+async def test_the_status_page_shows_a_bounded_part_of_what_clients_asked_for(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The page at / is public, and its recent misses name what clients asked for: 25 source
+    paths of 4 KB each made a 100 KB page of a client's text (and a reason that could not be
+    encoded, a page that answered 500)."""
+    base, proc = await serve(faults.url_for("notfound"))
+    out = Output(proc)
+    out.read()
+    async with aiohttp.ClientSession() as s:
+        for i in range(30):
+            path = f"/buildid/{elfs.prog.build_id}/source/{i}" + "a" * 4000
+            async with s.get(base + path) as r:
+                assert r.status == 404
+        async with s.get(base + "/") as r:
+            assert r.status == 200
+            page = await r.text()
+    await out.lines()
+    shown = re.findall(r"<td><code>([^<]*)</code></td><td>not_found</td>", page)
+    assert len(shown) == 25 and len(page) < 32 * 1024, (len(shown), len(page))
+    assert all(code.startswith(elfs.prog.build_id) for code in shown)

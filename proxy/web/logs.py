@@ -350,6 +350,13 @@ class TextFormatter(logging.Formatter):
                          for line in text.split("\n"))
 
 
+def shown(text: str, limit: int) -> str:
+    """`text` as it can be shown anywhere (a page, a line): what is not printable escaped
+    (a byte that is not UTF-8, which no response can encode, among it), cut at `limit`."""
+    text = _clipped(text, limit)
+    return text if text.isprintable() else "".join(map(_printable, text))
+
+
 def _printable(c: str) -> str:
     return c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
 

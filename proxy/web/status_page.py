@@ -13,8 +13,12 @@ from prometheus_client import CollectorRegistry
 from proxy import __version__
 from proxy.health import Condition
 from proxy.metrics import ARTIFACT_KINDS, REQUEST_OUTCOMES, UPSTREAM_RESULTS
+from proxy.web.logs import shown
 
 RECENT = 25
+# The most of a recent miss's key and reason the page shows, in characters.
+SHOWN_KEY = 200
+SHOWN_REASON = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +36,10 @@ class RecentMisses:
         self._items: deque[Miss] = deque(maxlen=size)
 
     def add(self, key: str, outcome: str, reason: str) -> None:
-        self._items.appendleft(Miss(time.time(), key, outcome, reason))
+        # The page is public, and a key is what a client asked for (a source path of 4 KB):
+        # each is shown in part, and printable, so that no reason can make the page a 500.
+        self._items.appendleft(Miss(time.time(), shown(key, SHOWN_KEY), outcome,
+                                    shown(reason, SHOWN_REASON)))
 
     def __iter__(self) -> Iterator[Miss]:
         return iter(self._items)
