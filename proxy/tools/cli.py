@@ -42,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
     parse_listen(cfg.server.listen, "server.listen")
     workers = args.workers or cfg.server.workers or default_workers()
     json_logs = cfg.server.log_format == "json"
-    logs.configure(json_logs)
+    logs.configure(json_logs, serving=workers == 1)  # each worker configures its own
     sweep_dead_folders()  # of servers killed before, with one worker or several
     own_temp_folder()
     try:

@@ -439,9 +439,15 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
     loop.default_exception_handler(context)
 
 
-def configure(json_lines: bool) -> None:
-    lines = stderr_lines()
-    handler = StderrHandler(lines)
+def configure(json_lines: bool, serving: bool = False) -> None:
+    """Event records to stderr, as JSON lines or text. A serving process hands them to
+    stderr_lines(), never to wait for a reader. One that does not serve (a command, the
+    supervisor of `serve --workers N`, which writes a few lines about its workers) writes
+    them as they come, and waits for a reader that stops reading: a test of the supervisor's
+    stop signal window holds it there (tests/test_workers.py)."""
+    lines = stderr_lines() if serving else None
+    handler: logging.Handler = StderrHandler(lines) if lines is not None \
+        else logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
 
     def notice(dropped: int) -> bytes:
@@ -451,7 +457,8 @@ def configure(json_lines: bool) -> None:
             "args": (dropped,)})
         return (handler.format(record) + "\n").encode()
 
-    lines.notice = notice
+    if lines is not None:
+        lines.notice = notice
     handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -352,7 +352,7 @@ def _worker(config: Config, port: int, index: int, supervisor: int, ready: int,
     from proxy.symbols import forked_helpers
 
     forked_helpers.adopt()
-    logs.configure(json_logs)
+    logs.configure(json_logs, serving=True)
 
     def serving() -> None:
         os.write(ready, _READY)
