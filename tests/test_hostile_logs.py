@@ -117,15 +117,16 @@ async def test_an_upstreams_unprintable_content_encoding_is_a_502_with_a_clean_r
     _assert_well_formed(lines, log_format)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_a_log_reader_that_stops_reading_costs_lines_not_service(
-    serve: Start, faults: FaultUpstream
+    serve: Start, faults: FaultUpstream, workers: int
 ) -> None:
     """A pipe nobody reads (a stalled journald or log shipper, a `| less` left open) filled,
     and the next write of the access log blocked the event loop: the server answered nothing
     more until someone read. Lines are held up to a bound, then dropped and counted."""
     from proxy.web.logs import HELD_BYTES
 
-    base, proc = await serve(faults.url_for("ok"), access_log=True)
+    base, proc = await serve(faults.url_for("ok"), workers=workers, access_log=True)
     out = Output(proc)  # not read until the flood is over
     path = "/healthz/" + "x" * 1000  # a 404, and a line of about 1.2 KB
     asked = 0
@@ -137,8 +138,8 @@ async def test_a_log_reader_that_stops_reading_costs_lines_not_service(
             await r.read()
         asked += 1
 
-    # Lines enough to fill the pipe (64 KiB) and what is held, half as many again.
-    rounds = (HELD_BYTES + 64 * 1024) * 3 // 2 // 1200 // 16
+    # Lines enough to fill the pipe (64 KiB) and what each process holds, half as many again.
+    rounds = (HELD_BYTES * workers + 64 * 1024) * 3 // 2 // 1200 // 16
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             for _ in range(rounds):

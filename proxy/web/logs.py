@@ -10,9 +10,10 @@ import asyncio
 import json
 import logging
 import os
+import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -92,10 +93,10 @@ class StderrLines:
                 self._writing = True
             if dropped:  # after the lines held before they were dropped
                 data += self.notice(dropped)
-            view = memoryview(data)
             try:
-                while view:
-                    view = view[os.write(self._fd, view):]
+                for piece in _whole_lines(data):
+                    while piece:
+                        piece = piece[os.write(self._fd, piece):]
             except OSError:
                 pass  # a reader gone for good (EPIPE): nowhere left to say anything
             with self._ready:
@@ -108,6 +109,22 @@ class StderrLines:
         self._ready = threading.Condition()
         self._held, self._size, self._dropped, self._writing = [], 0, 0, False
         self._thread = None
+
+
+def _whole_lines(data: bytes) -> Iterator[memoryview]:
+    """`data` in writes of at most PIPE_BUF bytes that end where a line does. The serving
+    processes of `serve --workers N` share one pipe, and only a write that small is atomic:
+    larger, two processes' writes to a pipe that is full were spliced mid-line, each line
+    at the seam unreadable. (A line longer than PIPE_BUF goes in one write of its own.)"""
+    view = memoryview(data)
+    start = 0
+    while start < len(data):
+        end = start + select.PIPE_BUF
+        if end < len(data):
+            cut = data.rfind(b"\n", start, end)
+            end = cut + 1 if cut >= start else (data.find(b"\n", end) + 1 or len(data))
+        yield view[start:end]
+        start = end
 
 
 _STDERR: StderrLines | None = None
