@@ -42,6 +42,7 @@ class FaultUpstream:
         self.headers: list[dict[str, str]] = []
         self.paths: list[str] = []  # raw request paths, as they arrived
         self.last_modified: str | None = None  # sent as Last-Modified where set
+        self.set_cookie = ""  # sent as Set-Cookie with every answer where set
         self.first_byte_delay = 5.0
         self.chunk_size = 1024 * 1024
         self.chunk_delay = 0.05
@@ -80,7 +81,15 @@ class FaultUpstream:
         @web.middleware
         async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
             self.paths.append(request.raw_path)
-            return await handler(request)
+            try:
+                response = await handler(request)
+            except web.HTTPException as e:  # the redirect modes raise theirs
+                if self.set_cookie:
+                    e.headers["Set-Cookie"] = self.set_cookie
+                raise
+            if self.set_cookie and not response.prepared:
+                response.headers["Set-Cookie"] = self.set_cookie
+            return response
 
         app = web.Application(middlewares=[record])
         app.router.add_get("/{mode}/buildid/{build_id}/{kind}{rest:.*}", self.handle)

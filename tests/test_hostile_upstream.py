@@ -424,3 +424,28 @@ async def test_a_source_whose_end_cannot_be_told_from_a_cut_is_served_never_kept
     finally:
         server.close()
         await server.wait_closed()
+
+
+@sqlite_only
+async def test_cookies_an_upstream_sets_are_sent_to_no_one(
+    start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
+    elfs: ElfSet,
+) -> None:
+    """symgate asks on behalf of every client of the site: a cookie an upstream sets (with its
+    redirect, or its file) must not follow later requests, neither back to it nor to the other
+    upstreams and mirrors on the same host (cookies ignore ports), whoever asks."""
+    faults.set_cookie = "session=from-upstream; Path=/"
+    second.set_cookie = "mirror=from-mirror; Path=/"
+    port = URL(second.url).port
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    faults.redirect_target = f"http://localhost:{port}/ok{path}"
+    sg = await start_symgate([
+        fast_upstream(f"http://localhost:{URL(faults.url).port}/redirect-to",
+                      redirect_hosts=[f"localhost:{port}"]),
+        f"http://localhost:{port}/ok"])
+    # The first is the redirect's; the second, which it sends to the wrong file, is then the
+    # second upstream's.
+    for elf in (elfs.other, elfs.prog):
+        assert (await sg.get(f"/buildid/{elf.build_id}/debuginfo"))[0] == 200
+    assert faults.count("redirect-to") == 2 and second.count("ok") == 3
+    assert [h for h in (*faults.headers, *second.headers) if "Cookie" in h] == []

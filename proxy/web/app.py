@@ -115,6 +115,9 @@ def _client_session(config: Config, limit: int) -> aiohttp.ClientSession:
         # Sites whose one way out is an HTTP proxy set HTTPS_PROXY as usual: the sources
         # apply it (proxy.sources.env_routes), looked up once rather than per request.
         trust_env=False,
+        # symgate asks for every client of the site: a cookie one answer set would go with
+        # later requests of anyone, to any port of that host and any host its domain covers.
+        cookie_jar=aiohttp.DummyCookieJar(),
         headers={"User-Agent": f"symgate/{__version__}"},
     )
 
