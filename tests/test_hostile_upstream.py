@@ -144,7 +144,8 @@ class FakeNetwork:
         real_getaddrinfo, real_connect = loop.getaddrinfo, loop.sock_connect
 
         async def getaddrinfo(host: Any, port: Any, **kw: Any) -> Any:
-            name = str(host).rstrip(".").lower()
+            # A name given as text is asked as its IDNA form, as the socket module does.
+            name = str(host).rstrip(".").lower().encode("idna").decode()
             if name not in self.answers:
                 return await real_getaddrinfo(host, port, **kw)
             answers = self.answers[name]
@@ -195,6 +196,28 @@ async def test_a_listed_name_that_rebinds_to_loopback_between_check_and_connect_
     assert second.count("ok") == 0  # the loopback service was never asked
     assert net.lookups["cdn.test"] >= 2 and net.off_box == []
     assert await sg.metric("symgate_upstream_breaker_state", upstream=up) == 0
+
+
+@sqlite_only
+async def test_a_listed_international_name_that_rebinds_to_loopback_is_refused(
+    start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
+    elfs: ElfSet, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name with non-ASCII letters is listed, and connected to, in its punycode form
+    (yarl's `host` is the Unicode one): the connector's resolver must know it as listed, or
+    the rule is not applied to the answer connected to."""
+    net = FakeNetwork(monkeypatch)
+    net.answers["up.test"] = ["93.184.216.80"]
+    net.routes.add("93.184.216.80")
+    net.answers["xn--bcher-kva.test"] = ["93.184.216.34", "127.0.0.1"]
+    inside = URL(second.url).port
+    faults.redirect_target = f"http://xn--bcher-kva.test:{inside}/ok{_source_path(elfs)}"
+    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
+    sg = await start_symgate([fast_upstream(up, redirect_hosts=[f"xn--bcher-kva.test:{inside}"])])
+    status, _, body = await sg.get(_source_path(elfs))
+    assert status == 502 and b"loopback" in body, body
+    assert second.count("ok") == 0  # the loopback service was never asked
+    assert net.off_box == []
 
 
 class _Answers(AbstractResolver):

@@ -50,7 +50,9 @@ def _parse(text: str) -> IpAddress:
 
 async def addresses(url: URL) -> list[IpAddress]:
     """What the URL's host resolves to now (an address literal is itself)."""
-    host = url.host or ""
+    # The name as aiohttp resolves it to connect: `host` is an international name's Unicode
+    # form, which getaddrinfo encodes by IDNA 2003, another name where the two differ ("ß").
+    host = url.raw_host or ""
     try:
         return [_parse(host)]
     except ValueError:
@@ -122,12 +124,14 @@ class GuardedResolver(AbstractResolver):
                  inner: AbstractResolver | None = None) -> None:
         # Names resolved the way the OS does (hosts file, nsswitch), as refusal() sees them.
         self._inner = inner or ThreadedResolver()
+        # Keyed by the raw (punycode) host aiohttp resolves to connect, not yarl's `host`,
+        # an international name's Unicode form: a name keyed so was never asked for.
         servers = [u for u in upstreams if u.url]
-        own = {_name(URL(u.url).host or "") for u in servers}
+        own = {_name(URL(u.url).raw_host or "") for u in servers}
         self._listed_by: dict[str, list[URL]] = {}
         for u in servers:
             for entry in u.redirect_hosts:
-                host = _name(URL(f"//{entry}").host or "")
+                host = _name(URL(f"//{entry}").raw_host or "")
                 if host not in own:
                     self._listed_by.setdefault(host, []).append(URL(u.url))
 
