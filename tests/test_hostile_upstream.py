@@ -220,6 +220,28 @@ async def test_a_listed_international_name_that_rebinds_to_loopback_is_refused(
     assert net.off_box == []
 
 
+@pytest.mark.parametrize("spelled", ["2130706433", "0x7f000001", "0177.0.0.1", "127.1", "0",
+                                     "[::ffff:7f00:1]", "[::7f00:1]", "[64:ff9b::7f00:1]",
+                                     "169.254.169.254", "[64:ff9b::a9fe:a9fe]", "[fc00::1]"])
+@sqlite_only
+async def test_a_listed_address_inside_the_site_is_refused_however_it_is_spelled(
+    start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
+    elfs: ElfSet, monkeypatch: pytest.MonkeyPatch, spelled: str,
+) -> None:
+    """An operator may list an address; a public upstream redirecting to one inside the site
+    is refused whichever spelling the Location uses, before anything is connected to."""
+    net = FakeNetwork(monkeypatch)
+    net.answers["up.test"] = ["93.184.216.80"]
+    net.routes.add("93.184.216.80")
+    inside = URL(second.url).port
+    faults.redirect_target = f"http://{spelled}:{inside}/ok{_source_path(elfs)}"
+    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
+    sg = await start_symgate([fast_upstream(up, redirect_hosts=[f"{spelled}:{inside}"])])
+    status, _, body = await sg.get(_source_path(elfs))
+    assert status == 502 and b"bad redirect" in body, body
+    assert second.count("ok") == 0 and net.off_box == []
+
+
 class _Answers(AbstractResolver):
     """Stands in for aiohttp's resolver: every name answers the given addresses."""
 
@@ -271,10 +293,17 @@ def test_the_resolved_address_decides_not_the_name() -> None:
     allowed = ("cdn.example.net",)
     assert refusal(public, public_ip, cdn, ips("151.101.1.1"), allowed) is None
     # Listed, but resolving into the site's own networks: a rebinding or a poisoned name.
+    # IPv6 addresses that stand for an IPv4 one end up there: NAT64 (the well-known and the
+    # local-use prefix), 6to4, SIIT, the deprecated IPv4-compatible form; site-local fec0::.
     for inside in ("127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.169.254", "0.0.0.0",
-                   "::1", "fe80::1", "fd00::1", "::ffff:127.0.0.1"):
+                   "::1", "fe80::1", "fd00::1", "::ffff:127.0.0.1", "64:ff9b::a9fe:a9fe",
+                   "64:ff9b::7f00:1", "64:ff9b:1::a00:1", "2002:a00:1::1", "2002:7f00:1::",
+                   "::ffff:0:a00:1", "::7f00:1", "fec0::1"):
         why = refusal(public, public_ip, cdn, ips("151.101.1.1", inside), allowed)
         assert why is not None and str(ipaddress.ip_address(inside)) in why, inside
+    # A public address through the site's NAT64 or a 6to4 relay is a public one.
+    assert refusal(public, public_ip, cdn, ips("64:ff9b::5db8:d822", "2002:5db8:d822::1"),
+                   allowed) is None
     # The upstream's own origin too, if its name now resolves inside.
     assert refusal(public, public_ip, public.with_path("/x"), ips("127.0.0.1"), ()) is not None
     # An upstream inside a private network may redirect within that kind of network.

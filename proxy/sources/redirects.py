@@ -28,10 +28,33 @@ _DEFAULT_PORT = {"http": 80, "https": 443}
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+# IPv6 ranges whose last 32 bits are an IPv4 address a connection ends up at: NAT64's
+# well-known prefix (the site's translator connects there), SIIT's translated form and the
+# deprecated IPv4-compatible one (ipaddress itself unwraps mapped and 6to4 addresses).
+_CARRYING_IPV4 = tuple(ipaddress.IPv6Network(n) for n in (
+    "64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+# Inside a site whatever the address: local-use NAT64 (its IPv4 placement varies by prefix
+# length) and the deprecated site-local range, which this Python counts as global.
+_SITE_IPV6 = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b:1::/48", "fec0::/10"))
+
+
+def _stands_for(ip: IpAddress) -> IpAddress:
+    """The IPv4 address an IPv6 one is a way to reach, or the address itself."""
+    if not isinstance(ip, ipaddress.IPv6Address) or ip.is_loopback or ip.is_unspecified:
+        return ip
+    if (v4 := ip.ipv4_mapped or ip.sixtofour) is not None:
+        return v4
+    if any(ip in net for net in _CARRYING_IPV4):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip
+
+
 def address_class(ip: IpAddress) -> str:
-    """"public", or the kind of non-public range the address is in."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """"public", or the kind of non-public range the address is in (for an IPv6 address that
+    stands for an IPv4 one, the kind of that one)."""
+    ip = _stands_for(ip)
+    if isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in _SITE_IPV6):
+        return "private"
     if ip.is_loopback:
         return "loopback"
     if ip.is_unspecified:
