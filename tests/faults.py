@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import gzip
+import ipaddress
+import socket
 import zlib
 from pathlib import Path
+from typing import Any
 
+import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -267,3 +271,43 @@ class RawUpstream:
         writer.write(b"\r\n".join(head) + b"\r\n\r\n" + self.body)
         await writer.drain()
         writer.close()
+
+
+class FakeNetwork:
+    """The OS's name resolution and routing, faked on the running loop (symgate's own modules
+    are not touched): a name answers the addresses the test gives it, one per lookup, the
+    last repeating; a connection to an address in `routes` goes to that port on 127.0.0.1;
+    any other connection off loopback is recorded and refused, so nothing leaves the box."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.answers: dict[str, list[str]] = {}
+        self.lookups: collections.Counter[str] = collections.Counter()
+        self.routes: set[str] = set()
+        self.off_box: list[object] = []
+        loop = asyncio.get_running_loop()
+        real_getaddrinfo, real_connect = loop.getaddrinfo, loop.sock_connect
+
+        async def getaddrinfo(host: Any, port: Any, **kw: Any) -> Any:
+            # A name given as text is asked as its IDNA form, as the socket module does.
+            name = str(host).rstrip(".").lower().encode("idna").decode()
+            if name not in self.answers:
+                return await real_getaddrinfo(host, port, **kw)
+            answers = self.answers[name]
+            ip = answers[min(self.lookups[name], len(answers) - 1)]
+            self.lookups[name] += 1
+            if kw.get("family", 0) not in (0, socket.AF_INET):
+                return []
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                     (ip, int(port or 0)))]
+
+        async def sock_connect(sock: socket.socket, address: Any) -> None:
+            host, port = address[0], address[1]
+            if host in self.routes:
+                address = ("127.0.0.1", port)
+            elif not ipaddress.ip_address(host).is_loopback:
+                self.off_box.append(address)
+                raise ConnectionRefusedError(f"test network: {host} is off the box")
+            await real_connect(sock, address)
+
+        monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+        monkeypatch.setattr(loop, "sock_connect", sock_connect)

@@ -4,14 +4,12 @@ symgate fetch, cache or serve anything it should not (issue 11, items 5 and 6)."
 from __future__ import annotations
 
 import asyncio
-import collections
 import gzip
 import ipaddress
 import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -21,7 +19,7 @@ from yarl import URL
 from proxy.config import CacheConfig, UpstreamConfig
 from proxy.sources.redirects import GuardedResolver, RefusedAddress, refusal
 from tests.elfs import ElfSet
-from tests.faults import FaultUpstream
+from tests.faults import FakeNetwork, FaultUpstream
 from tests.harness import (
     Debuginfod,
     Symgate,
@@ -127,46 +125,6 @@ async def test_a_redirect_that_carries_credentials_is_refused(
         status, _, body = await sg.get(path)
         assert status == 502 and b"bad redirect" in body, (name, body)
     assert faults.count("ok") == 0
-
-
-class FakeNetwork:
-    """The OS's name resolution and routing, faked on the running loop (symgate's own modules
-    are not touched): a name answers the addresses the test gives it, one per lookup, the
-    last repeating; a connection to an address in `routes` goes to that port on 127.0.0.1;
-    any other connection off loopback is recorded and refused, so nothing leaves the box."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.answers: dict[str, list[str]] = {}
-        self.lookups: collections.Counter[str] = collections.Counter()
-        self.routes: set[str] = set()
-        self.off_box: list[object] = []
-        loop = asyncio.get_running_loop()
-        real_getaddrinfo, real_connect = loop.getaddrinfo, loop.sock_connect
-
-        async def getaddrinfo(host: Any, port: Any, **kw: Any) -> Any:
-            # A name given as text is asked as its IDNA form, as the socket module does.
-            name = str(host).rstrip(".").lower().encode("idna").decode()
-            if name not in self.answers:
-                return await real_getaddrinfo(host, port, **kw)
-            answers = self.answers[name]
-            ip = answers[min(self.lookups[name], len(answers) - 1)]
-            self.lookups[name] += 1
-            if kw.get("family", 0) not in (0, socket.AF_INET):
-                return []
-            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
-                     (ip, int(port or 0)))]
-
-        async def sock_connect(sock: socket.socket, address: Any) -> None:
-            host, port = address[0], address[1]
-            if host in self.routes:
-                address = ("127.0.0.1", port)
-            elif not ipaddress.ip_address(host).is_loopback:
-                self.off_box.append(address)
-                raise ConnectionRefusedError(f"test network: {host} is off the box")
-            await real_connect(sock, address)
-
-        monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
-        monkeypatch.setattr(loop, "sock_connect", sock_connect)
 
 
 @sqlite_only
