@@ -13,7 +13,7 @@ from aiohttp import web
 from yarl import URL
 
 from tests.elfs import ElfSet
-from tests.faults import FaultUpstream
+from tests.faults import FakeNetwork, FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -153,3 +153,43 @@ async def test_an_upstream_only_the_proxy_resolves_may_redirect_within_itself(
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert status == 200 and body == elfs.prog.debug.read_bytes(), body
     assert forward_proxy.asked[-1] == f"{upstream}/ok/buildid/{elfs.prog.build_id}/debuginfo"
+
+
+async def test_a_redirect_through_the_proxy_cannot_reach_inside_by_rebinding(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    forward_proxy: ForwardProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a proxy, symgate connects to the proxy, which resolves the redirect's target
+    itself: a listed name that answers a public address to symgate's check, then 127.0.0.1
+    (or an address of the site) to the proxy, must not lead the proxy inside."""
+    inside = FaultUpstream(elfs)  # a service on the proxy's loopback
+    await inside.start()
+    try:
+        net = FakeNetwork(monkeypatch)  # the proxy resolves through it too, as the site's DNS
+        net.answers["up.test"] = ["93.184.216.80"]
+        net.routes.add("93.184.216.80")
+        net.answers["cdn.test"] = ["93.184.216.34", "127.0.0.1"]
+        monkeypatch.setenv("HTTP_PROXY", forward_proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        port = URL(inside.url).port
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        faults.redirect_target = f"http://cdn.test:{port}/ok{path}"
+        up = fast_upstream(f"http://up.test:{URL(faults.url).port}/redirect-to",
+                           redirect_hosts=[f"cdn.test:{port}"])
+        sg = await start_symgate([up])
+        status, _, body = await sg.get(path)
+        assert status == 502 and b"HTTP proxy" in body, body
+        assert inside.count("ok") == 0 and net.off_box == []
+        # An address cannot answer differently to the proxy: one that is public is followed
+        # (the test network routes it to the same service).
+        net.routes.add("93.184.216.34")
+        faults.redirect_target = f"http://93.184.216.34:{port}/ok{path}"
+        sg = await start_symgate([dataclasses.replace(
+            up, redirect_hosts=(f"93.184.216.34:{port}",))],
+            data_dir=sg.config.server.data_dir.with_name("address"))
+        status, _, body = await sg.get(path)
+        assert status == 200 and body == elfs.prog.debug.read_bytes()
+        assert forward_proxy.asked[-1] == faults.redirect_target
+    finally:
+        await inside.stop()

@@ -419,6 +419,11 @@ class Upstream:
             # compare, and behind an HTTP proxy symgate may not resolve it at all (the proxy
             # does), which refused every redirect of such an upstream.
             return None
+        if (await self._routes.route(target)).proxy is not None \
+                and not redirects.is_address(target):
+            # The proxy resolves the name itself, perhaps to another answer than the check
+            # is given (DNS rebinding), and connects where this process cannot refuse it.
+            return "to a name the HTTP proxy would resolve, past the address rule"
         try:
             own = await redirects.addresses(self._base_url)
             theirs = await redirects.addresses(target)

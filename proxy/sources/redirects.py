@@ -85,6 +85,16 @@ async def addresses(url: URL) -> list[IpAddress]:
     return [_parse(str(info[4][0])) for info in infos]
 
 
+def is_address(url: URL) -> bool:
+    """Whether the URL names an address rather than a name, which can answer differently to
+    whoever resolves it next."""
+    try:
+        _parse(url.raw_host or "")
+    except ValueError:
+        return False
+    return True
+
+
 def origin(url: URL) -> tuple[str, str, int | None]:
     return (url.scheme, (url.host or "").lower(), url.port)
 
