@@ -116,6 +116,39 @@ async def test_netrc_credentials_reach_the_upstream_unless_it_has_its_own(
     assert faults.headers[-1].get("Authorization") == "Bearer configured"
 
 
+async def test_netrcs_default_credentials_do_not_follow_a_redirect_to_another_host(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """~/.netrc's `default` entry is the credentials for the site's upstreams: a host their
+    redirects name is the upstream's choice, and gets only what a `machine` entry names it
+    for."""
+    mirror = FaultUpstream(elfs)
+    await mirror.start()
+    try:
+        netrc = tmp_path / "netrc"
+        netrc.write_text("default login site password s3cret\n")
+        netrc.chmod(0o600)
+        monkeypatch.setenv("NETRC", str(netrc))
+        port = URL(mirror.url).port
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        faults.redirect_target = f"http://localhost:{port}/ok{path}"
+        up = fast_upstream(faults.url_for("redirect-to"), redirect_hosts=[f"localhost:{port}"])
+        sg = await start_symgate([up], data_dir=tmp_path / "default")
+        assert (await sg.get(path))[0] == 200
+        assert faults.headers[-1].get("Authorization") == aiohttp.encode_basic_auth(
+            "site", "s3cret")
+        assert "Authorization" not in mirror.headers[-1]
+        # Named for the mirror's host, they are the operator's for it.
+        netrc.write_text("machine localhost login mirror password m1rror\n")
+        sg = await start_symgate([up], data_dir=tmp_path / "machine")
+        assert (await sg.get(path))[0] == 200
+        assert mirror.headers[-1].get("Authorization") == aiohttp.encode_basic_auth(
+            "mirror", "m1rror")
+    finally:
+        await mirror.stop()
+
+
 async def test_credentials_in_an_upstream_url_are_its_authorization(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -360,13 +360,14 @@ class Upstream:
                        # Bodies are counted against max_artifact_bytes as written; debuginfod
                        # serves files uncompressed, and elfutils' server never compresses.
                        "Accept-Encoding": "identity"}
-            if redirects.origin(url) == redirects.origin(self._base_url):
+            own_origin = redirects.origin(url) == redirects.origin(self._base_url)
+            if own_origin:
                 headers.update(self.cfg.headers)  # credentials go to the upstream alone
                 if self._url_authorization and not any(k.lower() == "authorization"
                                                        for k in headers):
                     headers["Authorization"] = self._url_authorization
             route = await self._routes.route(url)
-            route.add_headers(url, headers)
+            route.add_headers(url, headers, upstream_origin=own_origin)
             try:
                 response = await session.get(
                     url, headers=headers, timeout=self._timeout, allow_redirects=False,

@@ -26,12 +26,19 @@ class Route:
     proxy_headers: dict[str, str] | None = None
     # Authorization from ~/.netrc (or $NETRC): used only where the request carries none.
     authorization: str | None = None
+    # Whether it is netrc's `default` entry, no `machine` entry naming the host.
+    authorization_for_any_host: bool = False
 
-    def add_headers(self, url: URL, headers: dict[str, str]) -> None:
+    def add_headers(self, url: URL, headers: dict[str, str], *,
+                    upstream_origin: bool = True) -> None:
         """What this route adds to a request for `url` beside `headers`: netrc's credentials
         where it carries none (nor its URL), Proxy-Authorization where it goes to an http://
-        proxy as is (aiohttp sends proxy_headers only with a CONNECT)."""
+        proxy as is (aiohttp sends proxy_headers only with a CONNECT).
+
+        `upstream_origin`: whether `url` is of an upstream's own origin, not a host its
+        redirect named; such a host, the upstream's choice, gets no `default` credentials."""
         if self.authorization and url.user is None \
+                and (upstream_origin or not self.authorization_for_any_host) \
                 and not any(k.lower() == "authorization" for k in headers):
             headers["Authorization"] = self.authorization
         if self.proxy_headers and url.scheme == "http":
@@ -60,5 +67,6 @@ def _look_up(url: URL) -> Route:
     if netrc is not None and url.host is not None:
         with suppress(LookupError):
             authorization = basicauth_from_netrc(netrc, url.host).encode()
+    for_any_host = netrc is not None and url.host not in netrc.hosts
     proxy_headers = {"Proxy-Authorization": proxy_auth.encode()} if proxy_auth else None
-    return Route(proxy, proxy_headers, authorization)
+    return Route(proxy, proxy_headers, authorization, for_any_host)
