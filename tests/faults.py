@@ -311,3 +311,10 @@ class FakeNetwork:
 
         monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
         monkeypatch.setattr(loop, "sock_connect", sock_connect)
+
+    def public_url(self, upstream: FaultUpstream, mode: str) -> str:
+        """`upstream`'s URL for `mode` under a public name, up.test, whose address is routed
+        to it: an upstream not on loopback, whose redirects the address rule applies to."""
+        self.answers["up.test"] = ["93.184.216.80"]
+        self.routes.add("93.184.216.80")
+        return f"http://up.test:{upstream.url.rsplit(':', 1)[1]}/{mode}"

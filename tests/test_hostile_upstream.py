@@ -136,14 +136,11 @@ async def test_a_listed_name_that_rebinds_to_loopback_between_check_and_connect_
     127.0.0.1 when aiohttp resolves it again to connect. The address connected to must be one
     that was checked, so the loopback service is never asked."""
     net = FakeNetwork(monkeypatch)
-    # A public upstream (its address is routed to the fault upstream's loopback port)...
-    net.answers["up.test"] = ["93.184.216.80"]
-    net.routes.add("93.184.216.80")
+    up = net.public_url(faults, "redirect-to")  # a public upstream...
     # ... listing a CDN whose name answers public once, then the site's own loopback.
     net.answers["cdn.test"] = ["93.184.216.34", "127.0.0.1"]
     inside = URL(second.url).port
     faults.redirect_target = f"http://cdn.test:{inside}/ok{_source_path(elfs)}"
-    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
     sg = await start_symgate([fast_upstream(up, breaker_failures=1,
                                             redirect_hosts=[f"cdn.test:{inside}"])])
     for attempt in (1, 2):
@@ -165,12 +162,10 @@ async def test_a_listed_international_name_that_rebinds_to_loopback_is_refused(
     (yarl's `host` is the Unicode one): the connector's resolver must know it as listed, or
     the rule is not applied to the answer connected to."""
     net = FakeNetwork(monkeypatch)
-    net.answers["up.test"] = ["93.184.216.80"]
-    net.routes.add("93.184.216.80")
+    up = net.public_url(faults, "redirect-to")
     net.answers["xn--bcher-kva.test"] = ["93.184.216.34", "127.0.0.1"]
     inside = URL(second.url).port
     faults.redirect_target = f"http://xn--bcher-kva.test:{inside}/ok{_source_path(elfs)}"
-    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
     sg = await start_symgate([fast_upstream(up, redirect_hosts=[f"xn--bcher-kva.test:{inside}"])])
     status, _, body = await sg.get(_source_path(elfs))
     assert status == 502 and b"loopback" in body, body
@@ -189,11 +184,9 @@ async def test_a_listed_address_inside_the_site_is_refused_however_it_is_spelled
     """An operator may list an address; a public upstream redirecting to one inside the site
     is refused whichever spelling the Location uses, before anything is connected to."""
     net = FakeNetwork(monkeypatch)
-    net.answers["up.test"] = ["93.184.216.80"]
-    net.routes.add("93.184.216.80")
+    up = net.public_url(faults, "redirect-to")
     inside = URL(second.url).port
     faults.redirect_target = f"http://{spelled}:{inside}/ok{_source_path(elfs)}"
-    up = f"http://up.test:{URL(faults.url).port}/redirect-to"
     sg = await start_symgate([fast_upstream(up, redirect_hosts=[f"{spelled}:{inside}"])])
     status, _, body = await sg.get(_source_path(elfs))
     assert status == 502 and b"bad redirect" in body, body
