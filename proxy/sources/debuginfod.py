@@ -393,10 +393,7 @@ class Upstream:
                 return response
             location = response.headers.get("Location", "")
             response.release()
-            try:
-                target: URL | None = url.join(URL(location)) if location else None
-            except ValueError:
-                target = None
+            target = redirects.location_target(url, location)
             why = ("without a usable Location" if target is None
                    else await self._refusal(target))
             if target is None or why is not None:

@@ -85,6 +85,20 @@ async def addresses(url: URL) -> list[IpAddress]:
     return [_parse(str(info[4][0])) for info in infos]
 
 
+def location_target(url: URL, location: str) -> URL | None:
+    """Where a redirect's Location sends a request for `url`; None where it is no URL."""
+    if not location:
+        return None
+    try:
+        target = url.join(URL(location))
+        # yarl decodes a punycode name when `host` is first asked: one that decodes to
+        # nothing ("xn--a") raises there, which would be the redirect check's own failure.
+        _ = target.host
+    except ValueError:  # UnicodeError too
+        return None
+    return target
+
+
 def is_address(url: URL) -> bool:
     """Whether the URL names an address rather than a name, which can answer differently to
     whoever resolves it next."""
