@@ -418,9 +418,11 @@ class Upstream:
             # does), which refused every redirect of such an upstream.
             return None
         if (await self._routes.route(target)).proxy is not None \
-                and not redirects.is_address(target):
+                and not redirects.is_address(target) \
+                and target.raw_host != self._base_url.raw_host:
             # The proxy resolves the name itself, perhaps to another answer than the check
-            # is given (DNS rebinding), and connects where this process cannot refuse it.
+            # is given (DNS rebinding), and connects where this process cannot refuse it. The
+            # upstream's own name it resolves for every request anyway, whatever the port.
             return "to a name the HTTP proxy would resolve, past the address rule"
         try:
             own = await redirects.addresses(self._base_url)
