@@ -135,9 +135,11 @@ class FaultUpstream:
         await response.write_eof()
         return response
 
-    async def _zeros(self, request: web.Request) -> web.StreamResponse:
+    async def _zeros(self, request: web.Request, start: bytes = b"") -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await response.prepare(request)
+        if start:
+            await response.write(start)
         block = bytes(MIB)
         while True:  # until the reader hangs up, which ends this with an error
             await response.write(block)
@@ -181,6 +183,8 @@ class FaultUpstream:
             return await self._gzip_bomb(request)
         if mode == "zeros":  # a 200 of no stated size whose body never ends, and is no file
             return await self._zeros(request)
+        if mode == "elf-zeros":  # the same, but it starts as an ELF file does
+            return await self._zeros(request, b"\x7fELF")
         if mode == "slow-first-byte":
             await asyncio.sleep(self.first_byte_delay)
         if mode == "late":  # a prompt upstream, but not instant

@@ -128,6 +128,11 @@ class Flight:
             return
         self._state = _State.FAILED
         self.error = error
+        # Never to be read now (a failed flight's readers raise): let go at once. Whatever
+        # still holds the flight (its error's traceback holds the fetch's frames, which hold
+        # the flight: a cycle only a full collection frees, many seconds later) would
+        # otherwise hold up to the whole backlog of a download cut off, 32 MiB each.
+        self._unwritten.clear()
         self._release_meta_waiters()
         self._end()
 

@@ -562,7 +562,10 @@ class ArtifactService:
         """A fetch's failure as its clients get it: its own, a full disk's 507, else an
         internal error, logged (called in the `except` block: the traceback is at hand)."""
         if isinstance(error, SymgateError):
-            flight.fail(error)
+            # Its traceback holds this fetch's frames (the upstream's body and its buffers,
+            # the last chunk), which hold the flight that keeps the error: a cycle that only
+            # a full collection would free. Its clients need its type and reason alone.
+            flight.fail(error.with_traceback(None))
         elif is_disk_full(error):
             flight.fail(self.disk_full(error))
         else:
