@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 # Descriptors kept for everything but client sockets: SQL connections, upstream connections,
 # local sources, logs, the build workers' pipes.
 RESERVED_FDS = 128
-# A client being sent a cached file holds its socket and the file: two descriptors.
-FDS_PER_CONNECTION = 2
+# A client being sent a cached file holds its socket and the file: two descriptors. One
+# waiting on a miss of a key of its own holds four: its socket, its reader's descriptor of the
+# download's temp file, and that download's temp file and flight lock (clients asking for
+# distinct build IDs of a slow upstream, each fetch queued for a slot, hold them all at once).
+FDS_PER_CONNECTION = 4
 # How long a shed connection may linger to let its 503 reach the client before the socket is
 # closed (closing with unread request bytes would make the kernel reset it, losing the 503).
 SHED_LINGER_S = 1.0
