@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 from proxy.config import NegativeConfig
 from proxy.keys import ArtifactKey
-from tests.elfs import ElfSet
+from tests.elfs import ElfSet, replace_section_compressed
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, cli, config_file
 from tests.profiles import code_addresses, make_profile, place
@@ -71,14 +72,16 @@ async def test_negative_ls_and_clear_make_a_miss_retryable(
 async def test_purge_forgets_a_failed_build_of_a_local_tree(
     start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
 ) -> None:
-    """A debug tree that held the wrong file under a build ID was believed malformed for
+    """A debug tree that held a damaged file under a build ID was believed malformed for
     symbolize.malformed_retry_s (a day), fixed or not, and `cache purge ID` could not say
-    otherwise: it dropped only the tables of cached artifacts (a hostile campaign's find)."""
+    otherwise: it dropped only the tables of cached artifacts (a hostile campaign's find).
+    (A file of another build ID is passed over, not built: tests/test_localdir_hostile.py.)"""
     bid = elfs.prog.build_id
     tree = tmp_path / "debug" / ".build-id" / bid[:2]
     tree.mkdir(parents=True)
     wrong = tree / (bid[2:] + ".debug")
-    wrong.symlink_to(elfs.other.debug)  # another program's debug file
+    shutil.copyfile(elfs.prog.debug, wrong)  # its build ID, and a .debug_info that inflates
+    replace_section_compressed(wrong, ".debug_info", b"not a zlib stream", 1 << 20)  # to none
     sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
     body = make_profile([(place(elfs.prog, BASES["prog"]),
                           code_addresses(elfs.prog)[:20])]).SerializeToString()
