@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import re
 import shutil
@@ -221,10 +222,17 @@ async def serves(url: str) -> bool:
         return False
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
-    """Wait until `check` holds: for effects of background work (builds, deferred eviction)."""
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0
+                     ) -> None:
+    """Wait until `check` holds: for effects of background work (builds, deferred eviction).
+    `check` may be a coroutine function, or a plain one for state in this process."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
+
+    async def holds() -> bool:
+        held = check()
+        return await held if inspect.isawaitable(held) else held
+
+    while not await holds():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(0.05)

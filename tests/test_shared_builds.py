@@ -40,9 +40,6 @@ def _profile(elfs: ElfSet) -> bytes:
                           code_addresses(elfs.prog)[:5])]).SerializeToString()
 
 
-async def _true(value: bool) -> bool:
-    return value
-
 
 async def test_a_table_another_process_is_building_is_waited_for_not_built_again(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
@@ -56,14 +53,18 @@ async def test_a_table_another_process_is_building_is_waited_for_not_built_again
     with stopped(pool.pids()):
         # The builder takes the lock and hands the build to a worker that cannot run it.
         assert (await builder.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
-        await eventually(lambda: _true(pool.in_flight > 0))
+        await eventually(lambda: pool.in_flight > 0)
         pending = asyncio.ensure_future(post(waiter, _profile(elfs)))
-        await eventually(lambda: _true(waiting.builds_waiting == 1))
+        await eventually(lambda: waiting.builds_waiting == 1)
         assert not pending.done()
     status, headers, _ = await pending
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await builder.metric("symgate_symtab_builds_total", result="ok") == 1
     assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 0
+    # The builder had the debug file alone; the executable the profile fetched makes the table
+    # once more, with it, as a server that had both from the start builds it.
+    await waiter.built()
+    assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 1
     assert not table_lock_file(builder, elfs.prog.build_id).exists()
 
 
@@ -80,7 +81,7 @@ async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the
         assert holder.stdout is not None
         assert await holder.stdout.readline() == b"held\n"
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
-        await eventually(lambda: _true(symbols.builds_waiting == 1))
+        await eventually(lambda: symbols.builds_waiting == 1)
         assert not pending.done()
     finally:
         holder.kill()
@@ -116,11 +117,11 @@ async def test_a_source_another_process_evicts_before_the_build_reads_it_is_a_50
     with stopped(pool.pids()):
         # Cached and leased for its table's build, which waits for a worker that cannot run.
         assert (await builder.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
-        await eventually(lambda: _true(pool.in_flight > 0))
+        await eventually(lambda: pool.in_flight > 0)
         pending = asyncio.ensure_future(post(builder, _profile(elfs)))
         # The other process's file puts the cache over budget: the least recently used goes.
         assert (await evicting.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
-        await eventually(lambda: _true(not source.exists()))
+        await eventually(lambda: not source.exists())
     status, headers, text = await pending
     # Refused with Retry-After: 503 where the build's worker found the file gone, 507 where
     # the resolution did (gone as it was fetched again: not kept, for the build). Or, where
@@ -170,7 +171,7 @@ async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_a
     asked = faults.count("hold404")
     pending = asyncio.ensure_future(post(sg, both.SerializeToString()))
     # prog's table is resolved (open already); other's fetch waits on the upstream.
-    await eventually(lambda: _true(faults.count("hold404") > asked))
+    await eventually(lambda: faults.count("hold404") > asked)
     purged = await cli(config_file(sg, tmp_path), "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0, purged.stderr
     faults.release.set()

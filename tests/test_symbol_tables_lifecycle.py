@@ -69,7 +69,7 @@ async def test_with_symbolization_off_no_table_is_built_and_no_worker_started(
     for kind in ("debuginfo", "executable"):
         status, _, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
         assert status == 200
-    await eventually(lambda: _true(len(building_at_commit) == 2))
+    await eventually(lambda: len(building_at_commit) == 2)
     assert building_at_commit == [False, False]
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 0
     assert not state.symbols.workers.pool.pids()
@@ -80,9 +80,6 @@ async def test_with_symbolization_off_no_table_is_built_and_no_worker_started(
     assert status == 200 and headers["X-Symgate-Symbolize"] == "disabled"
     assert body == profile.SerializeToString()
 
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_start_up_removes_half_written_tables_of_dead_workers_only(

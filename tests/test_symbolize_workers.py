@@ -43,9 +43,6 @@ async def _started(sg: Symgate) -> list[int]:
     return _workers(sg)
 
 
-async def _true(value: bool) -> bool:
-    return value
-
 
 async def test_profiles_are_rewritten_off_the_event_loop(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
@@ -58,7 +55,7 @@ async def test_profiles_are_rewritten_off_the_event_loop(
     state = sg.runner.app[STATE]
     with stopped(await _started(sg)):
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
-        await eventually(lambda: _true(state.symbols.workers.pool.in_flight > 0))
+        await eventually(lambda: state.symbols.workers.pool.in_flight > 0)
         for _ in range(3):
             status, _, body = await sg.get(hit)
             assert status == 200 and body == elfs.prog.executable.read_bytes()
@@ -81,7 +78,7 @@ async def _killed_mid_job(sg: Symgate, elfs: ElfSet, pool: WorkerPool, pids: lis
     with Retry-After, and the next profile symbolized by new processes."""
     with stopped(pids):
         pending = asyncio.ensure_future(post(sg, _profile(elfs)))
-        await eventually(lambda: _true(pool.in_flight > 0))
+        await eventually(lambda: pool.in_flight > 0)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
     status, headers, text = await pending
@@ -116,8 +113,8 @@ async def test_a_worker_that_died_idle_costs_no_request_a_503(
     # Once the pool has seen it (ProcessPoolExecutor marks itself broken), the next job is
     # taken by new workers: it never ran in the broken pool. A job still running from the
     # server's start (its warm-up) may have noticed first and retired the executor already.
-    await eventually(lambda: _true(bool(getattr(killed, "_broken", False))
-                                   or pool._executor is not killed))
+    await eventually(lambda: bool(getattr(killed, "_broken", False))
+                                   or pool._executor is not killed)
     status, headers, _ = await post(sg, _profile(elfs))
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert set(_workers(sg)).isdisjoint(pids)
@@ -154,9 +151,9 @@ async def test_past_the_slots_a_profile_gets_429_at_once_and_hits_stay_served(
     workers = sg.runner.app[STATE].symbols.workers
     # One profile in work, held by its debuginfo, and one waiting for the slot.
     first = asyncio.ensure_future(post(sg, _profile(elfs)))
-    await eventually(lambda: _true(faults.count("hold") > 1))
+    await eventually(lambda: faults.count("hold") > 1)
     second = asyncio.ensure_future(post(sg, _profile(elfs)))
-    await eventually(lambda: _true(workers.admitted_count == 2))
+    await eventually(lambda: workers.admitted_count == 2)
     status, headers, text = await post(sg, _profile(elfs))
     assert status == 429 and int(headers["Retry-After"]) > 0 and b"try again later" in text
     status, _, body = await sg.get(hit)
@@ -183,7 +180,7 @@ async def test_a_profile_whose_client_left_while_it_waited_gives_its_place_up(
     faults.release.clear()
     workers = sg.runner.app[STATE].symbols.workers
     first = asyncio.ensure_future(post(sg, _profile(elfs)))  # in work, held by its debuginfo
-    await eventually(lambda: _true(faults.count("hold") > 1))
+    await eventually(lambda: faults.count("hold") > 1)
     body = _profile(elfs)
     host, port = sg.url.removeprefix("http://").split(":")
     left = []
@@ -193,13 +190,13 @@ async def test_a_profile_whose_client_left_while_it_waited_gives_its_place_up(
                      b"application/octet-stream\r\nContent-Length: %d\r\n\r\n" % len(body)
                      + body)
         left.append(writer)
-    await eventually(lambda: _true(workers.queued_count == 2))
+    await eventually(lambda: workers.queued_count == 2)
     for writer in left:
         writer.transport.abort()
-    await eventually(lambda: _true(workers.admitted_count == 1))
+    await eventually(lambda: workers.admitted_count == 1)
     # Their places are free for clients that wait for an answer.
     second = asyncio.ensure_future(post(sg, _profile(elfs)))
-    await eventually(lambda: _true(workers.queued_count == 1))
+    await eventually(lambda: workers.queued_count == 1)
     faults.release.set()
     for pending in (first, second):
         status, headers, _ = await pending
@@ -226,19 +223,19 @@ async def test_a_body_that_trickles_gives_its_place_up_to_a_profile_that_would_b
     faults.release.clear()
     workers = sg.runner.app[STATE].symbols.workers
     first = asyncio.ensure_future(post(sg, _profile(elfs)))  # in work, held by its debuginfo
-    await eventually(lambda: _true(faults.count("hold") > 1))
+    await eventually(lambda: faults.count("hold") > 1)
     host, port = sg.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: "
                  b"application/octet-stream\r\nContent-Length: 100000\r\n\r\n" + b"\x0a" * 10)
-    await eventually(lambda: _true(workers.admitted_count == 2))
+    await eventually(lambda: workers.admitted_count == 2)
     await asyncio.sleep(0.2)  # three times what 10 bytes may lag at 1 MiB/s
     second = asyncio.ensure_future(post(sg, _profile(elfs)))
     answer = await asyncio.wait_for(reader.read(), 30)
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"came too slowly" in answer
     writer.close()
-    await eventually(lambda: _true(workers.queued_count == 1))
+    await eventually(lambda: workers.queued_count == 1)
     # Both places hold whole bodies now (one in work, one waiting for the slot): refused.
     status, _headers, refused = await post(sg, _profile(elfs))
     assert status == 429, refused
@@ -274,7 +271,7 @@ async def test_a_profile_refused_before_its_body_is_never_asked_for_its_body(
     writer.close()
     faults.release.clear()
     first = asyncio.ensure_future(post(sg, _profile(elfs)))  # the one place, held
-    await eventually(lambda: _true(faults.count("hold") > 1))
+    await eventually(lambda: faults.count("hold") > 1)
     head, _, writer = await _expecting(sg, b"Content-Length: %d\r\n" % len(_profile(elfs)))
     assert head.startswith(b"HTTP/1.1 429 "), head
     writer.close()
@@ -309,7 +306,7 @@ async def test_an_upload_that_trickles_in_holds_no_slot_and_gets_408(
         max_concurrent=1, max_waiting=1, body_timeout_s=2.0))
     workers = sg.runner.app[STATE].symbols.workers
     reader, writer = await _trickle(sg, _profile(elfs))
-    await eventually(lambda: _true(workers.admitted_count == 1))
+    await eventually(lambda: workers.admitted_count == 1)
     # The one worker slot is free for a profile whose body is in, while the slow one trickles.
     status, headers, _ = await asyncio.wait_for(post(sg, _profile(elfs)), 30)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
@@ -326,9 +323,9 @@ async def test_a_client_that_hangs_up_mid_upload_is_no_server_error(
     sg = await start_symgate([faults.url_for("ok")])
     workers = sg.runner.app[STATE].symbols.workers
     _reader, writer = await _trickle(sg, _profile(elfs))
-    await eventually(lambda: _true(workers.admitted_count == 1))
+    await eventually(lambda: workers.admitted_count == 1)
     writer.transport.abort()
-    await eventually(lambda: _true(workers.admitted_count == 0))
+    await eventually(lambda: workers.admitted_count == 0)
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], \
         [r.getMessage() for r in caplog.records]
     assert await sg.metric("symgate_symbolize_profiles_total", outcome="internal") == 0
@@ -346,20 +343,20 @@ async def test_pass_through_takes_a_place_of_its_own_and_a_zero_bound_is_no_boun
         tenants={"off": TenantConfig(symbolize=False)})
     workers = sg.runner.app[STATE].symbols.workers
     _reader, writer = await _trickle(sg, _profile(elfs))  # the one place, held
-    await eventually(lambda: _true(workers.admitted_count == 1))
+    await eventually(lambda: workers.admitted_count == 1)
     status, headers, body = await post(sg, _profile(elfs), **{"X-Scope-OrgID": "off"})
     assert status == 200 and headers["X-Symgate-Symbolize"] == "disabled"
     assert body == _profile(elfs)
     assert (await post(sg, _profile(elfs)))[0] == 429
     writer.close()
-    await eventually(lambda: _true(workers.admitted_count == 0))
+    await eventually(lambda: workers.admitted_count == 0)
     # Passed-through bodies are held whole too: as many at once as may be admitted, apart.
     _reader, writer = await _trickle(sg, _profile(elfs), {"X-Scope-OrgID": "off"})
-    await eventually(lambda: _true(workers.passing_count == 1))
+    await eventually(lambda: workers.passing_count == 1)
     assert (await post(sg, _profile(elfs), **{"X-Scope-OrgID": "off"}))[0] == 429
     assert workers.admitted_count == 0
     writer.close()
-    await eventually(lambda: _true(workers.passing_count == 0))
+    await eventually(lambda: workers.passing_count == 0)
     # 0 is no bound, as for the configuration's other limits, not "refuse everything".
     status, headers, _ = await post(sg, _profile(elfs))
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
@@ -426,7 +423,7 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
         max_decompressed_bytes=64 << 20))
     workers = sg.runner.app[STATE].symbols.workers
     first = asyncio.ensure_future(post(sg, _profile(elfs)))  # the slot, held by its debuginfo
-    await eventually(lambda: _true(faults.count("hold") > 1))
+    await eventually(lambda: faults.count("hold") > 1)
     # One past the limit is refused as it waits, without a slot.
     status, _, text = await post(sg, _gzip_bomb(128 << 20), **{"Content-Encoding": "gzip"})
     assert status == 413 and b"inflates to more than" in text and not first.done(), text
@@ -435,7 +432,7 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
     bomb = _gzip_bomb(60 << 20)
     waiting = [asyncio.ensure_future(post(sg, bomb, **{"Content-Encoding": "gzip"}))
                for _ in range(6)]
-    await eventually(lambda: _true(workers.queued_count == 6))
+    await eventually(lambda: workers.queued_count == 6)
     grown = _peak_rss(os.getpid()) - before
     faults.release.set()
     assert (await first)[0] == 200
@@ -493,8 +490,8 @@ async def test_a_worker_killed_mid_build_is_a_503_and_the_next_profile_builds_th
     pids = await _started(sg)
     pending = asyncio.ensure_future(post(sg, body))
     # Resolving, with a job in the pool: libc's build, a few tenths of a second of it.
-    await eventually(lambda: _true(state.symbols.busy
-                                   and state.symbols.workers.pool.in_flight > 0))
+    await eventually(lambda: state.symbols.busy
+                                   and state.symbols.workers.pool.in_flight > 0)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     status, headers, text = await pending

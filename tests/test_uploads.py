@@ -26,7 +26,7 @@ from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
-from tests.processes import debuginfod_find, run_in_thread
+from tests.processes import debuginfod_find, run_in_thread, stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 from tests.test_disk_full import _fill, _tmpfs
@@ -619,3 +619,28 @@ async def test_the_same_upload_again_repairs_a_copy_damaged_on_disk(
     status, _, body = await sg.get(f"/buildid/{own.build_id}/debuginfo")
     assert status == 200 and body == data
     assert (await _put(sg, own.build_id, "debuginfo", data))[0] == 200  # whole: nothing to do
+
+
+async def test_an_executable_uploaded_while_its_debug_files_table_is_built_is_built_in(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """The debug file's table, started at its upload before the executable came, is built
+    without it (no .dynsym names, no program headers) and marked so. The executable's own
+    upload, committed while that build ran, was passed over ("a resolution is under way"):
+    the table stayed without it until the miss TTL, though both files were there."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    state = sg.runner.app[STATE]
+    pool = state.symbols.workers.pool
+    await pool.start()
+    with stopped(pool.pids()):
+        assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes()))[0] == 201
+        await eventually(lambda: pool.in_flight > 0)  # without the executable
+        assert (await _put(sg, own.build_id, "executable", own.executable.read_bytes()))[0] \
+            == 201
+
+    async def built_with_it() -> bool:
+        rec = await state.repo.get_symbol_table("", own.build_id)
+        return rec is not None and rec.outcome == "ok" \
+            and rec.source_key == f"{own.build_id}/debuginfo"
+
+    await eventually(built_with_it, timeout=20)

@@ -607,22 +607,22 @@ class SymbolResolver:
 
     # -- cache events --------------------------------------------------------------------------
     def _on_committed(self, scope: str, key: ArtifactKey, req: RequestScope | None) -> None:
-        """Pre-extract as soon as an ELF artifact is cached, off the request path. A debug
-        file committed while a table is under way (one from the executable, committed a moment
-        before: an upload of both, a prefetch) is judged again once that is done, so that its
-        lines are not lost to the executable's bare symbols. `req`: the request whose fetch
-        brought it, whose sources fetch the supplementary file of a dwz'd debug file (a
-        debugger's, a prefetch's: a site about to be cut off needs it too)."""
+        """Pre-extract as soon as an ELF artifact is cached, off the request path. A file
+        committed while a table is under way is judged again once that is done: a debug file
+        after a table from the executable (committed a moment before: an upload of both, a
+        prefetch), so that its lines are not lost to the executable's bare symbols; an
+        executable after a debug file's table built without it, which would otherwise wait
+        for the miss TTL to be built with it. `req`: the request whose fetch brought it, whose
+        sources fetch the supplementary file of a dwz'd debug file (a debugger's, a
+        prefetch's: a site about to be cut off needs it too)."""
         if not key.kind.is_elf or not self._enabled:
             return
         pending = self._resolving.get((scope, key.build_id))
         if pending is None:
             started = self._track((scope, key.build_id), self._prebuild(scope, key, req))
-        elif key.kind is Kind.DEBUGINFO:
+        else:
             started = self._track((scope, key.build_id),
                                   self._prebuild_after(pending, scope, key, req))
-        else:
-            return
         started.add_done_callback(_passing_trouble_told)
 
     async def _prebuild_after(self, pending: asyncio.Future[_Found], scope: str,
@@ -675,8 +675,9 @@ class SymbolResolver:
             # the debug file alone, or the upstream published it later): built again, to name
             # exported functions by the stripped executable's .dynsym and translate by its
             # program headers, as a table built with it from the start does (a row of an
-            # older version, unmarked, only where the executable changes names). Not while a
-            # resolution is under way: that one fetched the executable itself.
+            # older version, unmarked, only where the executable changes names). Judged after
+            # any resolution under way (_on_committed): one that fetched the executable itself
+            # built with it, and is left be.
             self._open.drop(scope, bid)
             again = await self._with_supplement(req, _Source(
                 debug.path, ArtifactKey(bid, Kind.DEBUGINFO).id, scope,
