@@ -146,6 +146,9 @@ def _run_child(name: str, run: Any, keep: set[int]) -> None:
         # workers, before their init ignores them too) the handlers it found here.
         for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        # Not the supervisor's handler, set before it forks them: a service manager's SIGTERM
+        # to every process of the server ends them as before.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for fd in _open_fds():
             if fd > 2 and fd not in keep:
                 with contextlib.suppress(OSError):

@@ -55,80 +55,92 @@ def default_workers() -> int:
 def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool) -> int:
     """Run `workers` serving processes until SIGTERM, SIGINT or SIGHUP; the exit status.
     Raises CannotStart for a fault found before or while the workers start."""
-    host, port = parse_listen(config.server.listen, "server.listen")
-    make_data_dirs(config)
-    holder = _hold_port(config.server.listen, host, port)
-    port = holder.getsockname()[1]
-    guard = _one_server_per_port(config.server.listen, host, port)
-    metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-"))
-    _multiprocess_metrics(metrics_dir)
-    # What every worker runs, imported once here and shared by the forks.
-    from prometheus_client.multiprocess import mark_process_dead
-
-    from proxy.symbols import forked_helpers
-    from proxy.web import app as _server  # noqa: F401
-
-    gc.freeze()
-    # Before any serving process exists: they inherit them, and so fork no helpers of their own.
-    forked_helpers.fork_helpers()
-    try:
-        if config.database.migrate_on_start:
-            _migrate_in_a_fork(config)
-    except BaseException:
-        # A start that fails (the database out of reach, say) leaves nothing behind: under a
-        # restarting service manager, a metrics folder each try would fill /tmp.
-        _end(holder, guard, metrics_dir)
-        raise
-    keeper = _Keeper(config, port, access_log, json_logs)
+    keeper = _Keeper(config, access_log, json_logs)
 
     def stop(signum: int, _frame: object) -> None:
         keeper.stopping = True
         keeper.signal_all(signal.SIGTERM)
 
+    # From the first moment: a stop while the server imports or migrates (a deploy's SIGTERM,
+    # a Ctrl-C) is an orderly one, not the default's death by signal (status -15, the metrics
+    # folder left behind) or a KeyboardInterrupt's traceback.
     previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     try:
-        for index in range(workers):
-            if not keeper.stopping:
-                keeper.start(index)
-        for index in range(workers):
-            while (killed := keeper.wait_ready(index)) is not None:
-                # Killed from outside while it started (the OOM killer, an operator): not
-                # a fault of the configuration, so it is replaced as a serving one would be.
-                mark_process_dead(killed[0], str(metrics_dir))  # type: ignore[no-untyped-call]
-                if keeper.stopping:  # SIGTERM came meanwhile: a new worker would miss it
-                    break
-                if not keeper.may_restart(index):
-                    raise CannotStart(f"worker {index} keeps dying while starting ({killed[1]})")
-                log.warning("worker %d %s while starting; starting another", index, killed[1])
-                keeper.start(index)
-        if not keeper.stopping:
-            log.info("symgate serving with %d workers on port %d", workers, port)
-        while not keeper.stopping:
-            died = keeper.reap()
-            if died is None:
-                time.sleep(REAP_EVERY_S)
-                continue
-            index, pid, status = died
-            # Its live gauges (fetches under way, breaker states) no longer count.
-            mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
-            if keeper.stopping:
-                break
-            if not keeper.may_restart(index):
-                log.error("worker %d keeps dying (%s); stopping", index, status)
-                keeper.signal_all(signal.SIGTERM)
-                keeper.wait_all()
-                return 1
-            log.warning("worker %d %s; starting another", index, status)
-            keeper.start(index)
-        keeper.wait_all()
-        return 0
-    except BaseException:
-        keeper.signal_all(signal.SIGTERM)
-        keeper.wait_all()
-        raise
+        return _supervise(config, workers, keeper)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
+    host, port = parse_listen(config.server.listen, "server.listen")
+    make_data_dirs(config)
+    holder = _hold_port(config.server.listen, host, port)
+    keeper.port = holder.getsockname()[1]
+    guard = _one_server_per_port(config.server.listen, host, keeper.port)
+    # A start that fails (the database out of reach, say) or is stopped leaves nothing behind
+    # (the finally below): under a restarting service manager, a metrics folder each try
+    # would fill /tmp.
+    metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-"))
+    try:
+        _multiprocess_metrics(metrics_dir)
+        # What every worker runs, imported once here and shared by the forks.
+        from prometheus_client.multiprocess import mark_process_dead
+
+        from proxy.symbols import forked_helpers
+        from proxy.web import app as _server  # noqa: F401
+
+        gc.freeze()
+        # Before any serving process exists: they inherit them, and so fork no helpers of
+        # their own.
+        forked_helpers.fork_helpers()
+        if config.database.migrate_on_start:
+            _migrate_in_a_fork(config, keeper)
+        try:
+            for index in range(workers):
+                if not keeper.stopping:
+                    keeper.start(index)
+            for index in range(workers):
+                while (killed := keeper.wait_ready(index)) is not None:
+                    # Killed from outside while it started (the OOM killer, an operator):
+                    # not a fault of the configuration, so it is replaced as a serving one
+                    # would be.
+                    mark_process_dead(  # type: ignore[no-untyped-call]
+                        killed[0], str(metrics_dir))
+                    if keeper.stopping:  # SIGTERM came meanwhile: a new worker would miss it
+                        break
+                    if not keeper.may_restart(index):
+                        raise CannotStart(
+                            f"worker {index} keeps dying while starting ({killed[1]})")
+                    log.warning("worker %d %s while starting; starting another", index,
+                                killed[1])
+                    keeper.start(index)
+            if not keeper.stopping:
+                log.info("symgate serving with %d workers on port %d", workers, keeper.port)
+            while not keeper.stopping:
+                died = keeper.reap()
+                if died is None:
+                    time.sleep(REAP_EVERY_S)
+                    continue
+                index, pid, status = died
+                # Its live gauges (fetches under way, breaker states) no longer count.
+                mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
+                if keeper.stopping:
+                    break
+                if not keeper.may_restart(index):
+                    log.error("worker %d keeps dying (%s); stopping", index, status)
+                    keeper.signal_all(signal.SIGTERM)
+                    keeper.wait_all()
+                    return 1
+                log.warning("worker %d %s; starting another", index, status)
+                keeper.start(index)
+            keeper.wait_all()
+            return 0
+        except BaseException:
+            keeper.signal_all(signal.SIGTERM)
+            keeper.wait_all()
+            raise
+    finally:
         _end(holder, guard, metrics_dir)
 
 
@@ -143,17 +155,26 @@ def _end(holder: socket.socket, guard: socket.socket, metrics_dir: Path) -> None
     forked_helpers.stop_helpers()
 
 
-def _migrate_in_a_fork(config: Config) -> None:
+def _migrate_in_a_fork(config: Config, keeper: _Keeper) -> None:
     """Migrate the database in a short-lived fork, before any worker starts: alembic and
     what it imports (~12 MiB) then never enter a long-lived process. CannotStart with the
-    reason if it cannot."""
+    reason if it cannot. A stop signal meanwhile ends it (a migration cut midway is
+    undone: its transaction never commits) and the start with it, without a fault."""
     from proxy.store import migrate
     from proxy.symbols import worker_process
     from proxy.web.app import startup_error
 
+    # As in _Keeper.start: the supervisor's handler must not run in the fork.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    if keeper.stopping:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return
     theirs, ours = os.pipe()
     pid = os.fork()
     if pid == 0:  # never returns
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(theirs)
         worker_process.name_process("symgate-migrate")  # in ps, not taken for a worker
         code = 1
@@ -170,12 +191,15 @@ def _migrate_in_a_fork(config: Config) -> None:
             logging.shutdown()
             os._exit(code)
     os.close(ours)
+    keeper.migration = pid
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     chunks = []
     while chunk := _read(theirs):
         chunks.append(chunk)
     os.close(theirs)
     _, status = os.waitpid(pid, 0)
-    if status != 0:
+    keeper.migration = None
+    if status != 0 and not keeper.stopping:
         raise CannotStart(b"".join(chunks).decode(errors="replace")
                           or f"migrating the database failed: the migration {_how(status)}")
 
@@ -222,9 +246,10 @@ def _multiprocess_metrics(folder: Path) -> None:
 class _Keeper:
     """The worker processes, by index, with the pipes they say "ready" (or why not) on."""
 
-    def __init__(self, config: Config, port: int, access_log: bool, json_logs: bool) -> None:
+    def __init__(self, config: Config, access_log: bool, json_logs: bool) -> None:
         self._config = config
-        self._port = port
+        self.port = 0  # the port the supervisor holds, known once it is bound
+        self.migration: int | None = None  # the migrating fork's pid, while it runs
         self._access_log = access_log
         self._json_logs = json_logs
         self._pids: dict[int, int] = {}
@@ -255,7 +280,7 @@ class _Keeper:
             os.close(theirs)
             code = 1
             try:
-                code = _worker(config, self._port, index, supervisor, ours, self._access_log,
+                code = _worker(config, self.port, index, supervisor, ours, self._access_log,
                                self._json_logs)
             finally:
                 # What exiting runs (multiprocessing's cleanup of its semaphores among it),
@@ -311,7 +336,7 @@ class _Keeper:
         return len(recent) <= MAX_RESTARTS
 
     def signal_all(self, sig: int) -> None:
-        for pid in self._pids.values():
+        for pid in [*self._pids.values(), *filter(None, [self.migration])]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
