@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sqlite3
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.elfs import ElfSet
 from tests.harness import Debuginfod, eventually
 from tests.processes import descendants, reap_all, spawn_serve, stop_serve
 
@@ -83,3 +85,42 @@ async def test_a_stop_signal_while_the_supervisor_migrates_stops_it_cleanly(
     await reap_all(tree, "the supervisor")
     # Its metrics folder and multiprocessing's, named after it (proxy.web.supervisor).
     assert not list(Path(tempfile.gettempdir()).glob(f"symgate-*-{proc.pid}-*"))
+
+
+async def _said_until(proc: asyncio.subprocess.Process, line: bytes) -> bytes:
+    """What it printed up to and including `line` (it must print it within 60 s)."""
+    assert proc.stdout is not None
+    said = b""
+    async with asyncio.timeout(60):
+        while line not in said:
+            chunk = await proc.stdout.read(4096)
+            assert chunk, said.decode(errors="replace")
+            said += chunk
+    return said
+
+
+@pytest.mark.one_database
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_stop_signal_while_a_local_directory_is_walked_at_start_ends_the_walk(
+        tmp_path: Path, database_url: str, debuginfod: Debuginfod, elfs: ElfSet, workers: int
+) -> None:
+    """The start went on to its end first (a minute for 30,000 files), then said "listening"
+    just to stop: past a service manager's patience for a big enough tree. Now the walk is
+    left and the server stops before it serves."""
+    tree = tmp_path / "debug"
+    tree.mkdir()
+    for n in range(5000):  # links: as many files to open, for no room on disk
+        os.link(elfs.prog.debug, tree / f"{n}.debug")
+    _, proc = await spawn_serve(tmp_path, tmp_path / "d", database_url, debuginfod.url,
+                                workers=workers, extra=f'[[upstreams]]\npath = "{tree}"\n')
+    try:
+        # Logged just before the local directories are walked.
+        said = await _said_until(proc, b"cache index loaded")
+        proc.terminate()
+        said += (await asyncio.wait_for(proc.communicate(), 60))[0]
+    finally:
+        await stop_serve([proc])
+    text = said.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "listening on" not in text and "Traceback" not in text, text
+    assert "Unclosed" not in text and "destroyed" not in text, text

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import stat
+import threading
 from collections.abc import AsyncIterator, Iterator
 from email.utils import formatdate
 from pathlib import Path
@@ -177,14 +178,23 @@ class LocalDirectory:
                 log.exception("rescanning %s failed", self.root)
 
     async def rescan(self) -> None:
-        self._index = await asyncio.to_thread(self._scan)
+        abandoned = threading.Event()
+        try:
+            self._index = await asyncio.to_thread(self._scan, abandoned)
+        except asyncio.CancelledError:
+            # The server stops: the walk is told to end, or it went on through the tree (a
+            # minute for 30,000 files) and the process's exit waited for its thread.
+            abandoned.set()
+            raise
 
-    def _scan(self) -> dict[Kind, dict[str, str]]:
+    def _scan(self, abandoned: threading.Event) -> dict[Kind, dict[str, str]]:
         index: dict[Kind, dict[str, str]] = {Kind.DEBUGINFO: {}, Kind.EXECUTABLE: {}}
         seen: dict[str, _Seen] = {}
         root = str(self.root)
         prefix = len(os.path.join(root, ""))
         for path in _walk(root):
+            if abandoned.is_set():
+                return index  # nobody waits for it
             rel = path[prefix:]
             build_id_layout = "/.build-id/" in f"/{rel}"
             try:

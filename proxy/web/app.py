@@ -160,108 +160,117 @@ def _lifecycle(
             replica = replica_id(config.cache_dir)
         except (OSError, ValueError) as e:
             raise CannotStart(f"cannot read or make this cache's replica id: {e}") from None
-        repo = Repository(create_engine(config.database_url, config.database.timeout_s),
-                          replica=replica, timeout_s=config.database.timeout_s)
-        metrics.replica.labels(replica=replica).set(1)
-        store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
-        cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
-                              shared=one_of_several)
-        # Purges from now on are applied; those before are in what load() reads (their rows
-        # are gone). Taken before load, so a purge made while it runs is not missed.
-        purges = PurgeNotices(repo, cache)
-        await purges.start()
-        await cache.load()
-        board = FlightBoard(store.flights)
-        board.clear_stale()
-        # Fetches and /metadata queries each have a pool of connections of their own. A
-        # fetch holds a fetch slot (cache.max_concurrent_fetches) and a connection per source
-        # it asks at once, so its pool needs no limit of its own; a limit there made a fetch
-        # wait for a connection within its first-byte limit, timed out and charged to an
-        # upstream it never reached: a client's flood of slow /metadata queries opened the
-        # breakers of healthy upstreams. Queries, which no slot bounds, have the limit.
-        session = _client_session(config, limit=0)
-        queries = _client_session(config, limit=config.cache.max_concurrent_fetches * 2)
-        shared, private = _sources(config, Sessions(session, queries), metrics)
-        local_dirs = [s for s in shared if isinstance(s, LocalDirectory)]
-        for local in local_dirs:
-            await local.start()
-        expiry = Expiry.from_config(config)
-        misses = RememberedMisses(repo, expiry, memo_s=config.negative.memo_s,
-                                  memo_entries=config.negative.memo_entries)
-        tier = _shared_tier(config, repo, metrics, cache.health, replica)
-        service = ArtifactService(
-            cache=cache, misses=misses, policy=config.fetch.policy,
-            max_concurrent_fetches=config.cache.max_concurrent_fetches,
-            max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
-            board=board, tier=tier, doubt_s=config.negative.not_found_ttl_s,
-            forwarded_ttl_limit=config.server.forwarded_ttl_limit,
-        )
-        await service.warm_up()
-        symbolize_metrics = SymbolizeMetrics(registry)
-        processes = worker_pool(config.symbolize)
-        symbols = SymbolResolver(
-            artifacts=service, tables=TableStore(repo, store, expiry, tier),
-            open_tables=OpenTables(config.symbolize.open_tables),
-            pool=BuildPool(processes, config.symbolize.build_workers,
-                           timeout_s=config.symbolize.build_timeout_s,
-                           memory_bytes=config.symbolize.build_memory_bytes),
-            workers=SymbolizeWorkers(config.symbolize, processes),
-            debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
-            enabled=config.symbolize.enabled,
-        )
-        await symbols.start()
-        app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
-                              symbolize_metrics, Tenancy(config, shared, private),
-                              Catalogue(repo, local_dirs),
-                              Uploads(service, repo, config.upload),
-                              SendTimeouts(config.server.send_timeout_s,
-                                           metrics.send_timeouts.inc),
-                              via_name=_via_name(config, replica))
-        cache.evicted.append(app[STATE].hot.forget)
-        # A version another process removed (an upload deleted or replaced): its bytes too.
-        cache.forgotten.append(app[STATE].hot.forget)
-        jobs = [
-            asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
-            # Other processes on this data dir add files this one's index never sees.
-            asyncio.create_task(_every(config.server.access_flush_s,
-                                       cache.enforce_shared_budget)),
-            asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
-            # Purges made on other replicas, or by the CLI, while this process has the file.
-            asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
-            # Which tenants have uploads, on any replica: their requests look there first.
-            asyncio.create_task(_every(config.cache.purge_poll_s, service.refresh_uploaders)),
-            asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
-        ]
-        if tier is not None and config.storage is not None:
-            def path_of(rec: ArtifactRecord) -> Path:
-                return store.artifact_path(rec.scope, ArtifactKey.from_id(rec.key))
+        # What is started is stopped again, in the reverse order, however the start ends: a
+        # stop signal cancels it midway (serve()), and what it had opened must not be left to
+        # the garbage collector's warnings or hold the process's exit.
+        async with contextlib.AsyncExitStack() as started:
+            repo = Repository(create_engine(config.database_url, config.database.timeout_s),
+                              replica=replica, timeout_s=config.database.timeout_s)
+            started.push_async_callback(repo.close)
+            metrics.replica.labels(replica=replica).set(1)
+            store = DiskStore(config.cache_dir, config.server.data_dir / "symtabs")
+            started.callback(store.close)
+            cache = ArtifactCache(store, repo, metrics, config.cache.max_bytes,
+                                  shared=one_of_several)
+            # Purges from now on are applied; those before are in what load() reads (their
+            # rows are gone). Taken before load, so a purge made while it runs is not missed.
+            purges = PurgeNotices(repo, cache)
+            await purges.start()
+            await cache.load()
 
-            jobs.append(asyncio.create_task(_every(config.storage.sync_s,
-                                                   lambda: tier.sync(path_of))))
-        log.info("symgate %s: replica %s, cache %s, database %s, upstreams %s", __version__,
-                 replica, config.cache_dir, _safe_url(config.database_url),
-                 " ".join(u.name for u in shared))
-        stderr = logs.stderr_lines()
-        stderr.on_dropped = metrics.log_lines_dropped.inc
-        try:
-            yield
-        finally:
-            stderr.on_dropped = None
-            for job in jobs:
-                job.cancel()
-            await service.cancel_all()
-            await symbols.close()
-            if tier is not None:
-                await tier.close()
+            async def flush_access() -> None:
+                with contextlib.suppress(Exception):
+                    await cache.flush_access()
+
+            started.push_async_callback(flush_access)
+            board = FlightBoard(store.flights)
+            started.callback(board.close)
+            board.clear_stale()
+            # Fetches and /metadata queries each have a pool of connections of their own. A
+            # fetch holds a fetch slot (cache.max_concurrent_fetches) and a connection per
+            # source it asks at once, so its pool needs no limit of its own; a limit there
+            # made a fetch wait for a connection within its first-byte limit, timed out and
+            # charged to an upstream it never reached: a client's flood of slow /metadata
+            # queries opened the breakers of healthy upstreams. Queries, which no slot
+            # bounds, have the limit.
+            session = _client_session(config, limit=0)
+            started.push_async_callback(session.close)
+            queries = _client_session(config, limit=config.cache.max_concurrent_fetches * 2)
+            started.push_async_callback(queries.close)
+            shared, private = _sources(config, Sessions(session, queries), metrics)
+            local_dirs = [s for s in shared if isinstance(s, LocalDirectory)]
             for local in local_dirs:
-                await local.stop()
-            with contextlib.suppress(Exception):
-                await cache.flush_access()
-            await session.close()
-            await queries.close()
-            board.close()
-            await repo.close()
-            store.close()
+                await local.start()
+                started.push_async_callback(local.stop)
+            expiry = Expiry.from_config(config)
+            misses = RememberedMisses(repo, expiry, memo_s=config.negative.memo_s,
+                                      memo_entries=config.negative.memo_entries)
+            tier = _shared_tier(config, repo, metrics, cache.health, replica)
+            if tier is not None:
+                started.push_async_callback(tier.close)
+            service = ArtifactService(
+                cache=cache, misses=misses, policy=config.fetch.policy,
+                max_concurrent_fetches=config.cache.max_concurrent_fetches,
+                max_artifact_bytes=config.cache.max_artifact_bytes, metrics=metrics,
+                board=board, tier=tier, doubt_s=config.negative.not_found_ttl_s,
+                forwarded_ttl_limit=config.server.forwarded_ttl_limit,
+            )
+            await service.warm_up()
+            symbolize_metrics = SymbolizeMetrics(registry)
+            processes = worker_pool(config.symbolize)
+            symbols = SymbolResolver(
+                artifacts=service, tables=TableStore(repo, store, expiry, tier),
+                open_tables=OpenTables(config.symbolize.open_tables),
+                pool=BuildPool(processes, config.symbolize.build_workers,
+                               timeout_s=config.symbolize.build_timeout_s,
+                               memory_bytes=config.symbolize.build_memory_bytes),
+                workers=SymbolizeWorkers(config.symbolize, processes),
+                debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
+                enabled=config.symbolize.enabled,
+            )
+            await symbols.start()
+            started.push_async_callback(symbols.close)
+            # Before the symbol tables close: builds wait on the fetches it holds.
+            started.push_async_callback(service.cancel_all)
+            app[STATE] = AppState(config, exposed, metrics, repo, session, service, symbols,
+                                  symbolize_metrics, Tenancy(config, shared, private),
+                                  Catalogue(repo, local_dirs),
+                                  Uploads(service, repo, config.upload),
+                                  SendTimeouts(config.server.send_timeout_s,
+                                               metrics.send_timeouts.inc),
+                                  via_name=_via_name(config, replica))
+            cache.evicted.append(app[STATE].hot.forget)
+            # A version another process removed (an upload deleted or replaced): its bytes too.
+            cache.forgotten.append(app[STATE].hot.forget)
+            jobs = [
+                asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
+                # Other processes on this data dir add files this one's index never sees.
+                asyncio.create_task(_every(config.server.access_flush_s,
+                                           cache.enforce_shared_budget)),
+                asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
+                # Purges made on other replicas, or by the CLI, while this process has the
+                # file.
+                asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
+                # Which tenants have uploads, on any replica: their requests look there first.
+                asyncio.create_task(_every(config.cache.purge_poll_s,
+                                           service.refresh_uploaders)),
+                asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
+            ]
+            if tier is not None and config.storage is not None:
+                def path_of(rec: ArtifactRecord) -> Path:
+                    return store.artifact_path(rec.scope, ArtifactKey.from_id(rec.key))
+
+                jobs.append(asyncio.create_task(_every(config.storage.sync_s,
+                                                       lambda: tier.sync(path_of))))
+            for job in jobs:
+                started.callback(job.cancel)
+            stderr = logs.stderr_lines()
+            stderr.on_dropped = metrics.log_lines_dropped.inc
+            started.callback(setattr, stderr, "on_dropped", None)  # undone first
+            log.info("symgate %s: replica %s, cache %s, database %s, upstreams %s",
+                     __version__, replica, config.cache_dir, _safe_url(config.database_url),
+                     " ".join(u.name for u in shared))
+            yield
 
     return lifecycle
 
@@ -368,10 +377,9 @@ async def serve(config: Config, access_log: logging.Logger | None,
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     try:
-        try:
-            await runner.setup()
-        except Exception as e:
-            raise startup_error(config, e) from None
+        if not await _started(runner, stop, config):
+            log.info("stopped while starting")
+            return
         guard.quick = FastHits(runner.app[STATE], None if access_log is None
                                else access_log_class(access_log, ""))
         guard.send_timeouts = runner.app[STATE].send_timeouts
@@ -399,6 +407,26 @@ async def serve(config: Config, access_log: logging.Logger | None,
         await runner.cleanup()
         if sink is not None:
             sink.flush()
+
+
+async def _started(runner: web.AppRunner, stop: asyncio.Event, config: Config) -> bool:
+    """Set the application up, unless a stop signal comes first: False then, with what it had
+    started stopped again. A start can take minutes (a local directory of 100,000 files
+    walked): a deploy's SIGTERM meanwhile waited for all of it, past a service manager's
+    patience, and the server said it was listening just to stop."""
+    setup = asyncio.ensure_future(runner.setup())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((setup, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not setup.done():
+        setup.cancel()
+        await asyncio.gather(setup, return_exceptions=True)  # a fault meanwhile: no matter
+        return False
+    try:
+        setup.result()
+    except Exception as e:
+        raise startup_error(config, e) from None
+    return True
 
 
 def body_options() -> dict[str, Any]:
