@@ -33,6 +33,10 @@ def _run(connection: Connection) -> None:
         # alembic committed SQLite's one by one.
         transactional_ddl=True,
     )
+    if connection.dialect.name == "sqlite" and _at_head(connection):
+        # Read only, in a transaction of its own: a file at head that cannot be written
+        # (read-only, immutable) starts as before, without the write lock below.
+        return
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
             # Replicas started at once on a fresh database would each create the same tables
@@ -41,6 +45,20 @@ def _run(connection: Connection) -> None:
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         _known_revision()
         context.run_migrations()
+
+
+def _at_head(connection: Connection) -> bool:
+    connection.info[_READING] = True
+    try:
+        heads = set(context.get_context().get_current_heads())
+    finally:
+        connection.rollback()
+        connection.info.pop(_READING)
+    return heads == set(ScriptDirectory.from_config(config).get_heads())
+
+
+# Set on a connection while it only reads: its transaction begins without the write lock.
+_READING = "symgate_reading"
 
 
 def _known_revision() -> None:
@@ -68,7 +86,13 @@ def _transactional_ddl(engine: AsyncEngine) -> None:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN")
+        # IMMEDIATE: the file's write lock taken now, waited for (busy_timeout) while another
+        # server's migration holds it. A plain BEGIN read alembic_version first and asked for
+        # the lock at the first CREATE: with a migration of another server started at the
+        # same moment, SQLite answers "database is locked" at once (it cannot wait for a
+        # writer whose commit would change what this transaction has read), and that start
+        # failed.
+        conn.exec_driver_sql("BEGIN" if conn.info.get(_READING) else "BEGIN IMMEDIATE")
 
 
 async def _run_online() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from sqlalchemy import text
 
 from proxy.store import migrate
 from proxy.store.repository import create_engine
-from tests.processes import run_in_thread
+from tests.harness import Debuginfod
+from tests.processes import run_in_thread, spawn_serve, stop_serve, wait_until_serving
 
 # Runs the migrations and SIGKILLs itself once a statement containing argv[2] has run.
 _KILLED_AT = """
@@ -71,3 +73,32 @@ def _head() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(migrate.alembic_config("sqlite://")).get_current_head()
+
+
+async def test_a_migration_waits_for_another_servers_migration_on_sqlite(
+        tmp_path: Path, debuginfod: Debuginfod) -> None:
+    """Two servers started at once on a fresh SQLite database: the one that came second to
+    the file's write lock failed at once with "database is locked" (its transaction had
+    read alembic_version before it asked to write), rather than waiting for the first one's
+    migration and finding the schema at head. The first one is played by a connection of
+    the test's holding the write lock."""
+    db = tmp_path / "symgate.sqlite"
+    url = f"sqlite+aiosqlite:///{db}"
+    held = sqlite3.connect(db, isolation_level=None)
+    held.execute("PRAGMA journal_mode=WAL")  # as symgate's connections set it
+    held.execute("BEGIN IMMEDIATE")
+    base, proc = await spawn_serve(tmp_path, tmp_path / "d", url, debuginfod.url)
+    try:
+        assert proc.stdout is not None
+        said = b""
+        async with asyncio.timeout(60):
+            while b"Will assume transactional DDL" not in said:
+                said += await proc.stdout.readline()
+                assert not proc.stdout.at_eof(), said.decode()
+        # Time to reach the lock: arriving later only lets the test pass without a wait.
+        await asyncio.sleep(1)
+        held.rollback()
+        await wait_until_serving(base, proc)
+    finally:
+        held.close()
+        await stop_serve([proc])
