@@ -60,9 +60,9 @@ async def test_a_table_another_process_is_building_is_waited_for_not_built_again
     status, headers, _ = await pending
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await builder.metric("symgate_symtab_builds_total", result="ok") == 1
-    assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 0
-    # The builder had the debug file alone; the executable the profile fetched makes the table
-    # once more, with it, as a server that had both from the start builds it.
+    # The waiter built nothing for the profile. But the builder had the debug file alone; the
+    # executable the profile fetched makes the table once more, with it, after the profile
+    # (as a server that had both from the start builds it): that one build, no other.
     await waiter.built()
     assert await waiter.metric("symgate_symtab_builds_total", result="ok") == 1
     assert not table_lock_file(builder, elfs.prog.build_id).exists()
