@@ -198,8 +198,8 @@ class Bucket:
                 page = await asyncio.wait_for(anext(pages), self._config.read_timeout_s)
             except StopAsyncIteration:
                 break
-            except FileNotFoundError as e:
-                raise self._failed("list", e) from e
+            # A listing has no object to miss: even the bucket's own 404 (FileNotFoundError,
+            # an OSError) is its failure.
             except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
                 raise self._failed("list", e) from e
             for meta in page:
