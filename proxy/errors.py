@@ -5,6 +5,7 @@ proxy/web/errors.py maps each to one HTTP status; nothing else chooses a status.
 
 from __future__ import annotations
 
+import errno
 from typing import ClassVar
 
 from symbolize.outcome import Outcome, TryAgain
@@ -151,6 +152,14 @@ class OutOfResources(SymgateError):
     descriptors): answered 503 with Retry-After, not as an internal error."""
 
     outcome = Outcome.UNAVAILABLE
+
+
+def out_of_descriptors(error: OSError) -> OutOfResources | None:
+    """The OutOfResources that `error` is when it says the descriptor table is full (the
+    process's or the system's), else None: a passing condition, not a fault of the server."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        return OutOfResources("the server is out of file descriptors; retry later")
+    return None
 
 
 class WorkerLost(SymgateError, TryAgain):

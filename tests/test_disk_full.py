@@ -265,6 +265,32 @@ async def test_no_descriptor_for_a_temp_file_is_503_with_retry_after(
     assert status == 200 and body == elfs.other.debug.read_bytes()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_descriptor_to_open_a_hit_or_a_sections_file_is_503_with_retry_after(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A hit too big to be kept in memory is sent from its file, and a section is cut from
+    its cached file: with no descriptor to open either, a passing condition of the server (a
+    503 with Retry-After, counted `unavailable`), not an internal error."""
+    sg = await start_symgate([faults.url_for("ok")])
+    big = f"/buildid/{elfs.big.build_id}/executable"
+    section = f"/buildid/{elfs.big.build_id}/section/.text"
+    assert (await sg.get(big))[0] == 200
+    await sg.settled()
+    with _no_descriptor_left():
+        answers = [await sg.get(big), await sg.get(section)]
+    for status, headers, body in answers:
+        assert status == 503, body
+        assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    status, _, body = await sg.get(big)
+    assert status == 200 and body == elfs.big.executable.read_bytes()
+    assert (await sg.get(section))[0] == 200
+    counted = {labels: n for (name, labels), n in (await sg.metrics()).items()
+               if name == "symgate_requests_total" and n}
+    outcomes = [dict(labels)["outcome"] for labels in counted]
+    assert "internal" not in outcomes and "unavailable" in outcomes, counted
+
+
 def _debug_tree(root: Path, *elfs: Elf) -> Path:
     """A local debug directory, off the full disk, as a distribution's debug packages make."""
     for elf in elfs:

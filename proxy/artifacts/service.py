@@ -38,6 +38,7 @@ from proxy.errors import (
     TooLarge,
     UpstreamUnavailable,
     VerificationFailed,
+    out_of_descriptors,
 )
 from proxy.health import DISK
 from proxy.keys import ArtifactKey, Kind
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 # Times a request tries to claim a key's fetch, following other processes' in between.
 CLAIM_ROUNDS = 3
 # How long a stopping server waits for downloads that are being committed.
@@ -859,6 +859,9 @@ class ArtifactService:
             except FileNotFoundError:
                 await self.vanished(cached)
                 opened = None
+            except OSError as e:
+                self._raise_os_failure(e)
+                raise
             if opened is not None:
                 try:
                     yield _Parent(
@@ -972,9 +975,9 @@ class ArtifactService:
         and is left to the caller to raise."""
         if error.errno in _NO_SPACE:
             raise self.disk_full(error) from error
-        if error.errno in _NO_DESCRIPTORS:
+        if (full := out_of_descriptors(error)) is not None:
             log.warning("cannot open a cache file: %s", error)
-            raise OutOfResources("the server is out of file descriptors; retry later") from error
+            raise full from error
 
     def disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"

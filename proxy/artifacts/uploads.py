@@ -34,6 +34,7 @@ from proxy.errors import (
     RequestTimeout,
     UnprocessableUpload,
     UploadBudgetFull,
+    out_of_descriptors,
 )
 from proxy.health import DISK
 from proxy.keys import ArtifactKey
@@ -272,6 +273,4 @@ class Uploads:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             self._cache.health.fail(DISK, f"no space left for an upload ({error})")
             return InsufficientStorage("insufficient storage: the cache's disk is full")
-        if error.errno in (errno.EMFILE, errno.ENFILE):
-            return OutOfResources("the server is out of file descriptors; retry later")
-        return error
+        return out_of_descriptors(error) or error

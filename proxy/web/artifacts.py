@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
 from proxy.artifacts.service import Hit, Streaming
-from proxy.errors import InvalidRequest, OutOfResources, TooLarge
+from proxy.errors import InvalidRequest, OutOfResources, TooLarge, out_of_descriptors
 from proxy.headers import decimal
 from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
@@ -138,6 +138,10 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             # Evicted by another process, or deleted: find it again (fetched anew).
             await state.service.vanished(result.artifact)
             continue
+        except OSError as e:
+            if (full := out_of_descriptors(e)) is not None:
+                raise full from e
+            raise
         if not (hot.describes(fd) if hot is not None
                 else os.fstat(fd).st_size == result.artifact.record.size):
             # Not the hit's commit: another process put another there (an upload over a
