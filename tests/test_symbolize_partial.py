@@ -6,6 +6,7 @@ and work cut off by the deadline goes on to serve the next request."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import replace
 
 import pytest
@@ -150,3 +151,22 @@ async def test_a_mapping_whose_addresses_are_in_no_function_is_told_apart_from_n
     assert await sg.metric("symgate_symbolize_mappings_total", result="no_symbols") == 0
     out = parse(body)
     assert all(not loc.line for loc in out.location if loc.mapping_id == 2)
+
+
+async def test_an_upstream_failing_both_files_leaves_no_failure_unretrieved(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The executable is fetched beside the debug file. When both fail, the executable's
+    failure was left unread whenever it came first: asyncio then logged it as an ERROR with
+    its traceback ("Task exception was never retrieved"), one per mapping, in the logs an
+    operator alerts on, for an upstream error already counted and answered."""
+    sg = await start_symgate([fast_upstream(faults.url_for("status500"), retries=0)],
+                             symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])])
+    status, headers, _body = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "upstream_error=1"
+    await sg.settled()
+    gc.collect()  # a task's unread failure is reported as the task is collected
+    await asyncio.sleep(0)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -328,7 +328,9 @@ class SymbolResolver:
                     return _Source(path, exe_key.id, scope, (scope, exe_key),
                                    (path, (scope, exe_key)))
         finally:
-            if exe is not None and not exe.done():  # it fills the cache all the same
+            # Its failure read, whenever it comes (before the debug file's too, which left it
+            # to asyncio's "never retrieved" ERROR); a fetch still under way fills the cache.
+            if exe is not None:
                 exe.add_done_callback(lambda f: f.cancelled() or f.exception())
         if local_exe is None:
             return None
