@@ -18,10 +18,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.errors import OutOfResources
 from proxy.keys import ArtifactKey
+from proxy.sources.base import Hop
+from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, make_config
+from tests.harness import SymgateFactory, eventually, fast_upstream, make_config
 from tests.processes import start_serve, stop_serve
 from tests.profiles import make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -226,9 +229,10 @@ async def test_no_inode_for_a_temp_file_is_507_degraded_and_recovers(
 
 
 @contextlib.contextmanager
-def _no_descriptor_left() -> Iterator[None]:
-    """Every descriptor this process may open taken (by /dev/null): the next open is EMFILE.
-    Sockets already open (a client's keep-alive connection) go on working."""
+def _no_descriptor_left(free: int = 0) -> Iterator[None]:
+    """Every descriptor this process may open taken (by /dev/null) but `free` of them: the
+    open after those is EMFILE. Sockets already open (a client's keep-alive connection) go on
+    working."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
@@ -240,6 +244,8 @@ def _no_descriptor_left() -> Iterator[None]:
             except OSError as e:
                 assert e.errno == errno.EMFILE
                 break
+        for _ in range(free):
+            os.close(fillers.pop())
         yield
     finally:
         for fd in fillers:
@@ -289,6 +295,24 @@ async def test_no_descriptor_to_open_a_hit_or_a_sections_file_is_503_with_retry_
                if name == "symgate_requests_total" and n}
     outcomes = [dict(labels)["outcome"] for labels in counted]
     assert "internal" not in outcomes and "unavailable" in outcomes, counted
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_descriptor_for_a_socket_to_the_upstream_is_503_and_the_upstream_not_blamed(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A socket that could not be made said nothing of the upstream, yet it counted as the
+    upstream's failure: its breaker (opened here by one) then turned every miss away with a
+    502 for its whole cool-down. Asked of the running server's own upstream: through
+    /buildid, a miss's temp file would take the last descriptor before the socket does."""
+    sg = await start_symgate([fast_upstream(faults.url_for("ok"), breaker_failures=1)])
+    upstream, = sg.runner.app[STATE].tenancy.shared_sources
+    key = ArtifactKey.parse(elfs.other.build_id, "debuginfo")
+    with _no_descriptor_left(), pytest.raises(OutOfResources):
+        await upstream.open(key, Hop())
+    assert await sg.metric("symgate_upstream_breaker_state", upstream=upstream.name) == 0
+    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 200 and body == elfs.other.debug.read_bytes()
 
 
 def _debug_tree(root: Path, *elfs: Elf) -> Path:

@@ -15,7 +15,7 @@ import aiohttp
 from yarl import URL
 
 from proxy.config import UpstreamConfig, shown_url
-from proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import OutOfResources, UpstreamTimeout, UpstreamUnavailable, out_of_descriptors
 from proxy.headers import decimal, http_date, printable, retry_after
 from proxy.inflating import CODINGS, Inflater, Unreadable
 from proxy.keys import ArtifactKey, Kind
@@ -249,8 +249,8 @@ class Upstream:
                 if delay:
                     await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 return await self._attempt(key, hop)
-            except asyncio.CancelledError:
-                if trial:
+            except (asyncio.CancelledError, OutOfResources):
+                if trial:  # nothing learnt of the upstream: the next request is the trial
                     self.breaker.abandon()
                 raise
             except _Permanent as e:
@@ -376,6 +376,10 @@ class Upstream:
                     # that ends short (aiohttp does for deflate only).
                     auto_decompress=decompress)
             except aiohttp.ClientConnectorError as e:
+                # No descriptor for the socket: this server's passing trouble, to be answered
+                # with Retry-After, and nothing said of the upstream (its breaker).
+                if (full := out_of_descriptors(e.os_error)) is not None:
+                    raise full from e
                 # The connector's resolver applies the address rule to the answer it connects
                 # to, which may not be the one _refusal was given (DNS rebinding).
                 if isinstance(e.os_error, redirects.RefusedAddress):
