@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,6 +74,36 @@ async def test_sigterm_exits_within_the_grace_with_a_request_hanging(
     # A bound on the grace (3 s), not a speed test: aiohttp's own shutdown waits the grace
     # twice over (6.3 s here before); the grace alone is 3.2-3.9 s, under load too.
     assert took < 5.0, f"exited {took:.1f} s after SIGTERM with a 3 s grace"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_second_stop_signal_cuts_the_grace_short(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, workers: int
+) -> None:
+    """An hour's grace, a response hanging in it: an operator who asks twice (a second
+    Ctrl-C, a second SIGTERM) is not made to wait the hour, nor to reach for SIGKILL, which
+    leaves the metrics folder and the helpers behind."""
+    base, proc = await _start(tmp_path, faults.url_for("hang-mid-body"),
+                              f"shutdown_grace_s = 3600\nworkers = {workers}\n")
+    assert proc.stdout is not None
+    url = f"{base}/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        await r.content.readexactly(1024)  # the response is under way
+        proc.send_signal(signal.SIGTERM)
+        said = []
+        while sum("responses under way have" in line for line in said) < workers:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line, said
+            said.append(line)
+        # Past the window in which a signal is the same stop (one Ctrl-C reaches the
+        # workers from the terminal and from the supervisor).
+        await asyncio.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 60)
+    said.append((await proc.stdout.read()).decode())
+    assert code == 0, "".join(said)
+    assert "responses under way are cut" in "".join(said)
 
 
 async def test_access_log_counts_the_bytes_of_a_cut_off_response(

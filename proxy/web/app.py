@@ -47,6 +47,7 @@ from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
 from proxy.web.fast_hits import FastHits
+from proxy.web.grace import unfinished
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
@@ -393,15 +394,27 @@ async def serve(config: Config, access_log: logging.Logger | None,
                  "limit %d)", __version__, "" if worker is None else f" worker {worker}",
                  where, max_connections, fd_limit)
         await stop.wait()
-        log.info("stopping: responses under way have %.1f s to finish",
-                 config.server.shutdown_grace_s)
+        log.info("stopping: responses under way have %.1f s to finish (a second stop signal "
+                 "cuts them now)", config.server.shutdown_grace_s)
+        cut = asyncio.Event()
+        stopped_at = loop.time()
+
+        def cut_now() -> None:
+            # A Ctrl-C or a hangup reaches the terminal's whole process group, and the
+            # supervisor passes it on as SIGTERM too: one stop arrives twice at once.
+            if not cut.is_set() and loop.time() - stopped_at >= _SAME_STOP_S:
+                log.info("stopping now: responses under way are cut")
+                cut.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, cut_now)
         server.close()  # no new connections; idle kept-alive ones are closed by the drain
         guard.close_quick()  # and those aiohttp was never told of
         assert runner.server is not None
         # aiohttp's connections sending a quick file are the guard's to finish, then close.
         await asyncio.gather(_drain(runner.server, config.server.shutdown_grace_s,
-                                    guard.sending_for_aiohttp()),
-                             guard.finish_sends(config.server.shutdown_grace_s))
+                                    guard.sending_for_aiohttp(), cut),
+                             guard.finish_sends(config.server.shutdown_grace_s, cut))
     finally:
         server.close()
         await runner.cleanup()
@@ -444,14 +457,18 @@ def body_options() -> dict[str, Any]:
 # a client that sends slowly; a client on a fast path is done well within this.
 _LINGER_S = 1.0
 
+# Stop signals this close to the first are the same stop (cut_now in serve()).
+_SAME_STOP_S = 1.0
+
 # Past the grace, aiohttp's shutdown(timeout) of a connection waits this long for its handler,
 # then cancels it and waits as long again before closing the connection regardless.
 _CUT_S = 0.05
 
 
 async def _drain(server: web.Server, grace_s: float,
-                 sending: set[asyncio.BaseProtocol]) -> None:
-    """Let requests under way finish for up to `grace_s`, then cut them: aiohttp's own
+                 sending: set[asyncio.BaseProtocol], cut: asyncio.Event) -> None:
+    """Let requests under way finish for up to `grace_s` (until `cut` is set, if sooner),
+    then cut them: aiohttp's own
     shutdown(timeout) waits the timeout twice over (once for the handler, once more for its
     cancellation), so the grace is kept here. The connections in `sending` are left alone:
     idle to aiohttp, each is sending a file and closes once it is out."""
@@ -463,7 +480,7 @@ async def _drain(server: web.Server, grace_s: float,
     waits = [asyncio.create_task(conn.shutdown(grace_s)) for conn in ours]
     if not waits:
         return
-    _, late = await asyncio.wait(waits, timeout=grace_s)
+    late = await unfinished(waits, grace_s, cut)
     for task in late:
         task.cancel()
     await asyncio.gather(*late, return_exceptions=True)

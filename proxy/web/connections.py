@@ -21,6 +21,7 @@ from typing import IO, Protocol
 
 from proxy.metrics import ProxyMetrics
 from proxy.web.file_sends import cork, send_if_room, send_whole
+from proxy.web.grace import unfinished
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
 log = logging.getLogger(__name__)
@@ -145,13 +146,13 @@ class ConnectionGuard:
         idle to aiohttp, which would close them at once when the server stops."""
         return {conn._inner for conn in self._senders if conn._handed}
 
-    async def finish_sends(self, grace_s: float) -> None:
-        """The files quick connections are sending get `grace_s` to go out, as aiohttp's
-        responses under way do when the server stops; then they are cut."""
+    async def finish_sends(self, grace_s: float, cut: asyncio.Event) -> None:
+        """The files quick connections are sending get `grace_s` to go out (or until `cut` is
+        set), as aiohttp's responses under way do when the server stops; then they are cut."""
         sends = [c._sending for c in self._senders if c._sending is not None]
         if not sends:
             return
-        _done, late = await asyncio.wait(sends, timeout=grace_s)
+        late = await unfinished(sends, grace_s, cut)
         if not late:
             return
         # Cut by shutting the sockets down: the sendfile under way then fails at once and
