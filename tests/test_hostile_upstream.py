@@ -72,6 +72,10 @@ async def test_a_redirect_to_another_origin_needs_listing_and_gets_no_credential
     start_symgate: SymgateFactory, faults: FaultUpstream, second: FaultUpstream,
     elfs: ElfSet,
 ) -> None:
+    """Nor what the client told of itself: its address (X-Forwarded-For) and its tool
+    (User-Agent) are for the upstream the operator chose, not for every host it redirects
+    to (a third party's mirror or CDN)."""
+    client = {"X-Forwarded-For": "10.20.30.40", "User-Agent": "elfutils/0.188 secret-host"}
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
     faults.redirect_target = f"{second.url_for('ok')}{path}"
     up = faults.url_for("redirect-to")
@@ -88,12 +92,16 @@ async def test_a_redirect_to_another_origin_needs_listing_and_gets_no_credential
         sg = await start_symgate(
             [fast_upstream(up, headers=secret, redirect_hosts=[listed])],
             data_dir=sg.config.server.data_dir.with_name(listed.split(":")[0]))
-        status, _, body = await sg.get(path)
+        status, _, body = await sg.get(path, headers=client)
         # Loopback to loopback is fine for an upstream that is itself on loopback.
         assert status == 200 and body == elfs.prog.debug.read_bytes()
     assert second.count("ok") == 2
     assert all("Authorization" not in h for h in second.headers)
     assert all(h.get("Authorization") == "Bearer sesame" for h in faults.headers)
+    told = faults.headers[-1]
+    assert "10.20.30.40" in told["X-Forwarded-For"] and "secret-host" in told["User-Agent"]
+    assert all("X-Forwarded-For" not in h and "secret-host" not in h["User-Agent"]
+               for h in second.headers), second.headers
 
 
 @pytest.mark.parametrize("target", ["ftp://127.0.0.1/x", "file:///etc/passwd",

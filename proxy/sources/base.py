@@ -52,11 +52,14 @@ class Hop:
 
     def headers(self) -> dict[str, str]:
         out = {"X-Forwarded-For": self.forwarded_for} if self.forwarded_for else {}
-        if self.via:
-            out["Via"] = self.via
+        out.update(self.loop_headers())
         if ua := printable(self.user_agent, MAX_USER_AGENT):
             out["User-Agent"] = f"{ua} {USER_AGENT}"
         return out
+
+    def loop_headers(self) -> dict[str, str]:
+        """Only what a loop of caches is seen by (Via): nothing of the client."""
+        return {"Via": self.via} if self.via else {}
 
 
 class Body(Protocol):

@@ -356,11 +356,14 @@ class Upstream:
         operator allows (proxy.sources.redirects); _Permanent for any other."""
         previous = url
         for _ in range(self.cfg.max_redirects + 1):
-            headers = {"User-Agent": USER_AGENT, **hop.headers(),
+            own_origin = redirects.origin(url) == redirects.origin(self._base_url)
+            # What the client told of itself (its address, its tool) is for the upstream the
+            # operator chose, not for every host it redirects to (a third party's mirror).
+            headers = {"User-Agent": USER_AGENT,
+                       **(hop.headers() if own_origin else hop.loop_headers()),
                        # Bodies are counted against max_artifact_bytes as written; debuginfod
                        # serves files uncompressed, and elfutils' server never compresses.
                        "Accept-Encoding": "identity"}
-            own_origin = redirects.origin(url) == redirects.origin(self._base_url)
             if own_origin:
                 headers.update(self.cfg.headers)  # credentials go to the upstream alone
                 if self._url_authorization and not any(k.lower() == "authorization"
