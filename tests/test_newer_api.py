@@ -237,3 +237,25 @@ async def test_malformed_metadata_queries_are_400_and_never_go_upstream(
             s.get(sg.url + "/metadata?key=glob&key=file&value=x") as r:
         assert r.status == 400
     assert modern.metadata_queries == []
+
+
+async def test_globs_a_client_sends_are_not_kept_by_the_process(
+    start_symgate: SymgateFactory, modern: ModernUpstream, elfs: ElfSet
+) -> None:
+    """fnmatch keeps every pattern it compiles in a cache of 32,768 entries: a 4 KiB glob
+    compiles to ~125 KB, so clients sending distinct globs grew a serving process by up to
+    4 GB (3,000 of them: 116 -> 490 MB), each compile on the event loop."""
+    import fnmatch
+
+    sg = await start_symgate([f"{modern.url}/ok"])
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
+    await sg.settled()  # a row to match, so the glob is compiled
+    kept = fnmatch._compile_pattern.cache_info().currsize  # type: ignore[attr-defined]
+    for i in range(20):
+        status, doc = await _metadata(sg.url, key="glob", value="*" + "r*" * 1300 + f"{i}")
+        assert status == 200 and doc["results"] == [
+            {"type": "executable", "buildid": elfs.other.build_id, "file": "/usr/bin/other"}]
+    status, doc = await _metadata(sg.url, key="glob", value="/usr/bin/p[!x]o*")
+    assert sorted(r["file"] for r in doc["results"]) == [  # type: ignore[attr-defined]
+        "/usr/bin/other", elfs.prog.executable.name]
+    assert fnmatch._compile_pattern.cache_info().currsize == kept  # type: ignore[attr-defined]
