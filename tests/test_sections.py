@@ -277,3 +277,21 @@ async def test_a_section_whose_file_had_to_be_fetched_is_counted_a_miss(
     status, _, _ = await sg.get(path)
     assert status == 200 and faults.count("ok") == 1
     assert await sg.metric("symgate_requests_total", outcome="hit", **labels) == 1
+
+
+@sqlite_only
+@pytest.mark.parametrize("liar", ["wrong-bytes", "html"])
+async def test_a_section_whose_first_upstream_sends_another_file_is_cut_from_the_next(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
+    elfs: ElfSet, liar: str,
+) -> None:
+    """A GET of the debuginfo (or executable) whose first upstream sends another file, or no
+    ELF file, is asked again at once, the others first (README): a section, cut only once its
+    file is whole, had none of the bad answer sent either, yet was answered 502."""
+    sg = await start_symgate([faults.url_for(liar), faults.url_for("ok")])
+    for name in (".text", ".debug_info"):  # the executable's, the debuginfo's
+        path = f"/buildid/{elfs.prog.build_id}/section/{name}"
+        want = await _direct(debuginfod.url + path)
+        status, headers, body = await sg.get(path)
+        assert (status, body) == (200, want[2]), (name, body[:200])
+        assert headers["X-DEBUGINFOD-FILE"] == want[1]["X-DEBUGINFOD-FILE"]

@@ -819,7 +819,21 @@ class ArtifactService:
         """The artifact to cut from, fetched first if need be (joining any fetch under way),
         held (leased, and open) until the cut is done. A cached file found gone as it is
         opened is fetched again, once (`again`)."""
-        result = await self.find(key, req, cache_only=cache_only)
+        for attempt in range(2):
+            result = await self.find(key, req, cache_only=cache_only)
+            if isinstance(result, Hit):
+                break
+            try:
+                await result.flight.wait_settled()
+            except BaseException:
+                result.reader.close()
+                raise
+            if attempt or result.flight.error is None or not result.flight.lied:
+                break
+            # The upstream that answered sent another file, and a cut waits for the whole
+            # file, so none of it was sent: the others are asked first now (Flight.lied), as
+            # a GET of the file itself is asked again.
+            result.reader.close()
         if isinstance(result, Hit):
             cached = result.artifact
         else:
