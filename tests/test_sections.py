@@ -295,3 +295,25 @@ async def test_a_section_whose_first_upstream_sends_another_file_is_cut_from_the
         status, headers, body = await sg.get(path)
         assert (status, body) == (200, want[2]), (name, body[:200])
         assert headers["X-DEBUGINFOD-FILE"] == want[1]["X-DEBUGINFOD-FILE"]
+
+
+@sqlite_only
+async def test_a_section_of_the_executable_is_cut_though_the_debuginfo_is_another_file(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """A stale debug tree whose .debug link is another build's file, its executable right: a
+    debuginfo that cannot be had, as when its upstream fails, and the section is the
+    executable's, as elfutils serves it. The wrong file was the answer: a 502."""
+    from proxy.config import UpstreamConfig
+    from tests.elfs import build_id_tree
+
+    prog = elfs.prog
+    tree = build_id_tree(tmp_path / "debug", prog.build_id, elfs.other.debug, prog.executable)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0)])
+    assert (await sg.get(f"/buildid/{prog.build_id}/debuginfo"))[0] == 502
+    path = f"/buildid/{prog.build_id}/section/.text"  # NOBITS in the debuginfo
+    want = await _direct(debuginfod.url + path)
+    status, _, body = await sg.get(path)
+    assert (status, body) == (200, want[2])
+    status, _, _ = await sg.get(f"/buildid/{prog.build_id}/section/.debug_info")
+    assert status == 502  # the debuginfo's alone: its failure is the answer

@@ -793,8 +793,9 @@ class ArtifactService:
         return hit
 
     async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
-        # A debuginfo that cannot be had (too large, its upstream failing) still leaves the
-        # executable to cut from; its failure is the answer only if that has no section either.
+        # A debuginfo that cannot be had (too large, its upstream failing, or sending another
+        # file) still leaves the executable to cut from; its failure is the answer only if that
+        # has no section either.
         failure: SymgateError | None = None
         for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
             parent_key = ArtifactKey(key.build_id, kind)
@@ -807,7 +808,7 @@ class ArtifactService:
                                fetched=parent.fetched)
             except NotFound:
                 continue
-            except (TooLarge, UpstreamUnavailable) as e:
+            except (TooLarge, UpstreamUnavailable, VerificationFailed) as e:
                 failure = failure or e
         if failure is not None:
             raise failure
