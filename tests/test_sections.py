@@ -21,7 +21,7 @@ import pytest
 from proxy.config import CacheConfig
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, SymgateFactory, fast_upstream, free_port
+from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream, free_port
 
 # What an upstream does is the same whichever database symgate keeps: SQLite alone saves
 # CI time (the PostgreSQL paths are exercised by the tests of the cache itself).
@@ -101,6 +101,26 @@ async def test_only_if_cached_sections_come_from_cached_files_alone(
     assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
     status, _, body = await sg.get(path, headers=only)
     assert status == 200 and body and faults.count("ok") == 1
+
+
+@sqlite_only
+async def test_an_only_if_cached_section_is_not_held_by_a_cut_that_fetches(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Cuts of one section were shared whatever the requests might do: one that may fetch
+    and one that may not (only-if-cached, or past the hop limit) got each other's answer,
+    the latter waiting on a fetch it had said not to make, the former (the other way round)
+    a 504 that elfutils' client keeps for ten minutes."""
+    sg = await start_symgate([faults.url_for("hold")])
+    path = f"/buildid/{elfs.prog.build_id}/section/.debug_line"
+    fetching = asyncio.ensure_future(sg.get(path))
+    await eventually(lambda: faults.count("hold") == 1)  # its cut waits on the held fetch
+    status, _, _ = await asyncio.wait_for(
+        sg.get(path, headers={"Cache-Control": "only-if-cached"}), 10)
+    assert status == 504 and not fetching.done()
+    faults.release.set()
+    status, _, body = await fetching
+    assert status == 200 and body
 
 
 @sqlite_only

@@ -772,8 +772,12 @@ class ArtifactService:
             return Hit(await self.cache.get(cached.scope, key) or cached)
         # Shared by the requests that see the same files: of one tenant (its own scope and the
         # shared one), not of one scope, which tenants without sources of their own share while
-        # each sees its own uploads too.
+        # each sees its own uploads too. And that may do the same: one that may not fetch
+        # (only-if-cached, past the hop limit) must neither wait on a fetch nor hand its 504
+        # or 404 to one that may.
         kh = key_hash(req.tenant, key)
+        if cache_only or not req.may_fetch:
+            kh += "/cache-only"
         if (pending := self._cuts.get(kh)) is not None:
             return await asyncio.shield(pending)
         cut: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
