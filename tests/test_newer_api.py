@@ -77,6 +77,10 @@ class ModernUpstream:
             return response
         if mode == "notjson":
             return web.Response(text="<html>maintenance</html>", content_type="text/html")
+        if mode == "many":  # an answer big enough to be parsed off the loop
+            return web.json_response({"complete": True, "results": [
+                {"type": "executable", "buildid": f"{i:040x}", "file": f"/usr/lib/many/{i}.so"}
+                for i in range(3000)]})
         results: list[object] = [{"type": "executable", "buildid": self.elfs.other.build_id,
                                   "file": "/usr/bin/other"}]
         if mode == "junk":
@@ -209,6 +213,16 @@ async def test_metadata_merges_a_modern_upstreams_answer(
         (elfs.prog.build_id, elfs.prog.executable.name),
         (elfs.other.build_id, "/usr/bin/other")])
     assert modern.metadata_queries[-1] == {"key": "glob", "value": "*"}
+
+
+async def test_metadata_merges_an_upstreams_answer_of_thousands(
+    start_symgate: SymgateFactory, modern: ModernUpstream
+) -> None:
+    sg = await start_symgate([f"{modern.url}/many"])
+    status, doc = await _metadata(sg.url, key="glob", value="/usr/lib/many/*")
+    assert status == 200 and doc["complete"] is True
+    assert sorted(r["buildid"] for r in doc["results"]) == [  # type: ignore[attr-defined]
+        f"{i:040x}" for i in range(3000)]
 
 
 @pytest.mark.parametrize("mode", ["notjson", "junk", "hang", "huge"])
