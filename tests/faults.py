@@ -43,6 +43,8 @@ class FaultUpstream:
         self.elfs = elfs
         self.by_id = {e.build_id: e for e in (elfs.prog, elfs.other, elfs.big)}
         self.requests: collections.Counter[str] = collections.Counter()
+        # (mode, build ID, kind) of every request, to tell which file was asked twice.
+        self.asked: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.headers: list[dict[str, str]] = []
         self.paths: list[str] = []  # raw request paths, as they arrived
         self.last_modified: str | None = None  # sent as Last-Modified where set
@@ -147,6 +149,7 @@ class FaultUpstream:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         mode = request.match_info["mode"]
         self.requests[mode] += 1
+        self.asked[mode, request.match_info["build_id"], request.match_info["kind"]] += 1
         self.headers.append(dict(request.headers))
         bid, kind, rest = (request.match_info[k] for k in ("build_id", "kind", "rest"))
         if mode == "notfound":
