@@ -206,6 +206,48 @@ async def test_a_profile_whose_client_left_while_it_waited_gives_its_place_up(
         assert await sg.metric("symgate_symbolize_profiles_total", outcome=outcome) == count
 
 
+async def test_a_profile_whose_client_left_while_its_tables_were_fetched_gives_its_slot_up(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that gave up on a cold profile (a client timeout shorter than the deadline)
+    kept its worker slot until the fetch and build ended, up to deadline_s, then had its
+    profile rewritten for nobody: warm profiles waited behind it. Its slot is given up now,
+    while the fetch goes on for the next profile that needs it."""
+    faults.release.set()
+    held = fast_upstream(faults.url_for("hold"), first_byte_timeout_s=60)  # as long as needed
+    sg = await start_symgate([held], symbolize=symbolize_config(
+        max_concurrent=1, max_waiting=1, deadline_s=0))
+    warm = make_profile([(place(elfs.other, BASES["prog"]),
+                          code_addresses(elfs.other)[:5])]).SerializeToString()
+    assert (await post(sg, warm))[0] == 200  # its table built
+    faults.release.clear()
+    before = faults.count("hold")
+    workers = sg.runner.app[STATE].symbols.workers
+    host, port = sg.url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    cold = _profile(elfs)
+    writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/octet-stream\r\nContent-Length: %d\r\n\r\n" % len(cold) + cold)
+    await eventually(lambda: faults.count("hold") > before)  # in its slot, its files held
+    writer.transport.abort()
+    await eventually(lambda: workers.admitted_count == 0)
+    # The upstream still holds the cold profile's debug file: the slot is free for the warm.
+    status, headers, _ = await post(sg, warm)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    fetches = faults.count("hold")
+    faults.release.set()
+    status, headers, _ = await post(sg, cold)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    await sg.built()
+    assert faults.count("hold") == fetches  # the fetch the leaver started, not another
+    assert await sg.metric("symgate_symtab_builds_total", result="ok") == 2
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="aborted") == 1
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="symbolized") == 3
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], \
+        [r.getMessage() for r in caplog.records]
+
+
 async def test_a_body_that_trickles_gives_its_place_up_to_a_profile_that_would_be_refused(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

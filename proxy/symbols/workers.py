@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
@@ -353,6 +353,28 @@ class SymbolizeWorkers:
             if not acquiring.cancel() and not acquiring.cancelled():
                 self._slots.release()
             raise
+
+    @staticmethod
+    async def while_there(gone: Callable[[], bool], work: Awaitable[T]) -> T:
+        """`work`, given up (ConnectionResetError) once its client has left (`gone`): a
+        client that gave up on a cold profile (its timeout shorter than the deadline) held its
+        slot until the fetches and builds ended, then had the profile rewritten for nobody,
+        while the profiles of the clients still there waited. The fetches and builds go on for
+        the next profile (the resolver shares them), as a job in a worker does (`run`)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=_GONE_POLL_S)
+                if not task.done() and gone():
+                    raise ConnectionResetError("the client left while its profile was "
+                                               "worked on")
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])  # its steps let go of what they hold first
+            if not task.cancelled():
+                task.exception()  # retrieved: nobody is left to be told of it
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned:
         return await self.run(worker.scan, body, limits)

@@ -195,13 +195,18 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
                                 state.config.server.forwarded_ttl_limit)
         req = state.tenancy.scope(tenant, hop, may_fetch)
         # A client that left meanwhile gives its place up rather than have its profile
-        # worked on for nobody (proxy.web.errors answers it as a client closed request).
-        async with take_slot(lambda: request.transport is None):
+        # worked on for nobody (proxy.web.errors answers it as a client closed request), as
+        # does one that leaves while it is worked on.
+        def gone() -> bool:
+            return request.transport is None
+
+        async with take_slot(gone):
             # Inflated only now, as a gzipped body is (pipeline.py): a waiting profile holds
             # what it was sent, not the up to max_decompressed_bytes it inflates to.
             body = await inflate(body, cfg, wbits)
             with state.symbols.workers.for_request() as work:
-                answer, done = await fmt.run(body, state.symbols.provider(req), limits, work)
+                answer, done = await state.symbols.workers.while_there(gone, fmt.run(
+                    body, state.symbols.provider(req), limits, work))
     count(state, done)
     result = "symbolized" if done.changed else \
         "named" if done.report.locations_unresolved[fallback.NAMED] else "unchanged"
