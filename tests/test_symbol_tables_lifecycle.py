@@ -10,13 +10,18 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from proxy.config import UploadConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from symbolize.elf import function_symbols
+from symbolize.elf import LoadSegment, function_symbols
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually
-from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
+from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions
+from tests.processes import descendants, descriptors_on, stopped
+from tests.profiles import Placed, code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config, table_lock_file
 
 
@@ -161,3 +166,49 @@ async def test_a_source_gone_before_its_build_is_not_found_and_not_believed(
     copy.write_bytes(elfs.prog.debug.read_bytes())  # back: built at once, nothing believed
     status, headers, _ = await post(sg, body)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+
+async def test_a_table_built_while_its_upload_is_deleted_is_not_kept(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A DELETE (or a `cache purge`) that removes the file a table is being built from found
+    no table to drop, and the build then recorded its table: after the 204, profiles went on
+    being symbolized from the deleted file, for good (no artifact row was left by which a
+    purge could find that table). The build's table is dropped once it finds its source gone."""
+    if not LIBC_DEBUG.exists():
+        pytest.fail(f"{LIBC_DEBUG} is missing: apt-get install libc6-dbg")
+    admin = {"Authorization": "Bearer admin-token-of-sixteen-or-more"}
+    sg = await start_symgate([], symbolize=symbolize_config(), upload=UploadConfig(
+        admin_tokens=(admin["Authorization"].removeprefix("Bearer "),)))
+    pool = sg.runner.app[STATE].symbols.workers.pool
+    await pool.start()
+    workers = set(pool.pids())
+    status, _, _ = await sg.request("PUT", f"/buildid/{LIBC_ID}/debuginfo",
+                                    data=LIBC_DEBUG.read_bytes(), headers=admin)
+    assert status == 201  # its table's build starts as it is committed
+    cached = sg.runner.app[STATE].service.cache.peek("", ArtifactKey.parse(LIBC_ID, "debuginfo"))
+    assert cached is not None
+    source = cached.path
+
+    def reading() -> bool:
+        builders = {p for w in workers for p in descendants(w)}
+        return descriptors_on(builders, source) > 0
+
+    while not await asyncio.to_thread(reading):  # the build under way
+        assert sg.runner.app[STATE].symbols.busy, "built before it was seen reading"
+    table = sg.config.server.data_dir / "symtabs" / LIBC_ID[:2] / f"{LIBC_ID}.symc"
+    # Its worker frozen: the build ends, its table written, but not yet recorded.
+    with stopped(list(workers)):
+        await eventually(lambda: table.exists())
+        status, _, _ = await sg.request("DELETE", f"/buildid/{LIBC_ID}/debuginfo",
+                                        headers=admin)
+        assert status == 204
+    await sg.built()
+    libc = Placed(LIBC_ID, str(LIBC), 0x7F00_0000_0000, 0x7F00_0019_0000, 0x28000,
+                  LoadSegment(0x28000, 0x28000, 0x168000, 0x168000, True), 0x7F00_0000_0000)
+    profile = make_profile([(libc, libc_functions(20))]).SerializeToString()
+    status, headers, _ = await post(sg, profile)
+    assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "not_found=1", \
+        headers
+    assert await sg.runner.app[STATE].repo.get_symbol_table("", LIBC_ID) is None
+    assert not list((sg.config.server.data_dir / "symtabs").rglob(f"{LIBC_ID}.symc"))

@@ -545,6 +545,15 @@ class SymbolResolver:
             if result is not None:  # no row describes it, and an older one another table
                 self._tables.remove_file(scope, build_id)
             raise
+        if gone := [a for a in source.cached() if self._artifacts.cache.peek(*a) is None]:
+            # Removed while it was read (a purge, an upload deleted; a lease keeps eviction
+            # off): the removal found no row to drop (_on_evicted), and this one would have
+            # named profiles after a file that is gone, for good (nothing is left by which a
+            # purge finds it). Refused as a source evicted before its build read it is.
+            self._open.drop(scope, build_id)
+            await self._tables.drop(scope, build_id)
+            raise SourceEvicted(f"{build_id}: {gone[0][1].id} left the cache while its "
+                                "symbol table was built; try again")
         # Counted once recorded and open, so the metric never runs ahead of the table.
         self._metrics.symtab_builds.labels(outcome).inc()
         if result is None:
