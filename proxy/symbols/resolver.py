@@ -590,6 +590,10 @@ class SymbolResolver:
             layout = asyncio.ensure_future(self._find_executable_layout(req, build_id))
             self._layouts[key] = layout
             layout.add_done_callback(lambda _f: self._layouts.pop(key, None))
+            # Its TryAgain read even when the resolution failed first and nobody awaits it:
+            # else asyncio logs it as an ERROR ("never retrieved"), as it did the executable
+            # fetch's failure (_find_source).
+            layout.add_done_callback(lambda f: f.cancelled() or f.exception())
         return layout
 
     async def _find_executable_layout(self, req: RequestScope, build_id: str) -> _Layout:
