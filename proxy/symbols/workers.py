@@ -342,11 +342,7 @@ class SymbolizeWorkers:
         # One acquire, looked in on: cancelling and retrying it would lose its turn.
         acquiring = asyncio.ensure_future(self._slots.acquire())
         try:
-            while not acquiring.done():
-                await asyncio.wait([acquiring], timeout=_GONE_POLL_S)
-                if not acquiring.done() and gone():
-                    raise ConnectionResetError("the client left while its profile waited "
-                                               "for a worker slot")
+            await _watched(acquiring, gone, "waited for a worker slot")
         except BaseException:
             # Given up (the client gone, or the request cancelled): a pending acquire is
             # cancelled, and a slot it got meanwhile is handed on.
@@ -363,11 +359,7 @@ class SymbolizeWorkers:
         the next profile (the resolver shares them), as a job in a worker does (`run`)."""
         task = asyncio.ensure_future(work)
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=_GONE_POLL_S)
-                if not task.done() and gone():
-                    raise ConnectionResetError("the client left while its profile was "
-                                               "worked on")
+            await _watched(task, gone, "was worked on")
             return task.result()
         finally:
             if not task.done():
@@ -503,3 +495,11 @@ def _write_closing(fd: int, data: bytes) -> None:
     finally:
         os.close(fd)
 
+
+async def _watched(task: asyncio.Future[Any], gone: Callable[[], bool], doing: str) -> None:
+    """Until `task` is done, looked in on: ConnectionResetError once its client has left
+    (`gone`) while its profile was `doing` so."""
+    while not task.done():
+        await asyncio.wait([task], timeout=_GONE_POLL_S)
+        if not task.done() and gone():
+            raise ConnectionResetError(f"the client left while its profile {doing}")
