@@ -161,6 +161,16 @@ class SymbolResolver:
         """
         return await asyncio.shield(self._resolve(req, build_id, needs_layout))
 
+    async def _local(self, find: Callable[[Sequence[Path], str], T], build_id: str
+                     ) -> T | None:
+        """What `find` finds of `build_id` in the local debug directories, looked for in a
+        thread: it stats each candidate and reads its build ID, which a slow or remote disk
+        (an NFS-mounted /usr/lib/debug) made a wait of the whole loop, once or more per cold
+        mapping. None at once where there are none (a plain proxy)."""
+        if not self._debug_dirs:
+            return None
+        return await asyncio.to_thread(find, self._debug_dirs, build_id)
+
     def _open_for(self, req: RequestScope, build_id: str) -> tuple[str, OpenTable] | None:
         for scope in req.visible:
             if (opened := self._open.get(scope, build_id)) is not None:
@@ -180,7 +190,7 @@ class SymbolResolver:
         if found is None:
             # Looked for while the table is built, not after, where the executable is fetched;
             # a local one goes into the build, which records its program headers itself.
-            if needs_layout and not has_executable(self._debug_dirs, build_id):
+            if needs_layout and not await self._local(has_executable, build_id):
                 layout = self._executable_layout(req, build_id)
             key = (req.tenant, build_id)
             resolved = await (self._resolving.get(key)
@@ -290,8 +300,8 @@ class SymbolResolver:
         return opened
 
     async def _find_source(self, req: RequestScope, build_id: str) -> _Source | None:
-        local = find_debug_file(self._debug_dirs, build_id)
-        local_exe = find_executable(self._debug_dirs, build_id)
+        local = await self._local(find_debug_file, build_id)
+        local_exe = await self._local(find_executable, build_id)
         if local is not None:
             return await self._with_supplement(req, _debug_source(
                 local, local_source_key(local, executable=False), SHARED, None,
@@ -376,7 +386,7 @@ class SymbolResolver:
             key = ArtifactKey.parse(build_id, Kind.DEBUGINFO.value)
         except SymgateError:
             return None  # a link without a build ID, or a damaged one: not to be found
-        if (local := find_debug_file(self._debug_dirs, key.build_id)) is not None:
+        if (local := await self._local(find_debug_file, key.build_id)) is not None:
             return local, None
         for held in dict.fromkeys((scope, SHARED)):
             if (cached := self._artifacts.cache.peek(held, key)) is not None:
@@ -600,7 +610,7 @@ class SymbolResolver:
         """Program headers with real file offsets, from the executable, and the scope of the
         file; None if there are none to be had (the pipeline then guesses)."""
         try:
-            scope, exe = SHARED, find_executable(self._debug_dirs, build_id)
+            scope, exe = SHARED, await self._local(find_executable, build_id)
             if exe is None:
                 try:
                     scope, exe = await self._artifact_path(
@@ -666,7 +676,7 @@ class SymbolResolver:
             self._open.drop(scope, bid)
             if key.kind is Kind.DEBUGINFO:
                 source = _debug_source(cached.path, key.id, scope, (scope, key),
-                                       self._cached_executable(scope, bid))
+                                       await self._cached_executable(scope, bid))
             else:
                 source = _Source(cached.path, key.id, scope, (scope, key),
                                  (cached.path, (scope, key)))
@@ -709,10 +719,10 @@ class SymbolResolver:
                 opened.layout_searched = True
         return scope, opened
 
-    def _cached_executable(self, scope: str, build_id: str
-                           ) -> tuple[Path, tuple[str, ArtifactKey] | None] | None:
+    async def _cached_executable(self, scope: str, build_id: str
+                                 ) -> tuple[Path, tuple[str, ArtifactKey] | None] | None:
         """The executable of `build_id` on local disk or in the cache, for a table of `scope`."""
-        if (local := find_executable(self._debug_dirs, build_id)) is not None:
+        if (local := await self._local(find_executable, build_id)) is not None:
             return local, None
         key = ArtifactKey(build_id, Kind.EXECUTABLE)
         for exe_scope in dict.fromkeys((scope, SHARED)):
