@@ -350,6 +350,21 @@ async def test_expect_continue_refuses_before_the_body_is_sent(
     assert done.stdout.endswith("201"), done.stdout
 
 
+async def test_an_upload_refused_before_its_body_is_counted_as_one_refused_after(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """aiohttp runs an expect handler before any middleware: its refusals (curl's uploads
+    past a KiB with a wrong token, too big, of a malformed build ID) were in no count."""
+    size = own.debug.stat().st_size
+    sg = await _start(start_symgate, tmp_path, database_url, [], max_file_bytes=size)
+    assert (await _expect(sg, own.build_id, size, None)).startswith(b"HTTP/1.1 401")
+    assert (await _expect(sg, own.build_id, size + 1, ADMIN)).startswith(b"HTTP/1.1 413")
+    assert (await _put(sg, own.build_id, "debuginfo", b"x", token="an-unknown-token-0123")
+            )[0] == 401
+    assert await sg.metric("symgate_requests_total", endpoint="upload", kind="debuginfo",
+                           outcome="rejected") == 3
+
+
 async def test_an_uploader_that_hangs_up_midway_leaves_nothing_and_no_error(
     start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
     caplog: pytest.LogCaptureFixture,

@@ -160,19 +160,34 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         error = as_symgate_error(e)
         if type(error) is SymgateError:
             log.exception("%s %s failed", request.method, request.path)
-        state = request.app[STATE]
-        outcome = outcome_label(error)
-        annotate(request, outcome=outcome, error=error.reason)
-        fields = _fields(request)
-        # A tenant's misses name its private build IDs and servers: the page at / is public.
-        if (fields.get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED
-                and not fields.get("scope")):
-            state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
-        response = error_response(error, request.headers.get("User-Agent", ""),
-                                  state.config.server.retry_after_s)
+        response = _answer(request, error)
     if isinstance(response, CountedWhenSent):
         request[_STARTED] = started  # counted by the response, once its body is out or cut
         return response
+    _count(request, time.perf_counter() - started)
+    return response
+
+
+def _answer(request: web.Request, error: SymgateError) -> web.Response:
+    """The response to a failed request, its outcome annotated for the log and the count."""
+    state = request.app[STATE]
+    outcome = outcome_label(error)
+    annotate(request, outcome=outcome, error=error.reason)
+    fields = _fields(request)
+    # A tenant's misses name its private build IDs and servers: the page at / is public.
+    if (fields.get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED
+            and not fields.get("scope")):
+        state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
+    return error_response(error, request.headers.get("User-Agent", ""),
+                          state.config.server.retry_after_s)
+
+
+def refuse_before_handler(request: web.Request, error: SymgateError, started: float
+                          ) -> web.Response:
+    """A request refused by its route's expect handler (`Expect: 100-continue`), which aiohttp
+    runs before any middleware: answered, logged and counted as error_edge would have, not
+    left out of requests_total and logged without its outcome."""
+    response = _answer(request, error)
     _count(request, time.perf_counter() - started)
     return response
 

@@ -4,6 +4,7 @@ tenant's or an admin's bearer token (proxy.artifacts.uploads keeps them)."""
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import HttpVersion11, web
@@ -13,7 +14,7 @@ from proxy.headers import printable
 from proxy.keys import ArtifactKey
 from proxy.sources.debuginfod import IMA_SIGNATURE, MAX_IMA_SIGNATURE
 from proxy.web.content_encoding import coding_of, inflated
-from proxy.web.errors import error_response
+from proxy.web.errors import refuse_before_handler
 from proxy.web.logs import annotate
 from proxy.web.state import STATE
 
@@ -25,6 +26,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     refused anyway (a malformed build ID, no token, too large) before the client sends the
     body, not after."""
     state = request.app[STATE]
+    started = time.perf_counter()
     try:
         _key(request)
         state.tenancy.uploader(request)
@@ -34,8 +36,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
             raise PayloadTooLarge(f"{request.content_length} bytes; uploads are at most "
                                   f"{limit} (upload.max_file_bytes)")
     except SymgateError as e:
-        return error_response(e, request.headers.get("User-Agent", ""),
-                              state.config.server.retry_after_s)
+        return refuse_before_handler(request, e, started)
     if request.version == HttpVersion11 \
             and request.headers.get("Expect", "").lower() == "100-continue":
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
