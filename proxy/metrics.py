@@ -7,9 +7,14 @@ The hit ratio is one expression:
 
 from __future__ import annotations
 
+import glob
+import os
+from collections.abc import Iterable
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from symbolize.outcome import Outcome
 
@@ -284,3 +289,26 @@ class SymbolizeMetrics:
             self.symtab_builds.labels(result)
         for result in ("hit", "bucket", "miss"):
             self.symtab_cache.labels(result)
+
+
+class ServerCollector(MultiProcessCollector):
+    """Every serving process's metrics (`serve --workers N`), read from prometheus-client's
+    multiprocess folder, past the files a process has created and not yet sized: MmapedDict
+    opens its file (empty), then extends it, and an empty one is no file of values but a
+    struct.error, which made every /metrics a 500 while a worker started, and for good
+    once one was killed between the two."""
+
+    def __init__(self, registry: CollectorRegistry, path: str) -> None:
+        super().__init__(registry, path)  # type: ignore[no-untyped-call]
+        self._folder = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for name in glob.glob(os.path.join(self._folder, "*.db")):
+            try:
+                if os.stat(name).st_size > 0:
+                    files.append(name)
+            except FileNotFoundError:  # a dead process's live gauges, removed meanwhile
+                continue
+        merged: Iterable[Metric] = self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        return merged

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -53,6 +54,7 @@ def _workers_of(proc: asyncio.subprocess.Process) -> list[int]:
 async def _requests_total(s: aiohttp.ClientSession, base: str) -> float:
     async with s.get(base + "/metrics") as r:
         text = await r.text()
+        assert r.status == 200, text
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
                if sample.name == "symgate_requests_total"
@@ -73,6 +75,26 @@ async def test_workers_share_one_port_and_one_set_of_metrics(
         # Whichever worker answers /metrics, it tells the whole server's counts.
         totals = {await _requests_total(s, base) for _ in range(10)}
     assert totals == {30.0}
+
+
+async def test_a_scrape_meets_a_metrics_file_a_starting_worker_has_only_created(
+    serve: Start, debuginfod: Debuginfod
+) -> None:
+    """prometheus-client creates a process's file empty, then sizes it: a scrape between
+    the two (a worker starting), or any scrape after a worker killed between them, read
+    an empty file and answered 500."""
+    base, proc = await serve(debuginfod.url, workers=2)
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for _ in range(3):
+            async with s.get(f"{base}/buildid/{'ab' * 20}/debuginfo") as r:
+                assert r.status == 404
+        # The state prometheus-client's MmapedDict leaves between open() and truncate().
+        (folder / f"counter_{2**22 + 1}.db").touch()
+        (folder / f"histogram_{2**22 + 1}.db").touch()
+        for _ in range(4):  # whichever worker answers
+            assert await _requests_total(s, base) == 3.0
 
 
 async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(

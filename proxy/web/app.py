@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from proxy.config import Config, parse_listen
 from proxy.expiry import Expiry
 from proxy.health import Health
 from proxy.keys import ArtifactKey
-from proxy.metrics import ProxyMetrics, SymbolizeMetrics
+from proxy.metrics import ProxyMetrics, ServerCollector, SymbolizeMetrics
 from proxy.sources.base import Source
 from proxy.sources.debuginfod import Sessions, Upstream, upstream_names
 from proxy.sources.env_routes import EnvironmentRoutes
@@ -96,10 +97,8 @@ def create_app(config: Config, registry: CollectorRegistry | None = None, *,
     registry = registry or CollectorRegistry()
     exposed = registry
     if one_of_several:
-        from prometheus_client.multiprocess import MultiProcessCollector
-
         exposed = CollectorRegistry()
-        MultiProcessCollector(exposed)  # type: ignore[no-untyped-call]
+        ServerCollector(exposed, os.environ["PROMETHEUS_MULTIPROC_DIR"])
     app.cleanup_ctx.append(_lifecycle(config, registry, exposed, one_of_several))
     return app
 
