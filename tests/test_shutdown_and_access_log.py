@@ -4,6 +4,7 @@ response really sent (issue 11, item 16), a download's or a cached file's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -335,3 +336,24 @@ async def test_a_download_cut_by_the_end_of_the_grace_is_logged(
     assert len(access) == 1, out
     assert access[0]["status"] == 200 and access[0]["outcome"] == "aborted", access
     assert got <= access[0]["bytes"] <= elfs.big.debug.stat().st_size * HALF, (got, access)
+
+
+async def test_a_request_waiting_on_its_upstream_when_the_grace_ends_is_logged(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A miss whose upstream has not answered yet when the grace ends: its handler is
+    cancelled before any status line, and was in no access line and no count."""
+    base, proc = await _start(tmp_path, faults.url_for("hold"), "shutdown_grace_s = 0.5\n")
+    url = f"{base}/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+        asked = asyncio.ensure_future(s.get(url))
+
+        async def at_upstream() -> bool:
+            return faults.requests["hold"] == 1
+
+        await eventually(at_upstream)
+        access, out = await _stopped_access(proc, "/buildid/")
+        with contextlib.suppress(aiohttp.ClientError):
+            (await asked).release()
+    assert len(access) == 1, out
+    assert access[0]["outcome"] == "aborted", access

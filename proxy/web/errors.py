@@ -5,6 +5,7 @@ and the status page's recent misses. Handlers parse, call and respond; they do n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -147,6 +148,18 @@ async def error_edge(request: web.Request, handler: Handler) -> web.StreamRespon
         response = await handler(request)
     except web.HTTPException:  # aiohttp's own answers (no such route, wrong method)
         raise
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or not task.cancelling():
+            raise
+        # The server stopping, past its grace (proxy.web.app._drain), cut the request before
+        # its handler answered (a miss whose upstream had not, a profile being worked on).
+        # Raised on, it had no access line and no count, as if it had never been; the
+        # connection is cut all the same, and the status is for the log alone.
+        cut_off(request, "the server stopped")
+        _count(request, time.perf_counter() - started)
+        task.uncancel()  # taken in: what runs on (aiohttp's logging) is not cancelled
+        return web.Response(status=503)
     except Exception as e:
         if request.writer is not None and request.writer.output_size > 0:
             _cut_off(request, e, time.perf_counter() - started)
