@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from symbolize import fallback
 from symbolize.outcome import Outcome
 
 
@@ -37,13 +38,13 @@ REQUEST_OUTCOMES: tuple[str, ...] = (
 ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")
 UPSTREAM_RESULTS = (Outcome.OK, Outcome.NOT_FOUND, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)
 VERIFICATION_REASONS = ("truncated", "not_elf", "build_id_mismatch", "too_large")
-PROFILE_OUTCOMES = ("symbolized", "unchanged", "disabled", Outcome.REJECTED, Outcome.UNAVAILABLE,
-                    Outcome.INTERNAL)
+PROFILE_OUTCOMES = ("symbolized", "named", "unchanged", "disabled", Outcome.REJECTED,
+                    Outcome.UNAVAILABLE, Outcome.INTERNAL, ABORTED)
 MAPPING_RESULTS = ("symbolized", "has_functions", "kernel", "no_build_id", "invalid_build_id",
                    "no_locations", "unresolved", Outcome.NOT_FOUND, Outcome.NO_SYMBOLS,
                    Outcome.MALFORMED, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
                    Outcome.UNAVAILABLE, Outcome.INTERNAL)
-LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol")
+LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol", fallback.NAMED)
 BUILD_RESULTS = (Outcome.OK, Outcome.NO_SYMBOLS, Outcome.MALFORMED)
 
 

@@ -39,3 +39,17 @@ async def test_every_dashboard_metric_is_exported(
     assert {"symgate_requests_total", "symgate_upstream_response_seconds_bucket",
             "symgate_upstream_requests_total", "symgate_served_bytes_total",
             "symgate_cache_size_bytes", "symgate_symbolize_mappings_total"} <= queried_metrics()
+
+
+async def test_every_documented_symbolize_outcome_exists_from_the_start(
+    start_symgate: SymgateFactory, faults: FaultUpstream
+) -> None:
+    """A series that first appears at 1 is no increase() to Prometheus: the first profile
+    named only, or aborted, and the first location named module+offset, went unseen."""
+    sg = await start_symgate([faults.url_for("ok")])
+    samples = await sg.metrics()
+    for outcome in ("symbolized", "named", "unchanged", "disabled", "rejected", "unavailable",
+                    "internal", "aborted"):
+        assert ("symgate_symbolize_profiles_total", (("outcome", outcome),)) in samples, outcome
+    for result in ("symbolized", "outside_mapping", "no_symbol", "module_offset"):
+        assert ("symgate_symbolize_locations_total", (("result", result),)) in samples, result
