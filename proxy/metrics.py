@@ -301,11 +301,10 @@ class ServerCollector(MultiProcessCollector):
 
     def __init__(self, registry: CollectorRegistry, path: str) -> None:
         super().__init__(registry, path)  # type: ignore[no-untyped-call]
-        self._folder = path
 
     def collect(self) -> Iterable[Metric]:
         files = []
-        for name in glob.glob(os.path.join(self._folder, "*.db")):
+        for name in glob.glob(os.path.join(self._path, "*.db")):
             try:
                 if os.stat(name).st_size > 0:
                     files.append(name)
