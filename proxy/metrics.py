@@ -36,6 +36,13 @@ REQUEST_OUTCOMES: tuple[str, ...] = (
     Outcome.UPSTREAM_ERROR, Outcome.MALFORMED, Outcome.UNAVAILABLE, Outcome.INTERNAL,
 )
 ARTIFACT_KINDS = ("debuginfo", "executable", "source", "section", "invalid")
+# requests_total's other endpoints: their series exist at 0 from the start, as /buildid's do.
+METADATA_KINDS = ("buildid", "file", "glob", "invalid")
+METADATA_OUTCOMES = ("ok", "incomplete", Outcome.REJECTED, Outcome.UNAVAILABLE, Outcome.INTERNAL,
+                     ABORTED)
+UPLOAD_KINDS = ("debuginfo", "executable")
+UPLOAD_OUTCOMES = ("uploaded", "unchanged", "deleted", Outcome.NOT_FOUND, Outcome.REJECTED,
+                   Outcome.UNAVAILABLE, Outcome.INTERNAL, ABORTED)
 UPSTREAM_RESULTS = (Outcome.OK, Outcome.NOT_FOUND, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR)
 VERIFICATION_REASONS = ("truncated", "not_elf", "build_id_mismatch", "too_large")
 PROFILE_OUTCOMES = ("symbolized", "named", "unchanged", "disabled", Outcome.REJECTED,
@@ -216,6 +223,11 @@ class ProxyMetrics:
         # visible share of what a remembered 404 costs.
         self._buildid_requests = {(kind, outcome): self.requests.labels("buildid", kind, outcome)
                                   for kind in ARTIFACT_KINDS for outcome in REQUEST_OUTCOMES}
+        for endpoint, kinds, outcomes in (("metadata", METADATA_KINDS, METADATA_OUTCOMES),
+                                          ("upload", UPLOAD_KINDS, UPLOAD_OUTCOMES)):
+            for kind in kinds:
+                for outcome in outcomes:
+                    self.requests.labels(endpoint, kind, outcome)
         self.served_from_cache = self.served_bytes.labels("cache")
         self.served_from_upstream = self.served_bytes.labels("upstream")
 

@@ -53,3 +53,19 @@ async def test_every_documented_symbolize_outcome_exists_from_the_start(
         assert ("symgate_symbolize_profiles_total", (("outcome", outcome),)) in samples, outcome
     for result in ("symbolized", "outside_mapping", "no_symbol", "module_offset"):
         assert ("symgate_symbolize_locations_total", (("result", result),)) in samples, result
+
+
+async def test_upload_and_metadata_series_exist_from_the_start(
+    start_symgate: SymgateFactory, faults: FaultUpstream
+) -> None:
+    """As /buildid's do: an alert on the first refused upload or incomplete /metadata answer
+    (an upstream that cannot be asked) must see it."""
+    sg = await start_symgate([faults.url_for("ok")])
+    samples = await sg.metrics()
+    for endpoint, kind, outcome in (("upload", "debuginfo", "uploaded"),
+                                    ("upload", "executable", "rejected"),
+                                    ("upload", "debuginfo", "unavailable"),
+                                    ("metadata", "glob", "incomplete"),
+                                    ("metadata", "invalid", "rejected")):
+        labels = (("endpoint", endpoint), ("kind", kind), ("outcome", outcome))
+        assert ("symgate_requests_total", labels) in samples, labels
