@@ -5,8 +5,10 @@ everything works again once space is back."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import gc
 import hashlib
 import os
 import resource
@@ -24,7 +26,7 @@ from proxy.sources.base import Hop
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, fast_upstream, make_config
+from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream, make_config
 from tests.processes import start_serve, stop_serve
 from tests.profiles import make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -299,17 +301,35 @@ async def test_no_descriptor_to_open_a_hit_or_a_sections_file_is_503_with_retry_
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_no_descriptor_for_a_socket_to_the_upstream_is_503_and_the_upstream_not_blamed(
-    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
 ) -> None:
     """A socket that could not be made said nothing of the upstream, yet it counted as the
     upstream's failure: its breaker (opened here by one) then turned every miss away with a
     502 for its whole cool-down. Asked of the running server's own upstream: through
-    /buildid, a miss's temp file would take the last descriptor before the socket does."""
-    sg = await start_symgate([fast_upstream(faults.url_for("ok"), breaker_failures=1)])
-    upstream, = sg.runner.app[STATE].tenancy.shared_sources
+    /buildid, a miss's temp file would take the last descriptor before the socket does. A
+    real debuginfod, in a process of its own: an upstream in this one needs descriptors too."""
     key = ArtifactKey.parse(elfs.other.build_id, "debuginfo")
-    with _no_descriptor_left(), pytest.raises(OutOfResources):
-        await upstream.open(key, Hop())
+    for attempt in range(10):
+        # A server of its own each time: the connection a successful attempt made stays in
+        # its pool, and the next attempt would need no socket.
+        sg = await start_symgate([fast_upstream(debuginfod.url, breaker_failures=1)],
+                                 data_dir=tmp_path / f"data{attempt}")
+        upstream, = sg.runner.app[STATE].tenancy.shared_sources
+        await sg.settled()
+        gc.collect()
+        for _turn in range(20):  # a transport closed lets its socket go a turn or two later
+            await asyncio.sleep(0)
+        with _no_descriptor_left():
+            try:
+                body = await upstream.open(key, Hop())
+            except OutOfResources:
+                break
+        # A descriptor something of the process closed while all were taken (a file of the
+        # server's start, an object finalized) let the socket be made: again.
+        assert body is not None
+        body.close()
+    else:
+        pytest.fail("a descriptor came free during every attempt")
     assert await sg.metric("symgate_upstream_breaker_state", upstream=upstream.name) == 0
     status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
     assert status == 200 and body == elfs.other.debug.read_bytes()
