@@ -166,3 +166,56 @@ async def test_inspect_reaches_upstreams_through_the_environments_proxy(
     rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
     assert [c["status"] for c in rows[1]["checks"]] == ["200"], rows[1]
     assert forward_proxy.asked
+
+
+async def test_inspect_follows_only_the_redirects_the_server_follows(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """An upstream that redirects to another origin, not in its redirect_hosts: the server
+    refuses the redirect (502), so /symbolize never gets the file. inspect followed it with
+    aiohttp's defaults, said "debug info available", and took the upstream's configured
+    credentials to that other host."""
+    from aiohttp import web
+
+    from proxy.config import UpstreamConfig
+    from tests.harness import serve_loopback
+
+    asked: list[dict[str, str]] = []
+
+    async def mirror(request: web.Request) -> web.StreamResponse:
+        asked.append(dict(request.headers))
+        return web.Response(body=elfs.prog.debug.read_bytes(),
+                            content_type="application/octet-stream")
+
+    mirror_app = web.Application()
+    mirror_app.router.add_get("/buildid/{rest:.*}", mirror)
+    mirror_runner, mirror_url = await serve_loopback(mirror_app)
+
+    async def redirecting(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(mirror_url + request.path)
+
+    app = web.Application()
+    app.router.add_get("/buildid/{rest:.*}", redirecting)
+    runner, url = await serve_loopback(app)
+    headers = {"X-Api-Key": "a-private-upstream-key"}
+    try:
+        sg = await start_symgate([UpstreamConfig(url=f"{url}/", headers=headers)])
+        served = (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0]
+        assert served == 502 and not asked  # the server's answer: refused, never followed
+        (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+        config = tmp_path / "inspect.toml"
+        config.write_text(f'[[upstreams]]\nurl = "{url}/"\n'
+                          f'headers = {{ X-Api-Key = "{headers["X-Api-Key"]}" }}\n')
+        result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
+                                      "--config", str(config), "--json"], timeout=60)
+    finally:
+        await runner.cleanup()
+        await mirror_runner.cleanup()
+    assert result.returncode == 0, result.stderr
+    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
+    assert not [h for h in asked if "X-Api-Key" in h], asked  # the credentials stay home
+    assert not asked, asked  # nor by inspect: nothing is asked of that host
+    [check] = rows[1]["checks"]
+    assert check["status"] == "error" and "redirect_hosts" in check["reason"], check
+    assert "debug info available" not in rows[1]["verdict"]
+    assert "redirect" in rows[1]["verdict"], rows[1]["verdict"]

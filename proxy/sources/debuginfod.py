@@ -279,8 +279,10 @@ class Upstream:
                                           session=self._sessions.queries)
         except TimeoutError as e:
             raise UpstreamTimeout(f"{self.name}: no response in time") from e
-        except (_Permanent, _Unreachable) as e:
+        except _Permanent as e:
             raise e.error from None
+        except _Unreachable as e:  # its cause says how (symgate inspect's "unreachable")
+            raise e.error from e.__cause__
         except (aiohttp.ClientError, OSError) as e:
             raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}") from e
 

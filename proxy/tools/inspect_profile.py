@@ -15,15 +15,18 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 from prometheus_client import CollectorRegistry
-from yarl import URL
 
 from proxy import __version__
 from proxy.config import Config, shown_url
+from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
-from proxy.sources.env_routes import EnvironmentRoutes, Route
+from proxy.sources.base import Hop
+from proxy.sources.debuginfod import Sessions, Upstream, upstream_names
+from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
 from proxy.tools.text_table import render_table
+from proxy.web.app import client_session
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
 from symbolize.rewrite import Report, candidates
@@ -34,8 +37,10 @@ USER_AGENT = f"symgate-inspect/{__version__}"
 @dataclass
 class Check:
     where: str  # an upstream URL, a local directory, or "symgate cache"
-    status: str  # "200", "404", "timeout", "error: ...", "504" (not cached)
+    status: str  # "200", "404", "timeout", "unreachable", "error...", "504" (not cached)
     size: int | None = None
+    # Why it failed, in the server's words (a refused redirect, a reset): "" for an answer.
+    reason: str = ""
 
 
 @dataclass
@@ -58,32 +63,49 @@ class Row:
         return f"{self.memory_start:#x}-{self.memory_limit:#x}"
 
 
-async def _http_check(session: aiohttp.ClientSession, base: str, build_id: str,
-                      timeout_s: float, headers: dict[str, str] | None = None,
-                      routes: EnvironmentRoutes | None = None) -> Check:
-    """`routes`: an upstream's check, reached as the server reaches it (the environment's
-    proxy and netrc), not symgate's own."""
+def _answered(where: str, r: aiohttp.ClientResponse) -> Check:
+    size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
+    known = r.status == 200 and size is not None and size.isdigit()
+    return Check(where, str(r.status), int(size) if known and size else None)
+
+
+async def _server_check(session: aiohttp.ClientSession, base: str, build_id: str,
+                        timeout_s: float) -> Check:
+    """symgate's own cache, asked with only-if-cached, so that inspecting fetches nothing."""
     url = f"{base.rstrip('/')}{ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path}"
-    where = shown_url(base)  # printed: never the credentials the URL may hold
-    headers = dict(headers or {})
-    route = Route()
     try:
-        if routes is not None:
-            route = await routes.route(URL(url))
-            route.add_headers(URL(url), headers)
         # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
         async with asyncio.timeout(timeout_s), session.get(
-                url, headers=headers, proxy=route.proxy,
-                proxy_headers=route.proxy_headers) as r:
-            size = r.headers.get("X-DEBUGINFOD-SIZE") or r.headers.get("Content-Length")
-            known = r.status == 200 and size is not None and size.isdigit()
-            return Check(where, str(r.status), int(size) if known and size else None)
+                url, headers={"Cache-Control": "only-if-cached"}) as r:
+            return _answered("symgate cache", r)
     except TimeoutError:
-        return Check(where, "timeout")
+        return Check("symgate cache", "timeout")
     except aiohttp.ClientConnectorError:
-        return Check(where, "unreachable")
+        return Check("symgate cache", "unreachable")
     except (aiohttp.ClientError, OSError) as e:
-        return Check(where, f"error: {type(e).__name__}")
+        return Check("symgate cache", f"error: {type(e).__name__}")
+
+
+async def _upstream_check(upstream: Upstream, build_id: str, timeout_s: float) -> Check:
+    """An upstream asked as the server asks it (proxy.sources.debuginfod): with its configured
+    headers and URL credentials, the environment's proxy and netrc, and following only the
+    redirects its redirect_hosts and max_redirects allow. Followed blindly, a redirect the
+    server refuses made the verdict "available", and took the upstream's credentials to the
+    host it named."""
+    where = shown_url(upstream.cfg.url)  # printed: never the credentials the URL may hold
+    path = ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path
+    try:
+        async with asyncio.timeout(timeout_s):
+            response = await upstream.query(path, Hop(user_agent=USER_AGENT))
+        with contextlib.closing(response):  # only the headers are read
+            return _answered(where, response)
+    except (TimeoutError, UpstreamTimeout):
+        return Check(where, "timeout")
+    except UpstreamUnavailable as e:
+        reason = e.reason.removeprefix(f"{upstream.name}: ")
+        if isinstance(e.__cause__, aiohttp.ClientConnectorError):
+            return Check(where, "unreachable", reason=reason)
+        return Check(where, "error", reason=reason)
 
 
 # A Go build ID (`go tool buildid`): two to four base64url hashes joined by slashes, which
@@ -131,7 +153,8 @@ def _verdict(row: Row) -> str:
         return f"debug info available from {c.where}{size}: /symbolize will fill this mapping in"
     failing = [c for c in row.checks if c.status not in ("404", "504")]
     if failing:
-        names = ", ".join(f"{c.where} ({c.status})" for c in failing)
+        names = ", ".join(f"{c.where} ({c.reason if c.status == 'error' else c.status})"
+                          for c in failing)
         return (f"upstream unreachable: {names}. Check the network path, proxy and credentials "
                 "(headers = { Authorization = ... }) of those upstreams")
     return ("debug info not on any upstream: install the package's -dbg/-debuginfo files, "
@@ -162,22 +185,22 @@ async def inspect_profile(
     locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
     for local in locals_:
         await local.rescan()
-    # Each with its configured headers (credentials), as the server asks it: without them a
-    # private upstream answers 401 here and the verdict blames the network.
-    remote = [(u.url, dict(u.headers)) for u in config.upstreams if u.url]
+    servers = [u for u in config.upstreams if u.url]
     routes = EnvironmentRoutes()
-    async with aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
+    async with client_session(config, limit=0) as upstream_session, \
+            aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
+        sessions = Sessions(upstream_session, upstream_session)
+        # Each a new Upstream, its breaker closed: a failure is shown, never skipped.
+        remote = [Upstream(u, sessions, metrics, routes, name=name)
+                  for u, name in zip(servers, upstream_names(servers), strict=True)]
+
         async def checks(bid: str) -> list[Check]:
             key = ArtifactKey(bid, Kind.DEBUGINFO)
             found = [Check(local.name, "200" if local.has(key) else "404") for local in locals_]
-            tasks = [_http_check(session, url, bid, timeout_s, headers, routes)
-                     for url, headers in remote]
+            tasks = [_upstream_check(upstream, bid, timeout_s) for upstream in remote]
             if server:
-                tasks.append(_http_check(session, server, bid, timeout_s,
-                                         {"Cache-Control": "only-if-cached"}))
+                tasks.append(_server_check(session, server, bid, timeout_s))
             found.extend(await asyncio.gather(*tasks))
-            if server:
-                found[-1].where = "symgate cache"
             return found
 
         wanted = sorted({r.build_id for r in rows if r.would_symbolize and r.build_id})

@@ -103,9 +103,9 @@ def create_app(config: Config, registry: CollectorRegistry | None = None, *,
     return app
 
 
-def _client_session(config: Config, limit: int) -> aiohttp.ClientSession:
+def client_session(config: Config, limit: int) -> aiohttp.ClientSession:
     """A session for upstream requests, with a pool of at most `limit` connections (0: no
-    limit)."""
+    limit); `symgate inspect` asks the upstreams through one too, as the server does."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
             limit=limit, ttl_dns_cache=300,
@@ -193,9 +193,9 @@ def _lifecycle(
             # charged to an upstream it never reached: a client's flood of slow /metadata
             # queries opened the breakers of healthy upstreams. Queries, which no slot
             # bounds, have the limit.
-            session = _client_session(config, limit=0)
+            session = client_session(config, limit=0)
             started.push_async_callback(session.close)
-            queries = _client_session(config, limit=config.cache.max_concurrent_fetches * 2)
+            queries = client_session(config, limit=config.cache.max_concurrent_fetches * 2)
             started.push_async_callback(queries.close)
             shared, private = _sources(config, Sessions(session, queries), metrics)
             local_dirs = [s for s in shared if isinstance(s, LocalDirectory)]
