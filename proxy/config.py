@@ -191,9 +191,12 @@ Flag = Annotated[bool, Strict()]
 Text = Annotated[str, Strict()]
 Count = Annotated[int, Strict(), Field(ge=0)]
 AtLeastOne = Annotated[int, Strict(), Field(ge=1)]
-Seconds = Annotated[float, Strict(), Field(ge=0)]
+# Some 31 years, the most any duration may be: far past it, a time goes past what a timedelta,
+# a datetime (an expiry stored in SQL: a miss then answered 500) or a thread's wait can hold.
+MAX_SECONDS = 1e9
+Seconds = Annotated[float, Strict(), Field(ge=0, le=MAX_SECONDS)]
 # A period of a background loop: 0 would make it spin.
-Period = Annotated[float, Strict(), Field(gt=0)]
+Period = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS)]
 Size = Annotated[int, BeforeValidator(_size)]
 Url = Annotated[str, BeforeValidator(_url)]
 DirPath = Annotated[Path, BeforeValidator(_path)]
@@ -557,6 +560,8 @@ def _one_line(error: ErrorDetails) -> str:
         reason = "must not be negative" if ctx["ge"] == 0 else f"must be at least {ctx['ge']:g}"
     elif kind == "greater_than":
         reason = f"must be more than {ctx['gt']:g}"
+    elif kind == "less_than_equal":
+        reason = f"must be at most {ctx['le']:.0f}"
     elif kind == "literal_error":
         expected = ctx["expected"].replace("'", '"')  # TOML's quotes, as the file has them
         reason = f"expected {expected}, got {error['input']!r}"

@@ -126,10 +126,30 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[[tenants.a.upstreams]]\nretries = 1\n", "tenants.a.upstreams[0].url: required"),
     ("[[tenants.a.upstreams]]\npath = '/srv'\n", "tenants.a.upstreams[0].path: a tenant's"),
     ("[server\n", "not valid TOML"),
+    # Past what a datetime or a thread's wait holds: every miss was a 500 (its expiry overflowed).
+    ("[negative]\nnot_found_initial_ttl_s = 1e12\nnot_found_ttl_s = 1e12\n",
+     "negative.not_found_initial_ttl_s: must be at most 1000000000$"),
+    ("[symbolize]\nmalformed_retry_s = 1e300\n", "symbolize.malformed_retry_s: must be at most"),
+    ("[server]\nshutdown_grace_s = 10000000000\n", "server.shutdown_grace_s: must be at most"),
+    ("[negative]\nsweep_s = 1e10\n", "negative.sweep_s: must be at most"),
+    ("[[upstreams]]\nurl = 'http://x'\ntotal_timeout_s = 1e10\n",
+     "upstreams[0].total_timeout_s: must be at most"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(write(tmp_path, text), environ={})
+
+
+def test_the_longest_duration_fits_what_holds_it() -> None:
+    import threading
+    from datetime import UTC, datetime, timedelta
+
+    from proxy.config import MAX_SECONDS
+
+    # An expiry a miss's row holds, a cutoff a sweep reads, a thread's wait.
+    assert datetime.now(UTC) + timedelta(seconds=MAX_SECONDS) > datetime.now(UTC)
+    assert datetime.now(UTC) - timedelta(seconds=MAX_SECONDS) < datetime.now(UTC)
+    assert MAX_SECONDS <= threading.TIMEOUT_MAX
 
 
 def test_new_keys_default_to_the_constants_they_replace() -> None:
