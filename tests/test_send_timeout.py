@@ -272,3 +272,15 @@ async def test_a_client_that_stops_reading_a_file_the_buffer_nearly_holds_is_cou
         await asyncio.sleep(TIMEOUT_S * 3)
         await _all_cut_and_counted([stalled], size, base, out)
         await _served_whole(base + path, size)
+
+
+def test_a_send_timeout_past_the_kernels_limit_is_the_longest_it_takes() -> None:
+    """TCP_USER_TIMEOUT is an int of milliseconds: server.send_timeout_s past some 24.8 days
+    (3000000, a month, as good as never) made setsockopt raise in every connection_made,
+    a traceback a connection, and the connection's head timer never started."""
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        limit_unacknowledged(client, 3_000_000.0)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 2**31 - 1
+        limit_unacknowledged(client, 60.0)
+        assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000

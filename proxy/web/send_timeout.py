@@ -29,6 +29,8 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 # Linux's option number, named in socket where the platform has it.
 _TCP_USER_TIMEOUT: int | None = getattr(socket, "TCP_USER_TIMEOUT", None)
+# Its value is a C int of milliseconds: some 24.8 days, as good as never, is the most it takes.
+_LONGEST_MS = 2**31 - 1
 
 
 class SocketLike(Protocol):
@@ -46,7 +48,8 @@ def limit_unacknowledged(sock: SocketLike, timeout_s: float) -> None:
             or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     with contextlib.suppress(OSError):  # a socket gone already: nothing to watch
-        sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT, max(1, round(timeout_s * 1000)))
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_USER_TIMEOUT,
+                        min(max(1, round(timeout_s * 1000)), _LONGEST_MS))
 
 
 def is_send_timeout(error: BaseException | None) -> bool:
