@@ -88,3 +88,17 @@ async def test_a_file_locked_elsewhere_holds_no_miss_past_the_timeouts(
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+
+
+async def test_a_long_database_timeout_is_the_longest_sqlite_waits(tmp_path: Path) -> None:
+    """busy_timeout is a C int of milliseconds: database.timeout_s past some 24.8 days (an
+    operator's 'wait as long as it takes') was read by SQLite as 0, and every write that met
+    another process's lock failed at once instead of waiting."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'w.sqlite'}"
+    engine = create_engine(url, 3_000_000.0)
+    try:
+        async with engine.connect() as conn:
+            waits = (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar()
+    finally:
+        await engine.dispose()
+    assert waits == 2**31 - 1

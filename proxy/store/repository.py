@@ -61,7 +61,9 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url)
-        busy_ms = int(timeout_s * 1000) if timeout_s and statements else _SQLITE_BUSY_MS
+        # A C int of milliseconds, which SQLite reads as 0 (no wait at all) past some 24.8 days.
+        busy_ms = (min(int(timeout_s * 1000), 2**31 - 1) if timeout_s and statements
+                   else _SQLITE_BUSY_MS)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
