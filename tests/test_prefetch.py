@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -63,3 +64,23 @@ async def test_prefetch_counts_the_bytes_of_the_files_it_cached_only(
     summary = json.loads(result.stdout)
     assert summary["results"]["ab" * 20] == {"debuginfo": "404"}
     assert summary["bytes"] == elfs.prog.debug.stat().st_size
+
+
+async def test_a_concurrency_of_none_is_refused_not_waited_on_for_ever(
+    tmp_path: Path, elfs: ElfSet
+) -> None:
+    """--concurrency 0 made a semaphore no request ever passed: prefetch (and upload) waited
+    for ever, printing nothing; a negative one was a traceback."""
+    (tmp_path / "f.debug").write_bytes(elfs.prog.debug.read_bytes())
+    for value in ("0", "-1", "many"):
+        result = await run(elfs.prog.build_id, "--server", "http://127.0.0.1:9",
+                           "--concurrency", value)
+        assert result.returncode == 2, result
+        assert "--concurrency: not a whole number of at least 1" in result.stderr
+        assert "Traceback" not in result.stderr
+        upload = await run_in_thread(
+            ["symgate", "upload", str(tmp_path / "f.debug"), "--server", "http://127.0.0.1:9",
+             "--concurrency", value], env={**os.environ, "SYMGATE_TOKEN": "t" * 16},
+            timeout=60)
+        assert upload.returncode == 2, upload
+        assert "--concurrency: not a whole number of at least 1" in upload.stderr

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--server", default="http://127.0.0.1:8002", help="the symgate to warm")
     pre.add_argument("--kind", action="append", choices=["debuginfo", "executable"],
                      help="artifacts to fetch (default: debuginfo and executable)")
-    pre.add_argument("--concurrency", type=int, default=8)
+    pre.add_argument("--concurrency", type=_count, default=8)
     pre.add_argument("--json", action="store_true", help="machine-readable summary")
     pre.set_defaults(func=_prefetch)
 
@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a file holding the bearer token (default: $SYMGATE_TOKEN)")
     up.add_argument("--tenant", help="X-Scope-OrgID: with an admin token, the tenant to "
                                      "upload for (default: the shared scope)")
-    up.add_argument("--concurrency", type=int, default=4)
+    up.add_argument("--concurrency", type=_count, default=4)
     up.set_defaults(func=_upload)
 
     for name, actions, help_text in (
