@@ -90,3 +90,31 @@ async def test_cli_sends_a_tenants_token_and_asks_for_fallback_names(
         profile = parse(out.read_bytes())
         names[mode] = {f.function for loc in profile.location for f in frames_of(profile, loc)}
     assert names["offline"] == names["server"] == {f"{elfs.prog.executable.name}+0x1100"}
+
+
+async def test_cli_reports_a_server_that_answers_bytes_that_are_not_text(
+    tmp_path: Path
+) -> None:
+    """An error whose body is not UTF-8 (something else than a symgate at --server) ended in
+    a UnicodeDecodeError traceback instead of the status it answered."""
+    from aiohttp import web
+
+    from tests.harness import serve_loopback
+
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(status=502, body=b"\xff\xfe\x00 not text",
+                            content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_route("*", "/{rest:.*}", garbage)
+    runner, url = await serve_loopback(app)
+    (tmp_path / "p.pb").write_bytes(make_profile([]).SerializeToString())
+    try:
+        result = await run_in_thread(["symgate", "symbolize", str(tmp_path / "p.pb"), "-o",
+                                      str(tmp_path / "o.pb"), "--server", url], timeout=60)
+    finally:
+        await runner.cleanup()
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1
+    assert f"{url} answered 502: " in result.stderr and "not text" in result.stderr

@@ -659,3 +659,32 @@ async def test_an_executable_uploaded_while_its_debug_files_table_is_built_is_bu
             and rec.source_key == f"{own.build_id}/debuginfo"
 
     await eventually(built_with_it, timeout=20)
+
+
+async def test_upload_cli_reports_a_server_that_answers_bytes_that_are_not_text(
+    elfs: ElfSet
+) -> None:
+    """Something else than a symgate at --server (a misrouted port, a proxy's binary error
+    page): its answer was decoded as UTF-8, and the whole upload ended in a
+    UnicodeDecodeError traceback, the files that did go never reported."""
+    from aiohttp import web
+
+    from tests.harness import serve_loopback
+
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.method == "HEAD":
+            return web.Response(status=404)
+        return web.Response(status=500, body=b"\xff\xfe\x00 not text",
+                            content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_route("*", "/{rest:.*}", garbage)
+    runner, url = await serve_loopback(app)
+    try:
+        result = await _cli("upload", str(elfs.prog.debug), "--server", url)
+    finally:
+        await runner.cleanup()
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, result
+    assert "1 failed" in result.stdout and "500: " in result.stdout and "not text" in result.stdout

@@ -105,8 +105,9 @@ def _symbolize(args: argparse.Namespace) -> int:
             with urllib.request.urlopen(req, timeout=args.timeout) as r:
                 out, headers = r.read(), dict(r.headers)
         except urllib.error.HTTPError as e:
-            print(f"symgate: {args.server} answered {e.code}: {e.read().decode().strip()}",
-                  file=sys.stderr)
+            # Whatever answered: not always a symgate, nor text.
+            said = e.read().decode(errors="replace").strip()
+            print(f"symgate: {args.server} answered {e.code}: {said}", file=sys.stderr)
             return 1
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", None) or e

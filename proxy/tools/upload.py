@@ -120,7 +120,8 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
     async with session.put(url, data=body(), headers={
             "Content-Length": str(item.size), "Content-Type": "application/octet-stream",
             "X-DEBUGINFOD-FILE": item.path.name}) as r:
-        text = (await r.text()).strip()
+        # Whatever answered: not always a symgate, nor text in the charset it names.
+        text = (await r.read()).decode(errors="replace").strip()
         if r.status == 201:
             return UPLOADED
         if r.status == 200:
