@@ -84,3 +84,14 @@ async def test_a_concurrency_of_none_is_refused_not_waited_on_for_ever(
             timeout=60)
         assert upload.returncode == 2, upload
         assert "--concurrency: not a whole number of at least 1" in upload.stderr
+
+
+async def test_a_file_of_build_ids_that_is_not_text_is_named_without_a_traceback(
+    tmp_path: Path, elfs: ElfSet
+) -> None:
+    """--file given a binary (the program instead of the list of its IDs) was a
+    UnicodeDecodeError traceback that named no file."""
+    result = await run("--file", str(elfs.prog.executable), "--server", "http://127.0.0.1:9")
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"symgate: {elfs.prog.executable}: not a text file of build IDs" in result.stderr

@@ -167,14 +167,20 @@ def _inspect(args: argparse.Namespace) -> int:
 def _prefetch(args: argparse.Namespace) -> int:
     import json
 
-    from proxy.tools.prefetch import Summary, build_ids_from, prefetch, terminal_progress
+    from proxy.tools.prefetch import (
+        IdFileError,
+        Summary,
+        build_ids_from,
+        prefetch,
+        terminal_progress,
+    )
     from symbolize.pprof.codec import ProfileError
 
     summary = Summary()
     try:
         ids = build_ids_from(args.build_ids, args.file or [], args.profile or [],
                              SymbolizeConfig().max_decompressed_bytes, summary)
-    except (OSError, ProfileError) as e:
+    except (OSError, ProfileError, IdFileError) as e:
         print(f"symgate: {e}", file=sys.stderr)
         return 1
     for bad in summary.invalid:

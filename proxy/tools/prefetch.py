@@ -27,13 +27,20 @@ class Summary:
         return Counter(status for kinds in self.results.values() for status in kinds.values())
 
 
+class IdFileError(ValueError):
+    """A --file that cannot be a list of build IDs."""
+
+
 def build_ids_from(args: Iterable[str], files: Iterable[Path], profiles: Iterable[Path],
                    max_decompressed: int, summary: Summary) -> list[str]:
     """Normalised, de-duplicated build IDs in the order given; invalid ones go to summary."""
     raw: list[str] = list(args)
     for f in files:
-        raw.extend(w for line in f.read_text().splitlines()
-                   for w in line.split("#", 1)[0].split())
+        try:
+            text = f.read_text()
+        except UnicodeDecodeError:  # a binary given for the list (the program itself)
+            raise IdFileError(f"{f}: not a text file of build IDs") from None
+        raw.extend(w for line in text.splitlines() for w in line.split("#", 1)[0].split())
     for p in profiles:
         prof = decode(p.read_bytes(), max_decompressed).profile
         raw.extend(prof.string_table[m.build_id] for m in prof.mapping
