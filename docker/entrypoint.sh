@@ -21,9 +21,16 @@ serve)
     ;;
 healthcheck)
     port="${listen##*:}"
+    # Where the server answers: a wildcard address by its loopback (an IPv6 one, [::], is
+    # bound IPv6 only, so not 127.0.0.1), any other by its own address.
+    host="${listen%:*}"
+    case "$host" in
+    "" | 0.0.0.0) host=127.0.0.1 ;;
+    "[::]") host="[::1]" ;;
+    esac
     exec python3 -c "import sys, urllib.request
 try:
-    sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$port/healthz', timeout=4).status == 200 else 1)
+    sys.exit(0 if urllib.request.urlopen('http://$host:$port/healthz', timeout=4).status == 200 else 1)
 except OSError:
     sys.exit(1)"
     ;;

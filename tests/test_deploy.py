@@ -85,6 +85,24 @@ async def test_entrypoint_serves_on_the_image_defaults(
     assert await _healthcheck(env) == 1  # and it tells when the server is gone
 
 
+@pytest.mark.parametrize("host", ["[::]", "[::1]"])
+async def test_the_healthcheck_finds_a_server_listening_on_ipv6(
+    debuginfod: Debuginfod, tmp_path: Path, host: str
+) -> None:
+    """SYMGATE_LISTEN=[::]:8002 (an IPv6 site) binds IPv6 only: the HEALTHCHECK asked
+    127.0.0.1, found nothing, and the container was marked unhealthy (and restarted, where
+    an orchestrator acts on that) while it served."""
+    env = {**_env(tmp_path, free_port(), debuginfod.url),
+           "SYMGATE_LISTEN": f"{host}:{free_port()}"}
+    proc = await _start(env, "serve", "--workers", "1")
+    try:
+        assert await _healthcheck(env) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    assert await _healthcheck(env) == 1
+
+
 async def test_admin_commands_through_the_entrypoint_see_the_servers_data(
     debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
 ) -> None:
