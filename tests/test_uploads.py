@@ -688,3 +688,26 @@ async def test_upload_cli_reports_a_server_that_answers_bytes_that_are_not_text(
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 1, result
     assert "1 failed" in result.stdout and "500: " in result.stdout and "not text" in result.stdout
+
+
+@pytest.mark.parametrize("written", [b"a-token-of-some-length\nand-a-second-line\n",
+                                     b"a-token-of-some-length\x1b[2J",
+                                     b"\xd0a-token-of-some-length\xff"])
+async def test_a_token_file_that_is_no_token_is_refused_without_showing_it(
+    tmp_path: Path, elfs: ElfSet, written: bytes
+) -> None:
+    """A --token-file of two lines (a token and a comment, two tokens), or not text at all:
+    aiohttp refused the header with a ValueError whose traceback printed the token (into a
+    CI job's log), or the decoding ended in a traceback. Nothing was reached."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(written)
+    profile = tmp_path / "p.pb"
+    profile.write_bytes(b"")
+    for args in (["upload", str(elfs.prog.debug)], ["symbolize", str(profile), "-o",
+                                                     str(tmp_path / "o.pb")]):
+        result = await _cli(*args, "--server", "http://127.0.0.1:9", "--token-file",
+                            str(token_file))
+        assert "Traceback" not in result.stderr, result.stderr
+        assert "a-token-of-some-length" not in result.stdout + result.stderr
+        assert result.returncode == 2, result
+        assert f"symgate: --token-file {token_file}: not a bearer token" in result.stderr

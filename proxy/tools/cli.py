@@ -206,10 +206,24 @@ def _prefetch(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+class TokenError(ValueError):
+    """A token that no Authorization header can carry; never shown (it is a secret)."""
+
+
 def _token(args: argparse.Namespace) -> str:
     """The bearer token of --token-file, else of $SYMGATE_TOKEN; "" for none."""
-    return (args.token_file.read_text().strip() if args.token_file
-            else os.environ.get("SYMGATE_TOKEN", ""))
+    where = f"--token-file {args.token_file}" if args.token_file else "SYMGATE_TOKEN"
+    refused = TokenError(f"{where}: not a bearer token (one line of printable text)")
+    try:
+        token = (args.token_file.read_text().strip() if args.token_file
+                 else os.environ.get("SYMGATE_TOKEN", ""))
+    except UnicodeDecodeError:
+        raise refused from None
+    if not token.isprintable():
+        # A second line, a control character: aiohttp refused the header with a traceback
+        # that printed the token, wherever the command's output goes.
+        raise refused
+    return token
 
 
 def _upload(args: argparse.Namespace) -> int:
@@ -444,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as e:
         print(f"symgate: configuration error: {e}", file=sys.stderr)
+        return 2
+    except TokenError as e:
+        print(f"symgate: {e}", file=sys.stderr)
         return 2
     except migrate.UnknownRevision as e:  # db commands: a database a newer symgate migrated
         print(f"symgate: database error: {e}", file=sys.stderr)
