@@ -594,8 +594,11 @@ def load_config(
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
     # A secret is better kept out of a file that a ConfigMap holds (deploy/k8s).
-    if env.get("SYMGATE_DATABASE_URL") and not raw.get("database", {}).get("url"):
-        raw.setdefault("database", {})["url"] = env["SYMGATE_DATABASE_URL"]
+    # (Into a table only: a [database] that is none is for validation to name.)
+    database = raw.setdefault("database", {})
+    if env.get("SYMGATE_DATABASE_URL") and isinstance(database, dict) \
+            and not database.get("url"):
+        database["url"] = env["SYMGATE_DATABASE_URL"]
     if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
         raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
     try:

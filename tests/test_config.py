@@ -152,6 +152,17 @@ def test_the_longest_duration_fits_what_holds_it() -> None:
     assert MAX_SECONDS <= threading.TIMEOUT_MAX
 
 
+@pytest.mark.parametrize("text", ["database = 3\n", "database = 'postgresql'\n",
+                                  "database = []\n"])
+def test_a_database_that_is_no_table_is_named_with_the_url_in_the_environment(
+    tmp_path: Path, text: str
+) -> None:
+    # SYMGATE_DATABASE_URL was merged into it as into a table: an AttributeError traceback.
+    with pytest.raises(ConfigError, match=r"^database: expected a table"):
+        load_config(write(tmp_path, text),
+                    environ={"SYMGATE_DATABASE_URL": "sqlite+aiosqlite:////tmp/x.sqlite"})
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
