@@ -154,7 +154,17 @@ def _headers(value: object) -> object:
     for name, v in value.items():
         if not isinstance(v, str):
             raise ValueError(f"expected a table of strings, {name} is {v!r}")
+        # What no request can carry: aiohttp refused every request to the upstream (each
+        # miss a 500). The value is not shown: it is a credential, as often as not.
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name")
+        if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in v):
+            raise ValueError(f"the value of {name} has a control character (a line break?)")
     return value
+
+
+# RFC 9110's token, which a field name is.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _hosts(value: object) -> object:

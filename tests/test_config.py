@@ -163,6 +163,27 @@ def test_a_database_that_is_no_table_is_named_with_the_url_in_the_environment(
                     environ={"SYMGATE_DATABASE_URL": "sqlite+aiosqlite:////tmp/x.sqlite"})
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('headers = { Authorization = "Bearer sesame-secret\\r\\nX-Evil: 1" }\n',
+     "upstreams[0].headers: the value of Authorization has a control character"),
+    ('headers = { Authorization = "Bearer sesame-secret\\n" }\n',
+     "upstreams[0].headers: the value of Authorization has a control character"),
+    ('headers = { "X Api" = "sesame-secret" }\n',
+     "upstreams[0].headers: 'X Api' is not a header name"),
+    ('headers = { "X-Api:" = "sesame-secret" }\n',
+     "upstreams[0].headers: 'X-Api:' is not a header name"),
+])
+def test_headers_no_request_can_carry_are_refused_at_start(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """Accepted, they made aiohttp refuse every request to the upstream: each miss a 500 with
+    a traceback, the server started as if fine."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"[[upstreams]]\nurl = 'http://x'\n{text}"), environ={})
+    assert str(e.value).startswith(message)
+    assert "sesame" not in str(e.value)  # a credential is never shown
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
