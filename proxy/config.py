@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
+from yarl import URL
 
 DEFAULT_UPSTREAM = "https://debuginfod.elfutils.org/"
 DEFAULT_LISTEN = "127.0.0.1:8002"
@@ -114,6 +115,12 @@ def _url(value: object) -> str:
         # query it would be part of the query, and every request would ask for the root.
         raise ValueError(f"a query or fragment cannot end this URL, since request paths are "
                          f"appended to it: {shown_url(value)!r}")
+    try:
+        # As requests read it: a port past 65535 or no number, an IPv6 address unclosed,
+        # failed the start (or every request) with a traceback that named no key.
+        URL(value).raw_host  # noqa: B018
+    except ValueError as e:
+        raise ValueError(f"not a URL requests can go to ({e}): {shown_url(value)!r}") from None
     return value
 
 

@@ -184,6 +184,21 @@ def test_headers_no_request_can_carry_are_refused_at_start(
     assert "sesame" not in str(e.value)  # a credential is never shown
 
 
+@pytest.mark.parametrize("url", ["http://u:sesame@127.0.0.1:99999/", "http://u:sesame@h:abc/",
+                                 "http://[::1/", "https://u:sesame@[::1]x/"])
+def test_an_upstream_url_no_request_can_go_to_is_refused_at_start(
+    tmp_path: Path, url: str
+) -> None:
+    """A URL of the right shape that yarl cannot read (a port past 65535, a port that is no
+    number, an IPv6 address unclosed) started, then failed the start with a ValueError
+    traceback (or inspect's), naming no key."""
+    with pytest.raises(ConfigError, match=r"^upstreams\[0\]\.url: ") as e:
+        load_config(write(tmp_path, f"[[upstreams]]\nurl = '{url}'\n"), environ={})
+    assert "sesame" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^tenants\.a\.upstreams: "):
+        load_config(write(tmp_path, f"[tenants.a]\nupstreams = ['{url}']\n"), environ={})
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
