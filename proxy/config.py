@@ -100,6 +100,14 @@ def _database_url(value: str | None) -> str | None:
         got = f"a {scheme}:// URL" if sep else "no URL"
         raise ValueError("expected sqlite+aiosqlite:///PATH or "
                          f"postgresql+asyncpg://USER@HOST/DATABASE, got {got}")
+    if value is not None:
+        from sqlalchemy.engine import make_url
+
+        try:
+            make_url(value)
+        except ValueError:  # its port (every command ended in this traceback otherwise)
+            raise ValueError("a URL whose host and port cannot be read (is the port a "
+                             "number?)") from None
     return value
 
 

@@ -199,6 +199,16 @@ def test_an_upstream_url_no_request_can_go_to_is_refused_at_start(
         load_config(write(tmp_path, f"[tenants.a]\nupstreams = ['{url}']\n"), environ={})
 
 
+@pytest.mark.parametrize("url", ["postgresql+asyncpg://u:sesame@127.0.0.1:abc/db",
+                                 "postgresql+asyncpg://u:sesame@[::1/db"])
+def test_a_database_url_whose_port_cannot_be_read_is_named(tmp_path: Path, url: str) -> None:
+    """Every command (serve, db, cache) ended in a ValueError traceback from SQLAlchemy's
+    URL parser, naming no key."""
+    with pytest.raises(ConfigError, match=r"^database\.url: ") as e:
+        load_config(None, environ={"SYMGATE_DATABASE_URL": url})
+    assert "sesame" not in str(e.value)
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
