@@ -219,3 +219,20 @@ async def test_inspect_follows_only_the_redirects_the_server_follows(
     assert check["status"] == "error" and "redirect_hosts" in check["reason"], check
     assert "debug info available" not in rows[1]["verdict"]
     assert "redirect" in rows[1]["verdict"], rows[1]["verdict"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_timeout_no_check_can_keep_is_refused(tmp_path: Path, elfs: ElfSet, value: str
+                                                ) -> None:
+    """--timeout 0 (often "no limit" elsewhere) timed every check out at once: each upstream
+    was reported "timeout", the verdict blaming the network path of healthy upstreams."""
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    (tmp_path / "inspect.toml").write_text("upstreams = []\n")
+    for cmd in (["inspect", str(tmp_path / "profile.pb.gz"), "--config",
+                 str(tmp_path / "inspect.toml")],
+                ["symbolize", str(tmp_path / "profile.pb.gz"), "-o", str(tmp_path / "o"),
+                 "--server", "http://127.0.0.1:9"]):
+        result = subprocess.run(["symgate", *cmd, "--timeout", value], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 2, result
+        assert "--timeout: not a number of seconds above 0" in result.stderr

@@ -67,6 +67,16 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):  # nan too
+        raise argparse.ArgumentTypeError(f"not a number of seconds above 0: {text!r}")
+    return value
+
+
 def _db(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.db_command == "upgrade":
@@ -391,14 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--fallback", choices=get_args(Fallback),
                      help="names for frames left unsymbolized: none, or module-offset "
                           "(libc.so.6+0x1234); default: the server's setting, or none")
-    sym.add_argument("--timeout", type=float, default=120.0, help="seconds, with --server")
+    sym.add_argument("--timeout", type=_seconds, default=120.0, help="seconds, with --server")
     sym.set_defaults(func=_symbolize)
 
     insp = sub.add_parser("inspect", help="why a profile's frames are or are not symbolized")
     common(insp)
     insp.add_argument("profile", type=Path, help="pprof profile (gzip or raw)")
     insp.add_argument("--server", help="a symgate URL, to check its cache too")
-    insp.add_argument("--timeout", type=float, default=10.0, help="seconds per check")
+    insp.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per check")
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_inspect)
 
