@@ -144,7 +144,14 @@ def shown_url(url: str) -> str:
 
 
 def _endpoint(value: object) -> str:
-    return "" if value == "" else _url(value)
+    if value == "":
+        return ""
+    url = _url(value)
+    if url != shown_url(url):
+        # Not used (the bucket's credentials are the environment's), and logged at start.
+        raise ValueError("credentials cannot go in the endpoint's URL: give them in "
+                         f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY ({shown_url(url)!r})")
+    return url
 
 
 def _bucket_url(value: object) -> str:

@@ -209,6 +209,15 @@ def test_a_database_url_whose_port_cannot_be_read_is_named(tmp_path: Path, url: 
     assert "sesame" not in str(e.value)
 
 
+def test_credentials_in_the_buckets_endpoint_are_refused_unshown(tmp_path: Path) -> None:
+    """They were not used (credentials come from AWS_* in the environment) and the start-up
+    line "shared bucket ... at ENDPOINT" logged them."""
+    text = "[storage]\nurl = 's3://bucket'\nendpoint = 'http://minio:sesame-key@minio:9000'\n"
+    with pytest.raises(ConfigError, match=r"^storage\.endpoint: .*AWS_ACCESS_KEY_ID") as e:
+        load_config(write(tmp_path, text), environ={})
+    assert "sesame" not in str(e.value)
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
