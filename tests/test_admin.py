@@ -99,3 +99,38 @@ async def test_purge_forgets_a_failed_build_of_a_local_tree(
     assert "forgot 1 failed symbol-table builds" in purged.stdout, purged.stdout
     status, headers, _ = await post(sg, body)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+
+async def test_purge_drops_the_table_built_from_a_local_trees_file(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A debug tree's file is read where it lies, never cached: `cache purge ID` found no
+    artifact of it, so the table built from it stayed, believed for good. A tree that held
+    a debug file without DWARF (symbols only) and now holds the whole one kept serving
+    names without lines however often it was purged."""
+    import subprocess
+
+    from proxy.web.state import STATE
+
+    bid = elfs.prog.build_id
+    tree = tmp_path / "debug" / ".build-id" / bid[:2]
+    tree.mkdir(parents=True)
+    local = tree / (bid[2:] + ".debug")
+    subprocess.run(["objcopy", "--strip-debug", str(elfs.prog.debug), str(local)], check=True)
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    body = make_profile([(place(elfs.prog, BASES["prog"]),
+                          code_addresses(elfs.prog)[:20])]).SerializeToString()
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    repo = sg.runner.app[STATE].repo
+    built = await repo.get_symbol_table("", bid)
+    assert built is not None and not built.has_lines
+    local.unlink()
+    shutil.copyfile(elfs.prog.debug, local)  # the whole debug file, lines and all
+    purged = await cli(config_file(sg, tmp_path), "cache", "purge", bid)
+    assert purged.returncode == 0, purged.stderr
+    assert await repo.get_symbol_table("", bid) is None
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    again = await repo.get_symbol_table("", bid)
+    assert again is not None and again.has_lines

@@ -680,6 +680,16 @@ class Repository:
                 await s.execute(delete(SymbolTableRow).where(
                     tuple_(SymbolTableRow.scope, SymbolTableRow.build_id).in_(pairs)))
 
+    async def symbol_tables_of(self, build_id: str | None, outcome: str
+                               ) -> list[tuple[str, str]]:
+        """(scope, build ID) of every table of this outcome (of one build ID, or all)."""
+        query = select(SymbolTableRow.scope, SymbolTableRow.build_id).where(
+            SymbolTableRow.outcome == outcome)
+        if build_id is not None:
+            query = query.where(SymbolTableRow.build_id == build_id)
+        async with self._session() as s:
+            return [(r.scope, r.build_id) for r in (await s.execute(query)).all()]
+
     async def delete_symbol_tables_but(self, outcome: str, build_id: str | None) -> int:
         """Forget the rows of another outcome than `outcome` (of one build ID, or all) in
         every scope; how many were forgotten."""

@@ -81,7 +81,8 @@ class Admin:
     async def purge(self, build_id: str | None) -> list[ArtifactRecord]:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables, on every
         replica: each replica's copy is listed once per replica."""
-        rows = await self.artifacts(build_id, every_replica=True)
+        bid = normalize_build_id(build_id) if build_id else None
+        rows = await self.artifacts(bid, every_replica=True)
         # Rows first, then files: a purge killed in between (a Ctrl-C in a long --all) leaves
         # files without rows, which the serving processes remove by the notices and a start
         # by itself, never rows naming files that are gone, which a PUT of the same upload
@@ -89,11 +90,15 @@ class Admin:
         await self.repo.purge_artifacts(rows, datetime.now(UTC))
         for rec in rows:
             self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
-        tables = {(r.scope, r.build_id) for r in rows}
+        # And those built from a local tree's file (symbolize.debug_dirs), which is read where
+        # it lies, never cached: no artifact leads to them, and a tree's file replaced (one
+        # without DWARF by the whole one) was otherwise never built again.
+        tables = {(r.scope, r.build_id) for r in rows} \
+            | set(await self.repo.symbol_tables_of(bid, Outcome.OK))
         await self.repo.delete_symbol_tables(tables)
-        for scope, bid in tables:
-            self.store.remove_symtab(scope, bid)
-        await self._purge_bucket(normalize_build_id(build_id) if build_id else None)
+        for scope, table_bid in tables:
+            self.store.remove_symtab(scope, table_bid)
+        await self._purge_bucket(bid)
         return list({r.key_hash: r for r in rows}.values())  # each artifact once
 
     async def forget_failed_builds(self, build_id: str | None) -> int:
