@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from proxy.config import UpstreamConfig
 from tests.elfs import ElfSet, build_id_tree
@@ -118,3 +119,36 @@ async def test_a_debug_file_compressed_as_zdebug_sections_is_served_as_debuginfo
     status, headers, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert (status, headers["X-DEBUGINFOD-FILE"]) == (200, "prog.debug")
     assert body == debug.read_bytes()
+
+
+async def test_a_directory_that_cannot_be_read_is_said_once_not_served_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`path = "/srv/debug"` with a typo, a relative path read from another working
+    directory, a mount not there yet: the source served nothing, each walk found nothing,
+    and no line anywhere said why every file was a 404."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from proxy.metrics import ProxyMetrics
+    from proxy.sources.localdir import LocalDirectory
+
+    root = tmp_path / "debug"
+    local = LocalDirectory(root, 0, ProxyMetrics(CollectorRegistry()))
+    with caplog.at_level(logging.INFO, logger="proxy.sources.localdir"):
+        await local.rescan()
+        await local.rescan()
+        said = [r for r in caplog.records if str(root) in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+        assert "cannot be read" in said[0].getMessage()
+        root.mkdir()  # mounted at last: said too, once
+        await local.rescan()
+        await local.rescan()
+        said = [r for r in caplog.records if str(root) in r.getMessage()]
+        assert len(said) == 2 and "can be read again" in said[1].getMessage(), caplog.text
+        root.rmdir()
+        root.write_bytes(b"a file, not a directory")
+        await local.rescan()
+        said = [r for r in caplog.records if str(root) in r.getMessage()]
+        assert len(said) == 3 and "not a directory" in said[2].getMessage(), caplog.text

@@ -145,6 +145,8 @@ class LocalDirectory:
         # Kind -> build ID -> path: strings only, nothing for the collector to look at.
         self._index: dict[Kind, dict[str, str]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Why the root could not be read at the last walk; None: it could.
+        self._unreadable: str | None = None
 
     def catalogue(self) -> list[tuple[str, Kind, str]]:
         """Every (build ID, kind, file's path) the last walk found: what /metadata lists of it.
@@ -187,7 +189,30 @@ class LocalDirectory:
             abandoned.set()
             raise
 
+    def _check_root(self) -> None:
+        """Say when the root cannot be read (a typo, a relative path read from another working
+        directory, a mount not there yet), and when it can again, once each: a walk of it
+        finds nothing, and every file asked of it was a 404 that no line explained."""
+        try:
+            with os.scandir(self.root):
+                why = None
+        except FileNotFoundError:
+            why = "no such directory"
+        except NotADirectoryError:
+            why = "not a directory"
+        except OSError as e:
+            why = e.strerror or str(e)
+        if why == self._unreadable:
+            return
+        if why is not None:
+            log.warning("local directory %s cannot be read (%s): nothing is served from it "
+                        "until it can", self.root, why)
+        else:
+            log.info("local directory %s can be read again", self.root)
+        self._unreadable = why
+
     def _scan(self, abandoned: threading.Event) -> dict[Kind, dict[str, str]]:
+        self._check_root()
         index: dict[Kind, dict[str, str]] = {Kind.DEBUGINFO: {}, Kind.EXECUTABLE: {}}
         seen: dict[str, _Seen] = {}
         root = str(self.root)
