@@ -152,3 +152,20 @@ async def test_a_directory_that_cannot_be_read_is_said_once_not_served_silently(
         await local.rescan()
         said = [r for r in caplog.records if str(root) in r.getMessage()]
         assert len(said) == 3 and "not a directory" in said[2].getMessage(), caplog.text
+
+
+async def test_a_debug_dir_that_is_not_there_is_said_at_start(
+    start_symgate: SymgateFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """symbolize.debug_dirs with a typo (or relative, read from another working directory):
+    nothing was ever found in it, and nothing said so."""
+    import logging
+
+    from tests.symbolize_helpers import symbolize_config
+
+    there, missing = tmp_path / "debug", tmp_path / "debgu"
+    there.mkdir()
+    with caplog.at_level(logging.WARNING):
+        await start_symgate([], symbolize=symbolize_config(debug_dirs=(there, missing)))
+    said = [r.getMessage() for r in caplog.records if "debug_dirs" in r.getMessage()]
+    assert len(said) == 1 and str(missing) in said[0] and str(there) not in said[0], said

@@ -217,6 +217,10 @@ def _lifecycle(
             )
             await service.warm_up()
             symbolize_metrics = SymbolizeMetrics(registry)
+            for tree in config.symbolize.debug_dirs:
+                if not tree.is_dir():  # a typo, a relative path, a mount not there yet
+                    log.warning("symbolize.debug_dirs: %s is not a directory: nothing is "
+                                "found in it until it is one", tree)
             processes = worker_pool(config.symbolize)
             symbols = SymbolResolver(
                 artifacts=service, tables=TableStore(repo, store, expiry, tier),
