@@ -625,6 +625,8 @@ def load_config(
             raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:  # TOML is UTF-8: saved as Latin-1, say
+            raise ConfigError(f"{path}: not valid TOML: not UTF-8 (byte {e.start})") from None
     # A secret is better kept out of a file that a ConfigMap holds (deploy/k8s).
     # (Into a table only: a [database] that is none is for validation to name.)
     database = raw.setdefault("database", {})

@@ -218,6 +218,15 @@ def test_credentials_in_the_buckets_endpoint_are_refused_unshown(tmp_path: Path)
     assert "sesame" not in str(e.value)
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    """A config saved as Latin-1 (an accented letter in a comment) ended every command in a
+    UnicodeDecodeError traceback; TOML is UTF-8."""
+    path = tmp_path / "symgate.toml"
+    path.write_bytes(b"# caf\xe9\n[server]\n")
+    with pytest.raises(ConfigError, match=r"symgate\.toml: not valid TOML: not UTF-8"):
+        load_config(path, environ={})
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
