@@ -10,6 +10,7 @@ import fcntl
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -711,3 +712,27 @@ async def test_a_token_file_that_is_no_token_is_refused_without_showing_it(
         assert "a-token-of-some-length" not in result.stdout + result.stderr
         assert result.returncode == 2, result
         assert f"symgate: --token-file {token_file}: not a bearer token" in result.stderr
+
+
+async def test_upload_cli_sends_files_whose_names_no_header_can_carry(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
+) -> None:
+    """A directory walk that met a file named with a line break, or with bytes that are not
+    UTF-8 (an old archive's Latin-1 name), put the name in X-DEBUGINFOD-FILE as it was:
+    aiohttp refused the header and the whole upload ended in a traceback, the other files
+    unsent or unreported. Such a file is sent without the header (served under the default
+    name), the others as before."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copyfile(elfs.prog.debug, files / "line\nbreak.debug")
+    shutil.copyfile(elfs.other.debug, os.fsdecode(bytes(files) + b"/caf\xe9.debug"))
+    shutil.copyfile(elfs.nopie.debug, files / "plain.debug")
+    result = await _cli("upload", str(files), "--server", sg.url)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 0, result
+    assert result.stdout.startswith("3 artifacts from 3 files: 3 uploaded"), result.stdout
+    status, headers, _ = await sg.get(f"/buildid/{elfs.nopie.build_id}/debuginfo")
+    assert status == 200 and headers["X-DEBUGINFOD-FILE"] == "plain.debug"
+    status, headers, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and "\n" not in headers.get("X-DEBUGINFOD-FILE", "")

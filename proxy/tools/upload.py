@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy import __version__
+from proxy.headers import printable
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
 from proxy.tools.prefetch import progress_bar
@@ -119,7 +120,7 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
 
     async with session.put(url, data=body(), headers={
             "Content-Length": str(item.size), "Content-Type": "application/octet-stream",
-            "X-DEBUGINFOD-FILE": item.path.name}) as r:
+            **_file_name(item.path.name)}) as r:
         # Whatever answered: not always a symgate, nor text in the charset it names.
         text = (await r.read()).decode(errors="replace").strip()
         if r.status == 201:
@@ -127,6 +128,17 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
         if r.status == 200:
             return PRESENT  # the very same file was there
         return f"{r.status}: {text[:200]}"
+
+
+def _file_name(name: str) -> dict[str, str]:
+    """X-DEBUGINFOD-FILE, for a name a header can carry. One with a line break, or with bytes
+    that are not UTF-8 (os.fsdecode's surrogates), made aiohttp refuse the request, and the
+    whole upload end in a traceback: such a file goes without it (the default name)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return {}
+    return {"X-DEBUGINFOD-FILE": name} if printable(name, 4096) else {}
 
 
 def terminal_progress(summary: Summary, total: int) -> None:
