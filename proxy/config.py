@@ -71,11 +71,16 @@ def _size(value: object) -> int:
     raise ValueError(f"expected a size such as 20GiB, got {value!r}")
 
 
+# A name or IPv4 address, or an IPv6 one in brackets (with its zone, if any); ASCII digits.
+_LISTEN = re.compile(r"(?:\[([0-9A-Fa-f:.]+(?:%[\w.-]+)?)\]|([^\s\[\]:%]+)):([0-9]{1,5})")
+
+
 def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    # Strictly: read leniently, "[]:8002" was the empty host, every address of the machine.
+    m = _LISTEN.fullmatch(value)
+    if m is None or int(m.group(3)) > 65535:
+        raise ValueError(f"expected HOST:PORT (an IPv6 address in brackets), got {value!r}")
+    return m.group(1) or m.group(2), int(m.group(3))
 
 
 def _listen(value: object) -> object:

@@ -227,6 +227,27 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
         load_config(path, environ={})
 
 
+@pytest.mark.parametrize("listen", ["[]:8002", "[::1:8002", "[[::1]:8002", "[::1]]:8002",
+                                    "host]:8002", "::1:8002", "127.0.0.1:\u0663",
+                                    "127.0.0.1:00000000000008002"])
+def test_a_listen_address_that_is_malformed_is_refused(tmp_path: Path, listen: str) -> None:
+    """They were read leniently: "[]:8002" bound every address of the host, IPv4 and IPv6
+    (a server meant for one interface open to all), unbalanced brackets and an unbracketed
+    IPv6 address were guessed at, and a port in other digits than ASCII's was taken."""
+    with pytest.raises(ConfigError, match=r"^server\.listen: expected HOST:PORT"):
+        load_config(write(tmp_path, f"[server]\nlisten = '{listen}'\n"), environ={})
+
+
+@pytest.mark.parametrize(("listen", "parsed"), [
+    ("[::1]:8002", ("::1", 8002)), ("[::]:0", ("::", 0)), ("0.0.0.0:80", ("0.0.0.0", 80)),
+    ("symgate.internal:8002", ("symgate.internal", 8002)),
+    ("[fe80::1%eth0]:8002", ("fe80::1%eth0", 8002))])
+def test_listen_addresses(listen: str, parsed: tuple[str, int]) -> None:
+    from proxy.config import parse_listen
+
+    assert parse_listen(listen, "k") == parsed
+
+
 def test_new_keys_default_to_the_constants_they_replace() -> None:
     cfg = load_config(None, environ={})
     assert cfg.server.access_flush_s == 5.0
