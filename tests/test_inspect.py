@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from yarl import URL
@@ -105,6 +106,20 @@ def test_inspect_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
     assert result.returncode == 1 and "not a pprof profile" in result.stderr
 
 
+async def _inspect_through(tmp_path: Path, elfs: ElfSet, url: str, headers: dict[str, str]
+                           ) -> dict[int, dict[str, Any]]:
+    """`symgate inspect --json` of the fixtures' profile, asking the upstream at `url` with
+    `headers` (as its config gives them): its rows by mapping id."""
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    config = tmp_path / "inspect.toml"
+    table = ", ".join(f'{name} = "{value}"' for name, value in headers.items())
+    config.write_text(f'[[upstreams]]\nurl = "{url}/"\nheaders = {{ {table} }}\n')
+    result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
+                                  "--config", str(config), "--json"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    return {r["mapping_id"]: r for r in json.loads(result.stdout)}
+
+
 async def test_inspect_asks_an_upstream_with_its_configured_headers(
     elfs: ElfSet, tmp_path: Path
 ) -> None:
@@ -125,16 +140,9 @@ async def test_inspect_asks_an_upstream_with_its_configured_headers(
     app.router.add_get("/buildid/{rest:.*}", private)
     runner, url = await serve_loopback(app)
     try:
-        (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
-        config = tmp_path / "inspect.toml"
-        config.write_text(f'[[upstreams]]\nurl = "{url}/"\n'
-                          f'headers = {{ Authorization = "{token}" }}\n')
-        result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
-                                      "--config", str(config), "--json"], timeout=60)
+        rows = await _inspect_through(tmp_path, elfs, url, {"Authorization": token})
     finally:
         await runner.cleanup()
-    assert result.returncode == 0, result.stderr
-    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
     assert [c["status"] for c in rows[1]["checks"]] == ["200"], rows[1]
 
 
@@ -202,17 +210,10 @@ async def test_inspect_follows_only_the_redirects_the_server_follows(
         sg = await start_symgate([UpstreamConfig(url=f"{url}/", headers=headers)])
         served = (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0]
         assert served == 502 and not asked  # the server's answer: refused, never followed
-        (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
-        config = tmp_path / "inspect.toml"
-        config.write_text(f'[[upstreams]]\nurl = "{url}/"\n'
-                          f'headers = {{ X-Api-Key = "{headers["X-Api-Key"]}" }}\n')
-        result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
-                                      "--config", str(config), "--json"], timeout=60)
+        rows = await _inspect_through(tmp_path, elfs, url, headers)
     finally:
         await runner.cleanup()
         await mirror_runner.cleanup()
-    assert result.returncode == 0, result.stderr
-    rows = {r["mapping_id"]: r for r in json.loads(result.stdout)}
     assert not [h for h in asked if "X-Api-Key" in h], asked  # the credentials stay home
     assert not asked, asked  # nor by inspect: nothing is asked of that host
     [check] = rows[1]["checks"]
