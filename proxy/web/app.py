@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,7 @@ from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import error_edge
 from proxy.web.fast_hits import FastHits
-from proxy.web.grace import unfinished
+from proxy.web.grace import STOP_SIGNALS, unfinished
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
@@ -376,9 +375,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
         raise CannotStart(f"cannot listen on {config.server.listen}: "
                           f"{reason(e)}") from None
     stop = asyncio.Event()
-    # SIGHUP as the supervisor takes it (proxy.web.supervisor): a hangup reaches a terminal's
-    # whole process group, workers included, and must drain them as SIGTERM does.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     try:
         if not await _started(runner, stop, config):
@@ -409,7 +406,7 @@ async def serve(config: Config, access_log: logging.Logger | None,
                 log.info("stopping now: responses under way are cut")
                 cut.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, cut_now)
         server.close()  # no new connections; idle kept-alive ones are closed by the drain
         guard.close_quick()  # and those aiohttp was never told of

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Collection
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# What stops a server, supervisor and workers alike: SIGHUP too, since a terminal's hangup (or
+# an operator used to it) reaches its whole process group and must drain, not kill at once
+# and leave the workers to be reaped and the metrics folder behind.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 async def unfinished(tasks: Collection[asyncio.Future[T]], grace_s: float,

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from proxy.config import Config, parse_listen
+from proxy.web.grace import STOP_SIGNALS
 from proxy.web.startup import CannotStart, make_data_dirs, reason
 
 log = logging.getLogger("symgate")
@@ -43,9 +44,6 @@ RESTART_WINDOW_S = 60.0
 # How often the supervisor looks for workers that have exited.
 REAP_EVERY_S = 0.2
 _READY = b"ready"
-# SIGHUP too: a terminal's hangup (or an operator used to it) must drain, not kill the
-# supervisor at once and leave its workers to be reaped and its metrics folder behind.
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
 def default_workers() -> int:
@@ -64,7 +62,7 @@ def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool
     # From the first moment: a stop while the server imports or migrates (a deploy's SIGTERM,
     # a Ctrl-C) is an orderly one, not the default's death by signal (status -15, the metrics
     # folder left behind) or a KeyboardInterrupt's traceback.
-    previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         return _supervise(config, workers, keeper)
     finally:
@@ -165,14 +163,14 @@ def _migrate_in_a_fork(config: Config, keeper: _Keeper) -> None:
     from proxy.web.app import startup_error
 
     # As in _Keeper.start: the supervisor's handler must not run in the fork.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     if keeper.stopping:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return
     theirs, ours = os.pipe()
     pid = os.fork()
     if pid == 0:  # never returns
-        for sig in _STOP_SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(theirs)
@@ -264,7 +262,7 @@ class _Keeper:
         supervisor = os.getpid()
         # A SIGTERM between the fork and the worker's own handlers must not run the
         # supervisor's handler in the worker: held back until the default is in place.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         if self.stopping:
             # A stop signal came after the caller decided to start it (while it logged
             # why, say): the handler has signalled the workers there were, and a new one
@@ -274,7 +272,7 @@ class _Keeper:
         theirs, ours = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker: never returns
-            for sig in _STOP_SIGNALS:
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)  # until serve() installs its own
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(theirs)
