@@ -40,6 +40,11 @@ def find_executable(dirs: Iterable[Path], build_id: str) -> Path | None:
                 None)
 
 
+def find_both(dirs: Iterable[Path], build_id: str) -> tuple[Path | None, Path | None]:
+    """(find_debug_file, find_executable): one call, for a caller that looks in a thread."""
+    return find_debug_file(dirs, build_id), find_executable(dirs, build_id)
+
+
 def has_executable(dirs: Iterable[Path], build_id: str) -> bool:
     """Whether find_executable finds one, without resolving its links."""
     return any(_carries(p, build_id) for p in _candidates(dirs, build_id, ""))

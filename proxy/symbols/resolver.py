@@ -47,7 +47,7 @@ from proxy.symbols.table_store import (
     without_executable,
 )
 from proxy.symbols.workers import SymbolizeWorkers
-from symbolize.debugdirs import find_debug_file, find_executable, has_executable
+from symbolize.debugdirs import find_both, find_debug_file, find_executable, has_executable
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
@@ -300,8 +300,7 @@ class SymbolResolver:
         return opened
 
     async def _find_source(self, req: RequestScope, build_id: str) -> _Source | None:
-        local = await self._local(find_debug_file, build_id)
-        local_exe = await self._local(find_executable, build_id)
+        local, local_exe = await self._local(find_both, build_id) or (None, None)
         if local is not None:
             return await self._with_supplement(req, _debug_source(
                 local, local_source_key(local, executable=False), SHARED, None,
@@ -341,7 +340,7 @@ class SymbolResolver:
             # Its failure read, whenever it comes (before the debug file's too, which left it
             # to asyncio's "never retrieved" ERROR); a fetch still under way fills the cache.
             if exe is not None:
-                exe.add_done_callback(lambda f: f.cancelled() or f.exception())
+                exe.add_done_callback(_failure_read)
         if local_exe is None:
             return None
         return _Source(local_exe, local_source_key(local_exe, executable=True), SHARED, None,
@@ -600,10 +599,8 @@ class SymbolResolver:
             layout = asyncio.ensure_future(self._find_executable_layout(req, build_id))
             self._layouts[key] = layout
             layout.add_done_callback(lambda _f: self._layouts.pop(key, None))
-            # Its TryAgain read even when the resolution failed first and nobody awaits it:
-            # else asyncio logs it as an ERROR ("never retrieved"), as it did the executable
-            # fetch's failure (_find_source).
-            layout.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # Its TryAgain read even when the resolution failed first and nobody awaits it.
+            layout.add_done_callback(_failure_read)
         return layout
 
     async def _find_executable_layout(self, req: RequestScope, build_id: str) -> _Layout:
@@ -797,6 +794,13 @@ def _size_of(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _failure_read(done: asyncio.Future[Any]) -> None:
+    """Marks the failure of a future that nobody may await as read: else asyncio logs it as
+    an ERROR with its traceback ("Task exception was never retrieved")."""
+    if not done.cancelled():
+        done.exception()
 
 
 def _passing_trouble_told(done: asyncio.Future[_Found]) -> None:
