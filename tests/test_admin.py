@@ -7,8 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
-from proxy.config import NegativeConfig
+from proxy.artifacts.purges import PurgeNotices
+from proxy.config import CacheConfig, NegativeConfig
 from proxy.keys import ArtifactKey
+from proxy.web.state import STATE
 from tests.elfs import ElfSet, replace_section_compressed
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, cli, config_file
@@ -47,6 +49,35 @@ async def test_cache_ls_stats_and_purge(
     assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 3
     bad = await cli(cfg, "cache", "ls", "not-hex")
     assert bad.returncode == 2 and "invalid build ID" in bad.stderr
+
+
+async def test_a_file_fetched_again_before_the_purge_reached_the_server_stays(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A purge reaches a running server at its next poll (cache.purge_poll_s). A request in
+    between finds the file gone, fetches it again and keeps it: the notice, applied after,
+    took that new copy too (and a profile whose table was built from it meanwhile got a 503:
+    tests/test_shared_builds.py met it under load), and the next request fetched it a third
+    time. The purge is of the versions it found; a commit made since stays. The await point:
+    the server's own poll held off (an hour), this process's notices applied by hand."""
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(purge_poll_s=3600))
+    state = sg.runner.app[STATE]
+    notices = PurgeNotices(state.repo, state.service.cache)
+    await notices.start()
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
+        elfs.prog.build_id, "debuginfo").storage_name
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()
+    purged = await cli(config_file(sg, tmp_path), "cache", "purge", elfs.prog.build_id)
+    assert purged.returncode == 0 and not stored.exists(), purged.stderr
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 2
+    await sg.settled()
+    assert await notices.poll() == 1
+    assert stored.exists()
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 2
 
 
 async def test_negative_ls_and_clear_make_a_miss_retryable(

@@ -468,15 +468,10 @@ class ArtifactCache:
         """Apply a purge notice: an operator's purge of every version of a key, or the one
         version another process removed (see retire)."""
         key = ArtifactKey.from_id(notice.key)
-        if notice.replica is None:
-            # Every version, on every replica: whether or not this process had it in memory
-            # (another process of this replica may have fetched it).
-            if not await self.remove(notice.scope, key):
-                self.store.remove_artifact(notice.scope, key)
-        elif notice.replica == self._repo.replica:
+        if notice.replica == self._repo.replica:
             await self._forget_version(notice, key)
         else:
-            await self._purged_elsewhere(notice, key)
+            await self._purged_here(notice, key)
 
     async def _forget_version(self, notice: PurgeNotice, key: ArtifactKey) -> None:
         """A version another process of this replica removed: it took the file and row (and
@@ -488,14 +483,18 @@ class ArtifactCache:
         self._drop(notice.key_hash)
         await self._notify(self.forgotten, [(notice.scope, key)])
 
-    async def _purged_elsewhere(self, notice: PurgeNotice, key: ArtifactKey) -> None:
-        """A version another replica removed: the notice's transaction deleted this replica's
-        rows of the same file, so a copy whose row is gone is that version, and goes from
-        memory and disk. A row there now is a commit made since (a re-upload taken from the
-        bucket), and stays; so does a file of other bytes, or a commit SQL has not taken."""
+    async def _purged_here(self, notice: PurgeNotice, key: ArtifactKey) -> None:
+        """An operator's purge (every version, on every replica), or a version another
+        replica removed: the notice's transaction deleted this replica's rows of what it
+        purged, so a copy whose row is gone is purged, and goes from memory and disk, whether
+        or not this process had it in memory (another process of this replica may have
+        fetched it). A row there now is a commit made since (a fetch after the purge, on a
+        request that found the file gone before the notice came; a re-upload taken from the
+        bucket), and stays; so does a file of other bytes than the version removed, or a
+        commit SQL has not taken yet."""
         kh = notice.key_hash
         held = self._entries.get(kh)
-        if held is not None and held.sha256 != notice.sha256:
+        if held is not None and notice.sha256 is not None and held.sha256 != notice.sha256:
             return
         if isinstance(self._unsynced.get(kh), ArtifactRecord):
             return
