@@ -387,6 +387,9 @@ class SymbolizeConfig:
     # Seconds without a job after which the worker processes exit (started again by the next
     # job): an idle server is one process. 0: they start with the server and stay.
     worker_idle_s: Seconds = 60.0
+    # A worker started with the server, so that its first profile waits for none. false: the
+    # first build or profile starts one; a server used as a proxy alone stays one process.
+    worker_at_start: Flag = True
     # Profiles in work at once, and waiting for a slot; past both, 429 with Retry-After.
     max_concurrent: AtLeastOne = 4
     max_waiting: Count = 16

@@ -27,6 +27,7 @@ from proxy.config import (
     DatabaseConfig,
     NegativeConfig,
     ServerConfig,
+    SymbolizeConfig,
     UpstreamConfig,
 )
 from tests.processes import run_in_thread
@@ -156,6 +157,10 @@ def make_config(
     ups = tuple(u if isinstance(u, UpstreamConfig) else fast_upstream(u) for u in upstreams)
     cfg = Config(
         server=ServerConfig(listen="127.0.0.1:0", data_dir=data_dir, access_log=False),
+        # No worker warmed for a profile that most tests never send: its start, a forkserver
+        # importing what workers run, took a third of the suite's CPU, and the server's stop
+        # waited for it. A test that symbolizes gives [symbolize] and has one as servers do.
+        symbolize=SymbolizeConfig(worker_at_start=False),
         database=DatabaseConfig(url=database_url),
         negative=NegativeConfig(not_found_initial_ttl_s=60, not_found_ttl_s=600),
         cache=CacheConfig(),

@@ -7,6 +7,7 @@ stay, sharing the supervisor's memory, and a worker is a fork away. Workers run 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -113,6 +114,30 @@ async def test_a_worker_starts_with_the_server(
 
     try:
         await eventually(a_worker)  # with no request at all
+    finally:
+        await stop_serve([proc])
+
+
+async def test_without_a_worker_at_start_the_first_profile_starts_one(
+    tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """worker_at_start = false: a server used as a proxy alone is one process from its start
+    (no forkserver, no worker), and its first profile starts
+    the workers it needs."""
+    base, proc = await start_serve(
+        tmp_path, tmp_path / "d", f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}",
+        debuginfod.url, extra="[symbolize]\nworker_at_start = false\n")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(10):  # as long as a worker started with the server takes to show
+                async with s.get(f"{base}/healthz") as r:
+                    assert r.status == 200
+                assert not descendants(proc.pid)
+                await asyncio.sleep(0.1)
+        body = make_profile([(place(elfs.prog, BASES["prog"]),
+                              code_addresses(elfs.prog)[:5])]).SerializeToString()
+        assert await _symbolized(base, body) == "1"
+        assert any(niceness(pid) == 5 for pid in descendants(proc.pid))
     finally:
         await stop_serve([proc])
 

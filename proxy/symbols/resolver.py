@@ -129,14 +129,14 @@ class SymbolResolver:
         """A resolution or a build is under way (for tests and status)."""
         return bool(self._resolving or self._building)
 
-    async def start(self) -> None:
+    async def start(self, *, worker: bool = True) -> None:
         """Have SQLAlchemy compile the symbol-table query now rather than on the first cold
-        profile (about 10 ms), and start a worker (it exits after symbolize.worker_idle_s
-        unless a job comes)."""
+        profile (about 10 ms), and, with `worker`, start a worker (it exits after
+        symbolize.worker_idle_s unless a job comes)."""
         if removed := await asyncio.to_thread(self._tables.clear_leftovers):
             log.info("removed %d half-written symbol tables of dead build workers", removed)
         await self._tables.get(SHARED, "")
-        if self._enabled:
+        if self._enabled and worker:
             self.workers.pool.start_soon()
 
     async def close(self) -> None:

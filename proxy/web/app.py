@@ -231,7 +231,7 @@ def _lifecycle(
                 debug_dirs=config.symbolize.debug_dirs, metrics=symbolize_metrics,
                 enabled=config.symbolize.enabled,
             )
-            await symbols.start()
+            await symbols.start(worker=config.symbolize.worker_at_start)
             started.push_async_callback(symbols.close)
             # Before the symbol tables close: builds wait on the fetches it holds.
             started.push_async_callback(service.cancel_all)
