@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,16 @@ from tests.harness import Debuginfod, Symgate, SymgateFactory, free_port, make_c
 from tests.processes import Start, start_serve, stop_serve
 
 PG_ADMIN_DSN = os.environ.get("SYMGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+# `symgate` as pip installed it, beside this interpreter, found before pyenv's shim, which finds
+# it in turn (bash, then `pyenv exec`) and cost each of the suite's hundreds of `symgate`
+# processes 0.4 s before Python started. Any other `symgate` first on PATH (a wrapper that
+# runs another checkout) stays first.
+_FOUND = shutil.which("symgate")
+_SCRIPTS = Path(sys.executable).parent
+if _FOUND is not None and Path(_FOUND).parent.name == "shims" \
+        and (_SCRIPTS / "symgate").exists():
+    os.environ["PATH"] = f"{_SCRIPTS}{os.pathsep}{os.environ.get('PATH', '')}"
 
 # Tests talk to loopback only: never let a proxy setting route them elsewhere.
 for _var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
