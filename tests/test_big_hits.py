@@ -21,6 +21,8 @@ from proxy.web.state import STATE
 from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 # More clients that stop reading than the server has cores, or any pool would have threads.
 STALLED = 5
 

@@ -26,6 +26,8 @@ from tests.harness import (
 )
 from tests.processes import Start, debuginfod_find
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 async def test_two_symgates_in_a_chain(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path

@@ -26,6 +26,8 @@ from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import eventually, free_port
 from tests.processes import Start, wait_until_serving
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 @contextlib.asynccontextmanager
 async def _guarded(limit: int, header_timeout_s: float, answer_after_s: float = 0

@@ -9,6 +9,8 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from proxy.config import TenantConfig
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet, build_id_tree
@@ -16,6 +18,8 @@ from tests.harness import Debuginfod, SymgateFactory
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, frames_of, llvm_symbolize, make_profile, place
 from tests.symbolize_helpers import BASES, parse, same_frames, symbolize_config
+
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 
 async def test_cli_symbolizes_offline_and_through_a_server(

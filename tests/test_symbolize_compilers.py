@@ -34,6 +34,8 @@ from tests.profiles import (
 from tests.rewriting import table_frames
 from tests.symbolize_helpers import parse, post, same_frames, symbolize_config
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 # `process` has unlikely paths (abort, a cold function) that gcc -O2 moves into `process.cold`.
 SPLIT_C = r"""
 #include <stdio.h>
