@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import NegativeConfig, SymbolizeConfig
+from proxy.config import DatabaseConfig, NegativeConfig, SymbolizeConfig
 from symbolize.elf import function_symbols
 from symbolize.offline import symbolize_bytes
 from symbolize.pipeline import Limits
@@ -167,8 +167,12 @@ async def test_the_same_bytes_once_a_missing_executable_is_published(
         before = await answers(sg, bodies)
         shutil.copy(lib.executable, scanned / "libmix.so")
         await eventually(lambda: serves(f"{upstream.url}/buildid/{lib.build_id}/executable"))
-        fresh = await start_symgate([upstream.url], data_dir=tmp_path / "fresh",
-                                    symbolize=config, negative=negative)
+        # Fresh: a database of its own too. The seasoned server's 404 of the executable, in
+        # the one they would share, made the fresh one build without it as well when it came
+        # within the miss TTL of that 404 (a quick rescan upstream).
+        fresh = await start_symgate(
+            [upstream.url], data_dir=tmp_path / "fresh", symbolize=config, negative=negative,
+            database=DatabaseConfig(url=f"sqlite+aiosqlite:///{tmp_path / 'fresh.sqlite'}"))
         want = await answers(fresh, bodies)
         assert before != want  # the executable's names: what this test is about
 
