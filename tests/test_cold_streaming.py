@@ -17,6 +17,8 @@ import pytest
 from tests.elfs import ElfSet
 from tests.harness import SymgateFactory, fast_upstream, read_broken, read_rest
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 class Raw:
     """A raw HTTP upstream: sends `parts` (with `gap` s between), then closes or resets."""

@@ -13,6 +13,8 @@ from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 async def test_slow_first_byte_is_504_or_406_for_elfutils_and_not_cached(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet

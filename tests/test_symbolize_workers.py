@@ -27,6 +27,8 @@ from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
+pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
 
 def _profile(elfs: ElfSet) -> bytes:
     return make_profile([(place(elfs.prog, BASES["prog"]),
