@@ -673,7 +673,10 @@ def report(results: dict[str, Any], measures: dict[str, Rate], cols: list[str],
         f"symgate as run by default: {sg}" + ("" if sg_n else
                                                " (no `serve --workers`: one process, N n/a)"),
         ""]
-    rows = [["req/s", *cols, "Nw/1w"]]
+    # nginx's own N workers against 1 beside symgate's: how far this machine lets N workers go
+    # at all, wrk taking its share of the same cores.
+    ng_n = sg_n.replace("symgate", "nginx") if sg_n else None
+    rows = [["req/s", *cols, "Nw/1w", "nginx Nw/1w"]]
     for key, m in measures.items():
         med = results["rates"][key]["median"]
         row = [m.name]
@@ -682,6 +685,7 @@ def report(results: dict[str, Any], measures: dict[str, Rate], cols: list[str],
             row.append("error" if note.startswith("error") else fmt(med.get(c))
                        if c in m.servers else "n/a")
         row.append(fmt(ratio(med.get(sg_n), med.get("symgate 1w")) if sg_n else None, ".2f"))
+        row.append(fmt(ratio(med.get(ng_n), med.get("nginx 1w")) if ng_n else None, ".2f"))
         rows.append(row)
     lines += [table(rows), ""]
     for m in measures.values():
