@@ -11,7 +11,7 @@ from tests.elfs import ElfSet, build_program
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 ACME = "acme-token-of-sixteen-or-more"
 
@@ -60,3 +60,34 @@ async def test_a_tenants_uploaded_symbols_never_answer_another_asking_at_the_sam
         assert acme["X-Symgate-Mappings-Symbolized"] == str(len(own))
         assert other["X-Symgate-Mappings-Symbolized"] == "0"
         assert anonymous["X-Symgate-Mappings-Symbolized"] == "0"
+
+
+async def test_a_shared_table_from_the_executable_never_hides_a_tenants_own_debug_file(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """The shared scope has the executable alone (a local debug directory), so its table has
+    bare names; tenant A's own server has the debug file. A's profile is named from that, with
+    lines, as it is on a server where nobody asked before A: the shared scope's miss of the
+    debug file was judged by the global upstreams, not by A's, as a remembered 404 is."""
+    tree = tmp_path / "debug" / ".build-id" / elfs.prog.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / elfs.prog.build_id[2:]).symlink_to(elfs.prog.executable)
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)),
+        tenants={"a": TenantConfig(upstreams=(faults.url_for("ok"),))})
+    raw = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])]
+                       ).SerializeToString()
+
+    def lines(body: bytes) -> int:
+        return sum(1 for loc in parse(body).location for line in loc.line if line.line)
+
+    status, headers, shared = await post(sg, raw)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert lines(shared) == 0  # the executable's names alone
+    status, headers, own = await post(sg, raw, **{"X-Scope-OrgID": "a"})
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert faults.count("ok") >= 1  # A's server was asked for its debug file
+    assert lines(own) > 0
+    status, headers, again = await post(sg, raw)
+    assert lines(again) == 0  # and what A's server gave stays A's

@@ -20,6 +20,10 @@ class OpenTable:
     scoped_segments: dict[str, tuple[LoadSegment, ...]] = field(default_factory=dict)
     # A table from an executable: when (wall clock) its debug file is asked for again.
     recheck_at: float | None = None
+    # Tenants with sources of their own that asked them for what this shared table lacks
+    # (its debug file, supplementary file or executable), and had nothing better: it answers
+    # them too, until it is asked about again. Others ask theirs first (SymbolResolver).
+    judged_by: set[str] = field(default_factory=set)
 
 
 class OpenTables:

@@ -181,6 +181,9 @@ class SymbolResolver:
                     # again, as a restart would, rather than failed by every profile.
                     self._open.drop(scope, build_id)
                     return None
+                if _unjudged(req, scope, opened.recheck_at is not None) \
+                        and req.tenant not in opened.judged_by:
+                    return None  # the tenant's own sources first: _load_or_build
                 return scope, opened
         return None
 
@@ -242,21 +245,26 @@ class SymbolResolver:
 
     async def _load_or_build(self, req: RequestScope, build_id: str) -> _Found:
         recheck: SymbolTableRecord | None = None
+        failed: SymbolTableRecord | None = None
         for scope in req.visible:
             rec, from_bucket = await self._tables.find(scope, build_id)
             if rec is not None and rec.outcome == Outcome.OK:
-                if self._tables.stale(rec):
+                if self._tables.stale(rec) or _unjudged(req, scope, rec.expires_at is not None):
                     recheck = recheck or rec
                     continue
                 self._metrics.symtab_cache.labels("bucket" if from_bucket else "hit").inc()
                 return scope, self._remember(rec)
-            # A failure still believed is believed in any scope the request sees: looking again
-            # would find the same file and build the same nothing.
+            if rec is not None and _unjudged(req, scope, True):
+                failed = rec
+                continue
+            # A failure still believed is believed in any scope the request sees whose files
+            # the request's sources judged: looking again would find the same file and build
+            # the same nothing.
             if rec is not None:
                 return Outcome(rec.outcome)
         self._metrics.symtab_cache.labels("miss").inc()
         try:
-            return await self._find_and_build(req, build_id, recheck)
+            return await self._find_and_build(req, build_id, recheck, failed)
         except TryAgain as e:
             if recheck is None or partial(recheck.source_key) \
                     or not self._tables.path(recheck.scope, build_id).exists():
@@ -269,9 +277,12 @@ class SymbolResolver:
             return recheck.scope, self._remember(recheck)
 
     async def _find_and_build(self, req: RequestScope, build_id: str,
-                              recheck: SymbolTableRecord | None) -> _Found:
+                              recheck: SymbolTableRecord | None,
+                              failed: SymbolTableRecord | None = None) -> _Found:
         """A source for the table and its build; or, where the source is the one `recheck`
-        was built from, that table believed again."""
+        was built from, that table believed again; or the one `failed` was (a shared table's
+        failed build, which a tenant's own sources may have had a better file for), that
+        failure."""
         try:
             source = await self._find_source(req, build_id)
         except TryAgain:
@@ -281,10 +292,21 @@ class SymbolResolver:
             return e.outcome
         if source is None:
             return Outcome.NOT_FOUND
+        if (failed is not None and failed.source_key == source.source_key
+                and failed.scope == source.scope):
+            return Outcome(failed.outcome)
         if (recheck is not None and recheck.source_key == source.source_key
                 and recheck.scope == source.scope):
             # Still no debug file (or executable): the table it has is as good as a new build.
-            return recheck.scope, self._remember(await self._tables.renew(recheck))
+            if not self._tables.stale(recheck):
+                # A shared table not due to be asked about again, which a tenant's own sources
+                # had nothing better for: theirs is not the shared scope's answer to renew.
+                opened = self._open.get(recheck.scope, build_id) or self._remember(recheck)
+            else:
+                opened = self._remember(await self._tables.renew(recheck))
+            if recheck.scope != req.scope:
+                opened.judged_by.add(req.tenant)
+            return recheck.scope, opened
         return await self._build(build_id, source)
 
     def _remember(self, rec: SymbolTableRecord) -> OpenTable:
@@ -787,6 +809,15 @@ def _debug_source(path: Path, source_key: str, scope: str,
     if executable is None:
         source.source_key += WITHOUT_EXECUTABLE
     return source
+
+
+def _unjudged(req: RequestScope, scope: str, lacking: bool) -> bool:
+    """Whether a table of `scope` that lacks something (a table from the executable, or
+    without its supplementary file or executable; a failed build), seen by `req`, was made
+    without asking the request's sources for it: a shared one, seen by a tenant with sources
+    of its own. Those are asked first, as the shared scope's remembered 404 does not answer
+    that tenant either."""
+    return lacking and scope == SHARED and req.scope != SHARED
 
 
 def _size_of(path: Path) -> int:
