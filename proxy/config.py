@@ -505,6 +505,17 @@ class Config:
     storage: StorageConfig | None = None
 
     @model_validator(mode="after")
+    def _nameless_tenant_serverless(self) -> Config:
+        # Requests that name no tenant are the nameless tenant's, whose scope is the shared
+        # one (proxy.artifacts.scope.SHARED): what a server of its own gave would be cached
+        # where every tenant sees it, and fetched under flights they join.
+        if (nameless := self.tenants.get("")) is not None and nameless.upstreams:
+            raise _Invalid(("tenants", "\"\"", "upstreams"),  # as TOML writes it
+                           "requests that name no tenant share what they fetch with every "
+                           "tenant: their servers are the global [[upstreams]]")
+        return self
+
+    @model_validator(mode="after")
     def _one_tenant_per_token(self) -> Config:
         owner: dict[str, str] = dict.fromkeys(self.upload.admin_tokens, "")
         for name, tenant in self.tenants.items():

@@ -314,6 +314,19 @@ tokens = ["{third}"]
         Config(tenants={"a": TenantConfig(tokens=(token,)), "b": TenantConfig(tokens=(token,))})
 
 
+def test_the_nameless_tenant_has_no_servers_of_its_own(tmp_path: Path) -> None:
+    """Requests that name no tenant are [tenants.""]'s, whose scope is the shared one: a
+    private server there (with its credentials) had its files cached where every tenant saw
+    them. Its tokens and settings stay; its servers are the global list."""
+    text = '[tenants.""]\nupstreams = [{ url = "https://p.example", headers = { A = "b" } }]\n'
+    with pytest.raises(ConfigError, match=r'^tenants\.""\.upstreams: requests that name'):
+        load_config(write(tmp_path, text), environ={})
+    with pytest.raises(ValueError, match="the global"):  # built in code, too
+        Config(tenants={"": TenantConfig(upstreams=(UpstreamConfig(url="http://p"),))})
+    cfg = load_config(write(tmp_path, f'[tenants.""]\ntokens = ["{"t" * 16}"]\n'), environ={})
+    assert cfg.tenants[""].tokens == ("t" * 16,)
+
+
 def test_the_tenant_examples_parse(tmp_path: Path) -> None:
     text = (ROOT / "config.example.toml").read_text()
     section = text[text.index("# Per-tenant settings"):text.index("# Upstream debuginfod")]
