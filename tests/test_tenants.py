@@ -318,3 +318,25 @@ async def test_a_section_cut_from_a_tenants_upload_is_never_handed_to_another_te
     anonymous = await sg.get(path)
     assert (await acme)[0] == 200
     assert other[0] == 404 and anonymous[0] == 404
+
+
+async def test_no_tenants_miss_reaches_the_public_status_page(
+    start_symgate: SymgateFactory, faults: FaultUpstream
+) -> None:
+    """The page at / is public: a tenant's misses name its build IDs and source paths, whether
+    it has sources of its own or shares the global ones (then its scope is the shared one)."""
+    sg = await start_symgate([faults.url_for("notfound")],
+                             tenants={"acme": TenantConfig(tokens=(TOKEN_A,)),
+                                      "own": TenantConfig(upstreams=(private(faults),))})
+    secret, own, anonymous = "ac" * 20, "0e" * 20, "ab" * 20
+    for path, headers in ((f"/buildid/{secret}/source/home/acme/secret-plan.c",
+                           {"Authorization": f"Bearer {TOKEN_A}"}),
+                          (f"/buildid/{secret}/debuginfo", {"X-Scope-OrgID": "other"}),
+                          (f"/buildid/{own}/debuginfo", {"X-Scope-OrgID": "own"}),
+                          (f"/buildid/{anonymous}/debuginfo", {})):
+        assert (await sg.get(path, headers=headers))[0] == 404, path
+    status, _, page = await sg.get("/")
+    assert status == 200
+    assert anonymous.encode() in page  # a miss of nobody's: shown
+    assert secret.encode() not in page and b"secret-plan" not in page
+    assert own.encode() not in page

@@ -187,9 +187,11 @@ def _answer(request: web.Request, error: SymgateError) -> web.Response:
     outcome = outcome_label(error)
     annotate(request, outcome=outcome, error=error.reason)
     fields = _fields(request)
-    # A tenant's misses name its private build IDs and servers: the page at / is public.
+    # A tenant's misses name its private build IDs, source paths and servers: the page at /
+    # is public. Any tenant's, not only one with sources of its own: one without shares the
+    # shared scope's misses, but what it asks for is its own business.
     if (fields.get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED
-            and not fields.get("scope")):
+            and not fields.get("tenant")):
         state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
     return error_response(error, request.headers.get("User-Agent", ""),
                           state.config.server.retry_after_s)
