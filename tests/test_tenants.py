@@ -340,3 +340,29 @@ async def test_no_tenants_miss_reaches_the_public_status_page(
     assert anonymous.encode() in page  # a miss of nobody's: shown
     assert secret.encode() not in page and b"secret-plan" not in page
     assert own.encode() not in page
+
+
+async def test_a_tenant_asking_fewer_global_sources_never_answers_anothers_join_with_404(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Tenant T lists one of the two global servers, so it is in the shared scope and its
+    fetches are shared. A client of nobody's that joins T's fetch asks both: the one T asks
+    saying 404 is not its answer, the other server's file is (not a 404, which elfutils'
+    client would keep for ten minutes)."""
+    held = fast_upstream(faults.url_for("hold404"), first_byte_timeout_s=60)
+    sg = await start_symgate([held, fast_upstream(faults.url_for("ok"))],
+                             tenants={"t": TenantConfig(upstreams=(held,))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    tenant = asyncio.create_task(sg.get(path, headers={"X-Scope-OrgID": "t"}))
+    await eventually(lambda: faults.count("hold404") == 1)  # T's fetch waits on its server
+    anonymous = asyncio.create_task(sg.get(path))
+
+    async def joined() -> bool:
+        return await sg.metric("symgate_singleflight_joins_total") == 1
+
+    await eventually(joined)
+    faults.release.set()
+    assert (await tenant)[0] == 404  # T's one server has not got it
+    status, _, body = await anonymous
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("ok") == 1

@@ -67,6 +67,10 @@ class Flight:
         # left, which the next fetch asks first (ArtifactService's doubts): a client that got
         # no byte of it asks again at once rather than take the failure.
         self.lied = False
+        # The names of the sources the request that started the fetch asks (the request's,
+        # known misses among them); None where every joiner's answer is its answer (a copy of
+        # an upload, another process's fetch followed). See ArtifactService._answers.
+        self.asking: frozenset[str] | None = None
 
     # -- writer side (the fetch task) -----------------------------------------------------------
     def started(self, meta: ArtifactMeta) -> None:

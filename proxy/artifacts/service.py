@@ -216,7 +216,7 @@ class ArtifactService:
                     return own
             except DatabaseUnavailable as e:
                 unknown.append(e)  # what the shared scope has may still answer
-        if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
+        if (joined := await self._join_or_remembered(kh, req, key, names, local_has)):
             return joined
         # Both ask SQL (what another process cached, or found missing): at once, not in turn.
         stored, known_missing = await asyncio.gather(
@@ -232,7 +232,7 @@ class ArtifactService:
             raise NotFound("not found" if ups else "not found (no upstreams configured)")
         # While this request awaited SQL, another may have started the same fetch, or finished
         # it: committed (the index has it) or remembered (the memo has it), and unregistered.
-        if (joined := await self._join_or_remembered(kh, scope, key, names, local_has)):
+        if (joined := await self._join_or_remembered(kh, req, key, names, local_has)):
             return joined
         if (hit := self.cache.peek_any(req.visible, key)) is not None and hit.path.is_file():
             return Hit(hit)
@@ -247,6 +247,7 @@ class ArtifactService:
                                 else SymgateError("cannot make a temp file"))
             raise
         flight = Flight(fd)
+        flight.asking = _asking(req)
         self._flights[kh] = flight
         self._start(self._fetch(key, req, flight, path,
                                 [u for u in ups if u.name not in known_missing], claim,
@@ -297,8 +298,7 @@ class ArtifactService:
                 # miss, as it is for a client of the process that fetched it.
                 self._metrics.singleflight_joins.inc()
                 return Hit(stored, fetched=True)
-            if (joined := await self._join_or_remembered(kh, req.scope, key, names,
-                                                         local_has)):
+            if (joined := await self._join_or_remembered(kh, req, key, names, local_has)):
                 return joined
             # Ended without a file for us (not kept, or its writer died): claim it again.
         return None
@@ -395,19 +395,38 @@ class ArtifactService:
                 return stored
         return None
 
-    async def _join_or_remembered(self, kh: str, scope: str, key: ArtifactKey,
+    async def _join_or_remembered(self, kh: str, req: RequestScope, key: ArtifactKey,
                                   names: list[str], local_has: bool) -> Streaming | None:
         """What memory alone answers: the fetch under way, joined, or a remembered miss
         (raised); None when only SQL or a new fetch can tell."""
         if (flight := self._flights.get(kh)) is not None:
             if not flight.succeeded:
                 self._metrics.singleflight_joins.inc()
-                return await self._join(flight)
-            # Verified and being committed (a matter of an fsync and a row): a hit in a moment.
-            await flight.wait_settled()
-        if not local_has and self.misses.memo_covers(scope, key, names):
+                if await self._answers(flight, _asking(req)):
+                    return await self._join(flight)
+            else:
+                # Verified and being committed (an fsync and a row): a hit in a moment.
+                await flight.wait_settled()
+        if not local_has and self.misses.memo_covers(req.scope, key, names):
             raise RememberedNotFound()
         return None
+
+    @staticmethod
+    async def _answers(flight: Flight, asking: frozenset[str]) -> bool:
+        """Whether what `flight` ends in answers a request that asks the sources `asking`.
+        A fetch of a tenant that lists some of the global sources only (so shares the shared
+        scope's fetches) answers with the file it finds, which any of them may give; but its
+        failure, a 404 above all, is no answer for a request that asks others too, which
+        elfutils' client would keep for ten minutes. Such a request waits for its headers;
+        if it failed, for its end (its misses remembered, its key free), and looks on."""
+        if flight.asking is None or flight.asking >= asking:
+            return True
+        try:
+            await flight.wait_meta()
+        except SymgateError:
+            await flight.wait_settled()
+            return False
+        return True
 
     async def _fetch(
         self, key: ArtifactKey, req: RequestScope, flight: Flight, temp: Path,
@@ -1073,6 +1092,11 @@ def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
             digest.update(chunk)
             left -= len(chunk)
     return digest.hexdigest()
+
+
+def _asking(req: RequestScope) -> frozenset[str]:
+    """The names of the sources the request asks, remote and local."""
+    return frozenset(u.name for u in req.sources)
 
 
 def _miss_judges(req: RequestScope, key: ArtifactKey) -> tuple[list[str], bool]:
