@@ -204,3 +204,45 @@ async def test_a_profile_whose_debug_file_cannot_be_kept_now_is_refused_not_left
         return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
     await eventually(symbolized, timeout=30)
+
+
+async def test_a_download_that_cannot_fit_beside_one_under_way_evicts_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Two cold misses at once, each of which fits the budget beside the file cached, but not
+    both: the second was judged by the room the first held so far (half its size), kept, and
+    as both grew the cached file was evicted for the room, then one of the two was not kept
+    after all. The file went for nothing. A download's announced size is the room it will
+    hold: the second is served, not kept, and evicts nothing, as one larger than the room is."""
+    (tmp_path / "out").mkdir()
+    big2, cached = await asyncio.gather(
+        asyncio.to_thread(build_program, tmp_path / "src", tmp_path / "out", "big2", 7,
+                          12 * MiB),
+        asyncio.to_thread(build_program, tmp_path / "src", tmp_path / "out", "mid", 8, 4 * MiB))
+    for e in (big2, cached):
+        faults.by_id[e.build_id] = e
+    size, size2 = elfs.big.debug.stat().st_size, big2.debug.stat().st_size
+    budget = size + cached.debug.stat().st_size + MiB  # either beside `cached`, not both
+    assert size + size2 > budget and size2 < size
+    sg = await start_symgate([faults.url_for("held")], cache=CacheConfig(max_bytes=budget))
+    faults.release.set()
+    assert (await sg.get(f"/buildid/{cached.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 1)
+
+    faults.release, faults.held_half_sent = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(sg.get(f"/buildid/{elfs.big.build_id}/debuginfo"))
+    await asyncio.wait_for(faults.held_half_sent.wait(), 30)
+    await _written(sg.config.cache_dir, size // 2)
+    second = asyncio.create_task(sg.get(f"/buildid/{big2.build_id}/debuginfo"))
+    await _written(sg.config.cache_dir, size // 2 + size2 // 2)
+    faults.release.set()
+    for task, e in ((first, elfs.big), (second, big2)):
+        status, _, body = await task
+        assert status == 200 and body == e.debug.read_bytes()
+    await sg.settled()
+    assert await sg.metric("symgate_cache_not_kept_total") == 1
+    assert await sg.metric("symgate_cache_evictions_total") == 0
+    objects = sg.config.cache_dir / "objects"
+    assert (objects / ArtifactKey.parse(cached.build_id, "debuginfo").storage_name).exists()
+    assert (objects / ArtifactKey.parse(elfs.big.build_id, "debuginfo").storage_name).exists()
+    assert on_disk(sg.config.cache_dir) <= budget

@@ -99,6 +99,10 @@ class ArtifactCache:
         # Budget held by downloads under way (by their flight), so that the files being
         # written and the files kept together stay within max_bytes.
         self._reserved: dict[object, int] = {}
+        # The announced sizes of downloads to be kept (could_fit): the room each will hold by
+        # its end. Not evicted for before the bytes come (an upstream could inflate it), but
+        # what the downloads after them are judged against.
+        self._promised: dict[object, int] = {}
         # Only keys of the index: bounded by it, and kept across failed flushes.
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         # Rows SQL has not taken yet: a record to write, or one to delete.
@@ -133,23 +137,40 @@ class ArtifactCache:
                 return True
             over = self._bytes + self.reserved_bytes - held + total - self.max_bytes
             victims, over = self._victims(self._entries.values(), over)
-            if over > 0:
-                self._reserved.pop(download, None)
+            final = max(total, self._promised.get(download, 0))
+            if over > 0 or (victims and not self._fits_beside_others(download, final)):
+                # Files evicted for a download that then finds no room beside the others
+                # (which announced more than they hold yet) would have gone for nothing.
+                self.release(download)
                 return False
             self._reserved[download] = total
             await self._remove_victims(victims)
             return True
 
     def could_fit(self, download: object, total: int) -> bool:
-        """Whether `total` bytes could be held for a download by evicting every file not being
-        sent; evicts nothing."""
-        pinned = sum(self._entries[kh].size for kh in self._leases
-                     if kh in self._entries and not self._entries[kh].pinned)
-        held = self._reserved.get(download, 0)
-        return pinned + self.reserved_bytes - held + total <= self.max_bytes
+        """Whether `total` bytes (a download's announced size) could be held for a download by
+        evicting every file not being sent, beside what the other downloads under way will
+        hold; evicts nothing. If so, `total` is what this one will hold from now on, for the
+        downloads after it: judged by the room it held so far, a second download of two that
+        do not fit together was kept, evicted files for the room as both grew, and then found
+        none (or left none for the first): those files went for nothing."""
+        if not self._fits_beside_others(download, total):
+            return False
+        self._promised[download] = total
+        return True
+
+    def _fits_beside_others(self, download: object, total: int) -> bool:
+        """Whether `total` bytes fit the budget beside the files being sent and the room every
+        other download under way holds or announced, whichever is more."""
+        sent = sum(self._entries[kh].size for kh in self._leases
+                   if kh in self._entries and not self._entries[kh].pinned)
+        others = sum(max(self._reserved.get(d, 0), self._promised.get(d, 0))
+                     for d in self._reserved.keys() | self._promised.keys() if d is not download)
+        return sent + others + total <= self.max_bytes
 
     def release(self, download: object) -> None:
         self._reserved.pop(download, None)
+        self._promised.pop(download, None)
 
     def __len__(self) -> int:
         return len(self._entries)
