@@ -504,3 +504,41 @@ async def test_every_serving_process_says_the_disk_is_full(
             assert answers == {(200, "degraded"), (200, "ok\n")}
     finally:
         await stop_serve([proc])
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[None]:
+    """`folder` read-only while held: what a filesystem remounted read-only after an I/O
+    error (ext4's errors=remount-ro) does to a running server, which keeps its descriptors."""
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+async def test_a_read_only_data_dir_is_507_degraded_and_recovers(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+) -> None:
+    """Every miss was a 500 counted as `internal` (a bug, with a traceback logged each) and
+    /healthz said `ok`, so the probe that should have told the operator saw nothing: the
+    cache cannot be written, as on a full disk. Hits are served meanwhile, and misses come
+    back once it can be written again."""
+    sg = await start_symgate([faults.url_for("ok")], data_dir=small_disk / "data")
+    prog = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(prog))[0] == 200
+    await sg.built()
+    other = f"/buildid/{elfs.other.build_id}/debuginfo"
+    with _read_only(sg.config.server.data_dir):
+        status, headers, body = await sg.get(other)
+        assert status == 507 and "Retry-After" in headers, (status, body)
+        assert await sg.metric("symgate_requests_total", endpoint="buildid",
+                               kind="debuginfo", outcome="internal") == 0
+        status, _, text = await sg.get("/healthz")
+        assert status == 200 and text.startswith(b"degraded") and b"read-only" in text, text
+        status, _, body = await sg.get(prog)
+        assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    status, _, body = await sg.get(other)
+    assert status == 200 and body == elfs.other.debug.read_bytes()

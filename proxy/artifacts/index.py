@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 SPACE_BACK_BYTES = 1024 * 1024
 # and free inodes past which one that ran out of inodes (many small files) counts as over.
 SPACE_BACK_INODES = 64
+# The disk condition while the cache's filesystem cannot be written at all.
+READ_ONLY = "the cache's disk is read-only"
 # Rows read at once when evicting for the whole cache (enforce_shared_budget).
 SHARED_EVICTION_BATCH = 1000
 # Row deletions kept for when SQL is back; past this, the oldest are forgotten (a row whose
@@ -696,10 +698,11 @@ class ArtifactCache:
         return len(self._unsynced)
 
     def recheck_space(self) -> None:
-        """Judge the disk again: a full-disk condition cleared once space is back (an operator
-        freed some), and set while the disk is that full though this process met no write
-        that failed: another serving process on this data dir may have, and /healthz must not
-        say "ok" or "degraded" by which of them a probe reaches."""
+        """Judge the disk again: a full-disk (or read-only) condition cleared once space is
+        back (an operator freed some) and it can be written, and set while the disk is that
+        full, or read-only, though this process met no write that failed: another serving
+        process on this data dir may have, and /healthz must not say "ok" or "degraded" by
+        which of them a probe reaches."""
         try:
             inodes = self.store.free_inodes()
             full = (self.store.free_bytes() < SPACE_BACK_BYTES
@@ -711,9 +714,13 @@ class ArtifactCache:
             # grow or be checkpointed into the file.
             database_full = database is not None and _free_bytes(database.parent) \
                 < SPACE_BACK_BYTES
+            read_only = self.store.read_only()
         except OSError:
             return
-        if not full and not database_full:
+        if read_only:
+            # Room to spare, and nothing can be written: not "ok" because space is free.
+            self.health.fail(DISK, READ_ONLY)
+        elif not full and not database_full:
             self.health.ok(DISK)
         elif self.health.get(DISK) is None:
             self.health.fail(DISK, f"the {'cache' if full else 'database'}'s disk is full "

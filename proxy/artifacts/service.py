@@ -22,7 +22,7 @@ from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
 from proxy.artifacts.chunk_writer import Backlog, ChunkWriter
 from proxy.artifacts.doubts import Doubts
 from proxy.artifacts.flight import Flight, FlightReader
-from proxy.artifacts.index import ArtifactCache, CachedArtifact, key_hash
+from proxy.artifacts.index import READ_ONLY, ArtifactCache, CachedArtifact, key_hash
 from proxy.artifacts.misses import RememberedMisses
 from proxy.artifacts.resume import ResumedBody
 from proxy.artifacts.scope import RequestScope
@@ -587,6 +587,8 @@ class ArtifactService:
             flight.fail(error.with_traceback(None))
         elif is_disk_full(error):
             flight.fail(self.disk_full(error))
+        elif isinstance(error, OSError) and error.errno == errno.EROFS:
+            flight.fail(self.read_only(error))
         else:
             log.exception("%s %s failed", doing, key.id)
             flight.fail(SymgateError(f"internal error while {doing}"))
@@ -752,6 +754,8 @@ class ArtifactService:
             except OSError as e:
                 if e.errno in _NO_SPACE:
                     self.disk_full(e)
+                elif e.errno == errno.EROFS:
+                    self.read_only(e)
                 log.warning("%s was served but could not be cached: %s", key.id, e)
                 return
             self.cache.health.ok(DISK)
@@ -1008,11 +1012,13 @@ class ArtifactService:
             raise
 
     def _raise_os_failure(self, error: OSError) -> None:
-        """A full disk (of bytes or of inodes) or a full descriptor table is a passing
-        condition of the server, answered with Retry-After; any other OSError is a real fault
-        and is left to the caller to raise."""
+        """A full disk (of bytes or of inodes), a read-only one or a full descriptor table is
+        a passing condition of the server, answered with Retry-After; any other OSError is a
+        real fault and is left to the caller to raise."""
         if error.errno in _NO_SPACE:
             raise self.disk_full(error) from error
+        if error.errno == errno.EROFS:
+            raise self.read_only(error) from error
         if (full := out_of_descriptors(error)) is not None:
             log.warning("cannot open a cache file: %s", error)
             raise full from error
@@ -1022,6 +1028,16 @@ class ArtifactService:
         self.cache.health.fail(DISK, reason)
         log.warning("%s", reason)
         return InsufficientStorage("insufficient storage: the cache's disk is full")
+
+    def read_only(self, error: BaseException) -> InsufficientStorage:
+        """The cache's filesystem is read-only (remounted so after an I/O error, as ext4's
+        errors=remount-ro does, or mounted so by mistake): nothing can be kept, as on a full
+        disk, until an operator makes it writable again. Not a bug of the server's (a 500
+        with a traceback per miss), and /healthz must say it: recheck_space keeps it said
+        while the disk stays so."""
+        self.cache.health.fail(DISK, READ_ONLY)
+        log.warning("%s (%s)", READ_ONLY, error)
+        return InsufficientStorage(f"insufficient storage: {READ_ONLY}")
 
     def _record(self, key: ArtifactKey, scope: str, meta: ArtifactMeta, size: int,
                 digest: str, publish: bool) -> ArtifactRecord:

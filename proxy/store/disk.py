@@ -69,6 +69,8 @@ class Store(Protocol):
 
     def free_inodes(self) -> int | None: ...
 
+    def read_only(self) -> bool: ...
+
     def remove_name(self, name: str) -> None: ...
 
     def symtab_path(self, scope: str, build_id: str) -> Path: ...
@@ -200,6 +202,11 @@ class DiskStore:
         count them (btrfs, some network filesystems)."""
         st = os.statvfs(self.objects)
         return st.f_favail if st.f_files else None
+
+    def read_only(self) -> bool:
+        """Whether the cache's filesystem is mounted (or was remounted, after an I/O error)
+        read-only: nothing can be written there, whoever asks."""
+        return bool(os.statvfs(self.objects).f_flag & os.ST_RDONLY)
 
     def stored_names(self) -> Iterator[str]:
         """Every file under objects/, as a name relative to it."""
