@@ -28,7 +28,7 @@ from tests.elfs import Elf, ElfSet, build_id_tree
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream, make_config
 from tests.processes import start_serve, stop_serve
-from tests.profiles import make_profile, place
+from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 
@@ -515,7 +515,8 @@ def _read_only(folder: Path) -> Iterator[None]:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
         yield
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        # Lazily: a build worker may hold a descriptor there, which a plain umount waits out.
+        subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 async def test_a_read_only_data_dir_is_507_degraded_and_recovers(
@@ -542,3 +543,26 @@ async def test_a_read_only_data_dir_is_507_degraded_and_recovers(
     assert (await sg.get("/healthz"))[2] == b"ok\n"
     status, _, body = await sg.get(other)
     assert status == 200 and body == elfs.other.debug.read_bytes()
+
+
+async def test_a_profile_whose_table_cannot_be_written_is_507_not_internal(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, small_disk: Path,
+) -> None:
+    """Its files cached, its table not built yet, the data dir read-only: the profile was
+    answered 200 with the mapping `internal` (a traceback logged), which a backend keeps
+    unsymbolized for good. Refused with 507 and Retry-After, as on a full disk, it is
+    symbolized once the disk can be written again."""
+    sg = await start_symgate([faults.url_for("ok")], data_dir=small_disk / "data",
+                             symbolize=symbolize_config(enabled=False))
+    for kind in ("debuginfo", "executable"):
+        assert (await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}"))[0] == 200
+    await sg.built()
+    await sg.stop()
+    sg = await start_symgate(config=replace(sg.config, symbolize=symbolize_config()))
+    raw = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:20])]
+                       ).SerializeToString()
+    with _read_only(sg.config.server.data_dir):
+        status, headers, body = await post(sg, raw)
+        assert status == 507 and "Retry-After" in headers, (status, headers, body)
+    status, headers, _ = await post(sg, raw)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers

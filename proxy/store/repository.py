@@ -134,6 +134,19 @@ def sql_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def is_read_only(error: BaseException) -> bool:
+    """EROFS, raised directly or as the cause of another error (a build worker's): the data
+    dir's filesystem cannot be written at all."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes is short; never follow a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno == errno.EROFS:
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC or EDQUOT, raised directly or by SQLite ("database or disk is full")."""
     seen: BaseException | None = error

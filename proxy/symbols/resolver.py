@@ -30,7 +30,7 @@ from proxy.errors import (
 )
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import SymbolizeMetrics
-from proxy.store.repository import SymbolTableRecord, is_disk_full
+from proxy.store.repository import SymbolTableRecord, is_disk_full, is_read_only
 from proxy.symbols import build_lock
 from proxy.symbols.build_pool import BuildPool
 from proxy.symbols.open_tables import OpenTable, OpenTables
@@ -229,7 +229,12 @@ class SymbolResolver:
                 return await work
             except TryAgain:
                 raise  # every profile waiting on it is refused, and the next one builds it
-            except Exception:  # one build ID's failure must not fail a whole profile
+            except Exception as e:  # one build ID's failure must not fail a whole profile
+                if is_read_only(e):
+                    # The data dir cannot be written (its table, its build's lock): refused
+                    # with 507 as on a full disk. A 200 with the mapping `internal` would be
+                    # kept unsymbolized for good, for a condition an operator ends.
+                    raise self._artifacts.read_only(e) from e
                 log.exception("symbol table for %s failed", key[1])
                 return Outcome.INTERNAL
 
