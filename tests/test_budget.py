@@ -15,6 +15,7 @@ import aiohttp
 from proxy.config import CacheConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
+from symbolize.elf import section_extent
 from tests.elfs import ElfSet, build_program
 from tests.faults import FaultUpstream
 from tests.harness import Symgate, SymgateFactory, eventually
@@ -246,3 +247,32 @@ async def test_a_download_that_cannot_fit_beside_one_under_way_evicts_nothing(
     assert (objects / ArtifactKey.parse(cached.build_id, "debuginfo").storage_name).exists()
     assert (objects / ArtifactKey.parse(elfs.big.build_id, "debuginfo").storage_name).exists()
     assert on_disk(sg.config.cache_dir) <= budget
+
+
+async def test_a_section_larger_than_the_budget_is_served_not_kept_and_evicts_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A section is kept as an artifact of its own, but was never judged against the budget:
+    cut (its bytes on disk past the budget), committed, it evicted every other file, and then
+    itself once its client had it. The cache was emptied for a section it cannot keep. It is
+    served, not kept, and evicts nothing, as a file larger than the budget is."""
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(max_bytes=8 * MiB))
+    for e in (elfs.prog, elfs.other):
+        assert (await sg.get(f"/buildid/{e.build_id}/debuginfo"))[0] == 200
+    await _built(sg, 2)
+    extent = section_extent(elfs.big.debug, ".symgate_pad")
+    assert extent is not None and extent[1] > 8 * MiB
+    offset, size = extent
+    with elfs.big.debug.open("rb") as f:
+        f.seek(offset)
+        section = f.read(size)
+    path = f"/buildid/{elfs.big.build_id}/section/.symgate_pad"
+    status, headers, _ = await sg.request("HEAD", path)
+    assert status == 200 and headers["Content-Length"] == str(size)
+    # Two at once share one cut, each reading it whole.
+    for status, headers, body in await asyncio.gather(sg.get(path), sg.get(path)):
+        assert status == 200 and headers["Content-Length"] == str(size) and body == section
+    await sg.built()
+    assert await sg.metric("symgate_cache_evictions_total") == 0
+    assert await sg.metric("symgate_cache_entries") == 2
+    assert on_disk(sg.config.cache_dir) <= 8 * MiB

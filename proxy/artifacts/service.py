@@ -12,6 +12,7 @@ import errno
 import hashlib
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -100,6 +101,19 @@ class Streaming:
     meta: ArtifactMeta
 
 
+@dataclass(frozen=True, slots=True)
+class _UnkeptSection:
+    """A section cut but not kept (no room for it in the budget): its bytes in a temp file
+    already unlinked, which the flight's descriptor holds, each request that wanted the cut
+    reading them as a download's whole body."""
+
+    flight: Flight
+    meta: ArtifactMeta
+
+    def streaming(self) -> Streaming:
+        return Streaming(self.flight, self.flight.reader(), self.meta)
+
+
 class ArtifactService:
     def __init__(
         self,
@@ -134,7 +148,8 @@ class ArtifactService:
         self._tasks: set[asyncio.Task[None]] = set()
         # Tidying of ended fetches' files (seconds later): not work anybody waits for.
         self._tidying: set[asyncio.Task[None]] = set()
-        self._cuts: dict[str, asyncio.Future[Hit]] = {}  # sections being cut, by key_hash
+        # Sections being cut, by key_hash.
+        self._cuts: dict[str, asyncio.Future[Hit | _UnkeptSection]] = {}
         # Called with each artifact's scope and key once it is committed to the cache, and the
         # request whose fetch brought it (None: an upload, a copy of one from the bucket).
         self.committed: list[Callable[[str, ArtifactKey, RequestScope | None], None]] = []
@@ -790,7 +805,8 @@ class ArtifactService:
     # section, never the parent file again. Bytes and headers are elfutils'
     # (handle_buildid_f_match): the raw section, and the FILE and mtime of its parent.
 
-    async def _section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
+    async def _section(self, key: ArtifactKey, req: RequestScope, cache_only: bool
+                       ) -> Hit | Streaming:
         if (cached := self.cache.peek_any(req.visible, key)) is not None and cached.path.is_file():
             return Hit(await self.cache.get(cached.scope, key) or cached)
         # Shared by the requests that see the same files: of one tenant (its own scope and the
@@ -802,8 +818,8 @@ class ArtifactService:
         if cache_only or not req.may_fetch:
             kh += "/cache-only"
         if (pending := self._cuts.get(kh)) is not None:
-            return await asyncio.shield(pending)
-        cut: asyncio.Future[Hit] = asyncio.get_running_loop().create_future()
+            return _answer(await asyncio.shield(pending))
+        cut: asyncio.Future[Hit | _UnkeptSection] = asyncio.get_running_loop().create_future()
         self._cuts[kh] = cut
         try:
             hit = await self._cut_section(key, req, cache_only)
@@ -817,9 +833,10 @@ class ArtifactService:
         finally:
             del self._cuts[kh]
         cut.set_result(hit)
-        return hit
+        return _answer(hit)
 
-    async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool) -> Hit:
+    async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool
+                           ) -> Hit | _UnkeptSection:
         # A debuginfo that cannot be had (too large, its upstream failing, or sending another
         # file) still leaves the executable to cut from; its failure is the answer only if that
         # has no section either.
@@ -831,8 +848,10 @@ class ArtifactService:
                     extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
                     if extent is None:
                         continue
-                    return Hit(await self._store_section(key, parent, *extent),
-                               fetched=parent.fetched)
+                    stored = await self._store_section(key, parent, *extent)
+                    if isinstance(stored, _UnkeptSection):
+                        return stored
+                    return Hit(stored, fetched=parent.fetched)
             except NotFound:
                 continue
             except (TooLarge, UpstreamUnavailable, VerificationFailed) as e:
@@ -921,24 +940,39 @@ class ArtifactService:
             yield parent
 
     async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
-                             size: int) -> CachedArtifact:
+                             size: int) -> CachedArtifact | _UnkeptSection:
         scope = parent.scope
-        temp, fd = self._new_temp()
+        # Its room in the budget, held before a byte is written, as a download's is: cut and
+        # committed unjudged, a section larger than the budget evicted every other file for
+        # itself, and then went too.
+        room = object()
         try:
+            keep = self.cache.could_fit(room, size) and await self.cache.reserve(room, size)
+            temp, fd = self._new_temp()
             try:
-                digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
-                if digest is None:
-                    raise VerificationFailed(f"{key.id}: section runs past the end of its file")
-                final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key,
-                                                parent.mtime)
-            except OSError as e:
-                self._raise_os_failure(e)
+                try:
+                    digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
+                    if digest is None:
+                        raise VerificationFailed(
+                            f"{key.id}: section runs past the end of its file")
+                    if not keep:
+                        temp.unlink()
+                        log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not "
+                                 "kept", key.id, size)
+                        self._metrics.not_kept.inc()
+                        return _unkept(os.dup(fd), parent, size)
+                    final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope,
+                                                    key, parent.mtime)
+                except OSError as e:
+                    self._raise_os_failure(e)
+                    raise
+            except BaseException:
+                temp.unlink(missing_ok=True)
                 raise
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            self.cache.release(room)  # its bytes are counted as a file from here on
         now = datetime.now(UTC)
         record = ArtifactRecord(
             key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
@@ -1091,6 +1125,27 @@ class ArtifactService:
             task.cancel()  # files left untidy are cleared at the next start
         await asyncio.gather(*self._tidying, return_exceptions=True)
         await self.wait_idle()
+
+
+def _answer(cut: Hit | _UnkeptSection) -> Hit | Streaming:
+    """A section's cut as one request's answer: the cached file, or its own reader of one
+    not kept."""
+    return cut if isinstance(cut, Hit) else cut.streaming()
+
+
+def _unkept(fd: int, parent: _Parent, size: int) -> _UnkeptSection:
+    """A section of `size` bytes, whole on `fd` (which it owns: closed once every request
+    reading it has let it go, each reading through a duplicate), with its parent's headers."""
+    meta = ArtifactMeta(upstream=parent.upstream, size=size, filename=parent.filename,
+                        archive=parent.archive,
+                        last_modified=email.utils.formatdate(parent.mtime, usegmt=True))
+    flight = Flight(fd)
+    weakref.finalize(flight, os.close, fd)
+    flight.started(meta)
+    flight.wrote(size)
+    flight.body_ended()
+    flight.succeed()
+    return _UnkeptSection(flight, meta)
 
 
 def _copy_range(path: Path, offset: int, size: int, fd: int) -> str | None:
