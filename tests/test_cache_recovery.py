@@ -4,6 +4,7 @@ serving, is fetched again rather than served."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -135,3 +136,34 @@ async def test_a_process_starting_keeps_the_rows_another_commits_while_it_loads(
     finally:
         await repo.close()
     assert (first.config.cache_dir / "objects" / key.storage_name).exists()
+
+
+@pytest.mark.parametrize("removed", ["its contents", "the folder"])
+async def test_the_cache_removed_under_a_running_server_is_made_again(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, removed: str
+) -> None:
+    """An operator's `rm -rf cache/*` (or of the folder) to clear the cache of a running
+    server: every miss after it was a 500 (an internal error, a traceback each) until the
+    server was restarted, since the folders its downloads and their locks go in were gone
+    (tmp/, flights/), and /healthz said nothing (or that the disk was read-only). They are
+    made again as they are needed, and the files removed are fetched again."""
+    sg = await start_symgate([faults.url_for("ok")])
+    prog = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(prog))[0] == 200
+    await sg.built()
+    cache = sg.config.cache_dir
+    if removed == "the folder":
+        shutil.rmtree(cache)
+    else:
+        for path in cache.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for e in (elfs.other, elfs.prog):
+        status, _, body = await sg.get(f"/buildid/{e.build_id}/debuginfo")
+        assert status == 200 and body == e.debug.read_bytes()
+    await sg.built()
+    assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
+                           outcome="internal") == 0
+    assert (await sg.get("/healthz"))[2] == b"ok\n"
+    for e in (elfs.other, elfs.prog):
+        assert (cache / "objects" / ArtifactKey.parse(e.build_id, "debuginfo").storage_name
+                ).exists()

@@ -158,7 +158,13 @@ class FlightBoard:
         """The right to fetch `kh`, or None while another process holds it."""
         lock = self._lock(kh)
         while True:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                # The folder removed under the server (an operator clearing the cache by
+                # hand): made again, or every fetch failed until a restart.
+                self.folder.mkdir(parents=True, exist_ok=True)
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -109,9 +109,14 @@ class DiskStore:
         return path, fd
 
     def _process_tmp(self) -> Path:
-        """This process's temp folder, its lock taken before the folder exists."""
-        if self._own_tmp is not None and self._own_tmp.is_dir():
-            return self._own_tmp
+        """This process's temp folder, its lock taken before the folder exists. Made again
+        (and tmp/ with it) when it is gone: an operator who cleared the cache of a running
+        server (`rm -rf cache/*`) left every later download failing until a restart."""
+        if self._own_tmp is not None:
+            if self._own_tmp.is_dir():
+                return self._own_tmp
+            self.close()  # its lock, if still there, goes with it: it announces no folder
+        self.tmp.mkdir(parents=True, exist_ok=True)
         while True:
             name = uuid.uuid4().hex
             lock = self.tmp / f"{name}.lock"
@@ -274,7 +279,11 @@ def _alive(pid: int) -> bool:
 def flocked(path: Path, *, wait: bool) -> int | None:
     """A descriptor of the file at `path` (made if missing) holding an exclusive flock(2) on
     it, to close to release it; without `wait`, None while another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:  # its folder removed (the cache cleared by hand): made again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
