@@ -278,6 +278,22 @@ async def test_two_tenant_headers_are_refused(start_symgate: SymgateFactory) -> 
     assert status == 400 and b"more than one X-Scope-OrgID" in body
 
 
+async def test_two_authorization_headers_are_refused(start_symgate: SymgateFactory) -> None:
+    """Authorization is one field (RFC 9110): the first of two was taken, while a proxy in front
+    that appends, or checks the last, judged the request by the other. Trust neither, as for
+    X-Scope-OrgID, whether one of them is a tenant's token or not."""
+    sg = await start_symgate([], tenants={"a": TenantConfig(tokens=("token-of-tenant-a",))})
+    path = "/buildid/" + "ab" * 20 + "/debuginfo"
+    for second in ("Bearer token-of-tenant-a", "Bearer nobody"):
+        headers = CIMultiDict([("X-Scope-OrgID", "a"),
+                               ("Authorization", "Bearer token-of-tenant-a"),
+                               ("Authorization", second)])
+        status, _, body = await sg.get(path, headers=headers)
+        assert status == 400 and b"more than one Authorization" in body
+    one = CIMultiDict([("X-Scope-OrgID", "a"), ("Authorization", "Bearer token-of-tenant-a")])
+    assert (await sg.get(path, headers=one))[0] == 404  # the token alone is good
+
+
 async def test_a_client_that_leaves_mid_stream_is_counted_aborted_not_internal(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

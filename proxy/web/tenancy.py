@@ -131,5 +131,8 @@ def _is_utf8(value: str) -> bool:
 
 
 def _bearer(request: web.BaseRequest) -> str:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = request.headers.getall("Authorization", [])
+    if len(given) > 1:  # one field (RFC 9110): a proxy in front may have read the other
+        raise InvalidRequest("more than one Authorization")
+    scheme, _, token = (given[0] if given else "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
