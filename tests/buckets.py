@@ -138,7 +138,8 @@ class FaultyBucket:
     a bucket that fails, hangs, cuts, lies or holds a request at a point the test chooses.
 
     Actions: "500", "503" (SlowDown), "403" (credentials revoked), "404" (NoSuchKey),
-    "nosuchbucket", "reset" (the connection dropped before any answer), "hang" (never
+    "nosuchbucket", "gateway-404" (a 404 that is not S3's: a proxy or ingress in front of a
+    bucket it cannot route to), "reset" (the connection dropped before any answer), "hang" (never
     answered), "hang-body" (moto's status and headers, then nothing), "cut" (half the body,
     then the connection dropped), "flip" (moto's answer with a byte of its body changed),
     "hold" (forwarded once `release` is set; `held` is set when one arrives), "hold-after"
@@ -206,6 +207,9 @@ class FaultyBucket:
             return web.Response(status=status, content_type="application/xml", text=(
                 f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
                 f"<Message>{code}</Message></Error>"))
+        if action == "gateway-404":
+            return web.Response(status=404, content_type="text/html",
+                                text="<html><body><h1>404 Not Found</h1></body></html>")
         if action in ("reset", "hang"):
             if action == "hang":
                 await self._hang()

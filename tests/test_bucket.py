@@ -1132,6 +1132,37 @@ async def test_a_deleted_bucket_is_a_bucket_down_not_a_catalogue_of_missing_obje
         assert await b.metric("symgate_cluster_fetches_total", how="bucket") == gets + 1
 
 
+@on_postgresql
+async def test_a_404_that_is_not_s3s_is_a_bucket_down_not_a_missing_object(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server, database_url: str
+) -> None:
+    """A 404 whose body is no S3 error (an ingress or proxy in front of the bucket that
+    cannot route to it, an endpoint that is not S3) says nothing of the object: taken for a
+    missing object, every miss on that replica dropped the catalogue row of a file the other
+    replicas still read from the real bucket, so each was fetched from upstream again, and
+    /healthz said ok."""
+    async with FaultyBucket(s3) as bucket:
+        a, b = await replicas(start_symgate, tmp_path, debuginfod.url, "ab", prefix.config())
+        assert (await get(a.url, elfs.prog.build_id))[0] == 200
+        await eventually(lambda: _has(prefix, object_of(elfs.prog)))
+        (c,) = await replicas(start_symgate, tmp_path, debuginfod.url, "c",
+                              prefix.config(endpoint=bucket.endpoint))
+        bucket.add("gateway-404")
+        assert (await get(c.url, elfs.prog.build_id)) == (200, elfs.prog.debug.read_bytes())
+        assert bucket.seen, "the bucket was not asked"
+        repo = Repository(create_engine(database_url))
+        try:
+            assert _hash(elfs.prog) in await repo.bucket_objects([_hash(elfs.prog)])
+        finally:
+            await repo.close()
+        assert (await c.get("/healthz"))[2].startswith(b"degraded\nbucket: ")
+        assert await c.metric("symgate_cluster_fetches_total", how="alone") == 1
+        gets = await b.metric("symgate_cluster_fetches_total", how="bucket")
+        assert (await get(b.url, elfs.prog.build_id))[0] == 200
+        assert await b.metric("symgate_cluster_fetches_total", how="bucket") == gets + 1
+
+
 def _function_names(profile: bytes) -> set[str]:
     parsed = parse(profile)
     return {parsed.string_table[f.name] for f in parsed.function} - {""}

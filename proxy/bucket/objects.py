@@ -105,7 +105,7 @@ class Bucket:
             got = await asyncio.wait_for(self._obstore.get_async(self._store, path),
                                          self._config.read_timeout_s)
         except FileNotFoundError as e:
-            if _no_bucket(e):
+            if not _no_object(e):
                 raise self._failed("get", e) from e
             self._ok("get", "not_found")
             return None
@@ -216,18 +216,20 @@ class Bucket:
             await asyncio.wait_for(self._obstore.delete_async(self._store, paths),
                                    self._config.read_timeout_s)
         except FileNotFoundError as e:
-            if _no_bucket(e):
+            if not _no_object(e):
                 raise self._failed("delete", e) from e
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("delete", e) from e
         self._ok("delete")
 
 
-def _no_bucket(error: FileNotFoundError) -> bool:
-    """Whether a 404 is the bucket's own (deleted, or a wrong name in [storage]), not an
-    object's: S3 says which in the error's body, which obstore quotes. Taken for an object's,
-    every read of the catalogue's objects dropped their rows, and /healthz said ok."""
-    return "NoSuchBucket" in str(error)
+def _no_object(error: FileNotFoundError) -> bool:
+    """Whether a 404 is S3's word that the object is missing, not the bucket's own (deleted,
+    or a wrong name in [storage]: NoSuchBucket), nor another server's (a proxy or ingress in
+    front of the bucket that cannot route to it, an endpoint that is no S3): S3 says which in
+    the error's body, which obstore quotes. Taken for an object's, every read of the
+    catalogue's objects dropped their rows, and /healthz said ok."""
+    return "<Code>NoSuchKey</Code>" in str(error)
 
 
 def _first_line(error: BaseException) -> str:
