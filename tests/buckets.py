@@ -228,6 +228,10 @@ class FaultyBucket:
                 flipped = bytearray(data)
                 flipped[len(flipped) // 2] ^= 0xFF
                 data = bytes(flipped)
+            if action == "short" and r.status == 200:
+                data = data[:len(data) // 2]
+            if action == "long" and r.status == 200:
+                data += bytes(len(data))
             response = web.StreamResponse(status=r.status, headers={
                 k: v for k, v in r.headers.items()
                 if k.lower() not in ("content-length", "transfer-encoding", "connection",

@@ -650,6 +650,37 @@ async def test_a_bucket_copy_that_breaks_off_is_finished_from_upstream_not_cut(
 
 
 @on_postgresql
+@pytest.mark.parametrize("lie", ["short", "long"])
+async def test_a_bucket_copy_of_the_wrong_size_is_finished_from_upstream_not_cut(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server, database_url: str, lie: str
+) -> None:
+    """A bucket that answers a copy with fewer bytes than were written there, or more, each
+    a whole answer by its Content-Length: what was sent of it may be the file's start, as
+    with a copy that breaks off, and is finished from an upstream once checked against its
+    first bytes. The client was cut off, and had to come again for its file."""
+    (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a", prefix.config())
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    expected = elfs.big.debug.read_bytes()
+    assert (await a.get(path))[::2] == (200, expected)
+    await eventually(lambda: _has(prefix, object_of(elfs.big)))
+    before = await upstream_requests(debuginfod)
+    async with FaultyBucket(s3) as bucket:
+        (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b",
+                              prefix.config(endpoint=bucket.endpoint, retry_s=30.0))
+        bucket.add(lie, "GET", object_of(elfs.big), times=1)
+        assert (await b.get(path))[::2] == (200, expected)
+        assert bucket.faults[0].hits == 1, "the bucket was not asked"
+    assert await b.metric("symgate_bucket_copies_resumed_total") == 1
+    assert await upstream_requests(debuginfod) == before + 1
+    repo = Repository(create_engine(database_url))
+    try:  # the copy that did not match its row is refused all the same
+        assert _hash(elfs.big) not in await repo.bucket_objects([_hash(elfs.big)])
+    finally:
+        await repo.close()
+
+
+@on_postgresql
 async def test_a_broken_off_copy_is_not_finished_with_an_upstreams_different_bytes(
     start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
     prefix: Prefix, s3: S3Server, faults: FaultUpstream

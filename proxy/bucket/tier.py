@@ -101,17 +101,28 @@ class BucketBody:
     async def chunks(self) -> AsyncIterator[bytes]:
         digest = hashlib.sha256()
         size = 0
+        ended = True
         try:
             async for chunk in self._chunks:
-                size += len(chunk)
-                if size > self.rec.size:  # a bucket that sends more than was written there
+                if size + len(chunk) > self.rec.size:  # more than was written there
+                    ended = False
                     break
+                size += len(chunk)
                 digest.update(chunk)
                 yield chunk
         except BucketDown as e:
             raise UpstreamUnavailable(f"the shared bucket stopped sending {self.rec.key}: {e}"
                                       ) from e
-        if size != self.rec.size or digest.hexdigest() != self.rec.sha256:
+        if size != self.rec.size or not ended:
+            # Cut short or run on, each a whole answer by its Content-Length: what was sent
+            # may be the file's start all the same, so it is finished from an upstream as a
+            # copy that breaks off is (proxy.artifacts.resume), whose first bytes are checked
+            # against these. Cut, its client had to come again for the file.
+            await self._refuse(self.rec)
+            sent = f"{size} bytes" if ended else f"more than {self.rec.size} bytes"
+            raise UpstreamUnavailable(f"the shared bucket sent {sent} of {self.rec.key}, "
+                                      f"where {self.rec.size} were written; its row deleted")
+        if digest.hexdigest() != self.rec.sha256:
             await self._refuse(self.rec)
             raise VerificationFailed(f"the shared bucket's copy of {self.rec.key} does not "
                                      "match what was written there; deleted")
