@@ -30,7 +30,7 @@ PG_ADMIN_DSN = os.environ.get("SYMGATE_TEST_PG", "postgresql://postgres@127.0.0.
 
 # `symgate` as pip installed it, beside this interpreter, found before pyenv's shim, which finds
 # it in turn (bash, then `pyenv exec`) and cost each of the suite's hundreds of `symgate`
-# processes 0.4 s before Python started. Any other `symgate` first on PATH (a wrapper that
+# processes 0.08 s before Python started. Any other `symgate` first on PATH (a wrapper that
 # runs another checkout) stays first.
 _FOUND = shutil.which("symgate")
 _SCRIPTS = Path(sys.executable).parent
