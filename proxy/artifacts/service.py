@@ -46,7 +46,7 @@ from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Source
 from proxy.sources.policy import ask
-from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, is_disk_full
+from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, is_disk_full, is_read_only
 from symbolize.elf import build_id_of_file, build_id_of_reads, section_extent
 
 if TYPE_CHECKING:
@@ -602,7 +602,7 @@ class ArtifactService:
             flight.fail(error.with_traceback(None))
         elif is_disk_full(error):
             flight.fail(self.disk_full(error))
-        elif isinstance(error, OSError) and error.errno == errno.EROFS:
+        elif is_read_only(error):
             flight.fail(self.read_only(error))
         else:
             log.exception("%s %s failed", doing, key.id)

@@ -7,7 +7,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -137,28 +137,24 @@ def sql_failure(error: BaseException) -> str:
 def is_read_only(error: BaseException) -> bool:
     """EROFS, raised directly or as the cause of another error (a build worker's): the data
     dir's filesystem cannot be written at all."""
-    seen: BaseException | None = error
-    for _ in range(8):  # the chain of causes is short; never follow a cycle
-        if seen is None:
-            return False
-        if isinstance(seen, OSError) and seen.errno == errno.EROFS:
-            return True
-        seen = seen.__cause__
-    return False
+    return any(isinstance(seen, OSError) and seen.errno == errno.EROFS
+               for seen in _causes(error))
 
 
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC or EDQUOT, raised directly or by SQLite ("database or disk is full")."""
+    return any((isinstance(seen, OSError) and seen.errno in _NO_SPACE)
+               or "database or disk is full" in str(seen) for seen in _causes(error))
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what caused it: its __cause__, or the driver's error SQLAlchemy wraps."""
     seen: BaseException | None = error
     for _ in range(8):  # the chain of causes is short; never follow a cycle
         if seen is None:
-            return False
-        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
-            return True
-        if "database or disk is full" in str(seen):
-            return True
+            return
+        yield seen
         seen = seen.__cause__ or getattr(seen, "orig", None)
-    return False
 
 
 def _identity(path: Path | None) -> tuple[int, int] | None:

@@ -297,11 +297,9 @@ class SymbolResolver:
             return e.outcome
         if source is None:
             return Outcome.NOT_FOUND
-        if (failed is not None and failed.source_key == source.source_key
-                and failed.scope == source.scope):
+        if failed is not None and _built_from(failed, source):
             return Outcome(failed.outcome)
-        if (recheck is not None and recheck.source_key == source.source_key
-                and recheck.scope == source.scope):
+        if recheck is not None and _built_from(recheck, source):
             # Still no debug file (or executable): the table it has is as good as a new build.
             if not self._tables.stale(recheck):
                 # A shared table not due to be asked about again, which a tenant's own sources
@@ -814,6 +812,12 @@ def _debug_source(path: Path, source_key: str, scope: str,
     if executable is None:
         source.source_key += WITHOUT_EXECUTABLE
     return source
+
+
+def _built_from(rec: SymbolTableRecord, source: _Source) -> bool:
+    """Whether the table (or failed build) `rec` was made from `source`: a new build of it
+    would make the same."""
+    return rec.source_key == source.source_key and rec.scope == source.scope
 
 
 def _unjudged(req: RequestScope, scope: str, lacking: bool) -> bool:
