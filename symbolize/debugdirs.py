@@ -8,9 +8,11 @@ asked), never built into a table, nor taken as the reason the build ID has none.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .elf import build_id_of_file
+from .supplementary import SupplementLink, supplement_link
 
 
 def _candidates(dirs: Iterable[Path], build_id: str, suffix: str) -> Iterable[Path]:
@@ -40,11 +42,18 @@ def find_executable(dirs: Iterable[Path], build_id: str) -> Path | None:
                 None)
 
 
-def find_both(dirs: Iterable[Path], build_id: str) -> tuple[Path | None, Path | None]:
-    """(find_debug_file, find_executable): one call, for a caller that looks in a thread."""
-    return find_debug_file(dirs, build_id), find_executable(dirs, build_id)
+@dataclass(frozen=True, slots=True)
+class LocalFiles:
+    """What the local debug directories hold of one build ID."""
+
+    debug: Path | None = None
+    executable: Path | None = None
+    link: SupplementLink | None = None  # the debug file's dwz supplement link, if any
 
 
-def has_executable(dirs: Iterable[Path], build_id: str) -> bool:
-    """Whether find_executable finds one, without resolving its links."""
-    return any(_carries(p, build_id) for p in _candidates(dirs, build_id, ""))
+def find_local(dirs: Iterable[Path], build_id: str) -> LocalFiles:
+    """find_debug_file, find_executable and the debug file's supplement link: one call, for a
+    caller that looks in a thread."""
+    debug = find_debug_file(dirs, build_id)
+    return LocalFiles(debug, find_executable(dirs, build_id),
+                      supplement_link(debug) if debug is not None else None)

@@ -36,12 +36,16 @@ class BuildLock:
             self._fd = None
 
 
-async def acquire(path: Path) -> BuildLock:
-    """The lock of `path`, at once if no other process holds it, else once it lets go."""
+def try_acquire(path: Path) -> BuildLock | None:
+    """The lock of `path` if no other process holds it; None if one does."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = _lock(path, blocking=False)
-    if fd is not None:
-        return BuildLock(path, fd, waited=False)
+    return BuildLock(path, fd, waited=False) if fd is not None else None
+
+
+async def wait_for(path: Path) -> BuildLock:
+    """The lock of `path`, once the process that holds it lets go."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     # Waited for in a thread of its own, not the loop's pool: a wait cannot be cancelled, and
     # a process that stops while another builds must not wait for that build to end.
     loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,11 +48,11 @@ from proxy.symbols.table_store import (
     without_executable,
 )
 from proxy.symbols.workers import SymbolizeWorkers
-from symbolize.debugdirs import find_both, find_debug_file, find_executable, has_executable
+from symbolize.debugdirs import LocalFiles, find_debug_file, find_executable, find_local
 from symbolize.elf import LoadSegment, executable_segments, exported_functions, layout_of_file
 from symbolize.outcome import Outcome, TryAgain
 from symbolize.pipeline import Resolved, SymbolProvider
-from symbolize.supplementary import supplement_beside, supplement_link
+from symbolize.supplementary import SupplementLink, supplement_beside, supplement_link
 from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, names_from_executable
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ _Layout = tuple[str, Segments] | None
 # A table unreadable again this soon after it was dropped for it is believed malformed.
 UNREADABLE_AGAIN_S = 3600.0
 
+
+class _Unread:
+    """A debug file's supplement link not read yet (None is a file without one)."""
+
+
+_UNREAD = _Unread()
 
 # A file beside the one a table is built from, and its cached artifact (to lease), if any.
 _Beside = tuple[Path, tuple[str, ArtifactKey] | None]
@@ -109,6 +116,7 @@ class SymbolResolver:
         self._pool = pool
         self.workers = workers  # where profiles are rewritten with these tables
         self._debug_dirs = tuple(debug_dirs)
+        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="symgate-debug-dirs")
         self._metrics = metrics
         # Keyed by (the request's tenant, build ID): one resolution and one layout search each.
         # Not by its scope: tenants without sources of their own share the shared scope, but
@@ -146,6 +154,7 @@ class SymbolResolver:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         await self.workers.close()  # builds' and profiles' alike
 
     def provider(self, req: RequestScope) -> SymbolProvider:
@@ -166,10 +175,16 @@ class SymbolResolver:
         """What `find` finds of `build_id` in the local debug directories, looked for in a
         thread: it stats each candidate and reads its build ID, which a slow or remote disk
         (an NFS-mounted /usr/lib/debug) made a wait of the whole loop, once or more per cold
-        mapping. None at once where there are none (a plain proxy)."""
+        mapping. None at once where there are none (a plain proxy).
+
+        In a pool of two threads of its own, not the loop's default one: reading ELF headers
+        holds the GIL, and a cold profile's 30 lookups on that pool's six threads starved the
+        loop (30 ms before the last of its resolutions had even begun) and each other (its
+        biggest build ID's lookup, asked first, done 45 ms later)."""
         if not self._debug_dirs:
             return None
-        return await asyncio.to_thread(find, self._debug_dirs, build_id)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._lookups, find, self._debug_dirs, build_id)
 
     def _open_for(self, req: RequestScope, build_id: str) -> tuple[str, OpenTable] | None:
         for scope in req.visible:
@@ -193,11 +208,17 @@ class SymbolResolver:
         if found is None:
             # Looked for while the table is built, not after, where the executable is fetched;
             # a local one goes into the build, which records its program headers itself.
-            if needs_layout and not await self._local(has_executable, build_id):
+            # The local debug directories are looked in once for all this resolution needs
+            # of them: a cold profile's 30 build IDs each went through the thread pool three
+            # times (the executable, both files, the debug file's dwz link), and its biggest
+            # one, first to ask, queued behind the other 29 at each step (0.1 s before
+            # libc's build could start).
+            local = await self._local(find_local, build_id) or LocalFiles()
+            if needs_layout and local.executable is None:
                 layout = self._executable_layout(req, build_id)
             key = (req.tenant, build_id)
             resolved = await (self._resolving.get(key)
-                              or self._track(key, self._load_or_build(req, build_id)))
+                              or self._track(key, self._load_or_build(req, build_id, local)))
             if isinstance(resolved, Outcome):
                 return Resolved(None, outcome=resolved)
             found = resolved
@@ -248,7 +269,9 @@ class SymbolResolver:
         future.add_done_callback(done)
         return future
 
-    async def _load_or_build(self, req: RequestScope, build_id: str) -> _Found:
+    async def _load_or_build(self, req: RequestScope, build_id: str, local: LocalFiles
+                             ) -> _Found:
+        """`local`: what the local debug directories hold of `build_id`."""
         recheck: SymbolTableRecord | None = None
         failed: SymbolTableRecord | None = None
         for scope in req.visible:
@@ -269,7 +292,7 @@ class SymbolResolver:
                 return Outcome(rec.outcome)
         self._metrics.symtab_cache.labels("miss").inc()
         try:
-            return await self._find_and_build(req, build_id, recheck, failed)
+            return await self._find_and_build(req, build_id, local, recheck, failed)
         except TryAgain as e:
             if recheck is None or partial(recheck.source_key) \
                     or not self._tables.path(recheck.scope, build_id).exists():
@@ -281,7 +304,7 @@ class SymbolResolver:
                      "without it serves", build_id, e)
             return recheck.scope, self._remember(recheck)
 
-    async def _find_and_build(self, req: RequestScope, build_id: str,
+    async def _find_and_build(self, req: RequestScope, build_id: str, local: LocalFiles,
                               recheck: SymbolTableRecord | None,
                               failed: SymbolTableRecord | None = None) -> _Found:
         """A source for the table and its build; or, where the source is the one `recheck`
@@ -289,7 +312,7 @@ class SymbolResolver:
         failed build, which a tenant's own sources may have had a better file for), that
         failure."""
         try:
-            source = await self._find_source(req, build_id)
+            source = await self._find_source(req, build_id, local)
         except TryAgain:
             raise  # the server's passing trouble (a full disk), not the build ID's
         except SymgateError as e:
@@ -324,12 +347,14 @@ class SymbolResolver:
         self._open.put(rec.scope, rec.build_id, opened)
         return opened
 
-    async def _find_source(self, req: RequestScope, build_id: str) -> _Source | None:
-        local, local_exe = await self._local(find_both, build_id) or (None, None)
+    async def _find_source(self, req: RequestScope, build_id: str, found: LocalFiles
+                           ) -> _Source | None:
+        local, local_exe = found.debug, found.executable
         if local is not None:
             return await self._with_supplement(req, _debug_source(
                 local, local_source_key(local, executable=False), SHARED, None,
-                (local_exe, None) if local_exe else None), tenant_table=True)
+                (local_exe, None) if local_exe else None), tenant_table=True,
+                link=found.link)
         # The executable is fetched beside the debug file (the layout search of a profile with
         # runtime addresses fetches it too: one upstream fetch for both).
         exe_key = ArtifactKey(build_id, Kind.EXECUTABLE)
@@ -372,7 +397,9 @@ class SymbolResolver:
                        (local_exe, None))
 
     async def _with_supplement(self, req: RequestScope | None, source: _Source, *,
-                               tenant_table: bool = False) -> _Source | None:
+                               tenant_table: bool = False,
+                               link: SupplementLink | _Unread | None = _UNREAD
+                               ) -> _Source | None:
         """`source` with the supplementary file that dwz gave it, when it has one: from the
         local debug directories, the cache, or (with a request) the request's sources. A
         table built without it, named by its symbols alone, is recorded as such
@@ -381,8 +408,11 @@ class SymbolResolver:
 
         `tenant_table`: a shared debug file whose supplement only the request's tenant has
         (its own upstream's, its upload) is built with it into the tenant's table, seen by
-        that tenant alone. Not for a prebuild, whose table others wait on."""
-        link = await asyncio.to_thread(supplement_link, source.path)
+        that tenant alone. Not for a prebuild, whose table others wait on.
+
+        `link`: the source's own .gnu_debugaltlink, where it was read already."""
+        if isinstance(link, _Unread):
+            link = await asyncio.to_thread(supplement_link, source.path)
         if link is None:
             return source
         tenant = req.tenant if req is not None and tenant_table else source.scope
@@ -508,13 +538,20 @@ class SymbolResolver:
         """Build the table, unless another process on this data dir is building it: then wait
         for that build and take what it recorded."""
         scope = source.scope
+        lock_path = self._tables.lock_path(scope, build_id)
         with self._leased(source):
-            before = await self._tables.get(scope, build_id)
-            self.builds_waiting += 1
-            try:
-                lock = await build_lock.acquire(self._tables.lock_path(scope, build_id))
-            finally:
-                self.builds_waiting -= 1
+            # The row is read first only where another process holds the lock, to tell its
+            # build from what was there before: read on every build, a cold profile's 30
+            # build IDs queued 60 queries on the one SQLite connection, and its biggest
+            # build, first to ask, waited behind the other 29's first query.
+            lock, before = build_lock.try_acquire(lock_path), None
+            if lock is None:
+                before = await self._tables.get(scope, build_id)
+                self.builds_waiting += 1
+                try:
+                    lock = await build_lock.wait_for(lock_path)
+                finally:
+                    self.builds_waiting -= 1
             try:
                 if lock.waited and (found := await self._built_elsewhere(
                         build_id, source, before)) is not None:
