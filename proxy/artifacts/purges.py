@@ -17,7 +17,8 @@ Notices are read by id. Two notices committed at once on PostgreSQL (purges, or 
 deleted on two replicas) may take ids in one order and commit in the other: a poll between
 the commits reads the second only. The ids it passed over are looked for again by every poll
 for GAP_WAIT_S (a transaction that took one and has not committed yet), then given up (a
-transaction rolled back leaves its id unused for ever).
+transaction rolled back leaves its id unused for ever). A process that starts between such
+commits looks for the ids missing below the newest notice alike.
 """
 
 from __future__ import annotations
@@ -49,8 +50,19 @@ class PurgeNotices:
     async def start(self) -> None:
         """Take the notices already there as applied; call it before the index loads. Their
         rows are gone, so the index will not load their files (and a file fetched again since
-        must not be removed)."""
-        self._seen = await self._repo.newest_purge_notice()
+        must not be removed). The ids missing below the newest that a transaction may still
+        commit are looked for as poll() looks for those it passed over: taken as applied,
+        such a purge committed after the index loaded its rows was never applied here."""
+        newest = await self._repo.newest_purge_notice()
+        there = await self._repo.purge_notices(max(newest - MAX_GAP - 1, 0))
+        # Below a notice this old, any id missing was deleted or rolled back long ago.
+        settled = datetime.now(UTC) - timedelta(seconds=GAP_WAIT_S)
+        floor = max((n.id for n in there if n.id < newest and n.purged_at is not None
+                     and n.purged_at < settled), default=max(newest - MAX_GAP - 1, 0))
+        present = {n.id for n in there}
+        now = time.monotonic()
+        self._gaps = {i: now for i in range(floor + 1, newest) if i not in present}
+        self._seen = newest
         await self._repo.delete_purge_notices(datetime.now(UTC) - NOTICE_KEEP)
 
     async def poll(self) -> int:
