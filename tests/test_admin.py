@@ -137,6 +137,39 @@ async def test_a_purge_committed_out_of_order_is_applied(
         await engine.dispose()
 
 
+async def test_a_purge_notice_this_version_cannot_read_holds_no_other_back(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path
+) -> None:
+    """A notice whose key this version cannot parse (a newer version's kind of file, written
+    while replicas are upgraded one by one) raised out of every poll: the purges after it were
+    never applied, and their files served for good."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    sg = await start_symgate([faults.url_for("ok")], cache=CacheConfig(purge_poll_s=3600))
+    state = sg.runner.app[STATE]
+    notices = PurgeNotices(state.repo, state.service.cache)
+    await notices.start()
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(
+        elfs.prog.build_id, "debuginfo").storage_name
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.settled()
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.begin() as db:
+            await db.execute(text(
+                "INSERT INTO purges (key_hash, scope, key, purged_at) "
+                "VALUES ('0', '', :k, CURRENT_TIMESTAMP)"), {"k": f"{MISSING}/symbols"})
+    finally:
+        await engine.dispose()
+    purged = await cli(config_file(sg, tmp_path), "cache", "purge", elfs.prog.build_id)
+    assert purged.returncode == 0 and not stored.exists(), purged.stderr
+    assert await notices.poll() == 2
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 2
+
+
 async def test_negative_ls_and_clear_make_a_miss_retryable(
     start_symgate: SymgateFactory, faults: FaultUpstream, tmp_path: Path
 ) -> None:

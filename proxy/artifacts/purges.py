@@ -28,6 +28,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from proxy.artifacts.index import ArtifactCache
+from proxy.errors import InvalidRequest
 from proxy.store.repository import Repository
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,14 @@ class PurgeNotices:
         notices = [n for n in await self._repo.purge_notices(after)
                    if n.id > self._seen or n.id in self._gaps]
         for notice in notices:  # by id: those passed over first
-            await self._cache.purged(notice)
+            try:
+                await self._cache.purged(notice)
+            except InvalidRequest as e:
+                # A key this version cannot read (a newer one's, written while replicas are
+                # upgraded one by one): no file of this process is under it. Raised out of
+                # the poll, it stopped every notice after it, at every poll, for good.
+                log.warning("purge notice %d of %r passed over: %s", notice.id, notice.key,
+                            e.reason)
             self._applied(notice.id, now)
         if notices:
             log.info("applied %d purges (by an operator, or of uploads deleted or "
