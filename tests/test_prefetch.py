@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from symbolize.pprof.profile_pb2 import Profile
@@ -95,3 +97,36 @@ async def test_a_file_of_build_ids_that_is_not_text_is_named_without_a_traceback
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr, result.stderr
     assert f"symgate: {elfs.prog.executable}: not a text file of build IDs" in result.stderr
+
+
+async def test_an_upstream_that_never_answers_is_given_up_on_after_the_timeout(
+    elfs: ElfSet
+) -> None:
+    """A server that accepts and never answers held prefetch for ever (five minutes a
+    request, --concurrency at a time, however many build IDs)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        result = await run_in_thread(["symgate", "prefetch", elfs.prog.build_id, "ab" * 20,
+                                      "--server", url, "--timeout", "2", "--json"], timeout=60)
+        took = time.monotonic() - started
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert result.returncode == 1, result
+    assert took < 30
+    assert "symgate: prefetch stopped after --timeout 2 s: 4 artifacts not done" in \
+        result.stderr
+    assert "Traceback" not in result.stderr
+    assert json.loads(result.stdout)["results"] == {
+        b: {"debuginfo": "error: timed out", "executable": "error: timed out"}
+        for b in (elfs.prog.build_id, "ab" * 20)}

@@ -178,6 +178,7 @@ def _prefetch(args: argparse.Namespace) -> int:
     import json
 
     from proxy.tools.prefetch import (
+        TIMED_OUT,
         IdFileError,
         Summary,
         build_ids_from,
@@ -198,8 +199,11 @@ def _prefetch(args: argparse.Namespace) -> int:
     if not ids:
         print("symgate: no build IDs to prefetch", file=sys.stderr)
         return 2
-    asyncio.run(prefetch(args.server, ids, args.kind, args.concurrency, summary,
-                         terminal_progress))
+    finished = asyncio.run(prefetch(args.server, ids, args.kind, args.concurrency, summary,
+                                    terminal_progress, args.timeout))
+    if not finished:
+        print(f"symgate: prefetch stopped after --timeout {args.timeout:g} s: "
+              f"{summary.counts()[TIMED_OUT]} artifacts not done", file=sys.stderr)
     counts = summary.counts()
     failed = sum(n for status, n in counts.items() if status not in ("200", "404"))
     if args.json:
@@ -422,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--kind", action="append", choices=["debuginfo", "executable"],
                      help="artifacts to fetch (default: debuginfo and executable)")
     pre.add_argument("--concurrency", type=_count, default=8)
+    pre.add_argument("--timeout", type=_seconds, default=3600.0,
+                     help="seconds for the whole prefetch (default 3600); what is not done "
+                          "by then is reported failed, and the exit status is 1")
     pre.add_argument("--json", action="store_true", help="machine-readable summary")
     pre.set_defaults(func=_prefetch)
 

@@ -54,8 +54,16 @@ def build_ids_from(args: Iterable[str], files: Iterable[Path], profiles: Iterabl
     return list(seen)
 
 
+# What an artifact not done when the overall timeout came is reported as.
+TIMED_OUT = "error: timed out"
+
+
 async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], concurrency: int,
-                   summary: Summary, progress: Callable[[int, int, Summary], None]) -> None:
+                   summary: Summary, progress: Callable[[int, int, Summary], None],
+                   timeout_s: float) -> bool:
+    """Fetch every kind of every build ID; False if `timeout_s` ran out first (what was not
+    done is then TIMED_OUT): a server that accepts and never answers, or trickles, would
+    otherwise hold the command for ever."""
     todo = [(b, k) for b in build_ids for k in kinds]
     done = 0
     limit = asyncio.Semaphore(concurrency)
@@ -80,7 +88,15 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
             done += 1
             progress(done, len(todo), summary)
 
-        await asyncio.gather(*(one(b, k) for b, k in todo))
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(one(b, k) for b, k in todo))
+        except TimeoutError:
+            for b, k in todo:
+                summary.results.setdefault(b, {}).setdefault(k, TIMED_OUT)
+            progress(len(todo), len(todo), summary)
+            return False
+    return True
 
 
 def terminal_progress(done: int, total: int, summary: Summary) -> None:
