@@ -234,6 +234,17 @@ MAX_SECONDS = 1e9
 Seconds = Annotated[float, Strict(), Field(ge=0, le=MAX_SECONDS)]
 # A period of a background loop: 0 would make it spin.
 Period = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS)]
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+# Worker processes of one kind: past a few a core they only contend for it, each with memory
+# of its own; unbounded, `workers = 100000` forked until the machine ran out.
+MAX_PROCESSES = 4 * cores()
+Processes = Annotated[int, Strict(), Field(ge=1, le=MAX_PROCESSES)]
 Size = Annotated[int, BeforeValidator(_size)]
 Url = Annotated[str, BeforeValidator(_url)]
 DirPath = Annotated[Path, BeforeValidator(_path)]
@@ -256,10 +267,14 @@ class UpstreamConfig:
     # Longest silence between two body chunks: a server that hangs mid-body.
     read_timeout_s: Seconds = 30.0
     total_timeout_s: Seconds = 900.0
-    retries: Count = 2
-    retry_backoff_s: Seconds = 0.25
-    retry_backoff_max_s: Seconds = 4.0
-    max_redirects: Count = 3
+    # Retries and their waits are spent inside a client's request (total_timeout_s bounds
+    # each attempt, not their sum): a million retries held it for ever, and a client gives up
+    # long before a wait of minutes (elfutils' after 90 s of silence).
+    retries: Annotated[Count, Field(le=10)] = 2
+    retry_backoff_s: Annotated[Seconds, Field(le=60)] = 0.25
+    retry_backoff_max_s: Annotated[Seconds, Field(le=60)] = 4.0
+    # As browsers stop at: each redirect is one more request inside a client's.
+    max_redirects: Annotated[Count, Field(le=20)] = 3
     # Where else than its own origin this upstream may redirect to ("host" or "host:port");
     # never to a loopback, link-local or private address unless the upstream itself is on one.
     redirect_hosts: Annotated[tuple[str, ...], BeforeValidator(_hosts)] = ()
@@ -288,7 +303,9 @@ class ServerConfig:
     access_log: Flag = True
     # "text" for people, "json" for one JSON object a line (access and event logs alike).
     log_format: LogFormat = "text"
-    retry_after_s: Count = 30
+    # Retry-After with 502/503/504, for faults that pass: a client told more than an hour
+    # would never ask again.
+    retry_after_s: Annotated[Count, Field(le=3600)] = 30
     # On SIGTERM: stop accepting, let responses under way finish for this long, then stop.
     shutdown_grace_s: Seconds = 30.0
     # Hit counts and access times are batched in memory so that a hit never waits on SQL;
@@ -306,7 +323,7 @@ class ServerConfig:
     max_connections: AtLeastOne | None = None
     # Serving processes on the one port (SO_REUSEPORT), sharing the data dir and database.
     # Unset: one per core this process may run on. `symgate serve --workers N` overrides it.
-    workers: AtLeastOne | None = None
+    workers: Processes | None = None
 
 
 @dataclass(frozen=True, config=_SECTION)
@@ -376,14 +393,14 @@ class SymbolizeConfig:
     # 0: no deadline.
     deadline_s: Seconds = 30.0
     # Worker processes that build symbol tables.
-    build_workers: AtLeastOne = 2
+    build_workers: Processes = 2
     # A build runs in a child of its worker (proxy/symbols/isolated_build.py), killed past
     # this many seconds, and allowed this much address space (0: no bound; the kernel's OOM
     # killer then takes that child first): the file is then remembered as malformed.
     build_timeout_s: Seconds = 600.0
     build_memory_bytes: Size = 0
     # Worker processes that decode, rewrite and encode profiles, off the event loop.
-    workers: AtLeastOne = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    workers: Processes = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     # Seconds without a job after which the worker processes exit (started again by the next
     # job): an idle server is one process. 0: they start with the server and stay.
     worker_idle_s: Seconds = 60.0
@@ -609,10 +626,11 @@ def _one_line(error: ErrorDetails) -> str:
         loc += getattr(ctx["error"], "loc", ())
     elif kind == "greater_than_equal":
         reason = "must not be negative" if ctx["ge"] == 0 else f"must be at least {ctx['ge']:g}"
+        reason += f", got {error['input']!r}"
     elif kind == "greater_than":
-        reason = f"must be more than {ctx['gt']:g}"
+        reason = f"must be more than {ctx['gt']:g}, got {error['input']!r}"
     elif kind == "less_than_equal":
-        reason = f"must be at most {ctx['le']:.0f}"
+        reason = f"must be at most {ctx['le']:.0f}, got {error['input']!r}"
     elif kind == "literal_error":
         expected = ctx["expected"].replace("'", '"')  # TOML's quotes, as the file has them
         reason = f"expected {expected}, got {error['input']!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from proxy.config import (
     DEFAULT_UPSTREAM,
+    MAX_PROCESSES,
     Config,
     ConfigError,
     TenantConfig,
@@ -128,7 +130,7 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[server\n", "not valid TOML"),
     # Past what a datetime or a thread's wait holds: every miss was a 500 (its expiry overflowed).
     ("[negative]\nnot_found_initial_ttl_s = 1e12\nnot_found_ttl_s = 1e12\n",
-     "negative.not_found_initial_ttl_s: must be at most 1000000000$"),
+     "negative.not_found_initial_ttl_s: must be at most 1000000000, got 1000000000000.0$"),
     ("[symbolize]\nmalformed_retry_s = 1e300\n", "symbolize.malformed_retry_s: must be at most"),
     ("[server]\nshutdown_grace_s = 10000000000\n", "server.shutdown_grace_s: must be at most"),
     ("[negative]\nsweep_s = 1e10\n", "negative.sweep_s: must be at most"),
@@ -150,6 +152,34 @@ def test_the_longest_duration_fits_what_holds_it() -> None:
     assert datetime.now(UTC) + timedelta(seconds=MAX_SECONDS) > datetime.now(UTC)
     assert datetime.now(UTC) - timedelta(seconds=MAX_SECONDS) < datetime.now(UTC)
     assert MAX_SECONDS <= threading.TIMEOUT_MAX
+
+
+_UPSTREAM = "[[upstreams]]\nurl = 'http://x'"
+
+
+@pytest.mark.parametrize(("table", "key", "most"), [
+    ("[server]", "workers", MAX_PROCESSES),
+    ("[server]", "retry_after_s", 3600),
+    ("[symbolize]", "workers", MAX_PROCESSES),
+    ("[symbolize]", "build_workers", MAX_PROCESSES),
+    (_UPSTREAM, "retries", 10),
+    (_UPSTREAM, "retry_backoff_s", 60),
+    (_UPSTREAM, "retry_backoff_max_s", 60),
+    (_UPSTREAM, "max_redirects", 20),
+    ("[[tenants.a.upstreams]]\nurl = 'http://x'", "retries", 10),
+])
+def test_counts_and_waits_past_what_is_sane_are_refused(
+    tmp_path: Path, table: str, key: str, most: int
+) -> None:
+    """They had no upper bound: `workers = 100000` forked until the machine ran out, and
+    `retries = 1000000` (or a backoff of a year) held a client's request for ever."""
+    load_config(write(tmp_path, f"{table}\n{key} = {most}\n"), environ={})  # the bound is fine
+    name = {"[server]": "server", "[symbolize]": "symbolize", _UPSTREAM: "upstreams[0]"}.get(
+        table, "tenants.a.upstreams[0]")
+    for value in (most + 1, 1_000_000):
+        with pytest.raises(ConfigError) as e:
+            load_config(write(tmp_path, f"{table}\n{key} = {value}\n"), environ={})
+        assert str(e.value) == f"{name}.{key}: must be at most {most}, got {value}"
 
 
 @pytest.mark.parametrize("text", ["database = 3\n", "database = 'postgresql'\n",
@@ -376,3 +406,17 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
         root.setLevel(level)  # not by assignment: loggers cache what it enables
     assert rc == 2
     assert "configuration error: cache.max_bytes" in capsys.readouterr().err
+
+
+def _symgate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["symgate", *args], capture_output=True, text=True, timeout=60,
+                          cwd=cwd)
+
+
+def test_more_serving_processes_than_the_bound_are_refused_on_the_command_line(
+    tmp_path: Path
+) -> None:
+    """`symgate serve --workers 100000` forked until the machine ran out."""
+    result = _symgate("serve", "--data-dir", str(tmp_path / "d"), "--workers", "100000")
+    assert result.returncode == 2
+    assert f"--workers: at most {MAX_PROCESSES} (4 per core), got 100000" in result.stderr

@@ -12,10 +12,12 @@ from typing import get_args
 
 from proxy import __version__
 from proxy.config import (
+    MAX_PROCESSES,
     Config,
     ConfigError,
     Fallback,
     SymbolizeConfig,
+    cores,
     load_config,
     parse_listen,
 )
@@ -32,7 +34,7 @@ def _config(args: argparse.Namespace) -> Config:
 def _serve(args: argparse.Namespace) -> int:
     from proxy.symbols.executors import own_temp_folder
     from proxy.web.startup import CannotStart
-    from proxy.web.supervisor import default_workers, supervise, sweep_dead_folders
+    from proxy.web.supervisor import supervise, sweep_dead_folders
 
     cfg = _config(args)
     if args.no_migrate:
@@ -40,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         cfg = replace(cfg, database=replace(cfg.database, migrate_on_start=False))
     parse_listen(cfg.server.listen, "server.listen")
-    workers = args.workers or cfg.server.workers or default_workers()
+    workers = args.workers or cfg.server.workers or cores()
     json_logs = cfg.server.log_format == "json"
     logs.configure(json_logs, serving=workers == 1)  # each worker configures its own
     sweep_dead_folders()  # of servers killed before, with one worker or several
@@ -65,6 +67,14 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"not a whole number of at least 1: {text!r}")
     return int(text)
+
+
+def _workers(text: str) -> int:
+    count = _count(text)
+    if count > MAX_PROCESSES:  # as server.workers: forked until the machine ran out
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_PROCESSES} (4 per core), got {count}")
+    return count
 
 
 def _seconds(text: str) -> float:
@@ -385,9 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8002)")
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not run pending database migrations at start")
-    serve.add_argument("--workers", type=_count,
-                       help="serving processes on the one port (default: server.workers, or "
-                            "one per core)")
+    serve.add_argument("--workers", type=_workers,
+                       help="serving processes on the one port, at most 4 per core (default: "
+                            "server.workers, or one per core)")
     serve.set_defaults(func=_serve)
 
     sym = sub.add_parser("symbolize", help="symbolize a pprof profile, offline or via a server")

@@ -46,10 +46,6 @@ REAP_EVERY_S = 0.2
 _READY = b"ready"
 
 
-def default_workers() -> int:
-    return len(os.sched_getaffinity(0)) or 1
-
-
 def supervise(config: Config, workers: int, *, access_log: bool, json_logs: bool) -> int:
     """Run `workers` serving processes until SIGTERM, SIGINT or SIGHUP; the exit status.
     Raises CannotStart for a fault found before or while the workers start."""
