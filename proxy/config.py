@@ -43,7 +43,12 @@ LogFormat = Literal["text", "json"]
 
 
 class ConfigError(ValueError):
-    """A configuration key is unknown or has a value that cannot be used."""
+    """A configuration key is unknown or has a value that cannot be used. `file`: the file the
+    key is in, when the message names only the key."""
+
+    def __init__(self, message: str, file: Path | None = None) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 class _Invalid(ValueError):
@@ -667,12 +672,15 @@ def load_config(
     # A secret is better kept out of a file that a ConfigMap holds (deploy/k8s).
     # (Into a table only: a [database] that is none is for validation to name.)
     database = raw.setdefault("database", {})
-    if env.get("SYMGATE_DATABASE_URL") and isinstance(database, dict) \
-            and not database.get("url"):
+    url_from_env = bool(env.get("SYMGATE_DATABASE_URL")) and isinstance(database, dict) \
+        and not database.get("url")
+    if url_from_env:
         database["url"] = env["SYMGATE_DATABASE_URL"]
     if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
         raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
     try:
         return _CONFIG.validate_python(raw)
     except ValidationError as e:
-        raise ConfigError(_one_line(e.errors()[0])) from None
+        error = e.errors()[0]
+        in_file = not (url_from_env and error["loc"][:2] == ("database", "url"))
+        raise ConfigError(_one_line(error), path if in_file else None) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import subprocess
 import tomllib
 from pathlib import Path
@@ -392,25 +391,40 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         cfg.with_overrides(listen="9")
 
 
-def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.tools.cli import main
-
-    # main() sets up the process's logging, as a command does: a handler on this test's
-    # captured stderr, which later tests in this process would log into once it is closed.
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        rc = main(["serve", "--config", str(write(tmp_path, "[cache]\nmax_bytes = 'x'\n"))])
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)  # not by assignment: loggers cache what it enables
-    assert rc == 2
-    assert "configuration error: cache.max_bytes" in capsys.readouterr().err
-
-
 def _symgate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["symgate", *args], capture_output=True, text=True, timeout=60,
                           cwd=cwd)
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("[cache]\nmax_bytes = 'x'\n", "cache.max_bytes: expected a size such as 20GiB, got 'x'"),
+    ("[server\n", "not valid TOML: Expected ']' at the end of a table declaration"),
+    ("[server]\nworkers = 100000\n", f"server.workers: must be at most {MAX_PROCESSES}, got"),
+])
+def test_a_bad_config_file_exits_ex_config_in_one_line(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    """It exited 2, argparse's status for a misused command line: a service manager told not
+    to restart on EX_CONFIG (systemd's RestartPreventExitStatus=78) restarted it in a loop."""
+    config = write(tmp_path, text)
+    for command in (["serve", "--listen", "127.0.0.1:1"], ["db", "current"]):
+        result = _symgate(*command, "--config", str(config))
+        assert result.returncode == 78, result
+        assert result.stderr.startswith(f"symgate: configuration error: {config}: {problem}")
+        assert result.stderr.count("\n") == 1, result.stderr
+    missing = _symgate("serve", "--config", str(tmp_path / "none.toml"))
+    assert missing.returncode == 78
+    assert missing.stderr == (f"symgate: configuration error: {tmp_path / 'none.toml'}: "
+                              "cannot read: No such file or directory\n")
+
+
+@pytest.mark.parametrize("args", [["--listen", "9"], ["--workers", "0"],
+                                  ["--workers", str(MAX_PROCESSES + 1)], ["--lisen", "x:1"]])
+def test_a_bad_command_line_is_still_a_usage_error(tmp_path: Path, args: list[str]) -> None:
+    result = _symgate("serve", "--data-dir", str(tmp_path / "d"), *args)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr and "usage: symgate" in result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def test_more_serving_processes_than_the_bound_are_refused_on_the_command_line(

@@ -220,7 +220,8 @@ def test_a_database_url_without_symgates_drivers_is_refused_at_start(
     result = subprocess.run(_cli("serve", "--config", str(config), "--data-dir",
                                  str(tmp_path / "d"), "--listen", f"127.0.0.1:{free_port()}"),
                             capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stderr) == (2, f"symgate: configuration error: {expected}\n")
+    assert (result.returncode, result.stderr) == (
+        78, f"symgate: configuration error: {config}: {expected}\n")
 
 
 def test_a_listing_whose_reader_stops_reading_ends_quietly(tmp_path: Path) -> None:

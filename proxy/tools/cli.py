@@ -69,6 +69,14 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _listen(text: str) -> str:
+    try:
+        parse_listen(text, "--listen")
+    except ConfigError as e:  # a usage error: exit status 2, as argparse gives it
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--listen: ")) from None
+    return text
+
+
 def _workers(text: str) -> int:
     count = _count(text)
     if count > MAX_PROCESSES:  # as server.workers: forked until the machine ran out
@@ -392,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the debuginfod caching proxy")
     common(serve)
-    serve.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8002)")
+    serve.add_argument("--listen", type=_listen, help="HOST:PORT (default 127.0.0.1:8002)")
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not run pending database migrations at start")
     serve.add_argument("--workers", type=_workers,
@@ -484,8 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as e:
-        print(f"symgate: configuration error: {e}", file=sys.stderr)
-        return 2
+        # Not 2, a usage error's: a bad file is no misuse of the command, and a service
+        # manager told not to restart on EX_CONFIG (systemd's RestartPreventExitStatus=) stops
+        # there rather than failing again in a loop.
+        where = f"{e.file}: " if e.file is not None else ""
+        print(f"symgate: configuration error: {where}{e}", file=sys.stderr)
+        return os.EX_CONFIG
     except TokenError as e:
         print(f"symgate: {e}", file=sys.stderr)
         return 2
