@@ -26,6 +26,7 @@ from pydantic import (
     Strict,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 from pydantic.dataclasses import dataclass
@@ -172,10 +173,26 @@ def _bucket_url(value: object) -> str:
     return value.rstrip("/")
 
 
-def _path(value: object) -> Path:
+def _path(value: object, info: ValidationInfo) -> Path:
     if isinstance(value, Path) or (isinstance(value, str) and value):
-        return Path(value).expanduser()
+        # Relative to the directory of the file that names it (load_config), as nginx and
+        # systemd read theirs: the same file means the same directories wherever the server
+        # was started. (An absolute path joined to it stays itself.)
+        config_dir: Path = (info.context or {}).get("config_dir", Path())
+        return config_dir / Path(value).expanduser()
     raise ValueError(f"expected a path, got {value!r}")
+
+
+def _sqlite_beside(url: str, config_dir: Path) -> str:
+    """`url`, a relative SQLite file in it made relative to `config_dir`, as paths are."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") \
+            or parsed.query.get("uri"):  # a file: URI, which is the driver's to read
+        return url
+    return parsed.set(database=str(config_dir / parsed.database)) \
+        .render_as_string(hide_password=False)
 
 
 def _headers(value: object) -> object:
@@ -656,7 +673,8 @@ def load_config(
     """Read the TOML file at `path` (or nothing) into a Config.
 
     DEBUGINFOD_URLS from `environ` gives the upstream list when the file has none, and
-    SYMGATE_DATABASE_URL the database when the file names none.
+    SYMGATE_DATABASE_URL the database when the file names none. Relative paths in the file
+    are relative to its directory.
     """
     env = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
@@ -678,9 +696,17 @@ def load_config(
         database["url"] = env["SYMGATE_DATABASE_URL"]
     if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
         raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
+    # Not resolved through links: a ConfigMap's file is a link into a directory that each
+    # update replaces.
+    config_dir = None if path is None else path.absolute().parent
     try:
-        return _CONFIG.validate_python(raw)
+        cfg = _CONFIG.validate_python(
+            raw, context=None if config_dir is None else {"config_dir": config_dir})
     except ValidationError as e:
         error = e.errors()[0]
         in_file = not (url_from_env and error["loc"][:2] == ("database", "url"))
         raise ConfigError(_one_line(error), path if in_file else None) from None
+    if config_dir is not None and cfg.database.url is not None and not url_from_env:
+        cfg = replace(cfg, database=replace(
+            cfg.database, url=_sqlite_beside(cfg.database.url, config_dir)))
+    return cfg

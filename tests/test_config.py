@@ -434,3 +434,64 @@ def test_more_serving_processes_than_the_bound_are_refused_on_the_command_line(
     result = _symgate("serve", "--data-dir", str(tmp_path / "d"), "--workers", "100000")
     assert result.returncode == 2
     assert f"--workers: at most {MAX_PROCESSES} (4 per core), got 100000" in result.stderr
+
+
+def test_relative_paths_in_the_file_are_the_files_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They were the working directory's: `symgate serve --config /etc/symgate/symgate.toml`
+    used other directories (an empty cache, another database) wherever it was started."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "symgate.toml").write_text("""
+[server]
+data_dir = "data"
+[cache]
+dir = "../cache"
+[database]
+url = "sqlite+aiosqlite:///db/symgate.sqlite"
+[symbolize]
+debug_dirs = ["debug", "/usr/lib/debug", "~/debug"]
+[[upstreams]]
+path = "srv"
+""")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for given in (etc / "symgate.toml", Path("../etc/symgate.toml")):
+        cfg = load_config(given, environ={})
+        assert cfg.server.data_dir.resolve() == etc / "data"
+        assert cfg.cache_dir.resolve() == tmp_path / "cache"
+        assert Path(cfg.database_url.removeprefix("sqlite+aiosqlite:///")).resolve() \
+            == etc / "db" / "symgate.sqlite"
+        assert [d.resolve() for d in cfg.symbolize.debug_dirs] == [
+            etc / "debug", Path("/usr/lib/debug"), Path("~/debug").expanduser().resolve()]
+        assert cfg.upstreams[0].path is not None
+        assert cfg.upstreams[0].path.resolve() == etc / "srv"
+    # What is not in the file stays as it was: the environment's and the command line's.
+    env = {"SYMGATE_DATABASE_URL": "sqlite+aiosqlite:///rel.sqlite"}
+    cfg = load_config(write(etc, "[server]\nlisten = '127.0.0.1:1'\n"), environ=env)
+    assert cfg.database_url == "sqlite+aiosqlite:///rel.sqlite"
+    assert cfg.with_overrides(data_dir=Path("d")).server.data_dir == Path("d")
+    for url in ("sqlite+aiosqlite:///:memory:", "postgresql+asyncpg://u@db/symgate"):
+        cfg = load_config(write(etc, f"[database]\nurl = '{url}'\n"), environ={})
+        assert cfg.database_url == url
+
+
+def test_the_server_finds_its_data_beside_its_config_from_any_directory(
+    tmp_path: Path
+) -> None:
+    """The real command, started elsewhere: the database is made where the file says."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "symgate.toml").write_text("upstreams = []\n[server]\ndata_dir = 'data'\n")
+    (tmp_path / "elsewhere").mkdir()
+    result = _symgate("db", "upgrade", "--config", "../etc/symgate.toml",
+                      cwd=tmp_path / "elsewhere")
+    assert result.returncode == 0, result
+    assert (etc / "data" / "symgate.sqlite").is_file()
+    assert not (tmp_path / "elsewhere" / "data").exists()
+    # A directory on the command line is the working directory's, as any argument is.
+    result = _symgate("db", "upgrade", "--config", "../etc/symgate.toml", "--data-dir", "d",
+                      cwd=tmp_path / "elsewhere")
+    assert result.returncode == 0, result
+    assert (tmp_path / "elsewhere" / "d" / "symgate.sqlite").is_file()
