@@ -263,9 +263,10 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) or 1
 
 
-# Worker processes of one kind: past a few a core they only contend for it, each with memory
-# of its own; unbounded, `workers = 100000` forked until the machine ran out.
-MAX_PROCESSES = 4 * cores()
+# Worker processes of one kind: unbounded, `workers = 100000` forked until the machine ran
+# out. A fixed bound, not one per core: one config file serves nodes of every size (a
+# Kubernetes ConfigMap), and one refused on the smaller nodes would crash-loop there.
+MAX_PROCESSES = 256
 Processes = Annotated[int, Strict(), Field(ge=1, le=MAX_PROCESSES)]
 Size = Annotated[int, BeforeValidator(_size)]
 Url = Annotated[str, BeforeValidator(_url)]

@@ -81,7 +81,7 @@ def _workers(text: str) -> int:
     count = _count(text)
     if count > MAX_PROCESSES:  # as server.workers: forked until the machine ran out
         raise argparse.ArgumentTypeError(
-            f"at most {MAX_PROCESSES} (4 per core), got {count}")
+            f"at most {MAX_PROCESSES}, got {count}")
     return count
 
 
