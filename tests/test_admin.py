@@ -82,17 +82,20 @@ async def test_a_file_fetched_again_before_the_purge_reached_the_server_stays(
     assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 2
 
 
-@pytest.mark.parametrize("between", ["start", "poll"])
+@pytest.mark.parametrize(("between", "behind_s"), [("start", 0), ("poll", 0), ("start", 300)])
 async def test_a_purge_committed_out_of_order_is_applied(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
-    between: str
+    between: str, behind_s: int
 ) -> None:
     """Two purges on PostgreSQL may take notice ids in one order and commit in the other. A
     serving process that started between the two commits took the newest id there as applied,
     and never applied the other: the purged file stayed on its disk and in its memory, served
-    for good (one that polled between them looks for the id it passed over). The await
-    point: the first purge's transaction held open by the test, the server's own poll held off
-    (an hour), the notices applied by hand."""
+    for good (one that polled between them looks for the id it passed over). Nor may a clock
+    tell it the missing id is settled: the later purges' replica stamped them `behind_s`
+    slow, and a start that took a notice stamped over GAP_WAIT_S ago for one committed that
+    long ago gave up the id below it. The await point: the first purge's transaction held
+    open by the test, the server's own poll held off (an hour), the notices applied by
+    hand."""
     if database_url.startswith("sqlite"):
         pytest.skip("SQLite commits one writer at a time: its notice ids commit in order")
     from sqlalchemy import text
@@ -118,15 +121,17 @@ async def test_a_purge_committed_out_of_order_is_applied(
             await held.execute(text(
                 "INSERT INTO purges (key_hash, scope, key, purged_at) "
                 "VALUES (:h, :s, :k, now())"), {"h": row.key_hash, "s": row.scope, "k": row.key})
-            # ...while a second one, of a file this server never had, commits after it.
+            # ...while two more, of a file this server never had, commit after it.
             async with engine.begin() as other:
-                await other.execute(text(
-                    "INSERT INTO purges (key_hash, scope, key, purged_at) "
-                    "VALUES ('0', '', :k, now())"), {"k": f"{MISSING}/debuginfo"})
+                for _ in range(2):
+                    await other.execute(text(
+                        "INSERT INTO purges (key_hash, scope, key, purged_at) "
+                        "VALUES ('0', '', :k, now() - make_interval(secs => :behind))"),
+                        {"k": f"{MISSING}/debuginfo", "behind": behind_s})
             if between == "start":
                 await notices.start()  # a process starting now, its index loaded with the row
             else:
-                assert await notices.poll() == 1  # the second one only
+                assert await notices.poll() == 2  # the later ones only
             await held.commit()
         assert stored.exists()
         assert await notices.poll() == 1

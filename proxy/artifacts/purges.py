@@ -53,14 +53,15 @@ class PurgeNotices:
         rows are gone, so the index will not load their files (and a file fetched again since
         must not be removed). The ids missing below the newest that a transaction may still
         commit are looked for as poll() looks for those it passed over: taken as applied,
-        such a purge committed after the index loaded its rows was never applied here."""
+        such a purge committed after the index loaded its rows was never applied here.
+
+        Every id missing of the last MAX_GAP, for GAP_WAIT_S from now: a notice's purged_at
+        is its replica's clock, and one slow by more than GAP_WAIT_S (or this one fast) made a
+        notice committed a moment ago look settled, and the id in flight below it given up.
+        Those long deleted or rolled back cost a few polls reading the notices above them."""
         newest = await self._repo.newest_purge_notice()
-        there = await self._repo.purge_notices(max(newest - MAX_GAP - 1, 0))
-        # Below a notice this old, any id missing was deleted or rolled back long ago.
-        settled = datetime.now(UTC) - timedelta(seconds=GAP_WAIT_S)
-        floor = max((n.id for n in there if n.id < newest and n.purged_at is not None
-                     and n.purged_at < settled), default=max(newest - MAX_GAP - 1, 0))
-        present = {n.id for n in there}
+        floor = max(newest - MAX_GAP - 1, 0)
+        present = {n.id for n in await self._repo.purge_notices(floor)}
         now = time.monotonic()
         self._gaps = {i: now for i in range(floor + 1, newest) if i not in present}
         self._seen = newest

@@ -275,7 +275,6 @@ class PurgeNotice:
     sha256: str | None = None
     fetched_at: datetime | None = None
     replica: str | None = None
-    purged_at: datetime | None = None
 
 
 # Built once: making a statement anew costs more than running it on a local SQLite.
@@ -572,11 +571,10 @@ class Repository:
         async with self._session() as s:
             rows = (await s.execute(
                 select(Purge.id, Purge.key_hash, Purge.scope, Purge.key, Purge.sha256,
-                       Purge.fetched_at, Purge.replica, Purge.purged_at)
+                       Purge.fetched_at, Purge.replica)
                 .where(Purge.id > after).order_by(Purge.id))).all()
             return [PurgeNotice(r.id, r.key_hash, r.scope, r.key, r.sha256,
-                                aware(r.fetched_at) if r.fetched_at else None, r.replica,
-                                aware(r.purged_at))
+                                aware(r.fetched_at) if r.fetched_at else None, r.replica)
                     for r in rows]
 
     async def newest_purge_notice(self) -> int:
