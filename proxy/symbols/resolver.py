@@ -73,6 +73,21 @@ class _Unread:
 
 _UNREAD = _Unread()
 
+class _LocalLookup:
+    """What the local debug directories hold of one build ID: looked for once, when first
+    asked, and shared by the steps of one resolution that ask."""
+
+    def __init__(self, find: Callable[[], Awaitable[LocalFiles | None]]) -> None:
+        self._find = find
+        self._found: asyncio.Future[LocalFiles | None] | None = None
+
+    async def files(self) -> LocalFiles:
+        if self._found is None:
+            self._found = asyncio.ensure_future(self._find())
+        # Shielded: a caller cancelled must not cancel the lookup for the next step.
+        return await asyncio.shield(self._found) or LocalFiles()
+
+
 # A file beside the one a table is built from, and its cached artifact (to lease), if any.
 _Beside = tuple[Path, tuple[str, ArtifactKey] | None]
 
@@ -212,9 +227,10 @@ class SymbolResolver:
             # of them: a cold profile's 30 build IDs each went through the thread pool three
             # times (the executable, both files, the debug file's dwz link), and its biggest
             # one, first to ask, queued behind the other 29 at each step (0.1 s before
-            # libc's build could start).
-            local = await self._local(find_local, build_id) or LocalFiles()
-            if needs_layout and local.executable is None:
+            # libc's build could start). Only when asked: a table the database has needs
+            # none of it.
+            local = _LocalLookup(lambda: self._local(find_local, build_id))
+            if needs_layout and (await local.files()).executable is None:
                 layout = self._executable_layout(req, build_id)
             key = (req.tenant, build_id)
             resolved = await (self._resolving.get(key)
@@ -269,7 +285,7 @@ class SymbolResolver:
         future.add_done_callback(done)
         return future
 
-    async def _load_or_build(self, req: RequestScope, build_id: str, local: LocalFiles
+    async def _load_or_build(self, req: RequestScope, build_id: str, local: _LocalLookup
                              ) -> _Found:
         """`local`: what the local debug directories hold of `build_id`."""
         recheck: SymbolTableRecord | None = None
@@ -304,7 +320,7 @@ class SymbolResolver:
                      "without it serves", build_id, e)
             return recheck.scope, self._remember(recheck)
 
-    async def _find_and_build(self, req: RequestScope, build_id: str, local: LocalFiles,
+    async def _find_and_build(self, req: RequestScope, build_id: str, local: _LocalLookup,
                               recheck: SymbolTableRecord | None,
                               failed: SymbolTableRecord | None = None) -> _Found:
         """A source for the table and its build; or, where the source is the one `recheck`
@@ -347,8 +363,9 @@ class SymbolResolver:
         self._open.put(rec.scope, rec.build_id, opened)
         return opened
 
-    async def _find_source(self, req: RequestScope, build_id: str, found: LocalFiles
+    async def _find_source(self, req: RequestScope, build_id: str, lookup: _LocalLookup
                            ) -> _Source | None:
+        found = await lookup.files()
         local, local_exe = found.debug, found.executable
         if local is not None:
             return await self._with_supplement(req, _debug_source(
