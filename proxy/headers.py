@@ -64,10 +64,16 @@ def retry_after(value: str | None, now: float) -> float | None:
     return max(0.0, when - now) if when is not None else None
 
 
+# What a header value may not hold. C0, DEL and C1 controls (0x9B is CSI, as ESC [ is) and
+# the bidi controls (LRM/RLM/ALM, embeddings, overrides, isolates) make an operator's terminal
+# or a client's log show other text than the value is; surrogates are bytes aiohttp could not
+# decode, which SQL refuses.
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
 def printable(value: str | None, max_length: int = 1024) -> str | None:
     """`value` when it is storable, printable text of at most `max_length` characters."""
-    if value is None or len(value) > max_length:
-        return None
-    if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+    if value is None or len(value) > max_length or _UNPRINTABLE.search(value):
         return None
     return value

@@ -28,7 +28,9 @@ def test_decimal_is_total(raw: str | None, value: int | None) -> None:
 
 @pytest.mark.parametrize(("raw", "ok"), [
     ("prog.debug", True), ("a b/ü.c", True), ("a\x01b", False), ("a\x7fb", False),
-    ("a\udcffb", False), ("x" * 5000, False), ("a\nb", False),
+    ("a\udcffb", False), ("x" * 5000, False), ("a\nb", False), ("a\x9b2Jb", False),
+    ("a\x85b", False), ("a\u202egubed.exe", False), ("a\u2066b\u2069", False),
+    ("a\u200fb", False), ("a\u061cb", False), ("a\u00a0b", True), ("اسم.debug", True),
 ])
 def test_printable_refuses_what_cannot_be_stored_or_sent(raw: str, ok: bool) -> None:
     assert (printable(raw, 4096) == raw) is ok
@@ -41,7 +43,16 @@ def test_printable_refuses_what_cannot_be_stored_or_sent(raw: str, ok: bool) -> 
     [b"X-DEBUGINFOD-SIZE: \xc2\xb2"],  # "²"
     [b"X-DEBUGINFOD-SIZE: " + b"9" * 5000],
     [b"Last-Modified: \x01garbage"],
-], ids=["ctrl", "del", "non-utf8", "superscript-size", "huge-size", "bad-date"])
+    # What would make a terminal or a log show another name: C1 CSI (ESC [ in one byte), NEL,
+    # a right-to-left override ("prog.exe.debug" shown for "prog\u202egubed.exe"), an isolate,
+    # a right-to-left mark, the Arabic letter mark; each as UTF-8, as aiohttp decodes it.
+    [b"X-DEBUGINFOD-FILE: a\xc2\x9b2Jb.debug", b"X-DEBUGINFOD-ARCHIVE: a\xc2\x85b.rpm"],
+    [b"X-DEBUGINFOD-FILE: prog\xe2\x80\xaegubed.exe"],
+    [b"X-DEBUGINFOD-FILE: a\xe2\x81\xa6b\xe2\x81\xa9.debug"],
+    [b"X-DEBUGINFOD-FILE: a\xe2\x80\x8fb.debug"],
+    [b"X-DEBUGINFOD-FILE: a\xd8\x9cb.debug"],
+], ids=["ctrl", "del", "non-utf8", "superscript-size", "huge-size", "bad-date", "c1",
+        "bidi-override", "bidi-isolate", "rlm", "alm"])
 async def test_an_upstreams_unstorable_headers_cost_nothing_but_themselves(
     start_symgate: SymgateFactory, raw_upstream: RawUpstream, elfs: ElfSet,
     lines: list[bytes],
@@ -54,7 +65,8 @@ async def test_an_upstreams_unstorable_headers_cost_nothing_but_themselves(
         status, headers, body = await sg.get(path)
         if status == 200:
             assert body == want
-            assert all(c.isprintable() for c in headers["X-DEBUGINFOD-FILE"])
+            shown = headers["X-DEBUGINFOD-FILE"] + headers.get("X-DEBUGINFOD-ARCHIVE", "")
+            assert shown.isprintable(), shown
         else:  # a size past any limit: refused before its body is read
             assert lines[0].startswith(b"X-DEBUGINFOD-SIZE") and status == 406
         head_status, _ = await sg.head(path)
