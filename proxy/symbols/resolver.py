@@ -73,6 +73,7 @@ class _Unread:
 
 _UNREAD = _Unread()
 
+
 class _LocalLookup:
     """What the local debug directories hold of one build ID: looked for once, when first
     asked, and shared by the steps of one resolution that ask."""
