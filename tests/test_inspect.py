@@ -237,3 +237,52 @@ def test_a_timeout_no_check_can_keep_is_refused(tmp_path: Path, elfs: ElfSet, va
                                 text=True, timeout=60)
         assert result.returncode == 2, result
         assert "--timeout: not a number of seconds above 0" in result.stderr
+
+
+async def test_inspect_judges_a_tenants_requests_by_its_own_sources_and_view_of_the_cache(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """`--tenant`: inspect asked the global upstreams and the shared cache alone, so a tenant
+    served by a private server (its debug file cached in its own scope) was told its mapping
+    had no debug info anywhere, and one with `symbolize = false` that it would be filled in."""
+    from dataclasses import replace
+
+    from proxy.config import TenantConfig
+    from tests.harness import fast_upstream
+
+    token = "a-token-long-enough-1234"
+    private = replace(fast_upstream(faults.url_for("auth")),
+                      headers={"Authorization": "Bearer sesame"})
+    sg = await start_symgate([faults.url_for("notfound")], tenants={
+        "a": TenantConfig(upstreams=(private,), tokens=(token,)),
+        "off": TenantConfig(symbolize=False)})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path, headers={"Authorization": f"Bearer {token}"}))[0] == 200
+    await sg.settled()
+    source = tmp_path / "profile.pb.gz"
+    source.write_bytes(profile(elfs))
+    config = tmp_path / "inspect.toml"
+    config.write_text(
+        f'[[upstreams]]\nurl = "{faults.url_for("notfound")}"\n'
+        f'[tenants.a]\ntokens = ["{token}"]\nupstreams = [{{ url = "{private.url}", '
+        'headers = { Authorization = "Bearer sesame" } }]\n'
+        '[tenants.off]\nsymbolize = false\n')
+    (tmp_path / "token").write_text(token + "\n")
+
+    async def rows(*flags: str) -> dict[int, dict[str, Any]]:
+        result = await run_in_thread(["symgate", "inspect", str(source), "--config",
+                                      str(config), "--server", sg.url, "--json", *flags],
+                                     timeout=60)
+        assert result.returncode == 0, result.stderr
+        return {r["mapping_id"]: r for r in json.loads(result.stdout)}
+
+    shared = (await rows())[1]
+    assert [c["status"] for c in shared["checks"]] == ["404", "504"], shared
+    assert shared["verdict"].startswith("debug info not on any upstream"), shared
+    tenant = (await rows("--tenant", "a", "--token-file", str(tmp_path / "token")))[1]
+    assert [(c["where"], c["status"]) for c in tenant["checks"]] == [
+        (private.url, "200"), ("symgate cache", "200")], tenant
+    assert tenant["verdict"].startswith(f"debug info available from {private.url}"), tenant
+    off = (await rows("--tenant", "off"))[1]
+    assert off["verdict"] == ('[tenants."off"] symbolize = false: /symbolize returns this '
+                              "tenant's profiles unchanged"), off

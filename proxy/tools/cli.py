@@ -181,10 +181,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from symbolize.pprof.codec import ProfileError
 
     cfg = _config(args)
+    # The tenant's view of the server's cache; one configured with tokens is named by its token.
+    token = _token(args) if args.server else ""
+    headers = {**({"X-Scope-OrgID": args.tenant} if args.tenant else {}),
+               **({"Authorization": f"Bearer {token}"} if token else {})}
     try:
         rows = asyncio.run(inspect_profile(
             args.profile.read_bytes(), cfg, server=args.server, timeout_s=args.timeout,
-            max_decompressed=cfg.symbolize.max_decompressed_bytes))
+            max_decompressed=cfg.symbolize.max_decompressed_bytes, tenant=args.tenant or "",
+            server_headers=headers))
     except (OSError, ProfileError) as e:
         print(f"symgate: {args.profile}: {e}", file=sys.stderr)
         return 1
@@ -432,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--server", help="a symgate URL, to check its cache too")
     insp.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per check")
     insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.add_argument("--tenant", help="X-Scope-OrgID: judge this tenant's requests (its "
+                                       "[tenants.NAME] upstreams and symbolize setting, and its "
+                                       "view of the --server cache)")
+    insp.add_argument("--token-file", type=Path,
+                      help="with --server, a file holding the tenant's bearer token (default: "
+                           "$SYMGATE_TOKEN, if set)")
     insp.set_defaults(func=_inspect)
 
     pre = sub.add_parser("prefetch", help="warm a symgate's cache and symbol tables")

@@ -2,15 +2,18 @@
 
 One row per mapping: its file, address range and build ID, whether /symbolize would touch it,
 whether each configured upstream and symgate's own cache has its debug info, and a verdict with
-the fix, in the words of the common causes.
+the fix, in the words of the common causes. For a tenant (--tenant), the sources its requests
+use ([tenants.NAME] upstreams, else the global ones), its own view of the cache, and its
+[tenants.NAME] symbolize setting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -120,7 +123,7 @@ def _is_go_build_id(raw: str) -> bool:
     return bool(_GO_BUILD_ID.match(text))
 
 
-def _verdict(row: Row) -> str:
+def _verdict(row: Row, tenant: str, symbolizes: bool) -> str:
     if row.build_id is None and row.invalid_build_id:
         raw = row.invalid_build_id
         shown = raw if len(raw) <= 48 else raw[:45] + "..."
@@ -146,6 +149,9 @@ def _verdict(row: Row) -> str:
         return ("the kernel's or a module's code: /symbolize leaves it alone (its addresses "
                 "are the running kernel's, and its debug file hundreds of MB); have the "
                 "profiler name kernel frames, as perf and the eBPF profilers do")
+    if not symbolizes:
+        return (f"[tenants.{json.dumps(tenant)}] symbolize = false: /symbolize returns this "
+                "tenant's profiles unchanged")
     found = [c for c in row.checks if c.status == "200"]
     if found:
         c = found[0]
@@ -164,8 +170,10 @@ def _verdict(row: Row) -> str:
 
 async def inspect_profile(
     body: bytes, config: Config, *, server: str | None, timeout_s: float,
-    max_decompressed: int,
+    max_decompressed: int, tenant: str = "", server_headers: Mapping[str, str] | None = None,
 ) -> list[Row]:
+    """`tenant`: whose requests to judge, as X-Scope-OrgID names it ("" for none);
+    `server_headers`: sent to `server` beside (the tenant's, its token)."""
     profile = decode(body, max_decompressed).profile
     strings = profile.string_table
     rows: list[Row] = []
@@ -182,17 +190,24 @@ async def inspect_profile(
                         m.memory_start, m.memory_limit, bid, m.has_functions, m.id in taken,
                         invalid_build_id=raw if reason else "", invalid_reason=reason))
     metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
-    locals_ = [LocalDirectory(u.path, 0, metrics) for u in config.upstreams if u.path is not None]
+    settings = config.tenants.get(tenant)
+    # A tenant with upstreams of its own is served by those instead of the global ones (the
+    # server's proxy.web.app._sources), under the names the server gives them.
+    own = settings.upstreams if settings is not None else ()
+    listed = own or config.upstreams
+    locals_ = [LocalDirectory(u.path, 0, metrics) for u in listed if u.path is not None]
     for local in locals_:
         await local.rescan()
-    servers = [u for u in config.upstreams if u.url]
+    servers = [u for u in listed if u.url]
+    names = upstream_names(servers, tenant) if own else upstream_names(servers)
     routes = EnvironmentRoutes()
     async with client_session(config, limit=0) as upstream_session, \
-            aiohttp.ClientSession(headers={"User-Agent": USER_AGENT}) as session:
+            aiohttp.ClientSession(headers={"User-Agent": USER_AGENT,
+                                           **(server_headers or {})}) as session:
         sessions = Sessions(upstream_session, upstream_session)
         # Each a new Upstream, its breaker closed: a failure is shown, never skipped.
         remote = [Upstream(u, sessions, metrics, routes, name=name)
-                  for u, name in zip(servers, upstream_names(servers), strict=True)]
+                  for u, name in zip(servers, names, strict=True)]
 
         async def checks(bid: str) -> list[Check]:
             key = ArtifactKey(bid, Kind.DEBUGINFO)
@@ -209,7 +224,7 @@ async def inspect_profile(
     for row in rows:
         if row.would_symbolize and row.build_id:
             row.checks = results[row.build_id]
-        row.verdict = _verdict(row)
+        row.verdict = _verdict(row, tenant, settings is None or settings.symbolize)
     return rows
 
 
