@@ -66,9 +66,6 @@ class Limits:
     # gzipped one once, to no more than that, without measuring it again, nor checking again
     # the string indices the scan checked.
     scanned_size: int | None = None
-    # How many locations `scan` found the profile to have (Scanned.locations): what
-    # `check_samples` counts their ids against (a location without one has none to count).
-    scanned_locations: int | None = None
     # The profile came gzipped and is given to the steps inflated (pipeline.py): the answer
     # is gzipped as it came.
     gzip_answer: bool = False
@@ -77,12 +74,10 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class Scanned:
     """What `scan` found: the build IDs to resolve (widest mapping first), each with whether
-    it needs the executable's program headers, the size the profile decodes to, and how many
-    locations it has."""
+    it needs the executable's program headers, and the size the profile decodes to."""
 
     layouts: dict[str, bool]
     size: int
-    locations: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,25 +154,21 @@ def scan(body: Buffer, limits: Limits) -> Scanned:
     if len(layouts) > limits.max_build_ids:
         raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
                               f"{limits.max_build_ids} per request")
-    return Scanned(layouts, len(decoded.raw), len(profile.location))
+    return Scanned(layouts, len(decoded.raw))
 
 
 def check_samples(body: Buffer, limits: Limits) -> None:
     """Raise ProfileError where a sample, location or label set of the profile is not a valid
-    message, or the ids of its locations, or those its samples and lines name, are wrong
-    (codec.check_ids).
+    message.
 
     The one check the scan leaves out, a step of its own: nothing the resolution or the rewrite
     does reads a sample, and a million of them take 55 to 190 ms to check (codec.check_samples),
     a sixth of a warm profile's time, which the pipeline spends beside them on another core.
-    `limits.scanned_size` and `limits.scanned_locations` are the scan's."""
+    `limits.scanned_size` is the scan's."""
     _gzipped, raw = inflated(body, limits.scanned_size if limits.scanned_size is not None
                              else limits.max_decompressed_bytes,
                              measured=limits.scanned_size is not None)
-    locations = limits.scanned_locations
-    if locations is None:  # not scanned
-        locations = len(RawProfile.FromString(codec.as_bytes(raw)).location)
-    codec.check_samples(raw, locations)
+    codec.check_samples(raw)
 
 
 class Workspace:

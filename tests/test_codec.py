@@ -4,12 +4,11 @@ a first decode measured it."""
 from __future__ import annotations
 
 import gzip
-from collections.abc import Sequence
 
 import pytest
 
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
-from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile, Sample
+from symbolize.pprof.profile_pb2 import Function, Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from symbolize.worker import Limits, TooMuchWork, check_samples, scan
 
@@ -130,67 +129,7 @@ def test_a_corrupt_label_set_is_refused_by_name() -> None:
 
 
 def test_samples_written_any_valid_way_are_taken_as_they_came() -> None:
-    raw = RawProfile(string_table=[""], sample=_ODD_SAMPLES,
-                     location=[b"\x08\x01", b"\x08\x02"]).SerializeToString()
+    raw = RawProfile(string_table=[""], sample=_ODD_SAMPLES).SerializeToString()
     decoded = decode(raw, 1 << 30)
     assert list(decoded.profile.sample) == _ODD_SAMPLES
     assert encode(decoded.profile, False) == raw
-
-
-
-def _profile_of(locations: list[bytes], samples: list[list[int]],
-                functions: Sequence[int] = ()) -> bytes:
-    p = RawProfile(string_table=[""], location=locations)
-    p.sample.extend(Sample(location_id=ids).SerializeToString() for ids in samples)
-    p.function.extend(Function(id=f) for f in functions)
-    return p.SerializeToString()
-
-
-def _location(number: int = 0, mapping_id: int = 0, function_ids: Sequence[int] = ()
-              ) -> bytes:
-    loc = Location(id=number, mapping_id=mapping_id)
-    loc.line.extend(Line(function_id=f, line=3) for f in function_ids)
-    return loc.SerializeToString()
-
-
-def _checked_as_the_pipeline_does(raw: bytes) -> None:
-    """The pipeline's own step for it, beside the resolution, with the scan's count."""
-    scanned = scan(raw, Limits(1 << 30, 10))
-    check_samples(raw, Limits(1 << 30, 10, scanned_size=scanned.size,
-                              scanned_locations=scanned.locations))
-
-
-@pytest.mark.parametrize(("raw", "said"), [
-    (_profile_of([_location(1), _location(mapping_id=1)], [[1]]), "location id 0 is reserved"),
-    (_profile_of([_location(1), b"\x08\x00"], [[1]]), "location id 0 is reserved"),
-    (_profile_of([_location(5), _location(5)], [[5]]), "location id 5 is repeated"),
-    (_profile_of([_location(9), _location(3), _location(9)], [[3]]), "location id 9 is repeated"),
-    (_profile_of([_location(1), _location(2)], [[1], [2, 3]]),
-     "a sample names location id 3, which no location has"),
-    (_profile_of([_location(1)], [[0]]), "a sample names location id 0, which no location has"),
-    (_profile_of([_location(10), _location(20)], [[10, 15]]),
-     "a sample names location id 15, which no location has"),
-    (_profile_of([_location(1, function_ids=[1, 9])], [[1]], functions=[1]),
-     "a line names function id 9, which no function has"),
-], ids=["no-id", "id-0", "repeated", "repeated-unordered", "sample-past-the-last",
-        "sample-names-0", "sample-between-ids", "line-names-no-function"])
-def test_ids_pprof_refuses_are_refused_by_name(raw: bytes, said: str) -> None:
-    """As pprof's reader refuses them (CheckValid): of two locations with one id, a sample
-    naming it means either; they were passed on, or rewritten, as they came."""
-    with pytest.raises(ProfileError, match=f"^{said}$"):
-        decode(raw, 1 << 30)
-    with pytest.raises(ProfileError, match=f"^{said}$"):
-        _checked_as_the_pipeline_does(raw)
-
-
-@pytest.mark.parametrize("raw", [
-    _profile_of([_location(1, mapping_id=7)], [[1]]),  # a mapping pprof's reader takes for none
-    _profile_of([_location(2, function_ids=[0, 4]), _location(1)], [[1, 2]], functions=[4]),
-    # Sparse, out of order, past 2**63.
-    _profile_of([_location(2**63 + 5), _location(7)], [[7, 2**63 + 5]]),
-    # An id written twice, the last one the location's: 2, then 1.
-    _profile_of([b"\x08\x01\x08\x02", _location(1)], [[1, 2]]),
-], ids=["unknown-mapping", "line-of-no-function", "sparse", "id-written-twice"])
-def test_ids_pprof_takes_are_taken(raw: bytes) -> None:
-    assert list(decode(raw, 1 << 30).profile.sample)
-    _checked_as_the_pipeline_does(raw)

@@ -14,7 +14,6 @@ from dataclasses import replace
 import pytest
 
 from proxy.web.state import STATE
-from symbolize.pprof.profile_pb2 import Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -150,59 +149,6 @@ async def test_mapping_and_function_ids_that_are_0_or_repeated_are_400(
         assert status == 400 and said in text, (damage, text)
     assert faults.count("ok") == 0
     assert (await sg.get("/healthz"))[0] == 200
-
-
-def _damaged(profile: Profile, damage: str) -> None:
-    """`profile` (two mappings, three locations each) made wrong as pprof's reader refuses it."""
-    if damage == "location id 0":
-        profile.location[4].id = 0
-    elif damage == "repeated location id":
-        profile.location[4].id = profile.location[1].id
-    elif damage == "sample of no location":
-        profile.sample[2].location_id.append(len(profile.location) + 1)
-    else:  # a line of no function, in a location the rewrite leaves as it is
-        profile.location[4].line.add(function_id=77, line=1)
-
-
-@pytest.mark.parametrize(("damage", "said"), [
-    ("location id 0", b"location id 0 is reserved"),
-    ("repeated location id", b"location id 2 is repeated"),
-    ("sample of no location", b"a sample names location id 7, which no location has"),
-    ("line of no function", b"a line names function id 77, which no function has"),
-])
-async def test_location_ids_pprof_refuses_are_400(
-    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, damage: str,
-    said: bytes
-) -> None:
-    """As pprof's reader refuses them (CheckValid). Of two locations with one id, a sample
-    naming it means either: they were answered 200, symbolized, as were samples naming no
-    location and lines naming no function (which a function the rewrite added could then
-    have been given the id of)."""
-    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
-    placed = [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:3]),
-              (place(elfs.shlib, BASES["libmix.so"]), code_addresses(elfs.shlib)[:3])]
-    profile = make_profile(placed)
-    _damaged(profile, damage)
-    for body in (profile.SerializeToString(), gzip.compress(profile.SerializeToString())):
-        status, _, text = await post(sg, body)
-        assert status == 400 and said in text, (damage, text)
-    assert await sg.metric("symgate_symbolize_profiles_total", outcome="rejected") == 2
-    status, headers, _ = await post(sg, make_profile(placed).SerializeToString())
-    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
-
-
-async def test_ids_pprof_takes_are_symbolized(
-    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
-) -> None:
-    """A location's mapping_id that names no mapping is none, to pprof's reader as to the
-    rewrite; a line's function_id 0 is a line of no function; ids need not be 1 to n."""
-    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
-    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:3])])
-    profile.location.add(id=2**63, mapping_id=9, address=0x1234).line.add(line=5)
-    profile.sample.add(location_id=[2**63], value=[1])
-    status, headers, body = await post(sg, profile.SerializeToString())
-    assert status == 200 and headers["X-Symgate-Locations-Symbolized"] == "3", headers
-    assert parse(body).location[3].line[0].function_id == 0
 
 
 async def test_a_corrupt_sample_is_400_without_waiting_for_the_resolution(

@@ -67,24 +67,6 @@ def test_cli_rejects_a_profile_with_a_corrupt_sample(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_rejects_a_profile_whose_location_ids_are_ambiguous(
-    elfs: ElfSet, tmp_path: Path
-) -> None:
-    """Two locations with one id, as pprof's reader refuses them: the CLI symbolized both
-    and wrote a profile whose samples of that id mean either."""
-    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
-    profile.location[3].id = profile.location[0].id
-    bad = tmp_path / "bad.pprof"
-    bad.write_bytes(profile.SerializeToString())
-    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
-                         elfs.prog.executable)
-    result = subprocess.run(["symgate", "symbolize", str(bad), "-o", str(tmp_path / "o"),
-                             "--debug-dir", str(tree)], capture_output=True, text=True)
-    assert result.returncode == 1, result
-    assert f"{bad}: location id 1 is repeated" in result.stderr, result.stderr
-    assert not (tmp_path / "o").exists()
-
-
 async def test_cli_sends_a_tenants_token_and_asks_for_fallback_names(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from symbolize.chains import encode_lines
 from symbolize.pprof import varint
-from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile, Sample
+from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile
 
 EDGES = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**35, 2**63, 2**64 - 1]
 # The last value of each width, and the first: 1 to 10 bytes.
@@ -86,15 +86,3 @@ def test_encode_lines_is_protobufs_line_entries() -> None:
     want = [Location(line=[Line(function_id=f, line=n, column=c) for f, n, c in frames])
             .SerializeToString() for frames in chains]
     assert got == want
-
-
-
-def test_unpacked_reads_a_packed_field_across_its_batches() -> None:
-    """Longer than a batch (4 MiB), so that varints are cut at its end."""
-    rng = random.Random(2)
-    values = [*WIDTHS, *EDGES,
-              *(rng.getrandbits(rng.choice((7, 20, 64))) for _ in range(1_000_000))]
-    field = Sample(location_id=values).SerializeToString()
-    assert len(field) > 1 << 22
-    assert np.concatenate(list(varint.unpacked(field))).tolist() == values
-    assert not list(varint.unpacked(b""))

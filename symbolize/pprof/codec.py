@@ -14,11 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-import numpy as np
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 from isal import igzip, isal_zlib
 
-from . import varint
 from .profile_pb2 import LabelSet, Location, Sample
 from .profile_raw_pb2 import CheckedAsBytes, RawProfile
 
@@ -43,10 +41,6 @@ class ProfileError(ValueError):
 
 class ProfileTooLarge(ProfileError):
     """The profile decompresses to more than the allowed size (a gzip bomb, or just huge)."""
-
-
-class InvalidId(ProfileError):
-    """A location's id is 0 or another's, or a sample or a line names what the profile lacks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,97 +143,25 @@ def inflated(body: Buffer, max_decompressed: int, *, measured: bool = False
 def check(decoded: Decoded) -> None:
     """Raise ProfileError where check_tables or check_samples finds the profile wrong."""
     check_tables(decoded.profile)
-    check_samples(decoded.raw, len(decoded.profile.location))
+    check_samples(decoded.raw)
 
 
-def check_samples(raw: Buffer, locations: int) -> None:
+def check_samples(raw: Buffer) -> None:
     """Raise ProfileError where a Sample, Location or LabelSet of the encoded profile `raw` is
-    not a valid message, or where check_ids finds it wrong; `locations`: how many it has. A
-    RawProfile passes them on as bytes unread: unchecked, a corrupt one (a packed field longer
-    than its sample, say) went out in an answer no pprof reader can parse. Locations are read
-    by the rewrite only where it fills some in: a corrupt one was a 400 where a profile's debug
-    files were found and a 200, its bytes sent back, where not.
+    not a valid message. A RawProfile passes them on as bytes unread: unchecked, a corrupt one
+    (a packed field longer than its sample, say) went out in an answer no pprof reader can
+    parse. Locations are read by the rewrite only where it fills some in: a corrupt one was a
+    400 where a profile's debug files were found and a 200, its bytes sent back, where not.
 
     protobuf parses them all in C, as a reader will, against a microsecond each for a loop in
-    Python, merged (CheckedAsBytes): a message of each, as they were checked before, took for
-    a million one-frame samples 55 ms where malloc has memory at hand, 100 to 190 in a fresh
-    process, and 90 MB while it lasted; merged, half the time, which pays for check_ids.
-    (Their shapes vary with stack depth and labels: they have no rows for numpy to check in
-    bulk, as columns.py does locations.)"""
+    Python; but it makes a message of each: for a million one-frame samples 55 ms where malloc
+    has memory at hand, 100 to 190 in a fresh process (the scan's 75 ms becomes 270), and 90 MB
+    while it lasts. (Their shapes vary with stack depth and labels: they have no rows for numpy
+    to check in bulk, as columns.py does locations.)"""
     try:
-        checked = CheckedAsBytes.FromString(as_bytes(raw))
+        CheckedAsBytes.FromString(as_bytes(raw))
     except DecodeError:
         raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
-    check_ids(raw, checked, locations)
-
-
-def check_ids(raw: Buffer, checked: CheckedAsBytes, locations: int) -> None:
-    """Raise InvalidId where a location's id is 0 or another's, or where a sample names a
-    location, or a line a function, that the profile (`checked`, of `locations` locations)
-    does not have, as pprof's reader refuses them (CheckValid): of two locations with one id,
-    a sample naming it means either; a line naming a function the profile lacks would name
-    the one the rewrite adds with that id (new_ids.py). Mapping and function ids are
-    check_tables'. A location's mapping_id that names no mapping is not refused: pprof's
-    reader takes it for none, and so does the rewrite, which fills in only the locations of
-    the profile's mappings. Nor is a line's function_id 0: a line of no function, as pprof's
-    reader took it for years, and never an id the rewrite adds."""
-    merged = checked.location
-    lines = _packed(merged.line, "function_id")
-    ids = _sorted_location_ids(raw, _packed(merged, "id"), locations)
-    for named in varint.unpacked(_packed(checked.sample, "location_id")):
-        if len(missing := _not_in(named, ids)):
-            raise InvalidId(f"a sample names location id {missing[0]}, which no location has")
-    if not lines:
-        return
-    # Only a profile with lines pays for its functions' ids: a profiler's has none.
-    functions = np.sort(np.fromiter((f.id for f in checked.function), dtype=np.uint64,
-                                    count=len(checked.function)))
-    for named in varint.unpacked(lines):
-        if len(missing := _not_in(named[named != 0], functions)):
-            raise InvalidId(f"a line names function id {missing[0]}, which no function has")
-
-
-def _packed(merged: Message, field: str) -> bytes:
-    """The encoding of `field` of the merged message (`merged` is emptied of all else)."""
-    for other, _value in merged.ListFields():
-        if other.name != field:
-            merged.ClearField(other.name)
-    merged.DiscardUnknownFields()
-    return merged.SerializeToString()
-
-
-def _sorted_location_ids(raw: Buffer, packed: bytes, locations: int) -> varint.U64:
-    """The ids of the `locations` locations of the encoded profile `raw` (`packed`, as
-    merged), sorted; InvalidId where one is 0 or repeated."""
-    ids = np.concatenate([np.zeros(0, np.uint64), *varint.unpacked(packed)])
-    # As many as there are locations: one each, as every encoder writes them. (One location
-    # without an id and another with two would pass for that: a profile made to.)
-    if len(ids) > locations:
-        # A location with its id twice, the last one its id, as no encoder writes one: they
-        # are read one by one.
-        ids = np.fromiter((Location.FromString(one).id
-                           for one in RawProfile.FromString(as_bytes(raw)).location),
-                          dtype=np.uint64, count=locations)
-    if len(ids) < locations or not ids.all():  # protobuf writes no 0: a location without one
-        raise InvalidId("location id 0 is reserved")
-    # Profilers number their locations in order: then they are distinct, and sorted already.
-    if not (ids[1:] > ids[:-1]).all():
-        ids = np.sort(ids)
-        if len(repeated := ids[1:][ids[1:] == ids[:-1]]):
-            raise InvalidId(f"location id {repeated[0]} is repeated")
-    return ids
-
-
-def _not_in(ids: varint.U64, known: varint.U64) -> varint.U64:
-    """Those of `ids` that `known` (sorted, distinct) lacks."""
-    if not len(known):
-        return ids
-    if known[0] == 1 and known[-1] == len(known):  # 1 to n, as profilers number them
-        lacking = (ids == 0) | (ids > known[-1])
-    else:
-        lacking = known[np.minimum(np.searchsorted(known, ids), len(known) - 1)] != ids
-    missing: varint.U64 = ids[lacking]
-    return missing
 
 
 def _first_corrupt(raw: Buffer) -> str:

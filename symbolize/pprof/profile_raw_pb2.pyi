@@ -50,37 +50,11 @@ class RawLocations(_message.Message):
     def __init__(self, location: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CheckedAsBytes(_message.Message):
-    __slots__ = ("sample", "location", "function", "label_set")
+    __slots__ = ("sample", "location", "label_set")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
-    FUNCTION_FIELD_NUMBER: _ClassVar[int]
     LABEL_SET_FIELD_NUMBER: _ClassVar[int]
-    sample: _profile_pb2.Sample
-    location: MergedLocations
-    function: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Function]
+    sample: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Sample]
+    location: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Location]
     label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
-    def __init__(self, sample: _Optional[_Union[_profile_pb2.Sample, _Mapping]] = ..., location: _Optional[_Union[MergedLocations, _Mapping]] = ..., function: _Optional[_Iterable[_Union[_profile_pb2.Function, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
-
-class MergedLocations(_message.Message):
-    __slots__ = ("id", "mapping_id", "address", "line", "is_folded")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    MAPPING_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    LINE_FIELD_NUMBER: _ClassVar[int]
-    IS_FOLDED_FIELD_NUMBER: _ClassVar[int]
-    id: _containers.RepeatedScalarFieldContainer[int]
-    mapping_id: int
-    address: int
-    line: MergedLines
-    is_folded: bool
-    def __init__(self, id: _Optional[_Iterable[int]] = ..., mapping_id: _Optional[int] = ..., address: _Optional[int] = ..., line: _Optional[_Union[MergedLines, _Mapping]] = ..., is_folded: _Optional[bool] = ...) -> None: ...
-
-class MergedLines(_message.Message):
-    __slots__ = ("function_id", "line", "column")
-    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
-    LINE_FIELD_NUMBER: _ClassVar[int]
-    COLUMN_FIELD_NUMBER: _ClassVar[int]
-    function_id: _containers.RepeatedScalarFieldContainer[int]
-    line: int
-    column: int
-    def __init__(self, function_id: _Optional[_Iterable[int]] = ..., line: _Optional[int] = ..., column: _Optional[int] = ...) -> None: ...
+    def __init__(self, sample: _Optional[_Iterable[_Union[_profile_pb2.Sample, _Mapping]]] = ..., location: _Optional[_Iterable[_Union[_profile_pb2.Location, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...

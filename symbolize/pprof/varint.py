@@ -7,8 +7,6 @@ nanoseconds a value.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import numpy.typing as npt
 
@@ -68,23 +66,6 @@ def get(buf: U8, first: I64, width: I64) -> U64:
         x[long] |= ((rest & np.uint64(0x7F)) << np.uint64(56)) \
             | ((rest & np.uint64(0x100)) << np.uint64(55))
     return x
-
-
-# Bytes of varints read at a time by `unpacked`: their positions are eight bytes a value.
-_UNPACK_BATCH = 1 << 22
-
-
-def unpacked(field: bytes) -> Iterator[U64]:
-    """The values of an encoded packed field (its tag, its length, then varints), a batch at a
-    time: a field of a hundred million values is not held as positions all at once."""
-    buf = np.frombuffer(field, dtype=np.uint8)
-    at = int(np.argmax(buf[1:1 + MAX_WIDTH] < 0x80)) + 2 if len(buf) else 0  # past the head
-    while at < len(buf):
-        window = buf[at: at + _UNPACK_BATCH]
-        ends = np.flatnonzero(window < 0x80)  # a window's last varint may go on past it
-        first = np.concatenate(([0], ends[:-1] + 1))
-        yield get(window, first, ends - first + 1)
-        at += int(ends[-1]) + 1
 
 
 def _words_at(words: U64, at: I64) -> U64:
