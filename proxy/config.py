@@ -174,13 +174,20 @@ def _bucket_url(value: object) -> str:
 
 
 def _path(value: object, info: ValidationInfo) -> Path:
-    if isinstance(value, Path) or (isinstance(value, str) and value):
-        # Relative to the directory of the file that names it (load_config), as nginx and
-        # systemd read theirs: the same file means the same directories wherever the server
-        # was started. (An absolute path joined to it stays itself.)
-        config_dir: Path = (info.context or {}).get("config_dir", Path())
-        return config_dir / Path(value).expanduser()
-    raise ValueError(f"expected a path, got {value!r}")
+    if not (isinstance(value, Path) or (isinstance(value, str) and value)):
+        raise ValueError(f"expected a path, got {value!r}")
+    # Refused here, not by the first open(), which raised it as a fault of the program.
+    if "\0" in str(value):
+        raise ValueError(f"a path holds no NUL character, got {str(value)!r}")
+    try:
+        expanded = Path(value).expanduser()
+    except RuntimeError:  # "~name" of no user
+        raise ValueError(f"no such user: {Path(value).parts[0]!r}") from None
+    # Relative to the directory of the file that names it (load_config), as nginx and
+    # systemd read theirs: the same file means the same directories wherever the server
+    # was started. (An absolute path joined to it stays itself.)
+    config_dir: Path = (info.context or {}).get("config_dir", Path())
+    return config_dir / expanded
 
 
 def _sqlite_beside(url: str, config_dir: Path) -> str:

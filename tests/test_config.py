@@ -400,6 +400,11 @@ def _symgate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     ("[cache]\nmax_bytes = 'x'\n", "cache.max_bytes: expected a size such as 20GiB, got 'x'"),
     ("[server\n", "not valid TOML: Expected ']' at the end of a table declaration"),
     ("[server]\nworkers = 100000\n", f"server.workers: must be at most {MAX_PROCESSES}, got"),
+    # No path the system can open: a traceback and status 1, as for a fault of the program.
+    ("[server]\ndata_dir = '~no-such-user-of-symgate/data'\n",
+     "server.data_dir: no such user: '~no-such-user-of-symgate'"),
+    ('[symbolize]\ndebug_dirs = ["/usr/lib/debug\\u0000x"]\n',
+     "symbolize.debug_dirs[0]: a path holds no NUL character, got '/usr/lib/debug\\x00x'"),
 ])
 def test_a_bad_config_file_exits_ex_config_in_one_line(
     tmp_path: Path, text: str, problem: str
