@@ -286,3 +286,9 @@ async def test_inspect_judges_a_tenants_requests_by_its_own_sources_and_view_of_
     off = (await rows("--tenant", "off"))[1]
     assert off["verdict"] == ('[tenants."off"] symbolize = false: /symbolize returns this '
                               "tenant's profiles unchanged"), off
+    # A name the configuration lacks (misspelt, say) is judged as the server judges it, and said.
+    result = await run_in_thread(["symgate", "inspect", str(source), "--config", str(config),
+                                  "--json", "--tenant", "acme"], timeout=60)
+    assert result.returncode == 0 and "tenant 'acme' is not in the configuration" \
+        in result.stderr, result.stderr
+    assert [c["status"] for c in json.loads(result.stdout)[0]["checks"]] == ["404"]

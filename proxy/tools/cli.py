@@ -181,6 +181,11 @@ def _inspect(args: argparse.Namespace) -> int:
     from symbolize.pprof.codec import ProfileError
 
     cfg = _config(args)
+    if args.tenant and args.tenant not in cfg.tenants:
+        # Served so too, as any tenant the server does not list; but a misspelt name would
+        # otherwise judge the global sources in silence.
+        print(f"symgate: tenant {args.tenant!r} is not in the configuration: judged by the "
+              "global upstreams and settings", file=sys.stderr)
     # The tenant's view of the server's cache; one configured with tokens is named by its token.
     token = _token(args) if args.server else ""
     headers = {**({"X-Scope-OrgID": args.tenant} if args.tenant else {}),
