@@ -229,10 +229,10 @@ def _prefetch(args: argparse.Namespace) -> int:
         return 2
     finished = asyncio.run(prefetch(args.server, ids, args.kind, args.concurrency, summary,
                                     terminal_progress, args.timeout))
+    counts = summary.counts()
     if not finished:
         print(f"symgate: prefetch stopped after --timeout {args.timeout:g} s: "
-              f"{summary.counts()[TIMED_OUT]} artifacts not done", file=sys.stderr)
-    counts = summary.counts()
+              f"{counts[TIMED_OUT]} artifacts not done", file=sys.stderr)
     failed = sum(n for status, n in counts.items() if status not in ("200", "404"))
     if args.json:
         print(json.dumps({"results": summary.results, "bytes": summary.bytes,
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not run pending database migrations at start")
     serve.add_argument("--workers", type=_workers,
-                       help="serving processes on the one port, at most 4 per core (default: "
+                       help="serving processes on the one port, at most 256 (default: "
                             "server.workers, or one per core)")
     serve.set_defaults(func=_serve)
 
