@@ -367,7 +367,20 @@ class Repository:
     async def close(self) -> None:
         if self._local is not None:
             self._local.close()
-        await self.engine.dispose()
+        # A stop signal cancels a start under way (proxy.web.app._started), and this close in
+        # it: cut while aiosqlite closes a connection, the pool logged a traceback on a start
+        # that failed cleanly, and left the connection's thread. It closes to the end, and the
+        # cancellation is passed on then.
+        closing = asyncio.ensure_future(self.engine.dispose())
+        cancelled: asyncio.CancelledError | None = None
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError as e:
+                cancelled = e
+        if cancelled is not None:
+            raise cancelled
+        closing.result()
 
     # -- artifacts ---------------------------------------------------------------------------
     async def _point(self, read: PointRead, params: dict[str, Any]) -> Sequence[Any]:
