@@ -150,6 +150,7 @@ class FaultyBucket:
         self._target = s3.endpoint
         self.faults: list[Fault] = []
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request
+        self.answering = 0  # requests whose answer is not yet all sent (or given up)
         self.held = asyncio.Event()
         self.release = asyncio.Event()
         self._runner: Any = None
@@ -194,9 +195,17 @@ class FaultyBucket:
         return None
 
     async def _handle(self, request: Any) -> Any:
-        from aiohttp import web
 
         self.seen.append((request.method, request.path))
+        self.answering += 1
+        try:
+            return await self._answer(request)
+        finally:
+            self.answering -= 1
+
+    async def _answer(self, request: Any) -> Any:
+        from aiohttp import web
+
         fault = self._fault(request.method, request.path_qs)
         action = fault.action if fault is not None else ""
         errors = {"500": (500, "InternalError"), "503": (503, "SlowDown"),

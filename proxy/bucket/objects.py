@@ -98,7 +98,7 @@ class Bucket:
         replica would say `degraded` for ever after a blip). Raises BucketDown."""
         await self.open(PROBE)
 
-    async def open(self, path: str) -> AsyncIterator[bytes] | None:
+    async def open(self, path: str) -> ObjectStream | None:
         """The object's bytes as they come; None when there is no such object. The iterator
         raises BucketDown if the bucket stops sending for read_timeout_s or fails."""
         try:
@@ -112,16 +112,13 @@ class Bucket:
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("get", e) from e
         self._ok("get")
-        return self._chunks(got.stream(min_chunk_size=CHUNK))
+        return ObjectStream(got.stream(min_chunk_size=CHUNK), self)
 
-    async def _chunks(self, stream: Any) -> AsyncIterator[bytes]:
+    async def next_chunk(self, stream: Any) -> bytes:
+        """The next chunk of an object being read (ObjectStream); StopAsyncIteration at its
+        end, BucketDown when the bucket fails or sends nothing for read_timeout_s."""
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(anext(stream), self._config.read_timeout_s)
-                except StopAsyncIteration:
-                    return
-                yield bytes(chunk)
+            return bytes(await asyncio.wait_for(anext(stream), self._config.read_timeout_s))
         except (self._obstore.exceptions.BaseError, OSError, TimeoutError) as e:
             raise self._failed("get", e) from e
 
@@ -171,10 +168,10 @@ class Bucket:
         if chunks is None:
             return False
         temp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-        dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         got = 0
         try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
             with temp.open("wb") as f:
                 async for chunk in chunks:
                     got += len(chunk)
@@ -186,6 +183,7 @@ class Bucket:
                 raise WrongCopy(f"{path} is not the {size} bytes written there")
             temp.replace(dest)
         finally:
+            chunks.close()
             temp.unlink(missing_ok=True)
         return True
 
@@ -235,3 +233,29 @@ def _no_object(error: FileNotFoundError) -> bool:
 def _first_line(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     return text.splitlines()[0][:300]
+
+
+class ObjectStream:
+    """An object's bytes as the bucket sends them. Closed, its connection goes at once: a
+    stream left when its reader stopped early (a copy longer than its row) held the
+    connection, and the bucket's side blocked writing into it, until the garbage collector
+    came round, minutes later at times."""
+
+    def __init__(self, stream: Any, bucket: Bucket) -> None:
+        self._stream: Any = stream
+        self._bucket = bucket
+
+    def __aiter__(self) -> ObjectStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._stream is None:
+            raise StopAsyncIteration
+        try:
+            return await self._bucket.next_chunk(self._stream)
+        except BaseException:  # its end, a failure, or a cancel: nothing more is read
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stream = None  # obstore's stream, and its connection, are dropped with it

@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from proxy.bucket.leases import Lease, Leases
-from proxy.bucket.objects import Bucket, BucketDown, WrongCopy
+from proxy.bucket.objects import Bucket, BucketDown, ObjectStream, WrongCopy
 from proxy.config import StorageConfig
 from proxy.errors import RememberedNotFound, UpstreamUnavailable, VerificationFailed
 from proxy.keys import ArtifactKey
@@ -89,7 +89,7 @@ class BucketBody:
     """A bucket object read as an upstream's answer (proxy.sources.base.Body), checked
     against its catalogue row as it streams: size and sha256, before the last byte goes."""
 
-    def __init__(self, rec: BucketRecord, chunks: AsyncIterator[bytes],
+    def __init__(self, rec: BucketRecord, chunks: ObjectStream,
                  refuse: Callable[[BucketRecord], Awaitable[None]]) -> None:
         self.rec = rec
         self.meta = ArtifactMeta(upstream=rec.upstream, size=rec.size, filename=rec.filename,
@@ -113,6 +113,8 @@ class BucketBody:
         except BucketDown as e:
             raise UpstreamUnavailable(f"the shared bucket stopped sending {self.rec.key}: {e}"
                                       ) from e
+        finally:
+            self.close()
         if size != self.rec.size or not ended:
             # Cut short or run on, each a whole answer by its Content-Length: what was sent
             # may be the file's start all the same, so it is finished from an upstream as a
@@ -128,7 +130,7 @@ class BucketBody:
                                      "match what was written there; deleted")
 
     def close(self) -> None:
-        pass  # the stream ends with its iterator
+        self._chunks.close()
 
 
 class SharedTier:
@@ -167,7 +169,7 @@ class SharedTier:
                     # The holder before may have published, or found nothing, just now: both
                     # asked at once, a round trip before the upstream is.
                     try:
-                        body, gone = await asyncio.gather(self._copy(hashes, key), missing())
+                        body, gone = await self._copy_or_missing(hashes, key, missing)
                     except BaseException:
                         await lease.release()  # or it is renewed, and held, for ever
                         raise
@@ -194,6 +196,21 @@ class SharedTier:
             delay = min(delay * 2, POLL_LONGEST_S)
         self._metrics.cluster_fetches.labels("alone").inc()
         return Obtained()
+
+    async def _copy_or_missing(self, hashes: Sequence[str], key: ArtifactKey,
+                               missing: Callable[[], Awaitable[bool]]
+                               ) -> tuple[BucketBody | None, bool]:
+        """Both at once. A copy opened while the other failed is closed, not left holding its
+        connection until the garbage collector comes."""
+        copied, gone = await asyncio.gather(self._copy(hashes, key), missing(),
+                                            return_exceptions=True)
+        if isinstance(gone, BaseException):
+            if isinstance(copied, BucketBody):
+                copied.close()
+            raise gone
+        if isinstance(copied, BaseException):
+            raise copied
+        return copied, gone
 
     async def holds(self, kh: str) -> bool | None:
         """Whether the catalogue has a whole copy under `kh` (None with the database failing:
