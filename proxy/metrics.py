@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from symbolize import fallback
-from symbolize.outcome import Outcome
+from symbolize.outcome import NAMED, Outcome
 
 
 class Served(StrEnum):
@@ -51,7 +50,7 @@ MAPPING_RESULTS = ("symbolized", "has_functions", "kernel", "no_build_id", "inva
                    "no_locations", "unresolved", Outcome.NOT_FOUND, Outcome.NO_SYMBOLS,
                    Outcome.MALFORMED, Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR, Outcome.DEADLINE,
                    Outcome.UNAVAILABLE, Outcome.INTERNAL)
-LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol", fallback.NAMED)
+LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol", NAMED)
 BUILD_RESULTS = (Outcome.OK, Outcome.NO_SYMBOLS, Outcome.MALFORMED)
 
 

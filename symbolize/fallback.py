@@ -23,9 +23,6 @@ from .pprof.profile_pb2 import Location
 from .pprof.profile_raw_pb2 import RawProfile
 from .pprof.string_index import first_indices
 
-MODULE_OFFSET = "module-offset"
-# The count of named locations, among the unresolved ones of the report.
-NAMED = "module_offset"
 _NAME = re.compile(r"(.+)\+0x[0-9a-f]+")
 # Pages the kernel maps into every process: the same code at the same offsets each run.
 _KERNEL_FILES = ("[vdso]", "[vsyscall]")

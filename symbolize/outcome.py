@@ -27,6 +27,13 @@ class Outcome(StrEnum):
     INTERNAL = "internal"  # a bug or an unexpected failure: never remembered
 
 
+# The `fallback` setting that names a location outside every symbol table by its module and
+# offset (symbolize.fallback), and the count of such locations among a report's unresolved.
+# Here, not there: the server reads them on every start, and symbolize.fallback brings numpy.
+MODULE_OFFSET = "module-offset"
+NAMED = "module_offset"
+
+
 class TryAgain(Exception):
     """Not the thing's own outcome but the asker's trouble, which passes (its worker process
     died, its disk is full): a profile waiting on it is refused as a whole, to be sent again,

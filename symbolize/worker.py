@@ -21,7 +21,7 @@ import numpy.typing as npt
 from . import fallback
 from .chains import FunctionIds
 from .elf import LoadSegment
-from .outcome import Outcome
+from .outcome import NAMED, Outcome
 from .pprof import codec
 from .pprof.codec import (
     Buffer,
@@ -228,8 +228,8 @@ class Workspace:
                               None if stripped else decoded.raw,
                               locations_apart=not limits.fallback)
         if limits.fallback and (named := fallback.fill(profile)):
-            report.locations_unresolved[fallback.NAMED] += named
-        if not report.changed and not report.locations_unresolved[fallback.NAMED]:
+            report.locations_unresolved[NAMED] += named
+        if not report.changed and not report.locations_unresolved[NAMED]:
             return Finished(None, report)
         return Finished(encode(profile, gzipped or limits.gzip_answer,
                                [fields.data for fields in written]), report)

@@ -26,7 +26,7 @@ from proxy.web.artifacts import hop_of
 from proxy.web.content_encoding import coding_of, inflate_measured, measure_body
 from proxy.web.logs import annotate
 from proxy.web.state import STATE, AppState
-from symbolize import fallback
+from symbolize.outcome import MODULE_OFFSET, NAMED
 from symbolize.pipeline import Limits, Symbolized, SymbolProvider, Work, symbolize_profile
 from symbolize.rewrite import Report
 
@@ -209,7 +209,7 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
                     body, state.symbols.provider(req), limits, work))
     count(state, done)
     result = "symbolized" if done.changed else \
-        "named" if done.report.locations_unresolved[fallback.NAMED] else "unchanged"
+        "named" if done.report.locations_unresolved[NAMED] else "unchanged"
     annotate(request, outcome=result, mappings_symbolized=done.report.mappings_symbolized,
              locations_symbolized=done.report.locations_symbolized)
     # Nothing filled in: the client gets its own bytes back, untouched.
@@ -257,7 +257,7 @@ def fallback_of(request: web.Request, cfg: SymbolizeConfig, settings: TenantConf
         raise InvalidRequest(f"fallback must be one of {', '.join(get_args(Fallback))}")
     chosen = asked[0] if asked else (settings.fallback if settings is not None
                                      and settings.fallback is not None else cfg.fallback)
-    return chosen == fallback.MODULE_OFFSET
+    return chosen == MODULE_OFFSET
 
 
 def limits_of(cfg: SymbolizeConfig) -> Limits:
