@@ -64,12 +64,13 @@ def retry_after(value: str | None, now: float) -> float | None:
     return max(0.0, when - now) if when is not None else None
 
 
-# What a header value may not hold. C0, DEL and C1 controls (0x9B is CSI, as ESC [ is) and
-# the bidi controls (LRM/RLM/ALM, embeddings, overrides, isolates) make an operator's terminal
-# or a client's log show other text than the value is; surrogates are bytes aiohttp could not
+# What a header value may not hold. C0, DEL and C1 controls (0x9B is CSI, as ESC [ is), the
+# bidi controls (LRM/RLM/ALM, embeddings, overrides, isolates) and the line and paragraph
+# separators (a new line to log viewers and JSON-minded tools) make an operator's terminal or a
+# client's log show other text than the value is; surrogates are bytes aiohttp could not
 # decode, which SQL refuses.
 _UNPRINTABLE = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(value: str | None, max_length: int = 1024) -> str | None:

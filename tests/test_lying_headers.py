@@ -31,6 +31,7 @@ def test_decimal_is_total(raw: str | None, value: int | None) -> None:
     ("a\udcffb", False), ("x" * 5000, False), ("a\nb", False), ("a\x9b2Jb", False),
     ("a\x85b", False), ("a\u202egubed.exe", False), ("a\u2066b\u2069", False),
     ("a\u200fb", False), ("a\u061cb", False), ("a\u00a0b", True), ("اسم.debug", True),
+    ("a\u2028b", False), ("a\u2029b", False),
 ])
 def test_printable_refuses_what_cannot_be_stored_or_sent(raw: str, ok: bool) -> None:
     assert (printable(raw, 4096) == raw) is ok
@@ -51,8 +52,9 @@ def test_printable_refuses_what_cannot_be_stored_or_sent(raw: str, ok: bool) -> 
     [b"X-DEBUGINFOD-FILE: a\xe2\x81\xa6b\xe2\x81\xa9.debug"],
     [b"X-DEBUGINFOD-FILE: a\xe2\x80\x8fb.debug"],
     [b"X-DEBUGINFOD-FILE: a\xd8\x9cb.debug"],
+    [b"X-DEBUGINFOD-FILE: a\xe2\x80\xa8b.debug", b"X-DEBUGINFOD-ARCHIVE: a\xe2\x80\xa9b.rpm"],
 ], ids=["ctrl", "del", "non-utf8", "superscript-size", "huge-size", "bad-date", "c1",
-        "bidi-override", "bidi-isolate", "rlm", "alm"])
+        "bidi-override", "bidi-isolate", "rlm", "alm", "line-separators"])
 async def test_an_upstreams_unstorable_headers_cost_nothing_but_themselves(
     start_symgate: SymgateFactory, raw_upstream: RawUpstream, elfs: ElfSet,
     lines: list[bytes],
