@@ -239,6 +239,25 @@ def test_a_timeout_no_check_can_keep_is_refused(tmp_path: Path, elfs: ElfSet, va
         assert "--timeout: not a number of seconds above 0" in result.stderr
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["inspect", "p.pb.gz", "--token-file", "t"], "--token-file needs --server"),
+    (["inspect", "p.pb.gz", "--token-file", "t", "--tenant", "a"], "--token-file needs"),
+    (["symbolize", "p.pb.gz", "-o", "o", "--tenant", "a"], "--tenant needs --server"),
+    (["symbolize", "p.pb.gz", "-o", "o", "--tenant", "a", "--token-file", "t"],
+     "--token-file and --tenant need --server"),
+])
+def test_a_token_or_tenant_for_no_server_is_a_usage_error(
+        args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """They went nowhere, and the profile was judged or symbolized as if they were not given
+    (inspect's --tenant alone is judged by the configuration: no server needed)."""
+    from proxy.tools.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 async def test_inspect_judges_a_tenants_requests_by_its_own_sources_and_view_of_the_cache(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:

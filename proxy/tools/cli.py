@@ -499,7 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.func in (_symbolize, _inspect) and not args.server:
+        # Said, not ignored: the profile was judged or symbolized without them, and nothing
+        # told the user that their token or tenant went nowhere.
+        only_with_server = ["--token-file"] + (["--tenant"] if args.func is _symbolize else [])
+        given = [flag for flag in only_with_server
+                 if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --server")
     if args.func is _prefetch and not args.kind:
         args.kind = ["debuginfo", "executable"]
     logs.configure(json_lines=False)
