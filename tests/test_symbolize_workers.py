@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
+import struct
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -509,6 +511,40 @@ async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection
     with open(f"/proc/{mine}/maps") as f:
         mapped = [line for line in f if "symgate-answer" in line]
     assert not held and not mapped, (held, mapped)
+
+
+async def test_a_profile_whose_client_left_mid_answer_is_counted_aborted(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """It was counted `symbolized` on the handler's return, before a byte of its answer went:
+    a dashboard of profiles symbolized counted answers nobody got."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    profile.string_table.append("x" * (24 << 20))  # an answer past what the sockets hold
+    body = profile.SerializeToString()
+    host, port = sg.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /symbolize HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                 f"application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body)
+    await writer.drain()
+    assert (await reader.readline()).startswith(b"HTTP/1.1 200"), "no answer"
+    # Gone with most of the answer unread: a reset, as a client killed mid-download.
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+    async def counted() -> float:
+        return sum([await sg.metric("symgate_symbolize_profiles_total", outcome=outcome)
+                    for outcome in ("aborted", "symbolized", "unchanged")])
+
+    await eventually(counted)
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="aborted") == 1
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="symbolized") == 0
+    # And the server answers the next one whole.
+    status, headers, _ = await post(sg, _profile(elfs))
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert await sg.metric("symgate_symbolize_profiles_total", outcome="symbolized") == 1
 
 
 def _readlink(path: str) -> str:
