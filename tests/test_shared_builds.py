@@ -5,10 +5,13 @@ itself if the builder dies holding the lock."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
@@ -152,7 +155,7 @@ def _said(headers: Mapping[str, str]) -> dict[str, str]:
 
 async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_again(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, faults: FaultUpstream,
-    elfs: ElfSet, tmp_path: Path,
+    elfs: ElfSet, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A profile's tables are resolved, then read by the rewrite: one evicted in between (with
     the file it was built from, under a tight budget another process judges, or purged) was
@@ -160,6 +163,7 @@ async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_a
     for good, and, met twice within the hour, recorded malformed for a day. It is resolved
     (built) again and the profile symbolized whole. The await point: a second mapping whose
     fetch the upstream holds, while prog's table, resolved already, is purged."""
+    caplog.set_level(logging.INFO, "proxy.artifacts.purges")
     sg = await start_symgate([faults.url_for("hold404"), debuginfod.url],
                              symbolize=symbolize_config())
     faults.release.set()
@@ -174,6 +178,10 @@ async def test_a_table_evicted_between_its_resolution_and_the_rewrite_is_built_a
     await eventually(lambda: faults.count("hold404") > asked)
     purged = await cli(config_file(sg, tmp_path), "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0, purged.stderr
+    # The server applies the CLI's purge at its next poll: before the rebuild's fetch, as
+    # here, or during it, which makes the build's worker find its file gone (a 503 to send
+    # again, test_a_source_another_process_evicts_before_the_build_reads_it_is_a_503's case).
+    await eventually(lambda: "purges (by an operator" in caplog.text)
     faults.release.set()
     status, headers, _ = await pending
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "2", _said(headers)
