@@ -702,7 +702,8 @@ def load_config(
         and not database.get("url")
     if url_from_env:
         database["url"] = env["SYMGATE_DATABASE_URL"]
-    if "upstreams" not in raw and env.get("DEBUGINFOD_URLS", "").strip():
+    upstreams_from_environ = "upstreams" not in raw and bool(env.get("DEBUGINFOD_URLS", "").strip())
+    if upstreams_from_environ:
         raw["upstreams"] = upstreams_from_env(env["DEBUGINFOD_URLS"])
     # Not resolved through links: a ConfigMap's file is a link into a directory that each
     # update replaces.
@@ -712,8 +713,13 @@ def load_config(
             raw, context=None if config_dir is None else {"config_dir": config_dir})
     except ValidationError as e:
         error = e.errors()[0]
-        in_file = not (url_from_env and error["loc"][:2] == ("database", "url"))
-        raise ConfigError(_one_line(error), path if in_file else None) from None
+        variable = "SYMGATE_DATABASE_URL" if url_from_env and error["loc"][:2] == (
+            "database", "url") else "DEBUGINFOD_URLS" if upstreams_from_environ and \
+            error["loc"][:1] == ("upstreams",) else None
+        if variable is None:
+            raise ConfigError(_one_line(error), path) from None
+        # Named by its variable, not by a key of the file that the file does not have.
+        raise ConfigError(f"{variable} ({_one_line(error)})") from None
     if config_dir is not None and cfg.database.url is not None and not url_from_env:
         cfg = replace(cfg, database=replace(
             cfg.database, url=_sqlite_beside(cfg.database.url, config_dir)))

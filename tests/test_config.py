@@ -232,10 +232,14 @@ def test_an_upstream_url_no_request_can_go_to_is_refused_at_start(
                                  "postgresql+asyncpg://u:sesame@[::1/db"])
 def test_a_database_url_whose_port_cannot_be_read_is_named(tmp_path: Path, url: str) -> None:
     """Every command (serve, db, cache) ended in a ValueError traceback from SQLAlchemy's
-    URL parser, naming no key."""
+    URL parser, naming no key. From the environment, it is named by its variable: the key
+    alone sent the operator to a file that has none."""
     with pytest.raises(ConfigError, match=r"^database\.url: ") as e:
-        load_config(None, environ={"SYMGATE_DATABASE_URL": url})
+        load_config(write(tmp_path, f"[database]\nurl = '{url}'\n"), environ={})
     assert "sesame" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^SYMGATE_DATABASE_URL \(database\.url: ") as e:
+        load_config(write(tmp_path, "[server]\n"), environ={"SYMGATE_DATABASE_URL": url})
+    assert "sesame" not in str(e.value) and e.value.file is None
 
 
 def test_credentials_in_the_buckets_endpoint_are_refused_unshown(tmp_path: Path) -> None:
