@@ -34,7 +34,7 @@ SECRET = "s3cr3t-T0KEN-in-the-url"
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "proxy.tools.cli", *args]
+    return [sys.executable, "-m", "proxy.tools.entry", *args]
 
 
 @pytest.fixture

@@ -42,4 +42,4 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_packages(tmp_path: Pa
     assert wanted, "no package files found"
     assert wanted - packaged == set()
     assert {"symbolize/pprof/profile_pb2.py", "migrations/versions/__init__.py"} <= packaged
-    assert "symgate = proxy.tools.cli:main" in entry_points.decode()
+    assert "symgate = proxy.tools.entry:main" in entry_points.decode()

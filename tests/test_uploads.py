@@ -75,7 +75,7 @@ def _cli_env(token: str) -> dict[str, str]:
 
 
 async def _cli(*args: str, token: str = ADMIN) -> subprocess.CompletedProcess[str]:
-    return await run_in_thread([sys.executable, "-m", "proxy.tools.cli", *args],
+    return await run_in_thread([sys.executable, "-m", "proxy.tools.entry", *args],
                                env=_cli_env(token), timeout=120)
 
 

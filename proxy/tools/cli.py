@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -498,9 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None) -> int:
+    """Run the command line `argv`; `loaded` is called once the command's modules are
+    imported (proxy.tools.entry)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.func is _serve:
+        import proxy.web.app  # noqa: F401  (before `loaded`: the server's modules)
+    if loaded is not None:
+        loaded()
     if args.func in (_symbolize, _inspect) and not args.server:
         # Said, not ignored: the profile was judged or symbolized without them, and nothing
         # told the user that their token or tenant went nowhere.
