@@ -216,7 +216,7 @@ def test_a_database_url_without_symgates_drivers_is_refused_at_start(
     assert str(e.value) == expected
     with pytest.raises(ConfigError) as e:  # as the deploy files give it: the password hidden
         load_config(None, environ={"SYMGATE_DATABASE_URL": url})
-    assert str(e.value) == expected
+    assert str(e.value) == f"SYMGATE_DATABASE_URL ({expected})"
     result = subprocess.run(_cli("serve", "--config", str(config), "--data-dir",
                                  str(tmp_path / "d"), "--listen", f"127.0.0.1:{free_port()}"),
                             capture_output=True, text=True, timeout=60)
