@@ -20,6 +20,7 @@ from tests.harness import (
     Debuginfod,
     SymgateFactory,
     eventually,
+    fast_upstream,
     running_debuginfod,
     serve_loopback,
     serves,
@@ -75,6 +76,13 @@ class ModernUpstream:
                 await response.write(b" " * (1 << 20))
             await response.write(b'], "complete": true}')
             return response
+        if mode == "trickle":  # a byte within every read timeout, never the end
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"results": [')
+            while True:
+                await asyncio.sleep(0.2)
+                await response.write(b" ")
         if mode == "notjson":
             return web.Response(text="<html>maintenance</html>", content_type="text/html")
         if mode == "many":  # an answer big enough to be parsed off the loop
@@ -225,11 +233,11 @@ async def test_metadata_merges_an_upstreams_answer_of_thousands(
         f"{i:040x}" for i in range(3000)]
 
 
-@pytest.mark.parametrize("mode", ["notjson", "junk", "hang", "huge"])
+@pytest.mark.parametrize("mode", ["notjson", "junk", "hang", "huge", "trickle"])
 async def test_metadata_from_a_broken_upstream_is_incomplete_never_an_error(
     start_symgate: SymgateFactory, modern: ModernUpstream, elfs: ElfSet, mode: str
 ) -> None:
-    sg = await start_symgate([f"{modern.url}/{mode}"])
+    sg = await start_symgate([fast_upstream(f"{modern.url}/{mode}", total_timeout_s=3)])
     status, doc = await asyncio.wait_for(_metadata(sg.url, key="glob", value="*"), 10)
     assert status == 200 and doc["complete"] is False
     expected = [elfs.other.build_id] if mode == "junk" else []  # only its one good entry
