@@ -33,6 +33,11 @@ def _run(connection: Connection) -> None:
         # alembic committed SQLite's one by one.
         transactional_ddl=True,
     )
+    if context.get_context().opts.get("dont_mutate"):
+        # `symgate db current`: it reads, and shows what it read (the shortcut below returned
+        # before it showed anything), in a read-only transaction.
+        _show_current(connection)
+        return
     if connection.dialect.name == "sqlite" and _at_head(connection):
         # Read only, in a transaction of its own: a file at head that cannot be written
         # (read-only, immutable) starts as before, without the write lock below.
@@ -55,6 +60,16 @@ def _at_head(connection: Connection) -> bool:
         connection.rollback()
         connection.info.pop(_READING)
     return heads == set(ScriptDirectory.from_config(config).get_heads())
+
+
+def _show_current(connection: Connection) -> None:
+    connection.info[_READING] = True
+    try:
+        _known_revision()
+        context.run_migrations()  # with dont_mutate, alembic only calls the command's fn
+    finally:
+        connection.rollback()
+        connection.info.pop(_READING)
 
 
 # Set on a connection while it only reads: its transaction begins without the write lock.
