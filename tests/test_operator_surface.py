@@ -423,3 +423,37 @@ async def test_what_a_killed_server_leaves_in_the_temporary_directory_goes_at_th
         if again.returncode is None:
             again.terminate()
         await again.wait()
+
+
+def _revisions() -> list[str]:
+    from alembic.script import ScriptDirectory
+
+    from proxy.store.migrate import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite+aiosqlite://"))
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def test_a_first_migration_logs_every_revision_it_runs(tmp_path: Path) -> None:
+    # The log's repeat limit took alembic's "Running upgrade %s -> %s" for a flood of one
+    # line: a fresh database showed its upgrade stop at the fifth revision, and nothing said
+    # that the rest had run.
+    revisions = _revisions()
+    assert len(revisions) > 5
+    result = subprocess.run(_cli("db", "upgrade", "--data-dir", str(tmp_path / "d")),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for before, after in zip(["", *revisions], revisions, strict=False):
+        assert f"Running upgrade {before} -> {after}," in result.stderr, result.stderr
+
+
+def test_db_current_names_the_revision_of_a_sqlite_database_at_head(tmp_path: Path) -> None:
+    # A SQLite file at head is not written to by a start (a read-only one starts too): that
+    # shortcut ended `symgate db current` before it showed anything, with status 0.
+    where = str(tmp_path / "d")
+    assert subprocess.run(_cli("db", "upgrade", "--data-dir", where),
+                          capture_output=True).returncode == 0
+    result = subprocess.run(_cli("db", "current", "--data-dir", where), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"Rev: {_revisions()[-1]} (head)" in result.stdout, result.stdout
