@@ -430,7 +430,7 @@ class SymbolizeConfig:
     build_timeout_s: Seconds = 600.0
     build_memory_bytes: Size = 0
     # Worker processes that decode, rewrite and encode profiles, off the event loop.
-    workers: Processes = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    workers: Processes = field(default_factory=lambda: min(2, cores()))
     # Seconds without a job after which the worker processes exit (started again by the next
     # job): an idle server is one process. 0: they start with the server and stay.
     worker_idle_s: Seconds = 60.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import tomllib
 from pathlib import Path
@@ -504,3 +505,16 @@ def test_the_server_finds_its_data_beside_its_config_from_any_directory(
                       cwd=tmp_path / "elsewhere")
     assert result.returncode == 0, result
     assert (tmp_path / "elsewhere" / "d" / "symgate.sqlite").is_file()
+
+
+def test_profile_workers_default_to_the_cores_this_process_may_run_on() -> None:
+    # As server.workers does: a container or a unit pinned to one core (a cpuset, taskset)
+    # got two profile workers from the machine's count, contending for that one core.
+    if os.cpu_count() == 1:
+        pytest.skip("needs a machine of more than one core")
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        assert load_config(None, environ={}).symbolize.workers == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
