@@ -38,6 +38,10 @@ async def test_cache_ls_stats_and_purge(
     stats = json.loads((await cli(cfg, "cache", "stats", "--json")).stdout)
     size = elfs.prog.debug.stat().st_size + elfs.other.debug.stat().st_size
     assert stats["entries"] == 2 and stats["bytes"] == size
+    # `cache stats BUILD_ID` printed the whole cache's numbers, as if they were that build's.
+    one = await cli(cfg, "cache", "stats", elfs.prog.build_id)
+    assert one.returncode == 2 and one.stdout == ""
+    assert "cache stats is of the whole cache" in one.stderr
     assert (await cli(cfg, "cache", "purge")).returncode == 2  # everything needs --all
     purged = await cli(cfg, "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0 and "purged 1 artifacts" in purged.stdout
