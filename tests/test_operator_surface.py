@@ -457,3 +457,26 @@ def test_db_current_names_the_revision_of_a_sqlite_database_at_head(tmp_path: Pa
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"Rev: {_revisions()[-1]} (head)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("how", ["file", "flag"])
+def test_a_database_without_schema_unmigrated_names_both_ways_to_migrate(
+    tmp_path: Path, how: str
+) -> None:
+    # The hint said "serve without --no-migrate" to an operator who had written
+    # migrate_on_start = false, and gave no flag.
+    config = tmp_path / "symgate.toml"
+    config.write_text(f'upstreams = []\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+                      + ("[database]\nmigrate_on_start = false\n" if how == "file" else ""))
+    where = tmp_path / "d"
+    where.mkdir()
+    (where / "symgate.sqlite").touch()
+    flags = ["--no-migrate"] if how == "flag" else []
+    result = subprocess.run(_cli("serve", "--config", str(config), "--data-dir", str(where),
+                                 "--workers", "1", *flags),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    said = result.stderr.strip().splitlines()[-1]
+    assert said.endswith("has no symgate schema, or an old one: run `symgate db upgrade` (or "
+                         "let serve migrate: without --no-migrate, and "
+                         "database.migrate_on_start = true)"), said

@@ -503,7 +503,8 @@ def startup_error(config: Config, e: Exception) -> Exception:
         if "no such table" in text or "no such column" in text or (
                 ("relation" in text or "column" in text) and "does not exist" in text):
             return CannotStart(f"the database at {where} has no symgate schema, or an old one: "
-                               "run `symgate db upgrade` (or serve without --no-migrate)")
+                               "run `symgate db upgrade` (or let serve migrate: without "
+                               "--no-migrate, and database.migrate_on_start = true)")
         return CannotStart(f"cannot use the database at {where}: {text}")
     if isinstance(e, TimeoutError):  # connecting, past database.timeout_s: says nothing more
         return CannotStart(f"cannot reach the database at {where}: no answer within "
