@@ -6,6 +6,7 @@ gets the right file or a precise status, and the server goes on serving."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from proxy.config import UpstreamConfig
+from proxy.headers import printable
 from proxy.metrics import ProxyMetrics
 from proxy.sources.localdir import LocalDirectory
 from tests.elfs import ElfSet, build_id_tree
@@ -115,6 +117,12 @@ async def test_names_no_header_can_carry_are_served_under_the_default_name(
             await sg.settled()
     status, _, listed = await sg.get("/metadata?key=glob&value=*.debug")
     assert status == 200 and long_name.encode() in listed
+    # Nor in /metadata, where they went as they were: a byte that is not UTF-8 as a lone
+    # surrogate, which JSON readers refuse or mangle, a newline as a line break in a listing.
+    # Left out, as an upstream's such entries are, and the answer says it is incomplete.
+    answer = json.loads(listed)
+    assert all(printable(r["file"]) for r in answer["results"]), answer
+    assert answer["complete"] is False
 
 
 async def test_a_tree_deeper_than_the_recursion_limit_is_walked(

@@ -26,6 +26,7 @@ import aiohttp
 
 from proxy.artifacts.scope import RequestScope
 from proxy.errors import InvalidRequest, SymgateError
+from proxy.headers import printable
 from proxy.keys import Kind, normalize_build_id
 from proxy.sources.base import Hop
 from proxy.sources.debuginfod import Upstream
@@ -132,6 +133,7 @@ class Catalogue:
                    ) -> tuple[list[Result], bool] | None:
         """What symgate holds itself; None when SQL cannot be asked (then incomplete)."""
         out: list[Result] = []
+        whole = True
         for local in self._local_dirs:
             if local not in req.sources:
                 continue
@@ -140,8 +142,14 @@ class Catalogue:
             else:
                 async with self._walk:
                     found = await asyncio.to_thread(_matching, local, query)
+            # A path is what the directory holds: bytes that are not UTF-8 (a lone surrogate,
+            # which JSON readers refuse or mangle) or a newline in a name are left out, as an
+            # upstream's such entries are (_valid), and the answer is incomplete.
+            shown = [(build_id, kind, path) for build_id, kind, path in found
+                     if printable(path, MAX_VALUE) is not None]
+            whole = whole and len(shown) == len(found)
             out += [{"type": str(kind), "buildid": build_id, "file": path}
-                    for build_id, kind, path in found]
+                    for build_id, kind, path in shown]
         names: Sequence[str] = ()
         if query.key == "file":
             names = [query.value, posixpath.basename(query.value)]
@@ -158,7 +166,7 @@ class Catalogue:
                 if rec.archive:
                     result["archive"] = rec.archive
                 out.append(result)
-        return out, True
+        return out, whole
 
 
 def _matching(local: LocalDirectory, query: MetadataQuery) -> list[tuple[str, Kind, str]]:
