@@ -480,3 +480,10 @@ def test_a_database_without_schema_unmigrated_names_both_ways_to_migrate(
     assert said.endswith("has no symgate schema, or an old one: run `symgate db upgrade` (or "
                          "let serve migrate: without --no-migrate, and "
                          "database.migrate_on_start = true)"), said
+
+
+@pytest.mark.parametrize("command", ["prefetch", "upload"])
+def test_the_server_a_command_goes_to_by_default_is_in_its_help(command: str) -> None:
+    # Without --server they go to 127.0.0.1:8002, which their help did not say.
+    result = subprocess.run(_cli(command, "--help"), capture_output=True, text=True, timeout=60)
+    assert "(default http://127.0.0.1:8002)" in " ".join(result.stdout.split())

@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a file of build IDs, whitespace-separated, # comments; repeatable")
     pre.add_argument("--profile", type=Path, action="append",
                      help="a pprof profile: its mappings without functions; repeatable")
-    pre.add_argument("--server", default="http://127.0.0.1:8002", help="the symgate to warm")
+    pre.add_argument("--server", default="http://127.0.0.1:8002",
+                     help="the symgate to warm (default %(default)s)")
     pre.add_argument("--kind", action="append", choices=["debuginfo", "executable"],
                      help="artifacts to fetch (default: debuginfo and executable)")
     pre.add_argument("--concurrency", type=_count, default=8)
@@ -474,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("upload", help="upload a site's own debug files to a symgate")
     up.add_argument("paths", nargs="+", type=Path, help="ELF files, or directories of them")
-    up.add_argument("--server", default="http://127.0.0.1:8002", help="the symgate to fill")
+    up.add_argument("--server", default="http://127.0.0.1:8002",
+                    help="the symgate to fill (default %(default)s)")
     up.add_argument("--token-file", type=Path,
                     help="a file holding the bearer token (default: $SYMGATE_TOKEN)")
     up.add_argument("--tenant", help="X-Scope-OrgID: with an admin token, the tenant to "
