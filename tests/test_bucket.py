@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 from proxy.artifacts.index import key_hash
 from proxy.artifacts.scope import SHARED
 from proxy.bucket import tier
+from proxy.bucket.objects import Bucket
 from proxy.config import (
     CacheConfig,
     ConfigError,
@@ -43,7 +44,9 @@ from proxy.config import (
     UploadConfig,
     load_config,
 )
+from proxy.health import Health
 from proxy.keys import ArtifactKey
+from proxy.metrics import ProxyMetrics
 from proxy.store.repository import Repository, create_engine
 from proxy.web.app import body_options, create_app
 from proxy.web.state import STATE
@@ -1382,3 +1385,36 @@ async def test_objects_no_row_names_are_deleted_once_old_and_nothing_else(
     assert {foreign, object_of(elfs.prog)} <= left
     status, _, body = await a.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert (status, body) == (200, elfs.prog.debug.read_bytes())
+
+
+def _bucket_at(prefix: Prefix, endpoint: str) -> Bucket:
+    """A Bucket of its own (no server): for what one process's calls do to each other."""
+    return Bucket(prefix.config(endpoint=endpoint), ProxyMetrics(CollectorRegistry()), Health())
+
+
+async def test_two_copies_of_one_table_at_once_both_land_and_leave_no_temp(
+    prefix: Prefix, s3: S3Server, tmp_path: Path
+) -> None:
+    """Two requests of one process bring the same table from the bucket at once (a profile's
+    lookup and a rebuild's): they shared one temp file, and the second found it renamed
+    under it, a FileNotFoundError taken for the bucket failing: the table was built again.
+    Its temp is named as a build's, so that one a killed process left goes at the next
+    start (a `.part` stayed for good)."""
+    data = os.urandom(600 * 1024)
+    await prefix.put("symtab/t", data)
+    build_id = "ab" * 20
+    dest = tmp_path / "ab" / f"{build_id}.symc"
+    async with FaultyBucket(s3) as faulty:
+        faulty.add("hold-after", method="GET", path="symtab/t")
+        bucket = _bucket_at(prefix, faulty.endpoint)
+        copies = [asyncio.ensure_future(bucket.get_file(
+            "symtab/t", dest, len(data), hashlib.sha256(data).hexdigest())) for _ in range(2)]
+        # Both under way, each with its temp, before either has a byte.
+        await eventually(lambda: len(list(dest.parent.glob(f"{build_id}.*.tmp"))) == 2)
+        assert all(temp.name.endswith(f".{os.getpid()}.tmp")
+                   for temp in dest.parent.glob("*.tmp"))
+        faulty.release.set()
+        assert await asyncio.gather(*copies) == [True, True]
+        assert faulty.answering == 0
+    assert dest.read_bytes() == data
+    assert list(dest.parent.iterdir()) == [dest]

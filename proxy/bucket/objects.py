@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -167,7 +168,12 @@ class Bucket:
         chunks = await self.open(path)
         if chunks is None:
             return False
-        temp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        # A name of this call's own: two requests of this process may copy one table at once
+        # (they shared `.<name>.<pid>.part`, and the second found it renamed under it, read
+        # that as the bucket failing and built the table again). Named as a build's temp
+        # (`<build ID>.<...>.<pid>.tmp`), so that one left by a killed process is cleared at
+        # the next start as theirs are: a `.part` stayed for good.
+        temp = dest.with_name(f"{dest.stem}.bucket-{uuid.uuid4().hex[:8]}.{os.getpid()}.tmp")
         digest = hashlib.sha256()
         got = 0
         try:
