@@ -511,6 +511,30 @@ async def test_a_lease_has_one_holder_until_it_lapses(database_url: str) -> None
         await repo.close()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_cancel_while_a_lease_is_released_is_a_cancel_and_the_lease_goes(
+    database_url: str
+) -> None:
+    """Cancelled as it waited for its renewal to stop, release() took the cancel for the
+    renewal's and went on: the task that released (a fetch at a server's stop) ran on."""
+    from proxy.bucket.leases import Leases
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    repo = Repository(create_engine(database_url))
+    try:
+        lease = await Leases(repo, "r", 30.0).take("fetch:k")
+        assert lease is not None
+        releasing = asyncio.ensure_future(lease.release())
+        await asyncio.sleep(0)  # at its first await: the renewal's end
+        releasing.cancel()
+        await asyncio.gather(releasing, return_exceptions=True)
+        assert releasing.cancelled()
+        assert await repo.lease_of("fetch:k") is None
+    finally:
+        await repo.close()
+
+
 def test_storage_settings_are_checked(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text('[storage]\nurl = "gs://bucket"\n')
@@ -1418,3 +1442,49 @@ async def test_two_copies_of_one_table_at_once_both_land_and_leave_no_temp(
         assert faulty.answering == 0
     assert dest.read_bytes() == data
     assert list(dest.parent.iterdir()) == [dest]
+
+
+@on_postgresql
+async def test_a_server_stopping_as_a_fetch_releases_its_lease_still_releases_it(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, faults: FaultUpstream,
+    elfs: ElfSet, prefix: Prefix, s3: S3Server
+) -> None:
+    """The server stopped while a fetch that had ended was dropping its key's lease: the stop
+    cancelled the DELETE, and the row stayed until it lapsed (lease_s), every other replica
+    waiting on it for a fetch nobody made. Driven by a lock on the row (another session's
+    SELECT ... FOR UPDATE), which holds the DELETE until the stop has cancelled its task."""
+    import asyncpg
+
+    (a,) = await replicas(start_symgate, tmp_path, faults.url_for("hold404"), "a",
+                          prefix.config())
+    dsn = database_url.replace("postgresql+asyncpg://", "postgresql://")
+    locker, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        client = asyncio.ensure_future(get(a.url, elfs.prog.build_id))
+        await eventually(lambda: faults.count("hold404") == 1)  # under the key's lease
+        locking = locker.transaction()
+        await locking.start()
+        assert len(await locker.fetch("SELECT name FROM leases WHERE name LIKE 'fetch:%' "
+                                      "FOR UPDATE")) == 1
+        faults.release.set()
+        assert (await client)[0] == 404
+
+        async def dropping() -> bool:  # the fetch's DELETE of the row, waiting for the lock
+            return bool(await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE 'DELETE FROM leases%'"))
+
+        await eventually(dropping)
+        service = a.runner.app[STATE].service
+        stopping = asyncio.ensure_future(a.runner.cleanup())
+        # The stop has cancelled the fetch's task (gone, or still dropping its row).
+        await eventually(lambda: all(t.cancelling() for t in service._tasks))
+        await locking.rollback()
+        await asyncio.wait_for(stopping, 30)
+        assert await watcher.fetch("SELECT name FROM leases") == []
+        # And the fetch landed all the same: its temp file gone, its gauge back.
+        assert list((tmp_path / "a").rglob("*.part")) == []
+        assert a.registry.get_sample_value("symgate_inflight_fetches") == 0
+    finally:
+        await locker.close()
+        await watcher.close()

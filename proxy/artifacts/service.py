@@ -518,9 +518,11 @@ class ArtifactService:
         except Exception as e:
             self._failed(flight, e, "fetching", key)
         finally:
-            if lease is not None:  # after the copy is published, or the miss remembered
-                await lease.release()
-            self._land(key_hash(scope, key), flight, temp, claim)
+            try:
+                if lease is not None:  # after the copy is published, or the miss remembered
+                    await lease.release()
+            finally:  # a stop's cancel raised by the release: the flight still lands
+                self._land(key_hash(scope, key), flight, temp, claim)
 
     def _land(self, kh: str, flight: Flight, temp: Path, claim: Claim | None) -> None:
         """A fetch's end, however it ended: its claim said, its key free, its files tidied."""

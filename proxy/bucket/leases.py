@@ -13,7 +13,6 @@ Expiry times are the replicas' wall clocks: they must agree to well within lease
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import uuid
@@ -52,9 +51,21 @@ class Lease:
                 log.warning("cannot renew the lease %s: %s", self.name, type(e).__name__)
 
     async def release(self) -> None:
+        """Drop the row. A cancel meanwhile (a server stopping as a fetch ends) waits for
+        that, then is raised: it cut the DELETE short, and the row stayed until it lapsed,
+        the other replicas waiting on it for nothing."""
+        releasing = asyncio.ensure_future(self._release())
+        try:
+            await asyncio.shield(releasing)
+        except asyncio.CancelledError:
+            await asyncio.wait([releasing])
+            raise
+
+    async def _release(self) -> None:
         self._renewing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._renewing
+        # Its end, without its CancelledError: taken for this task's own, that swallowed a
+        # cancel of the task that released.
+        await asyncio.wait([self._renewing])
         self._held.discard(self.name)
         try:
             await self._repo.drop_lease(self.name, self._holder)
