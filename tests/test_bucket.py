@@ -1297,9 +1297,8 @@ async def test_a_purge_made_while_a_replica_uploads_the_file_keeps_it_out_of_the
     purge in between found no bucket row to delete, and the row a wrote after it served the
     purged file to every replica, for as long as the bucket kept it."""
     async with FaultyBucket(s3) as bucket:
-        # The answer to the request that completes the object, held: it is whole there.
-        bucket.add("hold-after", method="POST", path=f"{object_of(elfs.prog)}?uploadId=",
-                   times=1)
+        # The answer to the PUT of the object, held: it is whole there.
+        bucket.add("hold-after", method="PUT", path=object_of(elfs.prog), times=1)
         (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
                               prefix.config(endpoint=bucket.endpoint, read_timeout_s=30.0),
                               cache=CacheConfig(purge_poll_s=3600.0))
@@ -1488,3 +1487,25 @@ async def test_a_server_stopping_as_a_fetch_releases_its_lease_still_releases_it
     finally:
         await locker.close()
         await watcher.close()
+
+
+async def test_an_upload_cut_short_leaves_no_unfinished_multipart_upload(
+    prefix: Prefix, s3: S3Server, tmp_path: Path
+) -> None:
+    """A table or debug file of a few MiB went up as a multipart upload; cancelled between
+    its parts (a server stopping), the upload stayed in the bucket, unseen by any listing of
+    objects and billed, until a lifecycle rule (if any) aborted it. One PUT leaves nothing."""
+    file = tmp_path / "f"
+    file.write_bytes(os.urandom(600 * 1024))
+    async with FaultyBucket(s3) as faulty:
+        faulty.add("hold", method="PUT", path="debuginfo/f", times=1)
+        bucket = _bucket_at(prefix, faulty.endpoint)
+        put = asyncio.ensure_future(bucket.put_file("debuginfo/f", file))
+        await asyncio.wait_for(faulty.held.wait(), 10)
+        put.cancel()
+        await asyncio.gather(put, return_exceptions=True)
+        faulty.release.set()
+        await eventually(lambda: faulty.answering == 0)
+    async with aiohttp.ClientSession() as s, s.get(
+            f"{s3.endpoint}/{BUCKET}?uploads&prefix={prefix.name}/") as r:
+        assert "<Upload>" not in await r.text()

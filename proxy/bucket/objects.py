@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 CHUNK = 256 * 1024
 # Read from the file for an upload; obstore gathers them into parts of 5 MiB.
 PUT_CHUNK = 1024 * 1024
+# A file up to this size is written by one PUT, not as a multipart upload: one request, not
+# three, and one cut short (a server stopping mid-upload) leaves nothing in the bucket, where
+# an unfinished multipart upload stays, unseen and billed, until a lifecycle rule aborts it.
+# At most this is held in memory.
+ONE_PUT = 5 * 1024 * 1024
 # Objects a listing page holds: S3's own most.
 LIST_PAGE = 1000
 # What probe() asks for: no object is ever written under it (object paths are kinds' names).
@@ -128,6 +133,7 @@ class Bucket:
         completed multipart upload) only once every byte is in. A bucket that takes no bytes
         for read_timeout_s counts as down: the upload holds the key's lease, which other
         replicas wait on."""
+        whole = file.stat().st_size <= ONE_PUT  # an OSError: this disk's, as below
         loop = asyncio.get_running_loop()
         last_taken = loop.time()
         local: list[OSError] = []
@@ -143,7 +149,8 @@ class Bucket:
                 local.append(e)
                 raise
 
-        put = asyncio.ensure_future(self._obstore.put_async(self._store, path, chunks()))
+        put = asyncio.ensure_future(self._obstore.put_async(self._store, path, chunks(),
+                                                            use_multipart=not whole))
         try:
             while not put.done():
                 await asyncio.wait([put], timeout=self._config.read_timeout_s)
