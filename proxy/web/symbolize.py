@@ -186,8 +186,8 @@ async def symbolize_as(request: web.Request, fmt: Format) -> web.StreamResponse:
         async with state.symbols.workers.passing() as held:
             body = await read_profile(request, cfg, wbits, held)
         annotate(request, outcome="disabled")
-        return web.Response(body=body, content_type=fmt.content_type,
-                            headers={"X-Symgate-Symbolize": "disabled"})
+        # Counted once sent, as a symbolized answer is: a client gone mid-answer is `aborted`.
+        return respond(body, fmt.content_type, {"X-Symgate-Symbolize": "disabled"})
     limits = replace(limits_of(cfg), fallback=fallback_of(request, cfg, settings))
     async with state.symbols.workers.admitted() as (held, take_slot):
         # A bomb is refused here, before it takes a slot; the body is inflated in its slot.
