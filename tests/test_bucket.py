@@ -535,6 +535,53 @@ async def test_a_cancel_while_a_lease_is_released_is_a_cancel_and_the_lease_goes
         await repo.close()
 
 
+@on_postgresql
+async def test_a_lease_being_released_is_not_taken_again_by_its_own_process(
+    database_url: str
+) -> None:
+    """The name was let go of before the row was: a second job of the process taking it
+    meanwhile (the row is its holder's to take again) could have its row deleted under it
+    by the first's DELETE, and the other replicas stop waiting and fetch the key too. Driven
+    by a lock on the row (another session's SELECT ... FOR UPDATE), which holds the DELETE."""
+    import asyncpg
+
+    from proxy.bucket.leases import Leases
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    repo = Repository(create_engine(database_url))
+    dsn = database_url.replace("postgresql+asyncpg://", "postgresql://")
+    locker, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        leases = Leases(repo, "r", 30.0)
+        first = await leases.take("fetch:k")
+        assert first is not None
+        locking = locker.transaction()
+        await locking.start()
+        await locker.fetch("SELECT name FROM leases WHERE name = 'fetch:k' FOR UPDATE")
+        releasing = asyncio.ensure_future(first.release())
+
+        async def dropping() -> bool:
+            return bool(await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE 'DELETE FROM leases%'"))
+
+        await eventually(dropping)
+        taking = asyncio.ensure_future(leases.take("fetch:k"))
+        await asyncio.sleep(0)
+        await locking.rollback()
+        await releasing
+        second = await taking
+        if second is not None:
+            await second.release()
+        assert second is None, "taken again while its row was being dropped"
+        assert await repo.lease_of("fetch:k") is None
+    finally:
+        await locker.close()
+        await watcher.close()
+        await repo.close()
+
+
 def test_storage_settings_are_checked(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text('[storage]\nurl = "gs://bucket"\n')

@@ -66,11 +66,14 @@ class Lease:
         # Its end, without its CancelledError: taken for this task's own, that swallowed a
         # cancel of the task that released.
         await asyncio.wait([self._renewing])
-        self._held.discard(self.name)
         try:
             await self._repo.drop_lease(self.name, self._holder)
         except DATABASE_ERRORS as e:  # it lapses by itself
             log.warning("cannot release the lease %s: %s", self.name, type(e).__name__)
+        finally:
+            # Only now: a second job of this process taking the name before the DELETE (the
+            # row is its holder's to take again) had its row deleted under it.
+            self._held.discard(self.name)
 
 
 class Leases:
