@@ -400,7 +400,9 @@ async def test_a_gzip_bomb_sent_with_content_encoding_never_holds_the_loop(
                 ("POST", f"/buildid/{elfs.prog.build_id}/debuginfo", {}, 405)]:
             got, worst = await _worst_wait(base, send(method, path, **headers))
             assert got == status, (path, got)
-            assert worst < 1.0, f"{method} {path}: /healthz took {worst:.2f} s"
+            # A bound on a stall (10 s before), not a speed test: a loaded machine (the
+            # suite runs two tests a core) answers in more than 1 s at times.
+            assert worst < 3.0, f"{method} {path}: /healthz took {worst:.2f} s"
         assert await _stop(proc, drain) == 0
     finally:
         await _reap(proc)  # a failed assertion must not leave it running

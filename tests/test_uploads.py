@@ -267,7 +267,9 @@ async def test_a_compressed_upload_is_inflated_no_further_than_the_largest_file(
     assert status == 413 and b"upload.max_file_bytes" in body, body
     started = time.monotonic()
     assert (await sg.get("/healthz"))[0] == 200
-    assert time.monotonic() - started < 1.0
+    # A bound on a stall (the inflating of 2 GiB held the loop some 10 s), not a speed test:
+    # the suite runs two tests a core, and a loaded machine answers in more than 1 s at times.
+    assert time.monotonic() - started < 3.0
     status, _, body = await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes(),
                                  **{"Content-Encoding": "br"})
     assert status == 415 and b"unsupported Content-Encoding 'br'" in body, body
