@@ -117,32 +117,24 @@ def _symbolize(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     if args.server:
-        import urllib.error
         import urllib.parse
-        import urllib.request
+
+        from proxy.tools.remote_symbolize import RemoteError, symbolize_remote
 
         # A tenant configured with tokens is named by its token (the header alone is 401).
         token = _token(args)
         query = f"?{urllib.parse.urlencode({'fallback': args.fallback})}" if args.fallback \
             else ""
-        req = urllib.request.Request(
-            args.server.rstrip("/") + "/symbolize" + query, data=body, method="POST",
-            headers={"Content-Type": "application/octet-stream",
-                     **({"X-Scope-OrgID": args.tenant} if args.tenant else {}),
-                     **({"Authorization": f"Bearer {token}"} if token else {})})
+        headers = {"Content-Type": "application/octet-stream",
+                   **({"X-Scope-OrgID": args.tenant} if args.tenant else {}),
+                   **({"Authorization": f"Bearer {token}"} if token else {})}
         try:
-            with urllib.request.urlopen(req, timeout=args.timeout) as r:
-                out, headers = r.read(), dict(r.headers)
-        except urllib.error.HTTPError as e:
-            # Whatever answered: not always a symgate, nor text.
-            said = e.read().decode(errors="replace").strip()
-            print(f"symgate: {args.server} answered {e.code}: {said}", file=sys.stderr)
+            out, summary = asyncio.run(symbolize_remote(
+                args.server, args.server.rstrip("/") + "/symbolize" + query, body, headers,
+                args.timeout, SymbolizeConfig().max_decompressed_bytes))
+        except RemoteError as e:
+            print(f"symgate: {e}", file=sys.stderr)
             return 1
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            print(f"symgate: cannot reach {args.server}: {reason}", file=sys.stderr)
-            return 1
-        summary = {k: v for k, v in headers.items() if k.startswith("X-Symgate-")}
     else:
         from symbolize.offline import symbolize_bytes
         from symbolize.pipeline import Limits

@@ -1,0 +1,62 @@
+"""The CLI's clients pointed at a --server that is no symgate, or a broken one: each ends within
+its --timeout with one line on stderr naming the server, a status of 1 and no traceback, and
+writes no output as if it were good."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.lying_server import MODES, SLOW, lying_server
+from tests.processes import run_in_thread
+from tests.profiles import make_profile
+
+pytestmark = pytest.mark.one_database  # no symgate runs here: tests/conftest.py
+
+
+def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, result
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_symbolize_against_a_lying_server(tmp_path: Path, mode: str) -> None:
+    """urllib wrote a login page (200, or after following a redirect, to which it sent the
+    bearer token as a GET without the profile) as the output; a body that was no profile too;
+    a trickle held it past --timeout for ever; a reset mid-body was a traceback."""
+    source = tmp_path / "p.pb"
+    source.write_bytes(make_profile([]).SerializeToString())
+    out = tmp_path / "o.pb"
+    (tmp_path / "token").write_text("a-token-long-enough-1234\n")
+    async with lying_server() as server:
+        result = await run_in_thread(
+            ["symgate", "symbolize", str(source), "-o", str(out), "--server",
+             f"{server.url}/{mode}", "--token-file", str(tmp_path / "token"),
+             "--timeout", "3" if mode in SLOW else "60"], timeout=60)
+        asked = list(server.asked)
+    line = _one_line(result, f"{server.url}/{mode}")
+    assert not out.exists(), line
+    assert [(m, p) for m, p, _ in asked] == [("POST", f"/{mode}/symbolize")], asked
+    if mode in SLOW:
+        assert "--timeout 3 s" in line
+    if mode in ("301", "302"):
+        assert f"{server.url}/html/login" in line and "not followed" in line
+    if mode == "429-retry-after":
+        assert "Retry-After: 120" in line
+
+
+async def test_symbolize_given_a_url_without_a_scheme(tmp_path: Path) -> None:
+    """urllib's ValueError ("unknown url type") was a traceback."""
+    source = tmp_path / "p.pb"
+    source.write_bytes(make_profile([]).SerializeToString())
+    result = await run_in_thread(["symgate", "symbolize", str(source), "-o",
+                                  str(tmp_path / "o"), "--server", "127.0.0.1:8002"])
+    _one_line(result, "127.0.0.1:8002", "not an http")
+    assert not (tmp_path / "o").exists()
