@@ -40,7 +40,7 @@ class LyingServer:
             return web.Response(text='{"status": "ok", "items": []}',
                                 content_type="application/json")
         if mode == "no-content-type":
-            response = web.Response(body=b"\x7fELF but not")
+            response = web.Response(body=b"ok: nothing here\n")
             response.headers.popall("Content-Type", None)
             return response
         if mode == "not-gzip":

@@ -60,3 +60,18 @@ async def test_symbolize_given_a_url_without_a_scheme(tmp_path: Path) -> None:
                                   str(tmp_path / "o"), "--server", "127.0.0.1:8002"])
     _one_line(result, "127.0.0.1:8002", "not an http")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("mode", ["html", "json", "no-content-type", "302", "401", "429",
+                                  "500", "reset", "trickle", "silent"])
+async def test_prefetch_against_a_lying_server(mode: str) -> None:
+    """A page that answers 200 to anything (or a redirect to one) was counted cached, every
+    artifact, and the exit status 0; a failure was said on stdout alone, without the server."""
+    async with lying_server() as server:
+        result = await run_in_thread(
+            ["symgate", "prefetch", "ab" * 20, "--server", f"{server.url}/{mode}",
+             "--timeout", "3" if mode in SLOW else "60"], timeout=60)
+    line = _one_line(result, f"{server.url}/{mode}")
+    assert "0 cached" in result.stdout, result.stdout
+    if mode in ("html", "json", "no-content-type", "302"):
+        assert "200 but no ELF file" in line

@@ -225,8 +225,14 @@ def _prefetch(args: argparse.Namespace) -> int:
     counts = summary.counts()
     if not finished:
         print(f"symgate: prefetch stopped after --timeout {args.timeout:g} s: "
-              f"{counts[TIMED_OUT]} artifacts not done", file=sys.stderr)
+              f"{counts[TIMED_OUT]} artifacts not done by {args.server}", file=sys.stderr)
     failed = sum(n for status, n in counts.items() if status not in ("200", "404"))
+    if failed and finished:
+        # On stderr, naming the server: the summary on stdout may go to a file or a pipe.
+        why = ", ".join(f"{n} {status}" for status, n in counts.most_common()
+                        if status not in ("200", "404"))
+        print(f"symgate: {args.server}: {failed} of {len(ids) * len(args.kind)} artifacts "
+              f"failed ({why})", file=sys.stderr)
     if args.json:
         print(json.dumps({"results": summary.results, "bytes": summary.bytes,
                           "invalid": summary.invalid}))

@@ -54,6 +54,8 @@ def build_ids_from(args: Iterable[str], files: Iterable[Path], profiles: Iterabl
     return list(seen)
 
 
+ELF_MAGIC = b"\x7fELF"
+
 # What an artifact not done when the overall timeout came is reported as.
 TIMED_OUT = "error: timed out"
 
@@ -76,12 +78,19 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
                 status = "error"
                 try:
                     async with session.get(f"{server.rstrip('/')}/buildid/{build_id}/{kind}") as r:
-                        # Reading the body to the end is what makes the download complete.
-                        # Only a file's bytes count: an error's text is nothing warmed.
-                        async for chunk in r.content.iter_chunked(1 << 20):
-                            if r.status == 200:
-                                summary.bytes += len(chunk)
-                        status = str(r.status)
+                        if r.status == 200 and not await _elf_follows(r):
+                            # Another service (a login page, a catch-all 200): every artifact
+                            # was counted cached, and the exit status said all was well.
+                            status = f"error: 200 but no ELF file ({r.content_type})"
+                        else:
+                            summary.bytes += len(ELF_MAGIC) if r.status == 200 else 0
+                            # Reading the body to the end is what makes the download
+                            # complete. Only a file's bytes count: an error's text is nothing
+                            # warmed.
+                            async for chunk in r.content.iter_chunked(1 << 20):
+                                if r.status == 200:
+                                    summary.bytes += len(chunk)
+                            status = str(r.status)
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
                     status = f"error: {type(e).__name__}"
             summary.results.setdefault(build_id, {})[kind] = status
@@ -97,6 +106,15 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
             progress(len(todo), len(todo), summary)
             return False
     return True
+
+
+async def _elf_follows(r: aiohttp.ClientResponse) -> bool:
+    """Whether the body starts as every debuginfo and executable does (read from it)."""
+    try:
+        head = await r.content.readexactly(len(ELF_MAGIC))
+    except asyncio.IncompleteReadError:
+        return False
+    return head == ELF_MAGIC
 
 
 def terminal_progress(done: int, total: int, summary: Summary) -> None:
