@@ -4,6 +4,7 @@ writes no output as if it were good."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -75,3 +76,27 @@ async def test_prefetch_against_a_lying_server(mode: str) -> None:
     assert "0 cached" in result.stdout, result.stdout
     if mode in ("html", "json", "no-content-type", "302"):
         assert "200 but no ELF file" in line
+
+
+@pytest.mark.parametrize("mode", ["html", "json", "no-content-type", "302", "404", "413",
+                                  "429-retry-after", "500", "reset", "silent"])
+async def test_upload_against_a_lying_server(tmp_path: Path, mode: str) -> None:
+    """A 200 to anything made every file "already there" (nothing sent, exit 0); an HTML
+    error page went into the report as many lines; a redirect was followed with the body
+    already spent; a server that never answered held it five minutes a request."""
+    elf = tmp_path / "true"
+    elf.write_bytes(Path("/bin/true").read_bytes())
+    async with lying_server() as server:
+        result = await run_in_thread(
+            ["symgate", "upload", str(elf), "--server", f"{server.url}/{mode}",
+             "--timeout", "3" if mode in SLOW else "60"], timeout=60,
+            env={**os.environ, "SYMGATE_TOKEN": "a-token-long-enough-1234"})
+        asked = list(server.asked)
+    line = _one_line(result, f"{server.url}/{mode}", "1 of 1 artifacts not uploaded")
+    assert "0 uploaded, 0 already there, 1 failed" in result.stdout, result.stdout
+    assert len(result.stdout.splitlines()) == 2, result.stdout  # the summary, one failure
+    assert all(path.startswith(f"/{mode}/") for _, path, _ in asked), asked
+    if mode in SLOW:
+        assert "--timeout 3 s" in line
+    if mode == "302":
+        assert "not followed" in result.stdout

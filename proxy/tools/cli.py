@@ -281,10 +281,16 @@ def _upload(args: argparse.Namespace) -> int:
         print(report(summary), end="", file=sys.stderr)
         print("symgate: nothing to upload", file=sys.stderr)
         return 2
-    asyncio.run(upload(args.server, token, args.tenant, items, args.concurrency, summary,
-                       terminal_progress))
+    finished = asyncio.run(upload(args.server, token, args.tenant, items, args.concurrency,
+                                  summary, terminal_progress, args.timeout))
     print(report(summary), end="")
-    return 1 if summary.counts()["failed"] else 0
+    failed = summary.counts()["failed"]
+    if failed:
+        # On stderr, naming the server: the report on stdout may go to a file or a pipe.
+        stopped = "" if finished else f"stopped after --timeout {args.timeout:g} s: "
+        print(f"symgate: {args.server}: {stopped}{failed} of {len(items)} artifacts not "
+              "uploaded", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _admin(args: argparse.Namespace) -> int:
@@ -480,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tenant", help="X-Scope-OrgID: with an admin token, the tenant to "
                                      "upload for (default: the shared scope)")
     up.add_argument("--concurrency", type=_count, default=4)
+    up.add_argument("--timeout", type=_seconds, default=3600.0,
+                    help="seconds for the whole upload (default 3600); what is not done by "
+                         "then is reported failed, and the exit status is 1")
     up.set_defaults(func=_upload)
 
     for name, actions, help_text in (

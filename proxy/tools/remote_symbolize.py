@@ -15,12 +15,8 @@ from collections.abc import Mapping
 import aiohttp
 
 from proxy import __version__
+from proxy.tools.answers import one_line, said
 from symbolize.pprof.codec import ProfileError, decode
-
-# Of an error's body, what is read and shown: a page that never ends is not waited for.
-_SAID_BYTES = 4096
-_SAID_CHARS = 200
-_SAID_WAIT_S = 5.0
 
 
 class RemoteError(Exception):
@@ -42,7 +38,7 @@ async def symbolize_remote(server: str, url: str, body: bytes, headers: Mapping[
                 session.post(url, data=body, headers=dict(headers),
                              allow_redirects=False) as r:
             if r.status != 200:
-                raise RemoteError(f"{server} answered {r.status}{await _said(r)}")
+                raise RemoteError(f"{server} answered {r.status}{await said(r)}")
             if "X-Symgate-Symbolize" not in r.headers:
                 raise RemoteError(
                     f"{server} answered 200 but not as a symgate's /symbolize "
@@ -62,7 +58,7 @@ async def symbolize_remote(server: str, url: str, body: bytes, headers: Mapping[
         raise RemoteError(f"{server}: the answer was cut short (the connection closed "
                           "before its end)") from None
     except (aiohttp.ClientError, OSError, ValueError) as e:
-        raise RemoteError(f"{server}: {_one_line(str(e)) or type(e).__name__}") from None
+        raise RemoteError(f"{server}: {one_line(str(e)) or type(e).__name__}") from None
     try:
         decode(out, max_bytes)
     except ProfileError as e:
@@ -81,33 +77,8 @@ async def _read_at_most(r: aiohttp.ClientResponse, limit: int, server: str) -> b
     return b"".join(chunks)
 
 
-async def _said(r: aiohttp.ClientResponse) -> str:
-    """A status's explanation, as one line: where a redirect led, when to retry, and the start
-    of the body (not always a symgate's, nor text, nor ever ending)."""
-    parts = []
-    if r.status in (301, 302, 303, 307, 308):
-        parts.append(f"a redirect to {r.headers.get('Location', 'nowhere')}, not followed: "
-                     "give that URL as --server if it is a symgate")
-    if retry := r.headers.get("Retry-After"):
-        parts.append(f"Retry-After: {_one_line(retry)[:40]}")
-    try:
-        async with asyncio.timeout(_SAID_WAIT_S):
-            text = (await r.content.read(_SAID_BYTES)).decode(errors="replace")
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        text = ""  # the status says enough; a body that does not come is not waited for
-    if r.content_type == "text/html":
-        text = "an HTML page"
-    if text := _one_line(text):
-        parts.append(text[:_SAID_CHARS])
-    return ": " + "; ".join(parts) if parts else ""
-
-
 def _why(e: OSError) -> str:
     """"connection refused", not asyncio's "Connect call failed ('127.0.0.1', 9)"."""
     if isinstance(e, ConnectionError) and e.errno:
         return os.strerror(e.errno).lower()
     return e.strerror or str(e)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())

@@ -9,6 +9,7 @@ the same command again sends nothing twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -21,9 +22,13 @@ from proxy import __version__
 from proxy.headers import printable
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
+from proxy.tools.answers import one_line, said
 from proxy.tools.prefetch import progress_bar
 
 CHUNK = 256 * 1024
+# A symgate's answer to a PUT is a line of JSON: more, or slower, is not one.
+ANSWER_BYTES = 64 * 1024
+ANSWER_WAIT_S = 30.0
 UPLOADED, PRESENT, FAILED = "uploaded", "already there", "failed"
 
 
@@ -78,9 +83,16 @@ def find_items(paths: Iterable[Path], summary: Summary) -> list[Item]:
     return list(items.values())
 
 
+# What an item not done when the overall timeout came is reported as.
+TIMED_OUT = "timed out"
+
+
 async def upload(server: str, token: str, tenant: str | None, items: list[Item],
                  concurrency: int, summary: Summary,
-                 progress: Callable[[Summary, int], None]) -> None:
+                 progress: Callable[[Summary, int], None], timeout_s: float) -> bool:
+    """False if `timeout_s` ran out first (what was not done is then TIMED_OUT): a server
+    that trickles its answers held the command for ever, one that never answers five
+    minutes a request."""
     headers = {"User-Agent": f"symgate-upload/{__version__}", "Authorization": f"Bearer {token}"}
     if tenant:
         headers["X-Scope-OrgID"] = tenant
@@ -96,16 +108,27 @@ async def upload(server: str, token: str, tenant: str | None, items: list[Item],
                     summary.results[item] = await _one(session, url, item, summary, progress,
                                                        len(items))
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                    summary.results[item] = f"{type(e).__name__}: {e}"
+                    summary.results[item] = one_line(f"{type(e).__name__}: {e}")[:200]
             progress(summary, len(items))
 
-        await asyncio.gather(*(one(i) for i in items))
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(one(i) for i in items))
+        except TimeoutError:
+            for item in items:
+                summary.results.setdefault(item, TIMED_OUT)
+            return False
+    return True
 
 
 async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Summary,
                progress: Callable[[Summary, int], None], total: int) -> str:
     # Only from its cache: a HEAD that made it fetch from its upstreams would cost a download.
     async with session.head(url, headers={"Cache-Control": "only-if-cached"}) as r:
+        if r.status == 200 and "X-DEBUGINFOD-FILE" not in r.headers:
+            # Another service's 200 to anything: every file was "already there", none sent.
+            return (f"HEAD 200 but not a debuginfod's answer (Content-Type: "
+                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?")
         if r.status == 200:
             return PRESENT
         if r.status in (400, 401):
@@ -118,16 +141,28 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
                 progress(summary, total)
                 yield chunk
 
-    async with session.put(url, data=body(), headers={
+    # Not redirected: the file is sent once, and the token only where it was meant to go.
+    async with session.put(url, data=body(), allow_redirects=False, headers={
             "Content-Length": str(item.size), "Content-Type": "application/octet-stream",
             **_file_name(item.path.name)}) as r:
-        # Whatever answered: not always a symgate, nor text in the charset it names.
-        text = (await r.read()).decode(errors="replace").strip()
-        if r.status == 201:
-            return UPLOADED
-        if r.status == 200:
-            return PRESENT  # the very same file was there
-        return f"{r.status}: {text[:200]}"
+        if r.status not in (200, 201):
+            # Whatever answered: not always a symgate, nor text, nor of an end.
+            return f"{r.status}{await said(r)}"
+        if not await _from_symgate(r, item):
+            return (f"{r.status} but not a symgate's upload answer (Content-Type: "
+                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?")
+        # 200: the very same file was there
+        return UPLOADED if r.status == 201 else PRESENT
+
+
+async def _from_symgate(r: aiohttp.ClientResponse, item: Item) -> bool:
+    """Whether a 200 or 201 is a symgate's account of this upload (proxy/web/upload.py)."""
+    try:
+        async with asyncio.timeout(ANSWER_WAIT_S):
+            answer = json.loads(await r.content.read(ANSWER_BYTES))
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return False
+    return isinstance(answer, dict) and answer.get("build_id") == item.build_id
 
 
 def _file_name(name: str) -> dict[str, str]:

@@ -1,0 +1,37 @@
+"""What a server that is not always a symgate answered, as one line of a client's report."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+# Of an error's body, what is read and shown: a page that never ends is not waited for.
+_SAID_BYTES = 4096
+_SAID_CHARS = 200
+_SAID_WAIT_S = 5.0
+
+
+async def said(r: aiohttp.ClientResponse) -> str:
+    """A status's explanation, as one line: where a redirect led, when to retry, and the start
+    of the body (not always a symgate's, nor text, nor ever ending)."""
+    parts = []
+    if r.status in (301, 302, 303, 307, 308):
+        parts.append(f"a redirect to {r.headers.get('Location', 'nowhere')}, not followed: "
+                     "give that URL as --server if it is a symgate")
+    if retry := r.headers.get("Retry-After"):
+        parts.append(f"Retry-After: {one_line(retry)[:40]}")
+    try:
+        async with asyncio.timeout(_SAID_WAIT_S):
+            text = (await r.content.read(_SAID_BYTES)).decode(errors="replace")
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        text = ""  # the status says enough; a body that does not come is not waited for
+    if r.content_type == "text/html":
+        text = "an HTML page"
+    if text := one_line(text):
+        parts.append(text[:_SAID_CHARS])
+    return ": " + "; ".join(parts) if parts else ""
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
