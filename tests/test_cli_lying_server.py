@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from symbolize.pprof.profile_pb2 import Profile
 from tests.lying_server import MODES, SLOW, lying_server
 from tests.processes import run_in_thread
 from tests.profiles import make_profile
@@ -100,3 +101,25 @@ async def test_upload_against_a_lying_server(tmp_path: Path, mode: str) -> None:
         assert "--timeout 3 s" in line
     if mode == "302":
         assert "not followed" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["html", "json", "302", "401", "429-retry-after", "500",
+                                  "reset", "silent"])
+async def test_inspect_against_a_lying_server(tmp_path: Path, mode: str) -> None:
+    """A page that answers 200 to anything, or a redirect to one, was "debug info available
+    from symgate cache: /symbolize will fill this mapping in", exit status 0; a server that
+    failed every check was exit status 0 too, said in a table cell alone."""
+    p = Profile()
+    p.string_table.extend(["", "/usr/lib/libx.so", "ab" * 20])
+    p.mapping.add(id=1, memory_start=0x1000, memory_limit=0x2000, filename=1, build_id=2)
+    (tmp_path / "p.pb").write_bytes(p.SerializeToString())
+    (tmp_path / "none.toml").write_text("upstreams = []\n")
+    async with lying_server() as server:
+        result = await run_in_thread(
+            ["symgate", "inspect", str(tmp_path / "p.pb"), "--config", str(tmp_path / "none.toml"),
+             "--server", f"{server.url}/{mode}", "--timeout", "3"], timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, result
+    assert "available" not in result.stdout, result.stdout
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"{server.url}/{mode}" in lines[0], result.stderr

@@ -170,7 +170,7 @@ def _symbolize(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from proxy.tools.inspect_profile import inspect_profile, render, to_json
+    from proxy.tools.inspect_profile import inspect_profile, render, server_failures, to_json
     from symbolize.pprof.codec import ProfileError
 
     cfg = _config(args)
@@ -192,6 +192,12 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"symgate: {args.profile}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(to_json(rows), indent=2) if args.json else render(rows), end="")
+    if failed := server_failures(rows):
+        # The table says it per mapping; this, that the command did not do what was asked.
+        print(f"symgate: {args.server}: {failed[0].reason or failed[0].status}"
+              f"{f' (and {len(failed) - 1} more checks)' if len(failed) > 1 else ''}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -28,6 +28,7 @@ from proxy.sources.base import Hop
 from proxy.sources.debuginfod import Sessions, Upstream, upstream_names
 from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
+from proxy.tools.answers import one_line, said
 from proxy.tools.text_table import render_table
 from proxy.web.app import client_session
 from symbolize.buildid import InvalidBuildId, normalize_build_id
@@ -35,6 +36,7 @@ from symbolize.pprof.codec import decode
 from symbolize.rewrite import Report, candidates
 
 USER_AGENT = f"symgate-inspect/{__version__}"
+SERVER_CACHE = "symgate cache"
 
 
 @dataclass
@@ -78,15 +80,31 @@ async def _server_check(session: aiohttp.ClientSession, base: str, build_id: str
     url = f"{base.rstrip('/')}{ArtifactKey(build_id, Kind.DEBUGINFO).upstream_path}"
     try:
         # GET rather than HEAD: elfutils 0.188 answers HEAD with 400. Only the headers are read.
+        # Not redirected: a login page it led to answered 200, and the verdict was
+        # "available from symgate cache".
         async with asyncio.timeout(timeout_s), session.get(
-                url, headers={"Cache-Control": "only-if-cached"}) as r:
-            return _answered("symgate cache", r)
+                url, headers={"Cache-Control": "only-if-cached"}, allow_redirects=False) as r:
+            if r.status == 200 and "X-DEBUGINFOD-FILE" not in r.headers:
+                return Check(SERVER_CACHE, "error", reason=(
+                    "200 but not a debuginfod's answer (Content-Type: "
+                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?"))
+            if r.status in (200, 404, 504):
+                return _answered(SERVER_CACHE, r)
+            return Check(SERVER_CACHE, str(r.status), reason=f"answered {r.status}"
+                                                             f"{await said(r)}")
     except TimeoutError:
-        return Check("symgate cache", "timeout")
-    except aiohttp.ClientConnectorError:
-        return Check("symgate cache", "unreachable")
+        return Check(SERVER_CACHE, "timeout", reason=f"no answer within --timeout {timeout_s:g} s")
+    except aiohttp.ClientConnectorError as e:
+        return Check(SERVER_CACHE, "unreachable", reason=f"cannot connect: {e.os_error}")
     except (aiohttp.ClientError, OSError) as e:
-        return Check("symgate cache", f"error: {type(e).__name__}")
+        return Check(SERVER_CACHE, f"error: {type(e).__name__}",
+                     reason=one_line(f"{type(e).__name__}: {e}")[:200])
+
+
+def server_failures(rows: Sequence[Row]) -> list[Check]:
+    """The checks of --server that had no answer from a symgate's cache."""
+    return [c for r in rows for c in r.checks
+            if c.where == SERVER_CACHE and c.status not in ("200", "404", "504")]
 
 
 async def _upstream_check(upstream: Upstream, build_id: str, timeout_s: float) -> Check:
