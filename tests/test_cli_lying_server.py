@@ -4,6 +4,7 @@ writes no output as if it were good."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
@@ -123,3 +124,39 @@ async def test_inspect_against_a_lying_server(tmp_path: Path, mode: str) -> None
     assert "available" not in result.stdout, result.stdout
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"{server.url}/{mode}" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("answer", [b"SSH-2.0-OpenSSH_9.2p1\r\n", b""])
+async def test_every_client_against_a_server_that_is_not_http(
+    tmp_path: Path, answer: bytes
+) -> None:
+    """Another protocol's banner, or a close as soon as the request came: urllib's
+    BadStatusLine and RemoteDisconnected were not all OSErrors, and symbolize --server
+    ended in a traceback."""
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await reader.read(1)
+        writer.close()
+
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    p = Profile()
+    p.string_table.extend(["", "/usr/lib/libx.so", "ab" * 20])
+    p.mapping.add(id=1, memory_start=0x1000, memory_limit=0x2000, filename=1, build_id=2)
+    (tmp_path / "p.pb").write_bytes(p.SerializeToString())
+    (tmp_path / "none.toml").write_text("upstreams = []\n")
+    elf = tmp_path / "true"
+    elf.write_bytes(Path("/bin/true").read_bytes())
+    commands = [["symbolize", str(tmp_path / "p.pb"), "-o", str(tmp_path / "o")],
+                ["inspect", str(tmp_path / "p.pb"), "--config", str(tmp_path / "none.toml")],
+                ["prefetch", "ab" * 20], ["upload", str(elf)]]
+    try:
+        for command in commands:
+            result = await run_in_thread(
+                ["symgate", *command, "--server", url, "--timeout", "30"], timeout=60,
+                env={**os.environ, "SYMGATE_TOKEN": "a-token-long-enough-1234"})
+            _one_line(result, url)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not (tmp_path / "o").exists()

@@ -57,6 +57,9 @@ async def symbolize_remote(server: str, url: str, body: bytes, headers: Mapping[
     except aiohttp.ClientPayloadError:
         raise RemoteError(f"{server}: the answer was cut short (the connection closed "
                           "before its end)") from None
+    except aiohttp.ClientResponseError as e:  # aiohttp's parser: no HTTP answered
+        what = one_line(e.message.replace("\\n", "\n")).split(":")[0]
+        raise RemoteError(f"{server}: no HTTP answer ({what})") from None
     except (aiohttp.ClientError, OSError, ValueError) as e:
         raise RemoteError(f"{server}: {one_line(str(e)) or type(e).__name__}") from None
     try:
