@@ -19,6 +19,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from proxy.store.repository import DATABASE_ERRORS, Repository
+from proxy.to_the_end import to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,7 @@ class Lease:
         """Drop the row. A cancel meanwhile (a server stopping as a fetch ends) waits for
         that, then is raised: it cut the DELETE short, and the row stayed until it lapsed,
         the other replicas waiting on it for nothing."""
-        releasing = asyncio.ensure_future(self._release())
-        try:
-            await asyncio.shield(releasing)
-        except asyncio.CancelledError:
-            await asyncio.wait([releasing])
-            raise
+        await to_the_end(self._release())
 
     async def _release(self) -> None:
         self._renewing.cancel()

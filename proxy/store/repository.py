@@ -46,6 +46,7 @@ from proxy.store.models import (
     SymbolTableRow,
 )
 from proxy.store.replica import UNCLAIMED
+from proxy.to_the_end import to_the_end
 
 
 def create_engine(url: str, timeout_s: float | None = None, *, statements: bool = True
@@ -369,18 +370,8 @@ class Repository:
             self._local.close()
         # A stop signal cancels a start under way (proxy.web.app._started), and this close in
         # it: cut while aiosqlite closes a connection, the pool logged a traceback on a start
-        # that failed cleanly, and left the connection's thread. It closes to the end, and the
-        # cancellation is passed on then.
-        closing = asyncio.ensure_future(self.engine.dispose())
-        cancelled: asyncio.CancelledError | None = None
-        while not closing.done():
-            try:
-                await asyncio.shield(closing)
-            except asyncio.CancelledError as e:
-                cancelled = e
-        if cancelled is not None:
-            raise cancelled
-        closing.result()
+        # that failed cleanly.
+        await to_the_end(self.engine.dispose())
 
     # -- artifacts ---------------------------------------------------------------------------
     async def _point(self, read: PointRead, params: dict[str, Any]) -> Sequence[Any]:
