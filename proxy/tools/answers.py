@@ -33,5 +33,12 @@ async def said(r: aiohttp.ClientResponse) -> str:
     return ": " + "; ".join(parts) if parts else ""
 
 
+def not_from_symgate(r: aiohttp.ClientResponse, expected: str) -> str:
+    """A success status whose answer is not `expected` (what a symgate sends there), as one
+    line: another service's catch-all 200, a login page a proxy put in the way."""
+    return (f"{r.status} but not {expected} (Content-Type: "
+            f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?")
+
+
 def one_line(text: str) -> str:
     return " ".join(text.split())

@@ -28,7 +28,7 @@ from proxy.sources.base import Hop
 from proxy.sources.debuginfod import Sessions, Upstream, upstream_names
 from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
-from proxy.tools.answers import one_line, said
+from proxy.tools.answers import not_from_symgate, one_line, said
 from proxy.tools.text_table import render_table
 from proxy.web.app import client_session
 from symbolize.buildid import InvalidBuildId, normalize_build_id
@@ -85,9 +85,8 @@ async def _server_check(session: aiohttp.ClientSession, base: str, build_id: str
         async with asyncio.timeout(timeout_s), session.get(
                 url, headers={"Cache-Control": "only-if-cached"}, allow_redirects=False) as r:
             if r.status == 200 and "X-DEBUGINFOD-FILE" not in r.headers:
-                return Check(SERVER_CACHE, "error", reason=(
-                    "200 but not a debuginfod's answer (Content-Type: "
-                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?"))
+                return Check(SERVER_CACHE, "error",
+                             reason=not_from_symgate(r, "a debuginfod's answer"))
             if r.status in (200, 404, 504):
                 return _answered(SERVER_CACHE, r)
             return Check(SERVER_CACHE, str(r.status), reason=f"answered {r.status}"

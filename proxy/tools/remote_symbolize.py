@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import aiohttp
 
 from proxy import __version__
-from proxy.tools.answers import one_line, said
+from proxy.tools.answers import not_from_symgate, one_line, said
 from symbolize.pprof.codec import ProfileError, decode
 
 
@@ -40,10 +40,8 @@ async def symbolize_remote(server: str, url: str, body: bytes, headers: Mapping[
             if r.status != 200:
                 raise RemoteError(f"{server} answered {r.status}{await said(r)}")
             if "X-Symgate-Symbolize" not in r.headers:
-                raise RemoteError(
-                    f"{server} answered 200 but not as a symgate's /symbolize "
-                    f"(Content-Type: {r.headers.get('Content-Type', 'none')}): is --server "
-                    "a symgate's URL?")
+                raise RemoteError(f"{server} answered "
+                                  + not_from_symgate(r, "as a symgate's /symbolize"))
             out = await _read_at_most(r, max_bytes, server)
             summary = {k: v for k, v in r.headers.items() if k.startswith("X-Symgate-")}
     except TimeoutError:

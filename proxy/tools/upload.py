@@ -22,7 +22,7 @@ from proxy import __version__
 from proxy.headers import printable
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
-from proxy.tools.answers import one_line, said
+from proxy.tools.answers import not_from_symgate, one_line, said
 from proxy.tools.prefetch import progress_bar
 
 CHUNK = 256 * 1024
@@ -127,8 +127,7 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
     async with session.head(url, headers={"Cache-Control": "only-if-cached"}) as r:
         if r.status == 200 and "X-DEBUGINFOD-FILE" not in r.headers:
             # Another service's 200 to anything: every file was "already there", none sent.
-            return (f"HEAD 200 but not a debuginfod's answer (Content-Type: "
-                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?")
+            return "HEAD " + not_from_symgate(r, "a debuginfod's answer")
         if r.status == 200:
             return PRESENT
         if r.status in (400, 401):
@@ -149,8 +148,7 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
             # Whatever answered: not always a symgate, nor text, nor of an end.
             return f"{r.status}{await said(r)}"
         if not await _from_symgate(r, item):
-            return (f"{r.status} but not a symgate's upload answer (Content-Type: "
-                    f"{r.headers.get('Content-Type', 'none')}): is --server a symgate's URL?")
+            return not_from_symgate(r, "a symgate's upload answer")
         # 200: the very same file was there
         return UPLOADED if r.status == 201 else PRESENT
 
