@@ -97,6 +97,13 @@ class ProxyMetrics:
             f"{p}_inflight_fetches", "Upstream fetches under way", registry=registry,
             multiprocess_mode="livesum",
         )
+        # Where clients queue behind an upstream: on a slow one it climbs, and the
+        # requests counts tell nothing until the fetch ends.
+        self.fetch_waiters = Gauge(
+            f"{p}_fetch_waiters",
+            "Requests waiting for a fetch under way (this process's or another's) to stream",
+            registry=registry, multiprocess_mode="livesum",
+        )
         self.singleflight_joins = Counter(
             f"{p}_singleflight_joins",
             "Requests that joined a fetch already under way instead of starting one",

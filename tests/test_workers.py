@@ -263,8 +263,7 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
                 return await r.read()
 
         followers = [asyncio.create_task(follow()) for _ in range(10)]
-        await _arrived(s, second, 10)
-        await asyncio.sleep(1)  # the followers wait for it to stream (none of them is timed)
+        await _waiting(s, second, 10)
         faults.release.set()
         assert await asyncio.gather(*followers) == [expected] * 10
         r = await writer
@@ -273,18 +272,19 @@ async def test_every_client_that_follows_another_process_fetch_counts_as_one_joi
     assert faults.count("hold") == 1
 
 
-async def _arrived(s: aiohttp.ClientSession, base: str, clients: int) -> None:
-    """Until the process at `base` holds the connections of `clients` clients (and of this
-    scrape's own): a fixed second for them to reach it was too little on a loaded machine,
-    and one that came after the fetch had failed got its remembered miss, no join."""
-    async def connected() -> bool:
+async def _waiting(s: aiohttp.ClientSession, base: str, clients: int) -> None:
+    """Until `clients` requests wait in the process at `base` for the other's fetch: a
+    client's open connection was not enough (its request could still be on its way to the
+    board on a loaded machine, and then came after the fetch had failed: its remembered miss
+    or its own fetch, no join), nor was a second more."""
+    async def all_wait() -> bool:
         async with s.get(base + "/metrics") as m:
             text = await m.text()
-        return any(sample.name == "symgate_open_connections" and sample.value > clients
+        return any(sample.name == "symgate_fetch_waiters" and sample.value == clients
                    for family in text_string_to_metric_families(text)
                    for sample in family.samples)
 
-    await eventually(connected)
+    await eventually(all_wait)
 
 
 async def _joins_and_outcomes(s: aiohttp.ClientSession, base: str
@@ -328,8 +328,7 @@ async def test_clients_that_follow_another_process_fetch_that_fails_count_as_joi
 
         await eventually(fetching)
         followers = [asyncio.create_task(get(second)) for _ in range(10)]
-        await _arrived(s, second, 10)
-        await asyncio.sleep(1)  # the followers wait on the fetch (none of them is timed)
+        await _waiting(s, second, 10)
         faults.release.set()
         assert await asyncio.gather(writer, *followers) == [status] * 11
         assert await _joins_and_outcomes(s, first) == (0, {outcome: 1})

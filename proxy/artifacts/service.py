@@ -364,7 +364,8 @@ class ArtifactService:
         """Join another process's fetch of `kh` through a local mirror flight, which this
         process's other clients then join too. Raises its failure; None if it ended."""
         try:
-            followed = await self._board.follow(kh)
+            with self._metrics.fetch_waiters.track_inprogress():
+                followed = await self._board.follow(kh)
         except SymgateError:
             # The followed fetch failed before it streamed: this request waited on it and gets
             # its failure, as a client that joined this process's own failed fetch does.
@@ -1105,7 +1106,8 @@ class ArtifactService:
             self._raise_os_failure(e)
             raise
         try:
-            meta = await flight.wait_meta()
+            with self._metrics.fetch_waiters.track_inprogress():
+                meta = await flight.wait_meta()
         except BaseException:
             reader.close()
             raise
