@@ -462,7 +462,8 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
     """A body sent with Content-Encoding: gzip was inflated as soon as it was read, before it
     waited for a slot: six waiting 60 KiB bodies held 60 MiB each, 16 of them 4 GiB under the
     default limits. It is measured as it comes (a bomb is refused without a slot) and inflated
-    in its slot, as a body gzipped in itself is."""
+    in its slot, as a body gzipped in itself is. Measured in 1 MiB pieces, six at once in
+    threads of their own grew the process by 15-35 MiB; in small ones, by under 2."""
     faults.release.clear()
     sg = await start_symgate([faults.url_for("hold")], symbolize=symbolize_config(
         max_concurrent=1, max_waiting=6, deadline_s=60.0,
@@ -485,7 +486,7 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
     for pending in waiting:
         status, _, text = await pending
         assert status == 400 and b"not a pprof profile" in text, text
-    assert grown < 32 << 20, grown
+    assert grown < 8 << 20, grown
 
 
 async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection(

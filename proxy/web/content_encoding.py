@@ -17,7 +17,10 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from aiohttp import web
 
 from proxy.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.inflating import CODINGS, Inflater, Unreadable
+from proxy.inflating import CODINGS, COUNTED_PIECE, Inflater, Unreadable, count
+
+# What one thread's hop of measure_body counts at most: a few milliseconds of inflating.
+COUNTED_HOP = 8 << 20
 
 
 def coding_of(request: web.BaseRequest) -> int | None:
@@ -59,27 +62,37 @@ async def _one(body: bytes) -> AsyncIterator[bytes]:
 async def measure_body(body: bytes, wbits: int, limit: int, setting: str) -> None:
     """413 the moment `body` inflates past `limit` bytes (`setting` names it).
 
-    Each piece is thrown away as it comes, as codec does a gzipped profile: a bomb is refused
-    without ever being held (kept as it came, it would be the whole limit, 256 MiB by default,
-    in memory before its 413), and only what is known to fit is inflated whole, by
-    inflate_measured, when it is wanted: a profile waiting for a slot holds it as sent."""
-    await _inflate(body, wbits, limit, setting, keep=False)
+    Counted in a thread, each small piece thrown away as it comes, as codec does a gzipped
+    profile: a bomb is refused without ever being held (kept as it came, it would be the whole
+    limit, 256 MiB by default, in memory before its 413), and only what is known to fit is
+    inflated whole, by inflate_measured, when it is wanted: a profile waiting for a slot holds
+    it as sent."""
+    inflater = Inflater(wbits)
+    pieces = inflater.pieces(body, COUNTED_PIECE)
+    size = 0
+    try:
+        # A hop at a time: a client that leaves stops it, and no thread is held for long.
+        while counted := await asyncio.to_thread(count, pieces, COUNTED_HOP):
+            size += counted
+            if size > limit:
+                raise _too_large(limit, setting)
+        inflater.end()
+    except Unreadable as e:
+        raise _unreadable(str(e)) from None
 
 
 async def inflate_measured(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
     """A whole body that measure_body has passed, inflated."""
-    return await _inflate(body, wbits, limit, setting, keep=True)
-
-
-async def _inflate(body: bytes, wbits: int, limit: int, setting: str, keep: bool) -> bytes:
     parts: list[bytes] = []
     size = 0
     async with contextlib.aclosing(inflated(_one(body), wbits)) as pieces:
         async for piece in pieces:
             size += len(piece)
             if size > limit:
-                raise PayloadTooLarge(f"request body inflates to more than {limit} bytes "
-                                      f"({setting})")
-            if keep:
-                parts.append(piece)
+                raise _too_large(limit, setting)
+            parts.append(piece)
     return b"".join(parts)
+
+
+def _too_large(limit: int, setting: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body inflates to more than {limit} bytes ({setting})")
