@@ -1,11 +1,14 @@
 """`symgate symbolize` gives the same frames as llvm-symbolizer from a local debug directory
-and through a symgate server, and refuses a file that is not a profile, writing nothing."""
+and through a symgate server, and refuses a file that is not a profile, writing nothing; its
+-o FILE is written whole or left as it was."""
 
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,3 +125,58 @@ async def test_cli_reports_a_server_that_answers_bytes_that_are_not_text(
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 1
     assert f"{url} answered 502: " in result.stderr and "not text" in result.stderr
+
+
+# The file-size limit (RLIMIT_FSIZE), set in the process that then becomes the command: a write
+# past it fails with EFBIG, as one on a full disk fails with ENOSPC (Python ignores SIGXFSZ).
+LIMITED = ("import os, resource, sys; "
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1]))); "
+           "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def test_cli_output_is_written_whole_or_left_as_it_was(tmp_path: Path, elfs: ElfSet) -> None:
+    """-o FILE was truncated before the first byte was written: a write that failed on the way
+    left a cut profile where an earlier one had been. Now the earlier one stays, no temp file
+    is left beside it, and what is written is what a plain open would have made: the same
+    bytes as to a stream (/dev/stdout), the umask's mode, a replaced file's own mode."""
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile(
+        [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog))]).SerializeToString()))
+    work = tmp_path / "out"
+    work.mkdir()
+
+    def symbolize(out: Path, *, limit: int | None = None, umask: int = 0o022
+                  ) -> subprocess.CompletedProcess[bytes]:
+        command = ["symgate", "symbolize", str(source), "--debug-dir", str(tmp_path / "none"),
+                   "-o", str(out)]
+        if limit is not None:
+            command = [sys.executable, "-c", LIMITED, str(limit), *command]
+        return subprocess.run(command, capture_output=True, umask=umask, timeout=120)
+
+    streamed = symbolize(Path("/dev/stdout"))
+    assert streamed.returncode == 0, streamed.stderr
+    made = symbolize(work / "new.pb.gz", umask=0o027)
+    assert made.returncode == 0, made.stderr
+    assert (work / "new.pb.gz").read_bytes() == streamed.stdout
+    assert (work / "new.pb.gz").stat().st_mode & 0o777 == 0o640
+
+    earlier = work / "earlier.pb.gz"
+    earlier.write_bytes(b"an earlier profile")
+    earlier.chmod(0o604)
+    assert len(streamed.stdout) > 2 * len(b"an earlier profile")
+    cut = symbolize(earlier, limit=len(streamed.stdout) // 2)
+    assert cut.returncode == 1
+    assert cut.stderr.decode() == f"symgate: cannot write {earlier}: File too large\n"
+    assert earlier.read_bytes() == b"an earlier profile"
+    (work / "a-dir").mkdir()
+    onto_a_directory = symbolize(work / "a-dir")
+    assert onto_a_directory.returncode == 1
+    assert onto_a_directory.stderr.decode() == (f"symgate: cannot write {work / 'a-dir'}: it is "
+                                                "a directory\n")
+    assert sorted(os.listdir(work)) == ["a-dir", "earlier.pb.gz", "new.pb.gz"]
+
+    replaced = symbolize(earlier, umask=0o077)
+    assert replaced.returncode == 0, replaced.stderr
+    assert earlier.read_bytes() == streamed.stdout
+    assert earlier.stat().st_mode & 0o777 == 0o604
+    assert sorted(os.listdir(work)) == ["a-dir", "earlier.pb.gz", "new.pb.gz"]

@@ -23,6 +23,7 @@ from proxy.config import (
     parse_listen,
 )
 from proxy.store import migrate
+from proxy.tools.output_file import write_whole
 from proxy.tools.text_table import render_table
 from proxy.web import logs
 
@@ -116,6 +117,9 @@ def _symbolize(args: argparse.Namespace) -> int:
         print(f"symgate: cannot write {args.output}: no such directory {args.output.parent}",
               file=sys.stderr)
         return 1
+    if args.output.is_dir():
+        print(f"symgate: cannot write {args.output}: it is a directory", file=sys.stderr)
+        return 1
     if args.server:
         import urllib.parse
 
@@ -158,7 +162,7 @@ def _symbolize(args: argparse.Namespace) -> int:
                 f"{k}={v}" for k, v in sorted(report.locations_unresolved.items())) or "none",
         }
     try:
-        args.output.write_bytes(out)
+        write_whole(args.output, out)
     except OSError as e:
         print(f"symgate: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
         return 1
