@@ -57,6 +57,25 @@ async def test_cache_ls_stats_and_purge(
     assert bad.returncode == 2 and "invalid build ID" in bad.stderr
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["cache", "ls", "--all"], "--all goes with cache purge, not cache ls"),
+    (["cache", "stats", "--all"], "--all goes with cache purge, not cache stats"),
+    (["negative", "ls", "--all", "--json"], "--all goes with negative clear, not negative ls"),
+    (["cache", "purge", "--all", "--pinned"], "--pinned goes with cache ls, not cache purge"),
+])
+def test_an_option_of_another_action_is_a_usage_error(
+        args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cache ls --all` listed, as `cache ls` does, and nothing said that --all (everything,
+    of a purge or a clear) went nowhere. Refused before the data dir is read: no cache is
+    needed to tell."""
+    from proxy.tools.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--data-dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert f"symgate: error: {said}\n" in capsys.readouterr().err
+
+
 async def test_a_file_fetched_again_before_the_purge_reached_the_server_stays(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:

@@ -332,10 +332,7 @@ def _admin(args: argparse.Namespace) -> int:
         return 1
     admin = Admin(cfg)
     target: str | None = getattr(args, "build_id", None)
-    if getattr(args, "pinned", False) and args.action != "ls":
-        print("symgate: --pinned goes with cache ls", file=sys.stderr)
-        return 2
-    if args.action in ("purge", "clear") and target is None and not args.all:
+    if args.action == _ALL_GOES_WITH[args.command] and target is None and not args.all:
         print(f"symgate: {args.command} {args.action} needs a BUILD_ID, or --all",
               file=sys.stderr)
         return 2
@@ -417,6 +414,10 @@ def _missing_sqlite(url: str) -> Path | None:
         return None
     path = Path(parsed.database)
     return None if path.exists() else path
+
+
+# The one action of each admin command that --all (everything) goes with.
+_ALL_GOES_WITH = {"cache": "purge", "negative": "clear"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
         common(p)
         p.add_argument("action", choices=actions)
         p.add_argument("build_id", nargs="?", help="only this build ID")
-        p.add_argument("--all", action="store_true", help="with purge/clear: everything")
+        p.add_argument("--all", action="store_true",
+                       help=f"with {_ALL_GOES_WITH[name]}: everything")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "cache":
             p.add_argument("--pinned", action="store_true",
@@ -523,6 +525,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_what_goes_nowhere(parser: argparse.ArgumentParser, args: argparse.Namespace
+                              ) -> None:
+    """An option given to a command it means nothing to is a usage error (exit 2): said, not
+    ignored, for the command did its work as if it had not been given, and nothing told the
+    user that it went nowhere."""
+    if args.func in (_symbolize, _inspect) and not args.server:
+        only_with_server = ["--token-file"] + (["--tenant"] if args.func is _symbolize else [])
+        given = [flag for flag in only_with_server
+                 if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --server")
+    if args.func is _admin:
+        if args.all and args.action != _ALL_GOES_WITH[args.command]:
+            parser.error(f"--all goes with {args.command} {_ALL_GOES_WITH[args.command]}, not "
+                         f"{args.command} {args.action}")
+        if getattr(args, "pinned", False) and args.action != "ls":
+            parser.error(f"--pinned goes with cache ls, not cache {args.action}")
+
+
 def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None) -> int:
     """Run the command line `argv`; `loaded` is called once the command's modules are
     imported (proxy.tools.entry)."""
@@ -532,14 +553,7 @@ def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None
         import proxy.web.app  # noqa: F401  (before `loaded`: the server's modules)
     if loaded is not None:
         loaded()
-    if args.func in (_symbolize, _inspect) and not args.server:
-        # Said, not ignored: the profile was judged or symbolized without them, and nothing
-        # told the user that their token or tenant went nowhere.
-        only_with_server = ["--token-file"] + (["--tenant"] if args.func is _symbolize else [])
-        given = [flag for flag in only_with_server
-                 if getattr(args, flag[2:].replace("-", "_")) is not None]
-        if given:
-            parser.error(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --server")
+    _refuse_what_goes_nowhere(parser, args)
     if args.func is _prefetch and not args.kind:
         args.kind = ["debuginfo", "executable"]
     logs.configure(json_lines=False)
