@@ -245,17 +245,30 @@ def test_a_timeout_no_check_can_keep_is_refused(tmp_path: Path, elfs: ElfSet, va
     (["symbolize", "p.pb.gz", "-o", "o", "--tenant", "a"], "--tenant needs --server"),
     (["symbolize", "p.pb.gz", "-o", "o", "--tenant", "a", "--token-file", "t"],
      "--token-file and --tenant need --server"),
+    (["symbolize", "p.pb.gz", "-o", "o", "--timeout", "5"], "--timeout needs --server"),
+    (["symbolize", "p.pb.gz", "-o", "o", "--timeout", "5", "--tenant", "a", "--token-file", "t"],
+     "--token-file, --tenant and --timeout need --server"),
 ])
-def test_a_token_or_tenant_for_no_server_is_a_usage_error(
+def test_a_token_tenant_or_timeout_for_no_server_is_a_usage_error(
         args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     """They went nowhere, and the profile was judged or symbolized as if they were not given
-    (inspect's --tenant alone is judged by the configuration: no server needed)."""
+    (inspect's --tenant and --timeout alone are the configuration's upstreams': no server
+    needed). symbolize's --timeout is told apart from its default, which offline is no error
+    (test_symbolize_cli) and which its help still names."""
     from proxy.tools.cli import main
 
     with pytest.raises(SystemExit) as stopped:
         main(args)
     assert stopped.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_symbolizes_timeout_default_is_in_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["symbolize", "--help"])
+    assert "seconds, with --server (default 120)" in " ".join(capsys.readouterr().out.split())
 
 
 async def test_inspect_judges_a_tenants_requests_by_its_own_sources_and_view_of_the_cache(

@@ -107,6 +107,9 @@ def _db(args: argparse.Namespace) -> int:
     return 0
 
 
+SYMBOLIZE_TIMEOUT_S = 120.0  # symbolize --server's, for the whole exchange
+
+
 def _symbolize(args: argparse.Namespace) -> int:
     try:
         body = args.input.read_bytes()
@@ -135,7 +138,8 @@ def _symbolize(args: argparse.Namespace) -> int:
         try:
             out, summary = asyncio.run(symbolize_remote(
                 args.server, args.server.rstrip("/") + "/symbolize" + query, body, headers,
-                args.timeout, SymbolizeConfig().max_decompressed_bytes))
+                SYMBOLIZE_TIMEOUT_S if args.timeout is None else args.timeout,
+                SymbolizeConfig().max_decompressed_bytes))
         except RemoteError as e:
             print(f"symgate: {e}", file=sys.stderr)
             return 1
@@ -454,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--fallback", choices=get_args(Fallback),
                      help="names for frames left unsymbolized: none, or module-offset "
                           "(libc.so.6+0x1234); default: the server's setting, or none")
-    sym.add_argument("--timeout", type=_seconds, default=120.0, help="seconds, with --server")
+    # None when not given, so that one given without --server is told apart from the default.
+    sym.add_argument("--timeout", type=_seconds,
+                     help=f"seconds, with --server (default {SYMBOLIZE_TIMEOUT_S:g})")
     sym.set_defaults(func=_symbolize)
 
     insp = sub.add_parser("inspect", help="why a profile's frames are or are not symbolized")
@@ -531,11 +537,14 @@ def _refuse_what_goes_nowhere(parser: argparse.ArgumentParser, args: argparse.Na
     ignored, for the command did its work as if it had not been given, and nothing told the
     user that it went nowhere."""
     if args.func in (_symbolize, _inspect) and not args.server:
-        only_with_server = ["--token-file"] + (["--tenant"] if args.func is _symbolize else [])
+        # inspect's --tenant and --timeout are the configuration's upstreams' too.
+        only_with_server = ["--token-file"] + (["--tenant", "--timeout"]
+                                               if args.func is _symbolize else [])
         given = [flag for flag in only_with_server
                  if getattr(args, flag[2:].replace("-", "_")) is not None]
         if given:
-            parser.error(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --server")
+            named = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+            parser.error(f"{named} {'need' if len(given) > 1 else 'needs'} --server")
     if args.func is _admin:
         if args.all and args.action != _ALL_GOES_WITH[args.command]:
             parser.error(f"--all goes with {args.command} {_ALL_GOES_WITH[args.command]}, not "
