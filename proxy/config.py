@@ -296,6 +296,7 @@ class UpstreamConfig:
     first_byte_timeout_s: Seconds = 30.0
     # Longest silence between two body chunks: a server that hangs mid-body.
     read_timeout_s: Seconds = 30.0
+    # The whole exchange: connect, every redirect hop's headers, and the body.
     total_timeout_s: Seconds = 900.0
     # Retries and their waits are spent inside a client's request (total_timeout_s bounds
     # each attempt, not their sum): a million retries held it for ever, and a client gives up

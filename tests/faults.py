@@ -23,6 +23,7 @@ from tests.elfs import Elf, ElfSet
 from tests.harness import serve_loopback
 
 HALF = 0.5
+SLOW_HOPS = 20  # the most an upstream's max_redirects may be
 MIB = 1024 * 1024
 
 
@@ -179,6 +180,12 @@ class FaultUpstream:
             raise web.HTTPFound("file:///etc/passwd")
         if mode == "redirect-to":
             raise web.HTTPFound(self.redirect_target)
+        if mode == "slow-hops":  # each hop's headers half a second late, the 21st the file
+            hop = int(request.query.get("hop", "0"))
+            await asyncio.sleep(HALF)
+            if hop < SLOW_HOPS:
+                raise web.HTTPFound(request.rel_url.update_query(hop=hop + 1))
+            mode = "ok"
         if mode == "html":  # a proxy's or CDN's error page, sent with 200
             return web.Response(text="<html><body>Service maintenance</body></html>",
                                 content_type="text/html")

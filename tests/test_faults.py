@@ -10,7 +10,7 @@ from multidict import CIMultiDict
 
 from proxy.config import CacheConfig, FetchConfig, FetchPolicy, SymbolizeConfig
 from tests.elfs import ElfSet
-from tests.faults import FaultUpstream
+from tests.faults import SLOW_HOPS, FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -332,6 +332,19 @@ async def test_redirects_are_followed_but_not_to_other_schemes_or_forever(
         status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
         assert status == 502 and reason in body, body
     assert faults.count("redirect-loop") == 4  # the first request and 3 hops, then it stops
+
+
+async def test_a_fetch_through_redirects_ends_at_the_upstreams_total_timeout(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """total_timeout_s bounds an attempt, every hop of it: each hop had one of its own, so an
+    upstream that sent each hop's headers half a bound late held the client for 21 halves."""
+    sg = await start_symgate([fast_upstream(
+        faults.url_for("slow-hops"), total_timeout_s=1, first_byte_timeout_s=120,
+        read_timeout_s=120, retries=0, max_redirects=SLOW_HOPS)])
+    status, _, body = await asyncio.wait_for(
+        sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"), 60)
+    assert status == 504 and b"no response in time" in body, body[:200]
 
 
 async def test_upstream_credentials_are_sent(

@@ -30,11 +30,12 @@ from tests.processes import debuginfod_find
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 SIGNATURE = "030204" + "ab" * 40  # the hex of an IMA v2 signature, as RPM headers carry it
+MAX_REDIRECTS = 20  # the most an upstream's max_redirects may be
 
 
 class ModernUpstream:
     """What a newer debuginfod (0.192+) answers: signed files and /metadata. The first path
-    segment picks the behaviour of /metadata: ok, notjson, hang, junk (bad entries)."""
+    segment picks the behaviour of /metadata: ok, notjson, hang, junk (bad entries), ..."""
 
     def __init__(self, elfs: ElfSet) -> None:
         self.elfs = elfs
@@ -68,6 +69,11 @@ class ModernUpstream:
         self.metadata_queries.append(dict(request.query))
         if mode == "hang":
             await asyncio.sleep(3600)
+        if mode == "slow-hops":  # each hop's headers half a second late, the last an answer
+            hop = int(request.query.get("hop", "0"))
+            await asyncio.sleep(0.5)
+            if hop < MAX_REDIRECTS:
+                raise web.HTTPFound(request.rel_url.update_query(hop=hop + 1))
         if mode == "huge":  # past what symgate reads of an answer
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             await response.prepare(request)
@@ -242,6 +248,23 @@ async def test_metadata_from_a_broken_upstream_is_incomplete_never_an_error(
     assert status == 200 and doc["complete"] is False
     expected = [elfs.other.build_id] if mode == "junk" else []  # only its one good entry
     assert [r["buildid"] for r in doc["results"]] == expected  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["hang", "slow-hops"])
+async def test_an_upstreams_whole_metadata_exchange_ends_at_its_total_timeout(
+    start_symgate: SymgateFactory, modern: ModernUpstream, mode: str
+) -> None:
+    """Connect, headers and body, through every redirect: each hop had a total_timeout_s of
+    its own, so an upstream that sent each hop's headers half a bound late held the client's
+    query for 21 halves (max_redirects 20), and made it complete. The wait for the headers
+    (first_byte_timeout_s) and between body bytes are far longer here."""
+    sg = await start_symgate([fast_upstream(
+        f"{modern.url}/{mode}", total_timeout_s=1, first_byte_timeout_s=120, read_timeout_s=120,
+        max_redirects=MAX_REDIRECTS)])
+    status, doc = await asyncio.wait_for(_metadata(sg.url, key="glob", value="*"), 60)
+    assert status == 200 and doc == {"results": [], "complete": False}
+    assert await sg.metric("symgate_requests_total", endpoint="metadata", kind="glob",
+                           outcome="incomplete") == 1
 
 
 @pytest.mark.parametrize("query", [

@@ -181,10 +181,6 @@ class Upstream:
         )
         self._base_url = URL(self.base)
         metrics.add_upstream(self.name)
-        self._timeout = aiohttp.ClientTimeout(
-            total=cfg.total_timeout_s or None,
-            sock_connect=cfg.connect_timeout_s or None,
-        )
 
     def has(self, key: ArtifactKey) -> bool | None:
         return None  # only a request can tell
@@ -268,9 +264,10 @@ class Upstream:
 
     async def query(self, path_qs: str, hop: Hop) -> aiohttp.ClientResponse:
         """A GET of another API path (/metadata?...), with this upstream's credentials,
-        redirect rules and first-byte limit; the caller reads and releases the response.
-        UpstreamUnavailable (or UpstreamTimeout) when none came. Not counted towards the
-        breaker: a server too old to know the path is not an outage; an open one is skipped."""
+        redirect rules and first-byte limit; the caller reads and releases the response, its
+        body cut off (TimeoutError) at total_timeout_s from this call. UpstreamUnavailable
+        (or UpstreamTimeout) when none came. Not counted towards the breaker: a server too old
+        to know the path is not an outage; an open one is skipped."""
         if self.breaker.state is BreakerState.OPEN:
             raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
         try:
@@ -355,7 +352,19 @@ class Upstream:
     async def _follow(self, url: URL, hop: Hop, session: aiohttp.ClientSession,
                       decompress: bool = True) -> aiohttp.ClientResponse:
         """The first answer that is not a redirect, following only the redirects the
-        operator allows (proxy.sources.redirects); _Permanent for any other."""
+        operator allows (proxy.sources.redirects); _Permanent for any other. TimeoutError
+        past total_timeout_s from now, which bounds the answer's body too (aiohttp's timer)."""
+        # One deadline for the whole exchange, every hop and the body read after: with a
+        # total_timeout_s of each hop's own, an upstream that sent each hop's redirect a little
+        # before its end held the request for max_redirects + 1 of them.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.total_timeout_s if self.cfg.total_timeout_s else None
+        async with asyncio.timeout_at(deadline):  # resolving a redirect's host, too
+            return await self._hops(url, hop, session, decompress, deadline)
+
+    async def _hops(self, url: URL, hop: Hop, session: aiohttp.ClientSession, decompress: bool,
+                    deadline: float | None) -> aiohttp.ClientResponse:
+        loop = asyncio.get_running_loop()
         previous = url
         for _ in range(self.cfg.max_redirects + 1):
             own_origin = redirects.origin(url) == redirects.origin(self._base_url)
@@ -373,9 +382,14 @@ class Upstream:
                     headers["Authorization"] = self._url_authorization
             route = await self._routes.route(url)
             route.add_headers(url, headers, upstream_origin=own_origin)
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:  # aiohttp would take it for no limit at all
+                raise TimeoutError
+            timeout = aiohttp.ClientTimeout(
+                total=left, sock_connect=self.cfg.connect_timeout_s or None)
             try:
                 response = await session.get(
-                    url, headers=headers, timeout=self._timeout, allow_redirects=False,
+                    url, headers=headers, timeout=timeout, allow_redirects=False,
                     proxy=route.proxy, proxy_headers=route.proxy_headers,
                     # An artifact's body is inflated by UpstreamBody, which knows a stream
                     # that ends short (aiohttp does for deflate only).
