@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy.config import UpstreamConfig
 from tests.elfs import ElfSet
 from tests.harness import (
     Debuginfod,
@@ -31,6 +33,11 @@ pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.
 
 SIGNATURE = "030204" + "ab" * 40  # the hex of an IMA v2 signature, as RPM headers carry it
 MAX_REDIRECTS = 20  # the most an upstream's max_redirects may be
+# File names that str.isprintable() refuses but symgate's printable() lets through (a
+# no-break space, a soft hyphen, an emoji's zero width joiner), and one both refuse (U+2028,
+# a line break to many log viewers).
+ODD_NAMES = ("no\u00a0break.debug", "soft\u00adhyphen.debug", "joined\u200dname.debug",
+             "line\u2028break.debug")
 
 
 class ModernUpstream:
@@ -91,6 +98,10 @@ class ModernUpstream:
                 await response.write(b" ")
         if mode == "notjson":
             return web.Response(text="<html>maintenance</html>", content_type="text/html")
+        if mode == "odd-names":  # a file of each ODD_NAMES name, as a local directory has
+            return web.json_response({"complete": True, "results": [
+                {"type": "debuginfo", "buildid": f"{i + 1:040x}", "file": f"/usr/lib/{name}"}
+                for i, name in enumerate(ODD_NAMES)]})
         if mode == "many":  # an answer big enough to be parsed off the loop
             return web.json_response({"complete": True, "results": [
                 {"type": "executable", "buildid": f"{i:040x}", "file": f"/usr/lib/many/{i}.so"}
@@ -248,6 +259,27 @@ async def test_metadata_from_a_broken_upstream_is_incomplete_never_an_error(
     assert status == 200 and doc["complete"] is False
     expected = [elfs.other.build_id] if mode == "junk" else []  # only its one good entry
     assert [r["buildid"] for r in doc["results"]] == expected  # type: ignore[attr-defined]
+
+
+async def test_an_upstreams_file_names_are_judged_as_a_local_directorys_are(
+    start_symgate: SymgateFactory, modern: ModernUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """One judgement of what a name may be (proxy.headers.printable, which a cached file's
+    X-DEBUGINFOD-FILE gets too): an upstream's entries were judged by str.isprintable(),
+    which also dropped names a local directory's files are listed by."""
+    tree = tmp_path / "debug"
+    tree.mkdir()
+    elves = (elfs.prog, elfs.other, elfs.nopie, elfs.shlib)
+    for elf, name in zip(elves, ODD_NAMES, strict=True):
+        shutil.copy(elf.debug, tree / name)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0),
+                              fast_upstream(f"{modern.url}/odd-names")])
+    status, doc = await _metadata(sg.url, key="glob", value="*.debug")
+    assert status == 200
+    kept = [name for name in ODD_NAMES if "\u2028" not in name]
+    assert sorted(r["file"] for r in doc["results"]) == sorted(  # type: ignore[attr-defined]
+        [str(tree / name) for name in kept] + [f"/usr/lib/{name}" for name in kept])
+    assert doc["complete"] is False  # the U+2028 name left out, of each
 
 
 @pytest.mark.parametrize("mode", ["hang", "slow-hops"])

@@ -241,8 +241,11 @@ def _valid(results: Iterable[object]) -> Iterable[Result]:
     for r in results:
         if not isinstance(r, dict):
             continue
+        # printable(), as a local directory's names and a cached file's X-DEBUGINFOD-FILE are
+        # judged: str.isprintable() also dropped names those are listed by (a no-break space,
+        # a soft hyphen, an emoji's zero width joiner), and the answer with them.
         kept = {f: r[f] for f in _RESULT_FIELDS if isinstance(r.get(f), str)
-                and 0 < len(r[f]) <= MAX_VALUE and r[f].isprintable()}
+                and printable(r[f], MAX_VALUE)}
         if "type" not in kept or "buildid" not in kept or "file" not in kept:
             continue
         if not _TYPE.fullmatch(kept["type"]):
