@@ -1,9 +1,15 @@
 """Hit counts and access times reach SQL in batches; a batch whose write fails is kept for the
-next flush, not lost (the LRU order across restarts and replicas depends on it)."""
+next flush, not lost (the LRU order across restarts and replicas depends on it), and a stop
+waits for a batch being written."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,6 +23,9 @@ from proxy.metrics import ProxyMetrics
 from proxy.store.disk import DiskStore
 from proxy.store.migrate import upgrade
 from proxy.store.repository import ArtifactRecord, Repository, create_engine
+from proxy.web.state import STATE
+from tests.elfs import ElfSet
+from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
 
 
 async def _rename(database_url: str, old: str, new: str) -> None:
@@ -87,3 +96,76 @@ async def test_two_processes_flushing_the_same_files_never_deadlock(database_url
     finally:
         for repo in repos:
             await repo.close()
+
+
+@contextlib.asynccontextmanager
+async def _artifact_rows_locked(database_url: str) -> AsyncIterator[None]:
+    """No write to the artifacts' rows completes in the block: another connection holds
+    SQLite's write lock, or PostgreSQL's locks on the rows."""
+    if database_url.startswith("sqlite"):
+        conn = sqlite3.connect(database_url.split(":///", 1)[1], isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            conn.close()
+        return
+    import asyncpg
+
+    pg = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
+    tx = pg.transaction()
+    await tx.start()
+    await pg.execute("SELECT key_hash FROM artifacts FOR UPDATE")
+    try:
+        yield
+    finally:
+        await tx.rollback()
+        await pg.close()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+async def test_a_stop_while_hits_are_written_waits_for_the_write_and_loses_none(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
+    elfs: ElfSet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop cancelled the background jobs and went on without waiting for them. On
+    SQLite, a flush waiting for the lock put its hits back only once the lock came free,
+    after the stop's own last flush had run: lost, and its task outlived the stop. On
+    PostgreSQL that last flush was left waiting for the lock. Driven by a lock on the rows,
+    held until the stop says it waits for the flush (or is over)."""
+    caplog.set_level(logging.INFO, logger="proxy.web.jobs")
+    config = make_config(tmp_path / "d", database_url, [debuginfod.url])
+    sg = await start_symgate(config=replace(
+        config, server=replace(config.server, access_flush_s=0.05),
+        # The flush waits for the test's lock, not 5 s (and fails).
+        database=replace(config.database, timeout_s=60.0)))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()  # its row written
+    cache = sg.runner.app[STATE].service.cache
+    kh = key_hash("", ArtifactKey.parse(elfs.prog.build_id, "debuginfo"))
+    hits = 5
+    async with _artifact_rows_locked(database_url):
+        for _ in range(hits):
+            assert (await sg.get(path))[0] == 200
+        # A flush took some of them (the rest wait for the next), and writes them until the
+        # lock is let go.
+        await eventually(lambda: cache._pending_access.get(kh, (0, None))[0] < hits)
+        stopping = asyncio.ensure_future(sg.stop())
+
+        def waiting() -> bool:
+            return any("waiting for background jobs under way" in r.getMessage()
+                       and "ArtifactCache.flush_access" in r.getMessage()
+                       for r in caplog.records)
+
+        await eventually(lambda: stopping.done() or waiting())
+    await asyncio.wait_for(stopping, 30)
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as c:
+            assert (await c.execute(text("SELECT hits FROM artifacts"))).scalars().all() == [hits]
+    finally:
+        await engine.dispose()
+    assert not [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_every"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not said, said

@@ -1134,7 +1134,7 @@ async def test_a_database_outage_is_one_warning_per_background_job_not_a_traceba
 
     await eventually(purge_poll_failed, timeout=10)
     await forwarder.start()
-    failed = [r for r in caplog.records if r.name == "proxy.web.app"
+    failed = [r for r in caplog.records if r.name == "proxy.web.jobs"
               and "background job" in r.getMessage()]
     assert failed and all(r.levelno == logging.WARNING and r.exc_info is None
                           for r in failed), [(r.levelname, r.getMessage()) for r in failed]

@@ -7,14 +7,13 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from sqlalchemy.exc import SQLAlchemyError
 
 from proxy import __version__
 from proxy.artifacts.board import FlightBoard
@@ -49,6 +48,7 @@ from proxy.web.errors import error_edge
 from proxy.web.fast_hits import FastHits
 from proxy.web.grace import STOP_SIGNALS, unfinished
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
+from proxy.web.jobs import Jobs
 from proxy.web.metadata import metadata
 from proxy.web.otlp import symbolize_otlp
 from proxy.web.send_timeout import SendTimeouts
@@ -245,28 +245,26 @@ def _lifecycle(
             cache.evicted.append(app[STATE].hot.forget)
             # A version another process removed (an upload deleted or replaced): its bytes too.
             cache.forgotten.append(app[STATE].hot.forget)
-            jobs = [
-                asyncio.create_task(_every(config.server.access_flush_s, cache.flush_access)),
-                # Other processes on this data dir add files this one's index never sees.
-                asyncio.create_task(_every(config.server.access_flush_s,
-                                           cache.enforce_shared_budget)),
-                asyncio.create_task(_every(config.negative.sweep_s, misses.expire)),
-                # Purges made on other replicas, or by the CLI, while this process has the
-                # file.
-                asyncio.create_task(_every(config.cache.purge_poll_s, purges.poll)),
-                # Which tenants have uploads, on any replica: their requests look there first.
-                asyncio.create_task(_every(config.cache.purge_poll_s,
-                                           service.refresh_uploaders)),
-                asyncio.create_task(_every(TRIM_EVERY_S, trim_heap)),
-            ]
+            jobs = Jobs()
+            # Awaited before what they use closes: pushed after it, so undone before it.
+            started.push_async_callback(jobs.stop)
+            jobs.start(config.server.access_flush_s, cache.flush_access)
+            # Other processes on this data dir add files this one's index never sees.
+            jobs.start(config.server.access_flush_s, cache.enforce_shared_budget)
+            jobs.start(config.negative.sweep_s, misses.expire)
+            # Purges made on other replicas, or by the CLI, while this process has the file.
+            jobs.start(config.cache.purge_poll_s, purges.poll)
+            # Which tenants have uploads, on any replica: their requests look there first.
+            jobs.start(config.cache.purge_poll_s, service.refresh_uploaders)
+            jobs.start(TRIM_EVERY_S, trim_heap)
             if tier is not None and config.storage is not None:
                 def path_of(rec: ArtifactRecord) -> Path:
                     return store.artifact_path(rec.scope, ArtifactKey.from_id(rec.key))
 
-                jobs.append(asyncio.create_task(_every(config.storage.sync_s,
-                                                       lambda: tier.sync(path_of))))
-            for job in jobs:
-                started.callback(job.cancel)
+                async def sync_bucket() -> None:
+                    await tier.sync(path_of)
+
+                jobs.start(config.storage.sync_s, sync_bucket)
             stderr = logs.stderr_lines()
             stderr.on_dropped = metrics.log_lines_dropped.inc
             started.callback(setattr, stderr, "on_dropped", None)  # undone first
@@ -293,26 +291,6 @@ def _shared_tier(config: Config, repo: Repository, metrics: ProxyMetrics, health
     log.info("shared bucket %s%s", config.storage.url,
              f" at {config.storage.endpoint}" if config.storage.endpoint else "")
     return SharedTier(bucket, repo, config.storage, metrics, replica)
-
-
-# What a background job meets while the database is away: SQLAlchemy's errors, and the
-# driver's own refused or timed-out connections.
-_OUTAGES: tuple[type[BaseException], ...] = (SQLAlchemyError, ConnectionError, TimeoutError)
-
-
-async def _every(seconds: float, job: Callable[[], Awaitable[object]]) -> None:
-    while True:
-        await asyncio.sleep(seconds)
-        try:
-            await job()
-        except _OUTAGES as e:
-            # An outage every job rides out (README: the database down): one line, no
-            # traceback, each round; the job tries again at the next. A disk's OSError, or a
-            # bug, keeps its traceback.
-            log.warning("background job %s failed (%s: %s); trying again in %g s",
-                        getattr(job, "__qualname__", job), type(e).__name__, e, seconds)
-        except Exception:  # a failed background job is logged and tried again next time
-            log.exception("background job %s failed", getattr(job, "__qualname__", job))
 
 
 def _via_name(config: Config, replica: str) -> str:
