@@ -40,6 +40,7 @@ from proxy.store.repository import (
     is_disk_full,
     sql_failure,
 )
+from proxy.to_the_end import to_the_end
 
 log = logging.getLogger(__name__)
 # Free space past which a full disk counts as over, without waiting for a download to succeed.
@@ -637,19 +638,26 @@ class ArtifactCache:
         the next flush (merged with what came since) and the failure is raised to be logged."""
         await self._sync_rows()
         batch, self._pending_access = self._pending_access, {}
-        if batch:
-            try:
-                await self._repo.record_access(batch)
-            except BaseException:
+        if not batch:
+            return
+        # Not cut by a cancel (a stop), which is raised once the write is over: a write cut
+        # after the database took its COMMIT would be put back as failed, and its hits
+        # counted twice by the stop's last flush.
+        writing = asyncio.ensure_future(self._repo.record_access(batch))
+        try:
+            await to_the_end(writing)
+        finally:
+            if writing.cancelled() or writing.exception() is not None:
                 for kh, (hits, when) in batch.items():
                     if kh not in self._entries:
                         continue  # evicted meanwhile: its row is gone
                     newer_hits, newer = self._pending_access.get(kh, (0, when))
                     self._pending_access[kh] = (hits + newer_hits, max(when, newer))
-                raise
-            for kh, (hits, when) in batch.items():
-                if (rec := self._entries.get(kh)) is not None:
-                    self._entries[kh] = replace(rec, hits=rec.hits + hits, last_access=when)
+            else:
+                for kh, (hits, when) in batch.items():
+                    if (rec := self._entries.get(kh)) is not None:
+                        self._entries[kh] = replace(rec, hits=rec.hits + hits,
+                                                    last_access=when)
 
 
     async def _sync_rows(self) -> None:
