@@ -47,7 +47,7 @@ from proxy.config import (
 from proxy.health import Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
-from proxy.store.repository import Repository, create_engine
+from proxy.store.repository import BucketRecord, Repository, create_engine
 from proxy.web.app import body_options, create_app
 from proxy.web.state import STATE
 from tests.buckets import BUCKET, FaultyBucket, Prefix, S3Server, s3_server, wait_gone
@@ -1534,6 +1534,86 @@ async def test_a_server_stopping_as_a_fetch_releases_its_lease_still_releases_it
     finally:
         await locker.close()
         await watcher.close()
+
+
+@on_postgresql
+async def test_a_copy_found_under_the_lease_is_closed_when_a_stop_cuts_the_leases_release(
+    prefix: Prefix, s3: S3Server, database_url: str
+) -> None:
+    """The replica that held a key's lease published the key and let the lease go just as
+    this one took it: this one finds the copy after all, and drops the lease. A stop that
+    cancelled the miss as the lease's row was deleted left the copy open, its connection
+    held and the bucket's side blocked writing into it, until the garbage collector came.
+    Driven by locks on the lease's row (another session's uncommitted DELETE, then its
+    SELECT ... FOR UPDATE) and by the misses lookup, which waits for the test."""
+    import asyncpg
+
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    repo = Repository(create_engine(database_url), replica="b")
+    dsn = database_url.replace("postgresql+asyncpg://", "postgresql://")
+    locker, watcher = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    key = ArtifactKey.parse("ab" * 20, "debuginfo")
+    kh = key_hash("", key)
+    name = tier.fetch_lease(kh)
+    # More than loopback's socket buffers take: unread, the bucket's side blocks writing it.
+    data = os.urandom(32 * 1024 * 1024)
+    await prefix.put(tier.object_path("debuginfo", kh), data)
+    now = datetime.now(UTC)
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def missing() -> bool:
+        asked.set()
+        await answer.wait()
+        return False
+
+    async def waiting(query: str) -> bool:
+        return bool(await watcher.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE $1", f"{query}%"))
+
+    gc.disable()  # what is left open stays open, as until the collector's next round
+    try:
+        async with FaultyBucket(s3) as faulty:
+            config = prefix.config(endpoint=faulty.endpoint, lease_s=30.0)
+            registry = CollectorRegistry()
+            metrics = ProxyMetrics(registry)
+            shared = tier.SharedTier(Bucket(config, metrics, Health()), repo, config, metrics,
+                                     "b")
+            # Another replica's lease, which it drops as this one asks for it.
+            assert await repo.take_lease(name, "a", now, now + timedelta(seconds=60))
+            dropping = locker.transaction()
+            await dropping.start()
+            await locker.execute("DELETE FROM leases WHERE name = $1", name)
+            obtaining = asyncio.ensure_future(shared.obtain(kh, [kh], key, missing))
+            await eventually(lambda: waiting("INSERT INTO leases"))  # no copy: the lease
+            await repo.put_bucket_object(BucketRecord(
+                key_hash=kh, scope="", key=key.id, build_id=key.build_id, kind="debuginfo",
+                size=len(data), sha256=hashlib.sha256(data).hexdigest(), upstream="u",
+                filename="f", archive=None, last_modified=None, ima_signature=None,
+                pinned=False, stored_at=now, last_access=now))
+            await dropping.commit()
+            await asyncio.wait_for(asked.wait(), 30)  # the lease is this one's: both asked
+            holding = locker.transaction()
+            await holding.start()
+            await locker.execute("SELECT name FROM leases WHERE name = $1 FOR UPDATE", name)
+            answer.set()
+            await eventually(lambda: waiting("DELETE FROM leases"))  # the copy is open
+            assert registry.get_sample_value(
+                "symgate_bucket_requests_total", {"op": "get", "outcome": "ok"}) == 1
+            obtaining.cancel()
+            await holding.rollback()
+            with pytest.raises(asyncio.CancelledError):
+                await obtaining
+            await eventually(lambda: faulty.answering == 0)  # the copy's connection let go
+            await shared.close()
+        assert await repo.lease_of(name) is None
+    finally:
+        gc.enable()
+        await locker.close()
+        await watcher.close()
+        await repo.close()
 
 
 async def test_an_upload_cut_short_leaves_no_unfinished_multipart_upload(

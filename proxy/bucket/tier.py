@@ -174,7 +174,12 @@ class SharedTier:
                         await lease.release()  # or it is renewed, and held, for ever
                         raise
                     if body is not None or gone:
-                        await lease.release()
+                        try:
+                            await lease.release()
+                        except BaseException:  # a cancel (a stop) once the row is dropped
+                            if body is not None:
+                                body.close()
+                            raise
                         if body is None:
                             raise RememberedNotFound()
                         self._metrics.cluster_fetches.labels("waited").inc()
