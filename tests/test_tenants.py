@@ -382,3 +382,28 @@ async def test_a_tenant_asking_fewer_global_sources_never_answers_anothers_join_
     status, _, body = await anonymous
     assert status == 200 and body == elfs.prog.debug.read_bytes()
     assert faults.count("ok") == 1
+
+
+async def test_a_request_waiting_for_the_headers_of_a_fetch_that_asks_fewer_sources_counts(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """symgate_fetch_waiters counts the requests that wait for a fetch under way to stream:
+    the client of nobody's that waits for the headers of T's fetch (which asks fewer sources:
+    its failure is no answer) was left out, so the gauge showed one where two waited behind
+    the held upstream. Both counted while they wait, and neither once answered."""
+    held = fast_upstream(faults.url_for("hold404"), first_byte_timeout_s=60)
+    sg = await start_symgate([held, fast_upstream(faults.url_for("ok"))],
+                             tenants={"t": TenantConfig(upstreams=(held,))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    tenant = asyncio.create_task(sg.get(path, headers={"X-Scope-OrgID": "t"}))
+    await eventually(lambda: faults.count("hold404") == 1)
+    anonymous = asyncio.create_task(sg.get(path))
+
+    async def both_wait() -> bool:
+        return await sg.metric("symgate_fetch_waiters") == 2
+
+    await eventually(both_wait)
+    faults.release.set()
+    assert (await tenant)[0] == 404
+    assert (await anonymous)[0] == 200
+    assert await sg.metric("symgate_fetch_waiters") == 0

@@ -418,7 +418,10 @@ class ArtifactService:
         if (flight := self._flights.get(kh)) is not None:
             if not flight.succeeded:
                 self._metrics.singleflight_joins.inc()
-                if await self._answers(flight, _asking(req)):
+                # Waiting, when its failure is no answer, for its headers or its end.
+                with self._metrics.fetch_waiters.track_inprogress():
+                    answers = await self._answers(flight, _asking(req))
+                if answers:
                     return await self._join(flight)
             else:
                 # Verified and being committed (an fsync and a row): a hit in a moment.
