@@ -49,15 +49,21 @@ class Inflater:
             if data[0] & 0x0F != 8:  # not a zlib header's deflate method
                 self._wbits = -DEFLATE
                 self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
+        # Fed a piece's worth at a time: what the inflater leaves of its input (a piece of
+        # output short of its end) is a new copy each time, and left of a whole body it was
+        # the rest of the body, copied for every piece (a 27 MB profile, 3200 times over).
+        rest = memoryview(data)
         try:
-            while data:
+            while rest:
                 if self._inflater.eof:  # a member ended and more bytes came
                     if self._wbits != GZIP:
                         raise Unreadable("bytes after the end of its deflate stream")
                     self._inflater = isal_zlib.decompressobj(wbits=self._wbits)
-                out = self._inflater.decompress(data, piece)
-                data = self._inflater.unused_data if self._inflater.eof \
+                fed = rest[:piece]
+                out = self._inflater.decompress(fed, piece)
+                left = self._inflater.unused_data if self._inflater.eof \
                     else self._inflater.unconsumed_tail
+                rest = rest[len(fed) - len(left):]
                 if out:
                     yield out
         except _ZLIB_ERROR as e:

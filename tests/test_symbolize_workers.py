@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import os
 import signal
 import socket
 import struct
+import tracemalloc
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from proxy.config import TenantConfig
+from proxy.inflating import GZIP
 from proxy.symbols.workers import WorkerPool
+from proxy.web.content_encoding import measure_body
 from proxy.web.state import STATE
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
@@ -487,6 +491,22 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
         status, _, text = await pending
         assert status == 400 and b"not a pprof profile" in text, text
     assert grown < 8 << 20, grown
+
+
+async def test_a_gzipped_body_is_measured_without_copying_what_is_left_of_it() -> None:
+    """Each piece inflated left the rest of the body as the inflater's unconsumed tail, a new
+    copy of it: measured in 64 KiB pieces, a 27 MB profile (200 MB inflated) was copied 3200
+    times over, 3.6 s of a thread's memcpy (under the GIL) to measure it where 1 MiB pieces
+    took 0.46 s, and each copy a second body in memory. Fed a slice at a time, what is copied
+    is at most a slice."""
+    body = gzip.compress(os.urandom(16 << 20), 1)  # incompressible: inflates to its size
+    tracemalloc.start()
+    try:
+        await measure_body(body, GZIP, 32 << 20, "limit")
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20, peak
 
 
 async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection(
