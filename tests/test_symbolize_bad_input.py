@@ -90,6 +90,26 @@ async def test_a_body_sent_deflated_is_taken_and_other_codings_are_415(
     assert status == 415 and b"unsupported Content-Encoding 'br'" in text, text
 
 
+async def test_a_deflated_body_whose_end_inflates_to_more_than_a_piece_is_taken(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """isal's inflater of the zlib format takes in all of its input and holds back output past
+    the piece asked for: that rest came only by asking again, with no input, which the
+    inflating did not do once its input was used up, so a sound deflated body whose last bytes
+    inflate to more than a piece was refused as one that "ends before its compressed stream
+    does" (with 64 KiB pieces to measure it, any body whose last 64 KiB were not the
+    end; a long comment does that here)."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    profile.string_table.append("x" * 200_000)
+    profile.comment.append(len(profile.string_table) - 1)
+    for coding, compress in (("deflate", zlib.compress), ("gzip", gzip.compress)):
+        status, headers, body = await post(sg, compress(profile.SerializeToString()),
+                                           **{"Content-Encoding": coding})
+        assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", body[:200]
+        assert parse(body).comment == profile.comment
+
+
 async def test_a_profile_with_a_corrupt_sample_is_400(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
