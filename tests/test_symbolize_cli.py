@@ -180,3 +180,24 @@ def test_cli_output_is_written_whole_or_left_as_it_was(tmp_path: Path, elfs: Elf
     assert earlier.read_bytes() == streamed.stdout
     assert earlier.stat().st_mode & 0o777 == 0o604
     assert sorted(os.listdir(work)) == ["a-dir", "earlier.pb.gz", "new.pb.gz"]
+
+
+def test_cli_output_may_have_any_name_the_file_system_takes(tmp_path: Path, elfs: ElfSet
+                                                           ) -> None:
+    """The temp file beside FILE kept 200 characters of FILE's name, which NAME_MAX (255)
+    counts in bytes: a name of 120 Cyrillic letters and .pb.gz (246 bytes, which open(2)
+    takes) made a temp name of 264 bytes, and -o FILE failed with 'File name too long'."""
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile(
+        [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog))]).SerializeToString()))
+    work = tmp_path / "out"
+    work.mkdir()
+    out = work / ("\u0436" * 120 + ".pb.gz")
+    assert len(os.fsencode(out.name)) == 246
+    for _ in range(2):  # made, then replaced
+        result = subprocess.run(["symgate", "symbolize", str(source), "--debug-dir",
+                                 str(tmp_path / "none"), "-o", str(out)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert parse(out.read_bytes()).location
+        assert os.listdir(work) == [out.name]

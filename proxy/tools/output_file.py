@@ -53,7 +53,11 @@ def write_whole(path: Path, data: bytes) -> None:
 def _create_beside(target: Path) -> tuple[int, Path]:
     """A new hidden file in `target`'s directory, created with mode 0o666 so that the kernel
     applies the umask (and a default ACL) as for a plain open; mkstemp's 0o600 would not."""
-    stem = target.name[:200]  # the suffix added must keep it within NAME_MAX (255)
+    # The suffix added must keep it within NAME_MAX (255), which counts bytes: 200
+    # characters of a name in Cyrillic or CJK are 400 or 600 of them.
+    stem = target.name
+    while len(os.fsencode(stem)) > 200:
+        stem = stem[:-1]
     while True:
         temp = target.with_name(f".{stem}.{os.urandom(6).hex()}.tmp")
         try:
