@@ -201,3 +201,30 @@ def test_cli_output_may_have_any_name_the_file_system_takes(tmp_path: Path, elfs
         assert result.returncode == 0, result.stderr
         assert parse(out.read_bytes()).location
         assert os.listdir(work) == [out.name]
+
+
+def test_cli_output_into_a_directory_that_takes_no_new_file(tmp_path: Path, elfs: ElfSet
+                                                            ) -> None:
+    """A FILE that may be written in a directory that takes no new file (immutable here; not
+    writable to the user, as a file an administrator made for it in theirs): the temp file
+    beside it could not be made, and -o FILE failed with 'Operation not permitted', where it
+    had been written. It is written into, as a plain open does."""
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile(
+        [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog))]).SerializeToString()))
+    work = tmp_path / "out"
+    work.mkdir()
+    out = work / "out.pb.gz"
+    out.write_bytes(b"an earlier profile")
+    done = subprocess.run(["chattr", "+i", str(work)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make a directory immutable here: {done.stderr.strip()}")
+    try:
+        result = subprocess.run(["symgate", "symbolize", str(source), "--debug-dir",
+                                 str(tmp_path / "none"), "-o", str(out)],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(work)], check=True)
+    assert result.returncode == 0, result.stderr
+    assert parse(out.read_bytes()).location
+    assert os.listdir(work) == [out.name]

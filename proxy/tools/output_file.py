@@ -16,7 +16,8 @@ from pathlib import Path
 
 def write_whole(path: Path, data: bytes) -> None:
     """Write `data` to `path` as a plain open would (the umask's mode for a new file, the old
-    file's mode for one replaced), all or nothing. Raises OSError, with no temp file left."""
+    file's mode for one replaced), all or nothing where its directory takes a new file.
+    Raises OSError, with no temp file left."""
     try:
         st: os.stat_result | None = path.stat()
     except FileNotFoundError:
@@ -34,7 +35,16 @@ def write_whole(path: Path, data: bytes) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
     # Through a symbolic link to the file it names, as open writes: the link stays a link.
     target = Path(os.path.realpath(path))
-    fd, temp = _create_beside(target)
+    try:
+        fd, temp = _create_beside(target)
+    except PermissionError:
+        if st is None:
+            raise
+        # A directory that takes no new file (not the user's to write, or immutable) holding
+        # a file that is: written into, as a plain open does, or not at all.
+        with path.open("wb") as stream:
+            stream.write(data)
+        return
     try:
         with os.fdopen(fd, "wb") as out:
             if st is not None:
