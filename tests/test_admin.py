@@ -62,6 +62,10 @@ async def test_cache_ls_stats_and_purge(
     (["cache", "stats", "--all"], "--all goes with cache purge, not cache stats"),
     (["negative", "ls", "--all", "--json"], "--all goes with negative clear, not negative ls"),
     (["cache", "purge", "--all", "--pinned"], "--pinned goes with cache ls, not cache purge"),
+    # Everything, or one build ID: the BUILD_ID won, and --all went nowhere as silently.
+    (["cache", "purge", "ab" * 20, "--all"], "cache purge takes a BUILD_ID or --all, not both"),
+    (["negative", "clear", "ab" * 20, "--all"],
+     "negative clear takes a BUILD_ID or --all, not both"),
 ])
 def test_an_option_of_another_action_is_a_usage_error(
         args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -549,6 +549,8 @@ def _refuse_what_goes_nowhere(parser: argparse.ArgumentParser, args: argparse.Na
         if args.all and args.action != _ALL_GOES_WITH[args.command]:
             parser.error(f"--all goes with {args.command} {_ALL_GOES_WITH[args.command]}, not "
                          f"{args.command} {args.action}")
+        if args.all and args.build_id is not None:  # the BUILD_ID's alone were taken
+            parser.error(f"{args.command} {args.action} takes a BUILD_ID or --all, not both")
         if getattr(args, "pinned", False) and args.action != "ls":
             parser.error(f"--pinned goes with cache ls, not cache {args.action}")
 
