@@ -22,7 +22,8 @@ DEFLATE = isal_zlib.MAX_WBITS
 CODINGS = {"gzip": GZIP, "x-gzip": GZIP, "deflate": DEFLATE}
 # Inflated at most this much per piece.
 PIECE = 1 << 20
-# A piece only counted (count): small, one allocation the allocator keeps reusing.
+# A piece only counted (count), or joined to a hop's (take): small, one allocation the
+# allocator keeps reusing.
 # Six gzip bombs measured at once with 1 MiB pieces, each made in a thread of its own,
 # grew the process by 15-35 MiB (a freed piece stays in its thread's malloc arena).
 COUNTED_PIECE = 64 << 10
@@ -91,3 +92,14 @@ def count(pieces: Iterator[bytes], most: int) -> int:
         if size > most:
             break
     return size
+
+
+def take(pieces: Iterator[bytes], most: int) -> bytes:
+    """The next of `pieces` joined: all of them, or those up to the first that passes `most`.
+    Blocks: call it in a thread."""
+    taken = bytearray()
+    for piece in pieces:
+        taken += piece
+        if len(taken) > most:
+            break
+    return bytes(taken)

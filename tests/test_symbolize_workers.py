@@ -14,15 +14,18 @@ import socket
 import struct
 import tracemalloc
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from proxy.config import TenantConfig
 from proxy.inflating import GZIP
 from proxy.symbols.workers import WorkerPool
-from proxy.web.content_encoding import measure_body
+from proxy.web.content_encoding import inflate_measured, measure_body
 from proxy.web.state import STATE
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import Elf, ElfSet
@@ -34,6 +37,8 @@ from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
+T = TypeVar("T")
 
 
 def _profile(elfs: ElfSet) -> bytes:
@@ -507,6 +512,31 @@ async def test_a_gzipped_body_is_measured_without_copying_what_is_left_of_it() -
     finally:
         tracemalloc.stop()
     assert peak < 2 << 20, peak
+
+
+async def test_a_gzipped_body_of_many_members_is_inflated_in_few_thread_hops() -> None:
+    """What measure_body passed was inflated a piece a thread hop: gzip's members are each a
+    piece of their own, so a body of 150,000 one-byte members (3 MB, which measures in half a
+    second) took as many hops, 38 s of a worker slot, and a 31 MB one minutes. Now as it was
+    measured: a hop takes as many pieces as come to COUNTED_HOP bytes."""
+    body = gzip.compress(b"a", 1) * 20_000
+    loop = asyncio.get_running_loop()
+    hops = _CountingExecutor(max_workers=2)
+    loop.set_default_executor(hops)
+    await measure_body(body, GZIP, 1 << 20, "limit")
+    measured = hops.submitted
+    assert await inflate_measured(body, GZIP, 1 << 20, "limit") == b"a" * 20_000
+    assert measured <= 2 and hops.submitted - measured <= 2, (measured, hops.submitted)
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """The event loop's default executor, counting what is given to its threads."""
+
+    submitted = 0
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
 
 
 async def test_a_sent_answer_leaves_no_mapping_behind_on_a_kept_alive_connection(
