@@ -66,6 +66,9 @@ async def test_cache_ls_stats_and_purge(
     (["cache", "purge", "ab" * 20, "--all"], "cache purge takes a BUILD_ID or --all, not both"),
     (["negative", "clear", "ab" * 20, "--all"],
      "negative clear takes a BUILD_ID or --all, not both"),
+    # Neither: said before the missing database was (exit 1, as if the usage were right).
+    (["cache", "purge"], "cache purge needs a BUILD_ID, or --all"),
+    (["negative", "clear", "--json"], "negative clear needs a BUILD_ID, or --all"),
 ])
 def test_an_option_of_another_action_is_a_usage_error(
         args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -336,10 +336,6 @@ def _admin(args: argparse.Namespace) -> int:
         return 1
     admin = Admin(cfg)
     target: str | None = getattr(args, "build_id", None)
-    if args.action == _ALL_GOES_WITH[args.command] and target is None and not args.all:
-        print(f"symgate: {args.command} {args.action} needs a BUILD_ID, or --all",
-              file=sys.stderr)
-        return 2
 
     async def run() -> int:
         try:
@@ -551,6 +547,9 @@ def _refuse_what_goes_nowhere(parser: argparse.ArgumentParser, args: argparse.Na
                          f"{args.command} {args.action}")
         if args.all and args.build_id is not None:  # the BUILD_ID's alone were taken
             parser.error(f"{args.command} {args.action} takes a BUILD_ID or --all, not both")
+        if args.action == _ALL_GOES_WITH[args.command] and args.build_id is None \
+                and not args.all:
+            parser.error(f"{args.command} {args.action} needs a BUILD_ID, or --all")
         if getattr(args, "pinned", False) and args.action != "ls":
             parser.error(f"--pinned goes with cache ls, not cache {args.action}")
 
