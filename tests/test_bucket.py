@@ -1616,6 +1616,72 @@ async def test_a_copy_found_under_the_lease_is_closed_when_a_stop_cuts_the_lease
         await repo.close()
 
 
+@on_postgresql
+async def test_a_lease_taken_as_its_miss_is_cancelled_is_dropped_at_once(
+    prefix: Prefix, s3: S3Server, database_url: str
+) -> None:
+    """A stop (or the client leaving) cancelled a miss once the database had committed the
+    INSERT of the key's lease and before its answer came: the row stayed, nothing renewing or
+    releasing it, and every other replica that asked for the key waited lease_s on it before
+    fetching it itself. Driven by a forwarder in front of PostgreSQL that holds the COMMIT's
+    answer (a lock on the row would not do: the cancel reaches the server, which cuts the
+    INSERT waiting for it)."""
+    import asyncpg
+
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    real = urlsplit(database_url)
+    forwarder = Forwarder(real.hostname or "127.0.0.1", real.port or 5432)
+    await forwarder.start()
+    via = urlunsplit(real._replace(netloc=f"127.0.0.1:{forwarder.port}"))
+    on_a, on_b = Repository(create_engine(via), replica="a"), Repository(
+        create_engine(database_url), replica="b")
+    watcher = await asyncpg.connect(database_url.replace("postgresql+asyncpg://",
+                                                         "postgresql://"))
+    key = ArtifactKey.parse("ab" * 20, "debuginfo")
+    kh = key_hash("", key)
+    config = prefix.config(lease_s=30.0)  # for good, as far as this test goes
+
+    async def missing() -> bool:
+        return False
+
+    def shared(repo: Repository, replica: str) -> tuple[tier.SharedTier, CollectorRegistry]:
+        registry = CollectorRegistry()
+        metrics = ProxyMetrics(registry)
+        return tier.SharedTier(Bucket(config, metrics, Health()), repo, config, metrics,
+                               replica), registry
+
+    async def committed() -> bool:  # the lease's row, as any other session sees it
+        return bool(await watcher.fetch("SELECT holder FROM leases"))
+
+    try:
+        a, _ = shared(on_a, "a")
+        forwarder.hold_commit(b"INSERT INTO leases")
+        obtaining = asyncio.ensure_future(a.obtain(kh, [kh], key, missing))
+        await eventually(committed)  # and a waits for the COMMIT's answer
+        obtaining.cancel()
+        forwarder.answer()
+        with pytest.raises(asyncio.CancelledError):
+            await obtaining
+        assert await watcher.fetch("SELECT holder FROM leases") == [], "the lease is held"
+        # Another replica asking for the key gets its lease, not a wait.
+        b, registry = shared(on_b, "b")
+        got = await b.obtain(kh, [kh], key, missing)
+        assert got.lease is not None
+        assert registry.get_sample_value("symgate_cluster_fetches_total",
+                                         {"how": "upstream"}) == 1
+        await got.lease.release()
+        await a.close()
+        await b.close()
+    finally:
+        forwarder.answer()
+        await watcher.close()
+        await on_a.close()
+        await on_b.close()
+        await forwarder.cut()
+
+
 async def test_an_upload_cut_short_leaves_no_unfinished_multipart_upload(
     prefix: Prefix, s3: S3Server, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -35,6 +36,10 @@ class Forwarder:
         self._silent = False  # connections accepted and never answered (silence())
         # (SQLSTATE, message) each new connection is refused with (refuse()), or None.
         self._refusal: tuple[str, str] | None = None
+        # A statement whose transaction's COMMIT has its answer held (hold_commit()), and the
+        # connections whose answers are held until answer().
+        self._hold: bytes | None = None
+        self._gates: set[asyncio.Event] = set()
         # Not port 0's answer, which is in the kernel's ephemeral range: while the forwarder
         # is cut, an outgoing connection of any test may take that port as its own, and
         # binding it again then fails (seen once in CI: EADDRINUSE in silence()).
@@ -77,6 +82,19 @@ class Forwarder:
         self._refusal = None
         self._silent = False
 
+    def hold_commit(self, statement: bytes) -> None:
+        """From now on, a connection that sends `statement` and then a COMMIT has the COMMIT's
+        answer, and what follows, held until answer(): the database has committed, and its
+        client does not know yet, as when the answer is on its way when the client stops."""
+        self._hold = statement
+
+    def answer(self) -> None:
+        """Send the answers hold_commit() held, and hold no more."""
+        self._hold = None
+        for gate in self._gates:
+            gate.set()
+        self._gates.clear()
+
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       sqlstate: str, message: str) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
@@ -117,13 +135,39 @@ class Forwarder:
             writer.transport.abort()
             return
         self._pipes.update((writer, up_writer))
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        gate = asyncio.Event()  # the server's answers go through while it is set
+        gate.set()
+        await asyncio.gather(_pipe(reader, up_writer, self._watch(gate)),
+                             _pipe(up_reader, writer, lambda _: gate.wait()))
         self._pipes.difference_update((writer, up_writer))
 
+    def _watch(self, gate: asyncio.Event) -> Callable[[bytes], Awaitable[None]]:
+        """What looks at a connection's client's bytes before they go to the server: closes
+        the gate before a COMMIT that follows hold_commit()'s statement goes, so that no byte
+        of its answer gets through."""
+        seen = False
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def watch(data: bytes) -> None:
+            nonlocal seen
+            if self._hold is None:
+                return
+            seen = seen or self._hold in data
+            if seen and b"COMMIT" in data:
+                gate.clear()
+                self._gates.add(gate)
+            if b"COMMIT" in data or b"ROLLBACK" in data:
+                seen = False  # the transaction's end
+
+        return watch
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                before: Callable[[bytes], Awaitable[object]] | None = None) -> None:
+    """`before`: awaited with each chunk before it is passed on."""
     with contextlib.suppress(OSError, asyncio.IncompleteReadError):
         while data := await reader.read(65536):
+            if before is not None:
+                await before(data)
             writer.write(data)
             await writer.drain()
     writer.transport.abort()

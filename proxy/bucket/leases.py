@@ -62,14 +62,20 @@ class Lease:
         # Its end, without its CancelledError: taken for this task's own, that swallowed a
         # cancel of the task that released.
         await asyncio.wait([self._renewing])
-        try:
-            await self._repo.drop_lease(self.name, self._holder)
-        except DATABASE_ERRORS as e:  # it lapses by itself
-            log.warning("cannot release the lease %s: %s", self.name, type(e).__name__)
-        finally:
-            # Only now: a second job of this process taking the name before the DELETE (the
-            # row is its holder's to take again) had its row deleted under it.
-            self._held.discard(self.name)
+        await _drop(self._repo, self.name, self._holder, self._held)
+
+
+async def _drop(repo: Repository, name: str, holder: str, held: set[str]) -> None:
+    """Delete `holder`'s row of `name` (never another holder's: the DELETE names both), then
+    let go of the name."""
+    try:
+        await repo.drop_lease(name, holder)
+    except DATABASE_ERRORS as e:  # it lapses by itself
+        log.warning("cannot release the lease %s: %s", name, type(e).__name__)
+    finally:
+        # Only now: a second job of this process taking the name before the DELETE (the row
+        # is its holder's to take again) had its row deleted under it.
+        held.discard(name)
 
 
 class Leases:
@@ -86,14 +92,28 @@ class Leases:
 
     async def take(self, name: str) -> Lease | None:
         """The lease, or None while another holder (or another job of this process) has it.
-        Raises DATABASE_ERRORS."""
+        Raises DATABASE_ERRORS.
+
+        A cancel meanwhile (a server stopping, a client leaving) waits for the INSERT's end,
+        drops the row if it may be this holder's, then is raised: landing once the database
+        had committed it, before its answer came, it left a row that nothing renewed or
+        released, and the other replicas waited lease_s on it for a fetch nobody made."""
         if name in self._held:
             return None
         self._held.add(name)
         now = datetime.now(UTC)
+        taking = asyncio.ensure_future(self._repo.take_lease(
+            name, self._holder, now, now + timedelta(seconds=self._lease_s)))
         try:
-            taken = await self._repo.take_lease(name, self._holder, now,
-                                                now + timedelta(seconds=self._lease_s))
+            taken = await to_the_end(taking)
+        except asyncio.CancelledError:
+            # Taken, or failed with its COMMIT's outcome unknown: dropped, which never costs
+            # another holder its row. Found held by another: nothing of this holder's there.
+            if taking.cancelled() or taking.exception() is not None or taking.result():
+                await to_the_end(_drop(self._repo, name, self._holder, self._held))
+            else:
+                self._held.discard(name)
+            raise
         except BaseException:
             self._held.discard(name)
             raise
