@@ -1682,6 +1682,45 @@ async def test_a_lease_taken_as_its_miss_is_cancelled_is_dropped_at_once(
         await forwarder.cut()
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_stop_cuts_the_bucket_jobs_still_running_after_its_wait_and_waits_for_them(
+    prefix: Prefix, s3: S3Server, database_url: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop waited CLOSE_WAIT_S for the tier's background jobs, then neither cancelled
+    nor waited for what was left: a symbol table's upload to a bucket that had not answered
+    outlived the stop, its connection held as the process exited and its failure never
+    retrieved. Driven by a bucket that holds the upload's PUT past the (shortened) wait."""
+    from proxy.store import migrate
+
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    repo = Repository(create_engine(database_url))
+    table = tmp_path / "table.symc"
+    table.write_bytes(os.urandom(64 * 1024))
+    monkeypatch.setattr(tier, "CLOSE_WAIT_S", 0.1)
+    try:
+        async with FaultyBucket(s3) as faulty:
+            faulty.add("hold", method="PUT", times=1)
+            config = prefix.config(endpoint=faulty.endpoint, read_timeout_s=60.0)
+            metrics = ProxyMetrics(CollectorRegistry())
+            shared = tier.SharedTier(Bucket(config, metrics, Health()), repo, config, metrics,
+                                     "a")
+            shared.publish_table("", "ab" * 20, table)
+            await asyncio.wait_for(faulty.held.wait(), 10)
+            uploading = set(shared._tasks)
+            assert len(uploading) == 1
+            caplog.set_level(logging.WARNING, logger="proxy.bucket.tier")
+            await shared.close()
+            assert all(task.cancelled() for task in uploading), "the upload outlived the stop"
+            assert [r.getMessage() for r in caplog.records if "cut after" in r.getMessage()
+                    ] == ["stopping: 1 background jobs of the shared bucket (uploads, access "
+                          "times) cut after 0.1 s"]
+            faulty.release.set()
+            await eventually(lambda: faulty.answering == 0)
+    finally:
+        await repo.close()
+
+
 async def test_an_upload_cut_short_leaves_no_unfinished_multipart_upload(
     prefix: Prefix, s3: S3Server, tmp_path: Path
 ) -> None:

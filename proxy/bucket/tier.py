@@ -46,6 +46,9 @@ POLL_LONGEST_S = 0.5
 # Files the catch-up uploads per round, and objects eviction deletes per statement.
 SYNC_BATCH = 64
 EVICT_BATCH = 100
+# How long a stop waits for the tier's background jobs (access times of copies read, a table's
+# upload) before it cuts what is left.
+CLOSE_WAIT_S = 10.0
 EVICTION_LEASE = "bucket-eviction"
 ORPHANS_LEASE = "bucket-orphans"
 # The only objects a sweep may delete: what object_path makes, of any table format. Anything
@@ -497,9 +500,23 @@ class SharedTier:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        """Let background uploads and deletions finish (a stopping replica's last table)."""
+        """Let background uploads and deletions finish (a stopping replica's last table), for
+        CLOSE_WAIT_S at most; then cut what is left and wait for its end. Left running, they
+        outlived the stop: a connection held as the process exited, their failures never
+        retrieved."""
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=10)
+            await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S)
+        left = [task for task in self._tasks if not task.done()]
+        if not left:
+            return
+        log.warning("stopping: %d background jobs of the shared bucket (uploads, access times) "
+                    "cut after %g s", len(left), CLOSE_WAIT_S)
+        for task in left:
+            task.cancel()
+        for end in await asyncio.gather(*left, return_exceptions=True):
+            if isinstance(end, Exception):  # a bug's, not a bucket's or database's
+                log.error("a background job of the shared bucket failed as it was cut",
+                          exc_info=end)
 
 
 def _sha256_and_size(path: Path) -> tuple[str, int]:
