@@ -1215,6 +1215,13 @@ async def test_healthz_says_the_bucket_fails_until_it_answers_again(
     async with FaultyBucket(s3) as bucket:
         (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
                               prefix.config(endpoint=bucket.endpoint))
+
+        async def swept() -> bool:
+            # The first catch-up's sweep of orphans lists the bucket, the next an hour later:
+            # refused too (a machine slow to its first round), it was the failure told.
+            return await a.metric("symgate_bucket_requests_total", op="list", outcome="ok") >= 1
+
+        await eventually(swept)
         bucket.add("403")
         assert (await get(a.url, elfs.prog.build_id)) == (200, elfs.prog.debug.read_bytes())
         await a.settled()  # its upload to the bucket refused

@@ -94,16 +94,17 @@ async def test_a_liar_before_an_upstream_that_has_the_file_costs_nothing(
 async def test_deadline_answers_with_what_is_ready(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:
-    faults.first_byte_delay = 3
+    """The upstream holds its answer until the first profile has been answered: the deadline
+    answered it, not the fetch (a 3 s delay against a 2.5 s bound was a race on a loaded
+    machine)."""
     sg = await start_symgate(
-        [fast_upstream(faults.url_for("slow-first-byte"), first_byte_timeout_s=10)],
+        [fast_upstream(faults.url_for("hold"), first_byte_timeout_s=60)],
         symbolize=symbolize_config(deadline_s=0.5))
     profile = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
-    loop = asyncio.get_running_loop()
-    started = loop.time()
     status, headers, _ = await post(sg, profile.SerializeToString())
-    assert status == 200 and loop.time() - started < 2.5
-    assert headers["X-Symgate-Mappings-Unsymbolized"] == "deadline=1"
+    assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "deadline=1"
+    assert faults.count("hold") >= 1  # asked, and still held
+    faults.release.set()
 
     async def warmed() -> bool:  # fetches and build went on after the answer
         return (await sg.metric("symgate_symtab_builds_total", result="ok") >= 1

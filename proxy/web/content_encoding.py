@@ -66,7 +66,8 @@ async def measure_body(body: bytes, wbits: int, limit: int, setting: str) -> Non
     pieces = inflater.pieces(body, COUNTED_PIECE)
     size = 0
     try:
-        # A hop at a time: a client that leaves stops it, and no thread is held for long.
+        # A hop at a time: no thread is held for long, and a stop (the one cancel a handler
+        # gets: aiohttp does not cancel one whose client left) ends it at the next hop.
         while counted := await asyncio.to_thread(count, pieces, COUNTED_HOP):
             size += counted
             if size > limit:
