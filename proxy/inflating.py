@@ -22,7 +22,7 @@ DEFLATE = isal_zlib.MAX_WBITS
 CODINGS = {"gzip": GZIP, "x-gzip": GZIP, "deflate": DEFLATE}
 # Inflated at most this much per piece.
 PIECE = 1 << 20
-# A piece only counted (count), or joined to a hop's (take): small, one allocation the
+# A piece only counted, or joined to a hop's (hop): small, one allocation the
 # allocator keeps reusing.
 # Six gzip bombs measured at once with 1 MiB pieces, each made in a thread of its own,
 # grew the process by 15-35 MiB (a freed piece stays in its thread's malloc arena).
@@ -83,23 +83,16 @@ class Inflater:
             raise Unreadable("it ends before its compressed stream does")
 
 
-def count(pieces: Iterator[bytes], most: int) -> int:
-    """How many bytes the next of `pieces` hold, each thrown away as it comes: all of them,
-    or those up to the first that passes `most`. Blocks: call it in a thread."""
+def hop(pieces: Iterator[bytes], most: int, keep: bool) -> tuple[int, bytes]:
+    """How many bytes the next of `pieces` hold (all of them, or those up to the first that
+    passes `most`), and with `keep` those bytes joined; without, each is thrown away as it
+    comes. Blocks: call it in a thread."""
     size = 0
+    kept = bytearray()
     for piece in pieces:
         size += len(piece)
+        if keep:
+            kept += piece
         if size > most:
             break
-    return size
-
-
-def take(pieces: Iterator[bytes], most: int) -> bytes:
-    """The next of `pieces` joined: all of them, or those up to the first that passes `most`.
-    Blocks: call it in a thread."""
-    taken = bytearray()
-    for piece in pieces:
-        taken += piece
-        if len(taken) > most:
-            break
-    return bytes(taken)
+    return size, bytes(kept)

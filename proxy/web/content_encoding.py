@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterable
 from aiohttp import web
 
 from proxy.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.inflating import CODINGS, COUNTED_PIECE, Inflater, Unreadable, count, take
+from proxy.inflating import CODINGS, COUNTED_PIECE, Inflater, Unreadable, hop
 
 # What one thread's hop of measure_body counts at most: a few milliseconds of inflating.
 COUNTED_HOP = 8 << 20
@@ -62,36 +62,33 @@ async def measure_body(body: bytes, wbits: int, limit: int, setting: str) -> Non
     limit, 256 MiB by default, in memory before its 413), and only what is known to fit is
     inflated whole, by inflate_measured, when it is wanted: a profile waiting for a slot holds
     it as sent."""
-    inflater = Inflater(wbits)
-    pieces = inflater.pieces(body, COUNTED_PIECE)
-    size = 0
-    try:
-        # A hop at a time: no thread is held for long, and a stop (the one cancel a handler
-        # gets: aiohttp does not cancel one whose client left) ends it at the next hop.
-        while counted := await asyncio.to_thread(count, pieces, COUNTED_HOP):
-            size += counted
-            if size > limit:
-                raise _too_large(limit, setting)
-        inflater.end()
-    except Unreadable as e:
-        raise _unreadable(str(e)) from None
+    await _in_hops(body, wbits, limit, setting, keep=False)
 
 
 async def inflate_measured(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
     """A whole body that measure_body has passed, inflated in hops as it was measured: a
     piece a hop, a gzip body of a million one-byte members took a million of them."""
+    return await _in_hops(body, wbits, limit, setting, keep=True)
+
+
+async def _in_hops(body: bytes, wbits: int, limit: int, setting: str, keep: bool) -> bytes:
     inflater = Inflater(wbits)
-    # Small pieces, as measured: each gzip member ends a piece fed whole (a copy of what is
-    # left of it), which 1 MiB pieces made 12 s for a body of 300,000 one-byte members.
+    # Small pieces: each gzip member ends a piece fed whole (a copy of what is left of it),
+    # which 1 MiB pieces made 12 s for a body of 300,000 one-byte members.
     pieces = inflater.pieces(body, COUNTED_PIECE)
     parts: list[bytes] = []
     size = 0
     try:
-        while taken := await asyncio.to_thread(take, pieces, COUNTED_HOP):
-            size += len(taken)
+        # A hop at a time: no thread is held for long, and a stop (the one cancel a handler
+        # gets: aiohttp does not cancel one whose client left) ends it at the next hop.
+        while True:
+            grown, part = await asyncio.to_thread(hop, pieces, COUNTED_HOP, keep)
+            if not grown:
+                break
+            size += grown
             if size > limit:
                 raise _too_large(limit, setting)
-            parts.append(taken)
+            parts.append(part)
         inflater.end()
     except Unreadable as e:
         raise _unreadable(str(e)) from None
