@@ -5,10 +5,7 @@ waits for a batch being written."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import sqlite3
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +21,7 @@ from proxy.store.disk import DiskStore
 from proxy.store.migrate import upgrade
 from proxy.store.repository import ArtifactRecord, Repository, create_engine
 from proxy.web.state import STATE
+from tests.db_locks import database_held
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, SymgateFactory, eventually, make_config
 
@@ -98,31 +96,6 @@ async def test_two_processes_flushing_the_same_files_never_deadlock(database_url
             await repo.close()
 
 
-@contextlib.asynccontextmanager
-async def _artifact_rows_locked(database_url: str) -> AsyncIterator[None]:
-    """No write to the artifacts' rows completes in the block: another connection holds
-    SQLite's write lock, or PostgreSQL's locks on the rows."""
-    if database_url.startswith("sqlite"):
-        conn = sqlite3.connect(database_url.split(":///", 1)[1], isolation_level=None)
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        finally:
-            conn.close()
-        return
-    import asyncpg
-
-    pg = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
-    tx = pg.transaction()
-    await tx.start()
-    await pg.execute("SELECT key_hash FROM artifacts FOR UPDATE")
-    try:
-        yield
-    finally:
-        await tx.rollback()
-        await pg.close()
-
-
 @pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
 async def test_a_stop_while_hits_are_written_waits_for_the_write_and_loses_none(
     start_symgate: SymgateFactory, tmp_path: Path, database_url: str, debuginfod: Debuginfod,
@@ -145,7 +118,10 @@ async def test_a_stop_while_hits_are_written_waits_for_the_write_and_loses_none(
     cache = sg.runner.app[STATE].service.cache
     kh = key_hash("", ArtifactKey.parse(elfs.prog.build_id, "debuginfo"))
     hits = 5
-    async with _artifact_rows_locked(database_url):
+    # No write to the artifacts' rows completes in the block: SQLite's write lock, or
+    # PostgreSQL's locks on the rows.
+    async with database_held(database_url, "IMMEDIATE",
+                             "SELECT key_hash FROM artifacts FOR UPDATE"):
         for _ in range(hits):
             assert (await sg.get(path))[0] == 200
         # A flush took some of them (the rest wait for the next), and writes them until the

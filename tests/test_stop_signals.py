@@ -11,43 +11,25 @@ import contextlib
 import logging
 import os
 import signal
-import sqlite3
 import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from tests.db_locks import database_held
 from tests.elfs import ElfSet
 from tests.harness import Debuginfod, eventually
 from tests.processes import descendants, reap_all, spawn_serve, stop_serve
 
 
-@contextlib.asynccontextmanager
-async def _database_held(database_url: str) -> AsyncIterator[None]:
-    """The database locked against the migrations for the block: they wait in it."""
-    if database_url.startswith("sqlite"):
-        conn = sqlite3.connect(database_url.split(":///", 1)[1], isolation_level=None)
-        conn.execute("BEGIN EXCLUSIVE")
-        try:
-            yield
-        finally:
-            conn.close()
-        return
-    import asyncpg
-
-    pg = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"))
-    # The table alembic reads first, made as alembic makes it, and locked: its read waits.
-    await pg.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
-                     "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))")
-    tx = pg.transaction()
-    await tx.start()
-    await pg.execute("LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE")
-    try:
-        yield
-    finally:
-        await tx.rollback()
-        await pg.close()
+def _database_held(database_url: str) -> contextlib.AbstractAsyncContextManager[None]:
+    """The database locked against the migrations for the block: they wait in it. On
+    PostgreSQL, the table alembic reads first, made as alembic makes it, and locked: its read
+    waits."""
+    return database_held(
+        database_url, "EXCLUSIVE", "LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE",
+        pg_before="CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
+                  "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))")
 
 
 def _named(root: int, name: str) -> set[int]:
