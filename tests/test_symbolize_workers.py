@@ -417,16 +417,17 @@ async def test_pass_through_takes_a_place_of_its_own_and_a_zero_bound_is_no_boun
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
 
-def _gzip_bomb(inflated: int) -> bytes:
+def _gzip_bomb(inflated: int, checked: bool = True) -> bytes:
     """A real gzip file of `inflated` zero bytes, about a thousandth of that long, made
     without holding it: one mebibyte of zeros compressed once, its block repeated (a full
-    flush makes each block stand alone)."""
+    flush makes each block stand alone). Not `checked`: its trailer's CRC left 0, for a bomb
+    too big to sum in a test that never reads it to its end."""
     chunk = 1 << 20
     zeros = bytes(chunk)
     packer = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
     block = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
     crc = 0
-    for _ in range(inflated // chunk):
+    for _ in range(inflated // chunk if checked else 0):
         crc = zlib.crc32(zeros, crc)
     header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"
     trailer = (crc.to_bytes(4, "little") + (inflated & 0xFFFFFFFF).to_bytes(4, "little"))
@@ -527,6 +528,33 @@ async def test_a_gzipped_body_of_many_members_is_inflated_in_few_thread_hops() -
     measured = hops.submitted
     assert await inflate_measured(body, GZIP, 1 << 20, "limit") == b"a" * 20_000
     assert measured <= 2 and hops.submitted - measured <= 2, (measured, hops.submitted)
+
+
+async def test_a_gzip_bomb_whose_client_left_is_measured_no_further(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod
+) -> None:
+    """aiohttp runs a handler on after its client hangs up: under a large limit, a bomb was
+    measured to its end for nobody, 8 GiB in a thousand thread hops, seconds of a core. It
+    stops at the next hop, and the profile is counted aborted."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(
+        max_decompressed_bytes=64 << 30))
+    bomb = _gzip_bomb(8 << 30, checked=False)
+    hops = _CountingExecutor(max_workers=2)
+    asyncio.get_running_loop().set_default_executor(hops)
+    host, port = sg.url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /symbolize HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/octet-stream\r\nContent-Encoding: gzip\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(bomb) + bomb)
+    await writer.drain()
+    await eventually(lambda: hops.submitted >= 1)  # its body in, and being measured
+    writer.transport.abort()
+
+    async def counted() -> bool:
+        return await sg.metric("symgate_symbolize_profiles_total", outcome="aborted") == 1
+
+    await eventually(counted)
+    assert hops.submitted < 100, hops.submitted
 
 
 async def test_an_uploaded_body_of_many_gzip_members_is_inflated_in_few_thread_hops() -> None:

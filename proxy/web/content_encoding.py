@@ -11,7 +11,7 @@ only as far as their reader takes them: a reader that has had enough stops the i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable
 
 from aiohttp import web
 
@@ -59,15 +59,17 @@ async def inflated(chunks: AsyncIterable[bytes], wbits: int) -> AsyncGenerator[b
         raise _unreadable(str(e)) from None
 
 
-async def measure_body(body: bytes, wbits: int, limit: int, setting: str) -> None:
-    """413 the moment `body` inflates past `limit` bytes (`setting` names it).
+async def measure_body(body: bytes, wbits: int, limit: int, setting: str,
+                       gone: Callable[[], bool] = lambda: False) -> None:
+    """413 the moment `body` inflates past `limit` bytes (`setting` names it);
+    ConnectionResetError once `gone()` says its client left (looked at between hops).
 
     Counted in a thread, each small piece thrown away as it comes, as codec does a gzipped
     profile: a bomb is refused without ever being held (kept as it came, it would be the whole
     limit, 256 MiB by default, in memory before its 413), and only what is known to fit is
     inflated whole, by inflate_measured, when it is wanted: a profile waiting for a slot holds
     it as sent."""
-    await _in_hops(body, wbits, limit, setting, keep=False)
+    await _in_hops(body, wbits, limit, setting, keep=False, gone=gone)
 
 
 async def inflate_measured(body: bytes, wbits: int, limit: int, setting: str) -> bytes:
@@ -76,7 +78,8 @@ async def inflate_measured(body: bytes, wbits: int, limit: int, setting: str) ->
     return await _in_hops(body, wbits, limit, setting, keep=True)
 
 
-async def _in_hops(body: bytes, wbits: int, limit: int, setting: str, keep: bool) -> bytes:
+async def _in_hops(body: bytes, wbits: int, limit: int, setting: str, keep: bool,
+                   gone: Callable[[], bool] = lambda: False) -> bytes:
     inflater = Inflater(wbits)
     # Small pieces: each gzip member ends a piece fed whole (a copy of what is left of it),
     # which 1 MiB pieces made 12 s for a body of 300,000 one-byte members.
@@ -84,9 +87,12 @@ async def _in_hops(body: bytes, wbits: int, limit: int, setting: str, keep: bool
     parts: list[bytes] = []
     size = 0
     try:
-        # A hop at a time: no thread is held for long, and a stop (the one cancel a handler
-        # gets: aiohttp does not cancel one whose client left) ends it at the next hop.
+        # A hop at a time: no thread is held for long, and a stop (a cancel) or a client's
+        # leaving ends it at the next hop. aiohttp cancels no handler whose client left: a
+        # bomb under a large limit was measured to its end for nobody (seconds a GiB).
         while True:
+            if gone():
+                raise ConnectionResetError("the client left while its body was measured")
             grown, part = await asyncio.to_thread(hop, pieces, COUNTED_HOP, keep)
             if not grown:
                 break

@@ -111,7 +111,8 @@ async def read_measured(request: web.Request, cfg: SymbolizeConfig, wbits: int |
     (413 past the limit) but not kept inflated: `inflate` does that once it is worked on."""
     body = await read_body(request, cfg.max_request_bytes, cfg.body_timeout_s, held)
     if wbits is not None:
-        await measure_body(body, wbits, cfg.max_decompressed_bytes, _LIMIT)
+        await measure_body(body, wbits, cfg.max_decompressed_bytes, _LIMIT,
+                           gone=lambda: request.transport is None)
     return body
 
 
