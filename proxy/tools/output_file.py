@@ -26,8 +26,7 @@ def write_whole(path: Path, data: bytes) -> None:
         # /dev/stdout, a pipe, /dev/null: a stream to write into, not a file to replace (and
         # a temp file beside /dev/stdout, renamed over it, would have replaced the link in
         # /dev). A directory fails in open, as it did.
-        with path.open("wb") as stream:
-            stream.write(data)
+        path.write_bytes(data)
         return
     if st is not None:
         # A file open(2) would refuse (read-only, immutable) stays refused: rename(2) asks
@@ -42,8 +41,7 @@ def write_whole(path: Path, data: bytes) -> None:
             raise
         # A directory that takes no new file (not the user's to write, or immutable) holding
         # a file that is: written into, as a plain open does, or not at all.
-        with path.open("wb") as stream:
-            stream.write(data)
+        path.write_bytes(data)
         return
     try:
         with os.fdopen(fd, "wb") as out:
