@@ -314,11 +314,6 @@ def _admin(args: argparse.Namespace) -> int:
     from proxy.store import replica
     from proxy.tools.admin import Admin
 
-    if args.command == "cache" and args.action == "stats" and args.build_id is not None:
-        # It took a BUILD_ID, as ls and purge do, and printed the whole cache's numbers.
-        print("symgate: cache stats is of the whole cache; `cache ls BUILD_ID` lists one "
-              "build ID's artifacts", file=sys.stderr)
-        return 2
     cfg = _config(args)
     if (missing := _missing_sqlite(cfg.database_url)) is not None:
         # Not made here: an empty database and cache in the wrong place would answer "no such
@@ -552,6 +547,10 @@ def _refuse_what_goes_nowhere(parser: argparse.ArgumentParser, args: argparse.Na
             parser.error(f"{args.command} {args.action} needs a BUILD_ID, or --all")
         if getattr(args, "pinned", False) and args.action != "ls":
             parser.error(f"--pinned goes with cache ls, not cache {args.action}")
+        if args.command == "cache" and args.action == "stats" and args.build_id is not None:
+            # It took a BUILD_ID, as ls and purge do, and printed the whole cache's numbers.
+            parser.error("cache stats is of the whole cache; `cache ls BUILD_ID` lists one "
+                         "build ID's artifacts")
 
 
 def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None) -> int:
