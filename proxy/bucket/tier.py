@@ -497,7 +497,15 @@ class SharedTier:
     def _start(self, job: Awaitable[None]) -> None:
         task = asyncio.ensure_future(job)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        # A job rides out the bucket's and the database's failures itself: what reaches here
+        # is a bug's, said when it happens, rather than as "exception never retrieved" when
+        # the task is collected, or never.
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("a background job of the shared bucket failed", exc_info=error)
 
     async def close(self) -> None:
         """Let background uploads and deletions finish (a stopping replica's last table), for
@@ -513,10 +521,8 @@ class SharedTier:
                     "cut after %g s", len(left), CLOSE_WAIT_S)
         for task in left:
             task.cancel()
-        for end in await asyncio.gather(*left, return_exceptions=True):
-            if isinstance(end, Exception):  # a bug's, not a bucket's or database's
-                log.error("a background job of the shared bucket failed as it was cut",
-                          exc_info=end)
+        # A failure as it was cut is a bug's, said by _ended.
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 def _sha256_and_size(path: Path) -> tuple[str, int]:
