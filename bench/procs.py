@@ -117,6 +117,21 @@ def tree_pss_kib(pid: int) -> int:
     return pss(pid) + sum(pss(p) for p in descendants(pid))
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds `pid` has used, and those of its children it has reaped; 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime, stime, cutime, cstime: fields 14-17 of proc(5), 12-15 after the name.
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (and what those reaped)."""
+    return cpu_s(pid) + sum(cpu_s(p) for p in descendants(pid))
+
+
 class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []

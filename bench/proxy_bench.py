@@ -38,6 +38,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -68,6 +69,7 @@ from procs import (  # noqa: E402
     loopback_only_environ,
     rss_kib,
     stop_on_signals,
+    tree_cpu_s,
     tree_pss_kib,
 )
 
@@ -381,6 +383,9 @@ class Rate:
     run: Callable[[str, int], float]
     runs: dict[str, list[float | None]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    # With `timed`: CPU seconds a request, (the server's whole tree, the load generator's).
+    timed: bool = False
+    cpu: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 def rates(servers: dict[str, Server], files: Files, args: argparse.Namespace,
@@ -391,7 +396,8 @@ def rates(servers: dict[str, Server], files: Files, args: argparse.Namespace,
     every = list(servers)
     nginxes = [s for s in every if s.startswith("nginx")]
     measures = {
-        "hit_17k": Rate("hit, 17 KiB", small, every, lambda u, s: wrk(u, s)),
+        # Where a small hit's CPU goes: what N workers can do at all beside wrk on these cores.
+        "hit_17k": Rate("hit, 17 KiB", small, every, lambda u, s: wrk(u, s), timed=True),
         "hit_4m": Rate("hit, 4.2 MB libc", libc, every, lambda u, s: wrk(u, s)),
         "head": Rate("HEAD on a hit", libc, [*sym, "federating", *nginxes], ab_head),
         "miss_404": Rate("remembered 404", miss, [*sym, "federating"],
@@ -426,7 +432,14 @@ def rates(servers: dict[str, Server], files: Files, args: argparse.Namespace,
                 try:
                     if key == "miss_404":
                         expect(url, 404)  # still remembered: its TTL may have run out
+                    proc = servers[name].proc
+                    before = (tree_cpu_s(proc.pid) if proc else 0.0, _children_cpu_s())
                     value = m.run(url, args.seconds)
+                    if m.timed and proc is not None and value:
+                        served = value * args.seconds
+                        m.cpu.setdefault(name, []).append(
+                            ((tree_cpu_s(proc.pid) - before[0]) / served,
+                             (_children_cpu_s() - before[1]) / served))
                 except (BenchError, OSError) as e:
                     value = None
                     m.notes[name] = f"error: {e}"[:300]
@@ -435,6 +448,24 @@ def rates(servers: dict[str, Server], files: Files, args: argparse.Namespace,
                       + (f"{value:>10,.0f} req/s" if value is not None else "error"),
                       flush=True)
     return measures
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children: the load generators run to their end."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def cpu_bound(cpu: dict[str, list[tuple[float, float]]], name: str, cores: int
+              ) -> tuple[float, float, float] | None:
+    """(server, load generator) CPU seconds a request, medians, and the rate `cores` allow
+    with both on them: neither N workers nor nginx's go past it."""
+    runs = cpu.get(name)
+    if not runs:
+        return None
+    server = statistics.median(r[0] for r in runs)
+    client = statistics.median(r[1] for r in runs)
+    return server, client, cores / (server + client) if server + client > 0 else 0.0
 
 
 def idle_servers(servers: dict[str, Server]) -> dict[str, Server]:
@@ -613,7 +644,8 @@ def fmt(v: float | None, spec: str = ",.0f") -> str:
 
 def targets(med: dict[str, dict[str, float | None]],
             cold_med: dict[str, tuple[float, float] | None], counts: dict[str, Any],
-            idle: list[float], sg: str, sg_n: str | None, n: int) -> list[Target]:
+            idle: list[float], sg: str, sg_n: str | None, n: int,
+            cpu: dict[str, list[tuple[float, float]]]) -> list[Target]:
     """The issue's targets, then two more: single flight at least as good as the federating
     debuginfod's (REFERENCE.md), and the issue's idle memory bound."""
     def rate(m: str, s: str | None) -> float | None:
@@ -630,6 +662,15 @@ def targets(med: dict[str, dict[str, float | None]],
     def ms(v: float | None) -> str:
         return fmt(v and v * 1000, ".1f")
 
+    def allowed(t: Target) -> Target:
+        """`t`, N workers against 1, with what these cores allow at most: N workers' CPU a
+        request and wrk's, on the same cores (cpu_bound), against one worker's rate."""
+        bound = cpu_bound(cpu, sg_n, n) if sg_n else None
+        one = rate("hit_17k", "symgate 1w")
+        if bound is not None and one:
+            t.figures += f"; these cores allow {bound[2] / one:.2f}x"
+        return t
+
     sym, fed, up = (cold_med.get(k) for k in ("symgate", "federating", "upstream"))
     fed_gets, sg_gets = upstream_gets("federating"), upstream_gets(sg)
     return [
@@ -644,7 +685,7 @@ def targets(med: dict[str, dict[str, float | None]],
         Target("cold first byte, later than the upstream's by",
                f"{ms(sym and sym[0])} vs {ms(up and up[0])} ms",
                (sym[0] - up[0]) * 1000 if sym and up else None, 5.0, False, " ms"),
-        versus("hit_17k", sg_n, "symgate 1w", 1.7, f"17 KiB hit, {n} workers vs 1"),
+        allowed(versus("hit_17k", sg_n, "symgate 1w", 1.7, f"17 KiB hit, {n} workers vs 1")),
         versus("miss_404", sg, "federating", 1.5, "remembered 404 vs federating debuginfod"),
         Target(f"{COLD_CLIENTS} cold requests, upstream GETs", f"{fmt(sg_gets)} vs federating "
                f"debuginfod's {fmt(fed_gets)}", sg_gets,
@@ -663,7 +704,7 @@ def table(rows: list[list[str]]) -> str:
 
 def report(results: dict[str, Any], measures: dict[str, Rate], cols: list[str],
            sg: str, sg_n: str | None, tgts: list[Target]) -> str:
-    c = results["config"]
+    c = c_cfg = results["config"]
     load = results["load_1min"]
     lines = [
         f"symgate serving benchmark of {c['root']}: {results['total_s']:.0f} s on {c['cpus']} "
@@ -691,6 +732,16 @@ def report(results: dict[str, Any], measures: dict[str, Rate], cols: list[str],
     for m in measures.values():
         for c, note in m.notes.items():
             lines.append(f"  {m.name}, {c}: {note}")
+    cores = c_cfg["cpus"]
+    for m in measures.values():
+        if not m.cpu:
+            continue
+        lines.append(f"  {m.name}, CPU a request (server's whole tree + wrk's) and the rate "
+                     f"{cores} cores allow with both on them:")
+        for name in cols:
+            if (b := cpu_bound(m.cpu, name, cores)) is not None:
+                lines.append(f"    {name:<12} {b[0] * 1e6:6.1f} + {b[1] * 1e6:5.1f} us  "
+                             f"<= {b[2]:>9,.0f} req/s")
     cold_rows = [["cold 4.2 MB fetch (ms)", "first byte", "total", "rounds (total)"]]
     for which, runs in results["cold"]["runs"].items():
         med = results["cold"]["median"].get(which)
@@ -762,7 +813,7 @@ def run(args: argparse.Namespace, world: World, results: dict[str, Any]) -> tupl
     results["memory"]["after_load"] = memory(servers)
     results["rates"] = {
         key: {"runs": m.runs, "median": {s: median(v) for s, v in m.runs.items()},
-              "notes": m.notes} for key, m in measures.items()}
+              "notes": m.notes, "cpu": m.cpu} for key, m in measures.items()}
     for name in [*sym, "federating"]:  # the cold measures below want the machine quiet
         world.stop(servers.pop(name))
 
@@ -804,7 +855,7 @@ def run(args: argparse.Namespace, world: World, results: dict[str, Any]) -> tupl
     idle = [v for k in ("idle_at_start", "idle_after_warmup")
             if (v := results["memory"].get(k, {}).get(sg)) is not None]
     tgts = targets({k: v["median"] for k, v in med.items()}, cold_med, counts, idle, sg, sg_n,
-                   n)
+                   n, med["hit_17k"]["cpu"])
     results["targets"] = [{**t.__dict__, "goal": t.goal, "verdict": t.verdict} for t in tgts]
     return measures, cols, sg, sg_n, tgts
 
