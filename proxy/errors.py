@@ -33,6 +33,12 @@ class Unauthorized(SymgateError):
     outcome = Outcome.REJECTED
 
 
+class Forbidden(SymgateError):
+    """The request's token is known, but does not allow what it asks (an upload)."""
+
+    outcome = Outcome.REJECTED
+
+
 class NotFound(SymgateError):
     """No source has the artifact."""
 

@@ -12,6 +12,7 @@ from proxy import errors
 from proxy.errors import (
     Conflict,
     DatabaseUnavailable,
+    Forbidden,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -39,6 +40,7 @@ from proxy.web.errors import error_response
 STATUS = {
     InvalidRequest: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     NotFound: 404,
     RememberedNotFound: 404,
     TooLarge: 406,

@@ -25,6 +25,7 @@ from tests.profiles import code_addresses, make_profile, place
 BASE = 0x5555_5555_4000
 TOKEN_A = "a-token-long-enough-1234"
 ADMIN = "an-admin-token-long-enough-5678"
+NAMELESS = "the-nameless-tenants-token-9012"
 
 
 def private(faults: FaultUpstream) -> UpstreamConfig:
@@ -407,3 +408,35 @@ async def test_a_request_waiting_for_the_headers_of_a_fetch_that_asks_fewer_sour
     assert (await tenant)[0] == 404
     assert (await anonymous)[0] == 200
     assert await sg.metric("symgate_fetch_waiters") == 0
+
+
+async def test_the_nameless_tenants_token_neither_uploads_nor_deletes(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """[tenants.""] tokens let requests that name no tenant in. Taken as a tenant's own
+    upload token, such a token wrote into the nameless tenant's scope, which is the shared
+    one: its holder's file then answered every tenant, before a tenant's own private server
+    was even asked, and it could delete what an admin uploaded there."""
+    sg = await start_symgate(
+        [faults.url_for("notfound")],
+        tenants={"": TenantConfig(tokens=(NAMELESS,)),
+                 "a": TenantConfig(upstreams=(private(faults),))},
+        upload=UploadConfig(admin_tokens=(ADMIN,)))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    nameless = {"Authorization": f"Bearer {NAMELESS}"}
+    status, _, body = await sg.request(
+        "PUT", path, data=elfs.prog.executable.read_bytes(), headers=nameless)
+    assert status == 403 and b"admin" in body, (status, body)
+    # Before its body: what curl's Expect: 100-continue is told.
+    status, _, _ = await sg.request("PUT", path, data=elfs.prog.executable.read_bytes(),
+                                    headers={**nameless, "Expect": "100-continue"})
+    assert status == 403
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "a"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()  # A's own server's
+    assert faults.count("auth") == 1
+    status, _, _ = await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                                    headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 201
+    assert (await sg.request("DELETE", path, headers=nameless))[0] == 403
+    status, _, body = await sg.get(path, headers=nameless)  # still reads with it
+    assert status == 200 and body == elfs.prog.debug.read_bytes()

@@ -16,6 +16,7 @@ from aiohttp import web
 from proxy.errors import (
     Conflict,
     DatabaseUnavailable,
+    Forbidden,
     InsufficientStorage,
     InvalidRequest,
     NotCached,
@@ -55,6 +56,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (InvalidRequest, 400),
     (Unauthorized, 401),
+    (Forbidden, 403),
     (NotFound, 404),
     (TooLarge, 406),
     (PayloadTooLarge, 413),

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.config import Config, TenantConfig
-from proxy.errors import InvalidRequest, Unauthorized
+from proxy.errors import Forbidden, InvalidRequest, Unauthorized
 from proxy.sources.base import Hop, Source
 
 MAX_TENANT = 255  # the scope column's width
@@ -61,14 +61,21 @@ class Tenancy:
     def uploader(self, request: web.BaseRequest) -> str:
         """The scope an upload (or its deletion) acts on: its token's tenant, or with an
         admin token the tenant X-Scope-OrgID names, else the shared scope. Unauthorized
-        without a token: X-Scope-OrgID alone proves nothing to write with."""
+        without a token: X-Scope-OrgID alone proves nothing to write with. Forbidden with
+        the nameless tenant's: its scope is the shared one, which every tenant sees."""
         token = _bearer(request)
         if not token:
             raise Unauthorized("uploads need a tenant's or an admin's bearer token")
         claimed = _claimed(request)
         if self._is_admin(token):
             return claimed
-        return self._owner(token, claimed)
+        owner = self._owner(token, claimed)
+        if owner == SHARED:
+            # A token that lets requests naming no tenant in is a reader's: what it wrote
+            # would answer every tenant, before a tenant's own private server is asked.
+            raise Forbidden("the nameless tenant's token does not upload: the shared scope "
+                            "takes an admin's token ([upload] admin_tokens)")
+        return owner
 
     def _owner(self, token: str, claimed: str) -> str:
         owner = self._owner_of(token)
