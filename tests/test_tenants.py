@@ -9,6 +9,7 @@ who they are.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests.profiles import code_addresses, make_profile, place
 
 BASE = 0x5555_5555_4000
 TOKEN_A = "a-token-long-enough-1234"
+TOKEN_B = "b-token-long-enough-5678"
 ADMIN = "an-admin-token-long-enough-5678"
 NAMELESS = "the-nameless-tenants-token-9012"
 
@@ -440,3 +442,54 @@ async def test_the_nameless_tenants_token_neither_uploads_nor_deletes(
     assert (await sg.request("DELETE", path, headers=nameless))[0] == 403
     status, _, body = await sg.get(path, headers=nameless)  # still reads with it
     assert status == 200 and body == elfs.prog.debug.read_bytes()
+
+
+async def test_a_private_fetch_under_way_and_its_files_after_reach_no_other_process_client(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Two serving processes on one data dir (serve --workers 2). Tenant A's fetches of a
+    build ID's files, sources and a section are held at its private server in one: no other
+    client of either process joins them or follows them (by GET, HEAD, only-if-cached), nor
+    gets what they committed, which A's clients get from either."""
+    held = replace(private(faults), url=faults.url_for("hold"), first_byte_timeout_s=60)
+    tenants = {"a": TenantConfig(upstreams=(held,), tokens=(TOKEN_A,)),
+               "b": TenantConfig(tokens=(TOKEN_B,))}
+    one, two = [await start_symgate([faults.url_for("notfound")], data_dir=tmp_path / "d",
+                                    tenants=tenants) for _ in range(2)]
+    bid = elfs.prog.build_id
+    paths = [f"/buildid/{bid}/{kind}" for kind in ("debuginfo", "executable",
+                                                   f"source{elfs.prog.sources[0]}",
+                                                   "section/.text")]
+    a = {"Authorization": f"Bearer {TOKEN_A}"}
+    outsiders: list[tuple[dict[str, str], int]] = [
+        ({}, 404), ({"X-Scope-OrgID": "c"}, 404), ({"X-Scope-OrgID": "A"}, 404),
+        ({"Authorization": f"Bearer {TOKEN_B}"}, 404), ({"X-Scope-OrgID": " a"}, 401)]
+
+    async def nothing_for_outsiders() -> None:
+        for sg in (one, two):
+            for path in paths:
+                for headers, status in outsiders:
+                    assert (await sg.get(path, headers=headers))[0] == status, (path, headers)
+                    assert (await sg.head(path, headers=headers))[0] == status
+                    cached = {**headers, "Cache-Control": "only-if-cached"}
+                    assert (await sg.get(path, headers=cached))[0] in (status, 504)
+            query = f"/metadata?key=buildid&value={bid}"
+            for headers, _ in outsiders[:4]:
+                assert json.loads((await sg.get(query, headers=headers))[2])["results"] == []
+
+    fetches = [asyncio.create_task(one.get(path, headers=a)) for path in paths]
+
+    async def all_of_a_wait() -> bool:  # the section's cut on its parent's fetch too
+        return await one.metric("symgate_fetch_waiters") == len(paths)
+
+    await eventually(all_of_a_wait)
+    await nothing_for_outsiders()
+    assert await all_of_a_wait()  # and nobody else joined them
+    faults.release.set()
+    assert [(await f)[0] for f in fetches] == [200] * len(paths)
+    await one.settled()
+    await nothing_for_outsiders()
+    asked = faults.count("hold")
+    for path in paths:
+        assert (await two.get(path, headers=a))[0] == 200, path
+    assert faults.count("hold") == asked  # what the other process committed
