@@ -444,6 +444,28 @@ async def test_the_nameless_tenants_token_neither_uploads_nor_deletes(
     assert status == 200 and body == elfs.prog.debug.read_bytes()
 
 
+async def test_where_requests_naming_no_tenant_need_a_token_naming_an_unlisted_one_does_too(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """[tenants.""] tokens close the server to requests without one (a site's egress to the
+    public upstreams, without a gateway). A request naming a tenant no config lists passed,
+    as that tenant, into the shared scope and its upstreams: a header any client can send.
+    A listed tenant without tokens is the operator's own choice, and stays open."""
+    sg = await start_symgate(
+        [fast_upstream(faults.url_for("ok"))],
+        tenants={"": TenantConfig(tokens=(NAMELESS,)), "open": TenantConfig()})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    for headers in ({}, {"X-Scope-OrgID": "zzz"}, {"X-Scope-OrgID": "Open"}):
+        status, _, body = await sg.get(path, headers=headers)
+        assert status == 401, (headers, status, body)
+        assert (await sg.head(path, headers=headers))[0] == 401
+    assert faults.count("ok") == 0
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "open"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, body = await sg.get(path, headers={"Authorization": f"Bearer {NAMELESS}"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+
+
 async def test_a_private_fetch_under_way_and_its_files_after_reach_no_other_process_client(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
 ) -> None:

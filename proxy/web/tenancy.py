@@ -56,6 +56,13 @@ class Tenancy:
             return self._owner(token, claimed)
         if claimed in self._needs_token:
             raise Unauthorized(f"tenant {claimed!r} needs its bearer token")
+        if claimed not in self._tenants and not self.anonymous_allowed:
+            # A name no config lists proves nothing: where requests naming no tenant need a
+            # token, one naming any unlisted tenant passed as that tenant, into the shared
+            # scope and its upstreams (the egress the tokens were to close), with a header
+            # any client can send.
+            raise Unauthorized(f"tenant {claimed!r} is not configured, and requests without "
+                               "a token are refused here ([tenants.\"\"] tokens)")
         return claimed
 
     def uploader(self, request: web.BaseRequest) -> str:
