@@ -53,7 +53,8 @@ def flood_profile(mappings: int) -> bytes:
     assert layout is not None
     text = next(s for s in layout.segments if s.executable)
     p = Profile()
-    p.string_table.extend(["", str(LIBC), LIBC_ID])
+    p.string_table.extend(["", str(LIBC), LIBC_ID, "samples", "count"])
+    p.sample_type.add(type=3, unit=4)
     span = (text.vaddr + text.memsz + PAGE) & ~(PAGE - 1)
     for i in range(1, mappings + 1):
         base = 0x7F0000000000 + i * (span + PAGE)

@@ -8,7 +8,7 @@ import gzip
 import pytest
 
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
-from symbolize.pprof.profile_pb2 import Function, Profile
+from symbolize.pprof.profile_pb2 import Function, Location, Profile, ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from symbolize.worker import Limits, TooMuchWork, check_samples, scan
 
@@ -62,11 +62,11 @@ def test_every_gzip_member_is_read_and_bytes_after_the_last_are_refused() -> Non
     profiles merged. Only the first was read, the rest dropped without a word. Bytes after
     the last member that begin no other are refused, as Go refuses them."""
     a = Profile(string_table=["", "a"], comment=[1]).SerializeToString()
-    b = Profile(comment=[2], period=7).SerializeToString()
+    b = Profile(comment=[1], period=7).SerializeToString()
     two = gzip.compress(a) + gzip.compress(b, mtime=1)
     merged = decode(two, 1 << 20)
     assert merged.gzipped and merged.raw == a + b
-    assert list(merged.profile.comment) == [1, 2] and merged.profile.period == 7
+    assert list(merged.profile.comment) == [1, 1] and merged.profile.period == 7
     assert decode(two, len(a + b), measured=True).raw == a + b
     with pytest.raises(ProfileTooLarge):
         decode(two, len(a + b) - 1)
@@ -102,16 +102,26 @@ _CORRUPT_SAMPLES = {
     "label-that-is-not-a-label": b"\x1a\x02\x08\x80",
     "varint-of-eleven-bytes": b"\x08" + b"\xff" * 10 + b"\x01",
 }
-# Valid however they are written: unpacked ids, a label, a field this reader does not know.
-_ODD_SAMPLES = [b"", b"\x08\x01\x08\x02\x10\x05", b"\x0a\x02\x01\x02\x12\x01\x07",
-                b"\x1a\x04\x08\x01\x18\x02", b"\xa0\x06\x01", b"\x10" + b"\xff" * 9 + b"\x01"]
+# Valid however they are written: unpacked ids, a label, a field this reader does not know;
+# each with a value, for the one sample type of _profile_of.
+_ODD_SAMPLES = [b"\x08\x01\x08\x02\x10\x05", b"\x0a\x02\x01\x02\x12\x01\x07",
+                b"\x1a\x04\x08\x01\x18\x02\x10\x01", b"\xa0\x06\x01\x10\x00",
+                b"\x10" + b"\xff" * 9 + b"\x01"]
+
+
+def _profile_of(samples: list[bytes]) -> RawProfile:
+    """`samples` in a profile that has what they name: a sample type, locations 1 and 2, a
+    string 1 for a label's key."""
+    return RawProfile(string_table=["", "key"], sample_type=[ValueType()],
+                      location=[Location(id=i).SerializeToString() for i in (1, 2)],
+                      sample=samples)
 
 
 @pytest.mark.parametrize("sample", list(_CORRUPT_SAMPLES.values()), ids=list(_CORRUPT_SAMPLES))
 def test_a_corrupt_sample_is_refused_by_name(sample: bytes) -> None:
     """A RawProfile passes samples on unread: unchecked, a corrupt one went out in an answer
     no pprof reader could parse."""
-    raw = RawProfile(string_table=[""], sample=[b"\x0a\x01\x01", sample]).SerializeToString()
+    raw = _profile_of([b"\x0a\x01\x01\x10\x01", sample]).SerializeToString()
     with pytest.raises(ProfileError, match="not a pprof profile: sample 1 is not a valid "
                                            "Sample message"):
         decode(raw, 1 << 30)
@@ -129,7 +139,7 @@ def test_a_corrupt_label_set_is_refused_by_name() -> None:
 
 
 def test_samples_written_any_valid_way_are_taken_as_they_came() -> None:
-    raw = RawProfile(string_table=[""], sample=_ODD_SAMPLES).SerializeToString()
+    raw = _profile_of(_ODD_SAMPLES).SerializeToString()
     decoded = decode(raw, 1 << 30)
     assert list(decoded.profile.sample) == _ODD_SAMPLES
     assert encode(decoded.profile, False) == raw

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import TenantConfig
+from symbolize.pprof.profile_pb2 import ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet, build_id_tree
 from tests.harness import Debuginfod, SymgateFactory
@@ -62,7 +63,8 @@ def test_cli_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
 def test_cli_rejects_a_profile_with_a_corrupt_sample(tmp_path: Path) -> None:
     """Its samples are passed on unread: the CLI wrote an unreadable file and said nothing."""
     bad = tmp_path / "bad.pprof"
-    bad.write_bytes(RawProfile(string_table=[""], sample=[b"\x0a\x05\x01"]).SerializeToString())
+    bad.write_bytes(RawProfile(string_table=[""], sample_type=[ValueType()],
+                               sample=[b"\x0a\x05\x01"]).SerializeToString())
     result = subprocess.run(["symgate", "symbolize", str(bad), "-o", str(tmp_path / "o"),
                              "--debug-dir", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 1, result

@@ -94,7 +94,8 @@ async def test_real_libc_of_a_running_process(
     vaddrs = libc_functions(600)
     runtime = {v: start + (v - text.vaddr + text.offset - offset) for v in vaddrs}
     profile = Profile()
-    profile.string_table.extend(["", str(LIBC), LIBC_ID])
+    profile.string_table.extend(["", str(LIBC), LIBC_ID, "samples", "count"])
+    profile.sample_type.add(type=3, unit=4)
     profile.mapping.add(id=1, memory_start=start, memory_limit=end, file_offset=offset,
                         filename=1, build_id=2)
     for i, v in enumerate(vaddrs, start=1):

@@ -181,13 +181,25 @@ def _first_corrupt(raw: Buffer) -> str:
 
 def check_tables(profile: RawProfile) -> None:
     """Raise ProfileError where the profile's string indices point outside its string table,
-    or a mapping's or function's id is 0 or another's, as pprof's own reader refuses them
-    (Profile.CheckValid): of two mappings with one id, a location's addresses would be
-    translated with either's range. A Python loop over its mappings and functions: some
-    0.5 us each."""
+    it has samples but no sample types, or a mapping's or function's id is 0 or another's, as
+    pprof's own reader refuses them (its decoder's string lookups, Profile.CheckValid): of two
+    mappings with one id, a location's addresses would be translated with either's range. A
+    Python loop over its mappings and functions: some 0.5 us each."""
     strings = len(profile.string_table)
     if strings and profile.string_table[0] != "":
         raise ProfileError("not a pprof profile: string_table[0] must be empty")
+    if profile.sample and not profile.sample_type:
+        raise ProfileError("not a pprof profile: it has samples but no sample types")
+    indices = [(f"sample_type {i}", index) for i, t in enumerate(profile.sample_type)
+               for index in (t.type, t.unit)]
+    indices += [(f"comment {i}", index) for i, index in enumerate(profile.comment)]
+    period = profile.period_type
+    indices += [("period_type", period.type), ("period_type", period.unit),
+                ("drop_frames", profile.drop_frames), ("keep_frames", profile.keep_frames),
+                ("default_sample_type", profile.default_sample_type)]
+    for what, index in indices:
+        if not 0 <= index < max(strings, 1):
+            raise ProfileError(f"not a pprof profile: {what}: string index {index} out of range")
     seen: set[int] = set()
     for m in profile.mapping:
         if not (0 <= m.filename < max(strings, 1) and 0 <= m.build_id < max(strings, 1)):
