@@ -133,7 +133,7 @@ async def symbolize_profile(body: bytes, provider: SymbolProvider, limits: Limit
             inflated, body, limits.max_decompressed_bytes)
         raw, limits = as_bytes(inflated_body), replace(limits, gzip_answer=True)
     scanned = await work.scan(raw, limits)
-    measured = replace(limits, scanned_size=scanned.size)
+    measured = replace(limits, scanned_size=scanned.size, scanned_shape=scanned.shape)
     # Checked beside the resolution and the rewrite, which read no sample: on another core
     # where `work` has one. The first of the two to fail ends the other.
     checking = asyncio.ensure_future(work.check_samples(raw, measured))

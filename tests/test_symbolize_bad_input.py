@@ -10,14 +10,17 @@ import gzip
 import os
 import zlib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from proxy.web.state import STATE
+from symbolize.pprof.profile_pb2 import Line, Profile
 from symbolize.pprof.profile_raw_pb2 import RawProfile
-from tests.elfs import ElfSet
+from tests.elfs import ElfSet, build_id_tree
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
+from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
@@ -169,6 +172,88 @@ async def test_mapping_and_function_ids_that_are_0_or_repeated_are_400(
         assert status == 400 and said in text, (damage, text)
     assert faults.count("ok") == 0
     assert (await sg.get("/healthz"))[0] == 200
+
+
+def _damage(profile: Profile, how: str) -> None:
+    """Make `profile` (make_profile's, of six locations and samples) one that pprof's reader
+    refuses as malformed (Profile.CheckValid, and its decoder's string lookups), as `how`."""
+    location, sample = profile.location[3], profile.sample[2]
+    if how == "location id 0":
+        location.id = 0
+    elif how == "location id repeated":
+        location.id = profile.location[1].id
+    elif how == "sample of no location":
+        sample.location_id[0] = 999
+    elif how == "sample of location 0":
+        sample.location_id[0] = 0
+    elif how == "a value too many":
+        sample.value.append(5)
+    elif how == "no sample types":
+        del profile.sample_type[:]
+    elif how == "line of no function":
+        location.line.append(Line(function_id=55, line=3))
+    elif how == "label key out of range":
+        sample.label[0].key = 999
+    elif how == "label string negative":
+        sample.label[0].str = -1
+    elif how == "sample type out of range":
+        profile.sample_type[0].unit = 999
+    elif how == "comment out of range":
+        profile.comment.append(999)
+    elif how == "period type out of range":
+        profile.period_type.type = 999
+    else:
+        raise AssertionError(how)
+
+
+_MALFORMED = {
+    "location id 0": b"location id 0 is reserved",
+    "location id repeated": b"location id 2 is repeated",
+    "sample of no location": b"a sample names location 999, which the profile does not have",
+    "sample of location 0": b"a sample names location 0, which the profile does not have",
+    "a value too many": b"sample 2 has 2 values for 1 sample types",
+    "no sample types": b"it has samples but no sample types",
+    "line of no function": b"a location's line names function 55, which the profile does not",
+    "label key out of range": b"a sample's label has string index 999, out of range",
+    "label string negative": b"a sample's label has string index -1, out of range",
+    "sample type out of range": b"sample_type 0: string index 999 out of range",
+    "comment out of range": b"comment 1: string index 999 out of range",
+    "period type out of range": b"period_type: string index 999 out of range",
+}
+
+
+async def test_profiles_pprof_refuses_as_malformed_are_400_not_symbolized(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Samples and locations are passed on unread, and were checked only to be messages: a
+    profile with two locations of one id, a sample of a location it lacks or with a value too
+    many, a label's string past the table, was answered 200 `symbolized` (its debug file was
+    found and filled in), in a body `go tool pprof` refuses as malformed, as it refused the
+    profile sent. Refused by the server, gzipped or not, and by the CLI, writing nothing."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    placed = place(elfs.prog, BASES["prog"])
+    vaddrs = code_addresses(elfs.prog)[:6]
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
+                         elfs.prog.executable)
+    sound = make_profile([(placed, vaddrs)]).SerializeToString()
+    status, headers, _ = await post(sg, sound)  # symbolized, where it is not damaged
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
+    for how, said in _MALFORMED.items():
+        profile = make_profile([(placed, vaddrs)])
+        _damage(profile, how)
+        raw = profile.SerializeToString()
+        for body in (raw, gzip.compress(raw)):
+            status, _, text = await post(sg, body)
+            assert status == 400 and b"not a pprof profile: " + said in text, (how, text)
+        source, out = tmp_path / "in.pb", tmp_path / "out.pb"
+        source.write_bytes(raw)
+        result = await run_in_thread(["symgate", "symbolize", str(source), "-o", str(out),
+                                      "--debug-dir", str(tree)], timeout=120)
+        assert result.returncode == 1, (how, result.stderr)
+        assert said.decode() in result.stderr and not out.exists(), (how, result.stderr)
+    assert (await sg.get("/healthz"))[0] == 200
+    assert await sg.metric("symgate_symbolize_profiles_total",
+                           outcome="rejected") == 2 * len(_MALFORMED)
 
 
 async def test_a_corrupt_sample_is_400_without_waiting_for_the_resolution(

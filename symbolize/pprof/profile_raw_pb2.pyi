@@ -58,3 +58,77 @@ class CheckedAsBytes(_message.Message):
     location: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Location]
     label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
     def __init__(self, sample: _Optional[_Iterable[_Union[_profile_pb2.Sample, _Mapping]]] = ..., location: _Optional[_Iterable[_Union[_profile_pb2.Location, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+
+class MergedProfile(_message.Message):
+    __slots__ = ("sample", "location", "function", "label_set")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SET_FIELD_NUMBER: _ClassVar[int]
+    sample: MergedSample
+    location: MergedLocation
+    function: MergedFunction
+    label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
+    def __init__(self, sample: _Optional[_Union[MergedSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+
+class MergedSample(_message.Message):
+    __slots__ = ("location_id", "value", "label", "breakdown")
+    LOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    location_id: _containers.RepeatedScalarFieldContainer[int]
+    value: _containers.RepeatedScalarFieldContainer[int]
+    label: MergedLabel
+    breakdown: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Breakdown]
+    def __init__(self, location_id: _Optional[_Iterable[int]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Iterable[_Union[_profile_pb2.Breakdown, _Mapping]]] = ...) -> None: ...
+
+class MergedLabel(_message.Message):
+    __slots__ = ("key", "str", "num", "num_unit")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STR_FIELD_NUMBER: _ClassVar[int]
+    NUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNIT_FIELD_NUMBER: _ClassVar[int]
+    key: _containers.RepeatedScalarFieldContainer[int]
+    str: _containers.RepeatedScalarFieldContainer[int]
+    num: _containers.RepeatedScalarFieldContainer[int]
+    num_unit: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[_Iterable[int]] = ..., str: _Optional[_Iterable[int]] = ..., num: _Optional[_Iterable[int]] = ..., num_unit: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MergedLocation(_message.Message):
+    __slots__ = ("id", "mapping_id", "address", "line", "is_folded")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    IS_FOLDED_FIELD_NUMBER: _ClassVar[int]
+    id: _containers.RepeatedScalarFieldContainer[int]
+    mapping_id: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    line: MergedLine
+    is_folded: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, id: _Optional[_Iterable[int]] = ..., mapping_id: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., line: _Optional[_Union[MergedLine, _Mapping]] = ..., is_folded: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class MergedLine(_message.Message):
+    __slots__ = ("function_id", "line", "column")
+    FUNCTION_ID_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_FIELD_NUMBER: _ClassVar[int]
+    function_id: _containers.RepeatedScalarFieldContainer[int]
+    line: _containers.RepeatedScalarFieldContainer[int]
+    column: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, function_id: _Optional[_Iterable[int]] = ..., line: _Optional[_Iterable[int]] = ..., column: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MergedFunction(_message.Message):
+    __slots__ = ("id", "name", "system_name", "filename", "start_line")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_NAME_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    START_LINE_FIELD_NUMBER: _ClassVar[int]
+    id: _containers.RepeatedScalarFieldContainer[int]
+    name: _containers.RepeatedScalarFieldContainer[int]
+    system_name: _containers.RepeatedScalarFieldContainer[int]
+    filename: _containers.RepeatedScalarFieldContainer[int]
+    start_line: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[_Iterable[int]] = ..., name: _Optional[_Iterable[int]] = ..., system_name: _Optional[_Iterable[int]] = ..., filename: _Optional[_Iterable[int]] = ..., start_line: _Optional[_Iterable[int]] = ...) -> None: ...
