@@ -168,9 +168,10 @@ def check(decoded: Decoded) -> None:
 def check_samples(raw: Buffer, shape: Shape) -> None:
     """Raise ProfileError where a Sample, Location or LabelSet of the encoded profile `raw` is
     not a valid message, or where they refer to what the profile does not have, as pprof's
-    reader refuses them (Profile.CheckValid): a location id that is 0 or another's, a sample
-    naming a location the profile lacks or with a value count other than its sample types',
-    a line naming a function it lacks, a label's string index out of the table.
+    reader refuses them (Profile.CheckValid): a location id that is 0 or another's, samples
+    whose values are not as many as their sample types say, a line naming a function it
+    lacks (a function the rewrite adds could take its id), a label's string index out of the
+    table. A sample naming a location the profile lacks is not looked for (below).
 
     A RawProfile passes them on as bytes unread: unchecked, a corrupt one (a packed field
     longer than its sample, say) went out in an answer no pprof reader can parse, and so did
@@ -192,11 +193,11 @@ def check_samples(raw: Buffer, shape: Shape) -> None:
     locations = _column(merged.location, "id")
     if len(locations) != shape.locations or not locations.all():
         locations = _location_ids(raw)  # each location's last id, as a reader takes it
-    where = _Ids(locations, "location")
-    for refs in _columns(merged.sample, "location_id"):
-        if (missing := where.first_missing(refs)) is not None:
-            raise ProfileError(f"not a pprof profile: a sample names location {missing}, "
-                               "which the profile does not have")
+    # Checked for 0 and repeats only: whether every location a sample names is one of them is
+    # left unread, as the rewrite leaves samples (answered as sent, to a reader that refuses
+    # them as it did before). Read as columns, a profile of deep stacks' ids (300,000 samples
+    # of 32 frames) took 200-230 ms more, three times the check, longer than the rewrite.
+    _Ids(locations, "location")
     functions = _Ids(_column(merged.function, "id"), "function")
     for refs in _columns(merged.location.line, "function_id"):
         # A line of function 0 is a line of no function, which Go writes and pprof reads.
