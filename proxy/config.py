@@ -10,6 +10,7 @@ error into one "key: reason" line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -558,19 +559,21 @@ class Config:
         # one (proxy.artifacts.scope.SHARED): what a server of its own gave would be cached
         # where every tenant sees it, and fetched under flights they join.
         if (nameless := self.tenants.get("")) is not None and nameless.upstreams:
-            raise _Invalid(("tenants", "\"\"", "upstreams"),  # as TOML writes it
+            raise _Invalid(("tenants", "", "upstreams"),
                            "requests that name no tenant share what they fetch with every "
                            "tenant: their servers are the global [[upstreams]]")
         return self
 
     @model_validator(mode="after")
     def _one_tenant_per_token(self) -> Config:
-        owner: dict[str, str] = dict.fromkeys(self.upload.admin_tokens, "")
+        # Admins' tokens are nobody's: None, where "" is the nameless tenant's ([tenants.""]),
+        # whose token listed as an admin's too was taken for the admin's.
+        owner: dict[str, str | None] = dict.fromkeys(self.upload.admin_tokens, None)
         for name, tenant in self.tenants.items():
             for token in tenant.tokens:
                 if (first := owner.setdefault(token, name)) != name:
                     raise _Invalid(("tenants", name, "tokens"),
-                                   (f"a token of tenant {first!r}" if first
+                                   (f"a token of tenant {first!r}" if first is not None
                                     else "an upload.admin_tokens token") + " is listed here "
                                    "too; a token may belong to one tenant only")
         return self
@@ -669,8 +672,16 @@ def _one_line(error: ErrorDetails) -> str:
         reason = _REASONS[kind].format(input=error["input"])
     else:
         reason = error["msg"]
-    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    return f"{key}: {reason}"
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{_toml_key(p)}" for p in loc)
+    return f"{key.lstrip('.')}: {reason}"
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(part: str) -> str:
+    """A key as the file spells it: quoted where TOML needs it (the nameless tenant's "")."""
+    return part if _BARE_KEY.match(part) else json.dumps(part, ensure_ascii=False)
 
 
 _CONFIG = TypeAdapter(Config)

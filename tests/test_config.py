@@ -346,6 +346,11 @@ tokens = ["{third}"]
     assert token not in str(e.value)
     with pytest.raises(ValueError, match="a token of tenant 'a'"):  # built in code, too
         Config(tenants={"a": TenantConfig(tokens=(token,)), "b": TenantConfig(tokens=(token,))})
+    # The nameless tenant's name is "": its token listed as an admin's too was taken for the
+    # admin's (it uploaded), where another tenant's was refused.
+    both = f'[upload]\nadmin_tokens = ["{token}"]\n[tenants.""]\ntokens = ["{token}"]\n'
+    with pytest.raises(ConfigError, match=r'^tenants\.""\.tokens: an upload\.admin_tokens token'):
+        load_config(write(tmp_path, both), environ={})
 
 
 def test_the_nameless_tenant_has_no_servers_of_its_own(tmp_path: Path) -> None:
