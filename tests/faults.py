@@ -218,8 +218,8 @@ class FaultUpstream:
             return web.Response(body=packed[: len(packed) * 2 // 3], headers={
                 "Content-Type": "application/octet-stream", "Content-Encoding": "gzip",
                 "X-DEBUGINFOD-FILE": path.name})
-        if mode == "flipped-head":  # the same size and build ID, one byte of its head wrong
-            at = len(data) // 4
+        if mode in ("flipped-head", "flipped-tail"):  # the same size and build ID, one byte
+            at = len(data) // 4 if mode == "flipped-head" else len(data) * 3 // 4  # wrong
             data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
         response = web.StreamResponse(headers={
             "Content-Type": "application/octet-stream", "X-DEBUGINFOD-FILE": path.name})

@@ -779,21 +779,26 @@ async def test_a_bucket_copy_of_the_wrong_size_is_finished_from_upstream_not_cut
 
 
 @on_postgresql
+@pytest.mark.parametrize("where", ["head", "tail"])
 async def test_a_broken_off_copy_is_not_finished_with_an_upstreams_different_bytes(
     start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
-    prefix: Prefix, s3: S3Server, faults: FaultUpstream
+    prefix: Prefix, s3: S3Server, faults: FaultUpstream, where: str
 ) -> None:
     """The head already sent must be the upstream's head too, or the client would get one
-    file's start and another's end: cut off then, and nothing kept."""
+    file's start and another's end; and the rest must make the copy's file (its sha256), or
+    another file of the same build ID, size and head (a tenant's private server's, say) would
+    be kept under the copy's scope, the shared one: cut off then, before its last byte, and
+    nothing kept."""
     path, expected = await _big_file_in_the_bucket(start_symgate, tmp_path, debuginfod,
                                                    elfs, prefix)
     size = len(expected)
+    mode = f"flipped-{where}"
     async with _DyingBucket(s3.endpoint, after=size // 2) as endpoint:
-        (b,) = await replicas(start_symgate, tmp_path, faults.url_for("flipped-head"), "b",
+        (b,) = await replicas(start_symgate, tmp_path, faults.url_for(mode), "b",
                               prefix.config(endpoint=endpoint, retry_s=30.0))
         status, got, cut = await read_broken(b.url + path)
     assert (status, cut) == (200, True) and got < size
-    assert faults.count("flipped-head") == 1
+    assert faults.count(mode) == 1
     assert await b.metric("symgate_bucket_copies_resumed_total") == 1
     await b.settled()
     only_cached = {"Cache-Control": "only-if-cached"}

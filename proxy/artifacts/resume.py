@@ -4,7 +4,10 @@ request, never a broken transfer.
 
 The upstream's body is read from its start (debuginfod servers answer no ranges); the bytes
 already sent are checked against the upstream's own first bytes before any later byte goes
-out, so a client never gets the head of one file and the tail of another.
+out, so a client never gets the head of one file and the tail of another; and the whole is
+checked against the copy's own sha256 before its last byte goes, so that what is kept under the
+copy's scope is the copy: the upstream may be a tenant's private server, whose file of the same
+build ID, size and head but another tail would otherwise be kept in the shared scope.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ Reopen = Callable[[], Awaitable[Body | None]]
 class ResumedBody:
     """`first` (a bucket copy) as a Body; when it stops short, the rest from `reopen()`."""
 
-    def __init__(self, first: Body, reopen: Reopen, resumed: Callable[[], None]) -> None:
+    def __init__(self, first: Body, reopen: Reopen, resumed: Callable[[], None],
+                 sha256: str) -> None:
         self.meta: ArtifactMeta = first.meta
         self._first = first
+        self._sha256 = sha256  # the copy's, the whole file's
         self._reopen = reopen
         self._resumed = resumed
         self._then: Body | None = None
@@ -52,7 +57,9 @@ class ResumedBody:
                  broken, then.meta.upstream)
         self._resumed()
         again = hashlib.sha256()
+        whole = sent.copy()
         skipped = 0
+        held = b""  # the last chunk, sent once the whole is known to be the copy
         async for chunk in then.chunks():
             if skipped < size:
                 head = chunk[:size - skipped]
@@ -64,10 +71,18 @@ class ResumedBody:
                 chunk = chunk[len(head):]
                 if not chunk:
                     continue
-            yield chunk
+            whole.update(chunk)
+            if held:
+                yield held
+            held = chunk
         if skipped < size:
             raise VerificationFailed(f"{then.meta.upstream} sent {skipped} bytes, fewer than "
                                      f"the bucket copy's {size} already sent")
+        if whole.hexdigest() != self._sha256:
+            raise VerificationFailed(f"{then.meta.upstream}'s file is not the bucket copy's "
+                                     "(sha256)")
+        if held:
+            yield held
 
     def close(self) -> None:
         self._first.close()

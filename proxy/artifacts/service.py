@@ -473,7 +473,8 @@ class ArtifactService:
                         copy = await self.tier.copy(drawn, key)
                     if copy is not None:
                         body = ResumedBody(copy, lambda: self._upstream_body(ups, key, req),
-                                           self._metrics.bucket_copies_resumed.inc)
+                                           self._metrics.bucket_copies_resumed.inc,
+                                           copy.rec.sha256)
                         try:
                             await self._download(key, copy.rec.scope, flight, temp, body,
                                                  claim, publish=False, req=req)
