@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import aiohttp
 import pytest
 
 from proxy.config import UpstreamConfig
+from proxy.keys import ArtifactKey
 from proxy.web.connections import ConnectionGuard
 from proxy.web.fast_hits import FastHits
 from proxy.web.file_sends import ShortFile, room_for, send_at_once, send_whole
@@ -312,3 +317,68 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
         assert chunk, (len(got), n)
         got += chunk
     return bytes(got)
+
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+class _HeldFileOpens(ThreadPoolExecutor):
+    """The loop's thread pool, holding FileResponse's open and stat of a file (aiohttp's
+    _make_response, after the handler found the hit) until `go` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=4)
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+               ) -> Future[_T]:
+        if getattr(fn, "__name__", "") != "_make_response":
+            return super().submit(fn, *args, **kwargs)
+
+        def held() -> _T:
+            self.entered.set()
+            self.go.wait(60)
+            return fn(*args, **kwargs)
+
+        return super().submit(held)
+
+
+async def test_a_cached_file_cut_short_before_its_range_is_read_is_not_sent_as_whole(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """The file shrinks on disk (an operator, a bad disk) after its hit was found whole and
+    before FileResponse reads its size (a range, or a conditional request): that size is not
+    the response's, whose body would look whole and be a piece of the file; the connection
+    ends unanswered, and the next request finds the damage and fetches the file anew."""
+    sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
+    cache = sg.runner.app[STATE].service.cache
+    key = ArtifactKey.parse(elfs.big.build_id, "debuginfo")
+    await eventually(lambda: cache.peek("", key) is not None)  # committed after the last byte
+    hit = cache.peek("", key)
+    assert hit is not None
+    cached = hit.path
+    loop = asyncio.get_running_loop()
+    pool = _HeldFileOpens()
+    loop.set_default_executor(pool)
+    try:
+        host, port = sg.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET {big} HTTP/1.1\r\nHost: {host}\r\nRange: bytes=0-\r\n\r\n"
+                     .encode())
+        assert await asyncio.to_thread(pool.entered.wait, 60)
+        with cached.open("r+b") as f:
+            f.truncate(1 << 20)
+        pool.go.set()
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        except asyncio.IncompleteReadError as e:  # the connection's end
+            head = e.partial
+        writer.close()
+        assert head == b"", head  # not the damaged file's size, as if it were the file's
+    finally:
+        pool.go.set()
+    status, _, body = await sg.get(big)
+    assert status == 200 and body == expected
+

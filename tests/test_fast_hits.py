@@ -1026,3 +1026,45 @@ async def test_a_cached_file_cut_short_from_outside_is_fetched_again(
     await server.reading
     out = b"".join(server.output).decode()
     assert out.count("is not the file its index entry describes") == 1, out[-2000:]
+
+
+@pytest.mark.parametrize("extra", [(), ("Cache-Control: no-cache",), ("Range: bytes=0-",),
+                                   ("Range: bytes=100-",), ('If-None-Match: "other"',)],
+                         ids=["quick", "aiohttp", "range", "range-from", "conditional"])
+async def test_a_cached_file_cut_short_while_it_goes_out_ends_its_connection(
+    server: Server, elfs: ElfSet, tmp_path: Path, extra: tuple[str, ...]
+) -> None:
+    """The file shrinks on disk (an operator, a bad disk) while its response waits on a
+    client that reads slowly: the response is cut, and its connection, on every path that
+    sends a file (a range or a conditional request's FileResponse among them); never a short
+    body that ends well, whose connection then answers the next request into what the
+    client reads as the rest of the file."""
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    want = elfs.big.debug.read_bytes()
+    await hot(server, path)
+    cached = _cached_file(tmp_path, len(want))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the send waits on it
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    conn = Conn(*await asyncio.open_connection(sock=sock, limit=4096))
+    await conn.send(get(path, *extra))
+    head = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)[1])  # type: ignore[index]
+    assert head.split(b" ", 2)[1] in (b"200", b"206") and length > len(want) // 2
+    with cached.open("r+b") as f:  # far more than the sockets' buffers hold is still to go
+        f.truncate(1 << 20)
+    # What a short body that ends well is followed by: this answer, read as the file's rest
+    # (until the idle connection is closed: server.header_timeout_s).
+    await conn.send(get(path, method="HEAD"))
+    rest = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := await asyncio.wait_for(conn.reader.read(1 << 20), 30):
+            rest += chunk
+    start = len(want) - length  # of the range asked (bytes=N-), or 0
+    assert len(rest) < length and rest == want[start:start + len(rest)]
+    conn.close()
+    again = await Conn.open(server)  # found damaged, and fetched anew
+    await again.send(get(path))
+    assert (await again.answer()).body == want
+    again.close()

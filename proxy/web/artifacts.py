@@ -27,7 +27,7 @@ from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.web.errors import CountedWhenSent, cut_off
-from proxy.web.file_sends import cork, send_file
+from proxy.web.file_sends import ShortFile, cork, send_file, send_part
 from proxy.web.hot_files import artifact_headers, etag
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
@@ -260,14 +260,31 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
+        self._size = rec.size
         self._fd = fd
         # Closed when the response is done with it, whatever becomes of the response.
         self._fd_closer = weakref.finalize(self, os.close, fd)
 
     async def _sendfile(self, request: web.BaseRequest, fobj: IO[Any], offset: int,
                         count: int) -> AbstractStreamWriter:
+        """FileResponse's send of the body (the file, or the range asked), after its head,
+        with file_sends.send_part: aiohttp's own ends the response however few bytes went,
+        and keeps the connection."""
         try:
-            return await super()._sendfile(request, fobj, offset, count)
+            if os.fstat(fobj.fileno()).st_size != self._size:
+                # Changed on disk since the handler found it whole (an operator, a bad disk),
+                # before FileResponse read its size: the head would tell the damaged file's,
+                # and the body look whole. No head is sent; the connection ends.
+                log.warning("cached %s changed on disk while its hit was answered; its "
+                            "response was cut", self._key.id)
+                raise ShortFile("cached file changed on disk")
+            writer = await super(web.FileResponse, self).prepare(request)
+            transport = request.transport
+            if writer is None or transport is None:
+                raise ConnectionResetError("Connection lost")
+            await send_part(transport, fobj, offset, count, self._key.id)
+            await super(web.FileResponse, self).write_eof()
+            return writer
         except BaseException:
             _count_cut(self._symgate, request, fobj, offset)
             raise

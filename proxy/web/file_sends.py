@@ -1,6 +1,7 @@
 """How a cached file leaves with sendfile(2), on aiohttp's path (proxy.web.artifacts) and on
-the quick one (proxy.web.connections) alike: corked from its head to its last byte, and a
-file shorter than its index entry cut, never ended as a short body."""
+the quick one (proxy.web.connections) alike: corked from its head to its last byte (but a
+range's or a conditional request's, which FileResponse heads), and a file shorter than its
+index entry cut, never ended as a short body."""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ async def send_whole(transport: asyncio.Transport, file: IO[bytes], size: int, n
         cork(sock, on=False)  # the tail goes now, and a next response on the connection too
     if sent != size:
         _cut_short(name, sent, size)
+
+
+async def send_part(transport: asyncio.Transport, file: IO[bytes], offset: int, count: int,
+                    name: str) -> None:
+    """`count` bytes of `file` from `offset` (a range of it, or all), after what `transport`
+    sent so far, with sendfile(2), as FileResponse sends them; raises what the send failed
+    with, or ShortFile: FileResponse ends its response however few bytes loop.sendfile sent,
+    and a file cut short from outside while it went out was a short body on a kept-alive
+    connection, the next response's head read by the client as the rest of this one."""
+    sent = await asyncio.get_running_loop().sendfile(transport, file, offset, count)
+    if sent != count:
+        _cut_short(name, offset + sent, offset + count)
 
 
 async def send_file(transport: asyncio.Transport, file: IO[bytes], size: int, name: str, *,
