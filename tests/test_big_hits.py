@@ -5,11 +5,14 @@ file, byte for byte, whether it read fast or slowly, left early or came with man
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import resource
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -323,26 +326,34 @@ _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
 
-class _HeldFileOpens(ThreadPoolExecutor):
-    """The loop's thread pool, holding FileResponse's open and stat of a file (aiohttp's
-    _make_response, after the handler found the hit) until `go` is set."""
+class _FileOpens(ThreadPoolExecutor):
+    """The loop's thread pool, running FileResponse's open and stat of a file (aiohttp's
+    _make_response, after the handler found the hit) inside `around`."""
 
-    def __init__(self) -> None:
+    def __init__(self, around: Callable[[], AbstractContextManager[object]]) -> None:
         super().__init__(max_workers=4)
-        self.entered = threading.Event()
-        self.go = threading.Event()
+        self._around = around
 
     def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
                ) -> Future[_T]:
         if getattr(fn, "__name__", "") != "_make_response":
             return super().submit(fn, *args, **kwargs)
 
-        def held() -> _T:
-            self.entered.set()
-            self.go.wait(60)
-            return fn(*args, **kwargs)
+        def within() -> _T:
+            with self._around():
+                return fn(*args, **kwargs)
 
-        return super().submit(held)
+        return super().submit(within)
+
+
+async def _cached_path(sg: Symgate, elf_build_id: str) -> Path:
+    """The cache's file of the key's debuginfo, once committed (after its last byte)."""
+    cache = sg.runner.app[STATE].service.cache
+    key = ArtifactKey.parse(elf_build_id, "debuginfo")
+    await eventually(lambda: cache.peek("", key) is not None)
+    hit = cache.peek("", key)
+    assert hit is not None
+    return hit.path
 
 
 async def test_a_cached_file_cut_short_before_its_range_is_read_is_not_sent_as_whole(
@@ -353,24 +364,25 @@ async def test_a_cached_file_cut_short_before_its_range_is_read_is_not_sent_as_w
     the response's, whose body would look whole and be a piece of the file; the connection
     ends unanswered, and the next request finds the damage and fetches the file anew."""
     sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
-    cache = sg.runner.app[STATE].service.cache
-    key = ArtifactKey.parse(elfs.big.build_id, "debuginfo")
-    await eventually(lambda: cache.peek("", key) is not None)  # committed after the last byte
-    hit = cache.peek("", key)
-    assert hit is not None
-    cached = hit.path
-    loop = asyncio.get_running_loop()
-    pool = _HeldFileOpens()
-    loop.set_default_executor(pool)
+    cached = await _cached_path(sg, elfs.big.build_id)
+    entered, go = threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        entered.set()
+        go.wait(60)
+        yield
+
+    asyncio.get_running_loop().set_default_executor(_FileOpens(held))
     try:
         host, port = sg.url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(f"GET {big} HTTP/1.1\r\nHost: {host}\r\nRange: bytes=0-\r\n\r\n"
                      .encode())
-        assert await asyncio.to_thread(pool.entered.wait, 60)
+        assert await asyncio.to_thread(entered.wait, 60)
         with cached.open("r+b") as f:
             f.truncate(1 << 20)
-        pool.go.set()
+        go.set()
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
         except asyncio.IncompleteReadError as e:  # the connection's end
@@ -378,7 +390,43 @@ async def test_a_cached_file_cut_short_before_its_range_is_read_is_not_sent_as_w
         writer.close()
         assert head == b"", head  # not the damaged file's size, as if it were the file's
     finally:
-        pool.go.set()
+        go.set()
     status, _, body = await sg.get(big)
     assert status == 200 and body == expected
 
+
+
+@contextlib.contextmanager
+def _no_descriptor_left() -> Iterator[None]:
+    """Every descriptor the process may open taken, for as long as it is held."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    taken: list[int] = []
+    # Lowered first: the limit (raised for servers) could be a million descriptors to take.
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 16, hard))
+    try:
+        while True:
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_range_of_a_cached_file_with_no_descriptor_left_is_no_404(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """FileResponse (a range, a conditional request) opened the cached file once more by its
+    path, and answered 404 when that failed: out of descriptors, a file that is cached was
+    not found, for as long as an elfutils client keeps a 404. It is sent from the descriptor
+    the hit was found with."""
+    sg, big, expected = await _big_cached(start_symgate, debuginfod, elfs)
+    await _cached_path(sg, elfs.big.build_id)
+    asyncio.get_running_loop().set_default_executor(_FileOpens(_no_descriptor_left))
+    status, headers, body = await sg.get(big, headers={"Range": "bytes=100-199"})
+    assert (status, headers["Content-Range"], body) == (
+        206, f"bytes 100-199/{len(expected)}", expected[100:200])

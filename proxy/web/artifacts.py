@@ -11,6 +11,7 @@ import email.utils
 import logging
 import math
 import os
+import pathlib
 import weakref
 from typing import IO, Any
 
@@ -247,9 +248,10 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
     """A FileResponse of a file already open, holding the cache lease while aiohttp sends it.
 
     aiohttp prepares a FileResponse itself once the handler returns, so the lease has to live
-    here rather than in the handler. It opens the file by path, in a thread, by then: given
-    /proc/self/fd/N of the descriptor opened when the hit was found, it opens that same file,
-    even if another process has evicted (unlinked) it in between.
+    here rather than in the handler. It stats and opens the file by path, in a thread, by
+    then: given /proc/self/fd/N of the descriptor opened when the hit was found, it finds that
+    same file, even if another process has evicted (unlinked) it in between, and its open is
+    that descriptor (_HeldPath).
     """
 
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
@@ -257,6 +259,7 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
         rec = artifact.record
         super().__init__(f"/proc/self/fd/{fd}", headers=artifact_headers(
             rec.size, rec.filename, rec.archive, rec.ima_signature))
+        self._path = _HeldPath(self._path)
         self._symgate = state
         self._key = key
         self._scope = artifact.scope
@@ -307,6 +310,17 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
         if request.method != "HEAD":
             self._symgate.metrics.served_from_cache.inc(self.content_length or 0)
         return writer
+
+
+class _HeldPath(pathlib.PosixPath):
+    """/proc/self/fd/N, opened as descriptor N itself, which the file object leaves open
+    (_LeasedFileResponse closes it). FileResponse stats its path, then opens it: a second
+    descriptor, and one that failed for want of one (EMFILE) was its 404, for a file that
+    is cached (an elfutils client keeps a 404 for ten minutes)."""
+
+    def open(self, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+             errors: str | None = None, newline: str | None = None) -> Any:
+        return open(int(self.name), mode, buffering, encoding, errors, newline, closefd=False)
 
 
 def _without_foreign_range(request: web.BaseRequest, fd: int) -> web.BaseRequest:
