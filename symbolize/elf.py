@@ -341,14 +341,15 @@ def _function_symbols(data: bytes, strtab: bytes, is64: bool, order: str,
 def exported_functions(path: Path, build_id: str) -> tuple[FunctionSymbol, ...] | None:
     """The functions a stripped executable or shared library exports: its .dynsym's, in that
     table's order (GNU hash order, which a detached debug file does not keep: its .dynsym has
-    no contents). () when the file keeps its .symtab (which llvm-symbolizer then names code
-    by, as the debug file's own .symtab); None when it is not the executable of `build_id`."""
+    no contents); () for a stripped program that exports none. None when the file keeps its
+    .symtab (which llvm-symbolizer then names code by, as the debug file's own .symtab), or
+    when it is not the executable of `build_id`."""
     return exports_of(path) if executable_segments(path, build_id) is not None else None
 
 
-def exports_of(executable: Path) -> tuple[FunctionSymbol, ...]:
+def exports_of(executable: Path) -> tuple[FunctionSymbol, ...] | None:
     """exported_functions, of a file already known to be the executable."""
-    return () if function_symbols(executable) else function_symbols(executable, ".dynsym")
+    return None if function_symbols(executable) else function_symbols(executable, ".dynsym")
 
 
 def cold_ranges(symbols: tuple[FunctionSymbol, ...]) -> tuple[tuple[int, int], ...]:

@@ -19,9 +19,10 @@ that is (`__nanosleep`, not its label `__GI___nanosleep`), else, where .symtab h
 there but hidden, the last exported name that .symtab lists there (a DWARF name that is no
 symbol is kept: Go's `runtime.mstart`, whose symbol is `runtime.mstart.abi0`). Inlined
 frames keep the DWARF name, and so does a `.cold` part where .dynsym named the rest (no
-.dynsym symbol covers it: llvm-symbolizer names it by DWARF too); without .dynsym, a `.cold`
-part is named after its `.cold` symbol, as llvm-symbolizer names it by a .symtab (the debug
-file's, or an executable's that keeps one).
+.dynsym symbol covers it: llvm-symbolizer names it by DWARF too), even a .dynsym that exports
+nothing (a stripped program's); without the stripped executable, or where no DWARF subprogram
+knows the function, a `.cold` part is named after its `.cold` symbol, as llvm-symbolizer names
+it by a .symtab (the debug file's, or an executable's that keeps one).
 """
 
 from __future__ import annotations
@@ -204,6 +205,13 @@ def choose(columns: SymCacheColumns, load_address: int, dwarf: DwarfFunctions,
                 continue
             else:
                 chosen = (demangle_as(best.partition("@")[0]), best)
+                if picks is not None and cold_part(best) is not None:
+                    # A `.cold` part only .symtab knows (a split-DWARF program's, without
+                    # its .dwo files): llvm-symbolizer names it nothing given the stripped
+                    # executable, eu-addr2line by the debug file's symbol, kept here as
+                    # that, not renamed after its function as a DWARF function's is.
+                    extras.names[f] = chosen
+                    continue
         if chosen != (demangle_as(own), own):
             extras.names[f] = chosen
     starts = sorted(dwarf.orphan_ranges)

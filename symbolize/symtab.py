@@ -73,8 +73,10 @@ from .symcache_columns import NONE, UnreadableSymCache, read_columns
 # file; since 9, start lines by the file a DWARF 5 unit declares as its file 0, as clang
 # declares its functions; since 10, a DWARF name that is no symbol not taken for one a library
 # hides; since 11, a C function's asm label, its DWARF linkage name, named where no exported
-# name does): a table of another format is built again.
-FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-11"
+# name does; since 12, a `.cold` part of a stripped program that exports nothing named after
+# its function, as by its .dynsym: such a table's extras read as those of a program that keeps
+# .symtab): a table of another format is built again.
+FORMAT = f"symcache-{SYMCACHE_LATEST_VERSION}+extras-12"
 
 
 class NoSymbols(Exception):
@@ -246,9 +248,9 @@ def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
             cache.dump_into(f)  # type: ignore[no-untyped-call]
         # A symbolic that writes another layout fails here, not per lookup.
         columns = read_columns(tmp)
-        symbols, dwarf, exports, executable_layout = second.result()
-        extras = choose(columns, layout.load_address, dwarf, symbols, exports or None)
-        extras.from_executable = exports is not None
+        symbols, dwarf, with_executable, exports, executable_layout = second.result()
+        extras = choose(columns, layout.load_address, dwarf, symbols, exports)
+        extras.from_executable = with_executable
         append_to(tmp, extras)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -310,18 +312,22 @@ class _InCaller(Executor):
 def _second_reading(path: Path, executable: Path | None,
                     segments: tuple[LoadSegment, ...] | None, read_dwarf: bool = True,
                     supplement: Path | None = None
-                    ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions,
+                    ) -> tuple[tuple[FunctionSymbol, ...], DwarfFunctions, bool,
                                tuple[FunctionSymbol, ...] | None,
                                tuple[LoadSegment, ...] | None]:
-    """The symbol table, the DWARF facts (none unless `read_dwarf`), the executable's exports
-    (None without the executable of the build ID, whose program headers `segments` are, and
-    () when it names code by its .symtab: function_names.py), and `segments`."""
+    """The symbol table, the DWARF facts (none unless `read_dwarf`), whether the executable
+    of the build ID (whose program headers `segments` are) is at hand, its exports (None
+    without it, and when it names code by its .symtab; () for a stripped program that
+    exports nothing: function_names.py), and `segments`."""
     symbols = function_symbols(path)
-    exports = exports_of(executable) if executable is not None and segments is not None \
-        else None
+    with_executable = executable is not None and segments is not None
+    # A stripped program that exports nothing is named by its (empty) .dynsym all the same:
+    # llvm-symbolizer, finding no symbol there, names all its code by DWARF, a `.cold` part
+    # after its function (`main`, not the debug file's `main.cold`).
+    exports = exports_of(executable) if executable is not None and with_executable else None
     dwarf = read_functions(path, sorted({s.value for s in symbols}), supplement) if read_dwarf \
         else DwarfFunctions()
-    return symbols, dwarf, exports, segments
+    return symbols, dwarf, with_executable, exports, segments
 
 
 def _headers_of(path: Path) -> ElfHeaders | None:

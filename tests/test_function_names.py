@@ -213,6 +213,64 @@ def test_exported_names_and_cold_parts_as_llvm_symbolizer_names_them_given_the_e
                                                          for v in vaddrs[1:]]
 
 
+# gcc -O2 moves `process`'s unlikely paths (abort, a cold function) into `process.cold`.
+COLD_PROGRAM_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((cold, noinline)) void fail(const char *why) {
+    fprintf(stderr, "fail: %s\n", why);
+    exit(2);
+}
+int process(int *v, int n) {
+    if (n > 1000) {
+        fprintf(stderr, "too many %d\n", n);
+        abort();
+    }
+    if (!v) fail("null");
+    int s = 0;
+    for (int i = 0; i < n; i++) s += v[i] * v[i];
+    return s;
+}
+int main(int argc, char **argv) {
+    int v[64];
+    for (int i = 0; i < 64; i++) v[i] = argc * i + (int)argv[0][0];
+    printf("%d\n", process(v, argc > 3 ? 2000 : 64));
+    return 0;
+}
+"""
+
+
+def test_a_cold_part_of_a_stripped_program_that_exports_nothing_is_named_after_its_function(
+        tmp_path: Path) -> None:
+    """A stripped program exports no function: its .dynsym holds only what it imports. Given
+    it, llvm-symbolizer (as a profiler runs it, the debug file found by .gnu_debuglink) finds
+    no symbol over `process.cold` and names it by DWARF, `process`, as it names a stripped
+    library's; symgate, its table built with that executable beside, took an empty .dynsym
+    for a kept .symtab and said `process.cold`, the debug file's symbol. Where the program
+    keeps its .symtab, llvm-symbolizer and symgate say `process.cold`."""
+    (tmp_path / "cold.c").write_text(COLD_PROGRAM_C)
+    full, debug = tmp_path / "prog", tmp_path / "prog.debug"
+    subprocess.run(["gcc", "-O2", "-g", "-Wl,--build-id", "cold.c", "-o", "prog"],
+                   cwd=tmp_path, check=True)
+    subprocess.run(["objcopy", "--only-keep-debug", str(full), str(debug)], check=True)
+    stripped, kept = tmp_path / "prog.stripped", tmp_path / "prog.kept"
+    subprocess.run(["objcopy", "--strip-all", f"--add-gnu-debuglink={debug}", str(full),
+                    str(stripped)], check=True)
+    subprocess.run(["objcopy", "--strip-debug", f"--add-gnu-debuglink={debug}", str(full),
+                    str(kept)], check=True)
+    assert not function_symbols(stripped, ".dynsym")  # it exports nothing
+    layout = layout_of_file(full)
+    assert layout is not None and layout.build_id
+    bid = layout.build_id
+    cold = next(s for s in function_symbols(debug) if s.name == "process.cold")
+    at = cold.value + 2
+    for exe, name in ((stripped, "process"), (kept, "process.cold")):
+        assert llvm_symbolize(exe, [at])[at][-1].function == name
+        out = tmp_path / f"{exe.name}.symc"
+        got = _symbolized((out, build_symbol_table(debug, out, bid, exe)), [at], (exe, bid))
+        assert got[at][-1].function == name, exe.name
+
+
 def test_asm_labelled_functions_are_named_by_their_linkage_name_unless_exported(
         tmp_path: Path) -> None:
     """A C function with an asm label (glibc's `__GI_` names; ASM_LABELLED_C) has it as its
