@@ -369,21 +369,24 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     """(file offset, size) of the first section called `name`, as stored (a compressed
     section stays compressed, as elfutils' elf_rawdata gives it); None when the file has no
     such section, or its first is SHT_NOBITS or empty (no bytes in this file: elfutils'
-    extract_section finds no data, and looks in the executable, or answers 404), or the file
-    is not valid ELF."""
+    extract_section finds no data, and looks in the executable, or answers 404), or its header
+    puts bytes past the end of the file (elf_rawdata refuses it as an invalid section header,
+    and elfutils looks on alike), or the file is not valid ELF."""
     with path.open("rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         headers = read_headers(f.fileno())
         if headers is not None:
             found = headers.section(name)
             if found is None or found.type == SHT_NOBITS or found.size == 0:
                 return None
-            return found.offset, found.size
+            return _within(found.offset, found.size, file_size)
         try:
             for section in ELFFile(f).iter_sections():
                 if section.name == name:
                     if section["sh_type"] == "SHT_NOBITS" or not section["sh_size"]:
                         return None
-                    return int(section["sh_offset"]), int(section["sh_size"])
+                    return _within(int(section["sh_offset"]), int(section["sh_size"]),
+                                   file_size)
         except OSError:  # a seek past what the file system takes: an offset made up
             return None
         except Exception as e:
@@ -391,3 +394,10 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
                 return None
             raise
     return None
+
+
+def _within(offset: int, size: int, file_size: int) -> tuple[int, int] | None:
+    """(offset, size) where those bytes are all in the file: a header that claims more (a
+    size of terabytes, an offset past what a seek takes) must cost nothing, not the room it
+    claims in the cache's budget before the copy finds the file short."""
+    return (offset, size) if offset + size <= file_size else None

@@ -339,22 +339,34 @@ def replace_section_compressed(path: Path, section: str, stream: bytes, claimed:
     file under a compression header that says it inflates to `claimed` bytes (no header at
     all if None): what a hostile upstream serves, the build-ID note untouched."""
     data = bytearray(path.read_bytes())
+    row = _section_row(data, section, path)
+    data.extend(bytes(-len(data) % 8))
+    at = len(data)
+    data += (b"" if claimed is None else struct.pack("<IIQQ", kind, 0, claimed, 1)) + stream
+    flags, = struct.unpack_from("<Q", data, row + 8)
+    struct.pack_into("<Q", data, row + 8, flags | 0x800)
+    struct.pack_into("<QQ", data, row + 24, at, len(data) - at)
+    path.write_bytes(data)
+
+
+def set_section_extent(path: Path, section: str, offset: int, size: int) -> None:
+    """Make the header of section `section` of the ELF64 little-endian file at `path` say its
+    bytes are `size` at `offset`, whatever the file holds: a hostile upstream's file."""
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<QQ", data, _section_row(data, section, path) + 24, offset, size)
+    path.write_bytes(data)
+
+
+def _section_row(data: bytearray, section: str, path: Path) -> int:
+    """Where the header of the section called `section` is in `data`, an ELF64 LE file's."""
     shoff, = struct.unpack_from("<Q", data, 0x28)
     count, names_at = struct.unpack_from("<HH", data, 0x3C)
     names = struct.unpack_from("<Q", data, shoff + names_at * 64 + 24)[0]
     for i in range(count):
         row = shoff + i * 64
         name, = struct.unpack_from("<I", data, row)
-        if data[names + name:data.index(b"\0", names + name)] != section.encode():
-            continue
-        data.extend(bytes(-len(data) % 8))
-        at = len(data)
-        data += (b"" if claimed is None else struct.pack("<IIQQ", kind, 0, claimed, 1)) + stream
-        flags, = struct.unpack_from("<Q", data, row + 8)
-        struct.pack_into("<Q", data, row + 8, flags | 0x800)
-        struct.pack_into("<QQ", data, row + 24, at, len(data) - at)
-        path.write_bytes(data)
-        return
+        if data[names + name:data.index(b"\0", names + name)] == section.encode():
+            return row
     raise ValueError(f"{path.name} has no section {section}")
 
 

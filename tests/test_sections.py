@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from proxy.config import CacheConfig
-from tests.elfs import ElfSet
+from tests.elfs import ElfSet, set_section_extent
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream, free_port
 
@@ -215,6 +215,39 @@ async def test_an_empty_section_is_no_section_as_for_elfutils(
         assert (status, body, headers["X-DEBUGINFOD-FILE"]) == (200, marker.read_bytes(),
                                                                 "prog")
 
+
+
+@sqlite_only
+async def test_a_section_whose_header_runs_past_its_file_is_no_section_as_for_elfutils(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """elfutils' libelf refuses a section header whose bytes are not all in the file
+    (elf_rawdata: "invalid section header"), and debuginfod looks in the executable, or answers
+    404. symgate held the room such a header claims in the budget before copying, evicting
+    cached files for bytes that were never there, then answered 502; an offset past what a seek
+    takes was a 500."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    debug = out / "prog.debug"
+    shutil.copy(elfs.prog.debug, debug)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    shutil.copy(elfs.other.debug, out / "other.debug")
+    budget = 1 << 20
+    # Room for it beside the files being read (the one cut from, and a cached file whose
+    # symbol table may be being built), once the other files are evicted.
+    claim = budget - debug.stat().st_size - elfs.other.debug.stat().st_size
+    set_section_extent(debug, ".debug_line", 0, claim)
+    set_section_extent(debug, ".debug_str", (1 << 64) - 16, 64)
+    set_section_extent(debug, ".symtab", debug.stat().st_size - 8, 16)  # the executable's
+    with _debuginfod_of(tmp_path, out, elfs.prog.build_id) as url:
+        sg = await start_symgate([url], cache=CacheConfig(max_bytes=budget))
+        assert (await sg.get(f"/buildid/{elfs.other.build_id}/section/.debug_info"))[0] == 200
+        assert await _same_as_elfutils(sg.url, url, elfs.prog.build_id, HEADERS,
+                                       (".debug_line", ".debug_str", ".symtab")) == []
+        status, headers, _ = await _direct(f"{sg.url}/buildid/{elfs.prog.build_id}"
+                                           "/section/.symtab")
+        assert (status, headers["X-DEBUGINFOD-FILE"]) == (200, "prog")
+        assert await sg.metric("symgate_cache_evictions_total") == 0
 
 # Names an ELF file may give its sections, which elfutils serves as the file has them: the
 # characters of `__ksymtab+sym`, C++ -ffunction-sections names longer than 255 bytes.
