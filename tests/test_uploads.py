@@ -192,6 +192,20 @@ async def test_a_tenants_upload_is_its_own_and_delete_takes_it_back(
                            outcome="rejected") == 1
 
 
+
+async def test_the_sections_of_a_deleted_upload_go_with_it(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """A section cut from an upload is kept as an artifact of its own, in the upload's scope:
+    it went on being served after the upload was deleted with a 204."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}"
+    assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes(), ACME))[0] == 201
+    status, _, body = await sg.get(f"{path}/section/.debug_info", headers=_auth(ACME))
+    assert status == 200 and body
+    assert (await sg.request("DELETE", f"{path}/debuginfo", headers=_auth(ACME)))[0] == 204
+    assert (await sg.get(f"{path}/section/.debug_info", headers=_auth(ACME)))[0] == 404
+
 async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
     start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,
 ) -> None:

@@ -37,7 +37,7 @@ from proxy.errors import (
     out_of_descriptors,
 )
 from proxy.health import DISK
-from proxy.keys import ArtifactKey
+from proxy.keys import ArtifactKey, Kind
 from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, is_disk_full
 from symbolize.elf import build_id_of_file
 
@@ -236,6 +236,14 @@ class Uploads:
         ArtifactCache.retire); OutOfResources, with nothing removed, when SQL cannot take it:
         a removal the other processes were not told of would leave them serving it."""
         try:
+            # The sections cut from it are artifacts of their own, in its scope: kept, they
+            # went on serving the bytes of an upload deleted with a 204. Cut from this file or
+            # from its build ID's other one, which cannot be told apart: all go (first, so that
+            # a failure leaves the file itself in place), and the next request cuts again from
+            # what is left.
+            for cut in await self._repo.artifacts_of(rec.build_id, every_replica=False):
+                if cut.kind == Kind.SECTION and cut.scope == rec.scope:
+                    await self._cache.retire(cut)
             await self._cache.retire(rec)
         except DATABASE_ERRORS as e:
             self._cache.sql_failed(doing, e)
