@@ -75,15 +75,18 @@ def _detail(request: web.Request) -> str:
 
     The router's is decoded as UTF-8, and leaves a percent-encoded byte that is not UTF-8 as
     it came (`%E9`), the same text as an encoded percent sign followed by `E9` gives: such a
-    source path is decoded from the request's own bytes instead (source_path_of)."""
+    path or name is decoded from the request's own bytes instead (source_path_of). A section
+    name asked so was looked for as the text `%E9`, and its cut kept under that name: a
+    section named so, and the one named by the byte, would be one."""
     m = request.match_info
     detail = m.get("detail", "")
-    if m["kind"] != "source" or "%" not in detail:
+    if m["kind"] not in ("source", "section") or "%" not in detail:
         return detail
     # The target's path as sent, percent-encoding and all: the URL's, whose path the router
     # matched (raw_path is the whole target, a scheme and host first in absolute form).
     path = source_path_of(request.rel_url.raw_path.encode())
-    prefix = f"/buildid/{m['build_id']}/source"
+    prefix = f"/buildid/{m['build_id']}/source" if m["kind"] == "source" \
+        else f"/buildid/{m['build_id']}/section/"
     return path[len(prefix):] if path.startswith(prefix) and not is_text(path) else detail
 
 
