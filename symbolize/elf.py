@@ -365,6 +365,13 @@ def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
     return cold_ranges(function_symbols(path))
 
 
+# Sections pyelftools walks for section_extent, where read_headers could not read the table
+# (a header size not the standard one, a count past elf_headers.MAX_SECTIONS): as many as a
+# file can have without extended numbering. A hostile file's count is bounded by its size
+# alone, and each section costs pyelftools some 17 us, for every section asked of the file.
+_MAX_WALK = 0xFFFF
+
+
 def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     """(file offset, size) of the first section called `name`, as stored (a compressed
     section stays compressed, as elfutils' elf_rawdata gives it); None when the file has no
@@ -381,7 +388,9 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
                 return None
             return _within(found.offset, found.size, file_size)
         try:
-            for section in ELFFile(f).iter_sections():
+            for at, section in enumerate(ELFFile(f).iter_sections()):
+                if at == _MAX_WALK:
+                    return None
                 if section.name == name:
                     if section["sh_type"] == "SHT_NOBITS" or not section["sh_size"]:
                         return None

@@ -5,11 +5,11 @@ pyelftools builds its construct structs anew for every file it opens (about 1 ms
 object per header; a small program's symbol-table build opened its two files five times that
 way, 6 of its 7.5 ms. These tables are fixed-size records of the ELF specification, so they
 are read here in a few microseconds, and nothing past them: DWARF, notes' contents and symbols
-are their callers' business. Whatever this does not expect (extended section or program
-header counts, a table past the end of the file, a header size that is not the standard one)
-gives None, and the callers ask pyelftools, as they did before. One damage is read through: a
-name-table index past the sections leaves them nameless but whole, so that a build-ID note is
-still found by its type (pyelftools fails on such a file).
+are their callers' business. Whatever this does not expect (an extended program header
+count, more than MAX_SECTIONS sections, a table past the end of the file, a header size that
+is not the standard one) gives None, and the callers ask pyelftools, as they did before. One
+damage is read through: a name-table index past the sections leaves them nameless but whole,
+so that a build-ID note is still found by its type (pyelftools fails on such a file).
 """
 
 from __future__ import annotations
@@ -31,9 +31,15 @@ SHF_EXECINSTR = 0x4
 SHF_COMPRESSED = 0x800
 E_TYPES = {0: "ET_NONE", 1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
 
-# Counts the tables may claim: 0xFFFF is PN_XNUM and SHN_XINDEX, whose real values live in
-# section 0, left to pyelftools.
+# Counts the tables may claim: 0xFFFF is PN_XNUM, whose real value lives in section 0, left
+# to pyelftools.
 _MAX_ENTRIES = 0xFFFE
+# A section count of 0 or a name-table index of SHN_XINDEX in the ELF header: the real values
+# are section 0's sh_size and sh_link (extended section numbering). Read here up to this many
+# sections (16 MiB of headers): pyelftools walked a file claiming hundreds of thousands, a
+# hostile debuginfo's or upload's, at some 17 us a section, again for every section asked of it.
+SHN_XINDEX = 0xFFFF
+MAX_SECTIONS = 1 << 18
 # Section names are read whole: a real .shstrtab is a few hundred bytes.
 _MAX_NAMES_BYTES = 1 << 20
 
@@ -158,7 +164,17 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
                                               align))
         sections: list[SectionHeader] = []
         if shoff:
-            if shentsize != struct.calcsize(sfmt) or not 0 < shnum <= _MAX_ENTRIES:
+            if shentsize != struct.calcsize(sfmt):
+                return None
+            if shnum == 0 or shstrndx == SHN_XINDEX:
+                first = _read_exactly(read, shentsize, shoff)
+                if first is None:
+                    return None
+                row = struct.unpack(sfmt, first)
+                shnum = row[5] if shnum == 0 else shnum
+                shstrndx = row[6] if shstrndx == SHN_XINDEX else shstrndx
+            # Checked before a byte is read: the count is the file's word, not its size.
+            if not 0 < shnum <= MAX_SECTIONS or shnum * shentsize > file_size - shoff:
                 return None
             table = _read_exactly(read, shnum * shentsize, shoff)
             if table is None:

@@ -91,6 +91,29 @@ def test_broken_files_give_pyelftools_tables_or_none(elfs: ElfSet, tmp_path: Pat
             assert tables(headers) == want, data[:8]
 
 
+
+def test_an_extended_section_count_is_read_as_pyelftools_reads_it(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """e_shnum 0 and e_shstrndx SHN_XINDEX, the real values in section 0 (extended numbering,
+    which a file of 0xFF00 sections or more must use): left to pyelftools, which a hostile file
+    claiming hundreds of thousands of sections held for seconds per section asked of it."""
+    data = bytearray(elfs.prog.debug.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    count, names_at = struct.unpack_from("<HH", data, 0x3C)
+    struct.pack_into("<HH", data, 0x3C, 0, 0xFFFF)
+    struct.pack_into("<Q", data, shoff + 32, count)  # section 0's sh_size, then sh_link
+    struct.pack_into("<I", data, shoff + 40, names_at)
+    extended = tmp_path / "extended.debug"
+    extended.write_bytes(data)
+    headers = quick(extended)
+    assert headers is not None and tables(headers) == by_pyelftools(extended)
+    assert section_extent(extended, ".debug_info") == section_extent(elfs.prog.debug,
+                                                                      ".debug_info")
+    # A count past what the file holds is not believed (nor read: 2**40 headers).
+    struct.pack_into("<Q", data, shoff + 32, 1 << 40)
+    extended.write_bytes(data)
+    assert quick(extended) is None
+
 def test_the_readers_on_broken_files_answer_as_before_or_say_nothing(
         elfs: ElfSet, tmp_path: Path) -> None:
     """Every reader built on the header tables keeps its contract on damaged input: an answer
