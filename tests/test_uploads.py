@@ -24,6 +24,7 @@ import pytest
 from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
+from symbolize.elf import section_extent
 from tests.elfs import Elf, ElfSet, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
@@ -205,6 +206,34 @@ async def test_the_sections_of_a_deleted_upload_go_with_it(
     assert status == 200 and body
     assert (await sg.request("DELETE", f"{path}/debuginfo", headers=_auth(ACME)))[0] == 204
     assert (await sg.get(f"{path}/section/.debug_info", headers=_auth(ACME)))[0] == 404
+
+
+async def test_a_tenants_upload_shadows_the_shared_scopes_cut_of_a_section(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """A tenant's upload answers its requests for the file before the shared scope's copy,
+    and so must it for a section: a cut the shared scope already had (of the shared file)
+    was served to the tenant in place of its own file's section. Its requests cut from its
+    own file; everyone else keeps the shared cut; its upload deleted, the shared one again."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}"
+    shared = own.debug.read_bytes()
+    extent = section_extent(own.debug, ".comment")
+    assert extent is not None
+    offset, size = extent
+    at = offset + size // 2
+    mine = shared[:at] + bytes([shared[at] ^ 0x20]) + shared[at + 1:]  # same build ID
+    ours, theirs = mine[offset:offset + size], shared[offset:offset + size]
+    assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201  # an admin's: shared
+    section = f"{path}/section/.comment"
+    assert (await sg.get(section))[::2] == (200, theirs)
+    assert (await _put(sg, own.build_id, "debuginfo", mine, ACME))[0] == 201
+    for _ in range(2):  # cut, then a hit of the tenant's own cut
+        assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, ours)
+    assert (await sg.get(section))[::2] == (200, theirs)
+    assert (await sg.request("DELETE", f"{path}/debuginfo", headers=_auth(ACME)))[0] == 204
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, theirs)
+
 
 async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
     start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,

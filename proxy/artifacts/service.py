@@ -814,7 +814,12 @@ class ArtifactService:
 
     async def _section(self, key: ArtifactKey, req: RequestScope, cache_only: bool
                        ) -> Hit | Streaming:
-        if (cached := self.cache.peek_any(req.visible, key)) is not None and cached.path.is_file():
+        # A tenant with a file of its own to cut from (an upload), which its requests for that
+        # file get before the shared scope's, keeps its cuts in its own scope: a cut the
+        # shared scope has is of another file.
+        own = self._has_own_parent(key, req)
+        if (cached := self.cache.peek_any(req.visible, key)) is not None \
+                and cached.path.is_file() and (cached.scope == req.tenant or not own):
             return Hit(await self.cache.get(cached.scope, key) or cached)
         # Shared by the requests that see the same files: of one tenant (its own scope and the
         # shared one), not of one scope, which tenants without sources of their own share while
@@ -842,6 +847,12 @@ class ArtifactService:
         cut.set_result(hit)
         return _answer(hit)
 
+    def _has_own_parent(self, key: ArtifactKey, req: RequestScope) -> bool:
+        """Whether the tenant has in its own scope a file the section `key` may be cut from."""
+        return bool(req.tenant) and any(
+            self.cache.peek(req.tenant, ArtifactKey(key.build_id, kind)) is not None
+            for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE))
+
     async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool
                            ) -> Hit | _UnkeptSection:
         # A debuginfo that cannot be had (too large, its upstream failing, or sending another
@@ -855,7 +866,8 @@ class ArtifactService:
                     extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
                     if extent is None:
                         continue
-                    stored = await self._store_section(key, parent, *extent)
+                    scope = req.tenant if self._has_own_parent(key, req) else parent.scope
+                    stored = await self._store_section(key, parent, scope, *extent)
                     if isinstance(stored, _UnkeptSection):
                         return stored
                     return Hit(stored, fetched=parent.fetched)
@@ -946,9 +958,10 @@ class ArtifactService:
         async with self._parent(key, req, cache_only, again=False) as parent:
             yield parent
 
-    async def _store_section(self, key: ArtifactKey, parent: _Parent, offset: int,
-                             size: int) -> CachedArtifact | _UnkeptSection:
-        scope = parent.scope
+    async def _store_section(self, key: ArtifactKey, parent: _Parent, scope: str,
+                             offset: int, size: int) -> CachedArtifact | _UnkeptSection:
+        """The section cut from `parent`, kept in `scope`: the parent's, or the tenant's
+        whose own file shadows the shared scope's cuts (_section)."""
         # Its room in the budget, held before a byte is written, as a download's is: cut and
         # committed unjudged, a section larger than the budget evicted every other file for
         # itself, and then went too.
