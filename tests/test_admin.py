@@ -16,6 +16,7 @@ from proxy.web.state import STATE
 from tests.elfs import ElfSet, replace_section_compressed
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, cli, config_file
+from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
@@ -50,6 +51,12 @@ async def test_cache_ls_stats_and_purge(
     assert not stored.exists()
     only = json.loads((await cli(cfg, "cache", "ls", "--json")).stdout)
     assert [r["key"] for r in only] == [f"{elfs.other.build_id}/debuginfo"]
+    # Options between the action and its BUILD_ID, as an operator writes them: argparse had
+    # matched the BUILD_ID to nothing, then refused it as an "unrecognized argument".
+    one_ls = await run_in_thread(["symgate", "cache", "ls", "--config", str(cfg), "--json",
+                                  elfs.other.build_id], timeout=60)
+    assert one_ls.returncode == 0, one_ls.stderr
+    assert [r["key"] for r in json.loads(one_ls.stdout)] == [f"{elfs.other.build_id}/debuginfo"]
     # The running server notices and fetches the purged file again.
     status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert status == 200 and body == elfs.prog.debug.read_bytes() and faults.count("ok") == 3
@@ -64,6 +71,8 @@ async def test_cache_ls_stats_and_purge(
     (["cache", "purge", "--all", "--pinned"], "--pinned goes with cache ls, not cache purge"),
     # Everything, or one build ID: the BUILD_ID won, and --all went nowhere as silently.
     (["cache", "purge", "ab" * 20, "--all"], "cache purge takes a BUILD_ID or --all, not both"),
+    (["cache", "purge", "--all", "ab" * 20], "cache purge takes a BUILD_ID or --all, not both"),
+    (["cache", "ls", "--json", "ab" * 20, "cd" * 20], "unrecognized arguments: " + "cd" * 20),
     (["negative", "clear", "ab" * 20, "--all"],
      "negative clear takes a BUILD_ID or --all, not both"),
     # Neither: said before the missing database was (exit 1, as if the usage were right).

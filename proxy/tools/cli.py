@@ -557,7 +557,14 @@ def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None
     """Run the command line `argv`; `loaded` is called once the command's modules are
     imported (proxy.tools.entry)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "func", None) is _admin and args.build_id is None \
+            and not extra[0].startswith("-"):
+        # argparse fills an optional positional with nothing once an option comes between
+        # it and the action: `cache purge --config FILE ID` was "unrecognized arguments: ID".
+        args.build_id = extra.pop(0)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.func is _serve:
         import proxy.web.app  # noqa: F401  (before `loaded`: the server's modules)
     if loaded is not None:
