@@ -39,4 +39,7 @@ for _sig in (signal.SIGINT, signal.SIGHUP):
 
 spawn._fixup_main_from_name = _no_main  # type: ignore[attr-defined]
 spawn._fixup_main_from_path = _no_main  # type: ignore[attr-defined]
+# A lone server's forkserver is a new interpreter (`python -c ...`), not a fork of one
+# forked_helpers names: without this, ps -o comm showed it as `python`, beside the server.
+worker_process.name_process("symgate-forksrv")
 gc.freeze()
