@@ -101,6 +101,12 @@ async def test_upload_cli_then_the_real_client_reads_it_through_symgate(
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[0] == (
         "2 artifacts from 2 files: 0 uploaded, 2 already there, 0 failed; 0 bytes sent")
+    # A wrong token: the HEAD before each PUT is refused, and its answer has no body. The
+    # reason read `HEAD 401: Bearer realm="symgate"`, the challenge header, not what failed.
+    wrong = await _cli("upload", str(own.executable), "--server", sg.url,
+                       token="not-a-token-this-server-knows")
+    assert wrong.returncode == 1
+    assert "HEAD 401: the server refused the token" in wrong.stdout, wrong.stdout
 
     assert await state.repo.negatives_of(own.build_id) == []
     for kind, expected in (("debuginfo", own.debug), ("executable", own.executable)):

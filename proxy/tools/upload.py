@@ -130,8 +130,12 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
             return "HEAD " + not_from_symgate(r, "a debuginfod's answer")
         if r.status == 200:
             return PRESENT
-        if r.status in (400, 401):
-            return f"HEAD {r.status}: {r.headers.get('WWW-Authenticate', '') or 'refused'}"
+        if r.status == 401:
+            # A HEAD's answer has no body to say why: what a 401 can only mean, said here.
+            return ("HEAD 401: the server refused the token (none sent, or one it does not "
+                    "know: SYMGATE_TOKEN or --token-file)")
+        if r.status == 400:
+            return "HEAD 400: the server refused the request"
 
     async def body() -> AsyncIterator[bytes]:
         with item.path.open("rb") as f:
