@@ -67,6 +67,10 @@ class Replica:
         store = DiskStore(self.data_dir / "cache", self.data_dir / "symtabs")
         return store.artifact_path("", ArtifactKey.from_id(f"{elf.build_id}/debuginfo"))
 
+    def table_of(self, elf: Elf) -> Path:
+        return DiskStore(self.data_dir / "cache", self.data_dir / "symtabs").symtab_path(
+            "", elf.build_id)
+
     @property
     def id(self) -> str:
         return replica_id(self.data_dir / "cache")
@@ -168,12 +172,18 @@ async def test_purge_and_cleared_misses_reach_every_replica(
     assert (await get(b.base, MISSING))[0] == 404  # remembered: upstream not asked
     assert changes(before, await served(b.base)) == {"negative_hit": 1}
 
+    async def tables_built() -> bool:  # each replica builds its own, without a bucket
+        return a.table_of(elfs.prog).exists() and b.table_of(elfs.prog).exists()
+
+    await eventually(tables_built)
     purged = await symgate(a.config, "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0, purged.stderr
-    assert not a.path_of(elfs.prog).exists()
+    assert not a.path_of(elfs.prog).exists() and not a.table_of(elfs.prog).exists()
 
+    # b's symbol table too: its row went with the others, and b kept the table open (profiles
+    # named by the purged table) and its file for good.
     async def gone_from_b() -> bool:
-        return not b.path_of(elfs.prog).exists()
+        return not b.path_of(elfs.prog).exists() and not b.table_of(elfs.prog).exists()
 
     await eventually(gone_from_b, timeout=PURGE_POLL_S + 2)
     before = await served(b.base)

@@ -834,11 +834,33 @@ class SymbolResolver:
 
     async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
         rec = await self._tables.get(scope, key.build_id)
+        if rec is None and key.kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
+            self._forget_rowless(scope, key.build_id)
+            return
         # By the file it was built from, whatever it lacked: a table without its
         # supplementary file or executable is its debug file's too.
         if rec is not None and built_from(rec.source_key) == key.id:
             self._open.drop(scope, key.build_id)
             await self._tables.drop(scope, key.build_id)
+
+
+    def _forget_rowless(self, scope: str, build_id: str) -> None:
+        """A table whose row went with its file's: a `cache purge` made on another replica
+        deleted every replica's rows, and this replica learns of it by the notice alone. Its
+        copy here goes too, from memory and disk: profiles were otherwise named by the purged
+        table for as long as it stayed open, and its file stayed for good. Not while a build
+        of it is under way, here or in another process on the data dir (its row is still to
+        be written)."""
+        if (scope, build_id) in self._building:
+            return
+        lock = build_lock.try_acquire(self._tables.lock_path(scope, build_id))
+        if lock is None:
+            return
+        try:
+            self._open.drop(scope, build_id)
+            self._tables.remove_file(scope, build_id)
+        finally:
+            lock.release()
 
 
 class _ScopedProvider:
