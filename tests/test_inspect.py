@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,31 @@ async def test_inspect_explains_every_mapping(
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                            outcome="not_cached") == 1
     assert await sg.metric("symgate_cache_entries") == 1
+
+
+async def test_inspect_asks_the_sources_in_the_order_the_server_does(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Local directories and servers, mixed, are asked in the order listed: the table's
+    columns and the verdict follow it. The directories came first whatever the order, and
+    the verdict named one as the source when the server fetched from the upstream before
+    it."""
+    sg = await start_symgate([debuginfod.url])
+    local = tmp_path / "dir"
+    local.mkdir()
+    shutil.copy(elfs.prog.debug, local / "prog.debug")
+    (tmp_path / "profile.pb.gz").write_bytes(profile(elfs))
+    config = tmp_path / "mixed.toml"
+    config.write_text(f'[[upstreams]]\nurl = "{debuginfod.url}"\n'
+                      f'[[upstreams]]\npath = "{local}"\n')
+    result = await run_in_thread(["symgate", "inspect", str(tmp_path / "profile.pb.gz"),
+                                  "--config", str(config), "--server", sg.url, "--json"],
+                                 timeout=60)
+    assert result.returncode == 0, result.stderr
+    row = next(r for r in json.loads(result.stdout) if r["mapping_id"] == 1)
+    assert [(c["where"], c["status"]) for c in row["checks"]] == [
+        (debuginfod.url, "200"), (f"dir:{local}", "200"), ("symgate cache", "504")]
+    assert f"debug info available from {debuginfod.url}" in row["verdict"]
 
 
 async def test_inspect_names_an_unreachable_upstream_in_a_table(

@@ -140,6 +140,10 @@ def _is_go_build_id(raw: str) -> bool:
     return bool(_GO_BUILD_ID.match(text))
 
 
+def _local_check(local: LocalDirectory, key: ArtifactKey) -> Check:
+    return Check(local.name, "200" if local.has(key) else "404")
+
+
 def _verdict(row: Row, tenant: str, symbolizes: bool) -> str:
     if row.build_id is None and row.invalid_build_id:
         raw = row.invalid_build_id
@@ -228,11 +232,15 @@ async def inspect_profile(
 
         async def checks(bid: str) -> list[Check]:
             key = ArtifactKey(bid, Kind.DEBUGINFO)
-            found = [Check(local.name, "200" if local.has(key) else "404") for local in locals_]
             tasks = [_upstream_check(upstream, bid, timeout_s) for upstream in remote]
             if server:
                 tasks.append(_server_check(session, server, bid, timeout_s))
-            found.extend(await asyncio.gather(*tasks))
+            asked = iter(await asyncio.gather(*tasks))
+            local = iter(locals_)
+            # In the order the sources are listed, which is the order the server asks them
+            # in: the verdict names the first that has the file, as the one it is fetched from.
+            found = [next(asked) if u.url else _local_check(next(local), key) for u in listed]
+            found.extend(asked)  # the server's cache, last
             return found
 
         wanted = sorted({r.build_id for r in rows if r.would_symbolize and r.build_id})
