@@ -30,8 +30,9 @@ async def test_prefetch_from_arguments_a_file_and_a_profile(
     prof.string_table.extend(["", "/usr/bin/nopie", elfs.nopie.build_id.upper()])
     prof.mapping.add(id=1, filename=1, build_id=2)
     (tmp_path / "p.pb.gz").write_bytes(gzip.compress(prof.SerializeToString()))
-    result = await run(elfs.prog.build_id, "not-a-build-id", "--file", str(ids),
-                       "--profile", str(tmp_path / "p.pb.gz"), "--server", sg.url,
+    # A build ID after an option is one too (argparse had refused it, unrecognized).
+    result = await run(elfs.prog.build_id, "--file", str(ids), "--profile",
+                       str(tmp_path / "p.pb.gz"), "--server", sg.url, "not-a-build-id",
                        "--kind", "debuginfo", "--json")
     assert result.returncode == 0, result.stderr
     assert "skipping 'not-a-build-id'" in result.stderr

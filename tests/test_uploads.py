@@ -97,7 +97,8 @@ async def test_upload_cli_then_the_real_client_reads_it_through_symgate(
     size = own.debug.stat().st_size + own.executable.stat().st_size
     assert first.stdout.splitlines()[0] == (
         f"2 artifacts from 2 files: 2 uploaded, 0 already there, 0 failed; {size} bytes sent")
-    again = await _cli("upload", str(own.executable), str(own.debug), "--server", sg.url)
+    # A file after an option is one too (argparse had refused it, unrecognized).
+    again = await _cli("upload", str(own.executable), "--server", sg.url, str(own.debug))
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[0] == (
         "2 artifacts from 2 files: 0 uploaded, 2 already there, 0 failed; 0 bytes sent")

@@ -558,11 +558,19 @@ def main(argv: list[str] | None = None, loaded: Callable[[], None] | None = None
     imported (proxy.tools.entry)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) is _admin and args.build_id is None \
-            and not extra[0].startswith("-"):
-        # argparse fills an optional positional with nothing once an option comes between
-        # it and the action: `cache purge --config FILE ID` was "unrecognized arguments: ID".
-        args.build_id = extra.pop(0)
+    # argparse matches a positional that may be empty to nothing once an option comes between
+    # it and what went before: `cache purge --config FILE ID` and `prefetch ID --server URL
+    # ID2` were "unrecognized arguments: ID". Such words are taken as those positionals.
+    func = getattr(args, "func", None)
+    if extra and not any(word.startswith("-") for word in extra):
+        if func is _admin and args.build_id is None:
+            args.build_id = extra.pop(0)
+        elif func is _prefetch:
+            args.build_ids += extra
+            extra = []
+        elif func is _upload:
+            args.paths += [Path(word) for word in extra]
+            extra = []
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.func is _serve:
