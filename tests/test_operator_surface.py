@@ -459,6 +459,20 @@ def test_db_current_names_the_revision_of_a_sqlite_database_at_head(tmp_path: Pa
     assert f"Rev: {_revisions()[-1]} (head)" in result.stdout, result.stdout
 
 
+def test_db_current_of_a_data_dir_without_a_database_says_so_and_makes_none(
+    tmp_path: Path
+) -> None:
+    # It made the directory and an empty SQLite file there, and showed no revision, status 0:
+    # a mistyped --data-dir read as a database without schema.
+    where = tmp_path / "typo"
+    result = subprocess.run(_cli("db", "current", "--data-dir", str(where)),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result
+    assert result.stderr == (f"symgate: no symgate database at {where / 'symgate.sqlite'}: is "
+                             "this the server's data dir? (--data-dir, --config)\n")
+    assert not where.exists()
+
+
 @pytest.mark.parametrize("how", ["file", "flag"])
 def test_a_database_without_schema_unmigrated_names_both_ways_to_migrate(
     tmp_path: Path, how: str

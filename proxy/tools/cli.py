@@ -103,6 +103,12 @@ def _db(args: argparse.Namespace) -> int:
         migrate.upgrade(cfg.database_url, timeout_s=cfg.database.timeout_s)
         print(f"database at head: {cfg.database_url.split('@')[-1]}")
     else:
+        if (missing := _missing_sqlite(cfg.database_url)) is not None:
+            # As the cache commands say it: reading the revision made the file (and its
+            # directory) and showed none, a mistyped --data-dir looking like an empty schema.
+            print(f"symgate: no symgate database at {missing}: is this the server's data "
+                  "dir? (--data-dir, --config)", file=sys.stderr)
+            return 1
         migrate.current(cfg.database_url, timeout_s=cfg.database.timeout_s)
     return 0
 
