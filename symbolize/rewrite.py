@@ -15,6 +15,7 @@ repeated field: a list of a million locations as bytes objects was 55 MB, twice 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping as MappingT
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import DecodeError
 
 from .buildid import InvalidBuildId, normalize_build_id
 from .chains import FIRST_ID, Chains, FunctionIds, encode_spans
@@ -38,6 +40,7 @@ from .pprof.columns import (
     record_columns,
 )
 from .pprof.new_ids import NewIds
+from .pprof.profile_pb2 import Location
 from .pprof.profile_raw_pb2 import RawProfile
 from .pprof.string_index import first_indices
 from .symcache_columns import UnreadableSymCache
@@ -108,6 +111,34 @@ def candidates(profile: RawProfile, report: Report) -> dict[int, str]:
             except InvalidBuildId:
                 report.mappings_skipped["invalid_build_id"] += 1
     return out
+
+
+# A mapping's reason, in X-Symgate-Mappings-Unsymbolized, when no location to fill in lies in it.
+NO_LOCATIONS = "no_locations"
+# Locations read one at a time for the mappings they lie in, before all of them are read as
+# columns: in a profile whose every candidate mapping is sampled (most), a few suffice.
+_FIRST_LOOK = 1024
+
+
+def sampled(profile: RawProfile, wanted: dict[int, str]) -> dict[int, str]:
+    """`wanted` (candidates') without the mappings no location lies in: a Go or perf profile
+    lists every library its process had mapped, sampled or not, and each cost a fetch and a
+    table built for nothing (a profile of 300 such libraries, a 422 for too many build IDs).
+    The rewrite reports them `no_locations`. (Whether a location has lines is the rewrite's
+    to judge, once it has taken away the names an earlier pass gave: fallback.strip.)"""
+    left = set(wanted)
+    try:
+        for encoded in itertools.islice(profile.location, _FIRST_LOOK):
+            left.discard(Location.FromString(encoded).mapping_id)
+            if not left:
+                return wanted
+    except DecodeError:
+        return wanted  # the samples' check says what is wrong with it
+    if left and len(profile.location) > _FIRST_LOOK:
+        present = location_columns(profile.location).mapping_id
+        ids = np.fromiter(left, dtype=np.uint64, count=len(left))
+        left = {int(mid) for mid in ids[~np.isin(ids, present)]}
+    return {mid: bid for mid, bid in wanted.items() if mid not in left}
 
 
 # Where the kernel's half of the address space starts on x86-64 and arm64 (canonical
@@ -261,7 +292,7 @@ def _rewrite(profile: RawProfile, mapping_ids: MappingT[int, str],
         m = by_id[mid]
         where = where_of.get(mid, nowhere)
         if not len(where):
-            report.mappings_skipped["no_locations"] += 1
+            report.mappings_skipped[NO_LOCATIONS] += 1
             continue
         vaddrs, ok = to_vaddrs(columns.address[where], memory_start=m.memory_start,
                                memory_limit=m.memory_limit, file_offset=m.file_offset,

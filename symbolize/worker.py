@@ -36,7 +36,7 @@ from .pprof.codec import (
     shape_of,
 )
 from .pprof.profile_raw_pb2 import RawProfile
-from .rewrite import MappingSymbols, Report, candidates, rewrite
+from .rewrite import NO_LOCATIONS, MappingSymbols, Report, candidates, rewrite, sampled
 from .symcache_columns import UnreadableSymCache
 from .symtab import SymbolTable, TableSpec
 
@@ -156,7 +156,7 @@ def scan(body: Buffer, limits: Limits) -> Scanned:
     """
     decoded = _decode(body, limits)
     profile = decoded.profile
-    layouts = _needs_layout(profile, candidates(profile, Report()))
+    layouts = _needs_layout(profile, sampled(profile, candidates(profile, Report())))
     if len(layouts) > limits.max_build_ids:
         raise TooManyBuildIds(f"profile has {len(layouts)} build IDs to symbolize; the limit is "
                               f"{limits.max_build_ids} per request")
@@ -224,7 +224,8 @@ class Workspace:
                 report.unreadable.add(bid)
         for bid in wanted.values():
             if bid not in symbols:
-                report.mappings_skipped[outcomes[bid]] += 1
+                # Not asked for, by the scan, where no location to fill in lies in it.
+                report.mappings_skipped[outcomes.get(bid, NO_LOCATIONS)] += 1
         usable = {mid: bid for mid, bid in wanted.items() if bid in symbols}
         written: list[npt.NDArray[np.uint8]] = []
         if usable:

@@ -16,6 +16,7 @@ from symbolize.dwarf import LIBDW, opened, units
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import Elf, ElfSet, replace_section_compressed, zlib_of_zeros
+from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
@@ -43,6 +44,26 @@ async def test_a_mapping_with_a_table_and_no_location_comes_back_unchanged(
     status, headers, body = await post(sg, elsewhere.SerializeToString())
     assert status == 200 and body == elsewhere.SerializeToString(), body
     assert headers["X-Symgate-Mappings-Unsymbolized"] == "no_locations=1", headers
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_a_mapping_no_location_lies_in_is_not_fetched(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, many: bool
+) -> None:
+    """A Go or perf profile lists every library its process had mapped, sampled or not: each
+    cost a fetch and a table built for nothing, and 300 of them a 422 for too many build IDs.
+    A mapping without locations is not asked for, and is reported no_locations. `many`: past
+    the locations looked at one at a time."""
+    sg = await start_symgate([faults.url_for("ok")], symbolize=symbolize_config())
+    vaddrs = code_addresses(elfs.prog)
+    vaddrs = (vaddrs * (1 + 2000 // len(vaddrs)))[:2000] if many else vaddrs[:20]
+    profile = make_profile([(place(elfs.prog, BASES["prog"]), vaddrs),
+                            (place(elfs.other, 0x7F0000000000), [])])
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert headers["X-Symgate-Mappings-Unsymbolized"] == "no_locations=1", headers
+    asked = " ".join(faults.paths)
+    assert elfs.prog.build_id in asked and elfs.other.build_id not in asked
 
 
 async def _symbolized_once(start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
