@@ -123,7 +123,10 @@ def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
     try:
         profile = RawProfile.FromString(as_bytes(raw))
     except DecodeError as e:
-        raise ProfileError(f"not a pprof profile: {e}") from e
+        # protobuf names the message it parsed: symgate's reading of a Profile, not the
+        # client's business ("Error parsing message with type 'perftools.profiles.RawProfile'").
+        said = str(e).replace(RawProfile.DESCRIPTOR.full_name, "perftools.profiles.Profile")
+        raise ProfileError(f"not a pprof profile: {said}") from e
     decoded = Decoded(profile, gzipped, raw)
     if checked:
         check(decoded)
