@@ -40,6 +40,10 @@ class Forwarder:
         # connections whose answers are held until answer().
         self._hold: bytes | None = None
         self._gates: set[asyncio.Event] = set()
+        # Every connection's answers held (stall()), open ones and those to come, until answer().
+        self._stalled = False
+        self._open_gates: set[asyncio.Event] = set()
+        self.stalled_connections = 0  # connections whose answers stall() holds now
         # Not port 0's answer, which is in the kernel's ephemeral range: while the forwarder
         # is cut, an outgoing connection of any test may take that port as its own, and
         # binding it again then fails (seen once in CI: EADDRINUSE in silence()).
@@ -88,9 +92,19 @@ class Forwarder:
         client does not know yet, as when the answer is on its way when the client stops."""
         self._hold = statement
 
+    def stall(self) -> None:
+        """From now on, every connection's answers are held, open ones' and new ones' alike,
+        until answer(): a server stuck on a lock, or a network that has stopped delivering
+        while the connections stay up. Each statement sent meanwhile waits for its timeout."""
+        self._stalled = True
+        for gate in self._open_gates:
+            gate.clear()
+            self._gates.add(gate)
+
     def answer(self) -> None:
-        """Send the answers hold_commit() held, and hold no more."""
+        """Send the answers hold_commit() and stall() held, and hold no more."""
         self._hold = None
+        self._stalled = False
         for gate in self._gates:
             gate.set()
         self._gates.clear()
@@ -137,9 +151,29 @@ class Forwarder:
         self._pipes.update((writer, up_writer))
         gate = asyncio.Event()  # the server's answers go through while it is set
         gate.set()
-        await asyncio.gather(_pipe(reader, up_writer, self._watch(gate)),
-                             _pipe(up_reader, writer, lambda _: gate.wait()))
-        self._pipes.difference_update((writer, up_writer))
+        if self._stalled:
+            gate.clear()
+            self._gates.add(gate)
+        self._open_gates.add(gate)
+        try:
+            await asyncio.gather(_pipe(reader, up_writer, self._watch(gate)),
+                                 _pipe(up_reader, writer, self._through(gate)))
+        finally:
+            self._open_gates.discard(gate)
+            self._pipes.difference_update((writer, up_writer))
+
+    def _through(self, gate: asyncio.Event) -> Callable[[bytes], Awaitable[None]]:
+        """What holds a connection's answers while its gate is closed, counted while held."""
+        async def through(_: bytes) -> None:
+            if gate.is_set():
+                return
+            self.stalled_connections += 1
+            try:
+                await gate.wait()
+            finally:
+                self.stalled_connections -= 1
+
+        return through
 
     def _watch(self, gate: asyncio.Event) -> Callable[[bytes], Awaitable[None]]:
         """What looks at a connection's client's bytes before they go to the server: closes
@@ -330,6 +364,48 @@ async def test_a_postgresql_that_refuses_connections_refuses_a_profile_never_lea
     assert status == 200 and b"database: unreachable" in text
 
     forwarder.heal()
+
+    async def named() -> bool:
+        status, headers, _ = await post(sg, profile)
+        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    await eventually(named, timeout=30)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_pool_held_by_hanging_statements_refuses_a_profile_never_leaves_it_bare(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Statements that hang (a lock, a stalled network) hold every pooled connection: the next
+    query waits database.timeout_s for one and gets SQLAlchemy's pool TimeoutError, neither an
+    OSError nor a DBAPIError. It was taken for a bug: the table failed "internal", and the
+    profile was a 200 with its mapping bare, which a backend keeps for good."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+                  symbolize=symbolize_config())
+    sg = await start_symgate(config=cfg)
+    profile = make_profile([(place(elfs.big, BASES["prog"]), code_addresses(elfs.big)[:5])]
+                           ).SerializeToString()
+
+    forwarder.stall()
+    # Misses of unknown IDs each take a connection to look for a remembered 404, and keep it:
+    # its answer never comes. SQLAlchemy's pool holds 5 connections and 10 more.
+    misses = [asyncio.ensure_future(sg.get(f"/buildid/{i:040x}/debuginfo")) for i in range(20)]
+
+    async def pool_held() -> bool:
+        return forwarder.stalled_connections >= 15
+
+    await eventually(pool_held, timeout=30)
+    status, headers, text = await post(sg, profile)
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers, text)
+    # Unknown IDs: the upstream's 404, the database's answer or not.
+    assert [r[0] for r in await asyncio.gather(*misses)] == [404] * 20
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+    forwarder.answer()
 
     async def named() -> bool:
         status, headers, _ = await post(sg, profile)

@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -117,8 +118,11 @@ _OUTAGE_STATES = ("08", "53", "57", "58")
 def is_unreachable(error: BaseException) -> bool:
     """Whether a query failed because the database is gone or cannot serve now (a refused
     or cut connection, a query past database.timeout_s, a server starting up or shutting
-    down), as opposed to a wrong query, which is a bug to show."""
-    if isinstance(error, (OperationalError, InterfaceError, OSError)):
+    down, every pooled connection held past database.timeout_s by statements that hang), as
+    opposed to a wrong query, which is a bug to show."""
+    # PoolTimeout: no DBAPIError, raised before any statement is sent; it is the database
+    # not answering all the same (the pool's connections all wait on it).
+    if isinstance(error, (OperationalError, InterfaceError, OSError, PoolTimeout)):
         return True
     if isinstance(error, DBAPIError):
         if error.connection_invalidated:

@@ -11,12 +11,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy.exc import DBAPIError
-
 from proxy.errors import DatabaseUnavailable
 from proxy.expiry import Expiry
 from proxy.store.disk import Store
 from proxy.store.repository import (
+    DATABASE_ERRORS,
     Repository,
     SymbolTableRecord,
     is_disk_full,
@@ -34,7 +33,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # What a query of the tables' rows may raise when the database is gone or not answering
 # (is_unreachable tells which of them say so; the others, a wrong query's, are bugs to show).
-_FAILURES = (DBAPIError, OSError)
+_FAILURES = DATABASE_ERRORS
 
 
 def layout_to_json(segments: Sequence[LoadSegment]) -> str:
