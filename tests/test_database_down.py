@@ -17,10 +17,15 @@ import aiohttp
 import pytest
 
 from proxy.config import Config
+from proxy.keys import ArtifactKey
+from proxy.store.disk import DiskStore
+from proxy.store.replica import replica_id
 from proxy.store.repository import Repository, create_engine
+from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, free_port, make_config
+from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
@@ -412,4 +417,58 @@ async def test_a_pool_held_by_hanging_statements_refuses_a_profile_never_leaves_
         return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
     await eventually(named, timeout=30)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_purge_made_while_a_replica_could_not_write_its_row_still_reaches_its_copy(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Replica b fetches a file while its database is out of reach: the row waits in memory.
+    An operator purges the key meanwhile (on a, whose database answers). Once b's database is
+    back, its purge notice and its pending row meet: the row, written after the purge
+    deleted the others, was taken for a fetch made since, and b kept serving the file the
+    operator purged, a row naming it in SQL again."""
+    forwarder, cfg_b = await _behind_forwarder(database_url, tmp_path / "b", faults)
+    quick = dict(server=replace(cfg_b.server, access_flush_s=0.1),
+                 cache=replace(cfg_b.cache, purge_poll_s=0.1))
+    cfg_b = replace(cfg_b, database=replace(cfg_b.database, timeout_s=1.0), **quick)
+    cfg_a = replace(cfg_b, database=replace(cfg_b.database, url=database_url),
+                    server=replace(cfg_b.server, data_dir=tmp_path / "a" / "data"))
+    a = await start_symgate(config=cfg_a)
+    b = await start_symgate(config=cfg_b)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await a.get(path))[0] == 200  # a's row: what the purge finds the key by
+    await a.settled()
+    store = DiskStore(cfg_b.server.data_dir / "cache", cfg_b.server.data_dir / "symtabs")
+    on_b = store.artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
+
+    await forwarder.cut()
+    status, _, body = await b.get(path)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    await b.settled()
+    assert on_b.exists()
+    config = tmp_path / "admin.toml"
+    config.write_text(f'[server]\ndata_dir = "{tmp_path / "a" / "data"}"\n'
+                      f'[database]\nurl = "{database_url}"\n')
+    purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
+                                  "--config", str(config)], timeout=60)
+    assert purged.returncode == 0, purged.stderr
+    await forwarder.start()
+
+    async def b_let_it_go() -> bool:
+        return not on_b.exists() and b.runner.app[STATE].service.cache.rows_pending == 0
+
+    await eventually(b_let_it_go, timeout=15)
+    repo = Repository(create_engine(database_url),
+                      replica=replica_id(cfg_b.server.data_dir / "cache"))
+    try:
+        assert not await repo.artifacts_of(None, every_replica=False), "a purged file's row"
+    finally:
+        await repo.close()
+    before = faults.count("ok")
+    assert (await b.get(path))[::2] == (200, elfs.prog.debug.read_bytes())
+    assert faults.count("ok") == before + 1, "b served the purged copy"
     await forwarder.cut()

@@ -520,7 +520,9 @@ class ArtifactCache:
         held = self._entries.get(kh)
         if held is not None and notice.sha256 is not None and held.sha256 != notice.sha256:
             return
-        if isinstance(self._unsynced.get(kh), ArtifactRecord):
+        pending = self._unsynced.get(kh)
+        if isinstance(pending, ArtifactRecord):
+            await self._unless_purged(pending)
             return
         now = (await self._repo.commits_of([kh])).get(kh)
         if now is not None:
@@ -530,6 +532,23 @@ class ArtifactCache:
                 await self._notify(self.forgotten, [(notice.scope, key)])
             return
         await self._let_go(kh, notice.scope, key)
+
+    async def _unless_purged(self, pending: ArtifactRecord) -> bool:
+        """A commit of this process whose row SQL has not taken yet (fetched while SQL was
+        failing): let go of, file and all, if a purge of its key (or a removal of its version)
+        was made since it was committed, which found no row of it to delete; else kept, True.
+        Written as it was, its row was taken for a fetch made after the purge, and the file
+        the operator purged was served on. Raises DATABASE_ERRORS."""
+        kh = pending.key_hash
+        if not await self._repo.purged_since(kh, pending.sha256, pending.fetched_at):
+            return True
+        if self._unsynced.get(kh) is pending:
+            del self._unsynced[kh]
+        held = self._entries.get(kh)
+        if held is not None and held.fetched_at == pending.fetched_at:
+            log.info("%s was purged while its row could not be written: removed", pending.key)
+            await self._let_go(kh, pending.scope, ArtifactKey.from_id(pending.key))
+        return False
 
     async def vanished(self, rec: ArtifactRecord) -> None:
         """This commit's file was found missing (an operator, a disk cleaner, another process's
@@ -665,7 +684,8 @@ class ArtifactCache:
             kh, rec = next(iter(self._unsynced.items()))
             try:
                 if isinstance(rec, ArtifactRecord):
-                    await self._repo.put_artifact(rec)
+                    if await self._unless_purged(rec):
+                        await self._repo.put_artifact(rec)
                 elif rec.fetched_at is None:
                     await self._repo.delete_artifacts([kh])
                 else:
