@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import pytest
 
-from proxy.config import Config
+from proxy.config import Config, UploadConfig
 from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
 from proxy.store.replica import replica_id
@@ -471,4 +471,45 @@ async def test_a_purge_made_while_a_replica_could_not_write_its_row_still_reache
     before = faults.count("ok")
     assert (await b.get(path))[::2] == (200, elfs.prog.debug.read_bytes())
     assert faults.count("ok") == before + 1, "b served the purged copy"
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_an_upload_refused_when_its_rows_commit_went_unanswered_leaves_no_row(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """The database commits an upload's row and the connection breaks before its answer
+    comes: the PUT is refused (503, retry later) and its file removed, and the row stayed,
+    naming a file on no disk: a pinned upload in SQL that the uploader was told failed,
+    counted in the upload budget, and with a bucket found by every replica's
+    upload_anywhere (another file's PUT of the key a 409 Conflict)."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+                  upload=UploadConfig(admin_tokens=("admin-token-of-this-test",)))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    admin = {"Authorization": "Bearer admin-token-of-this-test"}
+
+    forwarder.hold_commit(b"INSERT INTO artifacts")
+    put = asyncio.ensure_future(sg.request("PUT", path, data=data, headers=admin))
+
+    async def committed_unanswered() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(committed_unanswered, timeout=30)
+    await forwarder.cut()  # the answer lost with its connection
+    forwarder.answer()
+    await forwarder.start()
+    status, headers, _ = await put
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers)
+    repo = Repository(create_engine(database_url))
+    try:
+        assert not await repo.artifacts_of(elfs.prog.build_id), "a row of a refused upload"
+    finally:
+        await repo.close()
+    assert (await sg.request("PUT", path, data=data, headers=admin))[0] == 201  # the retry
+    assert (await sg.get(path))[::2] == (200, data)
     await forwarder.cut()
