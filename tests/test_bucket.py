@@ -1753,3 +1753,42 @@ async def test_an_upload_cut_short_leaves_no_unfinished_multipart_upload(
     async with aiohttp.ClientSession() as s, s.get(
             f"{s3.endpoint}/{BUCKET}?uploads&prefix={prefix.name}/") as r:
         assert "<Upload>" not in await r.text()
+
+
+@on_postgresql
+async def test_an_upload_whose_replica_was_killed_before_the_bucket_had_it_is_taken_again(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, elfs: ElfSet,
+    faults: FaultUpstream, prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica a commits an upload on its disk and its row, then writes it to the bucket,
+    and is SIGKILLed before that is done: the uploader has no answer and sends the PUT again,
+    through b. b found a's row and answered that the file was there already, though no
+    replica but the dead one had it: b then answered the file's GET with a 404, and the upload
+    was lost with a's disk."""
+    token = "symgate-test-upload-token"
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    auth = {"Authorization": f"Bearer {token}"}
+    async with FaultyBucket(s3) as bucket:
+        bucket.add("hold", method="PUT", path=object_of(elfs.prog), times=1)
+        base, proc = await start_serve(
+            tmp_path, tmp_path / "a", database_url, faults.url_for("notfound"),
+            extra=prefix.toml(endpoint=bucket.endpoint, read_timeout_s=30.0)
+            + f'[upload]\nadmin_tokens = ["{token}"]\n')
+        try:
+            async with aiohttp.ClientSession() as s:
+                put = asyncio.ensure_future(s.put(base + path, data=data, headers=auth))
+                await asyncio.wait_for(bucket.held.wait(), 30)  # committed on a, row and all
+                proc.send_signal(signal.SIGKILL)
+                await proc.wait()
+                with pytest.raises(aiohttp.ClientError):
+                    await put
+        finally:
+            await stop_serve([proc])
+    (b,) = await replicas(start_symgate, tmp_path, faults.url_for("notfound"), "b",
+                          prefix.config(), upload=UploadConfig(admin_tokens=(token,)))
+    status, _, text = await b.request("PUT", path, data=data, headers=auth)
+    assert status in (200, 201), (status, text)
+    assert (await b.get(path))[::2] == (200, data), "the upload answered for is not served"
+    await b.settled()
+    assert (await prefix.objects()).get(object_of(elfs.prog)) == data

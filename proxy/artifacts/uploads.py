@@ -108,7 +108,8 @@ class Uploads:
     async def _commit(self, scope: str, key: ArtifactKey, temp: Path, fd: int, size: int,
                       digest: str, filename: str, ima_signature: str | None) -> Uploaded:
         old, upload = await self._check_budget(scope, key, size, digest)
-        if upload is not None and (upload is not old or self._cache.whole_here(old)):
+        if upload is not None and (self._cache.whole_here(old) if upload is old
+                                   else await self._in_bucket(upload)):
             # The same file again (through this replica or another): done.
             return Uploaded(size, digest, created=False)
         if (held := self._held(scope, key, old)) is not None:
@@ -155,6 +156,14 @@ class Uploads:
             listener(scope, key, None)
         log.info("upload of %s into %s: %d bytes", key.id, scope or "the shared scope", size)
         return Uploaded(size, digest, created=True)
+
+    async def _in_bucket(self, upload: ArtifactRecord) -> bool:
+        """Whether another replica's upload of the key is in the bucket, where every replica
+        finds it. Its row alone is not enough: that replica may have died between its row and
+        its copy (the PUT then had no answer, and is sent again here), and its disk may never
+        come back. Taken again here, it is written to the bucket afresh."""
+        tier = self._service.tier
+        return tier is not None and await tier.holds(upload.key_hash) is True
 
     async def _check_budget(self, scope: str, key: ArtifactKey, size: int,
                             digest: str | None = None
