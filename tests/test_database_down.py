@@ -24,7 +24,7 @@ from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, free_port, make_config
+from tests.harness import SymgateFactory, eventually, fast_upstream, free_port, make_config
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
@@ -512,4 +512,45 @@ async def test_an_upload_refused_when_its_rows_commit_went_unanswered_leaves_no_
         await repo.close()
     assert (await sg.request("PUT", path, data=data, headers=admin))[0] == 201  # the retry
     assert (await sg.get(path))[::2] == (200, data)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed_from_sql(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """The database commits an upload's removal (its rows gone, its notice made) and the
+    connection breaks before the answer comes: the DELETE was a 503 and the file stayed on
+    disk, on no row, until a restart, its retry a 404. Whether the removal was taken is
+    asked where the database answers again."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    token = "admin-token-of-this-test"
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+                  upstreams=(fast_upstream(faults.url_for("notfound")),),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                             headers=admin))[0] == 201
+    on_disk = DiskStore(cfg.server.data_dir / "cache", cfg.server.data_dir / "symtabs"
+                        ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
+    assert on_disk.exists()
+
+    forwarder.hold_commit(b"INSERT INTO purges")
+    deleting = asyncio.ensure_future(sg.request("DELETE", path, headers=admin))
+
+    async def committed_unanswered() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(committed_unanswered, timeout=30)
+    await forwarder.cut()  # the answer lost with its connection
+    forwarder.answer()
+    await forwarder.start()
+    status, _, text = await deleting
+    assert status == 204, (status, text)
+    assert not on_disk.exists(), "a file on no row"
+    assert (await sg.get(path))[0] == 404
     await forwarder.cut()

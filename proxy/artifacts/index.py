@@ -481,7 +481,22 @@ class ArtifactCache:
         # finds tables by their artifacts' rows, take it). Killed here, the file stays, and
         # its table is made from it again.
         await self._notify_evicted([(rec.scope, key)])
-        await self._repo.retire_artifact(rec, datetime.now(UTC))
+        when = datetime.now(UTC)
+        try:
+            await self._repo.retire_artifact(rec, when)
+        except DATABASE_ERRORS:
+            # Its COMMIT may have landed with the answer lost (a cut connection): the rows
+            # are gone and the notice is there, which this replica's processes take for a
+            # removal done (_forget_version), so a 503 here left the file on disk, on no row,
+            # until a restart. Asked, where the database answers again; else raised.
+            with contextlib.suppress(*DATABASE_ERRORS):
+                if await self._repo.purged_since(rec.key_hash, rec.sha256, when):
+                    return await self._retired(rec, key)
+            raise
+        await self._retired(rec, key)
+
+    async def _retired(self, rec: ArtifactRecord, key: ArtifactKey) -> None:
+        """The rest of retire, once SQL has taken the removal."""
         if isinstance(self._unsynced.get(rec.key_hash), ArtifactRecord):
             del self._unsynced[rec.key_hash]  # kept while SQL was failing: its file goes now
         # Whichever commit memory holds: none is on disk once the file goes (a stale one is
