@@ -24,7 +24,7 @@ from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, eventually, fast_upstream, free_port, make_config
+from tests.harness import Symgate, SymgateFactory, eventually, fast_upstream, free_port, make_config
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
@@ -212,6 +212,20 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     writer.transport.abort()
 
 
+def _profile_of_big(elfs: ElfSet) -> bytes:
+    return make_profile([(place(elfs.big, BASES["prog"]), code_addresses(elfs.big)[:5])]
+                        ).SerializeToString()
+
+
+async def _named_again(sg: Symgate, profile: bytes) -> None:
+    """Until the profile is answered with its mapping named: the database answers again."""
+    async def named() -> bool:
+        status, headers, _ = await post(sg, profile)
+        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+
+    await eventually(named, timeout=30)
+
+
 async def _behind_forwarder(database_url: str, tmp_path: Path, faults: FaultUpstream
                             ) -> tuple[Forwarder, Config]:
     """A started forwarder to the test's PostgreSQL, and a config that reaches it through it."""
@@ -333,11 +347,7 @@ async def test_a_profile_while_postgresql_is_down_is_named_or_refused_never_left
 
     await forwarder.start()
 
-    async def named() -> bool:
-        status, headers, _ = await post(sg, profile(elfs.big))
-        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
-
-    await eventually(named, timeout=30)
+    await _named_again(sg, profile(elfs.big))
 
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -358,8 +368,7 @@ async def test_a_postgresql_that_refuses_connections_refuses_a_profile_never_lea
     cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
                   symbolize=symbolize_config())
     sg = await start_symgate(config=cfg)
-    profile = make_profile([(place(elfs.big, BASES["prog"]), code_addresses(elfs.big)[:5])]
-                           ).SerializeToString()
+    profile = _profile_of_big(elfs)
 
     await forwarder.refuse(*refusal)
     status, headers, text = await post(sg, profile)
@@ -370,11 +379,7 @@ async def test_a_postgresql_that_refuses_connections_refuses_a_profile_never_lea
 
     forwarder.heal()
 
-    async def named() -> bool:
-        status, headers, _ = await post(sg, profile)
-        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
-
-    await eventually(named, timeout=30)
+    await _named_again(sg, profile)
     await forwarder.cut()
 
 
@@ -392,8 +397,7 @@ async def test_a_pool_held_by_hanging_statements_refuses_a_profile_never_leaves_
     cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
                   symbolize=symbolize_config())
     sg = await start_symgate(config=cfg)
-    profile = make_profile([(place(elfs.big, BASES["prog"]), code_addresses(elfs.big)[:5])]
-                           ).SerializeToString()
+    profile = _profile_of_big(elfs)
 
     forwarder.stall()
     # Misses of unknown IDs each take a connection to look for a remembered 404, and keep it:
@@ -412,11 +416,7 @@ async def test_a_pool_held_by_hanging_statements_refuses_a_profile_never_leaves_
 
     forwarder.answer()
 
-    async def named() -> bool:
-        status, headers, _ = await post(sg, profile)
-        return status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
-
-    await eventually(named, timeout=30)
+    await _named_again(sg, profile)
     await forwarder.cut()
 
 
