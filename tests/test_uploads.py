@@ -242,6 +242,42 @@ async def test_a_tenants_upload_shadows_the_shared_scopes_cut_of_a_section(
     assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, theirs)
 
 
+async def test_a_tenants_cut_of_the_shared_file_goes_with_it_and_with_its_own_upload(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """A tenant with a file of its own (its executable) keeps its cuts in its own scope, even
+    one cut from the shared debuginfo (asked first): that cut must go when the shared file
+    it was cut from is deleted, and when the tenant uploads a debuginfo of its own, else it
+    answers with the bytes of a file the tenant no longer sees."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    path = f"/buildid/{own.build_id}"
+    debug = own.debug.read_bytes()
+    extent = section_extent(own.debug, ".comment")
+    assert extent is not None
+    offset, size = extent
+    at = offset + size // 2
+
+    def flipped(bit: int) -> bytes:  # the same build ID, another .comment
+        return debug[:at] + bytes([debug[at] ^ bit]) + debug[at + 1:]
+
+    shared, mine = flipped(0x20), flipped(0x40)
+    exe_extent = section_extent(own.executable, ".comment")
+    assert exe_extent is not None
+    exe = own.executable.read_bytes()[exe_extent[0]:exe_extent[0] + exe_extent[1]]
+    section = f"{path}/section/.comment"
+    assert (await _put(sg, own.build_id, "executable", own.executable.read_bytes(),
+                       ACME))[0] == 201
+    assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201  # an admin's
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, shared[offset:offset + size])
+    assert (await sg.request("DELETE", f"{path}/debuginfo", headers=_auth(ADMIN)))[0] == 204
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, exe)
+
+    assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, shared[offset:offset + size])
+    assert (await _put(sg, own.build_id, "debuginfo", mine, ACME))[0] == 201
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, mine[offset:offset + size])
+
+
 async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
     start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,
 ) -> None:

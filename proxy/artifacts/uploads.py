@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from proxy.artifacts.index import key_hash
+from proxy.artifacts.scope import SHARED
 from proxy.artifacts.service import ArtifactService
 from proxy.config import UploadConfig
 from proxy.errors import (
@@ -118,6 +119,16 @@ class Uploads:
             # takes its place, in the other serving processes too, which hold it in memory.
             await self._retire(held, "replacing a damaged copy of an upload" if held.pinned
                                else "replacing a download with an upload")
+        elif key.kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
+            # A file new to its scope is the first the scope's requests cut from: cuts it
+            # held were of another scope's file (a tenant's, of the shared debuginfo, kept in
+            # its own scope beside its executable), or of the file's other kind.
+            try:
+                await self._retire_cuts(key.build_id, scope)
+            except DATABASE_ERRORS as e:
+                self._cache.sql_failed("uploading", e)
+                raise OutOfResources("the database cannot be reached to retire the cuts the "
+                                     "upload replaces; retry later") from e
         try:
             final = await asyncio.to_thread(self._cache.store.commit, temp, fd, scope, key)
         except OSError as e:
@@ -256,14 +267,21 @@ class Uploads:
             # from its build ID's other one, which cannot be told apart: all go (first, so that
             # a failure leaves the file itself in place), and the next request cuts again from
             # what is left.
-            for cut in await self._repo.artifacts_of(rec.build_id, every_replica=False):
-                if cut.kind == Kind.SECTION and cut.scope == rec.scope:
-                    await self._cache.retire(cut)
+            await self._retire_cuts(rec.build_id, rec.scope)
             await self._cache.retire(rec)
         except DATABASE_ERRORS as e:
             self._cache.sql_failed(doing, e)
             raise OutOfResources(f"the database cannot be reached for {doing} everywhere; "
                                  "retry later") from e
+
+    async def _retire_cuts(self, build_id: str, scope: str) -> None:
+        """Retire the sections of `build_id` that may have been cut from a file of `scope`:
+        those kept in it, and where it is the shared scope those of every tenant as well,
+        which keeps the cuts of the shared file in its own scope once it has a file of its
+        own (ArtifactService._section). DATABASE_ERRORS."""
+        for cut in await self._repo.artifacts_of(build_id, every_replica=False):
+            if cut.kind == Kind.SECTION and scope in (cut.scope, SHARED):
+                await self._cache.retire(cut)
 
     def _new_temp(self) -> tuple[Path, int]:
         try:
