@@ -143,3 +143,17 @@ def test_samples_written_any_valid_way_are_taken_as_they_came() -> None:
     decoded = decode(raw, 1 << 30)
     assert list(decoded.profile.sample) == _ODD_SAMPLES
     assert encode(decoded.profile, False) == raw
+
+
+def test_a_function_written_with_its_id_twice_is_read_as_a_reader_takes_it() -> None:
+    """A field given twice is its last value to protobuf and to pprof's reader: function 5
+    and function [5, 7] are functions 5 and 7, as a location written so is read. Merged
+    into one column, both ids of the second counted, and the valid profile was refused as
+    one whose function 5 is repeated."""
+    twice = Function(id=5, name=1).SerializeToString() + b"\x08\x07"
+    body = RawProfile(string_table=["", "f"], sample_type=[ValueType()],
+                      function=[Function(id=5, name=1)]).SerializeToString() \
+        + b"\x2a" + bytes([len(twice)]) + twice  # Profile.function, field 5
+    assert [f.id for f in RawProfile.FromString(body).function] == [5, 7]
+    decoded = decode(body, 1 << 30)
+    assert [f.id for f in decoded.profile.function] == [5, 7]
