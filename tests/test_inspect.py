@@ -40,6 +40,11 @@ def profile(elfs: ElfSet) -> bytes:
                   build_id=8)
     p.mapping.add(id=6, memory_start=0xFFFFFFFF81000000, memory_limit=0xFFFFFFFF82000000,
                   filename=9, build_id=6)
+    # A library the process had mapped, but nothing sampled in it: no location lies in it.
+    p.mapping.add(id=7, memory_start=0x7F2000000000, memory_limit=0x7F2000010000, filename=5,
+                  build_id=6)
+    for m in p.mapping[:6]:
+        p.location.add(id=m.id, mapping_id=m.id, address=m.memory_start + 0x10)
     return gzip.compress(p.SerializeToString())
 
 
@@ -74,6 +79,10 @@ async def test_inspect_explains_every_mapping(
     # /symbolize leaves the kernel alone: not asked anywhere, though an upstream has its ID.
     assert not rows[6]["would_symbolize"] and not rows[6]["checks"]
     assert "the kernel's or a module's code" in rows[6]["verdict"]
+    # Nor a mapping no location lies in, as the server does not (rewrite.sampled), though an
+    # upstream has its ID: it was "debug info available: /symbolize will fill this mapping in".
+    assert not rows[7]["would_symbolize"] and not rows[7]["checks"]
+    assert "no location of the profile lies in it" in rows[7]["verdict"]
     # Nothing was fetched by the cache check (only-if-cached).
     assert await sg.metric("symgate_requests_total", endpoint="buildid", kind="debuginfo",
                            outcome="not_cached") == 1

@@ -33,7 +33,7 @@ from proxy.tools.text_table import render_table
 from proxy.web.app import client_session
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
-from symbolize.rewrite import Report, candidates
+from symbolize.rewrite import Report, candidates, sampled
 
 USER_AGENT = f"symgate-inspect/{__version__}"
 SERVER_CACHE = "symgate cache"
@@ -62,6 +62,8 @@ class Row:
     # What the profile sent as a build ID and why it is none: "" where it sent none.
     invalid_build_id: str = ""
     invalid_reason: str = ""
+    # A mapping /symbolize would take, but that no location of the profile lies in.
+    no_locations: bool = False
 
     @property
     def range(self) -> str:
@@ -166,6 +168,9 @@ def _verdict(row: Row, tenant: str, symbolizes: bool) -> str:
     if row.has_functions:
         return ("HasFunctions is already true: the profiler symbolized this mapping itself, "
                 "so /symbolize leaves it alone")
+    if row.no_locations:
+        return ("no location of the profile lies in it: /symbolize does not look it up "
+                "(no_locations), as it has no address to fill in")
     if not row.would_symbolize:
         return ("the kernel's or a module's code: /symbolize leaves it alone (its addresses "
                 "are the running kernel's, and its debug file hundreds of MB); have the "
@@ -198,8 +203,10 @@ async def inspect_profile(
     profile = decode(body, max_decompressed).profile
     strings = profile.string_table
     rows: list[Row] = []
-    # The mappings /symbolize would take, by its own rule (a kernel's is left alone).
-    taken = candidates(profile, Report())
+    # The mappings /symbolize would take, by its own rule (a kernel's is left alone), and of
+    # them those it looks up: one no location lies in is not (its scan's `sampled`).
+    candidate = candidates(profile, Report())
+    taken = sampled(profile, candidate)
     for m in profile.mapping:
         raw = strings[m.build_id] if m.build_id < len(strings) else ""
         reason = ""
@@ -209,7 +216,8 @@ async def inspect_profile(
             bid, reason = None, str(e).removeprefix("invalid build ID: ")
         rows.append(Row(m.id, strings[m.filename] if m.filename < len(strings) else "",
                         m.memory_start, m.memory_limit, bid, m.has_functions, m.id in taken,
-                        invalid_build_id=raw if reason else "", invalid_reason=reason))
+                        invalid_build_id=raw if reason else "", invalid_reason=reason,
+                        no_locations=m.id in candidate and m.id not in taken))
     metrics = ProxyMetrics(CollectorRegistry())  # LocalDirectory counts; nobody reads them here
     settings = config.tenants.get(tenant)
     # A tenant with upstreams of its own is served by those instead of the global ones (the
