@@ -141,6 +141,23 @@ def test_inspect_rejects_a_file_that_is_not_a_profile(tmp_path: Path) -> None:
     assert result.returncode == 1 and "not a pprof profile" in result.stderr
 
 
+def test_inspect_of_an_unlisted_tenant_where_the_server_refuses_it_says_so(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """Where [tenants.""] has tokens, the server answers a tenant it does not list 401
+    (cf3524d): judged by the global upstreams, as it was, its profile read as served."""
+    source = tmp_path / "profile.pb.gz"
+    source.write_bytes(profile(elfs))
+    config = tmp_path / "closed.toml"
+    config.write_text('[tenants.""]\ntokens = ["a-token-long-enough-1234"]\n')
+    result = subprocess.run(["symgate", "inspect", str(source), "--config", str(config),
+                             "--tenant", "acme"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "DEBUGINFOD_URLS": "http://127.0.0.1:9/"})
+    assert result.returncode == 1 and not result.stdout, result
+    assert "tenant 'acme' is not in the configuration" in result.stderr
+    assert "the server answers this tenant's requests 401" in result.stderr
+
+
 async def _inspect_through(tmp_path: Path, elfs: ElfSet, url: str, headers: dict[str, str]
                            ) -> dict[int, dict[str, Any]]:
     """`symgate inspect --json` of the fixtures' profile, asking the upstream at `url` with

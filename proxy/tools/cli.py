@@ -188,6 +188,15 @@ def _inspect(args: argparse.Namespace) -> int:
     from symbolize.pprof.codec import ProfileError
 
     cfg = _config(args)
+    nameless = cfg.tenants.get("")
+    if args.tenant and args.tenant not in cfg.tenants and nameless is not None \
+            and nameless.tokens:
+        # The server refuses it (web.tenancy): judged by the global upstreams, its profile
+        # would read as served.
+        print(f"symgate: tenant {args.tenant!r} is not in the configuration, and requests "
+              "without a token are refused there ([tenants.\"\"] tokens): the server answers "
+              "this tenant's requests 401", file=sys.stderr)
+        return 1
     if args.tenant and args.tenant not in cfg.tenants:
         # Served so too, as any tenant the server does not list; but a misspelt name would
         # otherwise judge the global sources in silence.
