@@ -29,6 +29,16 @@ def _one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
     return lines[0]
 
 
+def _one_sampled_mapping() -> bytes:
+    """A profile of one library with an address in it: a mapping nothing was sampled in is
+    not looked up (no_locations), and would ask the server nothing."""
+    p = Profile()
+    p.string_table.extend(["", "/usr/lib/libx.so", "ab" * 20])
+    p.mapping.add(id=1, memory_start=0x1000, memory_limit=0x2000, filename=1, build_id=2)
+    p.location.add(id=1, mapping_id=1, address=0x1100)
+    return p.SerializeToString()
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_symbolize_against_a_lying_server(tmp_path: Path, mode: str) -> None:
     """urllib wrote a login page (200, or after following a redirect, to which it sent the
@@ -110,10 +120,7 @@ async def test_inspect_against_a_lying_server(tmp_path: Path, mode: str) -> None
     """A page that answers 200 to anything, or a redirect to one, was "debug info available
     from symgate cache: /symbolize will fill this mapping in", exit status 0; a server that
     failed every check was exit status 0 too, said in a table cell alone."""
-    p = Profile()
-    p.string_table.extend(["", "/usr/lib/libx.so", "ab" * 20])
-    p.mapping.add(id=1, memory_start=0x1000, memory_limit=0x2000, filename=1, build_id=2)
-    (tmp_path / "p.pb").write_bytes(p.SerializeToString())
+    (tmp_path / "p.pb").write_bytes(_one_sampled_mapping())
     (tmp_path / "none.toml").write_text("upstreams = []\n")
     async with lying_server() as server:
         result = await run_in_thread(
@@ -140,10 +147,7 @@ async def test_every_client_against_a_server_that_is_not_http(
 
     server = await asyncio.start_server(not_http, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    p = Profile()
-    p.string_table.extend(["", "/usr/lib/libx.so", "ab" * 20])
-    p.mapping.add(id=1, memory_start=0x1000, memory_limit=0x2000, filename=1, build_id=2)
-    (tmp_path / "p.pb").write_bytes(p.SerializeToString())
+    (tmp_path / "p.pb").write_bytes(_one_sampled_mapping())
     (tmp_path / "none.toml").write_text("upstreams = []\n")
     elf = tmp_path / "true"
     elf.write_bytes(Path("/bin/true").read_bytes())
