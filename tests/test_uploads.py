@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -215,6 +215,21 @@ async def test_the_sections_of_a_deleted_upload_go_with_it(
     assert (await sg.get(f"{path}/section/.debug_info", headers=_auth(ACME)))[0] == 404
 
 
+def _comment_of(elf: Elf) -> tuple[Callable[[int], bytes], Callable[[bytes], bytes]]:
+    """For `elf`'s debug file: its bytes with a bit of .comment flipped (the same build ID,
+    another file), and a file's .comment."""
+    debug = elf.debug.read_bytes()
+    extent = section_extent(elf.debug, ".comment")
+    assert extent is not None
+    offset, size = extent
+    at = offset + size // 2
+
+    def flipped(bit: int) -> bytes:
+        return debug[:at] + bytes([debug[at] ^ bit]) + debug[at + 1:]
+
+    return flipped, lambda data: data[offset:offset + size]
+
+
 async def test_a_tenants_upload_shadows_the_shared_scopes_cut_of_a_section(
     start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
 ) -> None:
@@ -224,13 +239,9 @@ async def test_a_tenants_upload_shadows_the_shared_scopes_cut_of_a_section(
     own file; everyone else keeps the shared cut; its upload deleted, the shared one again."""
     sg = await _start(start_symgate, tmp_path, database_url, [])
     path = f"/buildid/{own.build_id}"
-    shared = own.debug.read_bytes()
-    extent = section_extent(own.debug, ".comment")
-    assert extent is not None
-    offset, size = extent
-    at = offset + size // 2
-    mine = shared[:at] + bytes([shared[at] ^ 0x20]) + shared[at + 1:]  # same build ID
-    ours, theirs = mine[offset:offset + size], shared[offset:offset + size]
+    flipped, comment = _comment_of(own)
+    shared, mine = flipped(0), flipped(0x20)
+    ours, theirs = comment(mine), comment(shared)
     assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201  # an admin's: shared
     section = f"{path}/section/.comment"
     assert (await sg.get(section))[::2] == (200, theirs)
@@ -251,15 +262,7 @@ async def test_a_tenants_cut_of_the_shared_file_goes_with_it_and_with_its_own_up
     answers with the bytes of a file the tenant no longer sees."""
     sg = await _start(start_symgate, tmp_path, database_url, [])
     path = f"/buildid/{own.build_id}"
-    debug = own.debug.read_bytes()
-    extent = section_extent(own.debug, ".comment")
-    assert extent is not None
-    offset, size = extent
-    at = offset + size // 2
-
-    def flipped(bit: int) -> bytes:  # the same build ID, another .comment
-        return debug[:at] + bytes([debug[at] ^ bit]) + debug[at + 1:]
-
+    flipped, comment = _comment_of(own)
     shared, mine = flipped(0x20), flipped(0x40)
     exe_extent = section_extent(own.executable, ".comment")
     assert exe_extent is not None
@@ -268,14 +271,14 @@ async def test_a_tenants_cut_of_the_shared_file_goes_with_it_and_with_its_own_up
     assert (await _put(sg, own.build_id, "executable", own.executable.read_bytes(),
                        ACME))[0] == 201
     assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201  # an admin's
-    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, shared[offset:offset + size])
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, comment(shared))
     assert (await sg.request("DELETE", f"{path}/debuginfo", headers=_auth(ADMIN)))[0] == 204
     assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, exe)
 
     assert (await _put(sg, own.build_id, "debuginfo", shared))[0] == 201
-    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, shared[offset:offset + size])
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, comment(shared))
     assert (await _put(sg, own.build_id, "debuginfo", mine, ACME))[0] == 201
-    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, mine[offset:offset + size])
+    assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, comment(mine))
 
 
 async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
