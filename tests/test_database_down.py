@@ -24,8 +24,16 @@ from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Symgate, SymgateFactory, eventually, fast_upstream, free_port, make_config
-from tests.processes import run_in_thread
+from tests.harness import (
+    Symgate,
+    SymgateFactory,
+    cli,
+    config_file,
+    eventually,
+    fast_upstream,
+    free_port,
+    make_config,
+)
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
@@ -450,11 +458,7 @@ async def test_a_purge_made_while_a_replica_could_not_write_its_row_still_reache
     assert status == 200 and body == elfs.prog.debug.read_bytes()
     await b.settled()
     assert on_b.exists()
-    config = tmp_path / "admin.toml"
-    config.write_text(f'[server]\ndata_dir = "{tmp_path / "a" / "data"}"\n'
-                      f'[database]\nurl = "{database_url}"\n')
-    purged = await run_in_thread(["symgate", "cache", "purge", elfs.prog.build_id,
-                                  "--config", str(config)], timeout=60)
+    purged = await cli(config_file(a, tmp_path), "cache", "purge", elfs.prog.build_id)
     assert purged.returncode == 0, purged.stderr
     await forwarder.start()
 
