@@ -21,11 +21,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig
+from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig, UpstreamConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from symbolize.elf import section_extent
-from tests.elfs import Elf, ElfSet, build_program
+from tests.elfs import Elf, ElfSet, build_id_tree, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
 from tests.processes import debuginfod_find, run_in_thread, stopped
@@ -349,7 +349,8 @@ async def test_a_compressed_upload_is_inflated_no_further_than_the_largest_file(
     it drained it, for 10 s: a gzip bomb held every request that long. symgate inflates it in
     a thread, no further than upload.max_file_bytes, and refuses codings it does not know."""
     sg = await _start(start_symgate, tmp_path, database_url, [], max_file_bytes=4 << 20)
-    head, block = _gzip_zeros()
+    # ELF's magic first, or it is refused at its first bytes, with nothing more inflated.
+    head, block = _gzip_zeros(b"\x7fELF")
     bomb = head + block * (2048 - 1)  # 2 GiB of zeros in 2 MB
     status, _, body = await _put(sg, own.build_id, "debuginfo", bomb,
                                  **{"Content-Encoding": "gzip"})
@@ -827,3 +828,59 @@ async def test_upload_cli_sends_files_whose_names_no_header_can_carry(
     assert status == 200 and headers["X-DEBUGINFOD-FILE"] == "plain.debug"
     status, headers, _ = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
     assert status == 200 and "\n" not in headers.get("X-DEBUGINFOD-FILE", "")
+
+
+async def _chunked(data: bytes, piece: int = 256 * 1024) -> AsyncIterator[bytes]:
+    """`data` sent with no Content-Length: its size unknown until its end."""
+    for at in range(0, len(data), piece):
+        yield data[at:at + piece]
+
+
+@pytest.fixture
+def disk_of_cached_files(tmp_path: Path) -> Iterator[Path]:
+    yield from _tmpfs(tmp_path / "mnt", "size=24m")
+
+
+async def test_a_chunked_upload_on_a_full_disk_evicts_no_more_than_it_takes(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+    disk_of_cached_files: Path,
+) -> None:
+    """A chunked upload on a full disk evicted twice all it had received at each ENOSPC, and
+    went on evicting for a body past upload.max_file_bytes or the upload budget, or for one
+    that was no ELF file at all: cached files were lost for an upload that was then refused.
+    A refused one now costs no more than the bytes it may be at most; one that is no ELF
+    file, nothing; one taken, about its own size."""
+    disk = disk_of_cached_files
+    (tmp_path / "bin").mkdir()
+    cached = [build_program(tmp_path / "src", tmp_path / "bin", f"cached{i}", 90 + i,
+                            pad_bytes=2 << 20) for i in range(4)]
+    tree = tmp_path / "tree"
+    for e in cached:
+        build_id_tree(tree, e.build_id, e.debug, e.executable)
+    base = make_config(disk / "data", database_url, [UpstreamConfig(path=tree)])
+    limit = 1 << 20
+    sg = await start_symgate(config=_config(base, max_file_bytes=limit, max_bytes=8 << 20))
+    for e in cached:
+        assert (await sg.get(f"/buildid/{e.build_id}/debuginfo"))[0] == 200
+    await sg.built()
+    _fill(disk / "filler")
+
+    async def evicted() -> float:
+        return await sg.metric("symgate_cache_evicted_bytes_total")
+
+    status, _, body = await _put(sg, own.build_id, "debuginfo", _chunked(b"\0" * (limit - 1)))
+    assert status == 422, body
+    assert await evicted() == 0  # refused at its first bytes
+
+    oversized = own.debug.read_bytes() + b"\0" * (3 << 20)
+    try:
+        status = (await _put(sg, own.build_id, "debuginfo", _chunked(oversized)))[0]
+    except aiohttp.ClientError:  # answered before the rest of the body was taken
+        status = 413
+    assert status == 413
+    # Room for at most the largest file an upload may be, in whole cached files.
+    assert await evicted() <= limit + (3 << 20)
+    status, _, body = await _put(sg, own.build_id, "debuginfo", _chunked(own.debug.read_bytes()))
+    assert status == 201, body
+    assert await evicted() <= limit + (3 << 20)
+    assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]

@@ -45,6 +45,10 @@ from symbolize.elf import build_id_of_file
 
 log = logging.getLogger(__name__)
 UPSTREAM = "upload"  # what the artifact's row names as where it came from
+ELF_MAGIC = b"\x7fELF"
+# Room made beyond the bytes at hand on a full disk: SQLite's pages for the upload's row, on
+# the same disk where it is the data dir's.
+ROW_ROOM = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +73,12 @@ class Uploads:
         if announced is not None and announced > limit:
             raise PayloadTooLarge(f"{announced} bytes; uploads are at most {limit} "
                                   "(upload.max_file_bytes)")
-        if announced is not None:
-            await self._check_budget(scope, key, announced)
+        # What the body may be at most: past it, it is refused as it arrives, before it has
+        # evicted cached files for room it was never going to take.
+        room = (await self._check_budget(scope, key, announced or 0))[2]
         temp, fd = self._new_temp()
         try:
-            size, digest = await self._receive(body, fd, limit)
+            size, digest = await self._receive(body, fd, limit, room)
             found = await asyncio.to_thread(build_id_of_file, temp)
             if found != key.build_id:
                 raise UnprocessableUpload(
@@ -86,18 +91,29 @@ class Uploads:
             os.close(fd)
             temp.unlink(missing_ok=True)  # gone already once committed
 
-    async def _receive(self, body: AsyncIterator[bytes], fd: int, limit: int
+    async def _receive(self, body: AsyncIterator[bytes], fd: int, limit: int, room: int
                        ) -> tuple[int, str]:
         """The body written to `fd`: its size and sha256. A client slower than
-        upload.body_timeout_s is cut off (408); one that sends more than it may, at once (413)."""
+        upload.body_timeout_s is cut off (408); one that sends more than it may, at once (413,
+        or 507 past the `room` left in upload.max_bytes); one that is no ELF file, at its
+        first bytes (422)."""
         digest = hashlib.sha256()
         size = 0
+        head = b""
         try:
             async with asyncio.timeout(self._config.body_timeout_s or None):
                 async for chunk in body:
                     if size + len(chunk) > limit:
                         raise PayloadTooLarge(f"more than {limit} bytes; uploads are at most "
                                               f"{limit} (upload.max_file_bytes)")
+                    if size + len(chunk) > room:
+                        raise UploadBudgetFull(
+                            f"more than the {room} bytes left of upload.max_bytes "
+                            f"{self._config.max_bytes}: delete uploads first")
+                    if len(head) < len(ELF_MAGIC):
+                        head += chunk[:len(ELF_MAGIC) - len(head)]
+                        if not ELF_MAGIC.startswith(head):
+                            raise UnprocessableUpload("not an ELF file")
                     await self._write(fd, chunk, size)
                     digest.update(chunk)
                     size += len(chunk)
@@ -108,7 +124,7 @@ class Uploads:
 
     async def _commit(self, scope: str, key: ArtifactKey, temp: Path, fd: int, size: int,
                       digest: str, filename: str, ima_signature: str | None) -> Uploaded:
-        old, upload = await self._check_budget(scope, key, size, digest)
+        old, upload, _ = await self._check_budget(scope, key, size, digest)
         if upload is not None and (self._cache.whole_here(old) if upload is old
                                    else await self._in_bucket(upload)):
             # The same file again (through this replica or another): done.
@@ -178,12 +194,12 @@ class Uploads:
 
     async def _check_budget(self, scope: str, key: ArtifactKey, size: int,
                             digest: str | None = None
-                            ) -> tuple[ArtifactRecord | None, ArtifactRecord | None]:
+                            ) -> tuple[ArtifactRecord | None, ArtifactRecord | None, int]:
         """UploadBudgetFull unless `size` more bytes fit upload.max_bytes, counting every
         process's uploads (from SQL) less the upload of this key it would replace; Conflict
         when the key has an upload (on this replica, or, with a bucket, on any: it is the
         cluster's) of another file than `digest` says. The row of this key and scope here, if
-        any, and the key's upload, if any."""
+        any, the key's upload, if any, and the bytes an upload of the key may have at most."""
         kh = key_hash(scope, key)
         try:
             _, total = await self._repo.totals(pinned=True)
@@ -200,11 +216,12 @@ class Uploads:
             # Serving processes keep small files' bytes in memory by key: a different file
             # under the same key would leave some answering with the old one.
             raise Conflict(f"a different upload of {key.id} is here; DELETE it first")
-        if total - replaced + size > self._config.max_bytes:
+        room = self._config.max_bytes - total + replaced
+        if size > room:
             raise UploadBudgetFull(
                 f"uploads hold {total} bytes of upload.max_bytes {self._config.max_bytes}; "
                 f"{size} more do not fit: delete uploads first")
-        return old, upload
+        return old, upload, room
 
     async def _forget_misses(self, scope: str, key: ArtifactKey) -> None:
         try:
@@ -290,10 +307,11 @@ class Uploads:
             raise self._os_failure(e) from e
 
     async def _write(self, fd: int, chunk: bytes, offset: int) -> None:
-        """On a full disk, least recently used downloads are evicted to make room, as for a
-        download (ArtifactService._write): a disk full of cached files is room for an upload,
-        which a 507 would otherwise wait for until some download evicted them."""
-        end = offset + len(chunk)
+        """On a full disk, least recently used downloads are evicted to make room: a disk full
+        of cached files is room for an upload, which a 507 would otherwise wait for until some
+        download evicted them. Only for the bytes at hand (and the row's share), where a
+        download (ArtifactService._write) takes twice all it has so far: an upload's size is
+        not known before its end, and one refused then had cost files it never needed."""
         view = memoryview(chunk)
         for _ in range(8):
             try:
@@ -305,7 +323,7 @@ class Uploads:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise self._os_failure(e) from e
                 error = e
-            if await self._cache.make_room(2 * end) == 0:
+            if await self._cache.make_room(len(view) + ROW_ROOM) == 0:
                 break
         raise self._os_failure(error) from error
 
