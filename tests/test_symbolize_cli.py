@@ -230,3 +230,37 @@ def test_cli_output_into_a_directory_that_takes_no_new_file(tmp_path: Path, elfs
     assert result.returncode == 0, result.stderr
     assert parse(out.read_bytes()).location
     assert os.listdir(work) == [out.name]
+
+
+def test_cli_output_stays_the_file_it_is(tmp_path: Path, elfs: ElfSet) -> None:
+    """-o FILE replaced FILE by rename: a hard link to it kept the old profile, and a file of
+    another owner (a user's, written by root) became root's. It is written into now, as by
+    a shell's >; --atomic replaces it, with its mode, owner and group."""
+    source = tmp_path / "in.pb.gz"
+    source.write_bytes(gzip.compress(make_profile(
+        [(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog))]).SerializeToString()))
+    out, link = tmp_path / "out.pb.gz", tmp_path / "link.pb.gz"
+    out.write_bytes(b"an earlier profile, longer than none" * 1000)
+    os.link(out, link)
+    os.chown(out, 65534, 65534)
+    out.chmod(0o640)
+    before = out.stat()
+
+    def symbolize(*flags: str) -> None:
+        result = subprocess.run(["symgate", "symbolize", str(source), "--debug-dir",
+                                 str(tmp_path / "none"), "-o", str(out), *flags],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+
+    symbolize()
+    after = out.stat()
+    assert (after.st_ino, after.st_nlink, after.st_uid, after.st_gid, after.st_mode) \
+        == (before.st_ino, 2, 65534, 65534, before.st_mode)
+    assert parse(link.read_bytes()).location and link.read_bytes() == out.read_bytes()
+    link.write_bytes(b"the linked profile")
+    symbolize("--atomic")
+    after = out.stat()
+    assert after.st_ino != before.st_ino and after.st_nlink == 1
+    assert (after.st_uid, after.st_gid, after.st_mode) == (65534, 65534, before.st_mode)
+    assert parse(out.read_bytes()).location and link.read_bytes() == b"the linked profile"
+    assert sorted(os.listdir(tmp_path)) == ["in.pb.gz", "link.pb.gz", "out.pb.gz"]

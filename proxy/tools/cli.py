@@ -172,7 +172,7 @@ def _symbolize(args: argparse.Namespace) -> int:
                 f"{k}={v}" for k, v in sorted(report.locations_unresolved.items())) or "none",
         }
     try:
-        write_whole(args.output, out)
+        write_whole(args.output, out, atomic=args.atomic)
     except OSError as e:
         print(f"symgate: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -451,7 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sym = sub.add_parser("symbolize", help="symbolize a pprof profile, offline or via a server")
     sym.add_argument("input", type=Path, help="pprof profile (gzip or raw)")
-    sym.add_argument("-o", "--output", type=Path, required=True)
+    sym.add_argument("-o", "--output", type=Path, required=True,
+                     help="the file to write; an existing one is written into, as by a shell's >")
+    sym.add_argument("--atomic", action="store_true",
+                     help="replace an existing OUTPUT by rename in one step (readers never see "
+                          "part of it; its hard links keep the old one)")
     where = sym.add_mutually_exclusive_group()
     where.add_argument("--server", help="a symgate URL: POST the profile to its /symbolize")
     where.add_argument("--debug-dir", type=Path, action="append",

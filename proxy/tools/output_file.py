@@ -1,23 +1,31 @@
 """`symgate symbolize -o FILE`: the profile is written whole, or FILE is left as it was.
 
 Path.write_bytes truncated FILE before its first byte: a write that failed on the way (a full
-disk, the file-size limit) or a killed command left a cut profile under the name of a good one,
-and any profile FILE held before was gone. The bytes go to a hidden file beside FILE first,
-are fsynced, and take FILE's name by rename(2), which replaces it in one step.
+disk, the file-size limit) left a cut profile under the name of a good one. Replacing FILE by
+rename(2) from a temp file beside it cured that, but made FILE another file: a hard link to it
+kept the old profile, and its owner and group became the writer's (root's, writing into a
+user's file). A Unix tool's `-o FILE`, like the shell's `>`, writes into the file that is
+there, so that is done, with the room for the whole profile taken before a byte of it is
+written: a full disk or the file-size limit leaves FILE as it was. Only a kill midway can cut
+it. A new FILE, which nothing else names yet, is made beside and renamed, and `atomic` asks
+for that always (readers see the old profile or the new one, never a part of it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
 
 
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `data` to `path` as a plain open would (the umask's mode for a new file, the old
-    file's mode for one replaced), all or nothing where its directory takes a new file.
-    Raises OSError, with no temp file left."""
+def write_whole(path: Path, data: bytes, *, atomic: bool = False) -> None:
+    """Write `data` to `path` as a plain open would (the umask's mode for a new file; an
+    existing one stays the file it is, with its links, owner, group and mode), all or nothing
+    short of a kill; with `atomic`, an existing file is replaced in one step instead, with
+    its mode, and its owner and group where this process may give them.
+    Raises OSError, with no temp file left and an existing file as it was."""
     try:
         st: os.stat_result | None = path.stat()
     except FileNotFoundError:
@@ -27,6 +35,9 @@ def write_whole(path: Path, data: bytes) -> None:
         # a temp file beside /dev/stdout, renamed over it, would have replaced the link in
         # /dev). A directory fails in open, as it did.
         path.write_bytes(data)
+        return
+    if st is not None and not atomic:
+        _write_into(path, data)
         return
     if st is not None:
         # A file open(2) would refuse (read-only, immutable) stays refused: rename(2) asks
@@ -41,12 +52,14 @@ def write_whole(path: Path, data: bytes) -> None:
             raise
         # A directory that takes no new file (not the user's to write, or immutable) holding
         # a file that is: written into, as a plain open does, or not at all.
-        path.write_bytes(data)
+        _write_into(path, data)
         return
     try:
         with os.fdopen(fd, "wb") as out:
             if st is not None:
-                os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode) & 0o777)
+                with contextlib.suppress(PermissionError):  # not ours to give: ours, then
+                    os.fchown(out.fileno(), st.st_uid, st.st_gid)
+                os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode))
             out.write(data)
             out.flush()
             os.fsync(out.fileno())  # the bytes on disk before the name points at them
@@ -56,6 +69,30 @@ def write_whole(path: Path, data: bytes) -> None:
             os.unlink(temp)
         raise
     _sync_directory(target.parent)
+
+
+def _write_into(path: Path, data: bytes) -> None:
+    """`data` written over the file at `path`, which keeps its inode; the blocks for all of it
+    are allocated first, so that ENOSPC or EFBIG come before any byte has changed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            os.posix_fallocate(fd, 0, len(data))
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)  # what a failed reservation may have added
+                raise
+            # A file system that allocates nothing ahead: written as a plain open would.
+        view = memoryview(data)
+        offset = 0
+        while offset < len(data):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _create_beside(target: Path) -> tuple[int, Path]:
