@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import fcntl
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -884,3 +885,31 @@ async def test_a_chunked_upload_on_a_full_disk_evicts_no_more_than_it_takes(
     assert status == 201, body
     assert await evicted() <= limit + (3 << 20)
     assert not [p for p in (sg.config.cache_dir / "tmp").rglob("*.part")]
+
+
+async def test_concurrent_uploads_of_one_key_with_different_bytes_end_with_one_whole_winner(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """Found sound in a campaign (24 clients, 2 serving processes, a 6 MB file too): exactly
+    one is taken (201), every other hears 409, and what is served, and its row, are the
+    winner's file whole. A GET racing the DELETE of it gets that file whole, or a miss."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    base = own.debug.read_bytes()
+    bodies = [base + bytes([i]) * (i + 1) for i in range(8)]  # one build ID, other bytes
+    answers = await asyncio.gather(*(_put(sg, own.build_id, "debuginfo", b) for b in bodies))
+    assert sorted(a[0] for a in answers) == [201] + [409] * 7
+    assert {a[2] for a in answers if a[0] == 409} == {
+        f"a different upload of {own.build_id}/debuginfo is here; DELETE it first\n".encode()}
+    winner = bodies[[a[0] for a in answers].index(201)]
+    assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[2] == winner
+    rows = await sg.runner.app[STATE].repo.artifacts_of(own.build_id)
+    assert [(r.size, r.sha256, r.pinned) for r in rows] == [
+        (len(winner), hashlib.sha256(winner).hexdigest(), True)]
+
+    got, deleted = await asyncio.gather(
+        sg.get(f"/buildid/{own.build_id}/debuginfo"),
+        sg.request("DELETE", f"/buildid/{own.build_id}/debuginfo", headers=_auth(ADMIN)))
+    assert deleted[0] == 204
+    assert got[0] == 404 or (got[0], got[2]) == (200, winner)
+    assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
+    assert await sg.runner.app[STATE].repo.artifacts_of(own.build_id) == []
