@@ -57,9 +57,14 @@ def write_whole(path: Path, data: bytes, *, atomic: bool = False) -> None:
     try:
         with os.fdopen(fd, "wb") as out:
             if st is not None:
-                with contextlib.suppress(PermissionError):  # not ours to give: ours, then
+                mode = stat.S_IMODE(st.st_mode)
+                try:
                     os.fchown(out.fileno(), st.st_uid, st.st_gid)
-                os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode))
+                except PermissionError:
+                    # Not ours to give, so the file stays ours: without the set-ID bits,
+                    # which would otherwise run as the writer, not as the old file's owner.
+                    mode &= 0o1777
+                os.fchmod(out.fileno(), mode)
             out.write(data)
             out.flush()
             os.fsync(out.fileno())  # the bytes on disk before the name points at them
