@@ -189,6 +189,46 @@ async def test_a_source_path_with_a_final_slash_is_no_file_as_for_elfutils(
             assert answers[1] == answers[0], path
 
 
+async def test_a_base_url_with_a_final_slash_is_served_as_without(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """Pyroscope joins its debuginfod_url and "/buildid/ID/debuginfo" as they are: configured
+    as `http://symgate:8002/`, it asks for //buildid/ID/debuginfo. symgate answered aiohttp's
+    404 to every such request, which Pyroscope keeps as "not found" for 7 days."""
+    sg = await start_symgate([debuginfod.url])
+    prog = elfs.prog
+    async with aiohttp.ClientSession() as s:
+        for what in ("debuginfo", "executable", f"source{prog.sources[1]}",
+                     "section/.debug_line", "debuginfo/"):
+            _, one, body = await sg.get(f"/buildid/{prog.build_id}/{what}")
+            url = URL(f"{sg.url}//buildid/{prog.build_id}/{what}", encoded=True)
+            async with s.get(url) as r:
+                assert (r.status, await r.read()) == (200, body), what
+                assert r.headers["X-DEBUGINFOD-SIZE"] == one["X-DEBUGINFOD-SIZE"], what
+            async with s.head(url) as r:
+                assert r.status == 200 and r.headers["Content-Length"] == str(len(body)), what
+        absent = URL(f"{sg.url}//buildid/{'00' * 20}/debuginfo", encoded=True)
+        async with s.get(absent) as r:
+            assert r.status == 404  # a real miss still is one
+
+
+@pytest.mark.parametrize("path", [
+    "/buildid//debuginfo", "/buildid/{id}", "/buildid/{id}//debuginfo", "/buildid/",
+    "/buildid", "/buildid/{id}/debuginfo/more", "//buildid//debuginfo",
+])
+async def test_a_malformed_buildid_path_is_a_400_not_a_404_clients_remember(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, path: str
+) -> None:
+    """aiohttp's own 404 answered them: a miss that elfutils' client keeps for 10 minutes
+    and Pyroscope's for 7 days, for a request that names no artifact."""
+    sg = await start_symgate([faults.url_for("ok")])
+    url = URL(sg.url + path.format(id=elfs.prog.build_id), encoded=True)
+    for method in ("GET", "HEAD"):
+        async with sg.session.request(method, url) as r:
+            assert r.status == 400, (method, r.status)
+    assert faults.count("ok") == 0
+
+
 async def test_relative_and_control_character_source_paths_are_400(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

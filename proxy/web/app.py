@@ -63,22 +63,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_ROOTS = ("/buildid", "//buildid")
+
+
 def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
+    # A client that joins a base URL configured with a final slash to "/buildid/..." as it
+    # is (Pyroscope's debuginfod_url does) asks for //buildid/...: the same file. Routed as
+    # a path of its own ("//buildid", not "/"), it costs the usual paths no lookup.
+    for root in _ROOTS:
+        for method in ("GET", "HEAD"):
+            # The one-segment kinds (debuginfo, executable: nearly every request) are tried
+            # first; no path of the other two routes has that shape.
+            app.router.add_route(method, root + "/{build_id}/{kind}", artifacts.buildid)
+            app.router.add_route(method, root + "/{build_id}/{kind:source}{detail:/(?s:.*)}",
+                                 artifacts.buildid)
+            app.router.add_route(method, root + "/{build_id}/{kind:section}/{detail}",
+                                 artifacts.buildid)
+            # elfutils answers a trailing slash as if it were not there.
+            app.router.add_route(method, root + "/{build_id}/{kind}/", artifacts.buildid)
     for method in ("GET", "HEAD"):
-        # The one-segment kinds (debuginfo, executable: nearly every request) are tried first;
-        # no path of the other two routes has that shape.
-        app.router.add_route(method, "/buildid/{build_id}/{kind}", artifacts.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind:source}{detail:/(?s:.*)}",
-                             artifacts.buildid)
-        app.router.add_route(method, "/buildid/{build_id}/{kind:section}/{detail}",
-                             artifacts.buildid)
-        # elfutils answers a trailing slash as if it were not there.
-        app.router.add_route(method, "/buildid/{build_id}/{kind}/", artifacts.buildid)
+        # Any other path under /buildid (no build ID, no kind, a segment too many) is a
+        # malformed request: aiohttp's 404 for it was a miss that clients remember.
+        app.router.add_route(method, "/{lead:/?}buildid{rest:(?s:/.*)?}", artifacts.malformed)
     app.router.add_get("/metadata", metadata)
     if enable_uploads:
-        for method, handler in (("PUT", upload.put), ("DELETE", upload.delete)):
-            app.router.add_route(method, "/buildid/{build_id}/{kind:debuginfo|executable}",
-                                 handler, expect_handler=upload.expect_continue)
+        for root in _ROOTS:
+            for method, handler in (("PUT", upload.put), ("DELETE", upload.delete)):
+                app.router.add_route(method, root + "/{build_id}/{kind:debuginfo|executable}",
+                                     handler, expect_handler=upload.expect_continue)
     app.router.add_post("/symbolize", symbolize, expect_handler=expect_continue)
     app.router.add_post("/symbolize/otlp", symbolize_otlp, expect_handler=expect_continue)
     app.router.add_get("/metrics", ops.metrics)

@@ -85,9 +85,17 @@ def _detail(request: web.Request) -> str:
     # The target's path as sent, percent-encoding and all: the URL's, whose path the router
     # matched (raw_path is the whole target, a scheme and host first in absolute form).
     path = source_path_of(request.rel_url.raw_path.encode())
+    if path.startswith("//"):  # a base URL's final slash (proxy.web.app.add_routes)
+        path = path[1:]
     prefix = f"/buildid/{m['build_id']}/source" if m["kind"] == "source" \
         else f"/buildid/{m['build_id']}/section/"
     return path[len(prefix):] if path.startswith(prefix) and not is_text(path) else detail
+
+
+async def malformed(request: web.Request) -> web.StreamResponse:
+    annotate(request, endpoint="buildid", kind="invalid")
+    raise InvalidRequest("invalid path: /buildid/BUILD_ID/ then debuginfo, executable, "
+                         "source/PATH or section/NAME")
 
 
 async def buildid(request: web.Request) -> web.StreamResponse:

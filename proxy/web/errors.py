@@ -194,7 +194,8 @@ def _answer(request: web.Request, error: SymgateError) -> web.Response:
     # shared scope's misses, but what it asks for is its own business.
     if (fields.get("endpoint") == "buildid" and error.outcome is not Outcome.REJECTED
             and not fields.get("tenant")):
-        state.recent_misses.add(request.path.removeprefix("/buildid/"), outcome, error.reason)
+        state.recent_misses.add(request.path.lstrip("/").removeprefix("buildid/"), outcome,
+                                error.reason)
     return error_response(error, request.headers.get("User-Agent", ""),
                           state.config.server.retry_after_s)
 
