@@ -38,8 +38,14 @@ async def _guarded(limit: int, header_timeout_s: float, answer_after_s: float = 
         await asyncio.sleep(answer_after_s)
         return web.Response(text="hello")
 
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        await asyncio.sleep(answer_after_s)
+        return web.Response(text=f"got {len(body)}")
+
     app = web.Application()
     app.router.add_get("/", hello)
+    app.router.add_post("/", echo)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=header_timeout_s)
     await runner.setup()
     assert runner.server is not None
@@ -116,6 +122,32 @@ async def test_a_client_that_half_closes_after_its_requests_gets_their_answers()
             # Every answer, and then the connection closed: not at the keep-alive timeout.
             assert answer.count(b" 200 OK\r\n") == len(heads), (heads, answer)
             assert answer.endswith(b"hello" if heads else b""), answer
+            assert time.monotonic() - started < 5
+            writer.close()
+
+
+async def test_a_client_that_half_closes_after_a_body_gets_its_answer() -> None:
+    """An upload or a profile sent by `nc -N`: its half-close after a whole body was taken
+    for a body cut short, and the connection closed with nothing answered (a GET with a
+    `Content-Length: 0` too). A body that is cut short still closes it at once."""
+    post = b"POST / HTTP/1.1\r\nHost: x\r\n"
+    async with _guarded(limit=10, header_timeout_s=30, answer_after_s=0.2) as (port, _):
+        for sent, answers in (
+                (post + b"Content-Length: 5\r\n\r\nhello", [b"got 5"]),
+                (post + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+                 [b"got 5"]),
+                (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", [b"hello"]),
+                (post + b"Content-Length: 2\r\n\r\nhi" + b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                 [b"got 2", b"hello"]),
+                (post + b"Content-Length: 9\r\n\r\nhello", [])):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(sent)
+            writer.write_eof()
+            started = time.monotonic()
+            answer = await _read_all(reader)
+            assert answer.count(b" 200 OK\r\n") == len(answers), (sent, answer)
+            for text in answers:
+                assert text in answer, (sent, answer)
             assert time.monotonic() - started < 5
             writer.close()
 

@@ -19,6 +19,8 @@ import socket
 from collections.abc import Callable
 from typing import IO, Protocol
 
+from aiohttp.streams import StreamReader
+
 from proxy.metrics import ProxyMetrics
 from proxy.web.file_sends import cork, send_if_room, send_whole
 from proxy.web.grace import unfinished
@@ -210,6 +212,10 @@ class _Counted(asyncio.Protocol):
         # Whatever aiohttp was given was whole request heads without a body: once it waits
         # for the next request, it holds nothing of this connection's bytes.
         self._clean = True
+        # The body of the latest request that had one, as aiohttp reads it (its StreamReader;
+        # None where aiohttp's private queue is not there to find it: then a half-close after
+        # a body closes the connection, as aiohttp would).
+        self._last_body: StreamReader | None = None
         # A big file's quick answer going out (reading paused meanwhile), and whether the
         # connection is to close once it has (the server stopping).
         self._sending: asyncio.Task[None] | None = None
@@ -299,6 +305,13 @@ class _Counted(asyncio.Protocol):
         if self._clean and not _bodiless_heads(data):
             self._clean = False
         self._inner.data_received(data)  # type: ignore[attr-defined]
+        if not self._clean:
+            # The latest request's body: only it can lack its end (aiohttp parses the next
+            # request once a body is whole), and it may have left aiohttp's queue by the time
+            # the client's half-close comes.
+            messages = getattr(self._inner, "_messages", None)
+            if messages:
+                self._last_body = messages[-1][1]
 
     def _answered_quickly(self) -> None:
         self._answered = True
@@ -422,14 +435,16 @@ class _Counted(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if not self._handed or self._draining:
             return None  # all its requests answered: close
-        if not self._clean or _aiohttp_idle(self._inner):
+        if _aiohttp_idle(self._inner) or (not self._clean and (
+                self._last_body is None or not self._last_body.is_eof())):
             # Nothing under way (or a body cut short: that client is gone): close.
             return self._inner.eof_received()  # type: ignore[attr-defined,no-any-return]
         # The client has sent all it will and waits for its answers: a half-close after its
-        # request, as `nc -N` and some HTTP/1.0 clients do. aiohttp's protocol has the
-        # transport closed at once, answers under way and all, and the client got nothing
-        # where debuginfod and nginx answer it. The connection stays open to write them and
-        # is closed once aiohttp has nothing left to answer.
+        # request (and its whole body, an upload's or a profile's), as `nc -N` and some
+        # HTTP/1.0 clients do. aiohttp's protocol has the transport closed at once, answers
+        # under way and all, and the client got nothing where debuginfod and nginx answer it.
+        # The connection stays open to write them and is closed once aiohttp has nothing left
+        # to answer.
         self._close_when_answered()
         return True
 
