@@ -4,12 +4,14 @@ a first decode measured it."""
 from __future__ import annotations
 
 import gzip
+import random
 
 import pytest
 
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
-from symbolize.pprof.profile_pb2 import Function, Location, Profile, ValueType
+from symbolize.pprof.profile_pb2 import Function, Location, Profile, Sample, ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
+from symbolize.pprof.varint import encode_one
 from symbolize.worker import Limits, TooMuchWork, check_samples, scan
 
 
@@ -157,3 +159,106 @@ def test_a_function_written_with_its_id_twice_is_read_as_a_reader_takes_it() -> 
     assert [f.id for f in RawProfile.FromString(body).function] == [5, 7]
     decoded = decode(body, 1 << 30)
     assert [f.id for f in decoded.profile.function] == [5, 7]
+
+
+def _ids_of(location_ids: list[int]) -> bytes:
+    """A sample's ids as Go writes one or two: a field each, unpacked."""
+    return b"".join(b"\x08" + encode_one(i) for i in location_ids)
+
+
+def _stacks(frames: int, samples: int = 3000, locations: int = 20_000, *,
+            ids: list[int] | None = None, unpacked_below: int = 0) -> RawProfile:
+    """`samples` of `frames` frames each over locations 1 to `locations` (or `ids`), one
+    value each; a sample of fewer than `unpacked_below` frames has its ids unpacked."""
+    rng = random.Random(frames)
+    ids = ids or list(range(1, locations + 1))
+    p = Profile(string_table=["", "cpu", "nanoseconds"], sample_type=[ValueType(type=1, unit=2)])
+    p.location.extend(Location(id=i, address=0x1000 + i % 4096) for i in ids)
+    raw = RawProfile.FromString(p.SerializeToString())
+    for n in range(samples):
+        stack = [rng.choice(ids) for _ in range(1 + n % frames)]
+        if len(stack) < unpacked_below:
+            raw.sample.append(_ids_of(stack) + b"\x10\x01")
+        else:
+            raw.sample.append(Sample(location_id=stack, value=[1]).SerializeToString())
+    return raw
+
+
+def _naming(sound: bytes, sample: int, location_id: int, *, unpacked: bool = False
+            ) -> bytes:
+    """The profile `sound` with one more frame, `location_id`, at the top of its sample
+    `sample`."""
+    raw = RawProfile.FromString(sound)
+    one = Sample.FromString(raw.sample[sample])
+    stack = [location_id, *one.location_id]
+    raw.sample[sample] = _ids_of(stack) + b"\x10\x01" if unpacked else \
+        Sample(location_id=stack, value=[1]).SerializeToString()
+    return raw.SerializeToString()
+
+
+# Profiles whose samples' location ids are read each way check_samples reads them: decoded by
+# protobuf (a frame or two a sample), as packed runs (many frames), among them ids Go writes a
+# field each, ids 1 to n checked from their bytes (a run of over 64 KiB) or decoded (sparse).
+_SHAPES = {
+    "one frame": lambda: _stacks(1, samples=40_000),
+    "one frame, unpacked": lambda: _stacks(1, samples=40_000, unpacked_below=2),
+    "deep": lambda: _stacks(32),
+    "deep, short ones unpacked": lambda: _stacks(32, unpacked_below=3),
+    "deep, few bytes of runs": lambda: _stacks(32, samples=40, locations=100),
+    "deep, sparse ids": lambda: _stacks(32, ids=[i * 1000 + 7 for i in range(1, 3000)]),
+    "deep, ids near 2**64": lambda: _stacks(32, ids=[2**64 - 1 - i for i in range(3000)]),
+}
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES), ids=list(_SHAPES))
+def test_a_sample_naming_a_location_the_profile_lacks_is_refused(shape: str) -> None:
+    """pprof's reader refuses it ("sample has nil location"); it was passed on as it came,
+    as the ids were not looked up (their reading tripled the check of deep stacks)."""
+    sound = _SHAPES[shape]()
+    encoded = sound.SerializeToString()
+    decode(encoded, 1 << 30)
+    ids = sorted(Location.FromString(loc).id for loc in sound.location)
+    # Past the highest id, and 0; the highest id's top byte with a larger rest; a gap.
+    missing = [ids[-1] + 1 if ids[-1] < 2**64 - 1 else ids[0] - 1, 0, 2**64 - 1 - 2**60 + 5]
+    missing += [ids[-1] + 2**14] if ids[-1] < 2**50 else []
+    missing += [ids[0] + 1] if ids[1] != ids[0] + 1 else []
+    for location_id in missing:
+        for unpacked in (False, True):
+            body = _naming(encoded, len(sound.sample) - 2, location_id,
+                           unpacked=unpacked)
+            with pytest.raises(ProfileError, match=f"a sample names location {location_id}, "
+                                                   "which the profile does not have"):
+                decode(body, 1 << 30)
+            scanned = scan(body, Limits(1 << 30, 10))
+            with pytest.raises(ProfileError, match=f"location {location_id},"):
+                check_samples(body, Limits(1 << 30, 10, scanned_size=scanned.size,
+                                           scanned_shape=scanned.shape))
+
+
+def test_a_sample_naming_the_id_a_location_gave_last_is_taken() -> None:
+    """A location with its id twice is the last to a reader: samples naming it by its last
+    id are sound, by its first they name what the profile lacks."""
+    raw = _stacks(32)
+    raw.location.append(Location(id=50_000).SerializeToString() + b"\x08" + encode_one(60_000))
+    decode(_naming(raw.SerializeToString(), 5, 60_000), 1 << 30)
+    with pytest.raises(ProfileError, match="a sample names location 50000, which"):
+        decode(_naming(raw.SerializeToString(), 5, 50_000), 1 << 30)
+
+
+@pytest.mark.parametrize("sample", [b"\x0a\x02\x01\x80\x10\x01",
+                                    b"\x0a\x0b" + b"\xff" * 10 + b"\x01\x10\x01"],
+                         ids=["run-ending-inside-a-varint", "varint-of-eleven-bytes"])
+def test_a_corrupt_run_of_many_frames_is_refused_by_name(sample: bytes) -> None:
+    """Samples of many frames keep their ids' runs as bytes through protobuf's parse, which
+    no longer finds a run that is not whole varints."""
+    raw = _stacks(32)
+    raw.sample.append(sample)
+    with pytest.raises(ProfileError, match=f"sample {len(raw.sample) - 1} is not a valid "
+                                           "Sample message"):
+        decode(raw.SerializeToString(), 1 << 30)
+
+
+def test_samples_of_many_frames_written_any_valid_way_are_taken() -> None:
+    raw = _stacks(32)
+    raw.sample.extend(_ODD_SAMPLES)
+    decode(raw.SerializeToString(), 1 << 30)

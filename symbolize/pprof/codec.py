@@ -21,7 +21,13 @@ from isal import igzip, isal_zlib
 
 from . import varint
 from .profile_pb2 import LabelSet, Location, Sample
-from .profile_raw_pb2 import CheckedAsBytes, MergedProfile, RawProfile
+from .profile_raw_pb2 import (
+    CheckedAsBytes,
+    MergedProfile,
+    MergedRunsProfile,
+    MergedRunsSample,
+    RawProfile,
+)
 
 # Bytes, or a view of them: a request's as a worker maps them (proxy.symbols.shared_bodies).
 Buffer = bytes | memoryview
@@ -172,10 +178,10 @@ def check(decoded: Decoded) -> None:
 def check_samples(raw: Buffer, shape: Shape) -> None:
     """Raise ProfileError where a Sample, Location or LabelSet of the encoded profile `raw` is
     not a valid message, or where they refer to what the profile does not have, as pprof's
-    reader refuses them (Profile.CheckValid): a location id that is 0 or another's, samples
-    whose values are not as many as their sample types say, a line naming a function it
-    lacks (a function the rewrite adds could take its id), a label's string index out of the
-    table. A sample naming a location the profile lacks is not looked for (below).
+    reader refuses them (Profile.CheckValid): a location id that is 0 or another's, a sample
+    naming a location the profile lacks, samples whose values are not as many as their sample
+    types say, a line naming a function it lacks (a function the rewrite adds could take its
+    id), a label's string index out of the table.
 
     A RawProfile passes them on as bytes unread: unchecked, a corrupt one (a packed field
     longer than its sample, say) went out in an answer no pprof reader can parse, and so did
@@ -187,21 +193,19 @@ def check_samples(raw: Buffer, shape: Shape) -> None:
     without its memory: for a million one-frame samples with a label, 200 ms either way and
     87 MB against 226 (without labels 78 ms against 48: the ids read as columns). The ids are
     read with numpy; only a profile found wrong, or written oddly (a location with its id
-    twice), is read a message at a time, to say where."""
-    try:
-        merged = MergedProfile.FromString(as_bytes(raw))
-    except DecodeError:
-        raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
+    twice), is read a message at a time, to say where. Samples of many frames are parsed
+    with their location ids left as bytes (MergedRunsProfile): decoded by protobuf, then
+    encoded again and decoded by numpy to be looked up, they tripled the check of 300,000
+    samples of 32 frames (105 to 340 ms); as bytes, the ids of dense locations (pprof's
+    writers number them from 1) are checked from their bytes, undecoded."""
+    runs = len(raw) >= _RUNS_FROM * shape.samples > 0
+    merged = _merged(MergedRunsProfile if runs else MergedProfile, raw)
     if len(merged.sample.value) != shape.samples * shape.sample_types:
         raise ProfileError(f"not a pprof profile: {_odd_values(raw, shape.sample_types)}")
     locations = _column(merged.location, "id")
     if len(locations) != shape.locations or not locations.all():
         locations = _location_ids(raw)  # each location's last id, as a reader takes it
-    # Checked for 0 and repeats only: whether every location a sample names is one of them is
-    # left unread, as the rewrite leaves samples (answered as sent, to a reader that refuses
-    # them as it did before). Read as columns, a profile of deep stacks' ids (300,000 samples
-    # of 32 frames) took 200-230 ms more, three times the check, longer than the rewrite.
-    _Ids(locations, "location")
+    where = _Ids(locations, "location")
     function_ids = _column(merged.function, "id")
     if len(function_ids) != shape.functions:
         # A function with its id twice, both merged into the column: the last is its id.
@@ -218,42 +222,148 @@ def check_samples(raw: Buffer, shape: Shape) -> None:
             if len(out := indices[indices >= np.uint64(max(shape.strings, 1))]):
                 raise ProfileError(f"not a pprof profile: a sample's label has string index "
                                    f"{int(out[:1].view(np.int64)[0])}, out of range")
+    try:
+        if isinstance(merged, MergedRunsProfile):
+            missing = _missing_in_runs(merged.sample, where, raw)
+        else:
+            missing = where.first_missing_encoded(_packed(merged.sample, "location_id"))
+    except _Overlong:
+        raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
+    if missing is not None:
+        raise ProfileError(f"not a pprof profile: a sample names location {missing}, which "
+                           "the profile does not have")
+
+
+# Bytes of profile a sample, on average, from which its samples' location ids are read as runs
+# (MergedRunsProfile): a few frames each and more. One-frame samples are some 30: their runs,
+# a Python object each, cost more than protobuf's decoding of their ids.
+_RUNS_FROM = 48
+
+
+def _merged(kind: type[MergedProfile] | type[MergedRunsProfile], raw: Buffer
+            ) -> MergedProfile | MergedRunsProfile:
+    try:
+        return kind.FromString(as_bytes(raw))
+    except DecodeError:
+        raise ProfileError(f"not a pprof profile: {_first_corrupt(raw)}") from None
+
+
+class _Overlong(Exception):
+    """A varint of location ids runs past ten bytes, or past its run: read as bytes, not by
+    protobuf, they are a corrupt sample only the message-at-a-time parse can name."""
+
+
+def _missing_in_runs(sample: MergedRunsSample, where: _Ids, raw: Buffer) -> int | None:
+    """The first location id the samples name that `where` lacks, from their packed runs and
+    from the ids written a field each (left unknown, as a MergedRunsSample does not type them).
+    Reads `sample`'s fields away."""
+    runs = list(sample.location_id)
+    encoded = np.frombuffer(b"".join(runs), dtype=np.uint8)
+    lengths = np.fromiter(map(len, runs), dtype=np.int64, count=len(runs))
+    del runs
+    ends = np.cumsum(lengths)[lengths > 0] - 1
+    if len(ends) and (encoded[ends] >= 0x80).any():
+        raise _Overlong  # a run ends inside a varint
+    if (missing := where.first_missing_encoded(encoded)) is not None:
+        return missing
+    del encoded
+    for name in ("location_id", "value", "label", "breakdown"):
+        sample.ClearField(name)
+    loose = np.frombuffer(sample.SerializeToString(), dtype=np.uint8)  # its unknown fields
+    if not len(loose):
+        return None
+    # Field 1 as varints: a tag (0x08) and an id each, Go's way with one or two frames.
+    stops = np.flatnonzero(loose < 0x80)
+    tags = np.concatenate(([0], stops[1::2] + 1))[: (len(stops) + 1) // 2]
+    if len(stops) % 2 or (loose[tags] != 0x08).any() or (stops[::2] != tags).any():
+        # Other fields, or field 1 of another wire type: protobuf's typed parse judges them.
+        return _refs_as_typed(raw, where)
+    first = stops[::2] + 1
+    return where.first_missing(varint.get(loose, first, stops[1::2] - first + 1))
+
+
+def _refs_as_typed(raw: Buffer, where: _Ids) -> int | None:
+    merged = _merged(MergedProfile, raw)
+    return where.first_missing_encoded(_packed(merged.sample, "location_id"))
 
 
 U64 = npt.NDArray[np.uint64]
+U8 = npt.NDArray[np.uint8]
 # Bytes of varints decoded at a time: a sample's location ids are a few bytes each, tens of
 # millions in a profile of deep stacks, and some 16 bytes each while they are read (4 MiB at
 # a time was 60 MB).
 _BATCH_BYTES = 1 << 20
 
 
-def _columns(message: Message, field: str) -> Iterator[U64]:
-    """The values of the repeated integer `field` of `message`, some batches of them: the field
-    serialised alone (packed, in C) and read back with numpy, where a loop over its values
-    would cost some 50 ns each."""
+def _packed(message: Message, field: str) -> U8:
+    """The varints of the repeated integer `field` of `message`, one after another: the field
+    serialised alone (packed, in C), where a loop over its values would cost some 50 ns
+    each."""
     alone = type(message)()
     # A copy of the one field: upb copies a repeated field's array whole.
     getattr(alone, field).MergeFrom(getattr(message, field))
     encoded = np.frombuffer(alone.SerializeToString(), dtype=np.uint8)
-    del alone
     if not len(encoded):
-        return
+        return encoded
     at = 1  # past the tag: a packed field is one, its length, its varints
     while encoded[at] & 0x80:
         at += 1
-    at += 1
+    return encoded[at + 1:]
+
+
+def _varints(encoded: U8) -> Iterator[U64]:
+    """The values of whole varints one after another, some batches of them."""
+    at = 0
     while at < len(encoded):
         end = min(at + _BATCH_BYTES, len(encoded))
         part = encoded[at:end]
         stops = np.flatnonzero(part < 0x80)
-        first = np.concatenate(([0], stops[:-1] + 1))
-        yield varint.get(part, first, stops - first + 1)
+        if not len(stops) or (width := np.diff(stops, prepend=-1)).max() > varint.MAX_WIDTH:
+            raise _Overlong
+        yield varint.get(part, stops - width + 1, width)
         at += int(stops[-1]) + 1
+
+
+def _columns(message: Message, field: str) -> Iterator[U64]:
+    """The values of the repeated integer `field` of `message`, some batches of them."""
+    return _varints(_packed(message, field))
 
 
 def _column(message: Message, field: str) -> U64:
     parts = list(_columns(message, field))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+
+def _all_within(encoded: U8, high: int) -> bool:
+    """Whether every varint of `encoded` (whole ones, one after another) is surely from 1 to
+    `high`, told from their bytes without decoding them: a varint longer than `high`'s is past
+    it, one as long is past it where its last byte (its top bits) is past `high`'s, and only
+    those whose last byte is `high`'s are decoded. False where some may not be, or are
+    written longer than they need (a zero byte), for the caller to decode them all."""
+    width = 1
+    while high >> (7 * width):
+        width += 1
+    if width >= varint.MAX_WIDTH - 1 or len(encoded) < _BATCH_BYTES // 16:
+        return False  # decoded: as cheap, or past what the bytes tell
+    n = len(encoded)
+    more = encoded >= 0x80
+    if not encoded.all():
+        return False
+    if width == 1:
+        return not (encoded > high).any()
+    # Where `width` - 1 bytes in a row go on: a varint of `width` bytes ends after them, or
+    # a longer one goes on.
+    going = more[: n - width + 1].copy()
+    for k in range(1, width - 1):
+        going &= more[k: n - width + 1 + k]
+    if (going & more[width - 1:]).any():
+        return False
+    last = encoded[width - 1:]
+    top = high >> (7 * (width - 1))
+    if (going & (last > top)).any():
+        return False
+    ties = np.flatnonzero(going & (last == top))
+    return bool((varint.get(encoded, ties, np.full(len(ties), width)) <= high).all())
 
 
 class _Ids:
@@ -262,6 +372,7 @@ class _Ids:
     where they are not."""
 
     def __init__(self, ids: U64, what: str) -> None:
+        self._count = len(ids)
         if not len(ids):
             self._low, self._bitmap, self._sorted = 0, np.zeros(0, np.bool_), None
             return
@@ -282,6 +393,16 @@ class _Ids:
             twice = ordered[1:][ordered[1:] == ordered[:-1]]
             first = int(ids[np.isin(ids, twice)][0])
             raise ProfileError(f"not a pprof profile: {what} id {first} is repeated")
+
+    def first_missing_encoded(self, encoded: U8) -> int | None:
+        """The first of the varints `encoded` that is none of the ids, or None."""
+        if self._sorted is None and self._low == 1 and len(self._bitmap) == self._count \
+                and _all_within(encoded, self._count):
+            return None  # ids 1 to n, as pprof's writers number them: all named are there
+        for refs in _varints(encoded):
+            if (missing := self.first_missing(refs)) is not None:
+                return missing
+        return None
 
     def first_missing(self, refs: U64) -> int | None:
         """The first of `refs` that is none of the ids, or None."""

@@ -132,3 +132,27 @@ class MergedFunction(_message.Message):
     filename: _containers.RepeatedScalarFieldContainer[int]
     start_line: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, id: _Optional[_Iterable[int]] = ..., name: _Optional[_Iterable[int]] = ..., system_name: _Optional[_Iterable[int]] = ..., filename: _Optional[_Iterable[int]] = ..., start_line: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MergedRunsProfile(_message.Message):
+    __slots__ = ("sample", "location", "function", "label_set")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SET_FIELD_NUMBER: _ClassVar[int]
+    sample: MergedRunsSample
+    location: MergedLocation
+    function: MergedFunction
+    label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
+    def __init__(self, sample: _Optional[_Union[MergedRunsSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+
+class MergedRunsSample(_message.Message):
+    __slots__ = ("location_id", "value", "label", "breakdown")
+    LOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    location_id: _containers.RepeatedScalarFieldContainer[bytes]
+    value: _containers.RepeatedScalarFieldContainer[int]
+    label: MergedLabel
+    breakdown: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Breakdown]
+    def __init__(self, location_id: _Optional[_Iterable[bytes]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Iterable[_Union[_profile_pb2.Breakdown, _Mapping]]] = ...) -> None: ...
