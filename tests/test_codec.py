@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode
+from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode, inflated
 from symbolize.pprof.profile_pb2 import Function, Location, Profile, Sample, ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from symbolize.pprof.varint import encode_one
@@ -89,7 +89,7 @@ def test_many_members_are_read_in_windows_and_bounded_in_number() -> None:
     assert decode(blocks, 1 << 30).raw == raw
     assert decode(blocks, len(raw), measured=True).raw == raw
     empty = gzip.compress(b"", mtime=0)
-    assert decode(empty * 4096, 1 << 20).raw == b""
+    assert inflated(empty * 4096, 1 << 20) == (True, b"")
     with pytest.raises(ProfileError, match="more than 4096 members"):
         decode(empty * 4097, 1 << 20)
     with pytest.raises(ProfileError, match="more than 4096 members"):
@@ -262,3 +262,13 @@ def test_samples_of_many_frames_written_any_valid_way_are_taken() -> None:
     raw = _stacks(32)
     raw.sample.extend(_ODD_SAMPLES)
     decode(raw.SerializeToString(), 1 << 30)
+
+
+def test_a_profile_of_no_string_table_is_refused_as_pprof_refuses_it() -> None:
+    """Every field of a profile that names a string names string 0 where it is left out
+    (drop_frames, a sample type's unit): pprof's reader looks each up, and refuses a profile
+    whose table lacks it ("unrecognized profile format"), an empty one included."""
+    for body in (b"", Profile(sample_type=[ValueType()]).SerializeToString()):
+        with pytest.raises(ProfileError, match="its string table is empty"):
+            decode(gzip.compress(body), 1 << 30)
+    decode(Profile(string_table=[""]).SerializeToString(), 1 << 30)

@@ -193,6 +193,8 @@ def _damage(profile: Profile, how: str) -> None:
         del profile.sample_type[:]
     elif how == "line of no function":
         location.line.append(Line(function_id=55, line=3))
+    elif how == "no string table":
+        del profile.string_table[:]
     elif how == "label key out of range":
         sample.label[0].key = 999
     elif how == "label string negative":
@@ -215,6 +217,7 @@ _MALFORMED = {
     "a value too many": b"sample 2 has 2 values for 1 sample types",
     "no sample types": b"it has samples but no sample types",
     "line of no function": b"a location's line names function 55, which the profile does not",
+    "no string table": b"its string table is empty",
     "label key out of range": b"a sample's label has string index 999, out of range",
     "label string negative": b"a sample's label has string index -1, out of range",
     "sample type out of range": b"sample_type 0: string index 999 out of range",

@@ -459,13 +459,19 @@ def _odd_values(raw: Buffer, types: int) -> str:
 
 
 def check_tables(profile: RawProfile) -> None:
-    """Raise ProfileError where the profile's string indices point outside its string table,
-    it has samples but no sample types, or a mapping's or function's id is 0 or another's, as
-    pprof's own reader refuses them (its decoder's string lookups, Profile.CheckValid): of two
-    mappings with one id, a location's addresses would be translated with either's range. A
-    Python loop over its mappings and functions: some 0.5 us each."""
+    """Raise ProfileError where the profile has no string table, its string indices point
+    outside it, it has samples but no sample types, or a mapping's or function's id is 0 or
+    another's, as pprof's own reader refuses them (its decoder's string lookups,
+    Profile.CheckValid): of two mappings with one id, a location's addresses would be
+    translated with either's range. A Python loop over its mappings and functions: some
+    0.5 us each."""
     strings = len(profile.string_table)
-    if strings and profile.string_table[0] != "":
+    # Without one, pprof's reader refuses even the index 0 of a field left out (its
+    # drop_frames), and reads the profile as some other format ("unrecognized profile format").
+    if not strings:
+        raise ProfileError("not a pprof profile: its string table is empty (string_table[0] "
+                           "must be \"\")")
+    if profile.string_table[0] != "":
         raise ProfileError("not a pprof profile: string_table[0] must be empty")
     if profile.sample and not profile.sample_type:
         raise ProfileError("not a pprof profile: it has samples but no sample types")
@@ -477,11 +483,11 @@ def check_tables(profile: RawProfile) -> None:
                 ("drop_frames", profile.drop_frames), ("keep_frames", profile.keep_frames),
                 ("default_sample_type", profile.default_sample_type)]
     for what, index in indices:
-        if not 0 <= index < max(strings, 1):
+        if not 0 <= index < strings:
             raise ProfileError(f"not a pprof profile: {what}: string index {index} out of range")
     seen: set[int] = set()
     for m in profile.mapping:
-        if not (0 <= m.filename < max(strings, 1) and 0 <= m.build_id < max(strings, 1)):
+        if not (0 <= m.filename < strings and 0 <= m.build_id < strings):
             raise ProfileError(f"mapping {m.id}: string index out of range")
         if m.id == 0 or m.id in seen:
             raise ProfileError(f"mapping id {m.id} is {'reserved' if not m.id else 'repeated'}")
@@ -489,7 +495,7 @@ def check_tables(profile: RawProfile) -> None:
     seen.clear()
     for f in profile.function:
         for index in (f.name, f.system_name, f.filename):
-            if not 0 <= index < max(strings, 1):
+            if not 0 <= index < strings:
                 raise ProfileError(f"function {f.id}: string index out of range")
         if f.id == 0 or f.id in seen:
             raise ProfileError(f"function id {f.id} is {'reserved' if not f.id else 'repeated'}")
