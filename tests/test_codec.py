@@ -9,7 +9,7 @@ import random
 import pytest
 
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode, inflated
-from symbolize.pprof.profile_pb2 import Function, Location, Profile, Sample, ValueType
+from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile, Sample, ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
 from symbolize.pprof.varint import encode_one
 from symbolize.worker import Limits, TooMuchWork, check_samples, scan
@@ -272,3 +272,31 @@ def test_a_profile_of_no_string_table_is_refused_as_pprof_refuses_it() -> None:
         with pytest.raises(ProfileError, match="its string table is empty"):
             decode(gzip.compress(body), 1 << 30)
     decode(Profile(string_table=[""]).SerializeToString(), 1 << 30)
+
+
+def _taken(damage: str) -> bytes:
+    raw = _stacks(32, samples=100)
+    if damage == "values 0 and 2":
+        raw.sample[3] = Sample(location_id=[1]).SerializeToString()
+        raw.sample[4] = Sample(location_id=[2], value=[1, 1]).SerializeToString()
+    elif damage == "values 0 and 2, unpacked":
+        raw.sample[3] = b"\x08\x01"
+        raw.sample[4] = b"\x08\x02\x10\x01\x10\x01"
+    elif damage == "line of function 0":
+        raw.location[0] = Location(id=1, line=[Line(line=3)]).SerializeToString()
+    elif damage == "location ids as fixed64":
+        raw.sample[3] = b"\x09" + (2).to_bytes(8, "little") + b"\x10\x01"
+    return raw.SerializeToString()
+
+
+@pytest.mark.parametrize("damage", ["values 0 and 2", "values 0 and 2, unpacked",
+                                    "line of function 0", "location ids as fixed64"])
+def test_what_pprofs_reader_refuses_that_the_check_still_takes(damage: str) -> None:
+    """go tool pprof refuses each ("mismatch: sample has 0 values vs. 1 types", "location id:
+    1 has a line with nil function", "unrecognized profile format"); symgate passes them on
+    as they came. Each is told only by reading every sample or line on its own: merged into
+    one message, protobuf leaves no trace of where a sample's values end, of a line whose
+    function id is left out, or of a known field of another wire type (taken as unknown).
+    A length a sample read from Python costs 50-80 ns: 15 ms for 300,000 samples, 60-80 for a
+    million, most of the check of a million one-frame samples."""
+    decode(_taken(damage), 1 << 30)
