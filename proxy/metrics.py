@@ -54,6 +54,18 @@ LOCATION_RESULTS = ("symbolized", "outside_mapping", "no_symbol", NAMED)
 BUILD_RESULTS = (Outcome.OK, Outcome.NO_SYMBOLS, Outcome.MALFORMED)
 
 
+OTHER_UPSTREAM = "other"
+
+
+def upstream_label(name: str, tenant: str = "", place: int = 0) -> str:
+    """How the metrics, and the status page read from them, name the upstream `name`: /metrics
+    (and the page) go to whoever may scrape them, who is no tenant. A global source is its
+    name (its URL, credentials masked, or its directory); a tenant's own server is that
+    tenant's, its address perhaps private (an internal host, a path naming a customer), so it
+    is named by the tenant and its `place` in the tenant's list, from 1: "tenant:acme#2"."""
+    return f"tenant:{tenant}#{place}" if tenant else name
+
+
 class BreakerState(StrEnum):
     CLOSED = "closed"
     HALF_OPEN = "half_open"
@@ -234,6 +246,7 @@ class ProxyMetrics:
             for kind in kinds:
                 for outcome in outcomes:
                     self.requests.labels(endpoint, kind, outcome)
+        self._upstream_labels: dict[str, str] = {}
         self.served_from_cache = self.served_bytes.labels("cache")
         self.served_from_upstream = self.served_bytes.labels("upstream")
 
@@ -241,8 +254,11 @@ class ProxyMetrics:
         child = self._buildid_requests.get((kind, outcome))
         (child or self.requests.labels("buildid", kind, outcome)).inc()
 
-    def add_upstream(self, name: str) -> None:
-        """Make every series of one upstream exist at 0, so dashboards show 0, not no data."""
+    def add_upstream(self, name: str, label: str) -> None:
+        """Make every series of the upstream `name` exist at 0, so dashboards show 0, not no
+        data, under its `label` (upstream_label)."""
+        self._upstream_labels[name] = label
+        name = label
         for result in UPSTREAM_RESULTS:
             self.upstream_requests.labels(name, result)
         for result in (Outcome.TIMEOUT, Outcome.UPSTREAM_ERROR):
@@ -254,6 +270,12 @@ class ProxyMetrics:
         for kind in ("debuginfo", "executable"):
             for reason in VERIFICATION_REASONS:
                 self.verification_failures.labels(kind, reason, name)
+
+    def upstream_label(self, name: str) -> str:
+        """The label of the upstream `name` (an artifact's row or meta names it so); one this
+        server was not configured with (a row of another replica's, in the shared bucket) is
+        "other": its name may be a tenant's private address."""
+        return self._upstream_labels.get(name, OTHER_UPSTREAM)
 
     def set_breaker(self, upstream: str, state: BreakerState) -> None:
         self.breaker_state.labels(upstream).set(_BREAKER_VALUE[state])

@@ -95,7 +95,7 @@ def test_the_status_page_collects_the_metrics_once() -> None:
     SymbolizeMetrics(registry)
     metrics.count_buildid("debuginfo", "hit")
     metrics.count_buildid("executable", "miss")
-    metrics.add_upstream("http://upstream.example/")
+    metrics.add_upstream("http://upstream.example/", "http://upstream.example/")
     page = render(registry=registry, upstreams=["http://upstream.example/"],
                   started=time.time(), recent=RecentMisses(), max_bytes=1 << 30)
     assert collections.count == 1

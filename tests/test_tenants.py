@@ -259,6 +259,28 @@ async def test_the_same_url_with_a_tenants_credentials_is_the_tenants_own(
     assert (await sg.get(path))[0] == 502  # and what A fetched stays A's
 
 
+async def test_metrics_name_a_tenants_own_server_by_the_tenant_not_its_address(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """/metrics is read by whoever scrapes it, who is no tenant: a tenant's own server is
+    "tenant:NAME#N" there, its address (an internal host, a path naming a customer) nowhere."""
+    sg = await start_symgate([faults.url_for("notfound")],
+                             tenants={"a": TenantConfig(upstreams=(private(faults),))})
+    as_a = {"X-Scope-OrgID": "a"}
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo", headers=as_a))[0] == 200
+    assert (await sg.get(f"/buildid/{'ab' * 20}/debuginfo", headers=as_a))[0] == 404
+    await sg.settled()
+    status, _, text = await sg.get("/metrics")
+    assert status == 200 and faults.url_for("auth").encode() not in text
+    for result, count in (("ok", 1), ("not_found", 1)):
+        assert await sg.metric("symgate_upstream_requests_total", upstream="tenant:a#1",
+                               result=result) == count
+    assert await sg.metric("symgate_negative_writes_total", upstream="tenant:a#1") == 1
+    # The global one by its URL, as before.
+    assert await sg.metric("symgate_upstream_requests_total",
+                           upstream=faults.url_for("notfound"), result="not_found") == 0
+
+
 async def test_a_tenant_of_global_sources_shares_their_fetches(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -495,7 +495,8 @@ class ArtifactService:
                 if misses:
                     await self.misses.record(scope, key, misses)
                     for name in misses:
-                        self._metrics.negative_entries_written.labels(name).inc()
+                        self._metrics.negative_entries_written.labels(
+                            self._metrics.upstream_label(name)).inc()
                 if result.body is None:
                     flight.fail(result.failure() if result.failures else NotFound("not found"))
                     return
@@ -1106,7 +1107,8 @@ class ArtifactService:
 
     def _reject(self, key: ArtifactKey, meta: ArtifactMeta, reason: str) -> None:
         # By upstream: which one lies is what an operator has to act on.
-        self._metrics.verification_failures.labels(str(key.kind), reason, meta.upstream).inc()
+        self._metrics.verification_failures.labels(
+            str(key.kind), reason, self._metrics.upstream_label(meta.upstream)).inc()
 
     async def warm_up(self) -> None:
         """Run a miss's SQL lookups once, for a key nobody has: the first client's cold fetch

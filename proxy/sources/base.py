@@ -76,6 +76,8 @@ class Body(Protocol):
 
 class Source(Protocol):
     name: str
+    # How its metrics name it (proxy.metrics.upstream_label): /metrics is no tenant's.
+    label: str
     # "" for a global source, whose artifacts every client may see; a tenant's name for one of
     # that tenant's own sources, whose artifacts only that tenant's requests see.
     scope: str

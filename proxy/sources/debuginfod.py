@@ -19,7 +19,7 @@ from proxy.errors import OutOfResources, UpstreamTimeout, UpstreamUnavailable, o
 from proxy.headers import decimal, http_date, printable, retry_after
 from proxy.inflating import CODINGS, Inflater, Unreadable
 from proxy.keys import ArtifactKey, Kind
-from proxy.metrics import BreakerState, ProxyMetrics
+from proxy.metrics import BreakerState, ProxyMetrics, upstream_label
 from proxy.sources import redirects
 from proxy.sources.base import USER_AGENT, ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
@@ -98,7 +98,7 @@ class UpstreamBody:
                         inflater.end()
                     return
                 # What came over the wire (an operator's egress), not what it inflates to.
-                self.upstream.metrics.upstream_bytes.labels(name).inc(len(chunk))
+                self.upstream.metrics.upstream_bytes.labels(self.upstream.label).inc(len(chunk))
                 # A piece at a time, each checked against the limits by the download before
                 # the next is inflated: not all a bomb's chunk inflates to at once.
                 for part in inflater.pieces(chunk) if inflater is not None else (chunk,):
@@ -158,12 +158,14 @@ class Upstream:
 
     def __init__(
         self, cfg: UpstreamConfig, sessions: Sessions, metrics: ProxyMetrics,
-        routes: EnvironmentRoutes, scope: str = "", name: str = "",
+        routes: EnvironmentRoutes, scope: str = "", name: str = "", place: int = 1,
     ) -> None:
-        """`name`: the one upstream_names() gives it among the upstreams asked with it."""
+        """`name`: the one upstream_names() gives it among the upstreams asked with it;
+        `place`: for a tenant's own (`scope`), its place in the tenant's list, from 1."""
         self.cfg = cfg
         self._routes = routes
         self.name = name or upstream_names([cfg], scope)[0]
+        self.label = upstream_label(self.name, scope, place)
         self.scope = scope
         base = URL(cfg.url.rstrip("/"))
         # Credentials written into the URL are the upstream's Authorization, sent to its
@@ -176,11 +178,11 @@ class Upstream:
         self._sessions = sessions
         self.breaker = CircuitBreaker(
             cfg.breaker_failures, cfg.breaker_cooldown_s,
-            lambda state: metrics.set_breaker(self.name, state), name=self.name,
+            lambda state: metrics.set_breaker(self.label, state), name=self.name,
             key_rest_s=cfg.failed_file_rest_s,
         )
         self._base_url = URL(self.base)
-        metrics.add_upstream(self.name)
+        metrics.add_upstream(self.name, self.label)
 
     def has(self, key: ArtifactKey) -> bool | None:
         return None  # only a request can tell
@@ -193,16 +195,16 @@ class Upstream:
         breaker); answers that would be the same every time (a refused redirect, a 401) are
         a misconfiguration to report, not an outage to wait out.
         """
-        self.metrics.upstream_requests.labels(self.name, result).inc()
+        self.metrics.upstream_requests.labels(self.label, result).inc()
         if not failed:
             self.breaker.success(path)
         elif self.breaker.failure(failed, path):
-            self.metrics.breaker_trips.labels(self.name).inc()
+            self.metrics.breaker_trips.labels(self.label).inc()
 
     def body_failed(self, result: Outcome, reason: str, path: str) -> None:
-        self.metrics.upstream_body_failures.labels(self.name, result).inc()
+        self.metrics.upstream_body_failures.labels(self.label, result).inc()
         if self.breaker.failure(reason, path):
-            self.metrics.breaker_trips.labels(self.name).inc()
+            self.metrics.breaker_trips.labels(self.label).inc()
 
     async def open(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         """The upstream's 200 response, or None for its 404.
@@ -259,7 +261,7 @@ class Upstream:
         # Not asked again, for any file, until it said it could answer: every miss of the
         # site would otherwise ask a server that is turning it away.
         if asked_wait > 0 and self.breaker.rest(asked_wait, last.reason):
-            self.metrics.breaker_trips.labels(self.name).inc()
+            self.metrics.breaker_trips.labels(self.label).inc()
         raise last
 
     async def query(self, path_qs: str, hop: Hop) -> aiohttp.ClientResponse:
@@ -320,7 +322,7 @@ class Upstream:
             raise error from e
         finally:
             if timed:
-                self.metrics.upstream_latency.labels(self.name).observe(
+                self.metrics.upstream_latency.labels(self.label).observe(
                     time.perf_counter() - started
                 )
         status = response.status

@@ -136,9 +136,9 @@ class LocalDirectory:
 
     def __init__(self, root: Path, rescan_s: float, metrics: ProxyMetrics) -> None:
         self.root = root
-        self.name = f"dir:{root}"
+        self.name = self.label = f"dir:{root}"  # a global source's (upstream_label)
         self.scope = ""
-        metrics.add_upstream(self.name)
+        metrics.add_upstream(self.name, self.label)
         self._rescan_s = rescan_s
         self._metrics = metrics
         self._seen: dict[str, _Seen] = {}
@@ -264,14 +264,14 @@ class LocalDirectory:
                 opened = await asyncio.to_thread(open_regular, path)
             except OSError as e:
                 if e.errno not in _MISSING:
-                    self._metrics.upstream_requests.labels(self.name, Outcome.UPSTREAM_ERROR).inc()
+                    self._metrics.upstream_requests.labels(self.label, Outcome.UPSTREAM_ERROR).inc()
                     raise UpstreamUnavailable(f"{self.name}: cannot open "
                                               f"{os.path.basename(path)!r}: {e.strerror}") from e
                 opened = None  # gone since the walk: not had
             if opened is not None:
                 body = FileBody(self.name, path, *opened)
         result = Outcome.OK if body is not None else Outcome.NOT_FOUND
-        self._metrics.upstream_requests.labels(self.name, result).inc()
+        self._metrics.upstream_requests.labels(self.label, result).inc()
         return body
 
 

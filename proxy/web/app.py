@@ -152,9 +152,10 @@ def _sources(
             # The config allows servers only here: a tenant's directory would be a shared one.
             private[name] = [
                 next((s for cfg, s in configured if cfg == u), None)
-                or Upstream(u, sessions, metrics, routes, scope=name, name=own)
-                for u, own in zip(tenant.upstreams, upstream_names(tenant.upstreams, name),
-                                  strict=True)]
+                or Upstream(u, sessions, metrics, routes, scope=name, name=own, place=place)
+                for place, (u, own) in enumerate(
+                    zip(tenant.upstreams, upstream_names(tenant.upstreams, name), strict=True),
+                    start=1)]
     return shared, private
 
 

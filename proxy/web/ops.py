@@ -21,7 +21,7 @@ async def status_page(request: web.Request) -> web.Response:
     health = state.service.cache.health
     state.service.cache.recheck_space()
     html = render_status(registry=state.registry,
-                         upstreams=[u.name for u in state.tenancy.shared_sources],
+                         upstreams=[u.label for u in state.tenancy.shared_sources],
                          started=state.started, recent=state.recent_misses,
                          max_bytes=state.config.cache.max_bytes, degraded=health.conditions)
     return web.Response(text=html, content_type="text/html")
