@@ -7,10 +7,14 @@ The hit ratio is one expression:
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import os
 from collections.abc import Iterable
 from enum import StrEnum
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -332,23 +336,130 @@ class SymbolizeMetrics:
             self.symtab_cache.labels(result)
 
 
+# In a server's multiprocess folder: what the serving processes that died had counted
+# (fold_dead_process), so that a counter never goes down while their files go away.
+ARCHIVE = "archive.json"
+# The files a process keeps values in that outlive it: counters' and histograms'. Every gauge
+# here is a live one, which dies with its process (mark_process_dead).
+_KEPT_TYPES = ("counter", "histogram", "summary")
+
+
+def fold_dead_process(folder: Path, pid: int) -> None:
+    """The serving process `pid` is dead: its live gauges no longer count, and what it counted
+    joins the archive, in place of its files. Kept, they piled up, two for every worker a
+    server ever replaced, and every scrape read them all.
+
+    A scrape must count each value once however it interleaves with this (ServerCollector):
+    the archive that holds the process's values says so ("folded") until its files are gone,
+    and each archive is a new file (renamed into place), which the scrape sees."""
+    from prometheus_client.mmap_dict import MmapedDict
+    from prometheus_client.multiprocess import mark_process_dead
+
+    mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
+    dead = [f for typ in _KEPT_TYPES if (f := folder / f"{typ}_{pid}.db").exists()]
+    if not dead:
+        return
+    archive = _read_archive(folder / ARCHIVE)
+    values = archive["values"]
+    for path in dead:
+        if path.stat().st_size == 0:  # killed between creating and sizing it: nothing in it
+            continue
+        kept = values.setdefault(path.name.partition("_")[0], {})
+        for key, value, _stamp, _at in MmapedDict.read_all_values_from_file(  # type: ignore[no-untyped-call]
+                str(path)):
+            kept[key] = kept.get(key, 0.0) + value
+    _write_archive(folder, {"folded": [pid], "values": values})
+    for path in dead:
+        path.unlink()
+    # Not folded any more: a new process given the same pid counts anew.
+    _write_archive(folder, {"folded": [], "values": values})
+
+
+def _read_archive(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return _archive_of(f)
+    except FileNotFoundError:
+        return {"folded": [], "values": {}}
+
+
+def _archive_of(f: BinaryIO) -> dict[str, Any]:
+    archive: dict[str, Any] = json.load(f)
+    return archive
+
+
+def _write_archive(folder: Path, archive: dict[str, Any]) -> None:
+    # Named so that no collector takes it for a process's file (*.db) while it is written.
+    new = folder / f"{ARCHIVE}.new"
+    new.write_text(json.dumps(archive))
+    os.replace(new, folder / ARCHIVE)
+
+
 class ServerCollector(MultiProcessCollector):
     """Every serving process's metrics (`serve --workers N`), read from prometheus-client's
-    multiprocess folder, past the files a process has created and not yet sized: MmapedDict
-    opens its file (empty), then extends it, and an empty one is no file of values but a
-    struct.error, which made every /metrics a 500 while a worker started, and for good
-    once one was killed between the two."""
+    multiprocess folder, with what dead ones counted (fold_dead_process), past the files a
+    process has created and not yet sized: MmapedDict opens its file (empty), then extends
+    it, and an empty one is no file of values but a struct.error, which made every /metrics a
+    500 while a worker started, and for good once one was killed between the two."""
 
     def __init__(self, registry: CollectorRegistry, path: str) -> None:
         super().__init__(registry, path)  # type: ignore[no-untyped-call]
 
     def collect(self) -> Iterable[Metric]:
-        files = []
-        for name in glob.glob(os.path.join(self._path, "*.db")):
+        # A process folded meanwhile (its archive replaced, its files removed) is read again:
+        # the files read may have missed its values, or the archive read not have them yet.
+        # Folds are rare (a worker died): a scrape that meets one at every try fails, rather
+        # than tell a counter lower than it was (a reset, to rate()).
+        for _ in range(_TRIES):
+            read = self._read_once()
+            if read is not None:
+                merged: Iterable[Metric] = self._accumulate_metrics(  # type: ignore[no-untyped-call]
+                    read, True)
+                return merged
+        raise RuntimeError(f"metrics folder {self._path}: processes folded at every read")
+
+    def _read_once(self) -> dict[str, Metric] | None:
+        """The metrics by name before accumulation; None if a fold came meanwhile."""
+        archive_path = os.path.join(self._path, ARCHIVE)
+        with contextlib.ExitStack() as held:
             try:
-                if os.stat(name).st_size > 0:
-                    files.append(name)
-            except FileNotFoundError:  # a dead process's live gauges, removed meanwhile
-                continue
-        merged: Iterable[Metric] = self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
-        return merged
+                archive_file: BinaryIO | None = held.enter_context(open(archive_path, "rb"))
+            except FileNotFoundError:
+                archive_file = None
+            archive = _archive_of(archive_file) if archive_file else {"folded": [], "values": {}}
+            folded = {str(pid) for pid in archive["folded"]}
+            files = []
+            for name in glob.glob(os.path.join(self._path, "*.db")):
+                if name.rpartition("_")[2].removesuffix(".db") in folded:
+                    continue
+                try:
+                    if os.stat(name).st_size > 0:
+                        files.append(name)
+                except FileNotFoundError:  # a dead process's live gauges, removed meanwhile
+                    continue
+            try:
+                metrics: dict[str, Metric] = self._read_metrics(files)  # type: ignore[no-untyped-call]
+            except FileNotFoundError:  # a dead process's counters, folded meanwhile
+                return None
+            for typ, values in archive["values"].items():
+                for key, value in values.items():
+                    # As prometheus-client's _read_metrics adds a counter's or histogram's.
+                    metric_name, name, labels, help_text = json.loads(key)
+                    metric = metrics.setdefault(metric_name, Metric(metric_name, help_text, typ))
+                    metric.add_sample(name, tuple(sorted(labels.items())), value)  # type: ignore[arg-type]
+            if _replaced(archive_file, archive_path):
+                return None
+        return metrics
+
+
+_TRIES = 8
+
+
+def _replaced(read: BinaryIO | None, path: str) -> bool:
+    """Whether the archive at `path` is another than the one `read` (still open, so its inode
+    cannot be another's meanwhile)."""
+    try:
+        now = os.stat(path).st_ino
+    except FileNotFoundError:
+        return read is not None
+    return read is None or os.fstat(read.fileno()).st_ino != now

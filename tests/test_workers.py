@@ -97,23 +97,53 @@ async def test_a_scrape_meets_a_metrics_file_a_starting_worker_has_only_created(
             assert await _requests_total(s, base) == 3.0
 
 
+async def _replace_a_worker(proc: asyncio.subprocess.Process, workers: int = 2) -> None:
+    """SIGKILL one of the server's workers; return once the supervisor has started another
+    (and it serves)."""
+    victim = _workers_of(proc)[0]
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(300):  # bounded: until the supervisor has started another
+        now = _workers_of(proc)
+        if len(now) == workers and victim not in now:
+            break
+        await asyncio.sleep(0.1)
+    if not (len(now) == workers and victim not in now):
+        if proc.returncode is None:  # the supervisor itself may have given up
+            proc.terminate()  # then what it said, for the report
+        said = await asyncio.wait_for(proc.stdout.read(), 60) if proc.stdout else b""
+        pytest.fail(f"workers {now} after killing {victim}; the server said:\n"
+                    + said.decode(errors="replace")[-3000:])
+
+
+async def test_a_replaced_workers_counts_stay_and_its_files_go(
+    serve: Start, debuginfod: Debuginfod
+) -> None:
+    """prometheus-client keeps a dead process's counter and histogram files, so that its
+    counts stay in the totals: one pair for every worker ever replaced, read by every scrape,
+    without end. They are folded into one archive: the totals the same, the files the live
+    workers' alone."""
+    base, proc = await serve(debuginfod.url, workers=2)
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for replaced in range(1, 4):
+            for _ in range(10):
+                async with s.get(f"{base}/buildid/{'ab' * 20}/debuginfo") as r:
+                    assert r.status == 404
+            await _replace_a_worker(proc)
+            # A counter never goes down: whichever worker answers, the dead one's count is in.
+            assert {await _requests_total(s, base) for _ in range(6)} == {10.0 * replaced}
+            # Files of the live workers' alone (a new one makes its own as it starts).
+            kept = {f.name.rpartition("_")[2].removesuffix(".db") for f in folder.glob("*.db")
+                    if not f.name.startswith("gauge_")}
+            assert kept <= {str(pid) for pid in _workers_of(proc)}, kept
+
+
 async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
     serve: Start, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:
     base, proc = await serve(debuginfod.url, workers=2)
-    victim = _workers_of(proc)[0]
-    os.kill(victim, signal.SIGKILL)
-    for _ in range(300):  # bounded: until the supervisor has started another
-        workers = _workers_of(proc)
-        if len(workers) == 2 and victim not in workers:
-            break
-        await asyncio.sleep(0.1)
-    if not (len(workers) == 2 and victim not in workers):
-        if proc.returncode is None:  # the supervisor itself may have given up
-            proc.terminate()  # then what it said, for the report
-        said = await asyncio.wait_for(proc.stdout.read(), 60) if proc.stdout else b""
-        pytest.fail(f"workers {workers} after killing {victim}; the server said:\n"
-                    + said.decode(errors="replace")[-3000:])
+    await _replace_a_worker(proc)
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
         for _ in range(10):

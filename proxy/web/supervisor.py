@@ -79,8 +79,6 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
     try:
         _multiprocess_metrics(metrics_dir)
         # What every worker runs, imported once here and shared by the forks.
-        from prometheus_client.multiprocess import mark_process_dead
-
         from proxy.symbols import forked_helpers
         from proxy.web import app as _server  # noqa: F401
 
@@ -99,8 +97,7 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
                     # Killed from outside while it started (the OOM killer, an operator):
                     # not a fault of the configuration, so it is replaced as a serving one
                     # would be.
-                    mark_process_dead(  # type: ignore[no-untyped-call]
-                        killed[0], str(metrics_dir))
+                    _fold(metrics_dir, killed[0])
                     if keeper.stopping:  # SIGTERM came meanwhile: a new worker would miss it
                         break
                     if not keeper.may_restart(index):
@@ -117,8 +114,9 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
                     time.sleep(REAP_EVERY_S)
                     continue
                 index, pid, status = died
-                # Its live gauges (fetches under way, breaker states) no longer count.
-                mark_process_dead(pid, str(metrics_dir))  # type: ignore[no-untyped-call]
+                # Its live gauges (fetches under way, breaker states) no longer count; its
+                # counts do, from the archive.
+                _fold(metrics_dir, pid)
                 if keeper.stopping:
                     break
                 if not keeper.may_restart(index):
@@ -136,6 +134,17 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
             raise
     finally:
         _end(holder, guard, metrics_dir)
+
+
+def _fold(metrics_dir: Path, pid: int) -> None:
+    """proxy.metrics.fold_dead_process, which a full or broken /tmp must not turn into the
+    whole server's end: its files are then left, and counted as they were."""
+    from proxy.metrics import fold_dead_process
+
+    try:
+        fold_dead_process(metrics_dir, pid)
+    except OSError as e:
+        log.warning("could not fold the metrics of process %d into the archive: %s", pid, e)
 
 
 def _end(holder: socket.socket, guard: socket.socket, metrics_dir: Path) -> None:
