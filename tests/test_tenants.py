@@ -281,6 +281,19 @@ async def test_metrics_name_a_tenants_own_server_by_the_tenant_not_its_address(
                            upstream=faults.url_for("notfound"), result="not_found") == 0
 
 
+async def test_metrics_stay_prometheus_text_whatever_upstreams_and_tenants_are_named(
+    start_symgate: SymgateFactory
+) -> None:
+    """Quotes, backslashes and newlines are escaped in label values, non-ASCII is kept: a
+    scraper reads back the very names."""
+    url, tenant = 'http://127.0.0.1:9/a"b\\c/é\\n', 'q"\\ \n é'
+    sg = await start_symgate([fast_upstream(url)], tenants={
+        tenant: TenantConfig(upstreams=(fast_upstream("http://127.0.0.1:9/"),))})
+    labels = {key[1] for key in await sg.metrics()}  # parsed as Prometheus reads it
+    assert (("result", "ok"), ("upstream", url)) in labels
+    assert (("result", "ok"), ("upstream", f"tenant:{tenant}#1")) in labels
+
+
 async def test_a_tenant_of_global_sources_shares_their_fetches(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import tempfile
@@ -137,6 +138,101 @@ async def test_a_replaced_workers_counts_stay_and_its_files_go(
             kept = {f.name.rpartition("_")[2].removesuffix(".db") for f in folder.glob("*.db")
                     if not f.name.startswith("gauge_")}
             assert kept <= {str(pid) for pid in _workers_of(proc)}, kept
+
+
+# A tenant whose name holds what the text format must escape (a quote, a backslash, a
+# newline) and what it need not (non-ASCII): its upstream's label carries it to /metrics.
+ODD_TENANT = 'odd "q" \\ \n é'
+
+
+def _campaign_config(faults: FaultUpstream) -> str:
+    """Tenants whose own upstream fails (err) or times out (slow), each request asked once."""
+    once = "retries = 0, breaker_failures = 0, failed_file_rest_s = 0"
+    return (f'[tenants.err]\nupstreams = [{{url = "{faults.url_for("status500")}", {once}}}]\n'
+            f'[tenants.slow]\nupstreams = [{{url = "{faults.url_for("slow-first-byte")}", '
+            f'first_byte_timeout_s = 0.3, {once}}}]\n'
+            f'[tenants.{json.dumps(ODD_TENANT)}]\nupstreams = [{{url = "http://127.0.0.1:9/"}}]\n')
+
+
+async def _drive(s: aiohttp.ClientSession, base: str, elfs: ElfSet) -> None:
+    """One round: 5 requests of each of two files, 6 of a build ID nobody has, 3 that fail
+    upstream and 2 that time out there."""
+    for files, bid in enumerate((elfs.prog.build_id, elfs.other.build_id), start=1):
+        for _ in range(5):
+            async with s.get(f"{base}/buildid/{bid}/debuginfo") as r:
+                assert r.status == 200
+                await r.read()
+            # Committed (after the client's last byte) before the next: one that came to the
+            # other worker meanwhile would join the fetch, a miss.
+            await eventually(lambda: _has_entries(s, base, files))  # noqa: B023
+    for tenant, status, times in (("", 404, 6), ("err", 502, 3), ("slow", 504, 2)):
+        for _ in range(times):
+            async with s.get(f"{base}/buildid/{'ab' * 20}/debuginfo",
+                             headers={"X-Scope-OrgID": tenant} if tenant else {}) as r:
+                assert r.status == status, tenant
+
+
+async def _has_entries(s: aiohttp.ClientSession, base: str, files: int) -> bool:
+    return await _sample(s, base, "symgate_cache_entries") >= files
+
+
+async def _scrape(s: aiohttp.ClientSession, base: str) -> dict[tuple[str, str], float]:
+    """The figures the campaign checks, by (name, the label that tells them apart)."""
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+        assert r.status == 200, text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "symgate_requests_total" and labels["endpoint"] == "buildid" \
+                    and sample.value:
+                out[sample.name, f'{labels["kind"]}/{labels["outcome"]}'] = sample.value
+            elif sample.name in ("symgate_upstream_requests_total",
+                                 "symgate_upstream_response_seconds_count") \
+                    and (sample.value or labels["upstream"].startswith("tenant:odd")):
+                out[sample.name, f'{labels["upstream"]}/{labels.get("result", "")}'] = \
+                    sample.value
+    return out
+
+
+async def test_every_worker_tells_exact_totals_before_and_after_one_is_killed(
+    serve: Start, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Known numbers of hits, misses, remembered 404s, upstream errors and timeouts, through
+    both workers (a connection each): any worker's /metrics says exactly those, and again,
+    doubled but for the one fetch of each file and the one miss, once a worker was killed
+    between two rounds and replaced."""
+    faults.first_byte_delay = 2.0
+    base, proc = await serve(faults.url_for("ok"), workers=2, extra=_campaign_config(faults))
+    ok, err, slow = faults.url_for("ok"), "tenant:err#1", "tenant:slow#1"
+    upstream, latency = "symgate_upstream_requests_total", "symgate_upstream_response_seconds_count"
+    odd = {(upstream, f"tenant:{ODD_TENANT}#1/{result}"): 0.0
+           for result in ("ok", "not_found", "timeout", "upstream_error")}
+    odd[latency, f"tenant:{ODD_TENANT}#1/"] = 0.0
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for rounds in (1, 2):
+            if rounds == 2:
+                await _replace_a_worker(proc)
+            await _drive(s, base, elfs)
+            expected = {
+                ("symgate_requests_total", "debuginfo/miss"): 2,
+                ("symgate_requests_total", "debuginfo/hit"): 10 * rounds - 2,
+                ("symgate_requests_total", "debuginfo/not_found"): 1,
+                ("symgate_requests_total", "debuginfo/negative_hit"): 6 * rounds - 1,
+                ("symgate_requests_total", "debuginfo/upstream_error"): 3 * rounds,
+                ("symgate_requests_total", "debuginfo/timeout"): 2 * rounds,
+                (upstream, f"{ok}/ok"): 2, (upstream, f"{ok}/not_found"): 1,
+                (upstream, f"{err}/upstream_error"): 3 * rounds,
+                (upstream, f"{slow}/timeout"): 2 * rounds,
+                (latency, f"{ok}/"): 3, (latency, f"{err}/"): 3 * rounds,
+                (latency, f"{slow}/"): 2 * rounds,  # a timeout's wait observed too
+                **odd,
+            }
+            for _ in range(8):  # whichever worker answers
+                assert await _scrape(s, base) == expected
+    assert faults.count("ok") == 3 and faults.count("status500") == 6
 
 
 async def test_a_dead_worker_is_replaced_and_the_server_keeps_serving(
