@@ -913,3 +913,37 @@ async def test_concurrent_uploads_of_one_key_with_different_bytes_end_with_one_w
     assert got[0] == 404 or (got[0], got[2]) == (200, winner)
     assert (await sg.get(f"/buildid/{own.build_id}/debuginfo"))[0] == 404
     assert await sg.runner.app[STATE].repo.artifacts_of(own.build_id) == []
+
+
+@pytest.mark.parametrize("extra", [{}, {"Range": "bytes=0-"}, {"If-None-Match": '"other"'}],
+                         ids=["whole", "range", "conditional"])
+async def test_a_hit_on_an_upload_another_process_replaced_is_one_commit(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+    extra: dict[str, str],
+) -> None:
+    """One process committed an upload and never served it; another deleted it and uploaded
+    other bytes of the same size, and the first has not polled that notice yet (its index
+    still holds the first commit). A hit there read the second file's bytes under the first
+    row's headers (its X-DEBUGINFOD-FILE, its size), as only the sizes were compared: a body
+    of one version with the other's headers. Either version whole is an answer; a mix is
+    not."""
+    base = make_config(tmp_path / "data", database_url, [],
+                       cache=CacheConfig(purge_poll_s=3600))
+    first_sg = await start_symgate(config=_config(base))
+    second_sg = await start_symgate(config=_config(base))
+    path = f"/buildid/{own.build_id}/debuginfo"
+    first = own.debug.read_bytes()
+    second = first.replace(b"GCC:", b"XCC:", 1)  # same size, same build ID
+    assert second != first and len(second) == len(first)
+    put = await _put(first_sg, own.build_id, "debuginfo", first, **{"X-DEBUGINFOD-FILE": "1"})
+    assert put[0] == 201
+    assert (await second_sg.request("DELETE", path, headers=_auth(ADMIN)))[0] == 204
+    put = await _put(second_sg, own.build_id, "debuginfo", second, **{"X-DEBUGINFOD-FILE": "2"})
+    assert put[0] == 201
+    status, headers, body = await first_sg.get(path, headers=extra)
+    assert status in (200, 206)
+    assert (headers["X-DEBUGINFOD-FILE"], body) in (("1", first), ("2", second))
+    got = {k.lower(): v for k, v in headers.items()}
+    _, head = await first_sg.head(path)
+    assert {k.lower(): v for k, v in head.items()}["etag"] == got["etag"]
+    assert head["X-DEBUGINFOD-FILE"] == got["x-debuginfod-file"]

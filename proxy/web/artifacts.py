@@ -29,7 +29,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.web.errors import CountedWhenSent, cut_off
 from proxy.web.file_sends import ShortFile, cork, send_file, send_part
-from proxy.web.hot_files import artifact_headers, etag
+from proxy.web.hot_files import artifact_headers, etag, is_commit
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
@@ -133,17 +133,18 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         _check_size(result.artifact.record.size, max_size)
         annotate(request, outcome=Served.MISS if result.fetched else Served.HIT,
                  upstream=result.artifact.record.upstream)
-        hot = None
-        if not any(name in request.headers for name in _CONDITIONAL):
-            kh = result.artifact.record.key_hash
-            hot = (state.hot.get(kh, result.artifact.record.fetched_at)
-                   or state.hot.load(kh, result.artifact))
-            if hot is not None:
-                if request.method == "HEAD":
-                    return web.Response(headers=hot.headers)
-                if hot.body is not None:
-                    state.metrics.served_from_cache.inc(len(hot.body))
-                    return web.Response(body=hot.body, headers=hot.headers)
+        kh = result.artifact.record.key_hash
+        # Read for conditional requests too, which FileResponse answers: its file is then
+        # known to be the hit's commit (describes) with no read of it.
+        hot = (state.hot.get(kh, result.artifact.record.fetched_at)
+               or state.hot.load(kh, result.artifact))
+        whole = not any(name in request.headers for name in _CONDITIONAL)
+        if hot is not None and whole:
+            if request.method == "HEAD":
+                return web.Response(headers=hot.headers)
+            if hot.body is not None:
+                state.metrics.served_from_cache.inc(len(hot.body))
+                return web.Response(body=hot.body, headers=hot.headers)
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -154,19 +155,19 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             if (full := out_of_descriptors(e)) is not None:
                 raise full from e
             raise
-        if not (hot.describes(fd) if hot is not None
-                else os.fstat(fd).st_size == result.artifact.record.size):
+        if not (hot.describes(fd) if hot is not None else is_commit(fd, result.artifact)):
             # Not the hit's commit: another process put another there (an upload over a
-            # download), which this one's index is not told of yet and its row tells, or the
-            # file was damaged. Sent, it would be a body that looks whole and is not the file
-            # its headers describe: forgotten, and found again (or fetched anew).
+            # download, an upload deleted and made again), which this one's index is not told
+            # of yet and its row tells, or the file was damaged. Sent, it would be a body that
+            # is not the file its headers describe: forgotten, and found again (or fetched
+            # anew).
             os.close(fd)
             log.warning("cached %s is not the file its index entry describes (replaced by "
                         "another process, or changed on disk); looking it up again",
                         result.artifact.record.key)
             await state.service.cache.vanished(result.artifact.record)
             continue
-        if hot is not None and request.method == "GET":
+        if hot is not None and whole and request.method == "GET":
             return _SentFile(state, key, result.artifact, fd, hot.headers)
         return _LeasedFileResponse(state, key, result.artifact, fd)
     else:

@@ -14,6 +14,7 @@ when this process applies that process's notice (proxy.artifacts.purges; the cac
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,21 +39,45 @@ class HotFile:
     head: bytes = b""
     # The commit of the key it was read from (its row's fetched_at); None for no file's.
     fetched_at: datetime | None = None
+    # The file it was read from (inode_of); None for no file's.
+    inode: tuple[int, int, int, int] | None = None
 
     def describes(self, fd: int) -> bool:
-        """Whether the file open on `fd` is the one these headers were read from (its time
-        and size, the ETag's): another process may have put another commit of the key at its
-        path (an upload over a download) before this one's index hears of it, and that file's
+        """Whether the file open on `fd` is the one these headers were read from: another
+        process may have put another commit of the key at its path (an upload over a
+        download, a fetch after a purge) before this one's index hears of it, and that file's
         first Content-Length bytes, sent under these headers, would be a body that looks
-        whole and is neither file."""
-        return etag(os.fstat(fd)) == self.headers.get("ETag")
+        whole and is neither file. Its inode, not its ETag: a file fetched again has the
+        upstream's time, and of the same size, the same ETag."""
+        return inode_of(os.fstat(fd)) == self.inode
 
 
-def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None
-             ) -> HotFile:
+def inode_of(st: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file `st` is, as far as a commit goes: each commit is a new file renamed into
+    place, whose inode number is another, or, reused once the old file went, comes with its
+    own time (an upload's, to the nanosecond) or size; only a fetch again of the very same
+    upstream file may look alike, and its headers are the same."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def is_commit(fd: int, artifact: CachedArtifact) -> bool:
+    """Whether the file open on `fd` is the hit's commit, as far as its row tells without
+    reading more than a small file: its size, and a small file's sha256 (another process may
+    have put another file of the same size there, which this one's index is not told of
+    yet). Blocking: a small file is read."""
+    st = os.fstat(fd)
+    if st.st_size != artifact.record.size:
+        return False
+    if st.st_size > SMALL_FILE_BYTES:
+        return True
+    return hashlib.sha256(os.pread(fd, st.st_size, 0)).hexdigest() == artifact.record.sha256
+
+
+def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None,
+             inode: tuple[int, int, int, int] | None = None) -> HotFile:
     # UTF-8, as aiohttp encodes headers (their values were made printable when stored).
     return HotFile(headers, body, "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode(),
-                   fetched_at)
+                   fetched_at, inode)
 
 
 def artifact_headers(
@@ -110,8 +135,9 @@ class HotFiles:
         sendfile's setup, which dominated the cost of small hits. Read at once, with no await
         in between, so eviction cannot pull the file away halfway. None when the file is gone
         or could not be read whole, or is not the hit's commit (another process replaced it,
-        and this one's index is not told yet): FileResponse's path then answers as it would
-        have, and nothing is kept for the next hit."""
+        and this one's index is not told yet: a small file's bytes are checked against the
+        row's sha256, once per commit, as another file of the same size would go out under
+        this row's headers): aiohttp's path then finds what it is, and nothing is kept."""
         try:
             with open(artifact.path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -123,8 +149,10 @@ class HotFiles:
             return None
         if st.st_size != artifact.record.size:
             return None
+        if body is not None and hashlib.sha256(body).hexdigest() != artifact.record.sha256:
+            return None
         hot = hot_file({**file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
-                       artifact.record.fetched_at)
+                       artifact.record.fetched_at, inode_of(st))
         self.put(kh, hot)
         return hot
 
