@@ -917,28 +917,30 @@ async def test_concurrent_uploads_of_one_key_with_different_bytes_end_with_one_w
 
 @pytest.mark.parametrize("extra", [{}, {"Range": "bytes=0-"}, {"If-None-Match": '"other"'}],
                          ids=["whole", "range", "conditional"])
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 async def test_a_hit_on_an_upload_another_process_replaced_is_one_commit(
-    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
-    extra: dict[str, str],
+    start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,
+    extra: dict[str, str], big: bool,
 ) -> None:
     """One process committed an upload and never served it; another deleted it and uploaded
     other bytes of the same size, and the first has not polled that notice yet (its index
     still holds the first commit). A hit there read the second file's bytes under the first
     row's headers (its X-DEBUGINFOD-FILE, its size), as only the sizes were compared: a body
     of one version with the other's headers. Either version whole is an answer; a mix is
-    not."""
+    not. A small file's bytes are kept in memory, a big one is sent from its file."""
+    elf = elfs.big if big else own
     base = make_config(tmp_path / "data", database_url, [],
                        cache=CacheConfig(purge_poll_s=3600))
     first_sg = await start_symgate(config=_config(base))
     second_sg = await start_symgate(config=_config(base))
-    path = f"/buildid/{own.build_id}/debuginfo"
-    first = own.debug.read_bytes()
+    path = f"/buildid/{elf.build_id}/debuginfo"
+    first = elf.debug.read_bytes()
     second = first.replace(b"GCC:", b"XCC:", 1)  # same size, same build ID
     assert second != first and len(second) == len(first)
-    put = await _put(first_sg, own.build_id, "debuginfo", first, **{"X-DEBUGINFOD-FILE": "1"})
+    put = await _put(first_sg, elf.build_id, "debuginfo", first, **{"X-DEBUGINFOD-FILE": "1"})
     assert put[0] == 201
     assert (await second_sg.request("DELETE", path, headers=_auth(ADMIN)))[0] == 204
-    put = await _put(second_sg, own.build_id, "debuginfo", second, **{"X-DEBUGINFOD-FILE": "2"})
+    put = await _put(second_sg, elf.build_id, "debuginfo", second, **{"X-DEBUGINFOD-FILE": "2"})
     assert put[0] == 201
     status, headers, body = await first_sg.get(path, headers=extra)
     assert status in (200, 206)
@@ -947,3 +949,21 @@ async def test_a_hit_on_an_upload_another_process_replaced_is_one_commit(
     _, head = await first_sg.head(path)
     assert {k.lower(): v for k, v in head.items()}["etag"] == got["etag"]
     assert head["X-DEBUGINFOD-FILE"] == got["x-debuginfod-file"]
+
+
+async def test_a_big_upload_whose_inode_changed_since_its_commit_is_served(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chmod (or a backup restored) gives the file a change time after its row's commit, as
+    a file put there by a later commit has: SQL tells it is still the row's, and it is served
+    and kept. Forgotten, an upload would be a 404, its file on no row."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    bid, data = elfs.big.build_id, elfs.big.debug.read_bytes()
+    assert (await _put(sg, bid, "debuginfo", data))[0] == 201
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(bid, "debuginfo").storage_name
+    stored.chmod(0o600)
+    for _ in range(2):
+        status, _, body = await sg.get(f"/buildid/{bid}/debuginfo")
+        assert status == 200 and body == data
+    assert "is not the file its index entry describes" not in caplog.text

@@ -565,6 +565,19 @@ class ArtifactCache:
             await self._let_go(kh, pending.scope, ArtifactKey.from_id(pending.key))
         return False
 
+    async def still_current(self, rec: ArtifactRecord) -> bool | None:
+        """Whether SQL's row of the key is still this commit; None: SQL cannot tell. A file
+        opened before this asks is then the commit's: every removal of a commit (an eviction,
+        a purge, a retired upload) deletes its row before another file comes to its path."""
+        if self._unsynced.get(rec.key_hash) is rec:
+            return True  # this process's own commit, whose row SQL has not taken yet
+        try:
+            now = (await self._repo.commits_of([rec.key_hash])).get(rec.key_hash)
+        except DATABASE_ERRORS as e:
+            self.sql_failed("looking up an artifact's commit", e)
+            return None
+        return now == rec.fetched_at
+
     async def vanished(self, rec: ArtifactRecord) -> None:
         """This commit's file was found missing (an operator, a disk cleaner, another process's
         eviction): forget it, and its row while that still describes it. Its path is left

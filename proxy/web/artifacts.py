@@ -155,7 +155,16 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             if (full := out_of_descriptors(e)) is not None:
                 raise full from e
             raise
-        if not (hot.describes(fd) if hot is not None else is_commit(fd, result.artifact)):
+        same = hot.describes(fd) if hot is not None else is_commit(fd, result.artifact)
+        if same is None:
+            try:
+                same = await state.service.cache.still_current(result.artifact.record)
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                hot = state.hot.read(kh, result.artifact, fd, vouched=True)
+        if same is False:
             # Not the hit's commit: another process put another there (an upload over a
             # download, an upload deleted and made again), which this one's index is not told
             # of yet and its row tells, or the file was damaged. Sent, it would be a body that

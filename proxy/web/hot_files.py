@@ -18,7 +18,7 @@ import hashlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from proxy.artifacts.index import CachedArtifact, key_hash
 from proxy.keys import ArtifactKey
@@ -60,17 +60,33 @@ def inode_of(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def is_commit(fd: int, artifact: CachedArtifact) -> bool:
+def is_commit(fd: int, artifact: CachedArtifact) -> bool | None:
     """Whether the file open on `fd` is the hit's commit, as far as its row tells without
-    reading more than a small file: its size, and a small file's sha256 (another process may
-    have put another file of the same size there, which this one's index is not told of
-    yet). Blocking: a small file is read."""
+    reading more than a small file: another process may have put another file of the same
+    size there, which this one's index is not told of yet. A small file's bytes are checked
+    against the row's sha256; a big one is taken for its row's unless it was renamed into
+    place after the row's commit (None: only SQL can tell, see ArtifactCache.still_current).
+    Blocking: a small file is read."""
     st = os.fstat(fd)
     if st.st_size != artifact.record.size:
         return False
     if st.st_size > SMALL_FILE_BYTES:
-        return True
+        return None if _renamed_after(st, artifact.record.fetched_at) else True
     return hashlib.sha256(os.pread(fd, st.st_size, 0)).hexdigest() == artifact.record.sha256
+
+
+def _renamed_after(st: os.stat_result, fetched_at: datetime) -> bool:
+    """Whether the file of `st` changed (was renamed into place) after `fetched_at`: a commit's
+    time is taken after its file's rename, on the host that has the disk, so the file of a
+    row never did, unless something changed its inode since (a chmod, a backup restored), and
+    a file put there by a later commit (a fetch after a purge, an upload deleted and made
+    again) does, past the kernel's timestamp granularity. To the microsecond, as rows keep
+    times."""
+    return st.st_ctime_ns // 1000 > (fetched_at - _EPOCH) // _MICROSECOND
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
 
 
 def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None,
@@ -134,22 +150,36 @@ class HotFiles:
         read of a few pages costs less than FileResponse's two trips to the thread pool and
         sendfile's setup, which dominated the cost of small hits. Read at once, with no await
         in between, so eviction cannot pull the file away halfway. None when the file is gone
-        or could not be read whole, or is not the hit's commit (another process replaced it,
-        and this one's index is not told yet: a small file's bytes are checked against the
-        row's sha256, once per commit, as another file of the same size would go out under
-        this row's headers): aiohttp's path then finds what it is, and nothing is kept."""
+        or could not be read whole, or may not be the hit's commit (another process replaced
+        it, and this one's index is not told yet; see is_commit): aiohttp's path then finds
+        what it is, and nothing is kept."""
         try:
-            with open(artifact.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                small = st.st_size <= SMALL_FILE_BYTES
-                body = f.read(SMALL_FILE_BYTES + 1) if small else None
+            fd = os.open(artifact.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return self.read(kh, artifact, fd)
+        finally:
+            os.close(fd)
+
+    def read(self, kh: str, artifact: CachedArtifact, fd: int, *, vouched: bool = False
+             ) -> HotFile | None:
+        """load's entry, of the file open on `fd`; `vouched`: SQL has told that a big one is
+        the hit's commit (ArtifactCache.still_current)."""
+        try:
+            st = os.fstat(fd)
+            small = st.st_size <= SMALL_FILE_BYTES
+            body = os.pread(fd, SMALL_FILE_BYTES + 1, 0) if small else None
         except OSError:
             return None
         if body is not None and len(body) != st.st_size:  # changed by another process
             return None
         if st.st_size != artifact.record.size:
             return None
+        # Once per commit: a hit's later requests take the entry, or its inode (describes).
         if body is not None and hashlib.sha256(body).hexdigest() != artifact.record.sha256:
+            return None
+        if body is None and not vouched and _renamed_after(st, artifact.record.fetched_at):
             return None
         hot = hot_file({**file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
                        artifact.record.fetched_at, inode_of(st))
