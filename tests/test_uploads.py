@@ -951,15 +951,18 @@ async def test_a_hit_on_an_upload_another_process_replaced_is_one_commit(
     assert head["X-DEBUGINFOD-FILE"] == got["x-debuginfod-file"]
 
 
-async def test_a_big_upload_whose_inode_changed_since_its_commit_is_served(
-    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+async def test_an_upload_whose_inode_changed_since_its_commit_is_served(
+    start_symgate: SymgateFactory, own: Elf, elfs: ElfSet, tmp_path: Path, database_url: str,
+    caplog: pytest.LogCaptureFixture, big: bool,
 ) -> None:
     """A chmod (or a backup restored) gives the file a change time after its row's commit, as
-    a file put there by a later commit has: SQL tells it is still the row's, and it is served
-    and kept. Forgotten, an upload would be a 404, its file on no row."""
+    a file put there by a later commit has: its bytes (a small file's) or SQL (a big one's)
+    tell it is still the row's, and it is served and kept. Forgotten, an upload would be a
+    404, its file on no row."""
     sg = await _start(start_symgate, tmp_path, database_url, [])
-    bid, data = elfs.big.build_id, elfs.big.debug.read_bytes()
+    elf = elfs.big if big else own
+    bid, data = elf.build_id, elf.debug.read_bytes()
     assert (await _put(sg, bid, "debuginfo", data))[0] == 201
     stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(bid, "debuginfo").storage_name
     stored.chmod(0o600)

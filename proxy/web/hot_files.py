@@ -3,8 +3,9 @@ bytes of the small ones.
 
 A commit of a cached artifact never changes under its key (a new fetch follows a removal), so
 a hit on a file seen before needs no stat(2) and no read: HEAD is answered from memory alone,
-and a small file's GET too. An entry is of one commit (the row's fetched_at), and answers
-only a hit on that commit. Entries go when the cache removes their file (the eviction
+and a small file's GET too. An entry is of one commit (the row's fetched_at), read from that
+commit's file (is_commit: another process may have put another at its path first), and
+answers only a hit on that commit. Entries go when the cache removes their file (the eviction
 listener); one that another process evicted meanwhile still holds the right bytes. One that
 another process deleted or replaced (an upload's DELETE, an upload over a download) goes
 when this process applies that process's notice (proxy.artifacts.purges; the cache's
@@ -62,16 +63,17 @@ def inode_of(st: os.stat_result) -> tuple[int, int, int, int]:
 
 def is_commit(fd: int, artifact: CachedArtifact) -> bool | None:
     """Whether the file open on `fd` is the hit's commit, as far as its row tells without
-    reading more than a small file: another process may have put another file of the same
-    size there, which this one's index is not told of yet. A small file's bytes are checked
-    against the row's sha256; a big one is taken for its row's unless it was renamed into
-    place after the row's commit (None: only SQL can tell, see ArtifactCache.still_current).
-    Blocking: a small file is read."""
+    reading a big file: another process may have put another file of the same size there,
+    which this one's index is not told of yet. One renamed into place after the row's commit
+    may be: a small one's bytes are then checked against the row's sha256; a big one's only
+    SQL can tell (None; ArtifactCache.still_current). Blocking: a small file may be read."""
     st = os.fstat(fd)
     if st.st_size != artifact.record.size:
         return False
+    if not _renamed_after(st, artifact.record.fetched_at):
+        return True
     if st.st_size > SMALL_FILE_BYTES:
-        return None if _renamed_after(st, artifact.record.fetched_at) else True
+        return None
     return hashlib.sha256(os.pread(fd, st.st_size, 0)).hexdigest() == artifact.record.sha256
 
 
@@ -152,7 +154,8 @@ class HotFiles:
         in between, so eviction cannot pull the file away halfway. None when the file is gone
         or could not be read whole, or may not be the hit's commit (another process replaced
         it, and this one's index is not told yet; see is_commit): aiohttp's path then finds
-        what it is, and nothing is kept."""
+        what it is, and nothing is kept. Whether it is, is judged here, once per commit: a
+        hit's later requests take the entry, or its inode (describes)."""
         try:
             fd = os.open(artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -176,10 +179,10 @@ class HotFiles:
             return None
         if st.st_size != artifact.record.size:
             return None
-        # Once per commit: a hit's later requests take the entry, or its inode (describes).
-        if body is not None and hashlib.sha256(body).hexdigest() != artifact.record.sha256:
-            return None
-        if body is None and not vouched and _renamed_after(st, artifact.record.fetched_at):
+        # As is_commit judges, with a small file's bytes at hand: hashed only when in doubt,
+        # as a hash of 256 KiB costs several reads of it.
+        if not vouched and _renamed_after(st, artifact.record.fetched_at) and (
+                body is None or hashlib.sha256(body).hexdigest() != artifact.record.sha256):
             return None
         hot = hot_file({**file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
                        artifact.record.fetched_at, inode_of(st))
