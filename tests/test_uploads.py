@@ -22,13 +22,22 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from proxy.artifacts.purges import PurgeNotices
 from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig, UpstreamConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from symbolize.elf import section_extent
 from tests.elfs import Elf, ElfSet, build_id_tree, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
-from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
+from tests.harness import (
+    Debuginfod,
+    Symgate,
+    SymgateFactory,
+    cli,
+    config_file,
+    eventually,
+    make_config,
+)
 from tests.processes import debuginfod_find, run_in_thread, stopped
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
@@ -970,3 +979,81 @@ async def test_an_upload_whose_inode_changed_since_its_commit_is_served(
         status, _, body = await sg.get(f"/buildid/{bid}/debuginfo")
         assert status == 200 and body == data
     assert "is not the file its index entry describes" not in caplog.text
+
+
+async def test_a_purge_applied_as_an_upload_commits_leaves_that_upload(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """An operator's purge reaches a serving process at its poll, and removes the files whose
+    rows the purge deleted. A poll that came as another process's upload of the same key was
+    between putting its file in place and writing its row (its commit, under the data dir's
+    upload lock) found no row, and removed the new upload's file: the PUT had its 201, then
+    a GET a 404 and its DELETE a 404. The await point: the upload held after its file's
+    rename, before its row, while the poll runs."""
+    base = make_config(tmp_path / "data", database_url, [],
+                       cache=CacheConfig(purge_poll_s=3600))
+    sg = await start_symgate(config=_config(base))
+    state = sg.runner.app[STATE]
+    notices = PurgeNotices(state.repo, state.service.cache)
+    await notices.start()
+    bid, data = own.build_id, own.debug.read_bytes()
+    path = f"/buildid/{bid}/debuginfo"
+    assert (await _put(sg, bid, "debuginfo", data))[0] == 201
+    purged = await cli(config_file(sg, tmp_path), "cache", "purge", bid)
+    assert purged.returncode == 0, purged.stderr
+    cache = state.service.cache
+    add, renamed, go_on = cache.add, asyncio.Event(), asyncio.Event()
+
+    async def add_when_told(*args: object, **kwargs: object) -> None:
+        renamed.set()
+        await go_on.wait()
+        await add(*args, **kwargs)  # type: ignore[arg-type]
+
+    cache.add = add_when_told  # type: ignore[method-assign]
+    put = asyncio.create_task(_put(sg, bid, "debuginfo", data))
+    await asyncio.wait_for(renamed.wait(), 30)
+    poll = asyncio.create_task(notices.poll())
+    await asyncio.sleep(0.2)  # the poll as far as it goes before the upload's row
+    go_on.set()
+    assert (await put)[0] == 201
+    assert await poll >= 1
+    cache.add = add  # type: ignore[method-assign]
+    status, _, body = await sg.get(path)
+    assert status == 200 and body == data
+    assert (await sg.request("DELETE", path, headers=_auth(ADMIN)))[0] == 204
+
+
+def _waiting_for_a_lock(pid: int) -> bool:
+    """Whether process `pid` is blocked waiting for a file lock (/proc/locks lists a waiter
+    with "->")."""
+    return any("->" in line and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+async def test_a_purge_from_the_cli_waits_for_a_commit_under_way(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """`symgate cache purge` deleted a key's rows, then removed its file: an upload of the key
+    committed between the two (the upload lock held from its file's rename to its row) lost
+    its file after its PUT was told 201. The purge now takes that lock for its rows and files:
+    with a commit under way (the lock held here), it waits for it."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    bid, data = own.build_id, own.debug.read_bytes()
+    assert (await _put(sg, bid, "debuginfo", data))[0] == 201
+    store = sg.runner.app[STATE].service.cache.store
+    lock = store.upload_lock()
+    assert lock is not None
+    purge = await asyncio.create_subprocess_exec(
+        "symgate", "cache", "purge", bid, "--config", str(config_file(sg, tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        async with asyncio.timeout(60):
+            while purge.returncode is None and not _waiting_for_a_lock(purge.pid):
+                await asyncio.sleep(0.05)
+        assert purge.returncode is None, "the purge ran through a commit under way"
+        assert (await sg.get(f"/buildid/{bid}/debuginfo"))[0] == 200
+    finally:
+        os.close(lock)
+    out, err = await purge.communicate()
+    assert purge.returncode == 0, err
+    assert b"purged 1 artifacts" in out

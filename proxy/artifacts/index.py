@@ -530,7 +530,11 @@ class ArtifactCache:
         fetched it). A row there now is a commit made since (a fetch after the purge, on a
         request that found the file gone before the notice came; a re-upload taken from the
         bucket), and stays; so does a file of other bytes than the version removed, or a
-        commit SQL has not taken yet."""
+        commit SQL has not taken yet.
+
+        Under the data dir's upload lock, which an upload holds from its file's rename to its
+        row: between the two, another process's upload of the key looked purged (no row), and
+        its file was removed after its PUT had been told 201."""
         kh = notice.key_hash
         held = self._entries.get(kh)
         if held is not None and notice.sha256 is not None and held.sha256 != notice.sha256:
@@ -539,14 +543,19 @@ class ArtifactCache:
         if isinstance(pending, ArtifactRecord):
             await self._unless_purged(pending)
             return
-        now = (await self._repo.commits_of([kh])).get(kh)
-        if now is not None:
-            if held is not None and held.fetched_at != now:
-                # Another process's newer commit is there: read again when asked.
+        async with self.uploads_locked():
+            now = (await self._repo.commits_of([kh])).get(kh)
+            if now is None:
                 self._drop(kh)
-                await self._notify(self.forgotten, [(notice.scope, key)])
+                self.store.remove_artifact(notice.scope, key)
+        if now is None:
+            await self._notify_evicted([(notice.scope, key)])  # as _let_go, past the lock
             return
-        await self._let_go(kh, notice.scope, key)
+        held = self._entries.get(kh)  # this process's own upload may have come meanwhile
+        if held is not None and held.fetched_at != now:
+            # Another process's newer commit is there: read again when asked.
+            self._drop(kh)
+            await self._notify(self.forgotten, [(notice.scope, key)])
 
     async def _unless_purged(self, pending: ArtifactRecord) -> bool:
         """A commit of this process whose row SQL has not taken yet (fetched while SQL was

@@ -10,6 +10,8 @@ process trusts its in-memory copy of a cleared miss for at most `negative.memo_s
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -82,14 +84,22 @@ class Admin:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables, on every
         replica: each replica's copy is listed once per replica."""
         bid = normalize_build_id(build_id) if build_id else None
-        rows = await self.artifacts(bid, every_replica=True)
-        # Rows first, then files: a purge killed in between (a Ctrl-C in a long --all) leaves
-        # files without rows, which the serving processes remove by the notices and a start
-        # by itself, never rows naming files that are gone, which a PUT of the same upload
-        # again took for the file being there (200, and nothing on disk).
-        await self.repo.purge_artifacts(rows, datetime.now(UTC))
-        for rec in rows:
-            self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
+        # Under the data dir's upload lock, which a serving process holds from a commit's
+        # file rename to its row: an upload of a purged key committed between this purge's
+        # rows and its files had its new file removed, after its PUT was told 201.
+        lock = await asyncio.to_thread(self.store.upload_lock)
+        try:
+            rows = await self.artifacts(bid, every_replica=True)
+            # Rows first, then files: a purge killed in between (a Ctrl-C in a long --all)
+            # leaves files without rows, which the serving processes remove by the notices
+            # and a start by itself, never rows naming files that are gone, which a PUT of
+            # the same upload again took for the file being there (200, and nothing on disk).
+            await self.repo.purge_artifacts(rows, datetime.now(UTC))
+            for rec in rows:
+                self.store.remove_artifact(rec.scope, ArtifactKey.from_id(rec.key))
+        finally:
+            if lock is not None:
+                os.close(lock)
         # And those built from a local tree's file (symbolize.debug_dirs), which is read where
         # it lies, never cached: no artifact leads to them, and a tree's file replaced (one
         # without DWARF by the whole one) was otherwise never built again.
