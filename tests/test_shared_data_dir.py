@@ -287,3 +287,50 @@ async def test_a_debuginfo_evicted_as_it_is_committed_is_fetched_again_for_its_s
     assert status == 200 and body, body[:200]
     assert faults.count("ok") == 2  # fetched again after the loss
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.parametrize("paused", ["upload_here", "add"])  # before the rename; before the row
+async def test_a_request_that_comes_while_another_process_commits_waits_and_is_a_hit(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    paused: str
+) -> None:
+    """The first server has sent the file's last byte and commits it (paused there); a
+    request to the second comes meanwhile. In the process that fetched it, such a request
+    waits for the commit and is a hit (README); in the other it followed the fetch and was a
+    miss and a join, so that serve --workers N read a lower hit ratio than one process for
+    the same requests. Two servers in this process on one data dir."""
+    first = await start_symgate([debuginfod.url], data_dir=tmp_path / "d")
+    second = await start_symgate([debuginfod.url], data_dir=tmp_path / "d")
+    service = first.runner.app[STATE].service
+    committing, go_on = asyncio.Event(), asyncio.Event()
+    real = getattr(service.cache, paused)
+
+    async def pause_then(*args: Any, **kw: Any) -> Any:
+        committing.set()
+        await go_on.wait()
+        return await real(*args, **kw)
+
+    setattr(service.cache, paused, pause_then)
+    board = second.runner.app[STATE].service._board
+    real_follow, following = board.follow, asyncio.Event()
+
+    async def follow(kh: str) -> Any:
+        following.set()  # its first look is made before follow's first await
+        return await real_follow(kh)
+
+    board.follow = follow  # type: ignore[method-assign]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    expected = elfs.prog.debug.read_bytes()
+    assert (await first.get(path))[::2] == (200, expected)  # its last byte, before the commit
+    await asyncio.wait_for(committing.wait(), 30)
+    await asyncio.to_thread(service._board.drain)  # the verdict told to the other processes
+    late = asyncio.create_task(second.get(path))
+    await asyncio.wait_for(following.wait(), 30)
+    go_on.set()
+    assert (await late)[::2] == (200, expected)
+    await first.settled()
+    requests = "symgate_requests_total"
+    assert [await second.metric(requests, endpoint="buildid", kind="debuginfo", outcome=o)
+            for o in ("hit", "miss")] == [1, 0]
+    assert await second.metric("symgate_singleflight_joins_total") == 0
+    assert await second.metric("symgate_served_bytes_total", source="cache") == len(expected)

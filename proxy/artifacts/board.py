@@ -70,6 +70,11 @@ class Followed:
     ident: str
     fd: int
     meta: ArtifactMeta
+    # The fetch had its verdict (its clients their last byte) when this request came, and has
+    # been committed since: the request waited for the commit, as one in the fetching process
+    # does, and the cache is its answer. The file (-1: renamed before it could be opened)
+    # serves it only if it was not kept.
+    late: bool = False
 
 
 class Claim:
@@ -177,17 +182,39 @@ class FlightBoard:
     async def follow(self, kh: str) -> Followed | None:
         """Join the fetch another process has under way, once it streams; raises the error
         it failed with. None when there is none to join (ended, or its writer died): the
-        caller looks in the cache again, or fetches itself.
+        caller looks in the cache again, or fetches itself. One verified already (or
+        settled, its lock not yet let go) is waited for to its end: Followed.late.
 
         Called right after a claim of `kh` failed, with no await in between."""
         delay = POLL_FIRST_S
         waited = 0.0
         first_look = True
+        late: str | None = None  # the fetch's id, when it had its verdict as this request came
+        fd = -1
         while True:
-            holder = self._holder(kh)
             state = self.read_state(kh) or {}
-            # Another fetch's state (an earlier one, or none yet from this holder): wait.
-            name = state.get("state") if holder and state.get("id") == holder else None
+            if late is None:
+                holder = self._holder(kh)
+                # Another fetch's state (an earlier one, or none yet from this holder): wait.
+                name = state.get("state") if holder and state.get("id") == holder else None
+                if first_look and name in (VERIFIED, SETTLED):
+                    late = holder
+            if late is not None:
+                first_look = False
+                name = state.get("state") if state.get("id") == late else None
+                if name == VERIFIED and fd < 0:
+                    fd = _open(state["part"])
+                if name == SETTLED and "meta" in state:
+                    return Followed(late, fd, ArtifactMeta(*state["meta"]), late=True)
+                if name != VERIFIED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
+                    # Its commit failed, or its writer died: nothing to wait for.
+                    if fd >= 0:
+                        os.close(fd)
+                    return None
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, POLL_LONGEST_S)
+                continue
             if name == FAILED:
                 if first_look:
                     # Failed before the caller's claim was refused: the caller came after
@@ -199,14 +226,11 @@ class FlightBoard:
                 raise _error(state)
             first_look = False
             if name in (STREAMING, VERIFIED):
-                try:
-                    fd = os.open(state["part"], os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    if name == STREAMING:
-                        return None  # dropped meanwhile: its writer died or failed
-                    # Renamed into the cache: its row comes next, then SETTLED.
-                else:
+                if (fd := _open(state["part"])) >= 0:
                     return Followed(state["id"], fd, ArtifactMeta(*state["meta"]))
+                if name == STREAMING:
+                    return None  # dropped meanwhile: its writer died or failed
+                # Renamed into the cache: its row comes next, then SETTLED.
             if name == SETTLED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
                 return None
             await asyncio.sleep(delay)
@@ -328,6 +352,14 @@ class FlightBoard:
 
     def _lock(self, kh: str) -> Path:
         return self.folder / f"{kh}.lock"
+
+
+def _open(part: str) -> int:
+    """A descriptor of the temp file `part`; -1 if it is gone (renamed into the cache)."""
+    try:
+        return os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _error(state: dict[str, Any]) -> SymgateError:

@@ -305,7 +305,7 @@ class ArtifactService:
                                                           local_has) or claim
                 return claim
             # Another process is fetching it: follow its download.
-            if (followed := await self._follow(kh)) is not None:
+            if (followed := await self._follow(kh, req.visible, key)) is not None:
                 return followed
             if (stored := await self.stored(req.visible, key)) is not None:
                 # Committed while this request waited for it (a small file goes from streaming
@@ -360,9 +360,12 @@ class ArtifactService:
         self._tidying.add(tidy)
         tidy.add_done_callback(self._tidying.discard)
 
-    async def _follow(self, kh: str) -> Streaming | None:
+    async def _follow(self, kh: str, visible: tuple[str, ...], key: ArtifactKey
+                      ) -> Streaming | Hit | None:
         """Join another process's fetch of `kh` through a local mirror flight, which this
-        process's other clients then join too. Raises its failure; None if it ended."""
+        process's other clients then join too. Raises its failure; None if it ended. One that
+        had its verdict before this request came is a hit once committed, as in the process
+        that fetched it (README: "a request that comes meanwhile waits for it and is a hit")."""
         try:
             with self._metrics.fetch_waiters.track_inprogress():
                 followed = await self._board.follow(kh)
@@ -373,6 +376,16 @@ class ArtifactService:
             raise
         if followed is None:
             return None
+        if followed.late:
+            with contextlib.ExitStack() as closing:
+                if followed.fd >= 0:
+                    closing.callback(os.close, followed.fd)
+                if (stored := await self.stored(visible, key)) is not None:
+                    return Hit(stored)
+                if followed.fd < 0:
+                    return None
+                # Not kept (no room in the budget): its file, held open, is the answer.
+                closing.pop_all()
         if (flight := self._flights.get(kh)) is not None:  # another client got here first
             os.close(followed.fd)
             self._metrics.singleflight_joins.inc()
