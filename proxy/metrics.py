@@ -130,13 +130,17 @@ class ProxyMetrics:
             "Fetched artifacts rejected before caching, by reason and by the upstream that sent "
             "them", ["kind", "reason", "upstream"], registry=registry,
         )
+        # Each process tells the whole data dir's figures, as SQL had them when it read them:
+        # the latest reading is the truth, whichever process made it, dead since or not (a
+        # live mode showed a survivor's older reading once the process that made the latest
+        # died, until its replacement had read them again). fold_dead_process keeps it.
         self.cache_size = Gauge(
             f"{p}_cache_size_bytes", "Bytes of artifacts in the disk cache", registry=registry,
-            multiprocess_mode="livemostrecent",  # each process tells the shared total
+            multiprocess_mode="mostrecent",
         )
         self.cache_entries = Gauge(
             f"{p}_cache_entries", "Artifacts in the disk cache", registry=registry,
-            multiprocess_mode="livemostrecent",
+            multiprocess_mode="mostrecent",
         )
         # 1, labelled with the id of this cache directory (proxy.store.replica): which
         # replica's disk the cache figures describe.
@@ -337,16 +341,20 @@ class SymbolizeMetrics:
 
 
 # In a server's multiprocess folder: what the serving processes that died had counted
-# (fold_dead_process), so that a counter never goes down while their files go away.
+# (fold_dead_process), so that a counter never goes down while their files go away, and the
+# latest reading of the figures that are the data dir's, not a process's.
 ARCHIVE = "archive.json"
-# The files a process keeps values in that outlive it: counters' and histograms'. Every gauge
-# here is a live one, which dies with its process (mark_process_dead).
+# The files a process keeps values in that outlive it: counters' and histograms', added up.
+# A live gauge dies with its process (mark_process_dead).
 _KEPT_TYPES = ("counter", "histogram", "summary")
+# and its latest readings ("mostrecent" gauges), of which the archive keeps the latest.
+_LATEST = "gauge_mostrecent"
 
 
 def fold_dead_process(folder: Path, pid: int) -> None:
-    """The serving process `pid` is dead: its live gauges no longer count, and what it counted
-    joins the archive, in place of its files. Kept, they piled up, two for every worker a
+    """The serving process `pid` is dead: its live gauges no longer count, what it counted
+    joins the archive, in place of its files, and so do its readings of the data dir's cache
+    where they are the latest. Kept, they piled up, two for every worker a
     server ever replaced, and every scrape read them all.
 
     A scrape must count each value once however it interleaves with this (ServerCollector):
@@ -356,23 +364,28 @@ def fold_dead_process(folder: Path, pid: int) -> None:
     from prometheus_client.multiprocess import mark_process_dead
 
     mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
-    dead = [f for typ in _KEPT_TYPES if (f := folder / f"{typ}_{pid}.db").exists()]
+    dead = [f for typ in (*_KEPT_TYPES, _LATEST) if (f := folder / f"{typ}_{pid}.db").exists()]
     if not dead:
         return
     archive = _read_archive(folder / ARCHIVE)
     values = archive["values"]
+    latest: dict[str, list[float]] = archive.setdefault("latest", {})
     for path in dead:
         if path.stat().st_size == 0:  # killed between creating and sizing it: nothing in it
             continue
-        kept = values.setdefault(path.name.partition("_")[0], {})
-        for key, value, _stamp, _at in MmapedDict.read_all_values_from_file(  # type: ignore[no-untyped-call]
+        typ = path.name.rpartition("_")[0]
+        kept = values.setdefault(typ, {}) if typ != _LATEST else {}
+        for key, value, stamp, _at in MmapedDict.read_all_values_from_file(  # type: ignore[no-untyped-call]
                 str(path)):
-            kept[key] = kept.get(key, 0.0) + value
-    _write_archive(folder, {"folded": [pid], "values": values})
+            if typ != _LATEST:
+                kept[key] = kept.get(key, 0.0) + value
+            elif stamp > latest.get(key, [0.0, 0.0])[1]:
+                latest[key] = [value, stamp]
+    _write_archive(folder, {**archive, "folded": [pid]})
     for path in dead:
         path.unlink()
     # Not folded any more: a new process given the same pid counts anew.
-    _write_archive(folder, {"folded": [], "values": values})
+    _write_archive(folder, {**archive, "folded": []})
 
 
 def _read_archive(path: Path) -> dict[str, Any]:
@@ -380,7 +393,7 @@ def _read_archive(path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             return _archive_of(f)
     except FileNotFoundError:
-        return {"folded": [], "values": {}}
+        return {"folded": [], "values": {}, "latest": {}}
 
 
 def _archive_of(f: BinaryIO) -> dict[str, Any]:
@@ -441,12 +454,19 @@ class ServerCollector(MultiProcessCollector):
                 metrics: dict[str, Metric] = self._read_metrics(files)  # type: ignore[no-untyped-call]
             except FileNotFoundError:  # a dead process's counters, folded meanwhile
                 return None
+            # As prometheus-client's _read_metrics adds a process's file: what the dead
+            # counted as one more process's count, their latest readings as its readings.
             for typ, values in archive["values"].items():
                 for key, value in values.items():
-                    # As prometheus-client's _read_metrics adds a counter's or histogram's.
                     metric_name, name, labels, help_text = json.loads(key)
                     metric = metrics.setdefault(metric_name, Metric(metric_name, help_text, typ))
                     metric.add_sample(name, tuple(sorted(labels.items())), value)  # type: ignore[arg-type]
+            for key, (value, stamp) in archive.get("latest", {}).items():
+                metric_name, name, labels, help_text = json.loads(key)
+                metric = metrics.setdefault(metric_name, Metric(metric_name, help_text, "gauge"))
+                metric._multiprocess_mode = "mostrecent"  # type: ignore[attr-defined]
+                metric.add_sample(name, (*sorted(labels.items()), ("pid", "archive")),  # type: ignore[arg-type]
+                                  value, stamp)
             if _replaced(archive_file, archive_path):
                 return None
         return metrics

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.db_locks import database_held
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, eventually
@@ -98,10 +99,11 @@ async def test_a_scrape_meets_a_metrics_file_a_starting_worker_has_only_created(
             assert await _requests_total(s, base) == 3.0
 
 
-async def _replace_a_worker(proc: asyncio.subprocess.Process, workers: int = 2) -> None:
-    """SIGKILL one of the server's workers; return once the supervisor has started another
-    (and it serves)."""
-    victim = _workers_of(proc)[0]
+async def _replace_a_worker(proc: asyncio.subprocess.Process, workers: int = 2,
+                            victim: int | None = None) -> None:
+    """SIGKILL one of the server's workers (`victim`, or any); return once the supervisor has
+    started another (which may not serve yet)."""
+    victim = victim or _workers_of(proc)[0]
     os.kill(victim, signal.SIGKILL)
     for _ in range(300):  # bounded: until the supervisor has started another
         now = _workers_of(proc)
@@ -473,27 +475,75 @@ async def test_the_cache_gauges_are_not_set_back_by_a_worker_that_learns_of_a_fi
     size = elfs.prog.debug.stat().st_size
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
-
-        async def gauges() -> tuple[float, float]:
-            async with s.get(base + "/metrics") as r:
-                text = await r.text()
-            found = {sample.name: sample.value
-                     for family in text_string_to_metric_families(text)
-                     for sample in family.samples}
-            return found["symgate_cache_entries"], found["symgate_cache_size_bytes"]
-
         async with s.get(base + path) as r:
             assert r.status == 200
 
         async def committed() -> bool:
-            return await gauges() == (1, size)
+            return await _cache_gauges(s, base) == (1, size)
 
         await eventually(committed)
         # A new connection each: the kernel spreads them over both workers.
         for _ in range(20):
             async with s.get(base + path) as r:
                 assert r.status == 200 and len(await r.read()) == size
-        assert {await gauges() for _ in range(10)} == {(1, size)}
+        assert {await _cache_gauges(s, base) for _ in range(10)} == {(1, size)}
+
+
+async def _cache_gauges(s: aiohttp.ClientSession, base: str) -> tuple[float, float]:
+    """The server's cache_entries and cache_size_bytes, as the worker that answers tells them."""
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+    found = {sample.name: sample.value for family in text_string_to_metric_families(text)
+             for sample in family.samples}
+    return found["symgate_cache_entries"], found["symgate_cache_size_bytes"]
+
+
+def _latest_reader(folder: Path, workers: list[int]) -> int:
+    """The worker whose reading of the cache figures is the latest, by its gauges' file."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    def stamp(pid: int) -> float:
+        return max((at for f in folder.glob(f"gauge_*mostrecent_{pid}.db")
+                    for key, _, at, _ in MmapedDict.read_all_values_from_file(str(f))
+                    if '"symgate_cache_entries"' in key), default=0.0)
+
+    return max(workers, key=stamp)
+
+
+async def test_the_cache_gauges_stay_true_when_the_worker_that_read_them_last_dies(
+    serve: Start, debuginfod: Debuginfod, elfs: ElfSet, database_url: str
+) -> None:
+    """The gauges tell the data dir's cache as the latest reading of it said, whichever
+    worker made it: they showed the live workers' latest, so when the worker that had read
+    them last was killed, a survivor's older reading (0 or 1 of 2 files) until its
+    replacement had read them again. The replacement is held from SQL (the database locked)
+    while the server is scraped, so that the survivor alone tells them: on PostgreSQL, whose
+    lock holds reads, not a WAL file's (which a connection can lock only while no other has
+    it open: the workers' do)."""
+    if database_url.startswith("sqlite"):
+        pytest.skip("a SQLite file in WAL mode cannot be held from a new connection's reads")
+    base, proc = await serve(debuginfod.url, workers=2, extra="access_flush_s = 3600\n")
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    files = (elfs.prog, elfs.other)
+    cached = (len(files), sum(elf.debug.stat().st_size for elf in files))
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        for count, elf in enumerate(files, start=1):
+            async with s.get(f"{base}/buildid/{elf.build_id}/debuginfo") as r:
+                assert r.status == 200
+                await r.read()
+            await eventually(lambda: _has_entries(s, base, count))  # noqa: B023
+        assert await _cache_gauges(s, base) == cached
+        workers = _workers_of(proc)
+        victim = _latest_reader(folder, workers)
+        async with database_held(database_url, "EXCLUSIVE",
+                                 "LOCK TABLE artifacts IN ACCESS EXCLUSIVE MODE"):
+            await _replace_a_worker(proc, victim=victim)
+            assert {await _cache_gauges(s, base) for _ in range(6)} == {cached}
+
+        [new] = set(_workers_of(proc)) - set(workers)
+        await eventually(lambda: _listening_on(new, int(base.rpartition(":")[2])))
+        assert {await _cache_gauges(s, base) for _ in range(10)} == {cached}
 
 
 async def test_a_follower_waits_for_a_fetch_whose_upstream_answered_but_sent_no_byte_yet(
