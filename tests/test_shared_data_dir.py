@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.artifacts.board import VERIFIED
+from proxy.artifacts.chunk_writer import ChunkWriter
 from proxy.artifacts.index import key_hash
 from proxy.config import CacheConfig
 from proxy.keys import ArtifactKey
@@ -25,7 +27,14 @@ from proxy.store.repository import Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, make_config
+from tests.harness import (
+    Debuginfod,
+    Symgate,
+    SymgateFactory,
+    eventually,
+    make_config,
+    upstream_requests,
+)
 from tests.processes import start_serve, stop_serve
 
 Serve = Callable[[], Awaitable[str]]
@@ -334,3 +343,43 @@ async def test_a_request_that_comes_while_another_process_commits_waits_and_is_a
             for o in ("hit", "miss")] == [1, 0]
     assert await second.metric("symgate_singleflight_joins_total") == 0
     assert await second.metric("symgate_served_bytes_total", source="cache") == len(expected)
+
+
+async def test_a_request_that_comes_while_another_process_ends_a_file_not_kept_is_served_it(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the file does not fit the budget: served, not kept. The request that
+    came after its verdict, which waits for its end, is sent the file it holds open, not
+    fetched again. The first server is paused after its verdict, before it ends the fetch."""
+    cfg = make_config(tmp_path / "d", database_url, [debuginfod.url],
+                      cache=CacheConfig(max_bytes=1024))
+    first = await start_symgate(config=cfg)
+    second = await start_symgate(config=cfg)
+    board = first.runner.app[STATE].service._board
+    key = ArtifactKey.parse(elfs.prog.build_id, "debuginfo")
+    ended, go_on = asyncio.Event(), asyncio.Event()
+    real_flush = ChunkWriter.flush
+
+    async def flush_then_pause(writer: ChunkWriter) -> None:
+        await real_flush(writer)
+        board.drain()
+        if (board.read_state(key_hash("", key)) or {}).get("state") == VERIFIED:
+            ended.set()
+            await go_on.wait()
+
+    monkeypatch.setattr(ChunkWriter, "flush", flush_then_pause)
+    asked = await upstream_requests(debuginfod)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    expected = elfs.prog.debug.read_bytes()
+    assert (await first.get(path))[::2] == (200, expected)
+    await asyncio.wait_for(ended.wait(), 30)
+    late = asyncio.create_task(second.get(path))
+    # Its claim refused, it waits for the fetch's end.
+    async def waiting() -> bool:
+        return await second.metric("symgate_fetch_waiters") == 1
+
+    await eventually(waiting)
+    go_on.set()
+    assert (await late)[::2] == (200, expected)
+    assert await upstream_requests(debuginfod) == asked + 1
