@@ -316,6 +316,43 @@ async def test_a_database_that_never_answers_holds_no_request_past_its_timeout(
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+async def test_a_request_of_several_queries_waits_one_timeout_for_them_all(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """A remembered miss past its memo (looked up, asked again, written), an unknown ID, a
+    section of a cached file (its parent's misses looked up, its fetch's room judged beside
+    the periodic look at the cache's totals) each make several queries: against a database
+    that never answers, each waited its own database.timeout_s, and the request three or
+    four times it. Their time is one timeout in all."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    timeout_s = 3.0
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                  server=replace(cfg.server, access_flush_s=0.1),
+                  upstreams=(fast_upstream(faults.url_for("ok")),
+                             fast_upstream(faults.url_for("notfound"))))
+    sg = await start_symgate(config=cfg)
+    remembered = "/buildid/" + "ee" * 20 + "/debuginfo"
+    assert (await sg.get(remembered))[0] == 404
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.settled()
+
+    await forwarder.silence()
+    # Past one timeout, short of two: what a client that allows for one may wait.
+    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    for path in (remembered, "/buildid/" + "dd" * 20 + "/debuginfo",
+                 f"/buildid/{elfs.prog.build_id}/section/.text",
+                 f"/buildid/{elfs.prog.build_id}/source/no/such.c"):
+        try:
+            status, _, _ = await sg.get(path, timeout=patience)
+        except TimeoutError:
+            pytest.fail(f"{path} waited past one database.timeout_s")
+        assert status in (200, 404), (path, status)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
 async def test_a_profile_while_postgresql_is_down_is_named_or_refused_never_left_bare(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from proxy.store.budget import spending
 from proxy.store.local_reads import LocalReads, PointRead
 from proxy.store.models import (
     Artifact,
@@ -343,13 +344,25 @@ class Repository:
     @contextlib.asynccontextmanager
     async def _begin(self) -> AsyncIterator[AsyncSession]:
         """A session in a write transaction: no write transaction nests in another."""
-        async with self._writing(), self._session.begin() as s:
+        async with spending(), self._writing(), self._session.begin() as s:
             yield s
 
     @contextlib.asynccontextmanager
     async def _begin_connection(self) -> AsyncIterator[AsyncConnection]:
         """A connection in a write transaction, as _begin."""
-        async with self._writing(), self.engine.begin() as c:
+        async with spending(), self._writing(), self.engine.begin() as c:
+            yield c
+
+    @contextlib.asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncSession]:
+        """A session for reading, its time spent from its request's budget."""
+        async with spending(), self._session() as s:
+            yield s
+
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[AsyncConnection]:
+        """A connection, its time spent from its request's budget."""
+        async with spending(), self.engine.connect() as c:
             yield c
 
     @property
@@ -383,7 +396,7 @@ class Repository:
         through the engine."""
         if self._local is not None and (here := self._local.rows(read, params)) is not None:
             return here
-        async with self.engine.connect() as c:
+        async with self._connect() as c:
             rows: Sequence[Any] = (await c.execute(read.statement, params)).all()
             return rows
 
@@ -394,7 +407,7 @@ class Repository:
     async def upload_anywhere(self, key_hash: str) -> ArtifactRecord | None:
         """The upload of this key on whichever replica took it (its pinned row), if any: an
         upload is the cluster's, not only its own replica's."""
-        async with self._session() as s:
+        async with self._read() as s:
             row = (await s.scalars(select(Artifact).where(
                 Artifact.key_hash == key_hash, Artifact.pinned.is_(True))
                 .order_by(Artifact.fetched_at.desc()).limit(1))).first()
@@ -409,7 +422,7 @@ class Repository:
             query = query.where(Artifact.replica == self.replica)
         if build_id is not None:
             query = query.where(Artifact.build_id == build_id)
-        async with self._session() as s:
+        async with self._read() as s:
             return [_record(r) for r in (await s.scalars(query)).all()]
 
     async def named(self, scopes: Sequence[str], *, build_id: str | None = None,
@@ -423,7 +436,7 @@ class Repository:
             query = query.where(Artifact.build_id == build_id)
         if filenames:
             query = query.where(Artifact.filename.in_(list(filenames)))
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(query.order_by(Artifact.key))).all()
         return list({r.key_hash: _record(r) for r in rows}.values())
 
@@ -436,7 +449,7 @@ class Repository:
         return await self._artifacts_of_replica(UNCLAIMED)
 
     async def _artifacts_of_replica(self, replica: str) -> Sequence[ArtifactRecord]:
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(select(Artifact).where(Artifact.replica == replica)
                                     .order_by(Artifact.last_access))).all()
             return [_record(r) for r in rows]
@@ -454,7 +467,7 @@ class Repository:
     async def totals(self, *, pinned: bool = False) -> tuple[int, int]:
         """(artifacts, bytes) of this replica's cache under its budget, as every process on it
         has written it; with `pinned`, of the uploads instead."""
-        async with self._session() as s:
+        async with self._read() as s:
             count, size = (await s.execute(select(
                 func.count(), func.coalesce(func.sum(Artifact.size), 0)
             ).where(Artifact.pinned == pinned, Artifact.replica == self.replica))).one()
@@ -462,14 +475,14 @@ class Repository:
 
     async def upload_scopes(self) -> set[str]:
         """The scopes that hold an upload on some replica."""
-        async with self._session() as s:
+        async with self._read() as s:
             return set((await s.scalars(select(Artifact.scope).where(
                 Artifact.pinned.is_(True)).distinct())).all())
 
     async def least_recently_used(self, limit: int) -> Sequence[ArtifactRecord]:
         """The files of this replica eviction may take (uploads are pinned), least recently
         used first."""
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(
                 select(Artifact).where(Artifact.pinned.is_(False),
                                        Artifact.replica == self.replica)
@@ -538,7 +551,7 @@ class Repository:
         hashes = list(key_hashes)
         if not hashes:
             return {}
-        async with self.engine.connect() as c:
+        async with self._connect() as c:
             rows = await c.execute(select(Artifact.key_hash, Artifact.fetched_at).where(
                 Artifact.replica == self.replica, Artifact.key_hash.in_(hashes)))
             return {r.key_hash: aware(r.fetched_at) for r in rows}
@@ -576,7 +589,7 @@ class Repository:
 
     async def purge_notices(self, after: int) -> Sequence[PurgeNotice]:
         """Purge notices newer than the notice `after` (0: all of them), oldest first."""
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.execute(
                 select(Purge.id, Purge.key_hash, Purge.scope, Purge.key, Purge.sha256,
                        Purge.fetched_at, Purge.replica)
@@ -587,7 +600,7 @@ class Repository:
 
     async def newest_purge_notice(self) -> int:
         """The id of the newest purge notice; 0 when there is none."""
-        async with self._session() as s:
+        async with self._read() as s:
             return int((await s.execute(select(func.coalesce(func.max(Purge.id), 0)))).scalar_one())
 
     async def delete_purge_notices(self, before: datetime) -> None:
@@ -633,7 +646,7 @@ class Repository:
         query = select(Negative).order_by(Negative.expires_at.desc())
         if build_id is not None:
             query = query.where(Negative.build_id == build_id)
-        async with self._session() as s:
+        async with self._read() as s:
             return list((await s.scalars(query)).all())
 
     async def delete_negatives(self, build_id: str | None) -> int:
@@ -704,7 +717,7 @@ class Repository:
             SymbolTableRow.outcome == outcome)
         if build_id is not None:
             query = query.where(SymbolTableRow.build_id == build_id)
-        async with self._session() as s:
+        async with self._read() as s:
             return [(r.scope, r.build_id) for r in (await s.execute(query)).all()]
 
     async def delete_symbol_tables_but(self, outcome: str, build_id: str | None) -> int:
@@ -720,7 +733,7 @@ class Repository:
     # -- the shared bucket's catalogue -------------------------------------------------------
     async def bucket_objects(self, key_hashes: Sequence[str]) -> dict[str, BucketRecord]:
         """The rows of these keys' objects that are whole in the bucket, by key hash."""
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(select(BucketObject).where(
                 BucketObject.key_hash.in_(list(key_hashes))))).all()
             return {r.key_hash: _bucket_record(r) for r in rows}
@@ -730,7 +743,7 @@ class Repository:
         query = select(BucketObject)
         if build_id is not None:
             query = query.where(BucketObject.build_id == build_id)
-        async with self._session() as s:
+        async with self._read() as s:
             return [_bucket_record(r) for r in (await s.scalars(query)).all()]
 
     async def put_bucket_object(self, rec: BucketRecord) -> None:
@@ -750,7 +763,7 @@ class Repository:
     async def purged_since(self, key_hash: str, sha256: str, since: datetime) -> bool:
         """Whether a purge of the key, or a removal of this version of it (a notice with its
         sha256), was made at `since` or after."""
-        async with self._session() as s:
+        async with self._read() as s:
             return bool((await s.execute(select(func.count()).select_from(Purge).where(
                 Purge.key_hash == key_hash, Purge.purged_at >= since,
                 or_(Purge.sha256.is_(None), Purge.sha256 == sha256)))).scalar_one())
@@ -771,7 +784,7 @@ class Repository:
 
     async def bucket_totals(self) -> tuple[int, int]:
         """(objects, bytes) in the bucket that its eviction may take (uploads are pinned)."""
-        async with self._session() as s:
+        async with self._read() as s:
             count, size = (await s.execute(select(
                 func.count(), func.coalesce(func.sum(BucketObject.size), 0)
             ).where(BucketObject.pinned.is_(False)))).one()
@@ -779,7 +792,7 @@ class Repository:
 
     async def oldest_bucket_objects(self, limit: int) -> Sequence[BucketRecord]:
         """Least recently read first; uploads (pinned) never."""
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(select(BucketObject).where(BucketObject.pinned.is_(False))
                                     .order_by(BucketObject.last_access).limit(limit))).all()
             return [_bucket_record(r) for r in rows]
@@ -788,7 +801,7 @@ class Repository:
                                     ) -> Sequence[ArtifactRecord]:
         """This replica's files fetched before `before` that never were in the bucket (their
         upload failed, or came before the bucket did), most recently used first."""
-        async with self._session() as s:
+        async with self._read() as s:
             rows = (await s.scalars(select(Artifact).where(
                 Artifact.replica == self.replica, Artifact.fetched_at < before,
                 Artifact.shared.is_(False),
@@ -829,7 +842,7 @@ class Repository:
 
     async def lease_of(self, name: str) -> tuple[str, datetime] | None:
         """(holder, until) of the lease, held or lapsed; None when nobody has taken it."""
-        async with self._session() as s:
+        async with self._read() as s:
             row = (await s.execute(select(Lease.holder, Lease.expires_at)
                                    .where(Lease.name == name))).first()
             return (row.holder, aware(row.expires_at)) if row else None

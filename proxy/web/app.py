@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 
 from proxy import __version__
@@ -34,6 +35,7 @@ from proxy.sources.env_routes import EnvironmentRoutes
 from proxy.sources.localdir import LocalDirectory
 from proxy.sources.redirects import GuardedResolver
 from proxy.store import migrate
+from proxy.store.budget import database_budget
 from proxy.store.disk import DiskStore
 from proxy.store.replica import replica_id
 from proxy.store.repository import ArtifactRecord, Repository, create_engine
@@ -44,7 +46,7 @@ from proxy.symbols.table_store import TableStore
 from proxy.symbols.workers import SymbolizeWorkers, worker_pool
 from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
-from proxy.web.errors import error_edge
+from proxy.web.errors import Handler, error_edge
 from proxy.web.fast_hits import FastHits
 from proxy.web.grace import STOP_SIGNALS, unfinished
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
@@ -98,12 +100,23 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
     app.router.add_get("/", ops.status_page)
 
 
+def _budgeted(timeout_s: float) -> Middleware:
+    """Each request's queries share database.timeout_s in all (proxy.store.budget): against
+    a database that never answers, a request that makes several waited for each."""
+    @web.middleware
+    async def budgeted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        with database_budget(timeout_s):
+            return await handler(request)
+
+    return budgeted
+
+
 def create_app(config: Config, registry: CollectorRegistry | None = None, *,
                one_of_several: bool = False) -> web.Application:
     """`one_of_several`: one of several serving processes (proxy.web.supervisor), whose
     metrics go to prometheus-client's multiprocess files (/metrics then shows all of them)
     and whose cache figures are the whole cache's."""
-    app = web.Application(middlewares=[error_edge])
+    app = web.Application(middlewares=[error_edge, _budgeted(config.database.timeout_s)])
     add_routes(app, config.upload.enabled)
     registry = registry or CollectorRegistry()
     exposed = registry
