@@ -89,11 +89,21 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
 
         return engine
     if timeout_s is None:
-        return create_async_engine(url, pool_pre_ping=True)
-    return create_async_engine(
-        url, pool_pre_ping=True, pool_timeout=timeout_s,
-        connect_args={"timeout": timeout_s,
-                      **({"command_timeout": timeout_s} if statements else {})})
+        engine = create_async_engine(url, pool_pre_ping=True)
+    else:
+        engine = create_async_engine(
+            url, pool_pre_ping=True, pool_timeout=timeout_s,
+            connect_args={"timeout": timeout_s,
+                          **({"command_timeout": timeout_s} if statements else {})})
+
+    @event.listens_for(engine.sync_engine, "invalidate")
+    def _cut(dbapi_conn: Any, _record: Any, _error: BaseException | None) -> None:
+        # A connection dropped for failing (a statement past its time, cut by its request's
+        # budget, a database gone) was then closed politely, waiting up to 2 s for the
+        # database's goodbye: one that does not answer held the request that long again.
+        dbapi_conn.driver_connection.terminate()
+
+    return engine
 
 
 # How long a SQLite statement waits for another connection's lock without a timeout given.
