@@ -743,8 +743,13 @@ class ArtifactCache:
         if fd is None:
             return
         try:
+            # Read before the lock too: every miss's reserve() takes it, and a database that
+            # does not answer held them all for this read's timeout. Only a cache over its
+            # budget is read again under the lock, where an eviction cannot be under way.
+            count, total = await self._repo.totals()
             async with self._evict_lock:
-                count, total = await self._repo.totals()
+                if total + self.reserved_bytes > self.max_bytes:
+                    count, total = await self._repo.totals()
                 self._shared_totals = (count, total)
                 over = total + self.reserved_bytes - self.max_bytes
                 if over > 0:
