@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -348,6 +349,41 @@ async def test_a_request_of_several_queries_waits_one_timeout_for_them_all(
         except TimeoutError:
             pytest.fail(f"{path} waited past one database.timeout_s")
         assert status in (200, 404), (path, status)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_it(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A flush of hit counts under way as the stop begins is let finish, within
+    database.timeout_s; the stop's own last flush then waited a timeout of its own: two in
+    all before the process could exit."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    timeout_s = 3.0
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                  server=replace(cfg.server, access_flush_s=0.1))
+    sg = await start_symgate(config=cfg)
+    hit = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(hit))[0] == 200
+    await sg.settled()
+
+    forwarder.stall()
+    assert (await sg.get(hit))[0] == 200  # a hit count to write
+
+    async def flushing() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(flushing, timeout=30)
+    caplog.set_level(logging.INFO, logger="proxy.web.jobs")
+    try:
+        await asyncio.wait_for(sg.stop(), timeout_s * 1.6)
+    except TimeoutError:
+        pytest.fail("the stop waited past one database.timeout_s")
+    assert "ArtifactCache.flush_access" in caplog.text  # it was under way
+    forwarder.answer()
     await forwarder.cut()
 
 

@@ -52,9 +52,10 @@ _SPENDING: ContextVar[bool] = ContextVar("database_spending", default=False)
 
 @contextlib.contextmanager
 def database_budget(seconds: float | None) -> Iterator[None]:
-    """The queries made within (and by tasks started within) share `seconds` in all; None or
-    0: no budget, as database.timeout_s = 0 leaves each statement unbounded."""
-    token = _BUDGET.set(_Budget(seconds) if seconds else None)
+    """The queries made within (and by tasks started within) share `seconds` in all (none
+    left: each fails at once); None: no budget, as database.timeout_s = 0 leaves each
+    statement unbounded."""
+    token = _BUDGET.set(_Budget(seconds) if seconds is not None else None)
     try:
         yield
     finally:

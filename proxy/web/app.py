@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,7 +106,7 @@ def _budgeted(timeout_s: float) -> Middleware:
     a database that never answers, a request that makes several waited for each."""
     @web.middleware
     async def budgeted(request: web.Request, handler: Handler) -> web.StreamResponse:
-        with database_budget(timeout_s):
+        with database_budget(timeout_s or None):
             return await handler(request)
 
     return budgeted
@@ -203,9 +204,21 @@ def _lifecycle(
             await purges.start()
             await cache.load()
 
+            stopping: list[float] = []  # when the stop began, once it has
+
             async def flush_access() -> None:
-                with contextlib.suppress(Exception):
-                    await cache.flush_access()
+                # What is left of one database.timeout_s since the stop began: a flush under
+                # way when it began (Jobs.stop) has had its time, and against a database that
+                # does not answer the stop took two timeouts.
+                timeout_s = config.database.timeout_s or None
+                if timeout_s is not None and stopping:
+                    timeout_s -= time.monotonic() - stopping[0]
+                try:
+                    with database_budget(timeout_s):
+                        await cache.flush_access()
+                except Exception as e:
+                    log.warning("stopping: hit counts and rows not written (%s: %s)",
+                                type(e).__name__, e)
 
             started.push_async_callback(flush_access)
             board = FlightBoard(store.flights)
@@ -298,6 +311,7 @@ def _lifecycle(
                      __version__, replica, config.cache_dir, _safe_url(config.database_url),
                      " ".join(u.name for u in shared))
             yield
+            stopping.append(time.monotonic())
 
     return lifecycle
 
