@@ -370,13 +370,14 @@ async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_i
     assert (await sg.get(hit))[0] == 200
     await sg.settled()
 
-    forwarder.stall()
+    forwarder.hold_commit(b"UPDATE artifacts")  # the flush's
     assert (await sg.get(hit))[0] == 200  # a hit count to write
 
     async def flushing() -> bool:
         return forwarder.stalled_connections > 0
 
     await eventually(flushing, timeout=30)
+    forwarder.stall()  # and the last flush's too
     caplog.set_level(logging.INFO, logger="proxy.web.jobs")
     try:
         await asyncio.wait_for(sg.stop(), timeout_s * 1.6)
