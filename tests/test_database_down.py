@@ -354,6 +354,36 @@ async def test_a_request_of_several_queries_waits_one_timeout_for_them_all(
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+async def test_deletes_queued_behind_one_another_wait_one_timeout_in_all(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Uploads and deletes take their turns one at a time, and each holder asks the database:
+    against one that does not answer, the fourth DELETE queued waited four timeouts. Each is
+    a 503 (retry later) within one."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    timeout_s = 2.0
+    token = "admin-token-of-this-test"
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                             headers=admin))[0] == 201
+
+    forwarder.stall()
+    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    deletes = await asyncio.gather(*(sg.request("DELETE", path, headers=admin, timeout=patience)
+                                     for _ in range(4)), return_exceptions=True)
+    assert [d if isinstance(d, BaseException) else d[0] for d in deletes] == [503] * 4
+    forwarder.answer()
+    assert (await sg.request("DELETE", path, headers=admin))[0] == 204
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
 async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_it(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path, caplog: pytest.LogCaptureFixture,

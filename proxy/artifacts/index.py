@@ -31,6 +31,7 @@ from proxy.errors import DatabaseUnavailable, InvalidRequest
 from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
+from proxy.store.budget import spending
 from proxy.store.disk import Store
 from proxy.store.repository import (
     DATABASE_ERRORS,
@@ -179,13 +180,27 @@ class ArtifactCache:
         return len(self._entries)
 
     @contextlib.asynccontextmanager
-    async def uploads_locked(self) -> AsyncIterator[None]:
+    async def uploads_locked(self, *, budgeted: bool = False) -> AsyncIterator[None]:
         """Hold the data dir's upload lock (Store.upload_lock). Its blocking wait takes a thread
         of the loop's pool, which has only cores + 4: with a waiter per upload, as many uploads
         at once took every thread, and the holder's own work in a thread (its commit's fsync)
         never ran; every upload, and everything else the server does in threads, hung for
-        good. So one task of this process at a time waits for it."""
-        async with self._upload_turn:
+        good. So one task of this process at a time waits for it.
+
+        `budgeted` (a PUT's or DELETE's): the wait for this process's turn is spent from the
+        request's database time (proxy.store.budget), DatabaseUnavailable past it. Each
+        holder queries the database: against one that does not answer, the N-th upload
+        queued waited N timeouts."""
+        if budgeted and self._upload_turn.locked():
+            try:
+                async with spending():
+                    await self._upload_turn.acquire()
+            except TimeoutError:
+                raise DatabaseUnavailable("the uploads and deletes before this one wait for the "
+                                          "database; retry later") from None
+        else:
+            await self._upload_turn.acquire()
+        try:
             # At once where no other process holds it, as mostly: every download's commit
             # takes it, and a thread's hand-over is a wait of its own on a busy pool.
             fd = self.store.upload_lock(wait=False)
@@ -196,6 +211,8 @@ class ArtifactCache:
                 yield
             finally:
                 os.close(fd)
+        finally:
+            self._upload_turn.release()
 
     async def upload_here(self, scope: str, key: ArtifactKey) -> bool:
         """Whether `key` has an upload in `scope` on this replica: in this process's memory,

@@ -84,7 +84,7 @@ class Uploads:
                 raise UnprocessableUpload(
                     f"the file's build ID is {found}, not {key.build_id}" if found
                     else "not an ELF file with a GNU build-ID note")
-            async with self._cache.uploads_locked():
+            async with self._cache.uploads_locked(budgeted=True):
                 return await self._commit(scope, key, temp, fd, size, digest, filename,
                                           ima_signature)
         finally:
@@ -234,7 +234,7 @@ class Uploads:
     async def delete(self, scope: str, key: ArtifactKey) -> None:
         """Remove the upload of `key` in `scope`; NotFound when there is none (a downloaded
         file is the cache's to evict, not an uploader's to delete)."""
-        async with self._cache.uploads_locked():
+        async with self._cache.uploads_locked(budgeted=True):
             kh = key_hash(scope, key)
             try:
                 row = await self._repo.get_artifact(kh)
