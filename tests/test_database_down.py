@@ -384,6 +384,46 @@ async def test_deletes_queued_behind_one_another_wait_one_timeout_in_all(
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+async def test_a_delete_waiting_for_another_process_s_upload_lock_waits_one_timeout_in_all(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Two serving processes on one data dir (as serve --workers 2): one's DELETE holds the
+    data dir's upload lock while its query waits on a database that does not answer; the
+    other's waited for the lock that long, then for its own query as long again."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    timeout_s = 2.0
+    token = "admin-token-of-this-test"
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    a = await start_symgate(config=cfg)
+    b = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await a.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                            headers=admin))[0] == 201
+
+    forwarder.stall()
+    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    first = asyncio.ensure_future(a.request("DELETE", path, headers=admin, timeout=patience))
+
+    async def a_waits_on_the_database() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(a_waits_on_the_database, timeout=30)
+    try:
+        status, _, _ = await b.request("DELETE", path, headers=admin, timeout=patience)
+    except TimeoutError:
+        pytest.fail("b's DELETE waited past one database.timeout_s")
+    assert status == 503
+    assert (await first)[0] == 503
+    forwarder.answer()
+    assert (await b.request("DELETE", path, headers=admin))[0] == 204
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
 async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_it(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -196,23 +196,42 @@ class ArtifactCache:
                 async with spending():
                     await self._upload_turn.acquire()
             except TimeoutError:
-                raise DatabaseUnavailable("the uploads and deletes before this one wait for the "
-                                          "database; retry later") from None
+                raise _queued_too_long() from None
         else:
             await self._upload_turn.acquire()
+        released = False
         try:
             # At once where no other process holds it, as mostly: every download's commit
             # takes it, and a thread's hand-over is a wait of its own on a busy pool.
             fd = self.store.upload_lock(wait=False)
             if fd is None:
-                fd = await asyncio.to_thread(self.store.upload_lock)
+                waiting = asyncio.ensure_future(asyncio.to_thread(self.store.upload_lock))
+                try:
+                    async with spending() if budgeted else contextlib.nullcontext():
+                        fd = await asyncio.shield(waiting)
+                except (TimeoutError, asyncio.CancelledError) as e:
+                    # The thread cannot be stopped: what it takes is let go as it comes, and
+                    # the turn with it, so that no second thread waits beside it.
+                    waiting.add_done_callback(self._unawaited_lock)
+                    released = True
+                    if isinstance(e, TimeoutError):
+                        raise _queued_too_long() from None
+                    raise
             assert fd is not None
             try:
                 yield
             finally:
                 os.close(fd)
         finally:
-            self._upload_turn.release()
+            if not released:
+                self._upload_turn.release()
+
+    def _unawaited_lock(self, waiting: asyncio.Future[int | None]) -> None:
+        """The end of an upload lock's wait that nobody awaits any more (uploads_locked)."""
+        if not waiting.cancelled() and waiting.exception() is None \
+                and (fd := waiting.result()) is not None:
+            os.close(fd)
+        self._upload_turn.release()
 
     async def upload_here(self, scope: str, key: ArtifactKey) -> bool:
         """Whether `key` has an upload in `scope` on this replica: in this process's memory,
@@ -820,6 +839,11 @@ class ArtifactCache:
         async with self._evict_lock:
             victims, _ = self._victims(self._entries.values(), wanted)
             return sum(r.size for r in await self._remove_victims(victims, rows_later=True))
+
+
+def _queued_too_long() -> DatabaseUnavailable:
+    return DatabaseUnavailable("the uploads and deletes before this one wait for the database; "
+                               "retry later")
 
 
 def _free_bytes(folder: Path) -> int:
