@@ -18,8 +18,10 @@ from sqlalchemy import event
 
 from proxy.store.migrate import upgrade
 from proxy.store.repository import Repository, create_engine
+from proxy.web.state import STATE
+from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, make_config
+from tests.harness import SymgateFactory, eventually, make_config
 from tests.test_local_reads import WHEN, _artifact, _table
 
 
@@ -102,3 +104,39 @@ async def test_a_long_database_timeout_is_the_longest_sqlite_waits(tmp_path: Pat
     finally:
         await engine.dispose()
     assert waits == 2**31 - 1
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_stop_while_the_file_is_locked_elsewhere_waits_one_timeout_for_it(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """A flush of hit counts waits in SQLite's busy handler, in its thread, as the stop
+    begins; the stop's last flush is given what is left of one timeout, but a cancel does not
+    reach a statement in its thread: it waited its connection's whole busy_timeout, and the
+    stop two timeouts in all."""
+    timeout_s = 3.0
+    cfg = make_config(tmp_path / "data", database_url, [faults.url_for("ok")])
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                  server=replace(cfg.server, access_flush_s=0.1))
+    sg = await start_symgate(config=cfg)
+    hit = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(hit))[0] == 200
+    await sg.settled()
+    cache = sg.runner.app[STATE].service.cache
+    blocker = sqlite3.connect(database_url.split("///", 1)[1], isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        assert (await sg.get(hit))[0] == 200  # a hit count to write
+
+        async def flushing() -> bool:  # its batch taken, and not put back: being written
+            return not cache._pending_access
+
+        await eventually(flushing)
+        try:
+            await asyncio.wait_for(sg.stop(), timeout_s * 1.6)
+        except TimeoutError:
+            pytest.fail("the stop waited past one database.timeout_s")
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()

@@ -62,6 +62,12 @@ def database_budget(seconds: float | None) -> Iterator[None]:
         _BUDGET.reset(token)
 
 
+def budget_left_s() -> float | None:
+    """What the request has left of its database time; None without a budget."""
+    budget = _BUDGET.get()
+    return None if budget is None else budget.left_s(time.monotonic())
+
+
 @contextlib.asynccontextmanager
 async def spending() -> AsyncIterator[None]:
     """A query, bounded by what its request has left. Raises TimeoutError past it."""

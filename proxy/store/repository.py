@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from proxy.store.budget import spending
+from proxy.store.budget import budget_left_s, spending
 from proxy.store.local_reads import LocalReads, PointRead
 from proxy.store.models import (
     Artifact,
@@ -355,13 +355,33 @@ class Repository:
     async def _begin(self) -> AsyncIterator[AsyncSession]:
         """A session in a write transaction: no write transaction nests in another."""
         async with spending(), self._writing(), self._session.begin() as s:
+            if self._writes is not None:
+                await self._bound_busy_wait(await s.connection())
             yield s
 
     @contextlib.asynccontextmanager
     async def _begin_connection(self) -> AsyncIterator[AsyncConnection]:
         """A connection in a write transaction, as _begin."""
         async with spending(), self._writing(), self.engine.begin() as c:
+            if self._writes is not None:
+                await self._bound_busy_wait(c)
             yield c
+
+    async def _bound_busy_wait(self, conn: AsyncConnection) -> None:
+        """SQLite: a write waits for another process's lock on the file in its thread, where a
+        cancel at the end of its request's database time (proxy.store.budget) does not reach:
+        the request, or a stop's last flush, waited the connection's whole busy_timeout. Past
+        half of it spent, the wait is what is left; the next write there gets the whole again.
+        Rarely a statement more: a request spends milliseconds on a database that answers."""
+        if self._write_wait_s is None:
+            return
+        whole = int(self._write_wait_s * 1000)
+        left = budget_left_s()
+        wanted = whole if left is None or left > self._write_wait_s / 2 \
+            else max(1, int(left * 1000))
+        if conn.info.get("busy_ms", whole) != wanted:
+            await conn.exec_driver_sql(f"PRAGMA busy_timeout={wanted}")
+            conn.info["busy_ms"] = wanted
 
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncSession]:
