@@ -246,6 +246,26 @@ async def _behind_forwarder(database_url: str, tmp_path: Path, faults: FaultUpst
     return forwarder, make_config(tmp_path / "data", via, [faults.url_for("ok")])
 
 
+_UPLOAD_TIMEOUT_S = 2.0  # database.timeout_s of _uploaded's servers
+
+
+async def _uploaded(start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+                    database_url: str, tmp_path: Path, servers: int
+                    ) -> tuple[Forwarder, list[Symgate], str, dict[str, str]]:
+    """`servers` serving processes on one data dir, behind a forwarder, with prog's debug
+    file uploaded: (forwarder, servers, its path, the admin's headers)."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    token = "admin-token-of-this-test"
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=_UPLOAD_TIMEOUT_S),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    started = [await start_symgate(config=cfg) for _ in range(servers)]
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await started[0].request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                                     headers=admin))[0] == 201
+    return forwarder, started, path, admin
+
+
 # PostgreSQL alone: the forwarder stands between symgate and a database server. (SQLite made
 # unwritable is the full-disk test's case.)
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -361,19 +381,11 @@ async def test_deletes_queued_behind_one_another_wait_one_timeout_in_all(
     """Uploads and deletes take their turns one at a time, and each holder asks the database:
     against one that does not answer, the fourth DELETE queued waited four timeouts. Each is
     a 503 (retry later) within one."""
-    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
-    timeout_s = 2.0
-    token = "admin-token-of-this-test"
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
-                  upload=UploadConfig(admin_tokens=(token,)))
-    sg = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    admin = {"Authorization": f"Bearer {token}"}
-    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
-                             headers=admin))[0] == 201
+    forwarder, (sg,), path, admin = await _uploaded(start_symgate, faults, elfs, database_url,
+                                                    tmp_path, servers=1)
 
     forwarder.stall()
-    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    patience = aiohttp.ClientTimeout(total=_UPLOAD_TIMEOUT_S * 1.6)
     deletes = await asyncio.gather(*(sg.request("DELETE", path, headers=admin, timeout=patience)
                                      for _ in range(4)), return_exceptions=True)
     assert [d if isinstance(d, BaseException) else d[0] for d in deletes] == [503] * 4
@@ -391,20 +403,11 @@ async def test_a_delete_waiting_for_another_process_s_upload_lock_waits_one_time
     """Two serving processes on one data dir (as serve --workers 2): one's DELETE holds the
     data dir's upload lock while its query waits on a database that does not answer; the
     other's waited for the lock that long, then for its own query as long again."""
-    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
-    timeout_s = 2.0
-    token = "admin-token-of-this-test"
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
-                  upload=UploadConfig(admin_tokens=(token,)))
-    a = await start_symgate(config=cfg)
-    b = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    admin = {"Authorization": f"Bearer {token}"}
-    assert (await a.request("PUT", path, data=elfs.prog.debug.read_bytes(),
-                            headers=admin))[0] == 201
+    forwarder, (a, b), path, admin = await _uploaded(start_symgate, faults, elfs, database_url,
+                                                     tmp_path, servers=2)
 
     forwarder.stall()
-    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    patience = aiohttp.ClientTimeout(total=_UPLOAD_TIMEOUT_S * 1.6)
     first = asyncio.ensure_future(a.request("DELETE", path, headers=admin, timeout=patience))
 
     async def a_waits_on_the_database() -> bool:
