@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -705,3 +706,36 @@ async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed
     assert not on_disk.exists(), "a file on no row"
     assert (await sg.get(path))[0] == 404
     await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """A big file whose inode changed after its row's commit (the data dir chowned or restored
+    from a backup) is the hit's commit only as SQL tells (ArtifactCache.still_current). Once
+    SQL is known down, every such hit waited out database.timeout_s for it, all the outage
+    long, where every other hit is served from disk at once."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=120.0))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()  # its commit made
+    cached = sg.runner.app[STATE].service.cache.store.artifact_path(
+        "", ArtifactKey.from_id(f"{elfs.big.build_id}/debuginfo"))
+    os.chmod(cached, os.stat(cached).st_mode)  # its ctime now, past its row's commit
+
+    await forwarder.refuse("57P03", "the database system is starting up")
+    status, _, body = await sg.get(path)  # finds SQL down
+    assert status == 200 and body == elfs.big.debug.read_bytes()
+    forwarder.stall()  # then a database that takes connections and never answers
+    forwarder.heal()
+    try:
+        status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))
+        assert status == 200 and body == elfs.big.debug.read_bytes()
+    finally:
+        forwarder.answer()
+        await forwarder.cut()

@@ -616,6 +616,10 @@ class ArtifactCache:
         a purge, a retired upload) deletes its row before another file comes to its path."""
         if self._unsynced.get(rec.key_hash) is rec:
             return True  # this process's own commit, whose row SQL has not taken yet
+        if self.health.get(DATABASE) is not None:
+            # Not asked while known down, as upload_here: every hit of such a file waited out
+            # database.timeout_s, all the outage long, for the None it then got.
+            return None
         try:
             now = (await self._repo.commits_of([rec.key_hash])).get(rec.key_hash)
         except DATABASE_ERRORS as e:
