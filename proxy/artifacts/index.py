@@ -575,11 +575,13 @@ class ArtifactCache:
         held = self._entries.get(kh)
         if held is not None and notice.sha256 is not None and held.sha256 != notice.sha256:
             return
-        pending = self._unsynced.get(kh)
-        if isinstance(pending, ArtifactRecord):
-            await self._unless_purged(pending)
-            return
         async with self.uploads_locked():
+            # Asked under the lock: a download of this process committed while the notice
+            # waited for it, its row held back (SQL failing), is judged by its own time.
+            pending = self._unsynced.get(kh)
+            if isinstance(pending, ArtifactRecord):
+                await self._unless_purged(pending)
+                return
             now = (await self._repo.commits_of([kh])).get(kh)
             if now is None:
                 self._drop(kh)
