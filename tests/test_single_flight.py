@@ -10,10 +10,13 @@ import os
 import random
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
+from proxy.artifacts.board import FlightBoard
+from proxy.errors import UpstreamUnavailable
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, eventually, fast_upstream
@@ -157,3 +160,36 @@ def _link(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
+
+
+async def test_a_follower_that_looks_as_the_fetch_fails_gets_that_failure(
+    tmp_path: Path,
+) -> None:
+    """A follower looks at the writer's state, then, once it has waited a while, at whether
+    its lock is still held. A fetch that failed and let go between the two looks was taken
+    for a writer gone: the follower missed the failure it had waited for, was counted as no
+    join, and answered with the miss the writer remembered (a --workers test met it one run
+    in twelve). The await point: the writer fails and lets go right after a look at its
+    state, 40 looks in (well past the first liveness check)."""
+    writer, follower = FlightBoard(tmp_path), FlightBoard(tmp_path)
+    kh = "ab" * 32
+    claim = writer.claim(kh)
+    assert claim is not None and follower.claim(kh) is None
+    read, looks = follower.read_state, 0
+
+    def fail_after_the_40th_look(key: str) -> dict[str, Any] | None:
+        nonlocal looks
+        state = read(key)
+        looks += 1
+        if looks == 40:
+            claim.failed(UpstreamUnavailable("upstream answered 500"))
+            claim.release()
+        return state
+
+    follower.read_state = fail_after_the_40th_look  # type: ignore[method-assign]
+    try:
+        with pytest.raises(UpstreamUnavailable, match="upstream answered 500"):
+            await asyncio.wait_for(follower.follow(kh), 30)
+    finally:
+        writer.close()
+        follower.close()

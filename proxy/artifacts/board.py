@@ -206,7 +206,14 @@ class FlightBoard:
                     fd = _open(state["part"])
                 if name == SETTLED and "meta" in state:
                     return Followed(late, fd, ArtifactMeta(*state["meta"]), late=True)
-                if name != VERIFIED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
+                if name == VERIFIED and waited >= ALIVE_CHECK_S and not self.held(kh):
+                    # Ended between the look at its state and at its lock, or its writer died.
+                    state = self.read_state(kh) or {}
+                    if state.get("id") == late and state.get("state") == SETTLED \
+                            and "meta" in state:
+                        return Followed(late, fd, ArtifactMeta(*state["meta"]), late=True)
+                    name = None
+                if name != VERIFIED:
                     # Its commit failed, or its writer died: nothing to wait for.
                     if fd >= 0:
                         os.close(fd)
@@ -231,7 +238,16 @@ class FlightBoard:
                 if name == STREAMING:
                     return None  # dropped meanwhile: its writer died or failed
                 # Renamed into the cache: its row comes next, then SETTLED.
-            if name == SETTLED or (waited >= ALIVE_CHECK_S and not self.held(kh)):
+            if name == SETTLED:
+                return None
+            if waited >= ALIVE_CHECK_S and not self.held(kh):
+                # Its writer let go of the lock: it died, or it ended between this look at its
+                # state and this one at its lock, its failure (said before it let go) to be
+                # had. Taken for gone, this request missed a failure it had waited for: no
+                # join counted, and the miss the writer remembered was its answer.
+                state = self.read_state(kh) or {}
+                if holder and state.get("id") == holder and state.get("state") == FAILED:
+                    raise _error(state)
                 return None
             await asyncio.sleep(delay)
             waited += delay
