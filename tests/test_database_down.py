@@ -267,6 +267,37 @@ async def _uploaded(start_symgate: SymgateFactory, faults: FaultUpstream, elfs: 
     return forwarder, started, path, admin
 
 
+def with_database_timeout(cfg: Config, timeout_s: float) -> Config:
+    """`cfg` with `timeout_s` for the database, and hit counts flushed every 0.1 s: a hit has
+    a flush to wait on at once."""
+    return replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
+                   server=replace(cfg.server, access_flush_s=0.1))
+
+
+# Past one database.timeout_s, short of two: what a client that allows for one waits.
+_PAST_ONE = 1.6
+
+
+def past_one_timeout(timeout_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=timeout_s * _PAST_ONE)
+
+
+async def stops_within_one_timeout(sg: Symgate, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(sg.stop(), timeout_s * _PAST_ONE)
+    except TimeoutError:
+        pytest.fail("the stop waited past one database.timeout_s")
+
+
+async def _deleted_once_it_answers(forwarder: Forwarder, sg: Symgate, path: str,
+                                   admin: dict[str, str]) -> None:
+    """The database answering again, the upload's DELETE goes through: nothing was left
+    held by the requests given up on."""
+    forwarder.answer()
+    assert (await sg.request("DELETE", path, headers=admin))[0] == 204
+    await forwarder.cut()
+
+
 # PostgreSQL alone: the forwarder stands between symgate and a database server. (SQLite made
 # unwritable is the full-disk test's case.)
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -349,8 +380,7 @@ async def test_a_request_of_several_queries_waits_one_timeout_for_them_all(
     four times it. Their time is one timeout in all."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     timeout_s = 3.0
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
-                  server=replace(cfg.server, access_flush_s=0.1),
+    cfg = replace(with_database_timeout(cfg, timeout_s),
                   upstreams=(fast_upstream(faults.url_for("ok")),
                              fast_upstream(faults.url_for("notfound"))))
     sg = await start_symgate(config=cfg)
@@ -360,8 +390,7 @@ async def test_a_request_of_several_queries_waits_one_timeout_for_them_all(
     await sg.settled()
 
     await forwarder.silence()
-    # Past one timeout, short of two: what a client that allows for one may wait.
-    patience = aiohttp.ClientTimeout(total=timeout_s * 1.6)
+    patience = past_one_timeout(timeout_s)
     for path in (remembered, "/buildid/" + "dd" * 20 + "/debuginfo",
                  f"/buildid/{elfs.prog.build_id}/section/.text",
                  f"/buildid/{elfs.prog.build_id}/source/no/such.c"):
@@ -386,13 +415,11 @@ async def test_deletes_queued_behind_one_another_wait_one_timeout_in_all(
                                                     tmp_path, servers=1)
 
     forwarder.stall()
-    patience = aiohttp.ClientTimeout(total=_UPLOAD_TIMEOUT_S * 1.6)
+    patience = past_one_timeout(_UPLOAD_TIMEOUT_S)
     deletes = await asyncio.gather(*(sg.request("DELETE", path, headers=admin, timeout=patience)
                                      for _ in range(4)), return_exceptions=True)
     assert [d if isinstance(d, BaseException) else d[0] for d in deletes] == [503] * 4
-    forwarder.answer()
-    assert (await sg.request("DELETE", path, headers=admin))[0] == 204
-    await forwarder.cut()
+    await _deleted_once_it_answers(forwarder, sg, path, admin)
 
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -408,7 +435,7 @@ async def test_a_delete_waiting_for_another_process_s_upload_lock_waits_one_time
                                                      tmp_path, servers=2)
 
     forwarder.stall()
-    patience = aiohttp.ClientTimeout(total=_UPLOAD_TIMEOUT_S * 1.6)
+    patience = past_one_timeout(_UPLOAD_TIMEOUT_S)
     first = asyncio.ensure_future(a.request("DELETE", path, headers=admin, timeout=patience))
 
     async def a_waits_on_the_database() -> bool:
@@ -421,9 +448,7 @@ async def test_a_delete_waiting_for_another_process_s_upload_lock_waits_one_time
         pytest.fail("b's DELETE waited past one database.timeout_s")
     assert status == 503
     assert (await first)[0] == 503
-    forwarder.answer()
-    assert (await b.request("DELETE", path, headers=admin))[0] == 204
-    await forwarder.cut()
+    await _deleted_once_it_answers(forwarder, b, path, admin)
 
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -437,9 +462,7 @@ async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_i
     all before the process could exit."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     timeout_s = 3.0
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=timeout_s),
-                  server=replace(cfg.server, access_flush_s=0.1))
-    sg = await start_symgate(config=cfg)
+    sg = await start_symgate(config=with_database_timeout(cfg, timeout_s))
     hit = f"/buildid/{elfs.prog.build_id}/debuginfo"
     assert (await sg.get(hit))[0] == 200
     await sg.settled()
@@ -453,10 +476,7 @@ async def test_a_stop_while_the_database_does_not_answer_waits_one_timeout_for_i
     await eventually(flushing, timeout=30)
     forwarder.stall()  # and the last flush's too
     caplog.set_level(logging.INFO, logger="proxy.web.jobs")
-    try:
-        await asyncio.wait_for(sg.stop(), timeout_s * 1.6)
-    except TimeoutError:
-        pytest.fail("the stop waited past one database.timeout_s")
+    await stops_within_one_timeout(sg, timeout_s)
     assert "ArtifactCache.flush_access" in caplog.text  # it was under way
     forwarder.answer()
     await forwarder.cut()
