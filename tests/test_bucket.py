@@ -1792,3 +1792,45 @@ async def test_an_upload_whose_replica_was_killed_before_the_bucket_had_it_is_ta
     assert (await b.get(path))[::2] == (200, data), "the upload answered for is not served"
     await b.settled()
     assert (await prefix.objects()).get(object_of(elfs.prog)) == data
+
+
+@on_postgresql
+async def test_an_upload_published_while_the_eviction_deletes_the_download_stays_in_the_bucket(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica e evicts a download from the bucket: its row, then its object. An upload of
+    the key on replica a wrote its object and row between the two: e's DELETE took the
+    upload's object, the upload's row named nothing, and every other replica served the
+    download it replaced, fetched from upstream again (the PUT had been answered 201)."""
+    token = "symgate-test-upload-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    async with FaultyBucket(s3) as bucket:
+        # a waits for the key's lease up to read_timeout_s: longer than the test holds it.
+        a, c = await replicas(start_symgate, tmp_path, debuginfod.url, "ac",
+                              prefix.config(read_timeout_s=30.0),
+                              upload=UploadConfig(admin_tokens=(token,)))
+        assert (await a.get(path))[0] == 200
+        await eventually(lambda: _published(a, prefix, elfs.prog))
+        # The eviction's DELETE of the object, held: its row is gone already.
+        bucket.add("hold", method="POST", path="delete", times=1)
+        (e,) = await replicas(start_symgate, tmp_path, debuginfod.url, "e",
+                              prefix.config(endpoint=bucket.endpoint, max_age_s=1.0,
+                                            read_timeout_s=30.0))
+        await asyncio.wait_for(bucket.held.wait(), 20)
+        putting = asyncio.ensure_future(a.request("PUT", path, data=uploaded, headers=auth))
+        state = a.runner.app[STATE]
+
+        async def committed() -> bool:
+            row = await state.repo.get_artifact(_hash(elfs.prog))
+            return row is not None and row.pinned
+
+        await eventually(committed)
+        await asyncio.sleep(0.5)  # the upload's own publish, if it does not wait for e's
+        bucket.release.set()
+        assert (await putting)[0] == 201
+        await e.settled()
+    assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
+    assert (await c.get(path))[::2] == (200, uploaded)

@@ -177,7 +177,7 @@ class Uploads:
             # Every replica finds it once the PUT has its answer; a bucket that is down gets
             # it from the catch-up instead.
             with self._cache.lease(scope, key):
-                await tier.publish(record, final)
+                await tier.publish_upload(record, final)
         await self._forget_misses(scope, key)
         for listener in self._service.committed:
             listener(scope, key, None)

@@ -147,6 +147,7 @@ class SharedTier:
         self.leases = Leases(repo, replica, config.lease_s)
         self._tasks: set[asyncio.Task[None]] = set()
         self._publishing: set[str] = set()  # key hashes this process is writing now
+        self._evicting: set[str] = set()  # key hashes whose objects this process deletes now
         self._next_sweep = 0.0  # time.monotonic() of this process's next orphan sweep
 
     # -- a local miss ------------------------------------------------------------------------
@@ -316,6 +317,38 @@ class SharedTier:
             self._publishing.discard(rec.key_hash)
         self._metrics.bucket_uploads.labels(rec.kind).inc()
         return True
+
+    async def publish_upload(self, rec: ArtifactRecord, path: Path) -> bool:
+        """publish() an upload under its key's lease, waited for up to read_timeout_s: the
+        eviction holds it for one DELETE of the key's object (which must not take this one),
+        bounded so. A holder that keeps it longer (another replica fetching the key) is
+        published over, as without the lease. So is one of this replica's other than this
+        process's eviction: its fetch of the key, which waits to commit for the upload lock
+        this upload holds, would hold the PUT for that whole time."""
+        if not self.bucket.available:
+            return False  # not waited for: publish() would not write it
+        name = fetch_lease(rec.key_hash)
+        deadline = asyncio.get_running_loop().time() + self._config.read_timeout_s
+        delay = POLL_FIRST_S
+        lease = None
+        try:
+            while (lease := await self.leases.take(name)) is None \
+                    and asyncio.get_running_loop().time() < deadline:
+                if rec.key_hash not in self._evicting and (
+                        (holder := await self._repo.lease_of(name)) is not None
+                        and holder[0].startswith(f"{self._replica}:")):
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, POLL_LONGEST_S)
+        except DATABASE_ERRORS as e:  # the row cannot be written either: the catch-up's
+            log.info("%s not in the shared bucket yet (%s); the catch-up will retry",
+                     rec.key, type(e).__name__)
+            return False
+        try:
+            return await self.publish(rec, path)
+        finally:
+            if lease is not None:
+                await lease.release()
 
     async def forget(self, recs: Sequence[BucketRecord | ArtifactRecord]) -> None:
         """Remove these artifacts from the bucket (a purge, a bad copy): rows first, so that
@@ -490,9 +523,33 @@ class SharedTier:
                 if not doomed:
                     return
                 log.info("evicting %d objects from the shared bucket", len(doomed))
-                await self.forget(doomed)
+                await self._evict_batch(doomed)
         finally:
             await lease.release()
+
+    async def _evict_batch(self, doomed: Sequence[BucketRecord]) -> None:
+        """The rows of the versions read (one replaced since, an upload over the download, is
+        not the eviction's), then each of their objects under its key's lease once no row
+        names it: every writer of a key's object holds that lease (a fetch, a catch-up, an
+        upload). Deleted without it, an object written anew between the row's deletion and
+        the DELETE went too: an upload answered 201 was then in no other replica's reach,
+        which served the download it replaced, fetched from upstream again."""
+        gone = set(await self._repo.delete_bucket_versions(
+            [(rec.key_hash, rec.sha256) for rec in doomed]))
+        for rec in doomed:
+            if rec.key_hash not in gone or not self.bucket.available:
+                continue  # a rowless object is never read: the orphan sweep takes it
+            lease = await self.leases.take(fetch_lease(rec.key_hash))
+            if lease is None:
+                continue  # being written anew
+            self._evicting.add(rec.key_hash)
+            try:
+                if not await self._repo.bucket_objects([rec.key_hash]):
+                    with contextlib.suppress(BucketDown):
+                        await self.bucket.delete([object_path(rec.kind, rec.key_hash)])
+            finally:
+                self._evicting.discard(rec.key_hash)
+                await lease.release()
 
     def _start(self, job: Awaitable[None]) -> None:
         task = asyncio.ensure_future(job)
