@@ -1834,3 +1834,40 @@ async def test_an_upload_published_while_the_eviction_deletes_the_download_stays
         await e.settled()
     assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
     assert (await c.get(path))[::2] == (200, uploaded)
+
+
+@on_postgresql
+async def test_an_upload_the_bucket_missed_replaces_the_download_there_at_its_catch_up(
+    start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
+    prefix: Prefix, s3: S3Server
+) -> None:
+    """Replica a takes in an upload while the bucket fails its writes (the PUT is answered
+    201: the catch-up writes it later). The bucket holds the download of the key from replica
+    c. a's catch-up found the key's row there and took it for its own: the upload never
+    reached the bucket, and every replica without a copy of its own served the download it
+    replaced, as a PUT taken with the bucket up would not have let them."""
+    token = "symgate-test-upload-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    uploaded = elfs.prog.executable.read_bytes()  # the same build ID, other bytes
+    async with FaultyBucket(s3) as bucket:
+        (c,) = await replicas(start_symgate, tmp_path, debuginfod.url, "c", prefix.config())
+        assert (await c.get(path))[0] == 200
+        await eventually(lambda: _published(c, prefix, elfs.prog))
+        (a,) = await replicas(start_symgate, tmp_path, debuginfod.url, "a",
+                              prefix.config(endpoint=bucket.endpoint),
+                              upload=UploadConfig(admin_tokens=(token,)))
+        failing = bucket.add("503", method="PUT", path=object_of(elfs.prog))
+        assert (await a.request("PUT", path, data=uploaded, headers=auth))[0] == 201
+        assert failing.hits
+        bucket.clear()
+        state = a.runner.app[STATE]
+
+        async def caught_up() -> bool:
+            row = await state.repo.get_artifact(_hash(elfs.prog))
+            return row is not None and row.shared
+
+        await eventually(caught_up, timeout=10)
+    assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
+    (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b", prefix.config())
+    assert (await b.get(path))[::2] == (200, uploaded)

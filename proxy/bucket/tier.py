@@ -494,7 +494,13 @@ class SharedTier:
             if lease is None:
                 return True  # looked at again next round, when its row is likely there
             try:
-                if (await self._repo.bucket_objects([rec.key_hash])).get(rec.key_hash):
+                row = (await self._repo.bucket_objects([rec.key_hash])).get(rec.key_hash)
+                # Not over another version, but for an upload over a download (one there
+                # before the upload, whose PUT met the bucket failing): that PUT would have
+                # written over it, and taken for the upload's, it kept the replicas without
+                # a copy of their own on the download for good.
+                if row is not None and (row.sha256 == rec.sha256 or row.pinned
+                                        or not rec.pinned):
                     await self._repo.mark_shared(rec.key_hash)
                     return True
                 return await self.publish(rec, path)
