@@ -100,6 +100,10 @@ class Prefix:
     async def put(self, path: str, data: bytes) -> None:
         await obstore.put_async(self._store(), path, data)
 
+    async def delete(self, path: str) -> None:
+        """As a lifecycle rule or an operator would, behind symgate's back."""
+        await obstore.delete_async(self._store(), path)
+
 
 def s3_server() -> S3Server:
     for name, value in CREDENTIALS.items():

@@ -1871,3 +1871,27 @@ async def test_an_upload_the_bucket_missed_replaces_the_download_there_at_its_ca
     assert (await prefix.objects()).get(object_of(elfs.prog)) == uploaded
     (b,) = await replicas(start_symgate, tmp_path, debuginfod.url, "b", prefix.config())
     assert (await b.get(path))[::2] == (200, uploaded)
+
+
+@on_postgresql
+async def test_an_upload_whose_object_left_the_bucket_is_written_there_again(
+    start_symgate: SymgateFactory, tmp_path: Path, elfs: ElfSet, prefix: Prefix
+) -> None:
+    """The object of an upload deleted behind symgate's back (a lifecycle rule, an operator):
+    the first replica to miss it drops its row, and the replica that took the upload in, its
+    copy marked as in the bucket, never wrote it there again. Every other replica answered
+    404 for good, for a file the cluster has."""
+    token = "symgate-test-upload-token"
+    a, b = await replicas(start_symgate, tmp_path, None, "ab", prefix.config(),
+                          upload=UploadConfig(admin_tokens=(token,)))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    data = elfs.prog.debug.read_bytes()
+    put = await a.request("PUT", path, data=data, headers={"Authorization": f"Bearer {token}"})
+    assert put[0] == 201
+    await prefix.delete(object_of(elfs.prog))
+    assert (await b.get(path))[0] == 404  # nothing to read, and no upstream
+
+    async def b_serves_it() -> bool:
+        return (await b.get(path))[::2] == (200, data)
+
+    await eventually(b_serves_it, timeout=10)

@@ -253,7 +253,13 @@ class SharedTier:
                 return None
             if chunks is None:
                 log.warning("%s is in the bucket's catalogue but not in the bucket", rec.key)
-                await self._repo.delete_bucket_versions([(kh, rec.sha256)])
+                if await self._repo.delete_bucket_versions([(kh, rec.sha256)]):
+                    # Its row still stood: not an eviction's, a purge's or a DELETE's (each
+                    # drops the row first), but an object deleted behind symgate's back. The
+                    # replicas that have the file write it again: an upload had no other way
+                    # back, and every replica without it answered 404 (or the upstream's
+                    # download the upload replaced) for good.
+                    await self._repo.unshare(kh, rec.sha256)
                 continue
             self._start(self._touch(kh))
             return BucketBody(rec, chunks, self._refuse)

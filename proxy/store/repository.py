@@ -838,6 +838,13 @@ class Repository:
             ).order_by(Artifact.last_access.desc()).limit(limit))).all()
             return [_record(r) for r in rows]
 
+    async def unshare(self, key_hash: str, sha256: str) -> None:
+        """This version of the key is no longer in the bucket: every replica's copy of it is
+        written there again by its catch-up (the first to take the key's lease)."""
+        async with self._begin() as s:
+            await s.execute(update(Artifact).where(
+                Artifact.key_hash == key_hash, Artifact.sha256 == sha256).values(shared=False))
+
     async def mark_shared(self, key_hash: str) -> None:
         """This replica's copy of the key is in the bucket now."""
         async with self._begin() as s:
