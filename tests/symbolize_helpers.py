@@ -55,3 +55,18 @@ def same_frames(got: list[Expected], want: list[Expected]) -> bool:
 def table_lock_file(sg: Symgate, build_id: str) -> Path:
     """The flock(2) file a build of `build_id`'s shared table holds (proxy.symbols.build_lock)."""
     return sg.config.server.data_dir / "symtabs" / build_id[:2] / f"{build_id}.symc.lock"
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM: the most memory the process ever held, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """VmHWM from now on (proc(5): clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -34,7 +34,14 @@ from tests.harness import Debuginfod, Symgate, SymgateFactory, eventually, fast_
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_tree
 from tests.processes import stopped
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, parse, post, symbolize_config
+from tests.symbolize_helpers import (
+    BASES,
+    parse,
+    peak_rss,
+    post,
+    reset_peak_rss,
+    symbolize_config,
+)
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -434,15 +441,6 @@ def _gzip_bomb(inflated: int, checked: bool = True) -> bytes:
     return header + block * (inflated // chunk) + b"\x03\x00" + trailer
 
 
-def _peak_rss(pid: int) -> int:
-    """VmHWM: the most memory the process ever held, in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 async def test_gzip_bombs_are_refused_without_being_inflated(
     start_symgate: SymgateFactory, debuginfod: Debuginfod
 ) -> None:
@@ -451,19 +449,13 @@ async def test_gzip_bombs_are_refused_without_being_inflated(
     assert zlib.decompressobj(wbits=31).decompress(bomb, 8 << 20) == bytes(8 << 20)
     sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(workers=1))
     pids = await _started(sg)  # the one the server starts, and perhaps this one's
-    before = {pid: _peak_rss(pid) for pid in pids}
+    before = {pid: peak_rss(pid) for pid in pids}
     results = await asyncio.gather(*(post(sg, bomb) for _ in range(4)))
     for status, _, text in results:
         assert status == 413 and b"decompresses to more than" in text
     # The limit is 256 MiB: inflating up to it, as the counting pass never does, would show.
-    grown = {pid: _peak_rss(pid) - rss for pid, rss in before.items()}
+    grown = {pid: peak_rss(pid) - rss for pid, rss in before.items()}
     assert max(grown.values()) < 64 * 1024 * 1024, grown
-
-
-def _reset_peak_rss() -> None:
-    """VmHWM from now on (proc(5): clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
@@ -484,13 +476,13 @@ async def test_a_profile_waiting_for_a_slot_holds_its_body_as_sent_not_inflated(
     # One past the limit is refused as it waits, without a slot.
     status, _, text = await post(sg, _gzip_bomb(128 << 20), **{"Content-Encoding": "gzip"})
     assert status == 413 and b"inflates to more than" in text and not first.done(), text
-    _reset_peak_rss()  # the server is this process (tests/harness.py)
-    before = _peak_rss(os.getpid())
+    reset_peak_rss()  # the server is this process (tests/harness.py)
+    before = peak_rss(os.getpid())
     bomb = _gzip_bomb(60 << 20)
     waiting = [asyncio.ensure_future(post(sg, bomb, **{"Content-Encoding": "gzip"}))
                for _ in range(6)]
     await eventually(lambda: workers.queued_count == 6)
-    grown = _peak_rss(os.getpid()) - before
+    grown = peak_rss(os.getpid()) - before
     faults.release.set()
     assert (await first)[0] == 200
     for pending in waiting:
