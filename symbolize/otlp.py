@@ -68,6 +68,23 @@ def decode(body: bytes, max_locations: int | None = None) -> Converted:
     return Converted(request, to_pprof(d).SerializeToString())
 
 
+def pprof_of(body: bytes, max_locations: int | None = None) -> bytes:
+    """decode's pprof counterpart of the request, alone: for a worker process, which gives
+    back bytes, not the parsed request (pickled, it would be parsed again on arrival)."""
+    return decode(body, max_locations).pprof
+
+
+def filled(body: bytes, symbolized: bytes) -> bytes | None:
+    """The request `body` with what the rewrite added to its pprof counterpart (from_pprof),
+    as bytes; None where nothing was added (a fallback's names taken away and given again,
+    still no debug info): the request as it came stands, not one with the pprof's build-ID
+    strings appended."""
+    request = ExportProfilesServiceRequest.FromString(body)
+    if not from_pprof(request, symbolized):
+        return None
+    return request.SerializeToString()
+
+
 def _attributes(d: ProfilesDictionary, key: str) -> dict[int, str]:
     """Attribute index -> string value, of the attributes named `key`."""
     strings = d.string_table

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from .elf import LoadSegment
 from .outcome import Outcome, TryAgain
@@ -47,6 +47,7 @@ __all__ = [
     "symbolize_profile",
 ]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TablesGone(TryAgain):
@@ -90,6 +91,10 @@ class Work(Protocol):
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished: ...
 
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` where the steps run: a format's conversion to and from pprof."""
+        ...
+
 
 class InThread:
     """The steps in a thread of this process, with tables it opens itself: for the CLI."""
@@ -106,6 +111,9 @@ class InThread:
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
         return await asyncio.to_thread(self._workspace.finish, body, limits, answers)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ llvm-symbolizer. Everything that is not a native frame's lines comes back as it 
 from __future__ import annotations
 
 import gzip
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.elfs import ElfSet
 from tests.harness import Debuginfod, Symgate, SymgateFactory
 from tests.libc import LIBC, LIBC_DEBUG, LIBC_ID, libc_functions
 from tests.profiles import Expected, code_addresses, llvm_symbolize, symbol_aliases
-from tests.symbolize_helpers import same_frames, symbolize_config
+from tests.symbolize_helpers import peak_rss, reset_peak_rss, same_frames, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -242,6 +243,43 @@ async def test_hostile_otlp_requests_get_their_precise_status(
     worse = Builder()
     worse.d.mapping_table.add(filename_strindex=999)
     assert (await _post(sg, worse.finish().SerializeToString()))[0] == 400
+
+
+def _empty_stacks(size: int) -> bytes:
+    """A request whose dictionary is `size` bytes of empty Stack messages (two bytes each):
+    a gzip of a few KiB, which protobuf makes millions of messages of."""
+    stack_table = ProfilesDictionary.DESCRIPTOR.fields_by_name["stack_table"].number
+    dictionary = ExportProfilesServiceRequest.DESCRIPTOR.fields_by_name["dictionary"].number
+    stacks = bytes([stack_table << 3 | 2, 0]) * (size // 2)
+    length = len(stacks)
+    varint = bytearray()
+    while length > 0x7F:
+        varint.append(length & 0x7F | 0x80)
+        length >>= 7
+    varint.append(length)
+    return bytes([dictionary << 3 | 2]) + bytes(varint) + stacks
+
+
+async def test_a_request_of_millions_of_messages_is_decoded_in_a_worker_not_the_server(
+    start_symgate: SymgateFactory,
+) -> None:
+    """The conversion to and from pprof ran in a thread of the serving process, and protobuf
+    parses a request in C, holding the GIL: a 32 KiB gzip of 32 MiB of empty stacks held the
+    event loop (every /buildid hit) for 2 s and took 0.5 GB of the server, 4 s and 1 GB for
+    twice that; the default limit, 256 MiB, took 16 s and 4 GB, four requests at once 16.
+    It runs in the worker processes, as a pprof profile's decoding does."""
+    sg = await start_symgate([], symbolize=symbolize_config())
+    body = _empty_stacks(32 << 20)
+    gzipped = gzip.compress(body)
+    assert len(gzipped) < 64 << 10
+    reset_peak_rss()  # the server is this process (tests/harness.py)
+    before = peak_rss(os.getpid())
+    status, headers, answer = await _post(sg, gzipped, **{"Content-Encoding": "gzip"})
+    grown = peak_rss(os.getpid()) - before
+    assert status == 200 and headers["X-Symgate-Symbolize"] == "unchanged", headers
+    assert answer == body
+    # The body inflated, and the answer as this client reads it: 32 MiB each.
+    assert grown < 160 << 20, grown
 
 
 async def test_frames_named_by_a_fallback_are_symbolized_once_debug_info_exists(

@@ -21,9 +21,9 @@ from multiprocessing import spawn
 from typing import Any
 
 from proxy.symbols import shared_bodies, worker_process
-from symbolize import symtab, worker
+from symbolize import otlp, symtab, worker
 
-LOADED = (worker_process, shared_bodies, symtab, worker)  # what the workers run
+LOADED = (worker_process, shared_bodies, symtab, worker, otlp)  # what the workers run
 
 
 def _no_main(_main: Any) -> None:

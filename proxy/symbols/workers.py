@@ -483,6 +483,11 @@ class RequestWork:
                 os.close(out)
         return await self._workers.finish(body, limits, answers)
 
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a worker, in the place of one of the profile's jobs (through the
+        pipes)."""
+        return await self._workers.run(fn, *args)
+
     def close(self) -> None:
         if self._shared is not None:
             os.close(self._shared.fd)
