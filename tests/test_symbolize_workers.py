@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gzip
 import os
 import signal
@@ -14,7 +15,7 @@ import socket
 import struct
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -756,3 +757,58 @@ async def test_a_build_worker_killed_mid_write_leaves_no_half_written_table(
     assert not list(symtabs.rglob("*.tmp"))
     status, headers, _ = await post(sg, body)
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+
+
+@contextlib.contextmanager
+def _orphans_kept_unreaped() -> Iterator[None]:
+    """Orphans of this process's descendants become its children (PR_SET_CHILD_SUBREAPER)
+    and stay zombies until reaped: dead, though a look by pid finds them, as a process
+    killed is until the kernel has torn it down."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    subreaper = 36  # PR_SET_CHILD_SUBREAPER
+    assert libc.prctl(subreaper, 1, 0, 0, 0) == 0
+    try:
+        yield
+    finally:
+        libc.prctl(subreaper, 0, 0, 0, 0)
+
+
+async def test_a_worker_killed_as_its_builder_writes_leaves_no_half_written_table(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A worker killed while its builder writes a table: the builder dies with it (its
+    parent-death signal), but the server hears of the worker's death while the builder is
+    still dying (a libc build has hundreds of MB to tear down), and what the builder wrote
+    (`<build ID>.inf.<pid>.tmp`, the inflated debug file) was left as a live writer's, until
+    the server's next start, though the table's build lock was the server's. Here the
+    builder stays dying (a zombie) for as long as the test needs."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    tree = libc_tree(tmp_path / "debug")
+    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
+    symtabs = sg.config.server.data_dir / "symtabs"
+    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
+    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
+                        ).SerializeToString()
+    await _started(sg)
+    with _orphans_kept_unreaped():
+        pending = asyncio.ensure_future(post(sg, body))
+        writing: list[Path] = []
+        for _ in range(20000):  # bounded: until the builder writes
+            if writing := list(symtabs.rglob("*.tmp")):
+                break
+            await asyncio.sleep(0.0005)
+        assert writing, "no table was written"
+        builder = int(writing[0].name.removesuffix(".tmp").rpartition(".")[2])
+        stat = Path(f"/proc/{builder}/stat").read_text()
+        worker = int(stat.rpartition(")")[2].split()[1])
+        os.kill(worker, signal.SIGKILL)
+        try:
+            status, headers, text = await pending
+            assert status == 503, (status, headers, text)
+            assert not list(symtabs.rglob("*.tmp"))
+        finally:
+            os.waitpid(builder, 0)  # this process's now, reparented
+    status, headers, _ = await post(sg, body)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+    assert not list(symtabs.rglob("*.tmp"))

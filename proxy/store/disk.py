@@ -241,17 +241,23 @@ class DiskStore:
         return _remove_orphan_temps(self.symtabs.rglob("*.tmp"))
 
     def clear_table_temp(self, scope: str, build_id: str) -> int:
-        """clear_symtab_temp for one table's files (`<build ID>.[<part>.]<pid>.tmp`): what
-        its build left when its worker died."""
+        """One table's files (`<build ID>.[<part>.]<pid>.tmp`): what its build left when its
+        worker died. Called under the table's build lock as that build ends: no other build
+        of the table is under way, so they are removed whether or not their writer is gone
+        yet. A builder dies with its worker, but the server hears of the worker's death while
+        the builder is still being torn down (a libc build has hundreds of MB to unmap):
+        taken for a live writer's, its files stayed until the server's next start."""
         table = self.symtab_path(scope, build_id)
-        return _remove_orphan_temps(table.parent.glob(f"{build_id}.*.tmp"))
+        return _remove_temps(table.parent.glob(f"{build_id}.*.tmp"))
 
 
 def _remove_orphan_temps(temps: Iterable[Path]) -> int:
+    return _remove_temps(t for t in temps if not _alive(_writer_pid(t.name)))
+
+
+def _remove_temps(temps: Iterable[Path]) -> int:
     removed = 0
     for temp in temps:
-        if _alive(_writer_pid(temp.name)):
-            continue
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
             removed += 1

@@ -64,7 +64,8 @@ class TableStore:
         return self._store.clear_symtab_temp()
 
     def clear_leftovers_of(self, scope: str, build_id: str) -> int:
-        """Those of one table (one folder's glob)."""
+        """Those of one table (one folder's glob), whoever wrote them: for the holder of its
+        build lock alone, as its build ends."""
         return self._store.clear_table_temp(scope, build_id)
 
     def path(self, scope: str, build_id: str) -> Path:
