@@ -30,7 +30,7 @@ class LocalDebugDirs:
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await asyncio.to_thread(self._resolve, build_id, needs_layout)
 
-    async def unreadable(self, build_id: str) -> None:
+    async def unreadable(self, build_id: str, table: TableSpec) -> None:
         pass  # built for this run alone: never given again
 
     def _resolve(self, build_id: str, needs_layout: bool) -> Resolved:

@@ -75,9 +75,9 @@ class SymbolProvider(Protocol):
         """
         ...
 
-    async def unreadable(self, build_id: str) -> None:
-        """The table given for `build_id` could not be read (damaged on disk): not to be
-        given again as it is."""
+    async def unreadable(self, build_id: str, table: TableSpec) -> None:
+        """The table given for `build_id`, `table`, could not be read (damaged on disk): not
+        to be given again as it is."""
         ...
 
 
@@ -185,7 +185,9 @@ async def _resolve_and_finish(body: bytes, raw: bytes, provider: SymbolProvider,
             answers[bid] = Answer(r.table, segments)
         done = await work.finish(raw, limits, answers)
         for bid in sorted(done.report.unreadable):
-            await provider.unreadable(bid)
+            given = answers[bid].table
+            assert given is not None  # only a table given can be found unreadable
+            await provider.unreadable(bid, given)
         if not done.report.gone:
             return Symbolized(done.body if done.body is not None else body, done.report,
                               len(guessed))

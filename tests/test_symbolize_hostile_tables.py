@@ -4,14 +4,17 @@ reported, never a 500 or a 503, and the workers stay up."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from proxy.web.state import STATE
 from symbolize.dwarf import LIBDW, opened, units
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
@@ -96,6 +99,42 @@ async def test_a_table_damaged_on_disk_is_malformed_once_then_built_again(
     assert status == 200 and headers["X-Symgate-Symbolize"] == "symbolized", headers
     assert again == first
     assert table.stat().st_size > 100
+
+
+async def test_a_damaged_tables_late_report_does_not_condemn_the_table_built_since(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two profiles read a damaged table; the first one's report dropped it and a third
+    profile built it again; then the second one's report came (its rewrite was slower), and
+    found a table unreadable twice within the hour: the new, sound table was recorded
+    malformed, and the mapping left bare in every profile's 200 for malformed_retry_s (a
+    day). A report speaks for the table its profile was given, not for one built since."""
+    sg, profile, first, table = await _symbolized_once(start_symgate, debuginfod, elfs)
+    resolver = sg.runner.app[STATE].symbols
+    report = resolver.unreadable
+    reached, late = asyncio.Event(), asyncio.Event()
+
+    async def first_report_late(*args: Any) -> None:
+        if not reached.is_set():  # the slower profile's
+            reached.set()
+            await late.wait()
+        await report(*args)
+
+    monkeypatch.setattr(resolver, "unreadable", first_report_late)
+    with table.open("r+b") as f:
+        f.truncate(100)
+    slower = asyncio.ensure_future(post(sg, profile.SerializeToString()))
+    await reached.wait()
+    status, headers, _ = await post(sg, profile.SerializeToString())
+    assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "malformed=1"
+    status, headers, again = await post(sg, profile.SerializeToString())
+    assert status == 200 and again == first, headers  # built again
+    late.set()
+    status, headers, _ = await slower
+    assert status == 200 and headers["X-Symgate-Mappings-Unsymbolized"] == "malformed=1"
+    status, headers, again = await post(sg, profile.SerializeToString())
+    assert status == 200 and again == first, headers
 
 
 async def test_a_table_removed_while_the_server_runs_is_built_again(

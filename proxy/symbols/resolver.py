@@ -807,15 +807,23 @@ class SymbolResolver:
                 return cached.path, (exe_scope, key)
         return None
 
-    async def unreadable(self, req: RequestScope, build_id: str) -> None:
-        """The table the request was given for `build_id` could not be read by a worker
-        (damaged on disk): dropped, so that the next profile has it built (or brought from
-        the bucket) again. Damaged again within UNREADABLE_AGAIN_S, it is recorded malformed
-        instead, believed as long as a failed build is: a table that every build leaves
-        unreadable must not cost a build per profile."""
+    async def unreadable(self, req: RequestScope, build_id: str, table: TableSpec) -> None:
+        """The table the request was given for `build_id` (`table`) could not be read by a
+        worker (damaged on disk): dropped, so that the next profile has it built (or brought
+        from the bucket) again. Damaged again within UNREADABLE_AGAIN_S, it is recorded
+        malformed instead, believed as long as a failed build is: a table that every build
+        leaves unreadable must not cost a build per profile.
+
+        Only while that very table is the one open: the report of a profile that read the
+        damaged file beside another one, and came once that other one's report had dropped
+        it and the next profile had built it again (or came second), took the new, sound
+        table for unreadable again, and recorded it malformed for malformed_retry_s. A table
+        no longer open here is passed over too: the next profile given it reads it again."""
         for scope in req.visible:
             rec = await self._tables.get(scope, build_id)
-            if rec is None or rec.outcome != Outcome.OK:
+            opened = self._open.get(scope, build_id)  # after the query: what is open now
+            if rec is None or rec.outcome != Outcome.OK or opened is None \
+                    or opened.table is not table:
                 continue
             self._open.drop(scope, build_id)
             now = time.monotonic()
@@ -873,8 +881,8 @@ class _ScopedProvider:
     async def resolve(self, build_id: str, *, needs_layout: bool) -> Resolved:
         return await self._resolver.resolve(self._req, build_id, needs_layout)
 
-    async def unreadable(self, build_id: str) -> None:
-        await self._resolver.unreadable(self._req, build_id)
+    async def unreadable(self, build_id: str, table: TableSpec) -> None:
+        await self._resolver.unreadable(self._req, build_id, table)
 
 
 def _debug_source(path: Path, source_key: str, scope: str,
