@@ -103,6 +103,29 @@ async def test_start_up_removes_half_written_tables_of_dead_workers_only(
     assert building.exists()
 
 
+async def test_start_up_removes_the_half_written_table_of_a_worker_dead_but_unreaped(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A builder that died with its worker (or its server) is reparented, to PID 1 most
+    likely, and a container's PID 1 may reap it late or never: a zombie, whose pid answers
+    kill(pid, 0), was taken for a writer still at work, and what it had written (libc's
+    inflated debug file, hundreds of MB) stayed through every start."""
+    dead = subprocess.Popen(["true"])  # not waited for: a zombie until the end
+    try:
+        for _ in range(10000):  # bounded: until it has exited
+            if Path(f"/proc/{dead.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+            await asyncio.sleep(0.001)
+        folder = tmp_path / "data" / "symtabs" / "ab"
+        folder.mkdir(parents=True)
+        left = folder / f"{'ab' * 20}.inf.{dead.pid}.tmp"
+        left.write_bytes(b"half an inflated debug file")
+        await start_symgate(data_dir=tmp_path / "data")
+        assert not left.exists()
+    finally:
+        dead.wait()
+
+
 async def test_a_debug_files_table_is_built_again_when_its_stripped_executable_comes(
     start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
 ) -> None:

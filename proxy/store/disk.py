@@ -271,6 +271,9 @@ def _writer_pid(name: str) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie. A builder that died with its worker or server is
+    reparented (to PID 1 most likely), and a container's PID 1 may reap it late or never:
+    its pid answers kill(pid, 0) all that time, and what it had written stayed."""
     if pid <= 0:
         return False
     try:
@@ -278,8 +281,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[:1]
+    except FileNotFoundError:  # gone since
+        return False
+    except OSError:  # no /proc to tell: alive, as kill(pid, 0) says
         return True
-    return True
+    return state not in ([b"Z"], [b"X"])
 
 
 def flocked(path: Path, *, wait: bool) -> int | None:
