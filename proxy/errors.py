@@ -153,9 +153,11 @@ class DatabaseUnavailable(SymgateError, TryAgain):
     outcome = Outcome.UNAVAILABLE
 
 
-class OutOfResources(SymgateError):
+class OutOfResources(SymgateError, TryAgain):
     """The server ran out of something of its own that comes back by itself (file
-    descriptors): answered 503 with Retry-After, not as an internal error."""
+    descriptors): answered 503 with Retry-After, not as an internal error. A profile that
+    needs a file it could not fetch for it is refused whole, not answered with the mapping
+    bare (`unavailable`) in a 200 that a backend keeps for good."""
 
     outcome = Outcome.UNAVAILABLE
 

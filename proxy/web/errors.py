@@ -38,6 +38,7 @@ from proxy.errors import (
     UpstreamUnavailable,
     VerificationFailed,
     WorkerLost,
+    out_of_descriptors,
 )
 from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import ABORTED, Served
@@ -96,6 +97,11 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return InvalidRequest(str(error))
     if isinstance(error, TablesGone):
         return SourceEvicted(str(error))
+    if isinstance(error, OSError) and (full := out_of_descriptors(error)) is not None:
+        # No descriptor for a profile's memory file (proxy.symbols.shared_bodies) or its
+        # answer's mapping: a passing condition of the server, as for a /buildid hit (a 503
+        # with Retry-After), never a 500.
+        return full
     if isinstance(error, web.RequestPayloadError):
         # aiohttp's, for a body it cannot read as its headers say: a broken chunked encoding.
         # (A Content-Encoding is symgate's to inflate: proxy.web.content_encoding.)
