@@ -191,6 +191,29 @@ async def test_tenant_headers_and_tokens_that_are_not_utf8_are_refused_not_500(
     assert (await sg.get("/healthz"))[0] == 200
 
 
+async def test_a_tenant_name_with_unicode_blanks_around_it_is_another_tenant(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """X-Scope-OrgID is the gateway's name for the tenant, taken as it is: a name that has
+    a Unicode space or separator at an end (which str.strip() took off) is another tenant's
+    than the one without, and never gets that one's private files. HTTP's own blanks around
+    a value are no part of it."""
+    sg = await start_symgate([faults.url_for("notfound")],
+                             tenants={"acme": TenantConfig(upstreams=(private(faults),))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    status, _, body = await sg.get(path, headers={"X-Scope-OrgID": "acme"})
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    for name, status in [("acme\u3000", b"404"), ("\u00a0acme", b"404"), ("acme\u2028", b"404"),
+                         ("acme\x85", b"404"), ("\u2003acme\u205f", b"404"),
+                         (" \tacme \t", b"200")]:
+        for method in (b"GET", b"HEAD"):
+            head = (method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                    b"X-Scope-OrgID: " + name.encode() + b"\r\nConnection: close\r\n\r\n")
+            line = await _status_of_raw(sg, head)
+            assert line.split(b" ")[1] == status, (name, method, line)
+    assert faults.count("auth") == 1  # acme's one fetch; the others asked the global server
+
+
 async def test_many_clients_of_two_scopes_at_once(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

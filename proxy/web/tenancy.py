@@ -121,7 +121,11 @@ def _claimed(request: web.BaseRequest) -> str:
     given = request.headers.getall("X-Scope-OrgID", [])
     if len(given) > 1:  # a gateway that appends rather than replaces: trust neither
         raise InvalidRequest("more than one X-Scope-OrgID")
-    claimed = given[0].strip() if given else ""
+    # Only the blanks HTTP allows around a field's value (RFC 9110's OWS), which aiohttp has
+    # taken off already: str.strip() also took Unicode spaces and separators (U+00A0, U+3000,
+    # U+2028, U+0085, ...) off either end, so "acme\u3000", a name a gateway sets for another
+    # tenant, was served as "acme", its private files and all.
+    claimed = given[0].strip(" \t") if given else ""
     if len(claimed) > MAX_TENANT or any(ord(c) < 0x20 or c == "\x7f" for c in claimed) \
             or not _is_utf8(claimed):
         # Bytes that are not UTF-8 (kept by aiohttp as surrogate escapes) name no tenant a
