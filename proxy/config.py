@@ -266,6 +266,25 @@ Seconds = Annotated[float, Strict(), Field(ge=0, le=MAX_SECONDS)]
 Period = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS)]
 
 
+# The longest tenant name, in characters: the width of the scope column that keys its rows.
+MAX_TENANT = 255
+
+
+def tenant_name_fault(name: str) -> str | None:
+    """What keeps `name` out of the scope column that keys a tenant's rows, None if nothing:
+    more characters than it is wide, or a NUL (which PostgreSQL's text does not hold)."""
+    if len(name) > MAX_TENANT:
+        return f"{len(name)} characters, more than {MAX_TENANT}"
+    if "\0" in name:
+        return "a NUL character"
+    return None
+
+
+def shown_name(name: str) -> str:
+    """A tenant's name for a message: quoted and escaped, cut past 40 characters."""
+    return json.dumps(name if len(name) <= 40 else name[:40] + "...")
+
+
 def cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) or 1
@@ -562,6 +581,16 @@ class Config:
             raise _Invalid(("tenants", "", "upstreams"),
                            "requests that name no tenant share what they fetch with every "
                            "tenant: their servers are the global [[upstreams]]")
+        return self
+
+    @model_validator(mode="after")
+    def _tenants_storable(self) -> Config:
+        # A tenant named by its token (as X-Scope-OrgID cannot name it) is one the scope column
+        # must take: PostgreSQL refused each of its rows, and its uploads were a 503 "retry
+        # later" for good.
+        for name in self.tenants:
+            if (why := tenant_name_fault(name)) is not None:
+                raise _Invalid(("tenants",), f"tenant {shown_name(name)}: {why}")
         return self
 
     @model_validator(mode="after")

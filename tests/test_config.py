@@ -133,6 +133,11 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[[tenants.a.upstreams]]\nurl = 'ftp://x'\n", "tenants.a.upstreams[0].url: expected an http"),
     ("[[tenants.a.upstreams]]\nretries = 1\n", "tenants.a.upstreams[0].url: required"),
     ("[[tenants.a.upstreams]]\npath = '/srv'\n", "tenants.a.upstreams[0].path: a tenant's"),
+    # Past the scope column (or a NUL, which PostgreSQL's text does not hold), PostgreSQL
+    # refused every row of a tenant its token names, and its uploads were a 503 for good.
+    ('[tenants."' + "t" * 256 + '"]\ntokens = ["a-token-long-enough-1234"]\n',
+     'tenants: tenant "' + "t" * 40 + '...": 256 characters, more than 255$'),
+    ('[tenants."a\\u0000b"]\n', 'tenants: tenant "a\\\\u0000b": a NUL character$'),
     ("[server\n", "not valid TOML"),
     # Past what a datetime or a thread's wait holds: every miss was a 500 (its expiry overflowed).
     ("[negative]\nnot_found_initial_ttl_s = 1e12\nnot_found_ttl_s = 1e12\n",

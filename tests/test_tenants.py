@@ -16,7 +16,9 @@ from pathlib import Path
 import aiohttp
 from multidict import CIMultiDict
 
-from proxy.config import SymbolizeConfig, TenantConfig, UploadConfig, UpstreamConfig
+from proxy.artifacts.index import key_hash
+from proxy.config import MAX_TENANT, SymbolizeConfig, TenantConfig, UploadConfig, UpstreamConfig
+from proxy.keys import ArtifactKey, Kind
 from proxy.web.state import STATE
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
@@ -212,6 +214,31 @@ async def test_a_tenant_name_with_unicode_blanks_around_it_is_another_tenant(
             line = await _status_of_raw(sg, head)
             assert line.split(b" ")[1] == status, (name, method, line)
     assert faults.count("auth") == 1  # acme's one fetch; the others asked the global server
+
+
+async def test_the_longest_tenant_name_the_config_takes_is_served_and_stored(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A config takes tenant names up to the scope column's width (longer ones it refuses:
+    PostgreSQL refused each of their rows, an upload a 503 "retry later" for good), named by
+    a token or by X-Scope-OrgID alike."""
+    longest = "\u00e9" * MAX_TENANT  # each character two bytes of UTF-8: the column is chars
+    sg = await start_symgate([faults.url_for("notfound")],
+                             tenants={longest: TenantConfig(upstreams=(private(faults),),
+                                                            tokens=(TOKEN_A,))})
+    bearer = {"Authorization": f"Bearer {TOKEN_A}"}
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo", headers=bearer)
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    status, _, body = await sg.request(
+        "PUT", f"/buildid/{elfs.other.build_id}/debuginfo", data=elfs.other.debug.read_bytes(),
+        headers={"X-Scope-OrgID": longest, **bearer})
+    assert status == 201 and json.loads(body)["scope"] == longest, body
+    await sg.settled()
+    state = sg.runner.app[STATE]
+    for elf in (elfs.prog, elfs.other):  # both rows in SQL: what another process reads
+        key = ArtifactKey(elf.build_id, Kind.DEBUGINFO)
+        assert await state.repo.get_artifact(key_hash(longest, key)) is not None
+    assert (await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 404
 
 
 async def test_many_clients_of_two_scopes_at_once(

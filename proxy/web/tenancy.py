@@ -14,11 +14,9 @@ from collections.abc import Mapping, Sequence
 from aiohttp import web
 
 from proxy.artifacts.scope import SHARED, RequestScope
-from proxy.config import Config, TenantConfig
+from proxy.config import MAX_TENANT, Config, TenantConfig
 from proxy.errors import Forbidden, InvalidRequest, Unauthorized
 from proxy.sources.base import Hop, Source
-
-MAX_TENANT = 255  # the scope column's width
 
 
 class Tenancy:
