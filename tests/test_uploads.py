@@ -263,6 +263,33 @@ async def test_a_tenants_upload_shadows_the_shared_scopes_cut_of_a_section(
     assert (await sg.get(section, headers=_auth(ACME)))[::2] == (200, theirs)
 
 
+async def test_a_tenants_upload_shadows_the_shared_file_in_every_process_on_the_data_dir(
+    start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
+) -> None:
+    """Two serving processes on one data dir (serve --workers 2). The other process holds
+    the shared file and a section cut from it in memory when the tenant's upload is taken in
+    here: that memory hit answered the tenant's requests there, the shared file and its cut
+    in place of the tenant's own, for as long as it stayed in memory, by which process the
+    kernel handed the connection to."""
+    here, there = [await _start(start_symgate, tmp_path, database_url, []) for _ in range(2)]
+    path = f"/buildid/{own.build_id}"
+    flipped, comment = _comment_of(own)
+    shared, mine = flipped(0), flipped(0x20)
+    section = f"{path}/section/.comment"
+    assert (await _put(here, own.build_id, "debuginfo", shared))[0] == 201  # an admin's
+    assert (await there.get(f"{path}/debuginfo"))[::2] == (200, shared)
+    assert (await there.get(section))[::2] == (200, comment(shared))
+    assert (await _put(here, own.build_id, "debuginfo", mine, ACME))[0] == 201
+    for _ in range(2):  # the section first: its cut must not take the shared one for ACME's
+        assert (await there.get(section, headers=_auth(ACME)))[::2] == (200, comment(mine))
+        assert (await there.get(f"{path}/debuginfo", headers=_auth(ACME)))[::2] == (200, mine)
+        assert (await there.head(f"{path}/debuginfo", headers=_auth(ACME)))[1][
+            "Content-Length"] == str(len(mine))
+    for sg in (here, there):  # and everyone else keeps the shared ones
+        assert (await sg.get(f"{path}/debuginfo", headers=_auth(GLOBEX)))[::2] == (200, shared)
+        assert (await sg.get(section))[::2] == (200, comment(shared))
+
+
 async def test_a_tenants_cut_of_the_shared_file_goes_with_it_and_with_its_own_upload(
     start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
 ) -> None:

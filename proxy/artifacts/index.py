@@ -372,9 +372,11 @@ class ArtifactCache:
         """The first of `scopes` that has the key in memory."""
         return next((hit for s in scopes if (hit := self.peek(s, key)) is not None), None)
 
-    async def get(self, scope: str, key: ArtifactKey) -> CachedArtifact | None:
+    async def get(self, scope: str, key: ArtifactKey, *, touch: bool = True
+                  ) -> CachedArtifact | None:
         """A hit from memory; on a memory miss, a row another process of this replica wrote
-        (one sharing this cache directory), if its file is here."""
+        (one sharing this cache directory), if its file is here. Without `touch`, a look that
+        is no hit of it (not counted, its place in the LRU kept)."""
         kh = key_hash(scope, key)
         path = self.store.artifact_path(scope, key)
         rec = self._entries.get(kh)
@@ -391,7 +393,8 @@ class ArtifactCache:
                 return None
             self._add(rec)
         hit = CachedArtifact(rec, path)
-        self.touch(hit)
+        if touch:
+            self.touch(hit)
         return hit
 
     def touch(self, hit: CachedArtifact) -> None:

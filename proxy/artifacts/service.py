@@ -208,6 +208,12 @@ class ArtifactService:
                 # Its clients have their bytes; the commit (an fsync and a row) makes it a hit.
                 await done.wait_settled()
         if (hit := self.cache.peek_any(visible, key)) is not None:
+            if hit.scope != visible[0] \
+                    and (first := await self.cache.get(visible[0], key)) is not None:
+                # The tenant's own file (an upload, what its own server gave), committed by
+                # another process on this data dir, comes before the shared scope's that this
+                # one holds in memory: a stat tells, SQL is asked only where there is a file.
+                return Hit(first)
             if not check_file or hit.path.is_file():
                 self.cache.touch(hit)
                 return Hit(hit)
@@ -831,9 +837,14 @@ class ArtifactService:
         # A tenant with a file of its own to cut from (an upload), which its requests for that
         # file get before the shared scope's, keeps its cuts in its own scope: a cut the
         # shared scope has is of another file.
-        own = self._has_own_parent(key, req)
-        if (cached := self.cache.peek_any(req.visible, key)) is not None \
-                and cached.path.is_file() and (cached.scope == req.tenant or not own):
+        own = await self._has_own_parent(key, req)
+        cached = self.cache.peek_any(req.visible, key)
+        if own and (cached is None or cached.scope != req.tenant):
+            # Its own cut, which another process on this data dir may have made and this one
+            # has not in memory.
+            cached = await self.cache.get(req.tenant, key, touch=False) or cached
+        if cached is not None and cached.path.is_file() \
+                and (cached.scope == req.tenant or not own):
             return Hit(await self.cache.get(cached.scope, key) or cached)
         # Shared by the requests that see the same files: of one tenant (its own scope and the
         # shared one), not of one scope, which tenants without sources of their own share while
@@ -861,11 +872,17 @@ class ArtifactService:
         cut.set_result(hit)
         return _answer(hit)
 
-    def _has_own_parent(self, key: ArtifactKey, req: RequestScope) -> bool:
-        """Whether the tenant has in its own scope a file the section `key` may be cut from."""
-        return bool(req.tenant) and any(
-            self.cache.peek(req.tenant, ArtifactKey(key.build_id, kind)) is not None
-            for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE))
+    async def _has_own_parent(self, key: ArtifactKey, req: RequestScope) -> bool:
+        """Whether the tenant has in its own scope a file the section `key` may be cut from:
+        in this process's memory, or committed by another process on this data dir (which
+        memory alone missed, and the shared scope's cut answered the tenant there)."""
+        if not req.tenant:
+            return False
+        for kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
+            if await self.cache.get(req.tenant, ArtifactKey(key.build_id, kind),
+                                    touch=False) is not None:
+                return True
+        return False
 
     async def _cut_section(self, key: ArtifactKey, req: RequestScope, cache_only: bool
                            ) -> Hit | _UnkeptSection:
@@ -880,7 +897,8 @@ class ArtifactService:
                     extent = await asyncio.to_thread(section_extent, parent.path, key.detail)
                     if extent is None:
                         continue
-                    scope = req.tenant if self._has_own_parent(key, req) else parent.scope
+                    scope = req.tenant if await self._has_own_parent(key, req) \
+                        else parent.scope
                     stored = await self._store_section(key, parent, scope, *extent)
                     if isinstance(stored, _UnkeptSection):
                         return stored
