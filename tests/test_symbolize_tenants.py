@@ -14,6 +14,7 @@ from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, parse, post, symbolize_config
 
 ACME = "acme-token-of-sixteen-or-more"
+ADMIN = "admin-token-of-sixteen-or-more"
 
 
 async def test_tenants_can_be_disabled_or_given_their_own_upstreams(
@@ -91,3 +92,43 @@ async def test_a_shared_table_from_the_executable_never_hides_a_tenants_own_debu
     assert lines(own) > 0
     status, headers, again = await post(sg, raw)
     assert lines(again) == 0  # and what A's server gave stays A's
+
+
+async def test_a_tenants_own_table_built_by_another_process_comes_before_the_shared_one(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path,
+) -> None:
+    """Two serving processes on one data dir (serve --workers 2). The shared scope has the
+    executable alone, and the other process has its table (bare names) open when tenant
+    ACME's upload of the debug file is taken in, and its table built, here: ACME's profiles
+    there were named by the shared table still, without lines, for as long as it stayed
+    open, by which process the kernel handed the connection to."""
+    config = dict(symbolize=symbolize_config(),
+                  upload=UploadConfig(admin_tokens=(ADMIN,)),
+                  tenants={"acme": TenantConfig(tokens=(ACME,))})
+    here, there = [await start_symgate(data_dir=tmp_path / "d", **config) for _ in range(2)]
+    elf = elfs.prog
+    raw = make_profile([(place(elf, BASES["prog"]), code_addresses(elf)[:20])]
+                       ).SerializeToString()
+
+    def lines(body: bytes) -> int:
+        return sum(1 for loc in parse(body).location for line in loc.line if line.line)
+
+    status, _, _ = await here.request(
+        "PUT", f"/buildid/{elf.build_id}/executable", data=elf.executable.read_bytes(),
+        headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 201
+    await here.built()
+    status, headers, shared = await post(there, raw)
+    assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+    assert lines(shared) == 0  # the executable's names alone, its table open there
+    status, _, _ = await here.request(
+        "PUT", f"/buildid/{elf.build_id}/debuginfo", data=elf.debug.read_bytes(),
+        headers={"Authorization": f"Bearer {ACME}"})
+    assert status == 201
+    await here.built()  # ACME's table, built here from its upload
+    assert lines((await post(here, raw, Authorization=f"Bearer {ACME}"))[2]) > 0, "here"
+    for _ in range(2):
+        status, headers, own = await post(there, raw, Authorization=f"Bearer {ACME}")
+        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
+        assert lines(own) > 0
+        assert lines((await post(there, raw))[2]) == 0  # and the shared one stays bare

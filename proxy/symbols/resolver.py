@@ -205,6 +205,12 @@ class SymbolResolver:
     def _open_for(self, req: RequestScope, build_id: str) -> tuple[str, OpenTable] | None:
         for scope in req.visible:
             if (opened := self._open.get(scope, build_id)) is not None:
+                if scope != req.visible[0] \
+                        and self._tables.path(req.visible[0], build_id).exists():
+                    # The tenant's own table (of its upload, its own server's file), which
+                    # another process on this data dir built, comes before the shared one
+                    # open here: _load_or_build reads it (a stat tells; SQL only then).
+                    return None
                 if opened.recheck_at is not None and opened.recheck_at <= time.time():
                     return None  # its debug file is asked for again: _load_or_build
                 if not opened.table.path.exists():
