@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from tests.elfs import ElfSet
+from tests.faults import FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken, read_rest
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
@@ -255,3 +256,36 @@ async def test_an_http10_client_of_a_file_of_unknown_size_can_tell_a_cut_from_th
             assert f"Content-Length: {len(body)}".encode() in head and got == body
     finally:
         await up.stop()
+
+
+async def test_a_head_that_joins_a_download_is_told_of_the_file_only_once_it_is_verified(
+    start_symgate: SymgateFactory, elfs: ElfSet, faults: FaultUpstream
+) -> None:
+    """A HEAD's whole answer is its status and headers: a 200 says the file is there, and how
+    big. One that joined a cold download was told so at its first bytes on disk, before the
+    verdict: for another build ID's file (here a liar's, 25 MB in place of a small debug
+    file) it had a 200 and the liar's size, while the cache rejected the file and the GET was
+    cut. It waits for the verdict now, as elfutils' debuginfod fetches before it answers: the
+    liar's failure, and where another upstream has the file, that one's answer."""
+    wrong = elfs.big.debug.read_bytes()
+    liar = Raw([wrong[:len(wrong) // 2], wrong[len(wrong) // 2:]], size=len(wrong))
+    await liar.start()
+    try:
+        sg = await start_symgate([fast_upstream(liar.url, retries=0),
+                                  fast_upstream(faults.url_for("ok"), retries=0)])
+        path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+        liar.go.clear()
+        async with aiohttp.ClientSession() as s, s.get(sg.url + path) as r:
+            got = len(await r.content.readany())  # the liar's first half is streaming
+            heading = asyncio.ensure_future(sg.head(path))
+            while not await sg.metric("symgate_singleflight_joins_total"):
+                await asyncio.sleep(0.01)  # the HEAD has joined the download
+            liar.go.set()
+            status, got, cut = await read_rest(r, got)
+        assert status == 200 and cut  # it had bytes: cut, never whole
+        status, headers = await heading
+        assert status == 200
+        assert headers["Content-Length"] == str(elfs.prog.debug.stat().st_size)
+        assert liar.requests == 1 and faults.count("ok") == 1
+    finally:
+        await liar.stop()

@@ -413,11 +413,14 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
 async def _until_start(request: web.Request, streaming: Streaming) -> None:
     """Until the response can start (its status line rests on what came by then)."""
     flight = streaming.flight
-    if streaming.meta.size is None and (request.method == "HEAD"
-                                        or request.version < HttpVersion11):
-        # Wait for the whole file: HEAD must tell the real size, and an HTTP/1.0 client (a
-        # proxy's default upstream protocol: nginx's) has no chunked encoding, so a body
-        # without a Content-Length ends where the connection does, and a cut would look whole.
+    if request.method == "HEAD" or (streaming.meta.size is None
+                                    and request.version < HttpVersion11):
+        # Wait for the verdict. A HEAD's status and headers are its whole answer: a 200
+        # before it told of a file the cache may yet reject (another build ID), with the size
+        # its upstream announced, which a liar's is not; elfutils' debuginfod, too, answers
+        # once it has fetched the file. An HTTP/1.0 client (a proxy's default upstream
+        # protocol: nginx's) has no chunked encoding, so a body without a Content-Length
+        # ends where the connection does, and a cut would look whole.
         await flight.wait_finished()
     else:
         await flight.wait_streamable()
