@@ -66,7 +66,8 @@ class FaultUpstream:
         self.bomb_finished: bool | None = None
         # "held": half the body is sent, `held_half_sent` set, then the rest once `release` is;
         # "hold": the answer waits for `release` ("hold500": then fails, "hold404": then is a
-        # miss). The await points a test controls.
+        # miss, "hold-wrong": then is another build ID's file). The await points a test
+        # controls.
         self.held_half_sent = asyncio.Event()
         self.release = asyncio.Event()
         # "headers-held": the status line and headers are sent, `headers_sent` set, then the
@@ -160,7 +161,7 @@ class FaultUpstream:
                                 headers={"Retry-After": self.retry_after})
         if mode == "status500" or (mode == "flaky" and self.requests[mode] <= self.flaky_failures):
             return web.Response(status=500, text="internal error")
-        if mode in ("hold", "hold500", "hold404"):
+        if mode in ("hold", "hold500", "hold404", "hold-wrong"):
             await self.release.wait()
         if mode == "hold500":  # a failure that comes when the test says
             return web.Response(status=500, text="internal error")
@@ -201,7 +202,7 @@ class FaultUpstream:
             await asyncio.sleep(0.3)
         if mode == "hold":
             mode = "ok"
-        if mode == "wrong-bytes":
+        if mode in ("wrong-bytes", "hold-wrong"):  # hold-wrong: once `release` is set
             bid = self.elfs.other.build_id
         if mode == "wrong-big":
             bid = self.elfs.big.build_id

@@ -4,6 +4,7 @@ cached (the next request goes upstream again)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from multidict import CIMultiDict
@@ -132,6 +133,33 @@ async def test_a_fetch_made_again_after_a_lie_is_made_once_for_all_its_clients(
     for status, _, body in await asyncio.gather(*clients):
         assert status == 200 and body == elfs.prog.debug.read_bytes()
     assert faults.count("wrong-bytes") == 1 and faults.count("hold") == 1
+
+
+async def test_a_lie_is_asked_again_by_the_clients_that_followed_it_from_another_process(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A fetch that fails on a liar's answer, other upstreams left, is asked again by its
+    clients that got no byte of it. Those of another process on the data dir, which followed
+    it, were given its 502 instead (a third of them, as a writer's own client asked again
+    before they looked, and they followed that fetch; all of them here, where that client had
+    asked again once already): they ask again too now, the liar after the others."""
+    ups = [fast_upstream(faults.url_for(mode), retries=0)
+           for mode in ("wrong-bytes", "hold-wrong", "ok")]
+    a = await start_symgate(ups, data_dir=tmp_path / "d")
+    b = await start_symgate(ups, data_dir=tmp_path / "d")
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    # The first lies at once; the client asks again, which asks the second first.
+    writers = asyncio.ensure_future(a.get(path))
+    while not faults.count("hold-wrong"):
+        await asyncio.sleep(0.01)
+    following = asyncio.ensure_future(b.get(path))
+    while not await b.metric("symgate_fetch_waiters"):
+        await asyncio.sleep(0.01)  # b's client waits on a's fetch
+    faults.release.set()  # the second lies too: a's client, which asked again once, has a 502
+    assert (await writers)[0] == 502
+    status, _, body = await following
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert faults.count("hold-wrong") == 1 and faults.count("ok") == 1
 
 
 async def test_a_lie_with_no_other_upstream_to_ask_is_not_fetched_again_at_once(

@@ -63,6 +63,16 @@ _ERRORS: dict[str, type[SymgateError]] = {
 }
 
 
+class Lied(Exception):
+    """The followed fetch failed on `upstream`'s answer, which was not the file, where other
+    upstreams are left (Flight.lied): a request that got no byte of it asks again, that
+    upstream after the others, rather than take the failure."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.upstream = upstream
+
+
 @dataclass(frozen=True, slots=True)
 class Followed:
     """Another process's fetch, joined: the temp file open, the headers it had."""
@@ -128,8 +138,11 @@ class Claim:
         self.say(STREAMING, part=str(part), meta=[meta.upstream, meta.size, meta.filename,
                                                    meta.archive, meta.last_modified])
 
-    def failed(self, error: SymgateError) -> None:
-        self.say(FAILED, error=type(error).__name__, reason=error.reason)
+    def failed(self, error: SymgateError, lied: str | None = None) -> None:
+        """`lied`: the upstream whose answer was not the file, where others are left
+        (Flight.lied), which the followers' requests then ask after them."""
+        self.say(FAILED, error=type(error).__name__, reason=error.reason,
+                 **({"lied": lied} if lied else {}))
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -183,7 +196,10 @@ class FlightBoard:
         """Join the fetch another process has under way, once it streams; raises the error
         it failed with. None when there is none to join (ended, or its writer died): the
         caller looks in the cache again, or fetches itself. One verified already (or
-        settled, its lock not yet let go) is waited for to its end: Followed.late.
+        settled, its lock not yet let go) is waited for to its end: Followed.late. One that
+        failed on an answer that was not the file, where other upstreams are left, raises
+        Lied: no answer for the request, which asks again, as the writer's own clients do
+        (Flight.lied).
 
         Called right after a claim of `kh` failed, with no await in between."""
         delay = POLL_FIRST_S
@@ -223,6 +239,7 @@ class FlightBoard:
                 delay = min(delay * 2, POLL_LONGEST_S)
                 continue
             if name == FAILED:
+                _raise_if_lied(state)
                 if first_look:
                     # Failed before the caller's claim was refused: the caller came after
                     # that fetch, whose lock is held now only for a moment (its writer about
@@ -247,6 +264,7 @@ class FlightBoard:
                 # join counted, and the miss the writer remembered was its answer.
                 state = self.read_state(kh) or {}
                 if holder and state.get("id") == holder and state.get("state") == FAILED:
+                    _raise_if_lied(state)
                     raise _error(state)
                 return None
             await asyncio.sleep(delay)
@@ -271,6 +289,8 @@ class FlightBoard:
                                                     "process was abandoned"))
                     return
                 if name == FAILED:
+                    if isinstance(liar := state.get("lied"), str):
+                        flight.lied = liar  # its clients that got no byte ask again
                     flight.fail(_error(state))
                     return
                 # The writer says so once every byte is written: they are all in the file.
@@ -376,6 +396,12 @@ def _open(part: str) -> int:
         return os.open(part, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return -1
+
+
+def _raise_if_lied(state: dict[str, Any]) -> None:
+    """Lied, if the failed fetch of `state` failed on an answer that was not the file."""
+    if isinstance(liar := state.get("lied"), str):
+        raise Lied(liar)
 
 
 def _error(state: dict[str, Any]) -> SymgateError:

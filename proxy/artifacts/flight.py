@@ -65,8 +65,9 @@ class Flight:
         # Set before the flight fails for an answer that was not the file (another build ID,
         # not ELF, past its announced or the cache's largest size) where other upstreams are
         # left, which the next fetch asks first (ArtifactService's doubts): a client that got
-        # no byte of it asks again at once rather than take the failure.
-        self.lied = False
+        # no byte of it asks again at once rather than take the failure. The name of the
+        # upstream that answered so, which followers in other processes are told (board).
+        self.lied: str | None = None
         # The names of the sources the request that started the fetch asks (the request's,
         # known misses among them); None where every joiner's answer is its answer (a copy of
         # an upload, another process's fetch followed). See ArtifactService._answers.

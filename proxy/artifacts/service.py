@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard
+from proxy.artifacts.board import SETTLED, VERIFIED, Claim, FlightBoard, Lied
 from proxy.artifacts.chunk_writer import Backlog, ChunkWriter
 from proxy.artifacts.doubts import Doubts
 from proxy.artifacts.flight import Flight, FlightReader
@@ -354,11 +354,12 @@ class ArtifactService:
             return False
         return (await self.misses.live(scope, key)).issuperset(names)
 
-    def _end_claim(self, kh: str, claim: Claim, error: SymgateError | None) -> None:
-        """Say how the claimed fetch ended, free the key, and tidy its files once its
-        followers have read that."""
+    def _end_claim(self, kh: str, claim: Claim, error: SymgateError | None,
+                   lied: str | None = None) -> None:
+        """Say how the claimed fetch ended (`lied`: see Flight.lied), free the key, and tidy
+        its files once its followers have read that."""
         if error is not None:
-            claim.failed(error)
+            claim.failed(error, lied)
         else:
             claim.say(SETTLED)
         claim.release()
@@ -375,6 +376,11 @@ class ArtifactService:
         try:
             with self._metrics.fetch_waiters.track_inprogress():
                 followed = await self._board.follow(kh)
+        except Lied as e:
+            # Asked again (Flight.lied), as the writer's own clients do: the caller looks in
+            # SQL, joins the fetch made again, or makes it, that upstream after the others.
+            self._doubts.doubt(kh, e.upstream)
+            return None
         except SymgateError:
             # The followed fetch failed before it streamed: this request waited on it and gets
             # its failure, as a client that joined this process's own failed fetch does.
@@ -407,6 +413,9 @@ class ArtifactService:
             finally:
                 if self._flights.get(kh) is flight:
                     del self._flights[kh]
+                if flight.lied:
+                    # Its clients ask again (Flight.lied): that upstream after the others.
+                    self._doubts.doubt(kh, flight.lied)
 
         self._start(mirror())
         return await self._join(flight)
@@ -533,8 +542,9 @@ class ArtifactService:
                         log.warning("%s answered %s with what is not its file; asked after the "
                                     "other upstreams for it from now on", answered, key.id)
                     # Asked again, a fetch that only the liar can answer would lie again.
-                    flight.lied = any(u.name != answered and u.name not in result.not_found
-                                      for u in ups)
+                    others = any(u.name != answered and u.name not in result.not_found
+                                 for u in ups)
+                    flight.lied = answered if others else None
                     self._doubts.doubt(kh, answered)
                     raise
                 finally:
@@ -554,7 +564,7 @@ class ArtifactService:
         if not flight.finished:  # cancelled: server shutting down
             flight.fail(UpstreamUnavailable("server shutting down"))
         if claim is not None:
-            self._end_claim(kh, claim, flight.error or flight.store_error)
+            self._end_claim(kh, claim, flight.error or flight.store_error, flight.lied)
         if self._flights.get(kh) is flight:
             del self._flights[kh]
         flight.close_fd()
