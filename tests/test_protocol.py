@@ -453,6 +453,25 @@ async def test_maxsize_is_406_cold_and_warm(
     assert status == 400
 
 
+async def test_maxsize_is_406_cold_for_a_file_whose_upstream_said_no_size(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """The limit was judged by the size the upstream said alone: one that said none (chunked)
+    had every file sent past the client's limit, 200 and whole. It is judged by the bytes
+    now, before the status line: a small file's whole, a big one's once past the limit."""
+    sg = await start_symgate([faults.url_for("chunked")])
+    for elf in (elfs.prog, elfs.big):
+        path = f"/buildid/{elf.build_id}/debuginfo"
+        size = elf.debug.stat().st_size
+        status, _, _ = await sg.get(path, headers={"X-DEBUGINFOD-MAXSIZE": str(size - 1)})
+        assert status == 406
+        await sg.settled()
+    path = f"/buildid/{elfs.other.build_id}/debuginfo"
+    size = elfs.other.debug.stat().st_size
+    status, _, body = await sg.get(path, headers={"X-DEBUGINFOD-MAXSIZE": str(size)})
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+
+
 async def test_metrics_and_healthz(start_symgate: SymgateFactory, faults: FaultUpstream) -> None:
     sg = await start_symgate([faults.url_for("ok")])
     status, headers, body = await sg.get("/healthz")

@@ -214,6 +214,11 @@ class Flight:
                                      or (self.size is None and self._arrivals == 1)):
             await self._progress.wait()
 
+    async def wait_past(self, n: int) -> None:
+        """Until more than `n` bytes came, or the download ended."""
+        while not self.finished and self.received <= n:
+            await self._progress.wait()
+
     def read(self, size: int, offset: int) -> bytes:
         """Up to `size` bytes at `offset` of what came so far: from the file as far as it is
         written, the rest from the chunks still in memory."""

@@ -119,7 +119,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         if not isinstance(result, Hit):
             try:
                 _check_size(result.meta.size, max_size)
-                await _until_start(request, result)
+                await _until_start(request, result, max_size)
             except BaseException:
                 result.reader.close()
                 raise
@@ -410,9 +410,16 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
     return when is not None and math.floor(when.timestamp()) == math.floor(st.st_mtime)
 
 
-async def _until_start(request: web.Request, streaming: Streaming) -> None:
+async def _until_start(request: web.Request, streaming: Streaming,
+                       max_size: int | None) -> None:
     """Until the response can start (its status line rests on what came by then)."""
     flight = streaming.flight
+    if streaming.meta.size is None and max_size is not None:
+        # No size said: the client's X-DEBUGINFOD-MAXSIZE is judged by the bytes, before the
+        # status line (a 406, which elfutils' client asks for, not a file past its limit):
+        # once more than it allows came, or all of them.
+        await flight.wait_past(max_size)
+        _check_size(flight.received, max_size)
     if request.method == "HEAD" or (streaming.meta.size is None
                                     and request.version < HttpVersion11):
         # Wait for the verdict. A HEAD's status and headers are its whole answer: a 200
