@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from elftools.common.exceptions import ELFError, ELFParseError
+from elftools.common.utils import parse_cstring_from_stream
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import Section
 
 from .elf_headers import (
     E_TYPES,
@@ -388,10 +390,11 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
                 return None
             return _within(found.offset, found.size, file_size)
         try:
-            for at, section in enumerate(ELFFile(f).iter_sections()):
+            elf = ELFFile(f)
+            for at, section in enumerate(elf.iter_sections()):
                 if at == _MAX_WALK:
                     return None
-                if section.name == name:
+                if section.name == name and _named(elf, section, name):
                     if section["sh_type"] == "SHT_NOBITS" or not section["sh_size"]:
                         return None
                     return _within(int(section["sh_offset"]), int(section["sh_size"]),
@@ -403,6 +406,17 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
                 return None
             raise
     return None
+
+
+def _named(elf: ELFFile, section: Section, name: str) -> bool:
+    """Whether `section`, whose name pyelftools decodes as `name`, is named by `name`'s bytes:
+    pyelftools replaces each byte that is not UTF-8 with U+FFFD, so `.x\xff` decodes as the
+    text of `.x\ufffd`, another section's name."""
+    if "\ufffd" not in name:
+        return True
+    names = elf.get_section(elf.get_shstrndx())
+    raw = parse_cstring_from_stream(elf.stream, names["sh_offset"] + section["sh_name"])
+    return raw == name.encode("utf-8", "surrogateescape")
 
 
 def _within(offset: int, size: int, file_size: int) -> tuple[int, int] | None:

@@ -194,7 +194,11 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
             for name_at, s_type, flags, addr, offset, size, link, _info, align, _entsize \
                     in rows:
                 end = names.find(b"\0", name_at)
-                name = names[name_at:end if end >= 0 else len(names)].decode(errors="replace")
+                # A byte that is not UTF-8 is kept as a lone surrogate, not replaced: a name
+                # with U+FFFD for it was the text of another name (`.x\xff` that of `.x\ufffd`),
+                # and a section asked for by that name was cut from the wrong one.
+                name = names[name_at:end if end >= 0 else len(names)].decode(
+                    errors="surrogateescape")
                 sections.append(SectionHeader(name, s_type, flags, addr, offset, size, link,
                                               align))
         return ElfHeaders(read, is64, order, e_type, tuple(programs), tuple(sections),

@@ -30,9 +30,12 @@ def quick(path: Path) -> ElfHeaders | None:
 
 
 def tables(h: ElfHeaders) -> Tables:
+    # A name's bytes that are not UTF-8 are kept (lone surrogates) where pyelftools puts
+    # U+FFFD for each: shown here as pyelftools shows them.
     return ([(p.type, p.flags, p.offset, p.vaddr, p.filesz, p.memsz, p.align)
              for p in h.programs],
-            [(s.name, s.type, s.flags, s.addr, s.offset, s.size, s.link, s.align)
+            [(s.name.encode(errors="surrogateescape").decode(errors="replace"), s.type,
+              s.flags, s.addr, s.offset, s.size, s.link, s.align)
              for s in h.sections])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import struct
 import subprocess
 import time
 import urllib.parse
@@ -370,3 +371,48 @@ async def test_a_section_of_the_executable_is_cut_though_the_debuginfo_is_anothe
     assert (status, body) == (200, want[2])
     status, _, _ = await sg.get(f"/buildid/{prog.build_id}/section/.debug_info")
     assert status == 502  # the debuginfo's alone: its failure is the answer
+
+
+def _grow_section_names(path: Path, extra: int) -> None:
+    """Make the section-name table of the ELF64 little-endian file at `path` `extra` bytes
+    longer (NULs appended to the file): past what symbolize.elf_headers reads, so the file's
+    sections are read by pyelftools."""
+    data = bytearray(path.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    names_at, = struct.unpack_from("<H", data, 0x3E)
+    row = shoff + names_at * 64
+    at, = struct.unpack_from("<Q", data, row + 24)
+    data += bytes(extra)
+    struct.pack_into("<Q", data, row + 32, len(data) - at)
+    path.write_bytes(data)
+
+
+@sqlite_only
+@pytest.mark.parametrize("names_table", ["small", "past elf_headers"])
+async def test_a_section_name_that_is_not_utf8_is_not_taken_for_another(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, names_table: str
+) -> None:
+    """Section names are bytes: elfutils finds `.x<U+FFFD>` by its UTF-8 bytes alone. symgate
+    read names as UTF-8 with each byte that is not replaced by U+FFFD, and served the first
+    section so decoded, the one named by the byte FF, for a request of another section's
+    name (and for one the file does not have)."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    adds: list[bytes] = []
+    # objcopy puts the sections it adds in the opposite order: .x\xff comes first.
+    for i, name in enumerate((b".y\xfe", ".x\ufffd".encode(), b".x\xff")):
+        marker = tmp_path / f"marker{i}"
+        marker.write_bytes(b"section %d" % i)
+        adds += [b"--add-section", name + b"=" + bytes(marker)]
+    subprocess.run([b"objcopy", *adds, bytes(elfs.prog.debug), bytes(out / "prog.debug")],
+                   check=True)
+    if names_table != "small":
+        _grow_section_names(out / "prog.debug", 2 << 20)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    with _debuginfod_of(tmp_path, out, elfs.prog.build_id) as url:
+        sg = await start_symgate([url])
+        asked = (".x%EF%BF%BD", ".y%EF%BF%BD")
+        assert await _same_as_elfutils(sg.url, url, elfs.prog.build_id, HEADERS, asked) == []
+        status, _, body = await _direct(f"{sg.url}/buildid/{elfs.prog.build_id}/section/"
+                                        ".x%EF%BF%BD")
+        assert (status, body) == (200, b"section 1")
