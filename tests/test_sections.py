@@ -20,6 +20,8 @@ import aiohttp
 import pytest
 
 from proxy.config import CacheConfig
+from proxy.keys import ArtifactKey
+from symbolize.elf import section_extent
 from tests.elfs import ElfSet, set_section_extent
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory, eventually, fast_upstream, free_port
@@ -416,3 +418,25 @@ async def test_a_section_name_that_is_not_utf8_is_not_taken_for_another(
         status, _, body = await _direct(f"{sg.url}/buildid/{elfs.prog.build_id}/section/"
                                         ".x%EF%BF%BD")
         assert (status, body) == (200, b"section 1")
+
+
+@sqlite_only
+async def test_a_section_of_a_cached_file_cut_short_on_disk_is_cut_from_it_fetched_again(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet,
+) -> None:
+    """A GET of a cached file that is not the size its row says (cut short on disk) fetches it
+    anew; a section was cut from it as it was: its section headers, at its end, gone, every
+    section of it was a 404 (and one whose bytes were left, the damaged file's)."""
+    sg = await start_symgate([faults.url_for("ok")])
+    bid = elfs.prog.build_id
+    assert (await sg.get(f"/buildid/{bid}/debuginfo"))[0] == 200
+    await sg.settled()
+    stored = sg.config.cache_dir / "objects" / ArtifactKey.parse(bid, "debuginfo").storage_name
+    stored.write_bytes(elfs.prog.debug.read_bytes()[:stored.stat().st_size // 2])
+    extent = section_extent(elfs.prog.debug, ".debug_info")
+    assert extent is not None
+    want = elfs.prog.debug.read_bytes()[extent[0]:extent[0] + extent[1]]
+    status, headers, body = await sg.get(f"/buildid/{bid}/section/.debug_info")
+    assert (status, body, headers["X-DEBUGINFOD-FILE"]) == (200, want, "prog.debug")
+    assert faults.asked[("ok", bid, "debuginfo")] == 2
+    assert (await sg.get(f"/buildid/{bid}/debuginfo"))[::2] == (200, elfs.prog.debug.read_bytes())

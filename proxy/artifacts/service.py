@@ -984,6 +984,16 @@ class ArtifactService:
             except OSError as e:
                 self._raise_os_failure(e)
                 raise
+            if opened is not None and os.fstat(opened).st_size != cached.record.size:
+                # Not the file its row describes: cut short on disk, or another process's
+                # newer commit that this one's index is not told of yet. A GET of it finds it
+                # again (fetched anew); a cut from it was a 404, its section headers (at its
+                # end) gone, or the damaged file's bytes. Forgotten, and found again alike.
+                os.close(opened)
+                log.warning("cached %s is not the size its index entry says; looking it up "
+                            "again", cached.record.key)
+                await self.cache.vanished(cached.record)
+                opened = None
             if opened is not None:
                 try:
                     yield _Parent(
