@@ -36,8 +36,10 @@ from .elf_headers import (
     SHT_SYMTAB,
     ElfHeaders,
     Read,
+    UnusualHeaders,
     headers_of,
     read_headers,
+    section_named,
 )
 
 NT_GNU_BUILD_ID = "NT_GNU_BUILD_ID"
@@ -367,8 +369,8 @@ def cold_ranges_of_file(path: Path) -> tuple[tuple[int, int], ...]:
     return cold_ranges(function_symbols(path))
 
 
-# Sections pyelftools walks for section_extent, where read_headers could not read the table
-# (a header size not the standard one, a count past elf_headers.MAX_SECTIONS): as many as a
+# Sections pyelftools walks for section_extent, where section_named could not read the table
+# (a header size not the standard one, a name table past its limit): as many as a
 # file can have without extended numbering. A hostile file's count is bounded by its size
 # alone, and each section costs pyelftools some 17 us, for every section asked of the file.
 _MAX_WALK = 0xFFFF
@@ -383,9 +385,13 @@ def section_extent(path: Path, name: str) -> tuple[int, int] | None:
     and elfutils looks on alike), or the file is not valid ELF."""
     with path.open("rb") as f:
         file_size = os.fstat(f.fileno()).st_size
-        headers = read_headers(f.fileno())
-        if headers is not None:
-            found = headers.section(name)
+        fd = f.fileno()
+        try:
+            found = section_named(lambda n, offset: os.pread(fd, n, offset), file_size,
+                                  name.encode("utf-8", "surrogateescape"))
+        except UnusualHeaders:
+            pass
+        else:
             if found is None or found.type == SHT_NOBITS or found.size == 0:
                 return None
             return _within(found.offset, found.size, file_size)

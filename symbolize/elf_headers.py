@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,6 +207,84 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
                           file_size)
     except (OSError, OverflowError, struct.error):
         return None
+
+
+# Section headers section_named looks through: a file claiming more is looked for in this many,
+# as pyelftools was walked only so far. A hostile file's count is bounded by its size alone.
+MAX_SCANNED_SECTIONS = 1 << 22
+_SCAN_ROWS = 1 << 14  # read at a time: 1 MiB of ELF64 headers
+
+
+class UnusualHeaders(Exception):
+    """A section table that headers_of does not read either (a header size that is not the
+    standard one, a table past the end of the file, a name table too large): pyelftools'."""
+
+
+def section_named(read: Read, file_size: int, name: bytes) -> SectionHeader | None:
+    """The first section whose name is the bytes `name`, or None; UnusualHeaders where the
+    table is not read here. Only the name column of each header is looked at, no object made
+    for it: headers_of's table of a file of 2^18 sections took a second or more for each
+    section asked of it (a hostile debuginfo's, and every miss of its sections is asked
+    again), and a count past that was pyelftools' walk, four seconds."""
+    try:
+        head = read(64, 0)
+        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
+                or head[5] not in (1, 2):
+            raise UnusualHeaders
+        is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
+        layout = _CLASSES[is64]
+        sfmt = order + layout.section
+        if len(head) < layout.header_size:
+            raise UnusualHeaders
+        _, shoff = struct.unpack_from(order + layout.offsets, head, layout.offsets_at)
+        _, _, shentsize, shnum, shstrndx = struct.unpack_from(order + "HHHHH", head,
+                                                              layout.counts_at)
+        if not shoff:
+            return None
+        if shentsize != struct.calcsize(sfmt):
+            raise UnusualHeaders
+        if shnum == 0 or shstrndx == SHN_XINDEX:
+            first = _read_exactly(read, shentsize, shoff)
+            if first is None:
+                raise UnusualHeaders
+            row = struct.unpack(sfmt, first)
+            shnum = row[5] if shnum == 0 else shnum
+            shstrndx = row[6] if shstrndx == SHN_XINDEX else shstrndx
+        if shnum <= 0 or shnum * shentsize > file_size - shoff:
+            raise UnusualHeaders
+        names = b""
+        if shstrndx < shnum:
+            names_row = _read_exactly(read, shentsize, shoff + shstrndx * shentsize)
+            if names_row is None:
+                raise UnusualHeaders
+            _, names_type, _, _, names_at, names_size, *_ = struct.unpack(sfmt, names_row)
+            found = _read_exactly(read, names_size, names_at) \
+                if names_size <= _MAX_NAMES_BYTES and names_type != SHT_NOBITS else None
+            if found is None:
+                raise UnusualHeaders
+            names = found
+        target, tail = name + b"\0", len(names) - len(name)
+        stride = shentsize // 4  # sh_name is the first 4 bytes of a header
+        for start in range(0, min(shnum, MAX_SCANNED_SECTIONS), _SCAN_ROWS):
+            count = min(_SCAN_ROWS, shnum - start)
+            table = _read_exactly(read, count * shentsize, shoff + start * shentsize)
+            if table is None:
+                raise UnusualHeaders
+            column = array("I", table)
+            if column.itemsize != 4:  # no platform symgate runs on
+                raise UnusualHeaders
+            if order != ("<" if sys.byteorder == "little" else ">"):
+                column.byteswap()
+            for i, at in enumerate(column[::stride]):
+                # As headers_of names it: up to its NUL, or the table's end (nothing past it).
+                if names.startswith(target, at) or (at == tail and names.endswith(name)) \
+                        or (at >= len(names) and not name):
+                    row = struct.unpack_from(sfmt, table, i * shentsize)
+                    return SectionHeader(name.decode(errors="surrogateescape"), row[1],
+                                         row[2], row[3], row[4], row[5], row[6], row[8])
+        return None
+    except (OSError, OverflowError, struct.error):
+        raise UnusualHeaders from None
 
 
 def _read_exactly(read: Read, size: int, offset: int) -> bytes | None:

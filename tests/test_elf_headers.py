@@ -17,7 +17,13 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from symbolize.elf import build_id_of_file, function_symbols, layout_of_file, section_extent
-from symbolize.elf_headers import ElfHeaders, read_headers
+from symbolize.elf_headers import (
+    ElfHeaders,
+    SectionHeader,
+    UnusualHeaders,
+    read_headers,
+    section_named,
+)
 from symbolize.lld_layout import lld_layout
 from tests.elfs import ElfSet, broken_copies, build_program, on_descriptor, real_elf_files
 from tests.libc import LIBC, LIBC_DEBUG
@@ -116,6 +122,66 @@ def test_an_extended_section_count_is_read_as_pyelftools_reads_it(
     struct.pack_into("<Q", data, shoff + 32, 1 << 40)
     extended.write_bytes(data)
     assert quick(extended) is None
+
+
+def _named(path: Path, name: str) -> SectionHeader | str | None:
+    try:
+        return on_descriptor(path, lambda fd: section_named(
+            lambda n, at: os.pread(fd, n, at), os.fstat(fd).st_size,
+            name.encode(errors="surrogateescape")))
+    except UnusualHeaders:
+        return "unusual"
+
+
+def test_a_section_is_named_as_the_tables_name_it(elfs: ElfSet, tmp_path: Path) -> None:
+    """section_named, which looks at the name column alone, finds the section the whole
+    tables give first for each name (and none for a name no section has), on real files and
+    on every broken one whose tables are read."""
+    broken = tmp_path / "broken"
+    files: list[Path] = list(real_elf_files(elfs))
+    for i, data in enumerate(broken_copies(elfs.prog.debug.read_bytes(), 5)):
+        files.append(broken.with_name(f"broken{i}"))
+        files[-1].write_bytes(data)
+    for path in files:
+        headers = quick(path)
+        if headers is None:
+            continue
+        for name in {s.name for s in headers.sections} | {".nonesuch", ".debug"}:
+            assert _named(path, name) == headers.section(name), (path, name)
+
+
+def test_a_section_past_the_first_65535_of_a_file_of_more_than_2_18_is_found(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """A file of more sections than elf_headers reads into its tables (2^18, extended
+    numbering) was walked by pyelftools, four seconds for each section asked of it, and only
+    up to 0xFFFF sections: a section after those was no section (elfutils serves it)."""
+    data = bytearray(elfs.prog.debug.read_bytes())
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    count, = struct.unpack_from("<H", data, 0x3C)
+    rows = bytearray(data[shoff:shoff + 64 * count])
+    info = next(i for i in range(count) if _row_name(data, shoff, i) == b".debug_info")
+    total = (1 << 18) + 16
+    # Nameless empty sections between the file's own and its .debug_info, moved last.
+    rows += bytes(64) * (total - count - 1) + rows[info * 64:info * 64 + 64]
+    rows[info * 64:info * 64 + 4] = b"\0\0\0\0"
+    struct.pack_into("<Q", rows, 32, total)  # section 0's sh_size: the count
+    data += bytes(-len(data) % 8)
+    struct.pack_into("<QH", data, 0x28, len(data), 0)
+    struct.pack_into("<H", data, 0x3C, 0)
+    many = tmp_path / "many.debug"
+    many.write_bytes(data + rows)
+    assert quick(many) is None
+    assert section_extent(many, ".debug_info") == section_extent(elfs.prog.debug,
+                                                                 ".debug_info")
+    assert section_extent(many, ".nonesuch") is None
+
+
+def _row_name(data: bytearray, shoff: int, index: int) -> bytes:
+    names_at, = struct.unpack_from("<H", data, 0x3E)
+    names, = struct.unpack_from("<Q", data, shoff + names_at * 64 + 24)
+    at = names + struct.unpack_from("<I", data, shoff + index * 64)[0]
+    return bytes(data[at:data.index(b"\0", at)])
+
 
 def test_the_readers_on_broken_files_answer_as_before_or_say_nothing(
         elfs: ElfSet, tmp_path: Path) -> None:
