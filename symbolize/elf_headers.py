@@ -215,6 +215,12 @@ MAX_SCANNED_SECTIONS = 1 << 22
 _SCAN_ROWS = 1 << 14  # read at a time: 1 MiB of ELF64 headers
 
 
+def shown_section(name: str) -> str:
+    """A section's name for a message or a stored error: its bytes that are not UTF-8 (kept
+    as lone surrogates, which no UTF-8 store or log takes) escaped as `\\xff`."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 class UnusualHeaders(Exception):
     """A section table that headers_of does not read either (a header size that is not the
     standard one, a table past the end of the file, a name table too large): pyelftools'."""

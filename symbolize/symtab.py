@@ -54,6 +54,7 @@ from .elf_headers import (
     ElfHeaders,
     SectionHeader,
     read_headers,
+    shown_section,
 )
 from .function_names import TableExtras, append_to, choose, read_from
 from .function_names import names_from_executable as names_from_executable
@@ -683,8 +684,10 @@ def _lie_in(headers: ElfHeaders) -> str | None:
         else:
             continue
         if claimed > section.size * _ZLIB_MAX_RATIO + _ZLIB_SLACK:
-            return (f"section {section.name} claims to inflate to {claimed} bytes, from "
-                    f"{section.size}")
+            # The name as text every store takes: a byte that is not UTF-8 is a lone
+            # surrogate in it (elf_headers), which SQL refused with the build's failure.
+            return (f"section {shown_section(section.name)} claims to inflate to {claimed} "
+                    f"bytes, from {section.size}")
     return None
 
 

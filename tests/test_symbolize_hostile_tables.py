@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sqlite3
 import subprocess
 import sys
 import zlib
@@ -18,6 +19,7 @@ from proxy.web.state import STATE
 from symbolize.dwarf import LIBDW, opened, units
 from symbolize.elf import layout_of_file
 from symbolize.pprof.profile_pb2 import Profile
+from symbolize.symtab import MalformedObject, build_symbol_table
 from tests.elfs import Elf, ElfSet, replace_section_compressed, zlib_of_zeros
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory
@@ -227,6 +229,27 @@ def test_a_zlib_section_claiming_more_than_its_stream_can_inflate_to_is_malforme
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"claims to inflate to {claimed} bytes" in done.stdout, done.stdout
+
+
+def test_a_lying_section_whose_name_is_not_utf8_is_named_in_text_sql_takes(
+        elfs: ElfSet, tmp_path: Path) -> None:
+    """Section names keep their bytes that are not UTF-8 as lone surrogates (so that no
+    other name's text equals them): the build's failure that named such a section, stored
+    with its table's row, was refused by SQL ("surrogates not allowed"), and the build was
+    an internal error, made again at every profile, rather than malformed."""
+    bad = tmp_path / "prog.debug"
+    shutil.copyfile(elfs.prog.debug, bad)
+    replace_section_compressed(bad, ".debug_str", zlib.compress(b"main\0"), 1 << 30)
+    data = bad.read_bytes()
+    assert data.count(b".debug_str\0") == 1
+    bad.write_bytes(data.replace(b".debug_str\0", b".debug_st\xff\0"))
+    with pytest.raises(MalformedObject) as failed:
+        build_symbol_table(bad, tmp_path / "t.symc", elfs.prog.build_id)
+    message = str(failed.value)
+    assert "section .debug_st\\xff claims to inflate to" in message, message
+    with sqlite3.connect(":memory:") as db:  # what symgate's SQLite row takes
+        db.execute("create table t (error text)")
+        db.execute("insert into t values (?)", (message,))
 
 
 def test_a_debug_info_of_zeros_is_not_read_as_millions_of_units(
