@@ -66,16 +66,27 @@ _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# 4 EiB, the most any size may be: past 2**63 a size no longer fits what C takes it as (the
+# bound on a profile's inflating, a build's RLIMIT_AS), and every gzipped profile was a 500.
+MAX_BYTES = 2**62
+
+
 def _size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a size, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError("must not be negative")
-        return value
-    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
-    raise ValueError(f"expected a size such as 20GiB, got {value!r}")
+        size: float = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        # A float, for "1.5GiB": hundreds of digits make it inf, which int() raised on
+        # (OverflowError, a traceback rather than the key's error).
+        size = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()]
+    else:
+        raise ValueError(f"expected a size such as 20GiB, got {value!r}")
+    if size > MAX_BYTES:
+        raise ValueError(f"must be at most {MAX_BYTES} bytes (4 EiB), got {value!r}")
+    return int(size)
 
 
 # A name or IPv4 address, or an IPv6 one in brackets (with its zone, if any); ASCII digits.

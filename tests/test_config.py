@@ -147,6 +147,13 @@ def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> No
     ("[negative]\nsweep_s = 1e10\n", "negative.sweep_s: must be at most"),
     ("[[upstreams]]\nurl = 'http://x'\ntotal_timeout_s = 1e10\n",
      "upstreams[0].total_timeout_s: must be at most"),
+    # Past what C holds a size in: every gzipped profile was a 500 (zlib's max_length).
+    ("[symbolize]\nmax_decompressed_bytes = '100000000TiB'\n",
+     "symbolize.max_decompressed_bytes: must be at most 4611686018427387904 bytes"),
+    ("[cache]\nmax_bytes = 4611686018427387905\n", "cache.max_bytes: must be at most"),
+    # So many digits that the float is inf: int() of it was a traceback.
+    pytest.param(f"[upload]\nmax_file_bytes = '1{'0' * 400}.5KiB'\n",
+                 "upload.max_file_bytes: must be at", id="a size of 400 digits"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -163,6 +170,17 @@ def test_the_longest_duration_fits_what_holds_it() -> None:
     assert datetime.now(UTC) + timedelta(seconds=MAX_SECONDS) > datetime.now(UTC)
     assert datetime.now(UTC) - timedelta(seconds=MAX_SECONDS) < datetime.now(UTC)
     assert MAX_SECONDS <= threading.TIMEOUT_MAX
+
+
+def test_the_largest_size_fits_what_holds_it(tmp_path: Path) -> None:
+    import zlib
+
+    from proxy.config import MAX_BYTES
+
+    cfg = load_config(write(tmp_path, f"[symbolize]\nmax_decompressed_bytes = {MAX_BYTES}\n"),
+                      environ={})
+    # A profile's inflating asks for one byte past its bound (symbolize.pprof.codec).
+    zlib.decompressobj().decompress(b"", cfg.symbolize.max_decompressed_bytes + 1)
 
 
 _UPSTREAM = "[[upstreams]]\nurl = 'http://x'"
