@@ -59,6 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         migrate.upgrade(f"sqlite+aiosqlite:///{data / 'symgate.sqlite'}", revision)
     with contextlib.closing(sqlite3.connect(newer / "symgate.sqlite")) as db, db:
         db.execute("UPDATE alembic_version SET version_num = '0099'")
+    # A SQLite file that cannot be opened (a directory in its place, as root meets it).
+    (root / "unopenable" / "symgate.sqlite").mkdir(parents=True)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -78,6 +80,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         "db-upgrade-newer-schema": (["db", "upgrade"], _serve_config(root, newer)),
         "db-current-newer-schema": (["db", "current"], _serve_config(root, newer)),
         "no-migrate-older-schema": (["serve", "--no-migrate"], _serve_config(root, older)),
+        "serve-sqlite-unopenable": (["serve", "--workers", "1"],
+                                    _serve_config(root, root / "unopenable")),
+        "serve-no-migrate-sqlite-unopenable": (["serve", "--workers", "1", "--no-migrate"],
+                                               _serve_config(root, root / "unopenable")),
         "symbolize-missing-input": (
             ["symbolize", str(root / "absent.pb.gz"), "-o", str(root / "o1")], ""),
         "symbolize-missing-output-folder": (
@@ -153,6 +159,50 @@ def test_no_migrate_on_an_older_schema_says_to_upgrade(runs: dict[str, Run]) -> 
                                   "db-upgrade-pg-unreachable"])
 def test_unusable_database_at_start_is_one_line(runs: dict[str, Run], case: str) -> None:
     _one_clear_line(runs[case], "database")
+
+
+@pytest.mark.parametrize("case", ["serve-sqlite-unopenable",
+                                  "serve-no-migrate-sqlite-unopenable"])
+def test_a_sqlite_file_that_cannot_be_opened_is_one_line(runs: dict[str, Run], case: str
+                                                         ) -> None:
+    """Not followed by the traceback of aiosqlite's thread for the failed connect, whose
+    answer came to the start's event loop once it was closed (most starts)."""
+    _one_clear_line(runs[case], "cannot use the database at", "unable to open database file")
+
+
+def test_a_failed_sqlite_connect_leaves_no_thread_behind(tmp_path: Path) -> None:
+    """What the test above sees in most starts, made certain: when the connect has failed,
+    its thread has ended, so that nothing of it can come to a loop closed meanwhile."""
+    import asyncio
+    import sys
+    import threading
+
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from proxy.store.repository import create_engine
+
+    (tmp_path / "symgate.sqlite").mkdir()
+    engine = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'symgate.sqlite'}", 5.0)
+
+    async def connect() -> list[threading.Thread]:
+        with pytest.raises(OperationalError, match="unable to open database file"):
+            async with engine.connect() as connection:
+                await connection.execute(text("SELECT 1"))
+        # aiosqlite names its threads after their function.
+        left = [t for t in threading.enumerate() if "_connection_worker_thread" in t.name]
+        await engine.dispose()
+        return left
+
+    # This thread keeps the interpreter from the moment the connect fails until the threads
+    # are listed (it waits on nothing between them): aiosqlite's thread cannot end there.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(60)
+    try:
+        left = asyncio.run(connect())
+    finally:
+        sys.setswitchinterval(switch)
+    assert left == []
 
 
 @pytest.mark.parametrize("case, names", [

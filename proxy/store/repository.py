@@ -78,6 +78,11 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
             cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.close()
 
+        @event.listens_for(engine.sync_engine, "do_connect")
+        def _connect_waiting_on_failure(_dialect: Any, _record: Any, _cargs: Any,
+                                        cparams: dict[str, Any]) -> None:
+            cparams["async_creator_fn"] = _aiosqlite_connect
+
         @event.listens_for(engine.sync_engine, "handle_error")
         def _renew_stuck(context: ExceptionContext) -> None:
             # A connection that could not write its file (made read-only, immutable, on a
@@ -104,6 +109,24 @@ def create_engine(url: str, timeout_s: float | None = None, *, statements: bool 
         dbapi_conn.driver_connection.terminate()
 
     return engine
+
+
+async def _aiosqlite_connect(*args: Any, **kwargs: Any) -> Any:
+    """aiosqlite's connect, as SQLAlchemy makes it, but a connect that fails (the file a
+    directory, or not to be opened) returns once aiosqlite's thread for it has ended: aiosqlite
+    ends the thread without waiting, and the thread's last word came to the event loop after
+    a start that failed had closed it: a traceback of the thread ("Event loop is closed")
+    beside the start's one line."""
+    import aiosqlite
+
+    connection = aiosqlite.connect(*args, **kwargs)
+    thread = connection._thread
+    thread.daemon = True  # as SQLAlchemy's own connect makes it: no exit waits for it
+    try:
+        return await connection
+    except Exception:
+        await asyncio.to_thread(thread.join)
+        raise
 
 
 # How long a SQLite statement waits for another connection's lock without a timeout given.
