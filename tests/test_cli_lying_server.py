@@ -75,6 +75,33 @@ async def test_symbolize_given_a_url_without_a_scheme(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", ["prefetch", "upload", "inspect"])
+@pytest.mark.parametrize(("server", "why"), [
+    ("127.0.0.1:8002", "not an http:// or https:// URL"),
+    ("ftp://127.0.0.1/", "not an http:// or https:// URL"),
+    ("http://[::1", "not a URL (Invalid IPv6 URL)"),
+    ("http://127.0.0.1:80020", "not a URL (Port out of range"),
+])
+async def test_a_server_url_no_request_can_go_to_is_said_once_before_any_work(
+    tmp_path: Path, command: str, server: str, why: str
+) -> None:
+    """prefetch and upload reported aiohttp's bare error class for every artifact
+    ("debuginfo error: NonHttpUrlClientError"), inspect a failed check for every mapping
+    after judging the whole profile, where symbolize said what was wrong with the URL."""
+    (tmp_path / "p.pb").write_bytes(_one_sampled_mapping())
+    (tmp_path / "none.toml").write_text("upstreams = []\n")
+    elf = tmp_path / "true"
+    elf.write_bytes(Path("/bin/true").read_bytes())
+    args = {"prefetch": ["ab" * 20],
+            "upload": [str(elf)],
+            "inspect": [str(tmp_path / "p.pb"), "--config", str(tmp_path / "none.toml")]}
+    result = await run_in_thread(
+        ["symgate", command, *args[command], "--server", server], timeout=60,
+        env={**os.environ, "SYMGATE_TOKEN": "a-token-long-enough-1234"})
+    assert _one_line(result, f"--server {server}: {why}")
+    assert result.stdout == ""  # no summary or table: nothing was tried
+
+
 @pytest.mark.parametrize("mode", ["html", "json", "no-content-type", "302", "401", "429",
                                   "500", "reset", "trickle", "silent"])
 async def test_prefetch_against_a_lying_server(mode: str) -> None:

@@ -97,6 +97,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _unusable_server(server: str) -> str | None:
+    """Why `server`, a --server, is no URL a request can go to; None when it is one. Said once,
+    before any work: prefetch and upload reported aiohttp's bare error class for every
+    artifact instead ("debuginfo error: NonHttpUrlClientError" for a URL without its
+    http://), and inspect judged the whole profile first."""
+    from yarl import URL
+
+    try:
+        url = URL(server)
+    except ValueError as e:  # an unclosed IPv6 address, a port past 65535
+        return f"--server {server}: not a URL ({e})"
+    if url.scheme not in ("http", "https") or not url.host:
+        return f"--server {server}: not an http:// or https:// URL"
+    return None
+
+
 def _db(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.db_command == "upgrade":
@@ -121,6 +137,9 @@ def _symbolize(args: argparse.Namespace) -> int:
         body = args.input.read_bytes()
     except OSError as e:
         print(f"symgate: cannot read {args.input}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    if args.server and (why := _unusable_server(args.server)) is not None:
+        print(f"symgate: {why}", file=sys.stderr)
         return 1
     if not args.output.parent.is_dir():  # said now, not after the work
         print(f"symgate: cannot write {args.output}: no such directory {args.output.parent}",
@@ -187,6 +206,9 @@ def _inspect(args: argparse.Namespace) -> int:
     from proxy.tools.inspect_profile import inspect_profile, render, server_failures, to_json
     from symbolize.pprof.codec import ProfileError
 
+    if args.server and (why := _unusable_server(args.server)) is not None:
+        print(f"symgate: {why}", file=sys.stderr)
+        return 1
     cfg = _config(args)
     nameless = cfg.tenants.get("")
     if args.tenant and args.tenant not in cfg.tenants and nameless is not None \
@@ -237,6 +259,9 @@ def _prefetch(args: argparse.Namespace) -> int:
     )
     from symbolize.pprof.codec import ProfileError
 
+    if (why := _unusable_server(args.server)) is not None:
+        print(f"symgate: {why}", file=sys.stderr)
+        return 1
     summary = Summary()
     try:
         ids = build_ids_from(args.build_ids, args.file or [], args.profile or [],
@@ -299,6 +324,9 @@ def _token(args: argparse.Namespace) -> str:
 def _upload(args: argparse.Namespace) -> int:
     from proxy.tools.upload import Summary, find_items, report, terminal_progress, upload
 
+    if (why := _unusable_server(args.server)) is not None:
+        print(f"symgate: {why}", file=sys.stderr)
+        return 1
     token = _token(args)
     if not token:
         print("symgate: uploads need a bearer token: SYMGATE_TOKEN, or --token-file",
