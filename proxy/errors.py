@@ -170,6 +170,15 @@ def out_of_descriptors(error: OSError) -> OutOfResources | None:
     return None
 
 
+class BuildBoundTooLow(SymgateError, TryAgain):
+    """symbolize.build_memory_bytes is less than a build process maps before it builds
+    anything: no build can succeed, whatever the file. No file is blamed (remembered as
+    malformed), and no profile is answered with its mappings bare (a 200 is kept for good):
+    503 with Retry-After, until the operator raises the bound."""
+
+    outcome = Outcome.UNAVAILABLE
+
+
 class WorkerLost(SymgateError, TryAgain):
     """The worker process doing the request's work died (killed, or crashed in native code)."""
 

@@ -10,6 +10,7 @@ import pytest
 
 from proxy import errors
 from proxy.errors import (
+    BuildBoundTooLow,
     Conflict,
     DatabaseUnavailable,
     Forbidden,
@@ -55,6 +56,7 @@ STATUS = {
     VerificationFailed: 502,
     UpstreamTimeout: 504,
     WorkerLost: 503,
+    BuildBoundTooLow: 503,  # symbolize.build_memory_bytes too low: until it is raised
     SourceEvicted: 503,  # a cached file another process evicted: fetched again
     OutOfResources: 503,  # out of file descriptors: they come back
     DatabaseUnavailable: 503,  # a symbol table's row out of reach: the database comes back
@@ -70,7 +72,7 @@ PASSING = TRANSIENT | {InsufficientStorage}
 # Our own passing failures: a full /symbolize, a worker that died, no descriptor left;
 # retried by anyone.
 BUSY = {Overloaded: 429, WorkerLost: 503, SourceEvicted: 503, OutOfResources: 503,
-        DatabaseUnavailable: 503}
+        DatabaseUnavailable: 503, BuildBoundTooLow: 503}
 CURL = "curl/8.5.0"
 ELFUTILS = "elfutils/0.188,Linux/x86_64,debian/12"
 

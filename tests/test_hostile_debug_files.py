@@ -61,6 +61,24 @@ async def test_a_build_that_runs_out_of_memory_is_malformed_and_kills_no_worker(
     assert pool.pids() == workers
 
 
+async def test_a_memory_bound_below_what_a_builder_maps_blames_no_file(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """symbolize.build_memory_bytes = "100MiB", say, is less than a build process maps before
+    it builds anything: every build failed its first allocation, each file was remembered as
+    malformed for a day (past the operator's fix of the setting), and each profile answered
+    200 with its mappings bare. Now the profile is refused (503) with what to change."""
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
+                         elfs.prog.executable)
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(
+        debug_dirs=(tree,), build_memory_bytes=16 << 20))
+    for _ in range(2):
+        status, _, body = await post(sg, _profile(elfs, "prog"))
+        assert status == 503, body
+        assert b"symbolize.build_memory_bytes (16777216 bytes) is less than" in body, body
+    assert await sg.metric("symgate_symtab_builds_total", result="malformed") == 0
+
+
 def test_a_build_past_its_time_is_killed_malformed_and_leaves_nothing(
     elfs: ElfSet, tmp_path: Path
 ) -> None:

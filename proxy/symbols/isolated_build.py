@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.errors import WorkerLost
+from proxy.errors import BuildBoundTooLow, WorkerLost
 from proxy.symbols import worker_process
 from symbolize.symtab import BuildResult, MalformedObject, NoSymbols, build_symbol_table
 
@@ -37,7 +37,7 @@ from symbolize.symtab import BuildResult, MalformedObject, NoSymbols, build_symb
 _OOM_FIRST = b"1000"
 # What a child's build raised that the worker re-raises as it is; anything else that
 # unpickles is re-raised too, and one that does not (symbolic's) is a MalformedObject.
-_KNOWN = (NoSymbols, MalformedObject, OSError, WorkerLost)
+_KNOWN = (NoSymbols, MalformedObject, OSError, WorkerLost, BuildBoundTooLow)
 _TIMEOUT = b"timeout"  # _read's answer for a child killed for its time: no pickle is that
 _FRAME = struct.Struct("<Q")  # a message's length, before it
 # Sent by the child as it takes a build, before its answer: a child killed between two builds
@@ -208,7 +208,16 @@ def _serve(requests: int, answers: int, parent: int,
         worker_process.name_process("symgate-builder")
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "wb") as f:
             f.write(_OOM_FIRST)
-        if memory_bytes:
+        too_low = None
+        if memory_bytes and memory_bytes <= (mapped := _mapped()):
+            # A bound this process is past already failed every build's first allocation,
+            # and each file was remembered as malformed (for malformed_retry_s, a day, past
+            # the operator's fix of the setting): said instead, and no file blamed.
+            too_low = BuildBoundTooLow(
+                f"symbolize.build_memory_bytes ({memory_bytes} bytes) is less than a build "
+                f"process maps before it builds anything ({mapped} bytes): no symbol table "
+                "can be built; raise it, or make it 0 (no bound)")
+        elif memory_bytes:
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         while (head := _read_exactly(requests, _FRAME.size)) is not None:
             body = _read_exactly(requests, _FRAME.unpack(head)[0])
@@ -218,6 +227,8 @@ def _serve(requests: int, answers: int, parent: int,
             source, out, build_id, executable, supplement = pickle.loads(body)
             last = False
             try:
+                if too_low is not None:
+                    raise too_low
                 answer: tuple[str, Any] = ("ok", build_symbol_table(
                     source, out, build_id, executable, supplement))
             except MemoryError:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.errors import (
+    BuildBoundTooLow,
     Conflict,
     DatabaseUnavailable,
     Forbidden,
@@ -74,6 +75,7 @@ STATUS: tuple[tuple[type[SymgateError], int], ...] = (
     (InsufficientStorage, 507),
     (UploadBudgetFull, 507),  # RFC 4918: the server cannot store what it must to answer
     (WorkerLost, 503),
+    (BuildBoundTooLow, 503),
     (SourceEvicted, 503),
     (OutOfResources, 503),
     (DatabaseUnavailable, 503),
