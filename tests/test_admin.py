@@ -64,6 +64,24 @@ async def test_cache_ls_stats_and_purge(
     assert bad.returncode == 2 and "invalid build ID" in bad.stderr
 
 
+async def test_an_empty_build_id_purges_and_clears_nothing(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """`symgate cache purge "$ID"` with $ID unset or empty purged the whole cache (uploads,
+    which no upstream gives back, too) and `negative clear ""` every miss, as only --all may:
+    an empty BUILD_ID was taken for none."""
+    sg = await start_symgate([faults.url_for("ok")])
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.settled()
+    cfg = config_file(sg, tmp_path)
+    for command in (["cache", "purge", ""], ["negative", "clear", ""], ["cache", "ls", ""]):
+        refused = await cli(cfg, *command)
+        assert refused.returncode == 2 and refused.stdout == "", refused
+        assert "invalid build ID" in refused.stderr, refused.stderr
+    listed = json.loads((await cli(cfg, "cache", "ls", "--json")).stdout)
+    assert [r["key"] for r in listed] == [f"{elfs.prog.build_id}/debuginfo"]
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["cache", "ls", "--all"], "--all goes with cache purge, not cache ls"),
     (["cache", "stats", "--all"], "--all goes with cache purge, not cache stats"),

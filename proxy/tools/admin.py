@@ -50,6 +50,13 @@ class NegativeRow:
         return self.expires_at > datetime.now(UTC)
 
 
+def _one_or_every(build_id: str | None) -> str | None:
+    """The build ID an admin command is about; None (not given): every one. An empty one is
+    no build ID (InvalidRequest): `cache purge "$ID"` with $ID unset purged the whole cache,
+    uploads too, which only --all may."""
+    return None if build_id is None else normalize_build_id(build_id)
+
+
 class Admin:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -62,7 +69,7 @@ class Admin:
 
     async def artifacts(self, build_id: str | None = None, *, every_replica: bool = False
                         ) -> list[ArtifactRecord]:
-        bid = normalize_build_id(build_id) if build_id else None
+        bid = _one_or_every(build_id)
         return list(await self.repo.artifacts_of(bid, every_replica=every_replica))
 
     async def stats(self) -> CacheStats:
@@ -83,7 +90,7 @@ class Admin:
     async def purge(self, build_id: str | None) -> list[ArtifactRecord]:
         """Delete cached artifacts (of one build ID, or all) and their symbol tables, on every
         replica: each replica's copy is listed once per replica."""
-        bid = normalize_build_id(build_id) if build_id else None
+        bid = _one_or_every(build_id)
         # Under the data dir's upload lock, which a serving process holds from a commit's
         # file rename to its row: an upload of a purged key committed between this purge's
         # rows and its files had its new file removed, after its PUT was told 201.
@@ -115,7 +122,7 @@ class Admin:
         """Forget the symbol-table builds that failed (of one build ID, or all), which are
         otherwise believed for hours (symbolize.malformed_retry_s...): a debug tree fixed, the
         next profile builds again. How many were forgotten."""
-        bid = normalize_build_id(build_id) if build_id else None
+        bid = _one_or_every(build_id)
         return await self.repo.delete_symbol_tables_but(Outcome.OK, bid)
 
     async def _purge_bucket(self, build_id: str | None) -> None:
@@ -136,9 +143,9 @@ class Admin:
         await tier.forget(await self.repo.bucket_objects_of(build_id))
 
     async def negatives(self, build_id: str | None = None) -> list[NegativeRow]:
-        bid = normalize_build_id(build_id) if build_id else None
+        bid = _one_or_every(build_id)
         return [NegativeRow(n.key, n.upstream, n.misses, aware(n.first_seen),
                             aware(n.expires_at)) for n in await self.repo.negatives_of(bid)]
 
     async def clear_negatives(self, build_id: str | None) -> int:
-        return await self.repo.delete_negatives(normalize_build_id(build_id) if build_id else None)
+        return await self.repo.delete_negatives(_one_or_every(build_id))
