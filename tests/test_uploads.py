@@ -1084,3 +1084,17 @@ async def test_a_purge_from_the_cli_waits_for_a_commit_under_way(
     out, err = await purge.communicate()
     assert purge.returncode == 0, err
     assert b"purged 1 artifacts" in out
+
+
+def test_a_named_path_that_is_no_file_is_said_to_be_none_not_missing(tmp_path: Path) -> None:
+    """`symgate upload /dev/null` (or a FIFO) said "no such file or directory" of a path that
+    is there, and a FIFO is never opened: it would hold the command."""
+    from proxy.tools.upload import Summary, find_items
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    summary = Summary()
+    assert find_items([fifo, Path("/dev/null"), tmp_path / "absent"], summary) == []
+    assert summary.skipped == [f"{fifo}: not a file or directory",
+                               "/dev/null: not a file or directory",
+                               f"{tmp_path / 'absent'}: no such file or directory"]

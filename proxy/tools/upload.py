@@ -78,6 +78,10 @@ def find_items(paths: Iterable[Path], summary: Summary) -> list[Item]:
                         add(p, named=False)
         elif root.is_file():
             add(root, named=True)
+        elif root.exists():
+            # A device, a FIFO, a socket: not read (a FIFO would hold the command). It was
+            # said to be missing, which sent the operator looking for a typo.
+            summary.skipped.append(f"{root}: not a file or directory")
         else:
             summary.skipped.append(f"{root}: no such file or directory")
     return list(items.values())
