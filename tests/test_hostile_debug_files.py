@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tests.profiles import code_addresses, make_profile, place
 from tests.rewriting import open_table
 from tests.symbolize_helpers import BASES, post, symbolize_config
 
+ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
 
@@ -77,6 +80,27 @@ async def test_a_memory_bound_below_what_a_builder_maps_blames_no_file(
         assert status == 503, body
         assert b"symbolize.build_memory_bytes (16777216 bytes) is less than" in body, body
     assert await sg.metric("symgate_symtab_builds_total", result="malformed") == 0
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None or (
+    os.geteuid() == 0 and shutil.which("setpriv") is None), reason="needs prlimit (and setpriv)")
+def test_a_memory_bound_past_the_servers_hard_limit_builds_within_it(
+    elfs: ElfSet, tmp_path: Path
+) -> None:
+    """build_memory_bytes above the hard RLIMIT_AS the server was started under (systemd's
+    LimitAS=): the builder's setrlimit raised, it ended before it took any build, and every
+    profile that needed one was refused for good ("its build process would not start; try
+    again", 503). (Root may raise a hard limit: it is made to lose that right.)"""
+    out = tmp_path / "tables" / f"{elfs.prog.build_id}.symc"
+    script = ("import sys; from pathlib import Path; from proxy.symbols import isolated_build; "
+              f"isolated_build.build(0, 16 << 30, Path({str(elfs.prog.debug)!r}), "
+              f"Path({str(out)!r}), {elfs.prog.build_id!r}); print('built')")
+    unprivileged = ["setpriv", "--bounding-set=-sys_resource"] if os.geteuid() == 0 else []
+    done = subprocess.run([*unprivileged, "prlimit", f"--as={8 << 30}", sys.executable, "-c",
+                           script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout == "built\n", done.stderr
+    assert out.exists()
 
 
 def test_a_build_past_its_time_is_killed_malformed_and_leaves_nothing(

@@ -218,7 +218,12 @@ def _serve(requests: int, answers: int, parent: int,
                 f"process maps before it builds anything ({mapped} bytes): no symbol table "
                 "can be built; raise it, or make it 0 (no bound)")
         elif memory_bytes:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+            # Within the hard limit the server was started under (systemd's LimitAS=, ulimit
+            # -v), which binds it anyway: past it, setrlimit raised, this child ended before
+            # it took any build, and every profile that needed one was refused (503) for good.
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            bound = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
+            resource.setrlimit(resource.RLIMIT_AS, (bound, bound))
         while (head := _read_exactly(requests, _FRAME.size)) is not None:
             body = _read_exactly(requests, _FRAME.unpack(head)[0])
             if body is None:
