@@ -141,13 +141,9 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
     partly on disk and partly in memory (proxy.artifacts.flight)."""
     try:
         head = read(64, 0)
-        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
-                or head[5] not in (1, 2):
+        if (ident := _ident(head)) is None:
             return None
-        is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
-        layout = _CLASSES[is64]
-        if len(head) < layout.header_size:
-            return None
+        is64, order, layout = ident
         e_type, = struct.unpack_from(order + "H", head, 0x10)
         phoff, shoff = struct.unpack_from(order + layout.offsets, head, layout.offsets_at)
         phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from(
@@ -168,13 +164,9 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
         if shoff:
             if shentsize != struct.calcsize(sfmt):
                 return None
-            if shnum == 0 or shstrndx == SHN_XINDEX:
-                first = _read_exactly(read, shentsize, shoff)
-                if first is None:
-                    return None
-                row = struct.unpack(sfmt, first)
-                shnum = row[5] if shnum == 0 else shnum
-                shstrndx = row[6] if shstrndx == SHN_XINDEX else shstrndx
+            if (counts := _counts(read, sfmt, shoff, shnum, shstrndx)) is None:
+                return None
+            shnum, shstrndx = counts
             # Checked before a byte is read: the count is the file's word, not its size.
             if not 0 < shnum <= MAX_SECTIONS or shnum * shentsize > file_size - shoff:
                 return None
@@ -234,14 +226,10 @@ def section_named(read: Read, file_size: int, name: bytes) -> SectionHeader | No
     again), and a count past that was pyelftools' walk, four seconds."""
     try:
         head = read(64, 0)
-        if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
-                or head[5] not in (1, 2):
+        if (ident := _ident(head)) is None:
             raise UnusualHeaders
-        is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
-        layout = _CLASSES[is64]
+        _is64, order, layout = ident
         sfmt = order + layout.section
-        if len(head) < layout.header_size:
-            raise UnusualHeaders
         _, shoff = struct.unpack_from(order + layout.offsets, head, layout.offsets_at)
         _, _, shentsize, shnum, shstrndx = struct.unpack_from(order + "HHHHH", head,
                                                               layout.counts_at)
@@ -249,13 +237,9 @@ def section_named(read: Read, file_size: int, name: bytes) -> SectionHeader | No
             return None
         if shentsize != struct.calcsize(sfmt):
             raise UnusualHeaders
-        if shnum == 0 or shstrndx == SHN_XINDEX:
-            first = _read_exactly(read, shentsize, shoff)
-            if first is None:
-                raise UnusualHeaders
-            row = struct.unpack(sfmt, first)
-            shnum = row[5] if shnum == 0 else shnum
-            shstrndx = row[6] if shstrndx == SHN_XINDEX else shstrndx
+        if (counts := _counts(read, sfmt, shoff, shnum, shstrndx)) is None:
+            raise UnusualHeaders
+        shnum, shstrndx = counts
         if shnum <= 0 or shnum * shentsize > file_size - shoff:
             raise UnusualHeaders
         names = b""
@@ -291,6 +275,31 @@ def section_named(read: Read, file_size: int, name: bytes) -> SectionHeader | No
         return None
     except (OSError, OverflowError, struct.error):
         raise UnusualHeaders from None
+
+
+def _ident(head: bytes) -> tuple[bool, str, _Class] | None:
+    """Whether the ELF header `head` (its first 64 bytes) is ELF64, its byte order for struct,
+    and its class's layout; None where it is no ELF header whole."""
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) \
+            or head[5] not in (1, 2):
+        return None
+    is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
+    layout = _CLASSES[is64]
+    return None if len(head) < layout.header_size else (is64, order, layout)
+
+
+def _counts(read: Read, sfmt: str, shoff: int, shnum: int, shstrndx: int
+            ) -> tuple[int, int] | None:
+    """The section count and the name table's index: the ELF header's, or where it defers to
+    the first section header (extended numbering, past 0xff00 sections: 0 and SHN_XINDEX),
+    that header's; None where it cannot be read."""
+    if shnum != 0 and shstrndx != SHN_XINDEX:
+        return shnum, shstrndx
+    first = _read_exactly(read, struct.calcsize(sfmt), shoff)
+    if first is None:
+        return None
+    row = struct.unpack(sfmt, first)
+    return row[5] if shnum == 0 else shnum, row[6] if shstrndx == SHN_XINDEX else shstrndx
 
 
 def _read_exactly(read: Read, size: int, offset: int) -> bytes | None:

@@ -728,29 +728,40 @@ async def test_a_rewrite_its_profile_was_refused_during_keeps_its_slot_until_it_
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
 
 
+async def _libc_server(start_symgate: SymgateFactory, tmp_path: Path
+                       ) -> tuple[Symgate, Path, bytes]:
+    """A server with one build worker over libc's debug tree, started; its symtabs folder,
+    and a profile of 50 libc addresses, whose table takes a build long enough to be caught
+    writing."""
+    if not LIBC_DEBUG.exists():
+        pytest.skip("needs Debian's libc6-dbg")
+    tree = libc_tree(tmp_path / "debug")
+    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
+    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
+    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
+                        ).SerializeToString()
+    await _started(sg)
+    return sg, sg.config.server.data_dir / "symtabs", body
+
+
+async def _builder_writing(symtabs: Path) -> int:
+    """The pid of the builder once it writes a table's file (`<build ID>.[<part>.]<pid>.tmp`)."""
+    for _ in range(20000):  # bounded: until the builder writes
+        if writing := list(symtabs.rglob("*.tmp")):
+            return int(writing[0].name.removesuffix(".tmp").rpartition(".")[2])
+        await asyncio.sleep(0.0005)
+    raise AssertionError("no table was written")
+
+
 async def test_a_build_worker_killed_mid_write_leaves_no_half_written_table(
     start_symgate: SymgateFactory, tmp_path: Path
 ) -> None:
     """What a killed builder was writing (`<build ID>.<its pid>.tmp`, libc's a few MB) goes
     with it, not at the server's next start: an OOM killer that takes the builder of one big
     file at each try would otherwise fill the disk with them while the server runs on."""
-    if not LIBC_DEBUG.exists():
-        pytest.skip("needs Debian's libc6-dbg")
-    tree = libc_tree(tmp_path / "debug")
-    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
-    symtabs = sg.config.server.data_dir / "symtabs"
-    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
-    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
-                        ).SerializeToString()
-    await _started(sg)
+    sg, symtabs, body = await _libc_server(start_symgate, tmp_path)
     pending = asyncio.ensure_future(post(sg, body))
-    writing: list[Path] = []
-    for _ in range(20000):  # bounded: until the worker writes the table
-        if writing := list(symtabs.rglob("*.tmp")):
-            break
-        await asyncio.sleep(0.0005)
-    assert writing, "no table was written"
-    writer = int(writing[0].name.removesuffix(".tmp").rpartition(".")[2])
+    writer = await _builder_writing(symtabs)
     os.kill(writer, signal.SIGKILL)
     status, headers, text = await pending
     assert status == 503, (status, headers, text)
@@ -782,24 +793,10 @@ async def test_a_worker_killed_as_its_builder_writes_leaves_no_half_written_tabl
     (`<build ID>.inf.<pid>.tmp`, the inflated debug file) was left as a live writer's, until
     the server's next start, though the table's build lock was the server's. Here the
     builder stays dying (a zombie) for as long as the test needs."""
-    if not LIBC_DEBUG.exists():
-        pytest.skip("needs Debian's libc6-dbg")
-    tree = libc_tree(tmp_path / "debug")
-    sg = await start_symgate([], symbolize=symbolize_config(workers=1, debug_dirs=(tree,)))
-    symtabs = sg.config.server.data_dir / "symtabs"
-    libc = place(Elf("libc.so.6", LIBC_ID, LIBC, LIBC_DEBUG, ()), BASES["libmix.so"])
-    body = make_profile([(libc, [libc.text.vaddr + i * 4096 for i in range(50)])]
-                        ).SerializeToString()
-    await _started(sg)
+    sg, symtabs, body = await _libc_server(start_symgate, tmp_path)
     with _orphans_kept_unreaped():
         pending = asyncio.ensure_future(post(sg, body))
-        writing: list[Path] = []
-        for _ in range(20000):  # bounded: until the builder writes
-            if writing := list(symtabs.rglob("*.tmp")):
-                break
-            await asyncio.sleep(0.0005)
-        assert writing, "no table was written"
-        builder = int(writing[0].name.removesuffix(".tmp").rpartition(".")[2])
+        builder = await _builder_writing(symtabs)
         stat = Path(f"/proc/{builder}/stat").read_text()
         worker = int(stat.rpartition(")")[2].split()[1])
         os.kill(worker, signal.SIGKILL)
