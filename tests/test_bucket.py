@@ -1795,14 +1795,17 @@ async def test_an_upload_whose_replica_was_killed_before_the_bucket_had_it_is_ta
 
 
 @on_postgresql
+@pytest.mark.parametrize("evicting", ["e", "a"], ids=["another replica", "a's other process"])
 async def test_an_upload_published_while_the_eviction_deletes_the_download_stays_in_the_bucket(
     start_symgate: SymgateFactory, tmp_path: Path, debuginfod: Debuginfod, elfs: ElfSet,
-    prefix: Prefix, s3: S3Server
+    prefix: Prefix, s3: S3Server, evicting: str
 ) -> None:
     """Replica e evicts a download from the bucket: its row, then its object. An upload of
     the key on replica a wrote its object and row between the two: e's DELETE took the
     upload's object, the upload's row named nothing, and every other replica served the
-    download it replaced, fetched from upstream again (the PUT had been answered 201)."""
+    download it replaced, fetched from upstream again (the PUT had been answered 201).
+    Alike where the eviction is that of another process on a's data dir (serve --workers):
+    the upload took its lease for that of a fetch of a's, which it does not wait for."""
     token = "symgate-test-upload-token"
     auth = {"Authorization": f"Bearer {token}"}
     path = f"/buildid/{elfs.prog.build_id}/debuginfo"
@@ -1816,7 +1819,7 @@ async def test_an_upload_published_while_the_eviction_deletes_the_download_stays
         await eventually(lambda: _published(a, prefix, elfs.prog))
         # The eviction's DELETE of the object, held: its row is gone already.
         bucket.add("hold", method="POST", path="delete", times=1)
-        (e,) = await replicas(start_symgate, tmp_path, debuginfod.url, "e",
+        (e,) = await replicas(start_symgate, tmp_path, debuginfod.url, evicting,
                               prefix.config(endpoint=bucket.endpoint, max_age_s=1.0,
                                             read_timeout_s=30.0))
         await asyncio.wait_for(bucket.held.wait(), 20)

@@ -147,7 +147,10 @@ class SharedTier:
         self.leases = Leases(repo, replica, config.lease_s)
         self._tasks: set[asyncio.Task[None]] = set()
         self._publishing: set[str] = set()  # key hashes this process is writing now
-        self._evicting: set[str] = set()  # key hashes whose objects this process deletes now
+        # The eviction's holds of a key's lease, under holders of their own (not `replica:`):
+        # an upload waits for one (a DELETE) whichever process of whichever replica has it,
+        # where it does not wait for this replica's fetch of the key (publish_upload).
+        self._eviction_leases = Leases(repo, f"eviction-{replica}", config.lease_s)
         self._next_sweep = 0.0  # time.monotonic() of this process's next orphan sweep
 
     # -- a local miss ------------------------------------------------------------------------
@@ -328,9 +331,9 @@ class SharedTier:
         """publish() an upload under its key's lease, waited for up to read_timeout_s: the
         eviction holds it for one DELETE of the key's object (which must not take this one),
         bounded so. A holder that keeps it longer (another replica fetching the key) is
-        published over, as without the lease. So is one of this replica's other than this
-        process's eviction: its fetch of the key, which waits to commit for the upload lock
-        this upload holds, would hold the PUT for that whole time."""
+        published over, as without the lease. So is one of this replica's that is no
+        eviction (of any of its processes): its fetch of the key, which waits to commit for
+        the upload lock this upload holds, would hold the PUT for that whole time."""
         if not self.bucket.available:
             return False  # not waited for: publish() would not write it
         name = fetch_lease(rec.key_hash)
@@ -340,9 +343,8 @@ class SharedTier:
         try:
             while (lease := await self.leases.take(name)) is None \
                     and asyncio.get_running_loop().time() < deadline:
-                if rec.key_hash not in self._evicting and (
-                        (holder := await self._repo.lease_of(name)) is not None
-                        and holder[0].startswith(f"{self._replica}:")):
+                if (holder := await self._repo.lease_of(name)) is not None \
+                        and holder[0].startswith(f"{self._replica}:"):
                     break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, POLL_LONGEST_S)
@@ -551,16 +553,14 @@ class SharedTier:
         for rec in doomed:
             if rec.key_hash not in gone or not self.bucket.available:
                 continue  # a rowless object is never read: the orphan sweep takes it
-            lease = await self.leases.take(fetch_lease(rec.key_hash))
+            lease = await self._eviction_leases.take(fetch_lease(rec.key_hash))
             if lease is None:
                 continue  # being written anew
-            self._evicting.add(rec.key_hash)
             try:
                 if not await self._repo.bucket_objects([rec.key_hash]):
                     with contextlib.suppress(BucketDown):
                         await self.bucket.delete([object_path(rec.kind, rec.key_hash)])
             finally:
-                self._evicting.discard(rec.key_hash)
                 await lease.release()
 
     def _start(self, job: Awaitable[None]) -> None:
