@@ -14,6 +14,7 @@ import pytest
 
 from proxy.config import UploadConfig
 from proxy.keys import ArtifactKey
+from proxy.store.disk import DiskStore
 from proxy.web.state import STATE
 from symbolize.elf import LoadSegment, function_symbols
 from symbolize.pprof.profile_pb2 import Profile
@@ -235,3 +236,22 @@ async def test_a_table_built_while_its_upload_is_deleted_is_not_kept(
         headers
     assert await sg.runner.app[STATE].repo.get_symbol_table("", LIBC_ID) is None
     assert not list((sg.config.server.data_dir / "symtabs").rglob(f"{LIBC_ID}.symc"))
+
+
+def test_a_lost_builds_leftovers_go_but_not_a_live_copy_from_the_bucket(tmp_path: Path) -> None:
+    """A build whose worker was lost leaves its files, removed under the table's build lock
+    whoever wrote them (the builder may not be torn down yet); a copy of the same table from
+    the shared bucket is made outside that lock, by a process that is alive: removed too, its
+    rename failed, and the table was built again for nothing."""
+    store = DiskStore(tmp_path / "cache", tmp_path / "symtabs")
+    bid = "ab" * 20
+    folder = store.symtab_path("", bid).parent
+    folder.mkdir(parents=True)
+    pid = os.getpid()  # alive: the builder still being torn down, the copy under way
+    built = [folder / f"{bid}.{pid}.tmp", folder / f"{bid}.inf.{pid}.tmp"]
+    copying = folder / f"{bid}.bucket-0123abcd.{pid}.tmp"
+    copied_by_the_dead = folder / f"{bid}.bucket-4567ef01.999999999.tmp"
+    for f in (*built, copying, copied_by_the_dead):
+        f.write_bytes(b"x")
+    assert store.clear_table_temp("", bid) == 3
+    assert sorted(folder.iterdir()) == [copying]

@@ -246,9 +246,13 @@ class DiskStore:
         of the table is under way, so they are removed whether or not their writer is gone
         yet. A builder dies with its worker, but the server hears of the worker's death while
         the builder is still being torn down (a libc build has hundreds of MB to unmap):
-        taken for a live writer's, its files stayed until the server's next start."""
+        taken for a live writer's, its files stayed until the server's next start. A copy
+        of the table from the shared bucket (`.bucket-<name>.<pid>.tmp`) is made outside that
+        lock: it stays while its writer lives, or the copy under way failed its rename and
+        the table was built again."""
         table = self.symtab_path(scope, build_id)
-        return _remove_temps(table.parent.glob(f"{build_id}.*.tmp"))
+        return _remove_temps(t for t in table.parent.glob(f"{build_id}.*.tmp")
+                             if ".bucket-" not in t.name or not _alive(_writer_pid(t.name)))
 
 
 def _remove_orphan_temps(temps: Iterable[Path]) -> int:
