@@ -550,17 +550,25 @@ class SharedTier:
         which served the download it replaced, fetched from upstream again."""
         gone = set(await self._repo.delete_bucket_versions(
             [(rec.key_hash, rec.sha256) for rec in doomed]))
-        for rec in doomed:
-            if rec.key_hash not in gone or not self.bucket.available:
-                continue  # a rowless object is never read: the orphan sweep takes it
-            lease = await self._eviction_leases.take(fetch_lease(rec.key_hash))
-            if lease is None:
-                continue  # being written anew
-            try:
-                if not await self._repo.bucket_objects([rec.key_hash]):
-                    with contextlib.suppress(BucketDown):
-                        await self.bucket.delete([object_path(rec.kind, rec.key_hash)])
-            finally:
+        if not self.bucket.available:
+            return  # a rowless object is never read: the orphan sweep takes it
+        held: list[tuple[BucketRecord, Lease]] = []
+        try:
+            for rec in doomed:
+                # Not a key written anew (its lease taken): the sweep takes what it leaves.
+                if rec.key_hash in gone and (lease := await self._eviction_leases.take(
+                        fetch_lease(rec.key_hash))) is not None:
+                    held.append((rec, lease))
+            # One look and one DELETE for the batch, under all of its leases: the eviction of
+            # a full bucket is thousands of objects, a query and a request each otherwise.
+            named = await self._repo.bucket_objects([rec.key_hash for rec, _ in held]) \
+                if held else {}
+            if doomed_paths := [object_path(rec.kind, rec.key_hash) for rec, _ in held
+                                if rec.key_hash not in named]:
+                with contextlib.suppress(BucketDown):
+                    await self.bucket.delete(doomed_paths)
+        finally:
+            for _, lease in held:
                 await lease.release()
 
     def _start(self, job: Awaitable[None]) -> None:
