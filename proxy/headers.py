@@ -34,9 +34,16 @@ def http_date(value: str | None) -> str | None:
     would not keep (before 1970, past 2038): a miss must not say one Last-Modified and the hits
     after it another."""
     when = _date(value)
-    if when is None or not 0 <= when < _LATEST_TIME:
+    return None if when is None else file_date(when)
+
+
+def file_date(mtime: float) -> str | None:
+    """A file's time (a local directory's) as an HTTP date, by http_date's rule: None for one
+    before 1970 or past 2038. Not only for the hits' sake: tmpfs and btrfs keep times whose
+    year is past 9999 or before 1, which no HTTP date can say (formatdate raises)."""
+    if not 0 <= mtime < _LATEST_TIME:
         return None
-    return email.utils.formatdate(when, usegmt=True)
+    return email.utils.formatdate(mtime, usegmt=True)
 
 
 def _date(value: str | None) -> float | None:

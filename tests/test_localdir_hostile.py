@@ -11,11 +11,13 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.config import UpstreamConfig
@@ -228,3 +230,37 @@ async def test_a_debug_dir_link_to_another_build_id_is_passed_over(
                                 "--debug-dir", str(right)])
     assert done.returncode == 0, done.stderr
     assert (await post(sg, profile.read_bytes()))[2] == (tmp_path / "out.pb").read_bytes()
+
+
+async def test_files_whose_times_no_http_date_can_say_are_served(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet
+) -> None:
+    """A debug file whose mtime is past year 9999 (`touch -d @1099511627776`; tmpfs and btrfs
+    keep such times, ext4 clamps them at 2446) was a 500 for every request of it, its
+    descriptor left open each time, and the upstreams after the directory never asked: its
+    Last-Modified raised (formatdate's "year is out of range", or EOVERFLOW)."""
+    try:
+        tree = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="symgate-test-"))
+    except OSError:
+        pytest.skip("no /dev/shm to keep times ext4 cannot")
+    try:
+        ids = tree / ".build-id" / elfs.prog.build_id[:2]
+        ids.mkdir(parents=True)
+        files = {"debuginfo": (elfs.prog.debug, 2**40), "executable": (elfs.prog.executable,
+                                                                     2**62)}
+        for kind, (source, mtime) in files.items():
+            copy = ids / (elfs.prog.build_id[2:] + (".debug" if kind == "debuginfo" else ""))
+            shutil.copy(source, copy)
+            os.utime(copy, (mtime, mtime))
+            if copy.stat().st_mtime != mtime:
+                pytest.skip("/dev/shm does not keep times past 2446")
+        sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0), debuginfod.url])
+        for kind, (source, _) in files.items():
+            for _ in range(2):  # the download, then the cached copy
+                status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
+                assert status == 200 and body == source.read_bytes(), (kind, body[:200])
+                await sg.settled()
+            assert await sg.metric("symgate_upstream_requests_total", upstream=debuginfod.url,
+                                   result="ok") == 0  # the directory's own file
+    finally:
+        shutil.rmtree(tree)

@@ -18,14 +18,13 @@ import re
 import stat
 import threading
 from collections.abc import AsyncIterator, Iterator
-from email.utils import formatdate
 from pathlib import Path
 
 from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
 
 from proxy.errors import UpstreamUnavailable
-from proxy.headers import printable
+from proxy.headers import file_date, printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Hop
@@ -287,7 +286,7 @@ class FileBody:
         # newline, bytes that are not UTF-8) is not sent, nor stored; the default name is.
         self.meta = ArtifactMeta(upstream=source, size=st.st_size,
                                  filename=printable(name, _MAX_FILENAME), archive=None,
-                                 last_modified=formatdate(st.st_mtime, usegmt=True))
+                                 last_modified=file_date(st.st_mtime))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         fd, offset = self._fd, 0
