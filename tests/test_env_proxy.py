@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from tests.elfs import ElfSet
+from proxy.config import UpstreamConfig
+from tests.elfs import ElfSet, build_id_tree
 from tests.faults import FakeNetwork, FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream
 
@@ -227,3 +228,30 @@ async def test_a_redirect_through_the_proxy_cannot_reach_inside_by_rebinding(
             assert inside.count("ok") == served
     finally:
         await inside.stop()
+
+
+@pytest.mark.parametrize("proxy", ["http://[::1", "http://127.0.0.1:99999",
+                                   "user:secret@127.0.0.1:9", "socks5://user:secret@127.0.0.1:9"])
+async def test_an_http_proxy_variable_that_is_no_http_url_is_a_502_that_names_it(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, proxy: str,
+) -> None:
+    """An HTTP_PROXY that is no URL (an unclosed IPv6 address, a port past 65535) raised
+    ValueError from deep in every fetch: a 500 that said nothing, the upstreams after the
+    first never asked, not even a local directory. One without a scheme (curl takes
+    "user:password@proxy:3128") was aiohttp's InvalidURL, whose text, the proxy's password in
+    it, went to every client in its 502; a SOCKS one was spoken plain HTTP to."""
+    monkeypatch.setenv("HTTP_PROXY", proxy)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    tree = tmp_path / "debug"
+    build_id_tree(tree, elfs.prog.build_id, elfs.prog.debug, elfs.prog.executable)
+    sg = await start_symgate([fast_upstream(faults.url_for("ok")),
+                              UpstreamConfig(path=tree, rescan_s=0)])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()  # from the directory
+    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 502, body
+    assert b"an HTTP proxy the environment names (HTTP_PROXY, HTTPS_PROXY) is not" in body
+    assert b"secret" not in body
+    assert faults.count("ok") == 0  # never reached, past a proxy it could not use

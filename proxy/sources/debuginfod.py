@@ -23,7 +23,7 @@ from proxy.metrics import BreakerState, ProxyMetrics, upstream_label
 from proxy.sources import redirects
 from proxy.sources.base import USER_AGENT, ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
-from proxy.sources.env_routes import EnvironmentRoutes
+from proxy.sources.env_routes import EnvironmentRoutes, Route, UnusableProxy
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ class Upstream:
                 if self._url_authorization and not any(k.lower() == "authorization"
                                                        for k in headers):
                     headers["Authorization"] = self._url_authorization
-            route = await self._routes.route(url)
+            route = await self._route(url)
             route.add_headers(url, headers, upstream_origin=own_origin)
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:  # aiohttp would take it for no limit at all
@@ -428,6 +428,12 @@ class Upstream:
                     self.name, self.cfg.max_redirects, shown_url(str(url)))
         raise _Permanent(UpstreamUnavailable(f"{self.name}: too many redirects"))
 
+    async def _route(self, url: URL) -> Route:
+        try:
+            return await self._routes.route(url)
+        except UnusableProxy as e:  # the site's misconfiguration, the same on every retry
+            raise _Permanent(UpstreamUnavailable(f"{self.name}: {e}")) from None
+
     def _refused(self, source: URL, target: URL | str, why: str | None) -> _Permanent:
         shown = printable(shown_url(str(target)), 512) or "?"
         log.warning("upstream %s: refused redirect from %s to %s: %s",
@@ -442,7 +448,7 @@ class Upstream:
             # compare, and behind an HTTP proxy symgate may not resolve it at all (the proxy
             # does), which refused every redirect of such an upstream.
             return None
-        if (await self._routes.route(target)).proxy is not None \
+        if (await self._route(target)).proxy is not None \
                 and not redirects.is_address(target) \
                 and target.raw_host != self._base_url.raw_host:
             # The proxy resolves the name itself, perhaps to another answer than the check

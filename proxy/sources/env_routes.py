@@ -57,11 +57,30 @@ class EnvironmentRoutes:
         return known
 
 
+class UnusableProxy(Exception):
+    """The environment names an HTTP proxy that is no URL a request can go through."""
+
+
+_NAMED = "an HTTP proxy the environment names (HTTP_PROXY, HTTPS_PROXY)"
+
+
 def _look_up(url: URL) -> Route:
     proxy: URL | None = None
     proxy_auth: aiohttp.BasicAuth | None = None
-    with suppress(LookupError):  # none set, or NO_PROXY exempts this host
-        proxy, proxy_auth = get_env_proxy_for_url(url)
+    try:
+        with suppress(LookupError):  # none set, or NO_PROXY exempts this host
+            proxy, proxy_auth = get_env_proxy_for_url(url)
+    except ValueError as e:
+        # aiohttp parses every *_proxy variable for each request (HTTPS_PROXY's too, for an
+        # http:// upstream): an unclosed "[::1", a port past 65535, no host raised from deep
+        # in the fetch, every request a 500 and the upstreams after this one never asked.
+        # The message is yarl's, without the value, which may carry the proxy's password.
+        raise UnusableProxy(f"{_NAMED} is not a URL: {e}") from None
+    if proxy is not None and proxy.scheme != "http":
+        # aiohttp speaks plain HTTP to whatever it is given: to a SOCKS proxy's port, or to
+        # "user:password@proxy:3128" (no scheme, which curl takes), whose whole text its
+        # InvalidURL then carried into every 502, the password with it.
+        raise UnusableProxy(f"{_NAMED} is not an http:// URL")
     authorization: str | None = None
     netrc = netrc_from_env()
     if netrc is not None and url.host is not None:
