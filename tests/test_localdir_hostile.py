@@ -264,3 +264,25 @@ async def test_files_whose_times_no_http_date_can_say_are_served(
                                    result="ok") == 0  # the directory's own file
     finally:
         shutil.rmtree(tree)
+
+
+async def test_a_file_swapped_for_a_socket_after_the_walk_is_not_had(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """The walk passes sockets over, and a FIFO swapped in after it is opened without
+    blocking and found no file (a 404); a socket swapped in failed its open (ENXIO, as a
+    device without a driver does), which was taken for a disk's trouble: a 502, "try again",
+    for a file the directory does not have."""
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
+                         elfs.prog.executable)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0)])
+    debug = tree / ".build-id" / elfs.prog.build_id[:2] / f"{elfs.prog.build_id[2:]}.debug"
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(tmp_path / "s"))  # bound where the path is short enough, then moved
+        (tmp_path / "s").rename(debug)
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+        assert status == 404, body
+        assert (await sg.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
+    finally:
+        sock.close()

@@ -57,7 +57,14 @@ def open_regular(path: str | Path) -> tuple[int, os.stat_result] | None:
     anything else, which is never read: a FIFO's open would wait for a writer forever, a device
     gives no file. Opened without blocking, and judged by what was opened, so that a file
     swapped for one of those after a stat is caught too. OSError when it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        # What a socket's open gives, and a device's without a driver: no file either, not
+        # a disk's trouble to try again for (a 502 for a file the directory does not have).
+        if e.errno in (errno.ENXIO, errno.ENODEV):
+            return None
+        raise
     try:
         st = os.fstat(fd)
     except BaseException:
