@@ -231,7 +231,8 @@ async def test_a_redirect_through_the_proxy_cannot_reach_inside_by_rebinding(
 
 
 @pytest.mark.parametrize("proxy", ["http://[::1", "http://127.0.0.1:99999",
-                                   "user:secret@127.0.0.1:9", "socks5://user:secret@127.0.0.1:9"])
+                                   "user:secret@127.0.0.1:9", "socks5://user:secret@127.0.0.1:9",
+                                   "http://user:secret%E2%82%AC@127.0.0.1:9"])
 async def test_an_http_proxy_variable_that_is_no_http_url_is_a_502_that_names_it(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch, proxy: str,
@@ -240,7 +241,8 @@ async def test_an_http_proxy_variable_that_is_no_http_url_is_a_502_that_names_it
     ValueError from deep in every fetch: a 500 that said nothing, the upstreams after the
     first never asked, not even a local directory. One without a scheme (curl takes
     "user:password@proxy:3128") was aiohttp's InvalidURL, whose text, the proxy's password in
-    it, went to every client in its 502; a SOCKS one was spoken plain HTTP to."""
+    it, went to every client in its 502; a SOCKS one was spoken plain HTTP to. A password
+    outside Latin-1 was a 500 whose log quoted its character."""
     monkeypatch.setenv("HTTP_PROXY", proxy)
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
@@ -252,6 +254,33 @@ async def test_an_http_proxy_variable_that_is_no_http_url_is_a_502_that_names_it
     assert status == 200 and body == elfs.prog.debug.read_bytes()  # from the directory
     status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
     assert status == 502, body
-    assert b"an HTTP proxy the environment names (HTTP_PROXY, HTTPS_PROXY) is not" in body
-    assert b"secret" not in body
+    assert b"an HTTP proxy the environment names (HTTP_PROXY, HTTPS_PROXY)" in body
+    assert b"secret" not in body and b"20ac" not in body.lower()
     assert faults.count("ok") == 0  # never reached, past a proxy it could not use
+
+
+@pytest.mark.parametrize(("netrc", "why"), [
+    (b"machine 127.0.0.1 login us\xe9r password secret\n", b"is not UTF-8"),
+    (b"machine 127.0.0.1 login a:b password secret\n", b"cannot be sent as Basic"),
+    ("default login a password secret\u20ac\n".encode(), b"cannot be sent as Basic")])
+async def test_a_netrc_whose_credentials_cannot_be_sent_is_a_502_that_names_it(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, netrc: bytes, why: bytes,
+) -> None:
+    """A ~/.netrc that is not UTF-8 (Python's netrc raised UnicodeDecodeError, which aiohttp
+    does not catch), or whose entry for the upstream aiohttp's BasicAuth refuses (a ':' in
+    the login, a password outside Latin-1), raised from deep in every fetch: a 500 that said
+    nothing, the upstreams after it never asked, the log quoting the password's character."""
+    (tmp_path / "netrc").write_bytes(netrc)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    tree = tmp_path / "debug"
+    build_id_tree(tree, elfs.prog.build_id, elfs.prog.debug, elfs.prog.executable)
+    sg = await start_symgate([fast_upstream(faults.url_for("ok")),
+                              UpstreamConfig(path=tree, rescan_s=0)])
+    status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo")
+    assert status == 200 and body == elfs.prog.debug.read_bytes()  # from the directory
+    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 502, body
+    assert b"~/.netrc (or $NETRC)" in body and why in body, body
+    assert b"secret" not in body and b"20ac" not in body.lower()
+    assert faults.count("ok") == 0

@@ -23,7 +23,7 @@ from proxy.metrics import BreakerState, ProxyMetrics, upstream_label
 from proxy.sources import redirects
 from proxy.sources.base import USER_AGENT, ArtifactMeta, Body, Hop
 from proxy.sources.breaker import CircuitBreaker
-from proxy.sources.env_routes import EnvironmentRoutes, Route, UnusableProxy
+from proxy.sources.env_routes import EnvironmentRoutes, Route, UnusableEnvironment
 from symbolize.outcome import Outcome
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ class Upstream:
     async def _route(self, url: URL) -> Route:
         try:
             return await self._routes.route(url)
-        except UnusableProxy as e:  # the site's misconfiguration, the same on every retry
+        except UnusableEnvironment as e:  # the site's misconfiguration, the same on every retry
             raise _Permanent(UpstreamUnavailable(f"{self.name}: {e}")) from None
 
     def _refused(self, source: URL, target: URL | str, why: str | None) -> _Permanent:

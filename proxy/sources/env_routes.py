@@ -13,7 +13,6 @@ import asyncio
 from contextlib import suppress
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp.helpers import basicauth_from_netrc, get_env_proxy_for_url, netrc_from_env
 from yarl import URL
 
@@ -57,35 +56,55 @@ class EnvironmentRoutes:
         return known
 
 
-class UnusableProxy(Exception):
-    """The environment names an HTTP proxy that is no URL a request can go through."""
+class UnusableEnvironment(Exception):
+    """What the environment says to reach an upstream with (an HTTP proxy, ~/.netrc) cannot
+    be used: the same for every request, so a misconfiguration to say, never retried. Its
+    reason never quotes the values, which may carry passwords."""
 
 
 _NAMED = "an HTTP proxy the environment names (HTTP_PROXY, HTTPS_PROXY)"
+_NETRC = "~/.netrc (or $NETRC)"
+# What aiohttp's BasicAuth refuses: RFC 7617's one separator in a login, or a character its
+# Latin-1 encoding cannot carry. Said without aiohttp's message, which quotes the character.
+_NOT_BASIC = "cannot be sent as Basic credentials (a ':' in the login, or a character " \
+    "outside Latin-1)"
 
 
 def _look_up(url: URL) -> Route:
+    # Each of these raised from deep in every fetch: a 500 that said nothing, the upstreams
+    # after this one never asked (a local directory neither).
+    try:
+        # Read first: aiohttp's proxy lookup reads it too, and its failure there was taken for
+        # the proxy's. Python's netrc reads UTF-8; aiohttp catches only its parse errors.
+        netrc = netrc_from_env()
+    except ValueError:
+        raise UnusableEnvironment(f"{_NETRC} is not UTF-8") from None
     proxy: URL | None = None
-    proxy_auth: aiohttp.BasicAuth | None = None
+    proxy_headers: dict[str, str] | None = None
     try:
         with suppress(LookupError):  # none set, or NO_PROXY exempts this host
             proxy, proxy_auth = get_env_proxy_for_url(url)
+            if proxy_auth is not None:
+                proxy_headers = {"Proxy-Authorization": proxy_auth.encode()}
+    except UnicodeError:  # the proxy's password
+        raise UnusableEnvironment(f"the credentials of {_NAMED} {_NOT_BASIC}") from None
     except ValueError as e:
         # aiohttp parses every *_proxy variable for each request (HTTPS_PROXY's too, for an
-        # http:// upstream): an unclosed "[::1", a port past 65535, no host raised from deep
-        # in the fetch, every request a 500 and the upstreams after this one never asked.
-        # The message is yarl's, without the value, which may carry the proxy's password.
-        raise UnusableProxy(f"{_NAMED} is not a URL: {e}") from None
+        # http:// upstream): an unclosed "[::1", a port past 65535, no host. The message is
+        # yarl's or BasicAuth's, without the value.
+        raise UnusableEnvironment(f"{_NAMED} is not a URL: {e}") from None
     if proxy is not None and proxy.scheme != "http":
         # aiohttp speaks plain HTTP to whatever it is given: to a SOCKS proxy's port, or to
         # "user:password@proxy:3128" (no scheme, which curl takes), whose whole text its
         # InvalidURL then carried into every 502, the password with it.
-        raise UnusableProxy(f"{_NAMED} is not an http:// URL")
+        raise UnusableEnvironment(f"{_NAMED} is not an http:// URL")
     authorization: str | None = None
-    netrc = netrc_from_env()
     if netrc is not None and url.host is not None:
-        with suppress(LookupError):
-            authorization = basicauth_from_netrc(netrc, url.host).encode()
+        try:
+            with suppress(LookupError):
+                authorization = basicauth_from_netrc(netrc, url.host).encode()
+        except ValueError:  # UnicodeError too
+            raise UnusableEnvironment(f"the entry of {_NETRC} for {url.host} {_NOT_BASIC}"
+                                      ) from None
     for_any_host = netrc is not None and url.host not in netrc.hosts
-    proxy_headers = {"Proxy-Authorization": proxy_auth.encode()} if proxy_auth else None
     return Route(proxy, proxy_headers, authorization, for_any_host)
