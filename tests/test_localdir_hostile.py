@@ -286,3 +286,18 @@ async def test_a_file_swapped_for_a_socket_after_the_walk_is_not_had(
         assert (await sg.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
     finally:
         sock.close()
+
+
+async def test_a_build_id_tree_under_a_directory_whose_name_ends_so_is_indexed(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """The build ID was read after the path's first ".build-id/", which ended another name
+    here ("app.build-id/.build-id/xx/..."): nothing after it matched, and the tree's files
+    were never served."""
+    tree = tmp_path / "debug"
+    build_id_tree(tree / "app.build-id", elfs.prog.build_id, elfs.prog.debug,
+                  elfs.prog.executable)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0)])
+    for kind, expected in (("debuginfo", elfs.prog.debug), ("executable", elfs.prog.executable)):
+        status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
+        assert status == 200 and body == expected.read_bytes(), kind

@@ -235,7 +235,10 @@ class LocalDirectory:
             if not stat.S_ISREG(st.st_mode):
                 continue  # a FIFO, socket, device or directory: nothing to open, or serve
             if build_id_layout:
-                m = _BUILD_ID_NAME.match(rel.split(".build-id/", 1)[1])
+                # After the last .build-id directory: the first ".build-id/" of the path may
+                # end another name ("app.build-id/.build-id/ab/..."), whose files then matched
+                # nothing and were indexed under no build ID at all.
+                m = _BUILD_ID_NAME.match(f"/{rel}".rsplit("/.build-id/", 1)[1])
                 if m:  # the layout names the build ID; the fetch verifies the bytes
                     kind = Kind.DEBUGINFO if m.group(3) else Kind.EXECUTABLE
                     index[kind][m.group(1) + m.group(2)] = path
