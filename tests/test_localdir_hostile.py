@@ -28,6 +28,7 @@ from tests.elfs import ElfSet, build_id_tree
 from tests.harness import Debuginfod, SymgateFactory, eventually
 from tests.processes import run_in_thread
 from tests.symbolize_helpers import post, symbolize_config
+from tests.test_disk_full import _no_descriptor_left
 from tests.test_hostile_debug_files import _profile
 
 FAKE_ID = "ab" + "cd" * 19
@@ -301,3 +302,31 @@ async def test_a_build_id_tree_under_a_directory_whose_name_ends_so_is_indexed(
     for kind, expected in (("debuginfo", elfs.prog.debug), ("executable", elfs.prog.executable)):
         status, _, body = await sg.get(f"/buildid/{elfs.prog.build_id}/{kind}")
         assert status == 200 and body == expected.read_bytes(), kind
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_no_descriptor_to_open_a_local_file_is_503_with_retry_after(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A local directory's file that could not be opened for want of a descriptor (EMFILE)
+    was the directory's failure: a 502 that blamed it ("Too many open files"), counted as its
+    error, where an HTTP upstream's connect without one is this server's passing trouble, a
+    503. However many descriptors the fetch finds before it runs out, it answers so or 200."""
+    tree = build_id_tree(tmp_path / "debug", elfs.prog.build_id, elfs.prog.debug,
+                         elfs.prog.executable)
+    sg = await start_symgate([UpstreamConfig(path=tree, rescan_s=0)])
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get("/healthz"))[0] == 200  # the client's connection, kept alive
+    answers = []
+    for free in range(12):  # the fetch's own descriptors first, then the file's open
+        with _no_descriptor_left(free):
+            status, headers, body = await sg.get(path)
+        answers.append(status)
+        if status == 200:
+            assert body == elfs.prog.debug.read_bytes()
+            break
+        assert status == 503, (free, body)
+        assert headers["Retry-After"] == str(sg.config.server.retry_after_s)
+    assert answers[-1] == 200, answers
+    assert await sg.metric("symgate_upstream_requests_total", upstream=f"dir:{tree}",
+                           result="upstream_error") == 0

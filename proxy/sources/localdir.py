@@ -23,7 +23,7 @@ from pathlib import Path
 from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.elffile import ELFFile
 
-from proxy.errors import UpstreamUnavailable
+from proxy.errors import UpstreamUnavailable, out_of_descriptors
 from proxy.headers import file_date, printable
 from proxy.keys import ArtifactKey, Kind
 from proxy.metrics import ProxyMetrics
@@ -272,6 +272,10 @@ class LocalDirectory:
             try:  # in a thread: a slow disk (NFS) must not hold the loop
                 opened = await asyncio.to_thread(open_regular, path)
             except OSError as e:
+                if (full := out_of_descriptors(e)) is not None:
+                    # This server's passing trouble (a 503, retry later), as an HTTP
+                    # upstream's connect without a descriptor is: not the directory's failure.
+                    raise full from e
                 if e.errno not in _MISSING:
                     self._metrics.upstream_requests.labels(self.label, Outcome.UPSTREAM_ERROR).inc()
                     raise UpstreamUnavailable(f"{self.name}: cannot open "
