@@ -759,3 +759,44 @@ async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
     finally:
         forwarder.answer()
         await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_symbol_table_whose_source_is_evicted_while_postgresql_is_down_goes_after(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """prog's debug file is evicted for other's while the database is down: the eviction
+    listener could not read prog's table's row, and left the table, file and row, for good,
+    a table of no cached file (not under cache.max_bytes, nor ever evicted again). Once the
+    database is back it goes, as it would have with its file."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    prog, other = (elfs.prog.debug.stat().st_size, elfs.other.debug.stat().st_size)
+    cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1),
+                  database=replace(cfg.database, timeout_s=1.0),
+                  cache=replace(cfg.cache, max_bytes=max(prog, other)))
+    sg = await start_symgate(config=cfg)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.built()
+    table = sg.runner.app[STATE].service.cache.store.symtab_path("", elfs.prog.build_id)
+    assert table.exists()
+
+    await forwarder.cut()
+    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    await sg.settled()
+    objects = sg.config.cache_dir / "objects"
+    assert not (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name
+                ).exists(), "prog was not evicted"
+    await forwarder.start()
+    repo = Repository(create_engine(database_url))
+    try:
+        async def dropped() -> bool:
+            return not table.exists() \
+                and await repo.get_symbol_table("", elfs.prog.build_id) is None
+
+        await eventually(dropped, timeout=15)
+    finally:
+        await repo.close()
+    await forwarder.cut()

@@ -23,6 +23,7 @@ from proxy.artifacts.index import SPACE_BACK_BYTES
 from proxy.artifacts.scope import SHARED, RequestScope
 from proxy.artifacts.service import ArtifactService, Streaming
 from proxy.errors import (
+    DatabaseUnavailable,
     InsufficientStorage,
     NotFound,
     SourceEvicted,
@@ -57,6 +58,9 @@ from symbolize.symtab import FORMAT, MalformedObject, NoSymbols, TableSpec, name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Evicted artifacts whose tables are still to be dropped (the database did not answer); past
+# this, the oldest are given up (their tables stay until a purge).
+MAX_OWED_DROPS = 100_000
 
 # What a shared resolution ends in: the table, opened under its scope, or why there is none.
 _Found = tuple[str, OpenTable] | Outcome
@@ -145,6 +149,9 @@ class SymbolResolver:
         self.builds_waiting = 0
         # When each table was last found unreadable, by (scope, build ID).
         self._unreadable: dict[tuple[str, str], float] = {}
+        # Artifacts that left the cache while the database did not answer, whose tables are
+        # dropped once it does (drop_owed): oldest first.
+        self._owed: dict[tuple[str, ArtifactKey], None] = {}
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
@@ -847,6 +854,36 @@ class SymbolResolver:
             return
 
     async def _on_evicted(self, scope: str, key: ArtifactKey) -> None:
+        try:
+            await self._drop_built_from(scope, key)
+        except DatabaseUnavailable:
+            # Its table's row cannot be read: the table, file and row, stayed for good, a
+            # table of no cached file (not under cache.max_bytes, never evicted again). Owed,
+            # and dropped once the database answers.
+            self._owed.pop((scope, key), None)
+            self._owed[scope, key] = None
+            while len(self._owed) > MAX_OWED_DROPS:
+                del self._owed[next(iter(self._owed))]
+            raise
+
+    async def drop_owed(self) -> None:
+        """Drop the tables of artifacts that left the cache while the database did not answer
+        (_on_evicted), unless their files are cached again (by this process or another on the
+        data dir), whose tables they are then. A job of every access_flush_s: while the
+        database is still away it stops at the first that fails, quietly (each eviction said
+        so), the rest owed still."""
+        while self._owed:
+            scope, key = next(iter(self._owed))
+            try:
+                if await self._artifacts.cache.get(scope, key, touch=False) is None:
+                    await self._drop_built_from(scope, key)
+            except DatabaseUnavailable:
+                return
+            self._owed.pop((scope, key), None)
+
+    async def _drop_built_from(self, scope: str, key: ArtifactKey) -> None:
+        """Drop the table of `key`'s build ID that was built from `key`'s file, if any.
+        DatabaseUnavailable."""
         rec = await self._tables.get(scope, key.build_id)
         if rec is None and key.kind in (Kind.DEBUGINFO, Kind.EXECUTABLE):
             self._forget_rowless(scope, key.build_id)

@@ -288,6 +288,8 @@ def _lifecycle(
             # Awaited before what they use closes: pushed after it, so undone before it.
             started.push_async_callback(jobs.stop)
             jobs.start(config.server.access_flush_s, cache.flush_access)
+            # Tables of files evicted while the database was down, once it is back.
+            jobs.start(config.server.access_flush_s, symbols.drop_owed)
             # Other processes on this data dir add files this one's index never sees.
             jobs.start(config.server.access_flush_s, cache.enforce_shared_budget)
             jobs.start(config.negative.sweep_s, misses.expire)
