@@ -800,3 +800,43 @@ async def test_a_symbol_table_whose_source_is_evicted_while_postgresql_is_down_g
     finally:
         await repo.close()
     await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_symbol_table_whose_source_was_evicted_before_a_stop_in_an_outage_goes_at_start(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """As above, but the server stops before the database is back: the next start finds the
+    row of prog's evicted file and drops it as stale, and its table with it, which was left
+    (file and row) for good."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    prog, other = (elfs.prog.debug.stat().st_size, elfs.other.debug.stat().st_size)
+    cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1),
+                  database=replace(cfg.database, timeout_s=1.0),
+                  cache=replace(cfg.cache, max_bytes=max(prog, other)))
+    sg = await start_symgate(config=cfg)
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.built()
+    table = sg.runner.app[STATE].service.cache.store.symtab_path("", elfs.prog.build_id)
+    assert table.exists()
+    await forwarder.cut()
+    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
+    assert status == 200 and body == elfs.other.debug.read_bytes()
+    await sg.settled()
+    await sg.stop()
+    await forwarder.start()
+
+    again = await start_symgate(config=cfg)
+    repo = Repository(create_engine(database_url))
+    try:
+        async def dropped() -> bool:
+            return not table.exists() \
+                and await repo.get_symbol_table("", elfs.prog.build_id) is None
+
+        await eventually(dropped, timeout=15)
+    finally:
+        await repo.close()
+    assert (await again.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
+    await forwarder.cut()

@@ -120,6 +120,8 @@ class ArtifactCache:
         # Awaited likewise when only this process's memory of a version goes: another process
         # of this replica removed its file and row (and what was made from it) already.
         self.forgotten: list[Callable[[str, ArtifactKey], Awaitable[None]]] = []
+        # The artifacts whose rows load() found without their files, and dropped (see there).
+        self.gone_at_load: list[tuple[str, ArtifactKey]] = []
         metrics.cache_max.set(max_bytes)
 
     @property
@@ -268,7 +270,11 @@ class ArtifactCache:
             else:
                 stale.append(rec)
         # Those commits only: another live process may have fetched one again since.
-        await self._repo.delete_commits((r.key_hash, r.fetched_at) for r in stale)
+        dropped = await self._repo.delete_commits((r.key_hash, r.fetched_at) for r in stale)
+        # Their files went with no listener told (evicted while the database was down, the
+        # process stopped before it came back): what was made from them is dropped now.
+        self.gone_at_load = [(r.scope, key) for r in stale if r.key_hash in dropped
+                             and (key := _key_of(r)) is not None]
         claimed = [rec for rec in await self._repo.unclaimed_artifacts()
                    if self._found_whole(rec, on_disk)]
         await self._repo.claim_artifacts(r.key_hash for r in claimed)
@@ -848,6 +854,14 @@ class ArtifactCache:
         async with self._evict_lock:
             victims, _ = self._victims(self._entries.values(), wanted)
             return sum(r.size for r in await self._remove_victims(victims, rows_later=True))
+
+
+def _key_of(rec: ArtifactRecord) -> ArtifactKey | None:
+    """The row's key; None where it does not read as one (see _found_whole)."""
+    try:
+        return ArtifactKey.from_id(rec.key)
+    except InvalidRequest:
+        return None
 
 
 def _queued_too_long() -> DatabaseUnavailable:

@@ -152,6 +152,8 @@ class SymbolResolver:
         # Artifacts that left the cache while the database did not answer, whose tables are
         # dropped once it does (drop_owed): oldest first.
         self._owed: dict[tuple[str, ArtifactKey], None] = {}
+        for gone in artifacts.cache.gone_at_load:  # the same, through a stop and a start
+            self._owe(*gone)
         artifacts.committed.append(self._on_committed)
         artifacts.cache.evicted.append(self._on_evicted)
 
@@ -860,11 +862,14 @@ class SymbolResolver:
             # Its table's row cannot be read: the table, file and row, stayed for good, a
             # table of no cached file (not under cache.max_bytes, never evicted again). Owed,
             # and dropped once the database answers.
-            self._owed.pop((scope, key), None)
-            self._owed[scope, key] = None
-            while len(self._owed) > MAX_OWED_DROPS:
-                del self._owed[next(iter(self._owed))]
+            self._owe(scope, key)
             raise
+
+    def _owe(self, scope: str, key: ArtifactKey) -> None:
+        self._owed.pop((scope, key), None)
+        self._owed[scope, key] = None
+        while len(self._owed) > MAX_OWED_DROPS:
+            del self._owed[next(iter(self._owed))]
 
     async def drop_owed(self) -> None:
         """Drop the tables of artifacts that left the cache while the database did not answer
