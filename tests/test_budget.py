@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -276,3 +277,28 @@ async def test_a_section_larger_than_the_budget_is_served_not_kept_and_evicts_no
     assert await sg.metric("symgate_cache_evictions_total") == 0
     assert await sg.metric("symgate_cache_entries") == 2
     assert on_disk(sg.config.cache_dir) <= 8 * MiB
+
+
+async def test_a_file_of_no_stated_size_as_large_as_the_budget_is_kept(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """An upstream that does not say how big the file is: room is held a step ahead of its
+    bytes, and the last step, rounded past the budget, was refused though the file itself
+    fits; it was served and never kept, fetched again at every request."""
+    # Padded to a size the budget's steps (a sixteenth of it, here) do not divide.
+    data = elfs.prog.debug.read_bytes()
+    data += bytes((8 - len(data)) % 16)
+    padded = tmp_path / "prog.debug"
+    padded.write_bytes(data)
+    faults.by_id[elfs.prog.build_id] = dataclasses.replace(elfs.prog, debug=padded)
+    size = len(data)
+    sg = await start_symgate([faults.url_for("chunked")], cache=CacheConfig(max_bytes=size))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    for _ in range(2):
+        status, _, body = await sg.get(path)
+        assert status == 200 and body == data
+        await sg.settled()
+    assert await sg.metric("symgate_cache_not_kept_total") == 0
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert await sg.metric("symgate_cache_size_bytes") == size
+    assert faults.count("chunked") == 1  # the second was a hit

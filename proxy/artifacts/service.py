@@ -710,6 +710,11 @@ class ArtifactService:
                     held = -(-needed // step) * step
                     if meta.size is not None and needed <= meta.size:
                         held = min(held, meta.size)
+                    if needed <= self.cache.max_bytes:
+                        # Not rounded past the whole budget: of no stated size, a file within
+                        # a step of max_bytes was refused that room, though it fits, and was
+                        # fetched again at every request, never kept.
+                        held = min(held, self.cache.max_bytes)
                     keep = await self.cache.reserve(flight, held)
                 if needed > self._max_artifact:
                     self._reject(key, meta, "too_large")
