@@ -15,7 +15,7 @@ from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
 from tests.elfs import ElfSet, replace_section_compressed
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory, cli, config_file
+from tests.harness import SymgateFactory, cli, config_file, eventually
 from tests.processes import run_in_thread
 from tests.profiles import code_addresses, make_profile, place
 from tests.symbolize_helpers import BASES, post, symbolize_config
@@ -317,3 +317,52 @@ async def test_purge_drops_the_table_built_from_a_local_trees_file(
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
     again = await repo.get_symbol_table("", bid)
     assert again is not None and again.has_lines
+
+
+async def test_a_section_cut_during_a_purge_by_another_process_keeps_its_file_and_row(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """Two serving processes on one data dir. `cache purge` deletes the rows, then the files,
+    under the upload lock, which every commit holds from its rename to its row: but a section's
+    cut did not take it. B, which did not have the section in memory, found its row gone and
+    cut it again between the purge's rows and its files: the purge removed B's new file, and
+    B's row named a file that was not there."""
+    from proxy.tools.admin import Admin
+
+    a = await start_symgate([faults.url_for("ok")])
+    b = await start_symgate(config=a.config)
+    bid = elfs.prog.build_id
+    section = f"/buildid/{bid}/section/.debug_info"
+    status, _, cut_by_a = await a.get(section)  # cut from its debuginfo, fetched for it
+    assert status == 200 and cut_by_a
+    assert (await b.get(f"/buildid/{bid}/debuginfo"))[0] == 200  # a hit, in B's memory
+    cache_b = b.runner.app[STATE].service.cache
+    cut: asyncio.Task[tuple[int, dict[str, str], bytes]] | None = None
+
+    admin = Admin(a.config)
+    purge_rows = admin.repo.purge_artifacts
+
+    async def rows_then_cut(*args: object) -> None:
+        nonlocal cut
+        await purge_rows(*args)  # type: ignore[arg-type]
+        # Between the rows and the files: B asks for the section, whose row is gone.
+        cut = asyncio.create_task(b.get(section))
+
+        async def committed_or_waiting() -> bool:
+            return cut.done() or cache_b._upload_turn.locked()
+
+        await eventually(committed_or_waiting)
+
+    admin.repo.purge_artifacts = rows_then_cut  # type: ignore[method-assign]
+    try:
+        await admin.purge(bid)
+    finally:
+        await admin.close()
+    assert cut is not None
+    status, _, body = await cut
+    assert status == 200 and body == cut_by_a
+    await b.settled()
+    store = cache_b.store
+    for rec in await b.runner.app[STATE].repo.artifacts_of(None):
+        assert store.artifact_path(rec.scope, ArtifactKey.from_id(rec.key)).exists(), \
+            f"a row of {rec.key} without its file"

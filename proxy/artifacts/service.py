@@ -1023,41 +1023,48 @@ class ArtifactService:
         # committed unjudged, a section larger than the budget evicted every other file for
         # itself, and then went too.
         room = object()
-        try:
-            keep = self.cache.could_fit(room, size) and await self.cache.reserve(room, size)
-            temp, fd = self._new_temp()
+        # The rename and the row under the upload lock, as a download's: `cache purge` holds
+        # it from its rows to its files, and a cut committed in between (by a process whose
+        # memory lacked the section, whose row the purge had just deleted) had its new file
+        # removed, its row left naming no file.
+        async with contextlib.AsyncExitStack() as locked:
             try:
+                keep = self.cache.could_fit(room, size) and await self.cache.reserve(room, size)
+                temp, fd = self._new_temp()
                 try:
-                    digest = await asyncio.to_thread(_copy_range, parent.path, offset, size, fd)
-                    if digest is None:
-                        raise VerificationFailed(
-                            f"{key.id}: section runs past the end of its file")
-                    if not keep:
-                        temp.unlink()
-                        log.info("%s (%d bytes) does not fit cache.max_bytes now: served, not "
-                                 "kept", key.id, size)
-                        self._metrics.not_kept.inc()
-                        return _unkept(os.dup(fd), parent, size)
-                    final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope,
-                                                    key, parent.mtime)
-                except OSError as e:
-                    self._raise_os_failure(e)
+                    try:
+                        digest = await asyncio.to_thread(_copy_range, parent.path, offset, size,
+                                                         fd)
+                        if digest is None:
+                            raise VerificationFailed(
+                                f"{key.id}: section runs past the end of its file")
+                        if not keep:
+                            temp.unlink()
+                            log.info("%s (%d bytes) does not fit cache.max_bytes now: served, "
+                                     "not kept", key.id, size)
+                            self._metrics.not_kept.inc()
+                            return _unkept(os.dup(fd), parent, size)
+                        await locked.enter_async_context(self.cache.uploads_locked())
+                        final = await asyncio.to_thread(self.cache.store.commit, temp, fd,
+                                                        scope, key, parent.mtime)
+                    except OSError as e:
+                        self._raise_os_failure(e)
+                        raise
+                except BaseException:
+                    temp.unlink(missing_ok=True)
                     raise
-            except BaseException:
-                temp.unlink(missing_ok=True)
-                raise
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
-        finally:
-            self.cache.release(room)  # its bytes are counted as a file from here on
-        now = datetime.now(UTC)
-        record = ArtifactRecord(
-            key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
-            kind=str(key.kind), size=size, sha256=digest, upstream=parent.upstream,
-            filename=parent.filename, archive=parent.archive, fetched_at=now,
-            last_access=now, hits=0,
-        )
-        await self.cache.add(record)
+                self.cache.release(room)  # its bytes are counted as a file from here on
+            now = datetime.now(UTC)
+            record = ArtifactRecord(
+                key_hash=key_hash(scope, key), scope=scope, key=key.id, build_id=key.build_id,
+                kind=str(key.kind), size=size, sha256=digest, upstream=parent.upstream,
+                filename=parent.filename, archive=parent.archive, fetched_at=now,
+                last_access=now, hits=0,
+            )
+            await self.cache.add(record)
         return await self.cache.get(scope, key) or CachedArtifact(record, final)
 
     async def _verify(self, key: ArtifactKey, meta: ArtifactMeta, flight: Flight, temp: Path,
