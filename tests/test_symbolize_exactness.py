@@ -5,15 +5,20 @@ them."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from proxy.config import SymbolizeConfig
 from symbolize.elf import layout_of_file
+from symbolize.offline import symbolize_bytes
+from symbolize.pipeline import Limits
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet, build_id_tree, build_program
 from tests.harness import Debuginfod, SymgateFactory
@@ -217,3 +222,104 @@ async def test_code_in_the_first_segment_with_the_elf_header(
     # Without the executable, GNU ld's layout is guessed, and fits: code at vaddr - base.
     assert await sg.metric("symgate_symtab_layout_guesses_total") == (0 if with_executable
                                                                        else 1)
+
+
+FAR_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+static inline int sq(int x) { return x * x; }
+__attribute__((noinline, section(".farcode"))) int far_fn(int a) {
+    int s = 0;
+    for (int i = 0; i < a; i++) s += sq(i) ^ (i >> 2);
+    return s;
+}
+__attribute__((noinline, section(".farcode"))) int far_fn2(int a) { return far_fn(a) * 3 + sq(a); }
+__attribute__((noinline, aligned(4096))) int near_fn(int a) { return far_fn2(a) + sq(a + 1); }
+int main(int argc, char **argv) {
+    printf("%d\n", near_fn(argc > 1 ? atoi(argv[1]) : 10));
+    return 0;
+}
+"""
+
+
+async def test_every_mapping_of_a_program_with_two_code_segments(
+    start_symgate: SymgateFactory, tmp_path: Path
+) -> None:
+    """A PIE whose code is in two PT_LOADs (a section placed far from .text: the second at a
+    file offset unrelated to its vaddr), mapped as a process has it, every segment a mapping of
+    one build ID (its first r-- page, the data, each code segment), and mapped again at another
+    base under its build ID in upper case. Every byte of both code segments is named as
+    llvm-symbolizer names it, nothing outside them is, and the server and the CLI give the same
+    bytes, run after run."""
+    (tmp_path / "far.c").write_text(FAR_C)
+    exe = tmp_path / "far"
+    subprocess.run(["gcc", "-g", "-O2", "-Wl,--build-id", "-Wl,--section-start=.farcode=0x200000",
+                    "-o", exe, tmp_path / "far.c"], check=True, capture_output=True)
+    layout = layout_of_file(exe)
+    assert layout is not None and layout.build_id
+    code = [s for s in layout.segments if s.executable]
+    assert len(code) == 2 and code[1].offset != code[1].vaddr  # not where GNU ld's guess has it
+    data = [s for s in layout.segments if not s.executable]
+
+    def page(x: int) -> int:
+        return x & ~0xFFF
+
+    symbols = subprocess.run(["nm", exe], capture_output=True, text=True, check=True).stdout
+    near = next(int(line.split()[0], 16) for line in symbols.splitlines()
+                if line.endswith(" T near_fn"))
+    assert page(near) == near > code[0].vaddr  # the first code segment's second page
+    tree = tmp_path / "debug" / ".build-id" / layout.build_id[:2]
+    tree.mkdir(parents=True)
+    (tree / layout.build_id[2:]).symlink_to(exe)
+
+    profile = Profile()
+    profile.string_table.extend(["", "cpu", "nanoseconds", str(exe), layout.build_id,
+                                 layout.build_id.upper()])
+    profile.sample_type.add(type=1, unit=2)
+    # /proc/PID/maps' lines of each segment: the first code segment's in two, at the page of
+    # near_fn (as after an mprotect of part of it), which its first byte begins.
+    split = page(near)
+    pieces = [(page(data[0].vaddr), page(data[0].vaddr + data[0].memsz + 0xFFF)),
+              (page(code[0].vaddr), split), (split, page(code[0].vaddr + code[0].memsz + 0xFFF)),
+              (page(code[1].vaddr), page(code[1].vaddr + code[1].memsz + 0xFFF)),
+              (page(data[-1].vaddr), page(data[-1].vaddr + data[-1].memsz + 0xFFF))]
+    in_code = {v for seg in code for v in range(seg.vaddr, seg.vaddr + seg.filesz)}
+    vaddrs = sorted(in_code)
+    expected = llvm_symbolize(exe, vaddrs)
+    assert {f.function for frames in expected.values() for f in frames} >= {"far_fn", "near_fn"}
+    where: dict[int, int | None] = {}  # location id -> its vaddr, None where it names nothing
+    for base, bid in ((0x55D0C0DE0000, 4), (0x5612AB000000, 5)):
+        for start, limit in pieces:
+            seg = next(s for s in layout.segments if page(s.vaddr) <= start < s.vaddr + s.memsz)
+            m = profile.mapping.add(id=len(profile.mapping) + 1, memory_start=base + start,
+                                    memory_limit=base + limit, filename=3, build_id=bid,
+                                    file_offset=page(seg.offset) + start - page(seg.vaddr))
+            step = 1 if seg.executable else 61
+            # A byte before the mapping, and its limit and the byte after: another mapping's.
+            for v in (start - 1, *range(start, limit, step), limit, limit + 1):
+                loc = profile.location.add(id=len(profile.location) + 1, mapping_id=m.id,
+                                           address=base + v)
+                where[loc.id] = v if start <= v < limit and v in in_code else None
+                profile.sample.add(location_id=[loc.id, loc.id], value=[loc.id])
+    body = profile.SerializeToString()
+
+    sg = await start_symgate([], symbolize=symbolize_config(debug_dirs=(tmp_path / "debug",)))
+    served = []
+    for _ in range(2):
+        status, headers, answer = await post(sg, body)
+        assert status == 200, answer
+        served.append(answer)
+    assert headers["X-Symgate-Mappings-Symbolized"] == "6", headers  # the code, twice
+    limits = Limits(SymbolizeConfig().max_decompressed_bytes, max_build_ids=sys.maxsize)
+    offline = [(await asyncio.to_thread(symbolize_bytes, body, [tmp_path / "debug"], limits))[0]
+               for _ in range(2)]
+    assert served == offline == [served[0]] * 2
+    out = parse(served[0])
+    wrong = []
+    for loc in out.location:
+        v = where[loc.id]
+        want = expected.get(v, []) if v is not None else []
+        if not same_frames(frames_of(out, loc), want):
+            wrong.append((loc.mapping_id, hex(loc.address), frames_of(out, loc), want))
+    assert not wrong, wrong[:5]
+    assert sum(1 for loc in out.location if loc.line) >= 2 * len(expected)
