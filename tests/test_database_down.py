@@ -689,6 +689,59 @@ async def test_an_upload_refused_when_its_rows_commit_went_unanswered_leaves_no_
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+async def test_an_upload_s_row_committed_unanswered_while_the_database_stays_away_is_taken_back(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """As above, but the database is still out of reach when the refused PUT takes its row
+    back: that DELETE failed too, and the row stayed for good once the database was back,
+    pinned, on no file: counted in upload.max_bytes, and another build of the same ID (a
+    stripped file, say) refused 409 Conflict "a different upload ... DELETE it first", though
+    nothing was served. It is taken back at the first flush that reaches the database, and
+    /healthz is degraded until then."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    token = "admin-token-of-this-test"
+    cfg = replace(with_database_timeout(cfg, 1.0),
+                  upstreams=(fast_upstream(faults.url_for("notfound")),),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+
+    forwarder.hold_commit(b"INSERT INTO artifacts")
+    put = asyncio.ensure_future(sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                                           headers=admin))
+
+    async def committed_unanswered() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(committed_unanswered, timeout=30)
+    await forwarder.cut()  # the answer lost with its connection, and the database away
+    forwarder.answer()
+    status, headers, _ = await put
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers)
+    status, _, text = await sg.get("/healthz")
+    assert status == 200 and text.startswith(b"degraded\n"), text
+    await forwarder.start()
+
+    async def healthy() -> bool:
+        return (await sg.get("/healthz"))[2] == b"ok\n"
+
+    await eventually(healthy, timeout=30)
+    repo = Repository(create_engine(database_url))
+    try:
+        assert not await repo.artifacts_of(elfs.prog.build_id), "a row of a refused upload"
+    finally:
+        await repo.close()
+    stripped = elfs.prog.executable.read_bytes()  # the same build ID, another file
+    status, _, text = await sg.request("PUT", path, data=stripped, headers=admin)
+    assert status == 201, (status, text)
+    assert (await sg.get(path))[::2] == (200, stripped)
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
 async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed_from_sql(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,

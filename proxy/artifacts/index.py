@@ -430,7 +430,8 @@ class ArtifactCache:
 
     async def add(self, rec: ArtifactRecord, *, row_now: bool = False) -> None:
         """Index a committed file; its row is written now, or at a later flush if SQL fails.
-        With `row_now`, a failure is raised instead, with nothing indexed."""
+        With `row_now`, a failure is raised instead, with nothing indexed and the row taken
+        back (the caller removes the file)."""
         self._unsynced.pop(rec.key_hash, None)
         try:
             await self._repo.put_artifact(rec)
@@ -438,10 +439,23 @@ class ArtifactCache:
         except DATABASE_ERRORS as e:
             self.sql_failed("writing an artifact's row", e)
             if row_now:
+                await self._take_back(rec)
                 raise
             self._unsynced[rec.key_hash] = rec
         self._add(rec)
         await self.evict(keep=rec.key_hash)
+
+    async def _take_back(self, rec: ArtifactRecord) -> None:
+        """Delete the row of this commit, which the database may have taken though its
+        answer was lost (the connection cut after the COMMIT went): now where SQL answers,
+        else at the first flush that reaches it. Taken back only now, it stayed for good when
+        the database was still away: a pinned upload on no file, in the upload budget, and
+        another file's PUT of its key a 409."""
+        try:
+            await self._repo.delete_commits([(rec.key_hash, rec.fetched_at)])
+        except DATABASE_ERRORS as e:
+            self.sql_failed("taking back a row it may have written", e)
+            self._delete_later([(rec.key_hash, rec.fetched_at)])
 
     async def _delete_rows(self, key_hashes: list[str]) -> None:
         for kh in key_hashes:

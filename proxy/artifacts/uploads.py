@@ -13,7 +13,6 @@ from SQL with no other upload between the check and the commit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
 import logging
@@ -161,11 +160,8 @@ class Uploads:
             # a restart removes its file as an orphan, though the PUT was told 201.
             await self._cache.add(record, row_now=True)
         except DATABASE_ERRORS as e:
-            # The row's COMMIT may have reached the database with its answer lost (a cut
-            # connection): taken back where it can be, or it names a file on no disk, an
-            # upload the uploader was told failed (in the budget, a different PUT a 409).
-            with contextlib.suppress(*DATABASE_ERRORS):
-                await self._repo.delete_commits([(record.key_hash, record.fetched_at)])
+            # Its row taken back (ArtifactCache.add): the COMMIT may have reached the database
+            # with its answer lost (a cut connection).
             self._cache.store.remove_artifact(scope, key)
             if is_disk_full(e):  # SQLite's, on the cache's disk or another
                 raise InsufficientStorage("insufficient storage: the database's disk is full"
