@@ -783,6 +783,54 @@ async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+async def test_a_delete_committed_unanswered_while_the_database_stays_away_removes_its_file_later(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """As above, but the database is still out of reach when the DELETE asks whether its
+    removal was taken: a 503 (retry later) is right, but once the database was back the
+    file stayed on disk on no row until a restart, the process having forgotten it at its
+    own notice, and the DELETE sent again was a 404. The first flush that reaches the
+    database asks, and removes it; /healthz is degraded until then."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    token = "admin-token-of-this-test"
+    cfg = replace(with_database_timeout(cfg, 1.0),
+                  cache=replace(cfg.cache, purge_poll_s=0.1),
+                  upstreams=(fast_upstream(faults.url_for("notfound")),),
+                  upload=UploadConfig(admin_tokens=(token,)))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                             headers=admin))[0] == 201
+    on_disk = DiskStore(cfg.server.data_dir / "cache", cfg.server.data_dir / "symtabs"
+                        ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
+
+    forwarder.hold_commit(b"INSERT INTO purges")
+    deleting = asyncio.ensure_future(sg.request("DELETE", path, headers=admin))
+
+    async def committed_unanswered() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(committed_unanswered, timeout=30)
+    await forwarder.cut()  # the answer lost with its connection, and the database away
+    forwarder.answer()
+    status, headers, _ = await deleting
+    assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers)
+    assert (await sg.get("/healthz"))[2].startswith(b"degraded\n")
+    await forwarder.start()
+
+    async def healthy() -> bool:
+        return (await sg.get("/healthz"))[2] == b"ok\n"
+
+    await eventually(healthy, timeout=30)
+    assert not on_disk.exists(), "a file on no row"
+    assert (await sg.get(path))[0] == 404
+    await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
 async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,

@@ -111,6 +111,9 @@ class ArtifactCache:
         self._pending_access: dict[str, tuple[int, datetime]] = {}
         # Rows SQL has not taken yet: a record to write, or one to delete.
         self._unsynced: OrderedDict[str, ArtifactRecord | _Gone] = OrderedDict()
+        # Removals (retire) whose COMMIT went unanswered while SQL could not be asked whether
+        # it took them: the commit removed and when, by key hash; asked at the next flush.
+        self._unsure_retires: dict[str, tuple[ArtifactRecord, datetime]] = {}
         self.health = Health()
         self._evict_lock = asyncio.Lock()
         self._upload_turn = asyncio.Lock()  # see uploads_locked
@@ -547,12 +550,40 @@ class ArtifactCache:
             # Its COMMIT may have landed with the answer lost (a cut connection): the rows
             # are gone and the notice is there, which this replica's processes take for a
             # removal done (_forget_version), so a 503 here left the file on disk, on no row,
-            # until a restart. Asked, where the database answers again; else raised.
-            with contextlib.suppress(*DATABASE_ERRORS):
-                if await self._repo.purged_since(rec.key_hash, rec.sha256, when):
-                    return await self._retired(rec, key)
+            # until a restart. Asked, where the database answers again; else raised, and
+            # asked at the first flush that reaches it (_settle_retires).
+            try:
+                taken: bool | None = await self._repo.purged_since(rec.key_hash, rec.sha256,
+                                                                   when)
+            except DATABASE_ERRORS:
+                taken = None
+            if taken:
+                return await self._retired(rec, key)
+            if taken is None:
+                self._unsure_retires[rec.key_hash] = (rec, when)
             raise
+        self._unsure_retires.pop(rec.key_hash, None)
         await self._retired(rec, key)
+
+    async def _settle_retires(self) -> None:
+        """Finish the removals SQL took though their 503 said otherwise (see retire): their
+        file, on no row, stayed on disk until a restart, and every DELETE sent again was a
+        404. Raises DATABASE_ERRORS, the rest kept for the next flush."""
+        while self._unsure_retires:
+            kh, (rec, when) = unsure = next(iter(self._unsure_retires.items()))
+            if await self._repo.purged_since(kh, rec.sha256, when):
+                async with self.uploads_locked():
+                    # Under the lock, as retire's caller holds it: a commit of the key made
+                    # since (a PUT sent again) is another file, and stays.
+                    held = self._entries.get(kh)
+                    pending = self._unsynced.get(kh)
+                    newer = (held is not None and held.fetched_at != rec.fetched_at) or (
+                        isinstance(pending, ArtifactRecord)
+                        and pending.fetched_at != rec.fetched_at)
+                    if not newer and kh not in await self._repo.commits_of([kh]):
+                        await self._retired(rec, ArtifactKey.from_id(rec.key))
+            if self._unsure_retires.get(kh) == unsure[1]:
+                del self._unsure_retires[kh]
 
     async def _retired(self, rec: ArtifactRecord, key: ArtifactKey) -> None:
         """The rest of retire, once SQL has taken the removal."""
@@ -782,6 +813,11 @@ class ArtifactCache:
 
 
     async def _sync_rows(self) -> None:
+        try:
+            await self._settle_retires()
+        except DATABASE_ERRORS as e:
+            self.sql_failed("asking whether removals were taken", e)
+            raise
         while self._unsynced:
             kh, rec = next(iter(self._unsynced.items()))
             try:
@@ -829,8 +865,9 @@ class ArtifactCache:
 
     @property
     def rows_pending(self) -> int:
-        """Rows this process could not write to SQL and keeps for a later flush."""
-        return len(self._unsynced)
+        """Rows this process could not write to SQL and keeps for a later flush, and
+        removals SQL has not told it the fate of."""
+        return len(self._unsynced) + len(self._unsure_retires)
 
     def recheck_space(self) -> None:
         """Judge the disk again: a full-disk (or read-only) condition cleared once space is
