@@ -783,9 +783,10 @@ async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
+@pytest.mark.parametrize("meanwhile", ["nothing", "another process's commit"])
 async def test_a_delete_committed_unanswered_while_the_database_stays_away_removes_its_file_later(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
-    tmp_path: Path,
+    tmp_path: Path, meanwhile: str,
 ) -> None:
     """As above, but the database is still out of reach when the DELETE asks whether its
     removal was taken: a 503 (retry later) is right, but once the database was back the
@@ -818,13 +819,23 @@ async def test_a_delete_committed_unanswered_while_the_database_stays_away_remov
     status, headers, _ = await deleting
     assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers)
     assert (await sg.get("/healthz"))[2].startswith(b"degraded\n")
+    if meanwhile != "nothing":
+        # Another process on the data dir commits a file of the key meanwhile (a download, its
+        # row to be written once the database is back), renamed over the path as a commit
+        # is: that file is not the removed upload's, and stays.
+        theirs = on_disk.with_name("theirs.tmp")
+        theirs.write_bytes(elfs.prog.debug.read_bytes())
+        os.replace(theirs, on_disk)
     await forwarder.start()
 
     async def healthy() -> bool:
         return (await sg.get("/healthz"))[2] == b"ok\n"
 
     await eventually(healthy, timeout=30)
-    assert not on_disk.exists(), "a file on no row"
+    if meanwhile == "nothing":
+        assert not on_disk.exists(), "a file on no row"
+    else:
+        assert on_disk.read_bytes() == elfs.prog.debug.read_bytes(), "another's commit removed"
     assert (await sg.get(path))[0] == 404
     await forwarder.cut()
 

@@ -32,7 +32,7 @@ from proxy.health import DATABASE, DISK, Health
 from proxy.keys import ArtifactKey
 from proxy.metrics import ProxyMetrics
 from proxy.store.budget import spending
-from proxy.store.disk import Store
+from proxy.store.disk import Store, renamed_after
 from proxy.store.repository import (
     DATABASE_ERRORS,
     ArtifactRecord,
@@ -581,9 +581,27 @@ class ArtifactCache:
                         isinstance(pending, ArtifactRecord)
                         and pending.fetched_at != rec.fetched_at)
                     if not newer and kh not in await self._repo.commits_of([kh]):
-                        await self._retired(rec, ArtifactKey.from_id(rec.key))
+                        key = ArtifactKey.from_id(rec.key)
+                        if self._renamed_over(rec, key):
+                            # Another process's commit of the key (a download while the
+                            # database was away, its row still to be written) put its file
+                            # there since: theirs stays, only this one's memory of it goes.
+                            if isinstance(pending, ArtifactRecord):
+                                del self._unsynced[kh]  # the removed commit's row, unwritten
+                            if held is not None:
+                                self._drop(kh)
+                        else:
+                            await self._retired(rec, key)
             if self._unsure_retires.get(kh) == unsure[1]:
                 del self._unsure_retires[kh]
+
+    def _renamed_over(self, rec: ArtifactRecord, key: ArtifactKey) -> bool:
+        """Whether the file at the commit `rec`'s path was put there after it."""
+        try:
+            st = os.stat(self.store.artifact_path(rec.scope, key))
+        except FileNotFoundError:
+            return False
+        return renamed_after(st, rec.fetched_at)
 
     async def _retired(self, rec: ArtifactRecord, key: ArtifactKey) -> None:
         """The rest of retire, once SQL has taken the removal."""

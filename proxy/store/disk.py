@@ -25,6 +25,7 @@ import shutil
 import uuid
 import weakref
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -364,3 +365,17 @@ def _remove_if_dead(lock: Path, folder: Path) -> int:
         return removed
     finally:
         os.close(fd)
+
+
+def renamed_after(st: os.stat_result, fetched_at: datetime) -> bool:
+    """Whether the file of `st` changed (was renamed into place) after `fetched_at`: a commit's
+    time is taken after its file's rename, on the host that has the disk, so the file of a
+    row never did, unless something changed its inode since (a chmod, a backup restored), and
+    a file put there by a later commit (a fetch after a purge, an upload deleted and made
+    again) does, past the kernel's timestamp granularity. To the microsecond, as rows keep
+    times."""
+    return st.st_ctime_ns // 1000 > (fetched_at - _EPOCH) // _MICROSECOND
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)

@@ -19,11 +19,12 @@ import hashlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 
 from proxy.artifacts.index import CachedArtifact, key_hash
 from proxy.keys import ArtifactKey
 from proxy.sources.debuginfod import IMA_SIGNATURE
+from proxy.store.disk import renamed_after
 
 # Bytes of small files kept, per serving process.
 HOT_BYTES = 32 * 1024 * 1024
@@ -70,25 +71,11 @@ def is_commit(fd: int, artifact: CachedArtifact) -> bool | None:
     st = os.fstat(fd)
     if st.st_size != artifact.record.size:
         return False
-    if not _renamed_after(st, artifact.record.fetched_at):
+    if not renamed_after(st, artifact.record.fetched_at):
         return True
     if st.st_size > SMALL_FILE_BYTES:
         return None
     return hashlib.sha256(os.pread(fd, st.st_size, 0)).hexdigest() == artifact.record.sha256
-
-
-def _renamed_after(st: os.stat_result, fetched_at: datetime) -> bool:
-    """Whether the file of `st` changed (was renamed into place) after `fetched_at`: a commit's
-    time is taken after its file's rename, on the host that has the disk, so the file of a
-    row never did, unless something changed its inode since (a chmod, a backup restored), and
-    a file put there by a later commit (a fetch after a purge, an upload deleted and made
-    again) does, past the kernel's timestamp granularity. To the microsecond, as rows keep
-    times."""
-    return st.st_ctime_ns // 1000 > (fetched_at - _EPOCH) // _MICROSECOND
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
 
 
 def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime | None = None,
@@ -181,7 +168,7 @@ class HotFiles:
             return None
         # As is_commit judges, with a small file's bytes at hand: hashed only when in doubt,
         # as a hash of 256 KiB costs several reads of it.
-        if not vouched and _renamed_after(st, artifact.record.fetched_at) and (
+        if not vouched and renamed_after(st, artifact.record.fetched_at) and (
                 body is None or hashlib.sha256(body).hexdigest() != artifact.record.sha256):
             return None
         hot = hot_file({**file_headers(artifact, st), "Content-Length": str(st.st_size)}, body,
