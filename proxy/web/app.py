@@ -190,6 +190,11 @@ def _lifecycle(
         # stop signal cancels it midway (serve()), and what it had opened must not be left to
         # the garbage collector's warnings or hold the process's exit.
         async with contextlib.AsyncExitStack() as started:
+            # As serve() sets it, for an app run otherwise (the tests'): the failures the
+            # loop reports, an outage's abandoned database answers among them (logs).
+            loop = asyncio.get_running_loop()
+            started.callback(loop.set_exception_handler, loop.get_exception_handler())
+            loop.set_exception_handler(logs.loop_exception_handler)
             repo = Repository(create_engine(config.database_url, config.database.timeout_s),
                               replica=replica, timeout_s=config.database.timeout_s)
             started.push_async_callback(repo.close)

@@ -451,11 +451,23 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
     descriptors (EMFILE, ENFILE) fails once a second per socket for as long as it lasts.
     Errors from the OS get one line; the log's RepeatFilter bounds how many."""
     error = context.get("exception")
+    if isinstance(error, ConnectionError) and context.get("message") == _UNRETRIEVED:
+        # A connection lost with an answer owed to a request that no longer waits: a query the
+        # request's database budget cut short, whose connection was then terminated (asyncpg's
+        # "unexpected connection_lost() call"). What an outage does, said with its warnings,
+        # not as an error of symgate's.
+        logging.getLogger("symgate.loop").warning(
+            "a connection was lost with an answer no request waits for: %s", error)
+        return
     if isinstance(error, OSError):
         logging.getLogger("symgate.loop").error("%s: %s", context.get("message", "error"),
                                                 error)
         return
     loop.default_exception_handler(context)
+
+
+# asyncio's words for a future whose exception nobody read, said when it is collected.
+_UNRETRIEVED = "Future exception was never retrieved"
 
 
 def configure(json_lines: bool, serving: bool = False) -> None:
