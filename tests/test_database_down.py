@@ -740,6 +740,33 @@ async def test_an_upload_s_row_committed_unanswered_while_the_database_stays_awa
     await forwarder.cut()
 
 
+Answer = tuple[int, dict[str, str], bytes]  # Symgate.request's
+
+
+async def _delete_answer_lost(sg: Symgate, forwarder: Forwarder, cfg: Config, elfs: ElfSet,
+                              token: str) -> tuple[str, Path, asyncio.Future[Answer]]:
+    """prog's debug file uploaded, then DELETEd with `token`, the database committing the
+    removal and the answer lost with its connection (the forwarder cut, then answering
+    again). Its path, its file, and the DELETE under way."""
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    admin = {"Authorization": f"Bearer {token}"}
+    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
+                             headers=admin))[0] == 201
+    on_disk = DiskStore(cfg.server.data_dir / "cache", cfg.server.data_dir / "symtabs"
+                        ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
+    assert on_disk.exists()
+    forwarder.hold_commit(b"INSERT INTO purges")
+    deleting = asyncio.ensure_future(sg.request("DELETE", path, headers=admin))
+
+    async def committed_unanswered() -> bool:
+        return forwarder.stalled_connections > 0
+
+    await eventually(committed_unanswered, timeout=30)
+    await forwarder.cut()
+    forwarder.answer()
+    return path, on_disk, deleting
+
+
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
 async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed_from_sql(
@@ -756,23 +783,7 @@ async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed
                   upstreams=(fast_upstream(faults.url_for("notfound")),),
                   upload=UploadConfig(admin_tokens=(token,)))
     sg = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    admin = {"Authorization": f"Bearer {token}"}
-    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
-                             headers=admin))[0] == 201
-    on_disk = DiskStore(cfg.server.data_dir / "cache", cfg.server.data_dir / "symtabs"
-                        ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
-    assert on_disk.exists()
-
-    forwarder.hold_commit(b"INSERT INTO purges")
-    deleting = asyncio.ensure_future(sg.request("DELETE", path, headers=admin))
-
-    async def committed_unanswered() -> bool:
-        return forwarder.stalled_connections > 0
-
-    await eventually(committed_unanswered, timeout=30)
-    await forwarder.cut()  # the answer lost with its connection
-    forwarder.answer()
+    path, on_disk, deleting = await _delete_answer_lost(sg, forwarder, cfg, elfs, token)
     await forwarder.start()
     status, _, text = await deleting
     assert status == 204, (status, text)
@@ -800,22 +811,7 @@ async def test_a_delete_committed_unanswered_while_the_database_stays_away_remov
                   upstreams=(fast_upstream(faults.url_for("notfound")),),
                   upload=UploadConfig(admin_tokens=(token,)))
     sg = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
-    admin = {"Authorization": f"Bearer {token}"}
-    assert (await sg.request("PUT", path, data=elfs.prog.debug.read_bytes(),
-                             headers=admin))[0] == 201
-    on_disk = DiskStore(cfg.server.data_dir / "cache", cfg.server.data_dir / "symtabs"
-                        ).artifact_path("", ArtifactKey.from_id(f"{elfs.prog.build_id}/debuginfo"))
-
-    forwarder.hold_commit(b"INSERT INTO purges")
-    deleting = asyncio.ensure_future(sg.request("DELETE", path, headers=admin))
-
-    async def committed_unanswered() -> bool:
-        return forwarder.stalled_connections > 0
-
-    await eventually(committed_unanswered, timeout=30)
-    await forwarder.cut()  # the answer lost with its connection, and the database away
-    forwarder.answer()
+    path, on_disk, deleting = await _delete_answer_lost(sg, forwarder, cfg, elfs, token)
     status, headers, _ = await deleting
     assert status == 503 and int(headers["Retry-After"]) > 0, (status, headers)
     assert (await sg.get("/healthz"))[2].startswith(b"degraded\n")
@@ -873,16 +869,13 @@ async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
         await forwarder.cut()
 
 
-@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
-                         indirect=True)
-async def test_a_symbol_table_whose_source_is_evicted_while_postgresql_is_down_goes_after(
+async def _prog_evicted_in_an_outage(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,
-) -> None:
-    """prog's debug file is evicted for other's while the database is down: the eviction
-    listener could not read prog's table's row, and left the table, file and row, for good,
-    a table of no cached file (not under cache.max_bytes, nor ever evicted again). Once the
-    database is back it goes, as it would have with its file."""
+) -> tuple[Forwarder, Config, Symgate, Path]:
+    """A server whose cache holds one of prog's and other's debug files, behind a forwarder:
+    prog's fetched and its table built, then other's fetched with the database cut, which
+    evicts prog's. The forwarder, the config, the server and prog's table."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     prog, other = (elfs.prog.debug.stat().st_size, elfs.other.debug.stat().st_size)
     cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1),
@@ -893,24 +886,42 @@ async def test_a_symbol_table_whose_source_is_evicted_while_postgresql_is_down_g
     await sg.built()
     table = sg.runner.app[STATE].service.cache.store.symtab_path("", elfs.prog.build_id)
     assert table.exists()
-
     await forwarder.cut()
     status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
     assert status == 200 and body == elfs.other.debug.read_bytes()
     await sg.settled()
-    objects = sg.config.cache_dir / "objects"
-    assert not (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name
-                ).exists(), "prog was not evicted"
-    await forwarder.start()
+    return forwarder, cfg, sg, table
+
+
+async def _table_dropped(database_url: str, table: Path, build_id: str) -> None:
+    """Until the table's file and its row are gone."""
     repo = Repository(create_engine(database_url))
     try:
         async def dropped() -> bool:
-            return not table.exists() \
-                and await repo.get_symbol_table("", elfs.prog.build_id) is None
+            return not table.exists() and await repo.get_symbol_table("", build_id) is None
 
         await eventually(dropped, timeout=15)
     finally:
         await repo.close()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_symbol_table_whose_source_is_evicted_while_postgresql_is_down_goes_after(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """prog's debug file is evicted for other's while the database is down: the eviction
+    listener could not read prog's table's row, and left the table, file and row, for good,
+    a table of no cached file (not under cache.max_bytes, nor ever evicted again). Once the
+    database is back it goes, as it would have with its file."""
+    forwarder, _cfg, sg, table = await _prog_evicted_in_an_outage(
+        start_symgate, faults, elfs, database_url, tmp_path)
+    objects = sg.config.cache_dir / "objects"
+    assert not (objects / ArtifactKey.parse(elfs.prog.build_id, "debuginfo").storage_name
+                ).exists(), "prog was not evicted"
+    await forwarder.start()
+    await _table_dropped(database_url, table, elfs.prog.build_id)
     await forwarder.cut()
 
 
@@ -923,32 +934,12 @@ async def test_a_symbol_table_whose_source_was_evicted_before_a_stop_in_an_outag
     """As above, but the server stops before the database is back: the next start finds the
     row of prog's evicted file and drops it as stale, and its table with it, which was left
     (file and row) for good."""
-    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
-    prog, other = (elfs.prog.debug.stat().st_size, elfs.other.debug.stat().st_size)
-    cfg = replace(cfg, server=replace(cfg.server, access_flush_s=0.1),
-                  database=replace(cfg.database, timeout_s=1.0),
-                  cache=replace(cfg.cache, max_bytes=max(prog, other)))
-    sg = await start_symgate(config=cfg)
-    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
-    await sg.built()
-    table = sg.runner.app[STATE].service.cache.store.symtab_path("", elfs.prog.build_id)
-    assert table.exists()
-    await forwarder.cut()
-    status, _, body = await sg.get(f"/buildid/{elfs.other.build_id}/debuginfo")
-    assert status == 200 and body == elfs.other.debug.read_bytes()
-    await sg.settled()
+    forwarder, cfg, sg, table = await _prog_evicted_in_an_outage(
+        start_symgate, faults, elfs, database_url, tmp_path)
     await sg.stop()
     await forwarder.start()
 
     again = await start_symgate(config=cfg)
-    repo = Repository(create_engine(database_url))
-    try:
-        async def dropped() -> bool:
-            return not table.exists() \
-                and await repo.get_symbol_table("", elfs.prog.build_id) is None
-
-        await eventually(dropped, timeout=15)
-    finally:
-        await repo.close()
+    await _table_dropped(database_url, table, elfs.prog.build_id)
     assert (await again.get(f"/buildid/{elfs.other.build_id}/debuginfo"))[0] == 200
     await forwarder.cut()
