@@ -178,11 +178,7 @@ def headers_of(read: Read, file_size: int) -> ElfHeaders | None:
             # other fields: a build-ID note is found by its type, where pyelftools fails.
             names = b""
             if shstrndx < shnum:
-                names_row = rows[shstrndx]
-                found = _read_exactly(read, names_row[5], names_row[4]) \
-                    if names_row[5] <= _MAX_NAMES_BYTES and names_row[1] != SHT_NOBITS \
-                    else None
-                if found is None:
+                if (found := _names(read, rows[shstrndx])) is None:
                     return None
                 names = found
             for name_at, s_type, flags, addr, offset, size, link, _info, align, _entsize \
@@ -247,10 +243,7 @@ def section_named(read: Read, file_size: int, name: bytes) -> SectionHeader | No
             names_row = _read_exactly(read, shentsize, shoff + shstrndx * shentsize)
             if names_row is None:
                 raise UnusualHeaders
-            _, names_type, _, _, names_at, names_size, *_ = struct.unpack(sfmt, names_row)
-            found = _read_exactly(read, names_size, names_at) \
-                if names_size <= _MAX_NAMES_BYTES and names_type != SHT_NOBITS else None
-            if found is None:
+            if (found := _names(read, struct.unpack(sfmt, names_row))) is None:
                 raise UnusualHeaders
             names = found
         target, tail = name + b"\0", len(names) - len(name)
@@ -286,6 +279,15 @@ def _ident(head: bytes) -> tuple[bool, str, _Class] | None:
     is64, order = head[4] == 2, "<" if head[5] == 1 else ">"
     layout = _CLASSES[is64]
     return None if len(head) < layout.header_size else (is64, order, layout)
+
+
+def _names(read: Read, row: tuple[int, ...]) -> bytes | None:
+    """The section-name table whose section header is `row`; None where it is not read: past
+    _MAX_NAMES_BYTES, without bytes in the file (SHT_NOBITS), or not all there."""
+    _, s_type, _, _, offset, size, *_ = row
+    if size > _MAX_NAMES_BYTES or s_type == SHT_NOBITS:
+        return None
+    return _read_exactly(read, size, offset)
 
 
 def _counts(read: Read, sfmt: str, shoff: int, shnum: int, shstrndx: int
