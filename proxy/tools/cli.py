@@ -97,20 +97,25 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _unusable_server(server: str) -> str | None:
-    """Why `server`, a --server, is no URL a request can go to; None when it is one. Said once,
-    before any work: prefetch and upload reported aiohttp's bare error class for every
-    artifact instead ("debuginfo error: NonHttpUrlClientError" for a URL without its
-    http://), and inspect judged the whole profile first."""
+def _refused_server(server: str | None) -> bool:
+    """Whether `server`, a --server (None: none given), is no URL a request can go to, said
+    so on stderr. Said once, before any work: prefetch and upload reported aiohttp's bare
+    error class for every artifact instead ("debuginfo error: NonHttpUrlClientError" for a
+    URL without its http://), and inspect judged the whole profile first."""
     from yarl import URL
 
+    if server is None:
+        return False
     try:
         url = URL(server)
     except ValueError as e:  # an unclosed IPv6 address, a port past 65535
-        return f"--server {server}: not a URL ({e})"
-    if url.scheme not in ("http", "https") or not url.host:
-        return f"--server {server}: not an http:// or https:// URL"
-    return None
+        why = f"not a URL ({e})"
+    else:
+        if url.scheme in ("http", "https") and url.host:
+            return False
+        why = "not an http:// or https:// URL"
+    print(f"symgate: --server {server}: {why}", file=sys.stderr)
+    return True
 
 
 def _db(args: argparse.Namespace) -> int:
@@ -138,8 +143,7 @@ def _symbolize(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"symgate: cannot read {args.input}: {e.strerror or e}", file=sys.stderr)
         return 1
-    if args.server and (why := _unusable_server(args.server)) is not None:
-        print(f"symgate: {why}", file=sys.stderr)
+    if _refused_server(args.server or None):
         return 1
     if not args.output.parent.is_dir():  # said now, not after the work
         print(f"symgate: cannot write {args.output}: no such directory {args.output.parent}",
@@ -206,8 +210,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from proxy.tools.inspect_profile import inspect_profile, render, server_failures, to_json
     from symbolize.pprof.codec import ProfileError
 
-    if args.server and (why := _unusable_server(args.server)) is not None:
-        print(f"symgate: {why}", file=sys.stderr)
+    if _refused_server(args.server or None):
         return 1
     cfg = _config(args)
     nameless = cfg.tenants.get("")
@@ -259,8 +262,7 @@ def _prefetch(args: argparse.Namespace) -> int:
     )
     from symbolize.pprof.codec import ProfileError
 
-    if (why := _unusable_server(args.server)) is not None:
-        print(f"symgate: {why}", file=sys.stderr)
+    if _refused_server(args.server):
         return 1
     summary = Summary()
     try:
@@ -324,8 +326,7 @@ def _token(args: argparse.Namespace) -> str:
 def _upload(args: argparse.Namespace) -> int:
     from proxy.tools.upload import Summary, find_items, report, terminal_progress, upload
 
-    if (why := _unusable_server(args.server)) is not None:
-        print(f"symgate: {why}", file=sys.stderr)
+    if _refused_server(args.server):
         return 1
     token = _token(args)
     if not token:
