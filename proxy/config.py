@@ -135,7 +135,7 @@ def _database_url(value: str | None) -> str | None:
 
 
 def _url(value: object) -> str:
-    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
+    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value, re.IGNORECASE):
         # Not even a URL shown_url can read ("https//user:token@host", a typo): whatever
         # precedes an @ of its first part may be credentials, which start-up errors print.
         shown = re.sub(r"^([^/]*/*)[^/]*@", r"\1***@", value) if isinstance(value, str) \
@@ -152,7 +152,10 @@ def _url(value: object) -> str:
         URL(value).raw_host  # noqa: B018
     except ValueError as e:
         raise ValueError(f"not a URL requests can go to ({e}): {shown_url(value)!r}") from None
-    return value
+    # A scheme is case-insensitive (RFC 3986; elfutils' client takes HTTPS://), but the rest
+    # of symgate compares it as written ("https" after a redirect, the bucket's "http").
+    scheme, sep, rest = value.partition("://")
+    return scheme.lower() + sep + rest
 
 
 def shown_url(url: str) -> str:

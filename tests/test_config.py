@@ -65,6 +65,18 @@ def test_debuginfod_urls_given_twice_are_one_upstream() -> None:
                                               "http://b.example/x"]
 
 
+def test_an_upper_case_scheme_is_an_upstream_as_elfutils_client_takes_it(tmp_path: Path) -> None:
+    # It was refused ("expected an http:// or https:// URL"): a site's DEBUGINFOD_URLS that
+    # works for debuginfod-find stopped symgate's start. Written lower-case, as the rest of
+    # symgate compares schemes (a redirect from https, the bucket's plain http).
+    env = {"DEBUGINFOD_URLS": "HTTP://a.example:8002 Https://b.example/ http://a.example:8002"}
+    cfg = load_config(None, environ=env)
+    assert [u.url for u in cfg.upstreams] == ["http://a.example:8002", "https://b.example/"]
+    toml = tmp_path / "c.toml"
+    toml.write_text('[[upstreams]]\nurl = "HTTPS://c.example/"\n')
+    assert [u.url for u in load_config(toml, environ={}).upstreams] == ["https://c.example/"]
+
+
 def test_the_example_file_parses_to_the_defaults_and_documents_every_key() -> None:
     example = ROOT / "config.example.toml"
     cfg = load_config(example, environ={})
