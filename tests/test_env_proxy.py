@@ -284,3 +284,18 @@ async def _unusable_environment_answer(start_symgate: SymgateFactory, faults: Fa
     assert b"secret" not in body and b"20ac" not in body.lower()
     assert faults.count("ok") == 0  # never reached, past a route it could not use
     return body
+
+
+async def test_routes_remembered_stay_bounded_however_many_origins_redirects_name() -> None:
+    # An upstream chooses the hosts its redirects name: one sending each miss to a new port
+    # grew the remembered routes for as long as symgate ran.
+    from proxy.sources.env_routes import MAX_ORIGINS, EnvironmentRoutes
+
+    routes = EnvironmentRoutes()
+    first = await routes.route(URL("http://127.0.0.1:1/buildid/ab/debuginfo"))
+    for port in range(2, 3 * MAX_ORIGINS):
+        await routes.route(URL(f"http://127.0.0.1:{port}/x"))
+    assert len(routes) == MAX_ORIGINS
+    # The oldest went first; asked again, it is looked up again, the same route.
+    assert await routes.route(URL("http://127.0.0.1:1/y")) == first
+    assert len(routes) == MAX_ORIGINS

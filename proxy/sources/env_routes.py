@@ -44,15 +44,28 @@ class Route:
             headers.update(self.proxy_headers)
 
 
+# Origins whose routes are remembered: the upstreams' own, and the hosts their redirects name,
+# which an upstream chooses (one redirecting each miss to a new port grew it without end).
+MAX_ORIGINS = 512
+
+
 class EnvironmentRoutes:
     def __init__(self) -> None:
         self._known: dict[tuple[str, str | None, int | None], Route] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
 
     async def route(self, url: URL) -> Route:
         origin = (url.scheme, url.host, url.port)
         known = self._known.get(origin)
         if known is None:
-            known = self._known[origin] = await asyncio.to_thread(_look_up, url)
+            known = await asyncio.to_thread(_look_up, url)
+            if len(self._known) >= MAX_ORIGINS:
+                # The oldest remembered first: an upstream's own origin is looked up at its
+                # first fetch, and again (one thread hop) only after as many others.
+                del self._known[next(iter(self._known))]
+            self._known[origin] = known
         return known
 
 
