@@ -19,10 +19,11 @@ import aiohttp
 import pytest
 
 from proxy.config import Config, UploadConfig
+from proxy.health import DATABASE
 from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
 from proxy.store.replica import replica_id
-from proxy.store.repository import Repository, create_engine
+from proxy.store.repository import DATABASE_ERRORS, Repository, create_engine
 from proxy.web.state import STATE
 from tests.elfs import Elf, ElfSet
 from tests.faults import FaultUpstream
@@ -860,6 +861,42 @@ async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
     status, _, body = await sg.get(path)  # finds SQL down
     assert status == 200 and body == elfs.big.debug.read_bytes()
     forwarder.stall()  # then a database that takes connections and never answers
+    forwarder.heal()
+    try:
+        status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))
+        assert status == 200 and body == elfs.big.debug.read_bytes()
+    finally:
+        forwarder.answer()
+        await forwarder.cut()
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_flush_round_during_an_outage_does_not_say_the_database_is_back(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """The access flush said the database well whenever it had no row of its own to write,
+    with no query made, in the middle of an outage: the next hit that asks SQL when it is
+    not known down (a big file whose inode changed, above) waited out database.timeout_s,
+    once a flush round, all the outage long."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=120.0))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()
+    cache = sg.runner.app[STATE].service.cache
+    os.chmod(cache.store.artifact_path("", ArtifactKey.from_id(
+        f"{elfs.big.build_id}/debuginfo")), 0o644)  # its ctime now, past its row's commit
+
+    await forwarder.refuse("57P03", "the database system is starting up")
+    assert (await sg.get(path))[0] == 200  # finds SQL down
+    assert cache.health.get(DATABASE) is not None
+    with contextlib.suppress(*DATABASE_ERRORS):
+        await cache.flush_access()  # the round the job makes: its hit counts cannot be written
+    assert cache.health.get(DATABASE) is not None
+    forwarder.stall()
     forwarder.heal()
     try:
         status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))

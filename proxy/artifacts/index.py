@@ -818,12 +818,16 @@ class ArtifactCache:
             await to_the_end(writing)
         finally:
             if writing.cancelled() or writing.exception() is not None:
+                if (error := None if writing.cancelled() else writing.exception()) is not None \
+                        and isinstance(error, DATABASE_ERRORS):
+                    self.sql_failed("writing hit counts", error)
                 for kh, (hits, when) in batch.items():
                     if kh not in self._entries:
                         continue  # evicted meanwhile: its row is gone
                     newer_hits, newer = self._pending_access.get(kh, (0, when))
                     self._pending_access[kh] = (hits + newer_hits, max(when, newer))
             else:
+                self.health.ok(DATABASE)
                 for kh, (hits, when) in batch.items():
                     if (rec := self._entries.get(kh)) is not None:
                         self._entries[kh] = replace(rec, hits=rec.hits + hits,
@@ -831,6 +835,12 @@ class ArtifactCache:
 
 
     async def _sync_rows(self) -> None:
+        """Write the rows kept while SQL was failing; the database is said well again only
+        where this asked it something: a flush with none to write, during an outage, said so
+        with no query made, and every hit that asks SQL when it is not known down (the
+        commit of a file whose inode changed) then waited out database.timeout_s again."""
+        if not (self._unsure_retires or self._unsynced):
+            return
         try:
             await self._settle_retires()
         except DATABASE_ERRORS as e:
