@@ -216,6 +216,27 @@ async def test_a_tenant_name_with_unicode_blanks_around_it_is_another_tenant(
     assert faults.count("auth") == 1  # acme's one fetch; the others asked the global server
 
 
+async def test_a_bearer_token_with_unicode_blanks_around_it_is_another_token(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """A token is compared as it was sent, as the tenant's name is: str.strip() took Unicode
+    spaces and separators off either end, so "<token>\u3000" proved the tenant its token
+    names. HTTP's own blanks around it are no part of it."""
+    sg = await start_symgate([faults.url_for("notfound")],
+                             tenants={"a": TenantConfig(upstreams=(private(faults),),
+                                                        tokens=(TOKEN_A,))})
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    for token, status in [(TOKEN_A + "\u3000", b"401"), ("\u00a0" + TOKEN_A, b"401"),
+                          (TOKEN_A + "\x85", b"401"), (TOKEN_A + " \t", b"200")]:
+        for method in (b"GET", b"HEAD"):
+            head = (method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                    b"Authorization: Bearer " + token.encode() + b"\r\n"
+                    b"Connection: close\r\n\r\n")
+            line = await _status_of_raw(sg, head)
+            assert line.split(b" ")[1] == status, (token, method, line)
+    assert faults.count("auth") == 1  # the one fetch its own token made
+
+
 async def test_the_longest_tenant_name_the_config_takes_is_served_and_stored(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
 ) -> None:

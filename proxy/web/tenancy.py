@@ -151,4 +151,6 @@ def _bearer(request: web.BaseRequest) -> str:
     if len(given) > 1:  # one field (RFC 9110): a proxy in front may have read the other
         raise InvalidRequest("more than one Authorization")
     scheme, _, token = (given[0] if given else "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    # HTTP's blanks only, as for X-Scope-OrgID (_claimed): str.strip() took Unicode spaces
+    # off too, and a token sent with one was taken for the token without it.
+    return token.strip(" \t") if scheme.lower() == "bearer" else ""
