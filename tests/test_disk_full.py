@@ -312,30 +312,39 @@ async def test_no_descriptor_for_a_profile_is_503_never_a_500_or_a_bare_mapping(
     "internal error"; a fetch that found none for its temp file left the mapping bare
     (`unavailable`), and a build none for its lock (`internal`), in a 200 that a backend
     keeps for good. Each is a 503 with Retry-After, as for a /buildid hit, and the profile
-    sent again once descriptors are back is symbolized."""
+    sent again once descriptors are back is symbolized.
+
+    With a few more to spare, a fetch's commit found none (its directory's fsync, SQLite's
+    journal): the file was served and not kept, and the profile refused with a 507 that
+    blamed cache.max_bytes. Two servers, each of the cold files once: descriptors spared
+    from none to past what any step takes."""
     tree = tmp_path / "debug"
     for elf in elfs.all:
         build_id_tree(tree, elf.build_id, elf.debug, elf.executable)
-    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config(
-        debug_dirs=(tree,) if local else ()))
-    warm = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:10])])
-    # The client's connection kept alive from here on, the workers started, a table open.
-    assert (await post(sg, warm.SerializeToString()))[0] == 200
-    await sg.built()
-    for free, elf in enumerate(elf for elf in elfs.all if elf is not elfs.prog):
-        cold = make_profile([(place(elf, BASES["prog"]), code_addresses(elf)[:10])]
-                            ).SerializeToString()
-        with _no_descriptor_left(free):
-            status, headers, body = await post(sg, cold)
-        await sg.built()  # what it set going ends with descriptors to spare
-        if status == 200:
-            assert headers["X-Symgate-Mappings-Symbolized"] == "1", (free, headers)
-        else:
-            assert status == 503 and "Retry-After" in headers, (free, status, body)
-        status, headers, _ = await post(sg, cold)
-        assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
-    counted = {dict(labels)["outcome"] for (name, labels), n in (await sg.metrics()).items()
-               if name == "symgate_symbolize_profiles_total" and n}
+    cold_elfs = [elf for elf in elfs.all if elf is not elfs.prog]
+    counted: set[str] = set()
+    for first in (0, len(cold_elfs)):
+        sg = await start_symgate([debuginfod.url], data_dir=tmp_path / f"data{first}",
+                                 symbolize=symbolize_config(debug_dirs=(tree,) if local else ()))
+        warm = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:10])])
+        # The client's connection kept alive from here on, the workers started, a table open.
+        assert (await post(sg, warm.SerializeToString()))[0] == 200
+        await sg.built()
+        for free, elf in enumerate(cold_elfs, start=first):
+            cold = make_profile([(place(elf, BASES["prog"]), code_addresses(elf)[:10])]
+                                ).SerializeToString()
+            with _no_descriptor_left(free):
+                status, headers, body = await post(sg, cold)
+            await sg.built()  # what it set going ends with descriptors to spare
+            if status == 200:
+                assert headers["X-Symgate-Mappings-Symbolized"] == "1", (free, headers)
+            else:
+                assert status == 503 and "Retry-After" in headers, (free, status, body)
+            status, headers, _ = await post(sg, cold)
+            assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1", headers
+        counted |= {dict(labels)["outcome"] for (name, labels), n in
+                    (await sg.metrics()).items()
+                    if name == "symgate_symbolize_profiles_total" and n}
     assert "internal" not in counted and "unavailable" in counted, counted
 
 

@@ -641,6 +641,11 @@ class ArtifactService:
             flight.fail(self.disk_full(error))
         elif is_read_only(error):
             flight.fail(self.read_only(error))
+        elif isinstance(error, OSError) and (full := out_of_descriptors(error)) is not None:
+            # The server's passing want, not a fault of the fetch: a profile that needed the
+            # file was refused with "does not fit cache.max_bytes" (507) for it.
+            log.warning("%s %s failed: %s", doing, key.id, error)
+            flight.fail(full)
         else:
             log.exception("%s %s failed", doing, key.id)
             flight.fail(SymgateError(f"internal error while {doing}"))
@@ -809,10 +814,15 @@ class ArtifactService:
                 final = await asyncio.to_thread(self.cache.store.commit, temp, fd, scope, key,
                                                 when.timestamp() if when is not None else None)
             except OSError as e:
+                # Said to what waits for the file to be kept (a profile's resolution) as the
+                # passing want it is: found not kept, the profile was refused with a 507 that
+                # blamed cache.max_bytes, for a full descriptor table too.
                 if e.errno in _NO_SPACE:
-                    self.disk_full(e)
+                    flight.fail(self.disk_full(e))
                 elif e.errno == errno.EROFS:
-                    self.read_only(e)
+                    flight.fail(self.read_only(e))
+                elif (full := out_of_descriptors(e)) is not None:
+                    flight.fail(full)
                 log.warning("%s was served but could not be cached: %s", key.id, e)
                 return
             self.cache.health.ok(DISK)
