@@ -77,6 +77,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         "serve-newer-schema": (["serve", "--workers", "1"], _serve_config(root, newer)),
         "serve-workers-newer-schema": (["serve", "--workers", "2"],
                                        _serve_config(root, newer)),
+        "serve-no-migrate-newer-schema": (["serve", "--workers", "1", "--no-migrate"],
+                                          _serve_config(root, newer)),
+        "serve-workers-no-migrate-newer-schema": (["serve", "--workers", "2", "--no-migrate"],
+                                                  _serve_config(root, newer)),
         "db-upgrade-newer-schema": (["db", "upgrade"], _serve_config(root, newer)),
         "db-current-newer-schema": (["db", "current"], _serve_config(root, newer)),
         "no-migrate-older-schema": (["serve", "--no-migrate"], _serve_config(root, older)),
@@ -142,11 +146,14 @@ def test_no_migrate_on_a_fresh_database_says_to_upgrade(runs: dict[str, Run]) ->
 
 
 @pytest.mark.parametrize("case", ["serve-newer-schema", "serve-workers-newer-schema",
+                                  "serve-no-migrate-newer-schema",
+                                  "serve-workers-no-migrate-newer-schema",
                                   "db-upgrade-newer-schema", "db-current-newer-schema"])
 def test_a_database_a_newer_symgate_migrated_is_one_line(runs: dict[str, Run], case: str
                                                          ) -> None:
     """Neither upgraded nor used (this version's queries are not written for that schema),
-    and said so: not alembic's traceback of a revision it cannot locate."""
+    and said so: not alembic's traceback of a revision it cannot locate. With --no-migrate
+    too (a deploy whose own job upgrades the schema), which started and served with it."""
     _one_clear_line(runs[case], "revision 0099", "a newer symgate")
 
 

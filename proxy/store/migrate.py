@@ -6,6 +6,7 @@ short-lived fork, proxy.web.supervisor)."""
 
 from __future__ import annotations
 
+import io
 from importlib.resources import files
 from typing import TYPE_CHECKING
 
@@ -24,10 +25,11 @@ class UnknownRevision(Exception):
         self.revision = revision
 
 
-def alembic_config(url: str, timeout_s: float | None = None) -> AlembicConfig:
+def alembic_config(url: str, timeout_s: float | None = None, *, quiet: bool = False
+                   ) -> AlembicConfig:
     from alembic.config import Config as AlembicConfig
 
-    cfg = AlembicConfig()
+    cfg = AlembicConfig(stdout=io.StringIO()) if quiet else AlembicConfig()
     # database.timeout_s, for connecting (migrations/env.py): a database that never answers
     # must not hold `symgate serve` or `symgate db ...` for asyncpg's own minute.
     cfg.attributes["connect_timeout_s"] = timeout_s
@@ -48,3 +50,14 @@ def current(url: str, timeout_s: float | None = None) -> None:
     from alembic import command
 
     command.current(alembic_config(url, timeout_s), verbose=True)
+
+
+def check(url: str, timeout_s: float | None = None) -> None:
+    """Blocking, as upgrade: UnknownRevision when the database is at a revision these
+    migrations lack, read without migrating (`serve --no-migrate`, whose schema a deploy's
+    own `symgate db upgrade` keeps). A newer symgate's schema was used with this one's
+    queries, written for another. A schema older than these, or none, is left to the start,
+    which says to upgrade it."""
+    from alembic import command
+
+    command.current(alembic_config(url, timeout_s, quiet=True))

@@ -178,9 +178,12 @@ def _lifecycle(
     one_of_several: bool,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        if config.database.migrate_on_start:
-            await asyncio.to_thread(migrate.upgrade, config.database_url,
-                                    timeout_s=config.database.timeout_s)
+        if config.database.migrate_on_start or not one_of_several:
+            # Not migrated (--no-migrate): its revision checked all the same. A process of
+            # several had both done by the supervisor's fork.
+            await asyncio.to_thread(
+                migrate.upgrade if config.database.migrate_on_start else migrate.check,
+                config.database_url, timeout_s=config.database.timeout_s)
         metrics = ProxyMetrics(registry)
         try:
             replica = replica_id(config.cache_dir)

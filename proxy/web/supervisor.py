@@ -86,8 +86,8 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
         # Before any serving process exists: they inherit them, and so fork no helpers of
         # their own.
         forked_helpers.fork_helpers()
-        if config.database.migrate_on_start:
-            _migrate_in_a_fork(config, keeper)
+        # Migrated, or only read (--no-migrate): a newer symgate's schema is refused either way.
+        _migrate_in_a_fork(config, keeper, read_only=not config.database.migrate_on_start)
         try:
             for index in range(workers):
                 if not keeper.stopping:
@@ -158,11 +158,12 @@ def _end(holder: socket.socket, guard: socket.socket, metrics_dir: Path) -> None
     forked_helpers.stop_helpers()
 
 
-def _migrate_in_a_fork(config: Config, keeper: _Keeper) -> None:
+def _migrate_in_a_fork(config: Config, keeper: _Keeper, *, read_only: bool = False) -> None:
     """Migrate the database in a short-lived fork, before any worker starts: alembic and
     what it imports (~12 MiB) then never enter a long-lived process. CannotStart with the
     reason if it cannot. A stop signal meanwhile ends it (a migration cut midway is
-    undone: its transaction never commits) and the start with it, without a fault."""
+    undone: its transaction never commits) and the start with it, without a fault.
+    `read_only`: its revision only checked (migrate.check)."""
     from proxy.store import migrate
     from proxy.symbols import worker_process
     from proxy.web.app import startup_error
@@ -182,7 +183,8 @@ def _migrate_in_a_fork(config: Config, keeper: _Keeper) -> None:
         worker_process.name_process("symgate-migrate")  # in ps, not taken for a worker
         code = 1
         try:
-            migrate.upgrade(config.database_url, timeout_s=config.database.timeout_s)
+            (migrate.check if read_only else migrate.upgrade)(
+                config.database_url, timeout_s=config.database.timeout_s)
             code = 0
         except Exception as e:
             error = startup_error(config, e)
