@@ -153,6 +153,11 @@ async def test_a_client_that_stops_reading_a_cached_file_is_cut_and_the_file_let
         assert await _metric(base, "symgate_quick_hits_total") == quick_before + (
             answered == "quickly")
         await _served_whole(base + path, size)  # the server serves on, the same file whole
+    # Its access line says why, as aiohttp's path says it: the quick path's said only "the
+    # connection ended before the file's last byte", for a client cut and a client gone alike.
+    cut = [line for line in out.decode().splitlines()
+           if "symgate.access" in line and "outcome=aborted" in line]
+    assert len(cut) == 1 and 'error="[Errno 110] Connection timed out"' in cut[0], cut
 
 
 async def test_a_client_that_stops_reading_a_small_hit_is_cut_though_its_connection_closes(

@@ -61,14 +61,14 @@ REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
 
 class QuickFile(Protocol):
     """proxy.web.fast_hits.QuickFile: a head, then a file's first `size` bytes; finish() once
-    they went out or the send broke off."""
+    they went out or the send broke off (`cut`: with what, where known)."""
 
     head: bytes
     file: IO[bytes]
     size: int
     name: str  # the artifact's, for the log
 
-    def finish(self) -> None: ...
+    def finish(self, cut: BaseException | None = None) -> None: ...
 
 
 class QuickAnswers(Protocol):
@@ -333,7 +333,7 @@ class _Counted(asyncio.Protocol):
             sent = send_if_room(transport, answer.file, answer.size, answer.name)
         except OSError as e:  # the client, or a file shorter than its entry (ShortFile)
             self._send_failed(e)
-            answer.finish()
+            answer.finish(e)
             transport.abort()
             return
         if sent == answer.size:
@@ -360,6 +360,7 @@ class _Counted(asyncio.Protocol):
         sends it; a send that breaks off (the client left, or was cut for not reading) closes
         the connection, since no next answer can follow a short body."""
         sent = False
+        cut: BaseException | None = None
         try:
             # No fallback: asyncio's swaps the transport's protocol for its own while it
             # writes, and a connection lost then would never reach this one (the guard's
@@ -371,8 +372,9 @@ class _Counted(asyncio.Protocol):
         # the transport closed meanwhile.
         except (OSError, RuntimeError) as e:
             self._send_failed(e)
+            cut = e
         finally:
-            self._sent(asyncio.current_task(), answer)
+            self._sent(asyncio.current_task(), answer, cut)
             if not sent:
                 transport.abort()
         if self._close_after_send:
@@ -397,13 +399,14 @@ class _Counted(asyncio.Protocol):
         transport.resume_reading()
         self._idle = asyncio.get_running_loop().call_later(SHED_LINGER_S, self._idle_too_long)
 
-    def _sent(self, send: asyncio.Future[None] | None, answer: QuickFile) -> None:
+    def _sent(self, send: asyncio.Future[None] | None, answer: QuickFile,
+              cut: BaseException | None = None) -> None:
         """The send is over, whichever way: its file let go, counted and logged, once."""
         if self._sending is send:
             self._sending = None
             if self._guard is not None:
                 self._guard._senders.discard(self)
-        answer.finish()
+        answer.finish(cut)
 
     def cut_send(self) -> None:
         """End the file being sent: the server stops and its grace is over."""

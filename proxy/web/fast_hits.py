@@ -167,13 +167,16 @@ class FastHits:
         lease = state.service.cache.lease(file.artifact.scope, req.key)
         lease.__enter__()
 
-        def finish(sent: int) -> None:
+        def finish(sent: int, cut: BaseException | None) -> None:
             lease.__exit__(None, None, None)
             state.metrics.served_from_cache.inc(sent)
             told = fields
             if sent < file.artifact.record.size:  # the client left, or the server stopped
-                told = {**fields, "outcome": ABORTED,
-                        "error": "the connection ended before the file's last byte"}
+                # What ended it, in the words aiohttp's path logs (errors.CountedWhenSent):
+                # a client cut for not reading, one that reset, a file cut short on disk.
+                why = (str(cut) or type(cut).__name__) if cut is not None \
+                    else "the connection ended before the file's last byte"
+                told = {**fields, "outcome": ABORTED, "error": why}
                 state.metrics.count_buildid(req.kind, ABORTED)
             else:
                 state.metrics.count_buildid(req.kind, Served.HIT)
@@ -237,16 +240,17 @@ _Found = tuple[int, HotFile, dict[str, Any], _OpenedFile | None]
 class QuickFile:
     """A quick hit of a file too big to keep in memory: `head` is written at once, then `file`
     (`size` bytes from its start) with sendfile(2), by the connection (proxy.web.connections);
-    finish() once that is over, however it ended: the file's position tells what went out."""
+    finish() once that is over, however it ended: the file's position tells what went out,
+    and `cut` what ended it short, where that is known."""
 
     __slots__ = ("_finish", "file", "head", "name", "size")
 
     def __init__(self, head: bytes, file: IO[bytes], size: int, name: str,
-                 finish: Callable[[int], None]) -> None:
+                 finish: Callable[[int, BaseException | None], None]) -> None:
         self.head, self.file, self.size, self.name = head, file, size, name
-        self._finish: Callable[[int], None] | None = finish
+        self._finish: Callable[[int, BaseException | None], None] | None = finish
 
-    def finish(self) -> None:
+    def finish(self, cut: BaseException | None = None) -> None:
         """Once, however often called."""
         finish, self._finish = self._finish, None
         if finish is None:
@@ -256,7 +260,7 @@ class QuickFile:
         except (OSError, ValueError):
             sent = 0
         self.file.close()
-        finish(sent)
+        finish(sent, cut)
 
 
 def _plain_request(data: bytes) -> _Request | None:
