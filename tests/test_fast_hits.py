@@ -466,6 +466,48 @@ async def test_a_request_with_a_body_leaves_the_connection_to_aiohttp(
     conn.close()
 
 
+async def read_to_end(conn: Conn) -> bytes:
+    """All the server sends until it closes the connection."""
+    got = b""
+    while chunk := await asyncio.wait_for(conn.reader.read(1 << 20), 10):
+        got += chunk
+    return got
+
+
+@pytest.mark.parametrize("body", ["content-length", "chunked"])
+@ON_SHARED
+async def test_a_body_after_quick_answers_is_never_read_as_a_request(
+    shared: Server, elfs: ElfSet, body: str
+) -> None:
+    """A connection that had a quick answer, then a GET with a body that is a plain request
+    head, sent in a write of its own (as a smuggling client or a front proxy that frames the
+    body otherwise would): the body is the GET's, never a request answered quickly. Each
+    request is answered once, in order, and nothing more."""
+    server = shared
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    await hot(server, path)
+    await remembered(server, MISSING)
+    inner = get(MISSING)  # a quick 404, were it read as a request
+    # The head alone in a read of its own, as the body's other pieces.
+    framing, pieces = (f"Content-Length: {len(inner)}", [inner]) if body == "content-length" \
+        else ("Transfer-Encoding: chunked", [b"%x\r\n" % len(inner), inner, b"\r\n0\r\n\r\n"])
+    before = await server.quick() + await server.quick_misses()
+    conn = await Conn.open(server)
+    await conn.send(get(path))
+    assert (await conn.answer()).status == 200
+    await conn.send(get(path, framing))
+    for piece in pieces:
+        await asyncio.sleep(0.1)
+        await conn.send(piece)
+    await asyncio.sleep(0.1)
+    await conn.send(get("/healthz", "Connection: close"))
+    rest = await read_to_end(conn)
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", rest)
+    assert statuses == [b"200", b"200"], rest[:2000]  # the GET's, then /healthz's
+    assert await server.quick() + await server.quick_misses() == before + 1
+    conn.close()
+
+
 async def test_a_client_that_stops_reading_gets_every_answer_in_order(
     server: Server, elfs: ElfSet
 ) -> None:
