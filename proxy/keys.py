@@ -91,18 +91,30 @@ def normalize_source_path(raw: str) -> str:
 
 
 def normalize_section(raw: str) -> str:
+    """A section name, which may carry bytes that are not UTF-8 as source_path_of decodes them
+    (`.caf%E9`: elfutils' debuginfod serves a Latin-1 name, and its client asks for it so)."""
     # Control characters would reach SQL keys and log lines. "." and ".." would be resolved
-    # away by HTTP clients, asking upstream for another path. A name that is not UTF-8 (a lone
-    # surrogate) is no text SQL takes.
+    # away by HTTP clients, asking upstream for another path.
+    try:
+        size = len(_path_bytes(raw))
+    except UnicodeEncodeError:  # a surrogate that stands for no byte: no name has it
+        raise InvalidRequest("invalid section name") from None
     if (not raw or raw in (".", "..") or _SECTION_REFUSED.search(raw) is not None
-            or not is_text(raw) or len(raw.encode()) > MAX_SOURCE_PATH):
+            or size > MAX_SOURCE_PATH):
         raise InvalidRequest("invalid section name")
     return raw
 
 
+def printable(detail: str) -> str:
+    """A source path or section name for a message: bytes that are not UTF-8 percent-encoded
+    (a response body or a log line is text)."""
+    return detail if is_text(detail) else quote(_path_bytes(detail), safe="/")
+
+
 # The id of a source path that is not UTF-8 (ArtifactKey.id): a text path's id is
-# "<build ID>/source/...", whose path starts with a slash.
+# "<build ID>/source/...", whose path starts with a slash. A section name's likewise.
 _RAW_SOURCE = "source:"
+_RAW_SECTION = "section:"
 _PARSED_MAX = 4096
 _PARSED: dict[tuple[str, str], ArtifactKey] = {}
 
@@ -152,6 +164,9 @@ class ArtifactKey:
         if rest.startswith(_RAW_SOURCE):
             return cls.parse(build_id, "source",
                              source_path_of(rest[len(_RAW_SOURCE):].encode()))
+        if rest.startswith(_RAW_SECTION):
+            return cls.parse(build_id, "section",
+                             source_path_of(rest[len(_RAW_SECTION):].encode()))
         if rest.startswith("source/"):
             return cls.parse(build_id, "source", rest[len("source"):])
         if rest.startswith("section/"):
@@ -169,7 +184,9 @@ class ArtifactKey:
             # share a name), under a prefix that no text path's id has.
             return f"{self.build_id}/{_RAW_SOURCE}{quote(_path_bytes(self.detail), safe='/')}"
         if self.kind is Kind.SECTION:
-            return f"{self.build_id}/section/{self.detail}"
+            if is_text(self.detail):
+                return f"{self.build_id}/section/{self.detail}"
+            return f"{self.build_id}/{_RAW_SECTION}{quote(_path_bytes(self.detail), safe='')}"
         return f"{self.build_id}/{self.kind}"
 
     @property
@@ -178,7 +195,7 @@ class ArtifactKey:
         if self.kind is Kind.SOURCE:
             return f"/buildid/{self.build_id}/source{quote(_path_bytes(self.detail), safe='/')}"
         if self.kind is Kind.SECTION:
-            return f"/buildid/{self.build_id}/section/{quote(self.detail, safe='')}"
+            return f"/buildid/{self.build_id}/section/{quote(_path_bytes(self.detail), safe='')}"
         return f"/buildid/{self.build_id}/{self.kind}"
 
     @property

@@ -163,11 +163,23 @@ def test_section_names_an_elf_file_may_have_are_taken_as_they_are(name: str) -> 
 
 @pytest.mark.parametrize("name", [
     "", "a/b", "../x", "A" * 4097, "é" * 2049, ".debug\x00", ".debug\n", ".debug\x7f", ".",
-    "..", ".a\udce9",
+    "..", ".a\ud800",
 ])
 def test_other_section_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidRequest, match="invalid section name"):
         normalize_section(name)
+
+
+def test_a_section_name_that_is_not_utf8_keeps_its_bytes_on_disk_and_in_sql() -> None:
+    """`.caf\xe9` (Latin-1) and `.caf%E9` (UTF-8 text) are two sections, both served."""
+    raw = ArtifactKey.parse(BID, "section", source_path_of(b".caf%E9"))
+    literal = ArtifactKey.parse(BID, "section", ".caf%E9")
+    assert raw.detail.encode("utf-8", "surrogateescape") == b".caf\xe9"
+    assert raw.id == f"{BID}/section:.caf%E9" and raw.id.isascii()
+    assert literal.id == f"{BID}/section/.caf%E9"
+    assert raw.storage_name != literal.storage_name
+    assert raw.upstream_path == f"/buildid/{BID}/section/.caf%E9"
+    assert ArtifactKey.from_id(raw.id) == raw and ArtifactKey.from_id(literal.id) == literal
 
 
 # /src/café.c as a Latin-1 file system names it: no UTF-8, as a compiler records it in DWARF.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import struct
 import subprocess
@@ -440,3 +441,46 @@ async def test_a_section_of_a_cached_file_cut_short_on_disk_is_cut_from_it_fetch
     assert (status, body, headers["X-DEBUGINFOD-FILE"]) == (200, want, "prog.debug")
     assert faults.asked[("ok", bid, "debuginfo")] == 2
     assert (await sg.get(f"/buildid/{bid}/debuginfo"))[::2] == (200, elfs.prog.debug.read_bytes())
+
+
+def _find_section(server: str, cache: Path, build_id: str, name: bytes) -> bytes | None:
+    """The section as elfutils' client gets it from `server` (it asks for the name's bytes,
+    curl percent-encoding those past ASCII): its bytes, or None where it failed."""
+    env = {**os.environ, "DEBUGINFOD_URLS": server, "DEBUGINFOD_CACHE_PATH": str(cache)}
+    done = subprocess.run([b"debuginfod-find", b"section", build_id.encode(), name], env=env,
+                          capture_output=True, timeout=60)
+    return Path(os.fsdecode(done.stdout.strip())).read_bytes() if done.returncode == 0 \
+        else None
+
+
+@sqlite_only
+async def test_a_section_whose_name_is_not_utf8_is_served_as_elfutils_serves_it(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A section name is any bytes but NUL: elfutils' debuginfod serves `.caf\\xe9` (a Latin-1
+    name) and its client gets it; symgate answered every name that is not UTF-8 with a 400,
+    which the client keeps as a miss, though the file it had cached held the section."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    adds: list[bytes] = []
+    names = (b".caf\xe9", b".caf%E9", ".caf\ufffd".encode())
+    for i, name in enumerate(names):
+        marker = tmp_path / f"marker{i}"
+        marker.write_bytes(b"section %d" % i)
+        adds += [b"--add-section", name + b"=" + bytes(marker)]
+    subprocess.run([b"objcopy", *adds, bytes(elfs.prog.debug), bytes(out / "prog.debug")],
+                   check=True)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    bid = elfs.prog.build_id
+    with _debuginfod_of(tmp_path, out, bid) as url:
+        sg = await start_symgate([url])
+        asked = (".caf%E9", ".caf%e9", ".caf%25E9", ".caf%EF%BF%BD", ".caf%E8", ".%FF%FE")
+        for attempt in ("cold", "warm"):
+            assert await _same_as_elfutils(sg.url, url, bid, HEADERS, asked) == [], attempt
+        status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/.caf%E9")
+        assert (status, body) == (200, b"section 0")
+        status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/.caf%E8")
+        assert status == 404 and body.startswith(b"not found"), body
+        for server, cache in ((url, tmp_path / "direct"), (sg.url, tmp_path / "via")):
+            got = await asyncio.to_thread(_find_section, server, cache, bid, b".caf\xe9")
+            assert got == b"section 0", server

@@ -42,7 +42,7 @@ from proxy.errors import (
     out_of_descriptors,
 )
 from proxy.health import DISK
-from proxy.keys import ArtifactKey, Kind
+from proxy.keys import ArtifactKey, Kind, printable
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Source
 from proxy.sources.policy import ask
@@ -934,7 +934,8 @@ class ArtifactService:
                 failure = failure or e
         if failure is not None:
             raise failure
-        raise NotFound(f"not found (no section {key.detail} in the debuginfo or executable)")
+        raise NotFound(f"not found (no section {printable(key.detail)} in the debuginfo or "
+                       "executable)")
 
     @contextlib.asynccontextmanager
     async def _parent(self, key: ArtifactKey, req: RequestScope, cache_only: bool,
