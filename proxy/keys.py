@@ -20,9 +20,10 @@ from symbolize import buildid as symbolize_buildid
 # elfutils' client cuts its whole request URL at PATH_MAX, so no real client sends more.
 MAX_SOURCE_PATH = 4096
 # An ELF section name is any bytes but NUL, and elfutils' debuginfod serves whichever the file
-# has (`.text.` and a long C++ name, `__ksymtab+sym`, `.a b`): text without control
-# characters, and no "/", which would name another path upstream.
-_SECTION_REFUSED = re.compile(r"[\x00-\x1f\x7f/]")
+# has (`.text.` and a long C++ name, `__ksymtab+sym`, `.a b`, `a/b`: all that follows
+# `/section/`): no control characters. Upstreams are never asked for a section, and
+# upstream_path encodes a "/" of one.
+_SECTION_REFUSED = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class Kind(StrEnum):

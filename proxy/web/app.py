@@ -80,7 +80,8 @@ def add_routes(app: web.Application, enable_uploads: bool = True) -> None:
             app.router.add_route(method, root + "/{build_id}/{kind}", artifacts.buildid)
             app.router.add_route(method, root + "/{build_id}/{kind:source}{detail:/(?s:.*)}",
                                  artifacts.buildid)
-            app.router.add_route(method, root + "/{build_id}/{kind:section}/{detail}",
+            # A section's name is all that follows, as for elfutils: `a/b` is one.
+            app.router.add_route(method, root + "/{build_id}/{kind:section}/{detail:(?s:.+)}",
                                  artifacts.buildid)
             # elfutils answers a trailing slash as if it were not there.
             app.router.add_route(method, root + "/{build_id}/{kind}/", artifacts.buildid)
