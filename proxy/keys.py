@@ -94,13 +94,13 @@ def normalize_source_path(raw: str) -> str:
 def normalize_section(raw: str) -> str:
     """A section name, which may carry bytes that are not UTF-8 as source_path_of decodes them
     (`.caf%E9`: elfutils' debuginfod serves a Latin-1 name, and its client asks for it so)."""
-    # Control characters would reach SQL keys and log lines. "." and ".." would be resolved
-    # away by HTTP clients, asking upstream for another path.
+    # Control characters would reach SQL keys and log lines. "." and ".." are names a file
+    # may have too: elfutils' client sends them as they are, and its debuginfod serves them.
     try:
         size = len(_path_bytes(raw))
     except UnicodeEncodeError:  # a surrogate that stands for no byte: no name has it
         raise InvalidRequest("invalid section name") from None
-    if (not raw or raw in (".", "..") or _SECTION_REFUSED.search(raw) is not None
+    if (not raw or _SECTION_REFUSED.search(raw) is not None
             or size > MAX_SOURCE_PATH):
         raise InvalidRequest("invalid section name")
     return raw

@@ -157,14 +157,13 @@ def test_a_source_path_of_exactly_the_limit_is_taken() -> None:
 
 @pytest.mark.parametrize("name", [".debug_info", ".gnu_debugaltlink", "a", "x$y@z-1.2_3",
                                   "A" * 4096, "__ksymtab+sym", ".a b", ".é", "x%2Fy", ".a:b",
-                                  "a/b", "../x"])
+                                  "a/b", "../x", ".", ".."])
 def test_section_names_an_elf_file_may_have_are_taken_as_they_are(name: str) -> None:
     assert normalize_section(name) == name
 
 
 @pytest.mark.parametrize("name", [
-    "", "A" * 4097, "é" * 2049, ".debug\x00", ".debug\n", ".debug\x7f", ".",
-    "..", ".a\ud800",
+    "", "A" * 4097, "é" * 2049, ".debug\x00", ".debug\n", ".debug\x7f", ".a\ud800",
 ])
 def test_other_section_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidRequest, match="invalid section name"):

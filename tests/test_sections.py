@@ -487,23 +487,28 @@ async def test_a_section_whose_name_is_not_utf8_is_served_as_elfutils_serves_it(
 
 
 @sqlite_only
-async def test_a_section_whose_name_has_a_slash_is_served_as_elfutils_serves_it(
+async def test_a_section_whose_name_has_a_slash_or_is_dots_is_served_as_elfutils_serves_it(
     start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
 ) -> None:
     """elfutils' client sends a section name as it is, `/section/a/b` for `a/b`, and its
     debuginfod takes all that follows `/section/` as the name; symgate answered it with a
-    400 (kept by the client as a miss), whether asked so or as `a%2Fb`."""
+    400 (kept by the client as a miss), whether asked so or as `a%2Fb`; and `..`, which the
+    client sends as it is too."""
     out = tmp_path / "bin"
     out.mkdir()
     marker = tmp_path / "marker"
     marker.write_bytes(b"a slashed section")
+    dots = tmp_path / "dots"
+    dots.write_bytes(b"a section named ..")
     subprocess.run(["objcopy", "--add-section", f"a/b={marker}", "--add-section",
-                    f".x/../y={marker}", elfs.prog.debug, out / "prog.debug"], check=True)
+                    f".x/../y={marker}", "--add-section", f"..={dots}", elfs.prog.debug,
+                    out / "prog.debug"], check=True)
     shutil.copy(elfs.prog.executable, out / "prog")
     bid = elfs.prog.build_id
     with _debuginfod_of(tmp_path, out, bid) as url:
         sg = await start_symgate([url])
-        # (A client resolves "/../" in a URL before it is sent: only the encoded form reaches.)
+        # (aiohttp resolves "/../" in a URL before it is sent, "%2E%2E" too: only the encoded
+        # slash reaches; elfutils' client sends ".." as it is, below.)
         asked = ("a/b", "a%2Fb", "a/b/", "a/c", ".x%2F..%2Fy")
         for attempt in ("cold", "warm"):
             assert await _same_as_elfutils(sg.url, url, bid, HEADERS, asked) == [], attempt
@@ -512,3 +517,6 @@ async def test_a_section_whose_name_has_a_slash_is_served_as_elfutils_serves_it(
         for server, cache in ((url, tmp_path / "direct"), (sg.url, tmp_path / "via")):
             got = await asyncio.to_thread(_find_section, server, cache, bid, b"a/b")
             assert got == marker.read_bytes(), server
+            # Sent as it is (/section/..), not resolved away.
+            got = await asyncio.to_thread(_find_section, server, cache, bid, b"..")
+            assert got == dots.read_bytes(), server
