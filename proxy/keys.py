@@ -68,6 +68,15 @@ def is_text(path: str) -> bool:
     return True
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def plain(detail: str) -> bool:
+    """Whether a source path or section name goes into SQL keys as it is: UTF-8 text without
+    control characters. Others are named by their bytes, percent-encoded."""
+    return is_text(detail) and _CONTROL.search(detail) is None
+
+
 def normalize_source_path(raw: str) -> str:
     """An absolute source path, with `.` and `..` resolved the way elfutils canonicalises.
 
@@ -82,8 +91,10 @@ def normalize_source_path(raw: str) -> str:
         raise InvalidRequest("invalid source path: not a path's bytes") from None
     if len(raw) > MAX_SOURCE_PATH or size > MAX_SOURCE_PATH:
         raise InvalidRequest(f"invalid source path: longer than {MAX_SOURCE_PATH} bytes")
-    if any(ord(c) < 0x20 or c == "\x7f" for c in raw):
-        raise InvalidRequest("invalid source path: contains control characters")
+    # No path has a NUL. A tab or a line break it may have (gcc records `t\tab.c` as it is,
+    # elfutils serves it): such a path is named in SQL and headers percent-encoded (plain).
+    if "\x00" in raw:
+        raise InvalidRequest("invalid source path: contains a NUL byte")
     path = "/" + posixpath.normpath(raw).lstrip("/")
     # normpath keeps a leading "//" (POSIX allows it to mean something else); we do not. It
     # drops a final "/", which elfutils keeps: "main.c/" names a directory, no file (404),
@@ -109,7 +120,7 @@ def normalize_section(raw: str) -> str:
 def printable(detail: str) -> str:
     """A source path or section name for a message: bytes that are not UTF-8 percent-encoded
     (a response body or a log line is text)."""
-    return detail if is_text(detail) else quote(_path_bytes(detail), safe="/")
+    return detail if plain(detail) else quote(_path_bytes(detail), safe="/")
 
 
 # The id of a source path that is not UTF-8 (ArtifactKey.id): a text path's id is
@@ -178,14 +189,15 @@ class ArtifactKey:
     def id(self) -> str:
         """The primary key in SQL; also what logs and the admin CLI show."""
         if self.kind is Kind.SOURCE:
-            if is_text(self.detail):
+            if plain(self.detail):
                 return f"{self.build_id}/source{self.detail}"
-            # SQL and logs take text: a path that is not UTF-8 is named by its bytes,
-            # percent-encoded (every byte but letters, digits, `_.-~/`, so that no two paths
-            # share a name), under a prefix that no text path's id has.
+            # SQL and logs take text: a path that is not UTF-8, or has a tab or a line break,
+            # is named by its bytes, percent-encoded (every byte but letters, digits,
+            # `_.-~/`, so that no two paths share a name), under a prefix that no text path's
+            # id has.
             return f"{self.build_id}/{_RAW_SOURCE}{quote(_path_bytes(self.detail), safe='/')}"
         if self.kind is Kind.SECTION:
-            if is_text(self.detail):
+            if plain(self.detail):
                 return f"{self.build_id}/section/{self.detail}"
             return f"{self.build_id}/{_RAW_SECTION}{quote(_path_bytes(self.detail), safe='')}"
         return f"{self.build_id}/{self.kind}"
@@ -212,6 +224,7 @@ class ArtifactKey:
         """X-DEBUGINFOD-FILE when upstream did not send one."""
         if self.kind is Kind.SOURCE:
             name = posixpath.basename(self.detail)
-            # A header is text: a name that is not UTF-8 goes percent-encoded.
-            return name if is_text(name) else quote(_path_bytes(name))
+            # A header is printable text: a name that is not UTF-8, or has a control
+            # character, goes percent-encoded.
+            return name if plain(name) else quote(_path_bytes(name))
         return f"{self.build_id}.debug" if self.kind is Kind.DEBUGINFO else self.build_id

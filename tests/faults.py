@@ -100,7 +100,7 @@ class FaultUpstream:
             return response
 
         app = web.Application(middlewares=[record])
-        app.router.add_get("/{mode}/buildid/{build_id}/{kind}{rest:.*}", self.handle)
+        app.router.add_get("/{mode}/buildid/{build_id}/{kind}{rest:(?s:.*)}", self.handle)
         self._runner, self.url = await serve_loopback(app)
 
     async def stop(self) -> None:

@@ -193,10 +193,11 @@ async def test_an_access_line_is_short_whatever_the_request(
 async def test_event_lines_escape_what_a_client_put_in_a_source_path(
     serve: Start, faults: FaultUpstream, elfs: ElfSet, log_format: str
 ) -> None:
-    """A source path may hold any character but C0 controls: NEL, CSI (an ANSI escape to a
+    """A source path may hold any character but NUL: NEL, CSI (an ANSI escape to a
     terminal that reads C1 controls) and U+2028 (a line break to many log viewers) went raw
-    into the warning that names the key of an upstream's HTML answer."""
-    path = f"/buildid/{elfs.prog.build_id}/source/a%C2%85%C2%9B31m%E2%80%A8b.c"
+    into the warning that names the key of an upstream's HTML answer; a newline and ESC too,
+    since a file may be named with them."""
+    path = f"/buildid/{elfs.prog.build_id}/source/a%C2%85%C2%9B31m%E2%80%A8%0A%1B[31mb.c"
 
     async def asks(base: str) -> None:
         async with aiohttp.ClientSession() as s, s.get(base + path) as r:
