@@ -135,12 +135,12 @@ class ProxyMetrics:
         # live mode showed a survivor's older reading once the process that made the latest
         # died, until its replacement had read them again). fold_dead_process keeps it.
         self.cache_size = Gauge(
-            f"{p}_cache_size_bytes", "Bytes of artifacts in the disk cache", registry=registry,
-            multiprocess_mode="mostrecent",
+            f"{p}_cache_size_bytes", "Bytes of artifacts in the disk cache (uploads are not)",
+            registry=registry, multiprocess_mode="mostrecent",
         )
         self.cache_entries = Gauge(
-            f"{p}_cache_entries", "Artifacts in the disk cache", registry=registry,
-            multiprocess_mode="mostrecent",
+            f"{p}_cache_entries", "Artifacts in the disk cache (uploads are not)",
+            registry=registry, multiprocess_mode="mostrecent",
         )
         # 1, labelled with the id of this cache directory (proxy.store.replica): which
         # replica's disk the cache figures describe.

@@ -175,6 +175,30 @@ async def test_uploads_are_pinned_outside_the_lru_budget(
     assert uploaded is not None and uploaded.path.read_bytes() == own.debug.read_bytes()
 
 
+async def test_the_cache_gauges_leave_uploads_out_with_one_serving_process_as_with_several(
+    start_symgate: SymgateFactory, faults: FaultUpstream, own: Elf, elfs: ElfSet,
+    tmp_path: Path, database_url: str,
+) -> None:
+    """cache_entries and cache_size_bytes tell the files under cache.max_bytes, which uploads
+    are not: several serving processes read them so from SQL. One process counted an upload
+    in cache_entries but not in cache_size_bytes, so the same cache showed another count by
+    the number of workers, and a figure per artifact that was no file's."""
+    sg = await _start(start_symgate, tmp_path, database_url, [faults.url_for("ok")])
+    assert (await _put(sg, own.build_id, "debuginfo", own.debug.read_bytes()))[0] == 201
+    assert await sg.metric("symgate_cache_entries") == 0
+    assert await sg.metric("symgate_cache_size_bytes") == 0
+    assert (await sg.get(f"/buildid/{elfs.prog.build_id}/debuginfo"))[0] == 200
+    await sg.settled()
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert await sg.metric("symgate_cache_size_bytes") == elfs.prog.debug.stat().st_size
+    # Deleted, the upload takes nothing from the downloads' figures either.
+    status, _, _ = await sg.request("DELETE", f"/buildid/{own.build_id}/debuginfo",
+                                    headers=_auth(ADMIN))
+    assert status == 204
+    assert await sg.metric("symgate_cache_entries") == 1
+    assert await sg.metric("symgate_cache_size_bytes") == elfs.prog.debug.stat().st_size
+
+
 async def test_a_tenants_upload_is_its_own_and_delete_takes_it_back(
     start_symgate: SymgateFactory, own: Elf, tmp_path: Path, database_url: str,
 ) -> None:

@@ -99,6 +99,7 @@ class ArtifactCache:
         self._paths: dict[str, Path] = {}  # of the entries, as hits ask for them
         self._bytes = 0  # of the files under the budget: uploads (pinned) are not
         self.pinned_bytes = 0
+        self._pinned_entries = 0  # the uploads among the entries
         self._leases: dict[str, int] = {}
         # Budget held by downloads under way (by their flight), so that the files being
         # written and the files kept together stay within max_bytes.
@@ -342,6 +343,7 @@ class ArtifactCache:
     def _count(self, rec: ArtifactRecord, sign: int) -> None:
         if rec.pinned:
             self.pinned_bytes += sign * rec.size
+            self._pinned_entries += sign
         else:
             self._bytes += sign * rec.size
 
@@ -361,8 +363,11 @@ class ArtifactCache:
             # value: set again here, as a file another process fetched is learnt or one of
             # this process's goes, an old reading would hide the newer one of another.
             return
+        # The files under the budget, as SQL's totals are for several processes: an upload
+        # counted in the entries but not the bytes told another count by the number of
+        # workers.
         self._metrics.cache_size.set(self._bytes)
-        self._metrics.cache_entries.set(len(self._entries))
+        self._metrics.cache_entries.set(len(self._entries) - self._pinned_entries)
 
     def _publish_shared(self) -> None:
         self._metrics.cache_entries.set(self._shared_totals[0])
