@@ -769,3 +769,60 @@ async def test_a_stop_signal_while_a_dead_worker_is_replaced_stops_the_new_one_t
             await proc.wait()
         for fd in (out_r, out_w, filler):
             os.close(fd)
+
+
+def _exposition(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The series of a /metrics text, checked as a scraper's parser would: each family's HELP
+    and TYPE once, each sample once."""
+    for tag in ("# HELP ", "# TYPE "):
+        names = [line.split(" ", 3)[2] for line in text.splitlines() if line.startswith(tag)]
+        assert len(names) == len(set(names)), f"{tag}twice"
+    series = [(s.name, tuple(sorted(s.labels.items())))
+              for family in text_string_to_metric_families(text) for s in family.samples]
+    assert len(series) == len(set(series)), "a sample twice"
+    return set(series)
+
+
+async def test_what_clients_send_adds_no_series_and_a_dead_worker_leaves_none(
+    serve: Start, faults: FaultUpstream
+) -> None:
+    """Every label is symgate's own word, never a client's: build IDs, paths, section names,
+    tenants, user agents, tokens, methods and metadata keys of a client's choosing, a
+    thousand of them, make no series that a fresh server has not. Nor does a killed and
+    replaced worker: its counts go to the archive, its gauges (labelled by pid in its files)
+    with it, and the text stays one HELP, one TYPE and one sample each."""
+    base, proc = await serve(faults.url_for("ok"), workers=2, extra="[tenants.acme]\n")
+    connector = aiohttp.TCPConnector(force_close=True, limit=8)
+    async with aiohttp.ClientSession(connector=connector) as s:
+
+        async def series() -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+                assert r.status == 200, text
+            return _exposition(text)
+
+        fresh = await series()
+
+        async def hostile(i: int) -> int:
+            bid = f"{i:040x}"
+            path = [f"/buildid/{bid}/debuginfo", f"/buildid/{bid}/executable",
+                    f"/buildid/{bid}/source/src/f{i}.c", f"/buildid/{bid}/section/.s{i}",
+                    f"/buildid/{bid}/kind{i}", f"/buildid/x{i}/debuginfo", f"/other{i}",
+                    f"/metadata?key=k{i}&value=v", f"/metadata?key=file&value=/f{i}",
+                    f"/buildid/{bid}/debuginfo?q{i}=1", f"/symbolize?t={i}"][i % 11]
+            method = ["GET", "HEAD", "PUT", "DELETE", "POST", f"M{i}"][i % 6]
+            headers = {"X-Scope-OrgID": ["", "acme", f"tenant{i}"][i % 3],
+                       "User-Agent": f"agent/{i}", "Content-Type": f"type/{i}"}
+            if i % 5 == 0:
+                headers["Authorization"] = f"Bearer token-{i}"
+            async with s.request(method, base + path, headers=headers, data=b"x" * (i % 2)
+                                 ) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(hostile(i) for i in range(1000)))
+        assert max(statuses) < 500, sorted(set(statuses))
+        assert await series() == fresh
+        await _replace_a_worker(proc)
+        for _ in range(4):  # whichever worker answers
+            assert await series() == fresh
