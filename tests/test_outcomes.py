@@ -10,15 +10,18 @@ import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import aiohttp
 from sqlalchemy import text
 
+from proxy.config import TenantConfig
 from proxy.errors import SymgateError
 from proxy.store.migrate import upgrade
 from proxy.store.repository import Repository, create_engine
 from proxy.web.errors import STATUS, status_of
 from symbolize.outcome import Outcome
+from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
-from tests.harness import SymgateFactory
+from tests.harness import SymgateFactory, eventually, fast_upstream, read_rest
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "symgate.json"
@@ -122,3 +125,80 @@ async def test_every_queried_series_exists_at_zero_on_a_fresh_server(
     for result in ("ok", "not_found", "timeout", "upstream_error"):
         assert ("symgate_upstream_requests_total",
                 (("result", result), ("upstream", faults.url_for("ok")))) in samples
+
+
+async def test_each_request_of_a_known_mix_is_counted_once_under_its_outcome(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet
+) -> None:
+    """GETs and HEADs, hits, a cold miss that three more clients join, remembered 404s,
+    an upstream's error, timeout, lie and cut body, malformed requests and a client that
+    leaves mid-file: /metrics says exactly what was sent, each request once, the joins, and
+    which upstream failed how."""
+    faults.first_byte_delay = 2.0
+
+    def own(mode: str, **kw: float) -> TenantConfig:
+        return TenantConfig(upstreams=(fast_upstream(faults.url_for(mode), retries=0, **kw),))
+
+    sg = await start_symgate([faults.url_for("ok")], tenants={
+        "err": own("status500"), "slow": own("slow-first-byte", first_byte_timeout_s=0.3),
+        "liar": own("wrong-bytes"), "cut": own("truncated"), "held": own("held")})
+    prog, big = f"/buildid/{elfs.prog.build_id}", f"/buildid/{elfs.big.build_id}/debuginfo"
+    async with aiohttp.ClientSession() as s:
+
+        async def get(path: str, tenant: str = "", method: str = "GET") -> int:
+            async with s.request(method, sg.url + path, headers={"X-Scope-OrgID": tenant}) as r:
+                await read_rest(r)
+                return r.status
+
+        assert await get(f"{prog}/debuginfo") == 200
+        await sg.settled()
+        assert [await get(f"{prog}/debuginfo", method=m) for m in ("GET", "GET", "HEAD")] \
+            == [200] * 3
+        assert [await get(f"/buildid/{'ab' * 20}/debuginfo", method=m)
+                for m in ("GET", "GET", "HEAD", "GET")] == [404] * 4
+        assert [await get(f"{prog}/executable", t) for t in ("err", "err", "slow", "liar")] \
+            == [502, 502, 504, 502]
+        assert await get(f"/buildid/{elfs.other.build_id}/debuginfo", "cut") == 200  # cut
+        assert [await get(p) for p in ("/buildid/xyz/debuginfo", f"{prog}/nonsense")] \
+            == [400, 400]
+        first = await s.get(sg.url + big, headers={"X-Scope-OrgID": "held"})
+        await faults.held_half_sent.wait()
+        followers = [await s.get(sg.url + big, headers={"X-Scope-OrgID": "held"})
+                     for _ in range(3)]
+        for r in followers:  # joined: the first half reaches them while the rest is held
+            await r.content.readexactly(elfs.big.debug.stat().st_size // 2 - 1)
+        faults.release.set()
+        for r in (first, *followers):
+            assert r.status == 200 and not (await read_rest(r))[2]
+            r.release()
+        await sg.settled()
+        # Cached now (the tenant's): a client that leaves mid-file.
+        async with s.get(sg.url + big, headers={"X-Scope-OrgID": "held"}) as r:
+            await r.content.readexactly(65536)
+            r.connection.transport.abort()  # type: ignore[union-attr]
+
+    async def cut_counted() -> bool:
+        return await sg.metric("symgate_requests_total", endpoint="buildid",
+                               kind="debuginfo", outcome="aborted") == 2
+
+    await eventually(cut_counted)
+    samples = await sg.metrics()
+    counted = {f"{dict(k)['kind']}/{dict(k)['outcome']}": v
+               for (name, k), v in samples.items()
+               if name == "symgate_requests_total" and v}
+    assert counted == {"debuginfo/miss": 5, "debuginfo/hit": 3, "debuginfo/not_found": 1,
+                       "debuginfo/negative_hit": 3, "executable/upstream_error": 2,
+                       "executable/timeout": 1, "executable/malformed": 1,
+                       "debuginfo/aborted": 2, "debuginfo/rejected": 1,
+                       "invalid/rejected": 1}
+    upstream = {f"{dict(k)['upstream']}/{dict(k)['result']}": v
+                for (name, k), v in samples.items()
+                if name == "symgate_upstream_requests_total" and v}
+    assert upstream == {f"{faults.url_for('ok')}/ok": 1, f"{faults.url_for('ok')}/not_found": 1,
+                        "tenant:err#1/upstream_error": 2, "tenant:slow#1/timeout": 1,
+                        "tenant:liar#1/ok": 1, "tenant:cut#1/ok": 1, "tenant:held#1/ok": 1}
+    assert await sg.metric("symgate_singleflight_joins_total") == 3
+    assert await sg.metric("symgate_verification_failures_total", kind="executable",
+                           reason="build_id_mismatch", upstream="tenant:liar#1") == 1
+    assert await sg.metric("symgate_upstream_body_failures_total", result="upstream_error",
+                           upstream="tenant:cut#1") == 1
