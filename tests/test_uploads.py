@@ -867,6 +867,20 @@ async def test_a_token_file_that_is_no_token_is_refused_without_showing_it(
         assert f"symgate: --token-file {token_file}: not a bearer token" in result.stderr
 
 
+async def test_upload_to_a_server_that_is_down_says_the_connection_was_refused(
+    tmp_path: Path, elfs: ElfSet
+) -> None:
+    """Said as "ClientConnectorError: Cannot connect to host ... [Connect call failed
+    ('127.0.0.1', 9)]" per file: what to act on is that nothing listens there."""
+    token_file = tmp_path / "token"
+    token_file.write_text("a-token-of-some-length\n")
+    result = await _cli("upload", str(elfs.prog.debug), "--server", "http://127.0.0.1:9",
+                        "--token-file", str(token_file))
+    assert result.returncode == 1, result
+    assert "cannot connect: connection refused" in result.stdout, result.stdout
+    assert "ClientConnectorError" not in result.stdout + result.stderr
+
+
 async def test_upload_cli_sends_files_whose_names_no_header_can_carry(
     start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
 ) -> None:

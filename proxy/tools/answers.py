@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import aiohttp
 
@@ -42,3 +43,25 @@ def not_from_symgate(r: aiohttp.ClientResponse, expected: str) -> str:
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def failure(e: BaseException) -> str:
+    """A request that got no answer, as one line an operator acts on: "cannot connect:
+    connection refused", not aiohttp's bare class name (ClientConnectorError) nor asyncio's
+    "Connect call failed ('127.0.0.1', 9)"."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return f"cannot connect: {os_reason(e.os_error)}"
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection before answering"
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return "the answer was cut short (the connection closed before its end)"
+    return one_line(f"{type(e).__name__}: {e}")[:_SAID_CHARS]
+
+
+def os_reason(e: OSError) -> str:
+    """"connection refused", not asyncio's "Connect call failed ('127.0.0.1', 9)"."""
+    if isinstance(e, ConnectionError) and e.errno:
+        return os.strerror(e.errno).lower()
+    return e.strerror or str(e)

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy import __version__
+from proxy.tools.answers import failure
 from symbolize.buildid import InvalidBuildId, normalize_build_id
 from symbolize.pprof.codec import decode
 
@@ -92,7 +93,7 @@ async def prefetch(server: str, build_ids: list[str], kinds: Iterable[str], conc
                                     summary.bytes += len(chunk)
                             status = str(r.status)
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                    status = f"error: {type(e).__name__}"
+                    status = f"error: {failure(e)}"
             summary.results.setdefault(build_id, {})[kind] = status
             done += 1
             progress(done, len(todo), summary)

@@ -9,13 +9,12 @@ output, every other outcome one line naming the server and what it did.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping
 
 import aiohttp
 
 from proxy import __version__
-from proxy.tools.answers import not_from_symgate, one_line, said
+from proxy.tools.answers import not_from_symgate, one_line, os_reason, said
 from symbolize.pprof.codec import ProfileError, decode
 
 
@@ -48,7 +47,7 @@ async def symbolize_remote(server: str, url: str, body: bytes, headers: Mapping[
         raise RemoteError(f"{server}: no whole answer within --timeout {timeout_s:g} s") \
             from None
     except aiohttp.ClientConnectorError as e:
-        raise RemoteError(f"cannot reach {server}: {_why(e.os_error)}") from None
+        raise RemoteError(f"cannot reach {server}: {os_reason(e.os_error)}") from None
     except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError):
         # urllib's ValueError for it was a traceback
         raise RemoteError(f"--server {server}: not an http:// or https:// URL") from None
@@ -78,8 +77,3 @@ async def _read_at_most(r: aiohttp.ClientResponse, limit: int, server: str) -> b
     return b"".join(chunks)
 
 
-def _why(e: OSError) -> str:
-    """"connection refused", not asyncio's "Connect call failed ('127.0.0.1', 9)"."""
-    if isinstance(e, ConnectionError) and e.errno:
-        return os.strerror(e.errno).lower()
-    return e.strerror or str(e)

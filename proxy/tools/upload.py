@@ -22,7 +22,7 @@ from proxy import __version__
 from proxy.headers import printable
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
-from proxy.tools.answers import not_from_symgate, one_line, said
+from proxy.tools.answers import failure, not_from_symgate, said
 from proxy.tools.prefetch import progress_bar
 
 CHUNK = 256 * 1024
@@ -112,7 +112,7 @@ async def upload(server: str, token: str, tenant: str | None, items: list[Item],
                     summary.results[item] = await _one(session, url, item, summary, progress,
                                                        len(items))
                 except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                    summary.results[item] = one_line(f"{type(e).__name__}: {e}")[:200]
+                    summary.results[item] = failure(e)
             progress(summary, len(items))
 
         try:
