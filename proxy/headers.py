@@ -24,6 +24,11 @@ def decimal(value: str | None) -> int | None:
     return int(text) if len(text) <= _MAX_DIGITS else 10**_MAX_DIGITS
 
 
+# On a hit on an upload: the sha256 of the uploaded file. `symgate upload` takes a HEAD's 200 for
+# "already there" only with it, and of its own file: a download of the key (evictable, and the
+# upstream's bytes) or another upload of it is no upload of the site's file.
+UPLOAD_SHA256 = "X-Symgate-Upload-SHA256"
+
 # The file times every filesystem a cache may sit on keeps as they are (some clamp at 2038).
 _LATEST_TIME = 2**31
 

@@ -1136,3 +1136,39 @@ def test_a_named_path_that_is_no_file_is_said_to_be_none_not_missing(tmp_path: P
     assert summary.skipped == [f"{fifo}: not a file or directory",
                                "/dev/null: not a file or directory",
                                f"{tmp_path / 'absent'}: no such file or directory"]
+
+
+async def test_upload_cli_sends_a_file_the_server_holds_only_as_a_download_or_another_file(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    database_url: str,
+) -> None:
+    """The CLI's HEAD said 200 for a download of the key (or another upload of it), and the
+    CLI reported the site's file "already there" and sent nothing: what was served was the
+    upstream's copy, evictable, or another file, never the site's upload a PUT would have
+    made. Only an upload of this very file is "already there" now."""
+    sg = await _start(start_symgate, tmp_path, database_url, [debuginfod.url])
+    bid = elfs.prog.build_id
+    assert (await sg.get(f"/buildid/{bid}/debuginfo"))[0] == 200  # a download, cached
+    await sg.settled()
+    own = tmp_path / "own"
+    own.mkdir()
+    shutil.copy(elfs.prog.debug, own / "prog.debug")
+    first = await _cli("upload", str(own), "--server", sg.url)
+    assert first.stdout.splitlines()[0].startswith(
+        "1 artifacts from 1 files: 1 uploaded, 0 already there, 0 failed"), first.stdout
+    rows = await sg.runner.app[STATE].repo.artifacts_of(bid)
+    assert [(r.scope, r.pinned, r.upstream) for r in rows] == [("", True, "upload")]
+    again = await _cli("upload", str(own), "--server", sg.url)
+    assert again.stdout.splitlines()[0] == (
+        "1 artifacts from 1 files: 0 uploaded, 1 already there, 0 failed; 0 bytes sent")
+    # A tenant's own file, where the shared scope has an upload of another file: its own.
+    with (own / "prog.debug").open("ab") as f:
+        f.write(b"rebuilt")
+    mine = await _cli("upload", str(own), "--server", sg.url, token=ACME)
+    assert mine.stdout.splitlines()[0].startswith(
+        "1 artifacts from 1 files: 1 uploaded, 0 already there, 0 failed"), mine.stdout
+    status, _, body = await sg.get(f"/buildid/{bid}/debuginfo", headers=_auth(ACME))
+    assert status == 200 and body == (own / "prog.debug").read_bytes()
+    # The admin's, the same path again: another upload of the key is a conflict, not "there".
+    clash = await _cli("upload", str(own), "--server", sg.url)
+    assert clash.returncode == 1 and "409" in clash.stdout, clash.stdout

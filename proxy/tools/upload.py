@@ -9,6 +9,7 @@ the same command again sends nothing twice.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 from collections import Counter
@@ -19,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy import __version__
-from proxy.headers import printable
+from proxy.headers import UPLOAD_SHA256, printable
 from proxy.keys import Kind
 from proxy.sources.localdir import classify
 from proxy.tools.answers import failure, not_from_symgate, said
@@ -132,8 +133,12 @@ async def _one(session: aiohttp.ClientSession, url: str, item: Item, summary: Su
         if r.status == 200 and "X-DEBUGINFOD-FILE" not in r.headers:
             # Another service's 200 to anything: every file was "already there", none sent.
             return "HEAD " + not_from_symgate(r, "a debuginfod's answer")
-        if r.status == 200:
+        if r.status == 200 and r.headers.get(UPLOAD_SHA256) == await asyncio.to_thread(
+                _sha256_of, item.path):
             return PRESENT
+        # Any other 200 is a download of the key (the upstream's copy, evicted when the
+        # cache needs room) or another upload of it: the PUT makes the site's file the upload
+        # (201), or says it conflicts (409), or that it is there after all (200).
         if r.status == 401:
             # A HEAD's answer has no body to say why: what a 401 can only mean, said here.
             return ("HEAD 401: the server refused the token (none sent, or one it does not "
@@ -169,6 +174,14 @@ async def _from_symgate(r: aiohttp.ClientResponse, item: Item) -> bool:
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         return False
     return isinstance(answer, dict) and answer.get("build_id") == item.build_id
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _file_name(name: str) -> dict[str, str]:

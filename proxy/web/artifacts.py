@@ -29,7 +29,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.web.errors import CountedWhenSent, cut_off
 from proxy.web.file_sends import ShortFile, cork, send_file, send_part
-from proxy.web.hot_files import artifact_headers, etag, is_commit
+from proxy.web.hot_files import artifact_headers, etag, is_commit, record_headers
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
@@ -278,8 +278,7 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
                  fd: int) -> None:
         rec = artifact.record
-        super().__init__(f"/proc/self/fd/{fd}", headers=artifact_headers(
-            rec.size, rec.filename, rec.archive, rec.ima_signature))
+        super().__init__(f"/proc/self/fd/{fd}", headers=record_headers(rec))
         self._path = _HeldPath(self._path)
         self._symgate = state
         self._key = key

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from proxy.artifacts.index import CachedArtifact, key_hash
+from proxy.headers import UPLOAD_SHA256
 from proxy.keys import ArtifactKey
 from proxy.sources.debuginfod import IMA_SIGNATURE
 from proxy.store.disk import renamed_after
+from proxy.store.repository import ArtifactRecord
 
 # Bytes of small files kept, per serving process.
 HOT_BYTES = 32 * 1024 * 1024
@@ -86,9 +88,11 @@ def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime |
 
 
 def artifact_headers(
-    size: int | None, filename: str, archive: str | None, ima_signature: str | None = None
+    size: int | None, filename: str, archive: str | None, ima_signature: str | None = None,
+    upload_sha256: str | None = None,
 ) -> dict[str, str]:
-    """The debuginfod headers of an artifact's response, a hit's or a download's."""
+    """The debuginfod headers of an artifact's response, a hit's or a download's;
+    `upload_sha256`, an upload's (UPLOAD_SHA256)."""
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
                "X-DEBUGINFOD-FILE": filename}
     if size is not None:
@@ -97,7 +101,15 @@ def artifact_headers(
         headers["X-DEBUGINFOD-ARCHIVE"] = archive
     if ima_signature:
         headers[IMA_SIGNATURE] = ima_signature
+    if upload_sha256:
+        headers[UPLOAD_SHA256] = upload_sha256
     return headers
+
+
+def record_headers(rec: ArtifactRecord) -> dict[str, str]:
+    """artifact_headers of a committed file's row."""
+    return artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature,
+                            rec.sha256 if rec.pinned else None)
 
 
 def etag(st: os.stat_result) -> str:
@@ -107,8 +119,7 @@ def etag(st: os.stat_result) -> str:
 
 def file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]:
     """What FileResponse says of a file, for the responses that do without it."""
-    rec = artifact.record
-    headers = artifact_headers(rec.size, rec.filename, rec.archive, rec.ima_signature)
+    headers = record_headers(artifact.record)
     headers.update({
         "ETag": etag(st),
         "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
