@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from symbolize.pprof.profile_pb2 import Profile
 from tests.elfs import ElfSet
@@ -139,3 +142,38 @@ async def test_an_upstream_that_never_answers_is_given_up_on_after_the_timeout(
     assert json.loads(result.stdout)["results"] == {
         b: {"debuginfo": "error: timed out", "executable": "error: timed out"}
         for b in (elfs.prog.build_id, "ab" * 20)}
+
+
+@pytest.mark.parametrize(("answer", "reason"), [
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "a malformed answer: Bad status line"),
+    (b"", "the server closed the connection before answering"),
+    (b"HTTP/1.1 302 Found\r\nLocation: /again\r\nContent-Length: 0\r\n\r\n",
+     "too many redirects"),
+], ids=["not-http", "closed", "redirect-loop"])
+async def test_a_server_that_answers_no_file_is_one_failure_however_many_artifacts(
+    elfs: ElfSet, answer: bytes, reason: str
+) -> None:
+    """A --server that is not HTTP (another service's port) failed each artifact with aiohttp's
+    text, which ends with the request's URL: each a failure of its own in the summary, one
+    per artifact, cut at 200 characters mid-URL. A redirect loop's text did too."""
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while True:  # each request of the connection, until the client closes it
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer)
+                await writer.drain()
+                if not answer.startswith(b"HTTP/"):
+                    break
+        writer.close()
+
+    server = await asyncio.start_server(answering, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        result = await run(elfs.prog.build_id, "ab" * 20, "--server", url, "--kind",
+                           "debuginfo")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert result.returncode == 1, result
+    assert f"2 of 2 artifacts failed (2 error: {reason}" in result.stderr, result.stderr
+    assert "url=" not in result.stdout + result.stderr

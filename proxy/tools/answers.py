@@ -57,6 +57,12 @@ def failure(e: BaseException) -> str:
         return "the server closed the connection before answering"
     if isinstance(e, aiohttp.ClientPayloadError):
         return "the answer was cut short (the connection closed before its end)"
+    # Their text ends with the request's URL, which names the artifact: prefetch's summary,
+    # which groups failures by their text, listed each artifact's as a failure of its own.
+    if isinstance(e, aiohttp.TooManyRedirects):
+        return "too many redirects"
+    if isinstance(e, aiohttp.ClientResponseError):
+        return one_line(f"a malformed answer: {e.message}")[:_SAID_CHARS]
     return one_line(f"{type(e).__name__}: {e}")[:_SAID_CHARS]
 
 
