@@ -16,6 +16,7 @@ from proxy.keys import (
     Kind,
     normalize_section,
     normalize_source_path,
+    printable,
     source_path_of,
 )
 
@@ -154,13 +155,13 @@ def test_a_source_path_of_exactly_the_limit_is_taken() -> None:
 
 @pytest.mark.parametrize("name", [".debug_info", ".gnu_debugaltlink", "a", "x$y@z-1.2_3",
                                   "A" * 4096, "__ksymtab+sym", ".a b", ".é", "x%2Fy", ".a:b",
-                                  "a/b", "../x", ".", ".."])
+                                  "a/b", "../x", ".", "..", "a\tb", ".x\ny", ".debug\x7f"])
 def test_section_names_an_elf_file_may_have_are_taken_as_they_are(name: str) -> None:
     assert normalize_section(name) == name
 
 
 @pytest.mark.parametrize("name", [
-    "", "A" * 4097, "é" * 2049, ".debug\x00", ".debug\n", ".debug\x7f", ".a\ud800",
+    "", "A" * 4097, "é" * 2049, ".debug\x00", "\x00", ".a\ud800",
 ])
 def test_other_section_names_are_refused(name: str) -> None:
     with pytest.raises(InvalidRequest, match="invalid section name"):
@@ -177,6 +178,17 @@ def test_a_section_name_that_is_not_utf8_keeps_its_bytes_on_disk_and_in_sql() ->
     assert raw.storage_name != literal.storage_name
     assert raw.upstream_path == f"/buildid/{BID}/section/.caf%E9"
     assert ArtifactKey.from_id(raw.id) == raw and ArtifactKey.from_id(literal.id) == literal
+
+
+@pytest.mark.parametrize("name", ["a\tb", ".x\ny", ".\x1b[31m", ".caf\udce9\t"])
+def test_a_section_name_with_control_characters_is_kept_percent_encoded(name: str) -> None:
+    """As a source path's: SQL ids, logs and messages get no control character of it."""
+    key = ArtifactKey.parse(BID, "section", name)
+    assert key.detail == name
+    assert key.id.startswith(f"{BID}/section:") and key.id.isprintable()
+    assert ArtifactKey.from_id(key.id) == key
+    assert printable(key.detail).isprintable()
+    assert key.upstream_path.isprintable()
 
 
 # /src/café.c as a Latin-1 file system names it: no UTF-8, as a compiler records it in DWARF.

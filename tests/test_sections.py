@@ -520,3 +520,35 @@ async def test_a_section_whose_name_has_a_slash_or_is_dots_is_served_as_elfutils
             # Sent as it is (/section/..), not resolved away.
             got = await asyncio.to_thread(_find_section, server, cache, bid, b"..")
             assert got == dots.read_bytes(), server
+
+
+@sqlite_only
+async def test_a_section_whose_name_has_a_tab_or_a_line_break_is_served_as_elfutils_serves_it(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
+) -> None:
+    """A section name is any bytes but NUL, as a source path is: `debuginfod-find section ID
+    $'a\\tb'` sends /section/a%09b and gets the section from elfutils' debuginfod, but symgate
+    answered 400 (a miss the client keeps for ten minutes), though a source path with a tab
+    was served and the README said a section name is taken as a source path is."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    marker = tmp_path / "marker"
+    marker.write_bytes(b"a section with a tab")
+    other = tmp_path / "other"
+    other.write_bytes(b"a section with a line break")
+    subprocess.run(["objcopy", "--add-section", f"a\tb={marker}", "--add-section",
+                    f".x\ny={other}", elfs.prog.debug, out / "prog.debug"], check=True)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    bid = elfs.prog.build_id
+    with _debuginfod_of(tmp_path, out, bid) as url:
+        sg = await start_symgate([url])
+        asked = ("a%09b", ".x%0Ay", "a%09c")
+        for attempt in ("cold", "warm"):
+            assert await _same_as_elfutils(sg.url, url, bid, HEADERS, asked) == [], attempt
+        status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/.x%0Ay")
+        assert (status, body) == (200, other.read_bytes())
+        status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/a%09c")
+        assert status == 404 and body.startswith(b"not found (no section a%09c "), body
+        for server, cache in ((url, tmp_path / "direct"), (sg.url, tmp_path / "via")):
+            got = await asyncio.to_thread(_find_section, server, cache, bid, b"a\tb")
+            assert got == marker.read_bytes(), server
