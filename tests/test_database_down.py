@@ -906,6 +906,41 @@ async def test_a_flush_round_during_an_outage_does_not_say_the_database_is_back(
         await forwarder.cut()
 
 
+@pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
+                         indirect=True)
+async def test_a_flush_round_says_the_database_well_or_down_only_by_a_query_it_made(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """An outage /healthz found, with nothing to write: the flush's round said the database
+    well with no query made. An outage nothing found yet, with a hit's counts to write: their
+    failed write left it said well. (The test above has both at once: either change alone
+    passes it.)"""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    sg = await start_symgate(config=cfg)
+    cache = sg.runner.app[STATE].service.cache
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()
+    await cache.flush_access()  # nothing left for the next round to write
+    try:
+        await forwarder.refuse("57P03", "the database system is starting up")
+        assert (await sg.get("/healthz"))[2].startswith(b"degraded\ndatabase: unreachable")
+        await cache.flush_access()
+        assert cache.health.get(DATABASE) is not None, "said well by a round that asked nothing"
+
+        forwarder.heal()
+        assert (await sg.get("/healthz"))[2] == b"ok\n"
+        assert (await sg.get(path))[0] == 200  # a hit, which asks SQL nothing
+        await forwarder.refuse("57P03", "the database system is starting up")
+        assert cache.health.get(DATABASE) is None  # nothing has asked it yet
+        with contextlib.suppress(*DATABASE_ERRORS):
+            await cache.flush_access()
+        assert cache.health.get(DATABASE) is not None, "its hit counts not written"
+    finally:
+        await forwarder.cut()
+
+
 async def _prog_evicted_in_an_outage(
     start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
     tmp_path: Path,
