@@ -453,6 +453,21 @@ def _find_section(server: str, cache: Path, build_id: str, name: bytes) -> bytes
         else None
 
 
+def _prog_with_sections(tmp_path: Path, elfs: ElfSet, sections: dict[bytes, bytes]) -> Path:
+    """A folder for a debuginfod: prog, and its debug file with these sections (name: bytes)
+    added."""
+    out = tmp_path / "bin"
+    out.mkdir()
+    adds: list[bytes] = []
+    for i, (name, data) in enumerate(sections.items()):
+        (tmp_path / f"section{i}").write_bytes(data)
+        adds += [b"--add-section", name + b"=" + bytes(tmp_path / f"section{i}")]
+    subprocess.run([b"objcopy", *adds, bytes(elfs.prog.debug), bytes(out / "prog.debug")],
+                   check=True)
+    shutil.copy(elfs.prog.executable, out / "prog")
+    return out
+
+
 @sqlite_only
 async def test_a_section_whose_name_is_not_utf8_is_served_as_elfutils_serves_it(
     start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path
@@ -460,17 +475,9 @@ async def test_a_section_whose_name_is_not_utf8_is_served_as_elfutils_serves_it(
     """A section name is any bytes but NUL: elfutils' debuginfod serves `.caf\\xe9` (a Latin-1
     name) and its client gets it; symgate answered every name that is not UTF-8 with a 400,
     which the client keeps as a miss, though the file it had cached held the section."""
-    out = tmp_path / "bin"
-    out.mkdir()
-    adds: list[bytes] = []
     names = (b".caf\xe9", b".caf%E9", ".caf\ufffd".encode())
-    for i, name in enumerate(names):
-        marker = tmp_path / f"marker{i}"
-        marker.write_bytes(b"section %d" % i)
-        adds += [b"--add-section", name + b"=" + bytes(marker)]
-    subprocess.run([b"objcopy", *adds, bytes(elfs.prog.debug), bytes(out / "prog.debug")],
-                   check=True)
-    shutil.copy(elfs.prog.executable, out / "prog")
+    out = _prog_with_sections(tmp_path, elfs, {name: b"section %d" % i
+                                               for i, name in enumerate(names)})
     bid = elfs.prog.build_id
     with _debuginfod_of(tmp_path, out, bid) as url:
         sg = await start_symgate([url])
@@ -494,16 +501,8 @@ async def test_a_section_whose_name_has_a_slash_or_is_dots_is_served_as_elfutils
     debuginfod takes all that follows `/section/` as the name; symgate answered it with a
     400 (kept by the client as a miss), whether asked so or as `a%2Fb`; and `..`, which the
     client sends as it is too."""
-    out = tmp_path / "bin"
-    out.mkdir()
-    marker = tmp_path / "marker"
-    marker.write_bytes(b"a slashed section")
-    dots = tmp_path / "dots"
-    dots.write_bytes(b"a section named ..")
-    subprocess.run(["objcopy", "--add-section", f"a/b={marker}", "--add-section",
-                    f".x/../y={marker}", "--add-section", f"..={dots}", elfs.prog.debug,
-                    out / "prog.debug"], check=True)
-    shutil.copy(elfs.prog.executable, out / "prog")
+    marker, dots = b"a slashed section", b"a section named .."
+    out = _prog_with_sections(tmp_path, elfs, {b"a/b": marker, b".x/../y": marker, b"..": dots})
     bid = elfs.prog.build_id
     with _debuginfod_of(tmp_path, out, bid) as url:
         sg = await start_symgate([url])
@@ -513,13 +512,13 @@ async def test_a_section_whose_name_has_a_slash_or_is_dots_is_served_as_elfutils
         for attempt in ("cold", "warm"):
             assert await _same_as_elfutils(sg.url, url, bid, HEADERS, asked) == [], attempt
         status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/a/b")
-        assert (status, body) == (200, marker.read_bytes())
+        assert (status, body) == (200, marker)
         for server, cache in ((url, tmp_path / "direct"), (sg.url, tmp_path / "via")):
             got = await asyncio.to_thread(_find_section, server, cache, bid, b"a/b")
-            assert got == marker.read_bytes(), server
+            assert got == marker, server
             # Sent as it is (/section/..), not resolved away.
             got = await asyncio.to_thread(_find_section, server, cache, bid, b"..")
-            assert got == dots.read_bytes(), server
+            assert got == dots, server
 
 
 @sqlite_only
@@ -530,15 +529,8 @@ async def test_a_section_whose_name_has_a_tab_or_a_line_break_is_served_as_elfut
     $'a\\tb'` sends /section/a%09b and gets the section from elfutils' debuginfod, but symgate
     answered 400 (a miss the client keeps for ten minutes), though a source path with a tab
     was served and the README said a section name is taken as a source path is."""
-    out = tmp_path / "bin"
-    out.mkdir()
-    marker = tmp_path / "marker"
-    marker.write_bytes(b"a section with a tab")
-    other = tmp_path / "other"
-    other.write_bytes(b"a section with a line break")
-    subprocess.run(["objcopy", "--add-section", f"a\tb={marker}", "--add-section",
-                    f".x\ny={other}", elfs.prog.debug, out / "prog.debug"], check=True)
-    shutil.copy(elfs.prog.executable, out / "prog")
+    tab, line = b"a section with a tab", b"a section with a line break"
+    out = _prog_with_sections(tmp_path, elfs, {b"a\tb": tab, b".x\ny": line})
     bid = elfs.prog.build_id
     with _debuginfod_of(tmp_path, out, bid) as url:
         sg = await start_symgate([url])
@@ -546,9 +538,9 @@ async def test_a_section_whose_name_has_a_tab_or_a_line_break_is_served_as_elfut
         for attempt in ("cold", "warm"):
             assert await _same_as_elfutils(sg.url, url, bid, HEADERS, asked) == [], attempt
         status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/.x%0Ay")
-        assert (status, body) == (200, other.read_bytes())
+        assert (status, body) == (200, line)
         status, _, body = await _direct(f"{sg.url}/buildid/{bid}/section/a%09c")
         assert status == 404 and body.startswith(b"not found (no section a%09c "), body
         for server, cache in ((url, tmp_path / "direct"), (sg.url, tmp_path / "via")):
             got = await asyncio.to_thread(_find_section, server, cache, bid, b"a\tb")
-            assert got == marker.read_bytes(), server
+            assert got == tab, server
