@@ -837,6 +837,37 @@ async def test_a_delete_committed_unanswered_while_the_database_stays_away_remov
     await forwarder.cut()
 
 
+async def _big_hit_only_sql_can_tell(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> tuple[Forwarder, Symgate, str]:
+    """A server behind a forwarder (database.timeout_s long), and the path of a big file it
+    holds whose inode changed after its row's commit: (forwarder, server, path)."""
+    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=120.0))
+    sg = await start_symgate(config=cfg)
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()  # its commit made
+    cached = sg.runner.app[STATE].service.cache.store.artifact_path(
+        "", ArtifactKey.from_id(f"{elfs.big.build_id}/debuginfo"))
+    os.chmod(cached, os.stat(cached).st_mode)  # its ctime now, past its row's commit
+    return forwarder, sg, path
+
+
+async def _served_at_once_by_a_database_that_never_answers(
+    forwarder: Forwarder, sg: Symgate, path: str, elfs: ElfSet
+) -> None:
+    forwarder.stall()  # a database that takes connections and never answers
+    forwarder.heal()
+    try:
+        status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))
+        assert status == 200 and body == elfs.big.debug.read_bytes()
+    finally:
+        forwarder.answer()
+        await forwarder.cut()
+
+
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
                          indirect=True)
 async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
@@ -847,27 +878,12 @@ async def test_a_big_hit_whose_commit_only_sql_can_tell_waits_on_no_outage(
     from a backup) is the hit's commit only as SQL tells (ArtifactCache.still_current). Once
     SQL is known down, every such hit waited out database.timeout_s for it, all the outage
     long, where every other hit is served from disk at once."""
-    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=120.0))
-    sg = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.big.build_id}/debuginfo"
-    assert (await sg.get(path))[0] == 200
-    await sg.settled()  # its commit made
-    cached = sg.runner.app[STATE].service.cache.store.artifact_path(
-        "", ArtifactKey.from_id(f"{elfs.big.build_id}/debuginfo"))
-    os.chmod(cached, os.stat(cached).st_mode)  # its ctime now, past its row's commit
-
+    forwarder, sg, path = await _big_hit_only_sql_can_tell(start_symgate, faults, elfs,
+                                                           database_url, tmp_path)
     await forwarder.refuse("57P03", "the database system is starting up")
     status, _, body = await sg.get(path)  # finds SQL down
     assert status == 200 and body == elfs.big.debug.read_bytes()
-    forwarder.stall()  # then a database that takes connections and never answers
-    forwarder.heal()
-    try:
-        status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))
-        assert status == 200 and body == elfs.big.debug.read_bytes()
-    finally:
-        forwarder.answer()
-        await forwarder.cut()
+    await _served_at_once_by_a_database_that_never_answers(forwarder, sg, path, elfs)
 
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
@@ -880,30 +896,16 @@ async def test_a_flush_round_during_an_outage_does_not_say_the_database_is_back(
     with no query made, in the middle of an outage: the next hit that asks SQL when it is
     not known down (a big file whose inode changed, above) waited out database.timeout_s,
     once a flush round, all the outage long."""
-    forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=120.0))
-    sg = await start_symgate(config=cfg)
-    path = f"/buildid/{elfs.big.build_id}/debuginfo"
-    assert (await sg.get(path))[0] == 200
-    await sg.settled()
+    forwarder, sg, path = await _big_hit_only_sql_can_tell(start_symgate, faults, elfs,
+                                                           database_url, tmp_path)
     cache = sg.runner.app[STATE].service.cache
-    os.chmod(cache.store.artifact_path("", ArtifactKey.from_id(
-        f"{elfs.big.build_id}/debuginfo")), 0o644)  # its ctime now, past its row's commit
-
     await forwarder.refuse("57P03", "the database system is starting up")
     assert (await sg.get(path))[0] == 200  # finds SQL down
     assert cache.health.get(DATABASE) is not None
     with contextlib.suppress(*DATABASE_ERRORS):
         await cache.flush_access()  # the round the job makes: its hit counts cannot be written
     assert cache.health.get(DATABASE) is not None
-    forwarder.stall()
-    forwarder.heal()
-    try:
-        status, _, body = await sg.get(path, timeout=aiohttp.ClientTimeout(total=20))
-        assert status == 200 and body == elfs.big.debug.read_bytes()
-    finally:
-        forwarder.answer()
-        await forwarder.cut()
+    await _served_at_once_by_a_database_that_never_answers(forwarder, sg, path, elfs)
 
 
 @pytest.mark.parametrize("database_url", [pytest.param("postgresql", marks=pytest.mark.postgres)],
