@@ -54,6 +54,11 @@ class Flight:
         # Set when the file failed after the verdict: what followers and readers of the file
         # (rather than of the response) are told.
         self.store_error: SymgateError | None = None
+        # Why a file served whole (its part file whole and verified) was not kept: for what
+        # waits to read it from the cache (a profile's resolution), a passing want to retry
+        # rather than a budget that refuses it. Its followers are told nothing new: the part
+        # file they read is whole.
+        self.not_kept: SymgateError | None = None
         self._meta: ArtifactMeta | None = None
         # One future per client waiting for the upstream's headers (see wait_meta).
         self._meta_waiters: list[asyncio.Future[None]] = []

@@ -42,7 +42,7 @@ from proxy.errors import (
     out_of_descriptors,
 )
 from proxy.health import DISK
-from proxy.keys import ArtifactKey, Kind, printable
+from proxy.keys import ArtifactKey, Kind, shown_detail
 from proxy.metrics import ProxyMetrics
 from proxy.sources.base import ArtifactMeta, Body, Source
 from proxy.sources.policy import ask
@@ -818,11 +818,11 @@ class ArtifactService:
                 # passing want it is: found not kept, the profile was refused with a 507 that
                 # blamed cache.max_bytes, for a full descriptor table too.
                 if e.errno in _NO_SPACE:
-                    flight.fail(self.disk_full(e))
+                    flight.not_kept = self.disk_full(e)
                 elif e.errno == errno.EROFS:
-                    flight.fail(self.read_only(e))
+                    flight.not_kept = self.read_only(e)
                 elif (full := out_of_descriptors(e)) is not None:
-                    flight.fail(full)
+                    flight.not_kept = full
                 log.warning("%s was served but could not be cached: %s", key.id, e)
                 return
             self.cache.health.ok(DISK)
@@ -934,7 +934,7 @@ class ArtifactService:
                 failure = failure or e
         if failure is not None:
             raise failure
-        raise NotFound(f"not found (no section {printable(key.detail)} in the debuginfo or "
+        raise NotFound(f"not found (no section {shown_detail(key.detail)} in the debuginfo or "
                        "executable)")
 
     @contextlib.asynccontextmanager

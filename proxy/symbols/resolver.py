@@ -524,8 +524,9 @@ class SymbolResolver:
                 # A file served whole but not stored for want of room is not in the cache to
                 # read: that passing trouble refuses the profile, rather than a NotFound that
                 # builds from the executable or leaves the mapping bare in a 200 kept for good.
-                if isinstance(result.flight.store_error, TryAgain):
-                    raise result.flight.store_error
+                if isinstance(unkept := result.flight.store_error or result.flight.not_kept,
+                              TryAgain):
+                    raise unkept
             break
         # Committed here, or by the process whose download this one followed.
         cached = self._artifacts.cache.peek_any(req.visible, key) \
