@@ -4,6 +4,7 @@ meanwhile, and once it is writable the rows kept in memory reach it, with no res
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 from dataclasses import replace
@@ -84,3 +85,40 @@ async def test_rows_kept_while_sqlite_was_read_only_are_written_once_it_is_not(
         return f"{elfs.big.build_id}/debuginfo" in _rows(db)
 
     await eventually(kept, timeout=20)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_hit_counts_that_cannot_be_written_keep_healthz_degraded(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Hits alone while the file is read-only (no row of a new file to write): the failed
+    write of their counts said the database down, and /healthz's ping, which reads, said it
+    well again, round after round: the status page flipped between degraded and ok."""
+    cfg = make_config(tmp_path / "data", database_url, [faults.url_for("ok")])
+    sg = await start_symgate(config=replace(cfg, server=replace(cfg.server,
+                                                                access_flush_s=3600)))
+    path = f"/buildid/{elfs.prog.build_id}/debuginfo"
+    assert (await sg.get(path))[0] == 200
+    await sg.settled()
+    cache = sg.runner.app[STATE].service.cache
+    await cache.flush_access()
+    files = [tmp_path / "symgate.sqlite", tmp_path / "symgate.sqlite-wal"]
+    _immutable(files, True)
+    try:
+        await sg.runner.app[STATE].repo.engine.dispose()
+        assert (await sg.get(path))[0] == 200  # a hit: its count to write
+        with pytest.raises(Exception):  # noqa: B017  (the job logs what it is)
+            await cache.flush_access()
+        for _round in range(2):
+            status, _, text = await sg.get("/healthz")
+            assert status == 200 and text.startswith(b"degraded\ndatabase: "), text
+    finally:
+        _immutable(files, False)
+
+    async def counts_written() -> bool:  # a connection opened read-only fails once, and goes
+        with contextlib.suppress(Exception):
+            await cache.flush_access()
+        return (await sg.get("/healthz"))[2] == b"ok\n"
+
+    await eventually(counts_written, timeout=20)

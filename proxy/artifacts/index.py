@@ -100,6 +100,7 @@ class ArtifactCache:
         self._bytes = 0  # of the files under the budget: uploads (pinned) are not
         self.pinned_bytes = 0
         self._pinned_entries = 0  # the uploads among the entries
+        self._counts_unwritten = False  # the last write of hit counts failed
         self._leases: dict[str, int] = {}
         # Budget held by downloads under way (by their flight), so that the files being
         # written and the files kept together stay within max_bytes.
@@ -823,15 +824,17 @@ class ArtifactCache:
             await to_the_end(writing)
         finally:
             if writing.cancelled() or writing.exception() is not None:
-                if (error := None if writing.cancelled() else writing.exception()) is not None \
-                        and isinstance(error, DATABASE_ERRORS):
+                if isinstance(error := None if writing.cancelled() else writing.exception(),
+                              DATABASE_ERRORS):
                     self.sql_failed("writing hit counts", error)
+                    self._counts_unwritten = True
                 for kh, (hits, when) in batch.items():
                     if kh not in self._entries:
                         continue  # evicted meanwhile: its row is gone
                     newer_hits, newer = self._pending_access.get(kh, (0, when))
                     self._pending_access[kh] = (hits + newer_hits, max(when, newer))
             else:
+                self._counts_unwritten = False
                 self.health.ok(DATABASE)
                 for kh, (hits, when) in batch.items():
                     if (rec := self._entries.get(kh)) is not None:
@@ -899,8 +902,10 @@ class ArtifactCache:
     @property
     def rows_pending(self) -> int:
         """Rows this process could not write to SQL and keeps for a later flush, and
-        removals SQL has not told it the fate of."""
-        return len(self._unsynced) + len(self._unsure_retires)
+        removals SQL has not told it the fate of; and its hit counts, as one, while their
+        last write failed (a read-only SQLite file, which answers /healthz's ping: the
+        database was said well there and down again at every flush round)."""
+        return len(self._unsynced) + len(self._unsure_retires) + int(self._counts_unwritten)
 
     def recheck_space(self) -> None:
         """Judge the disk again: a full-disk (or read-only) condition cleared once space is
