@@ -117,7 +117,7 @@ def normalize_section(raw: str) -> str:
     return raw
 
 
-def printable(detail: str) -> str:
+def shown_detail(detail: str) -> str:
     """A source path or section name for a message: bytes that are not UTF-8, and control
     characters, percent-encoded (a response body or a log line is printable text)."""
     return detail if plain(detail) else quote(_path_bytes(detail), safe="/")

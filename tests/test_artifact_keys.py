@@ -16,7 +16,7 @@ from proxy.keys import (
     Kind,
     normalize_section,
     normalize_source_path,
-    printable,
+    shown_detail,
     source_path_of,
 )
 
@@ -187,7 +187,7 @@ def test_a_section_name_with_control_characters_is_kept_percent_encoded(name: st
     assert key.detail == name
     assert key.id.startswith(f"{BID}/section:") and key.id.isprintable()
     assert ArtifactKey.from_id(key.id) == key
-    assert printable(key.detail).isprintable()
+    assert shown_detail(key.detail).isprintable()
     assert key.upstream_path.isprintable()
 
 

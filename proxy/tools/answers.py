@@ -70,4 +70,4 @@ def os_reason(e: OSError) -> str:
     """"connection refused", not asyncio's "Connect call failed ('127.0.0.1', 9)"."""
     if isinstance(e, ConnectionError) and e.errno:
         return os.strerror(e.errno).lower()
-    return e.strerror or str(e)
+    return e.strerror or str(e) or type(e).__name__  # some TLS failures say nothing else

@@ -45,7 +45,7 @@ from proxy.errors import RememberedNotFound, SymgateError
 from proxy.keys import ArtifactKey
 from proxy.metrics import ABORTED, Served
 from proxy.sources.base import Hop
-from proxy.web.errors import error_response
+from proxy.web.errors import cut_reason, error_response
 from proxy.web.hot_files import HotFile, hot_file
 from proxy.web.logs import AccessLogger
 from proxy.web.state import AppState
@@ -174,7 +174,7 @@ class FastHits:
             if sent < file.artifact.record.size:  # the client left, or the server stopped
                 # What ended it, in the words aiohttp's path logs (errors.CountedWhenSent):
                 # a client cut for not reading, one that reset, a file cut short on disk.
-                why = (str(cut) or type(cut).__name__) if cut is not None \
+                why = cut_reason(cut) if cut is not None \
                     else "the connection ended before the file's last byte"
                 told = {**fields, "outcome": ABORTED, "error": why}
                 state.metrics.count_buildid(req.kind, ABORTED)
