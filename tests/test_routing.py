@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.config import load_config
 from tests.elfs import ElfSet
@@ -28,6 +29,7 @@ from tests.harness import (
     changes,
     eventually,
     free_port,
+    serve_loopback,
     served,
     upstream_requests,
 )
@@ -289,3 +291,84 @@ async def test_a_replicas_502_for_its_upstreams_failure_is_not_retried_on_the_ot
             asked = faults.count("status500")
             assert (await fetch(s, front.url + path))[0] == 502
             assert faults.count("status500") - asked == one_replica
+
+
+class HeldUnsized:
+    """An upstream that sends the big fixture's debuginfo without saying its size (chunked):
+    half of it, then `half` is set, then the rest once `release` is."""
+
+    def __init__(self, elfs: ElfSet) -> None:
+        self.elf = elfs.big
+        self.half = asyncio.Event()
+        self.release = asyncio.Event()
+        self.asked = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["build_id"] != self.elf.build_id:
+            return web.Response(status=404)
+        self.asked += 1
+        data = self.elf.debug.read_bytes()
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        await response.write(data[: len(data) // 2])
+        self.half.set()
+        await self.release.wait()
+        await response.write(data[len(data) // 2:])
+        await response.write_eof()
+        return response
+
+
+async def http10_get(url: str, path: str) -> tuple[bytes, bytes]:
+    """GET in HTTP/1.0, read until the server closes: (head, body)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        got = await reader.read()  # to EOF: what an HTTP/1.0 client takes for the end
+    finally:
+        writer.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, body
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+@needs_nginx
+async def test_an_http10_client_never_takes_a_killed_replicas_cut_body_for_a_whole_file(
+    tmp_path: Path, database_url: str, elfs: ElfSet
+) -> None:
+    """A cold file whose upstream said no size, asked in HTTP/1.0 through nginx, and the replica
+    fetching it SIGKILLed mid-download. An HTTP/1.0 client has no chunked encoding: a body
+    without a Content-Length ends where the connection does. symgate sends it such a file
+    once whole, with its length; nginx must not ask in HTTP/1.1 and hand the client the
+    chunks it got before the kill as a 200 that ends cleanly (half the file, looking whole).
+    The kill came before any byte was sent, so nginx retries the next replica, which fetches
+    the file again and sends it whole."""
+    upstream = HeldUnsized(elfs)
+    app = web.Application()
+    app.router.add_get("/buildid/{build_id}/{kind}", upstream.handle)
+    runner, url = await serve_loopback(app)
+    body = elfs.big.debug.read_bytes()
+    try:
+        async with nginx_in_front(tmp_path, database_url, url) as front:
+            client = asyncio.create_task(
+                http10_get(front.url, f"/buildid/{elfs.big.build_id}/debuginfo"))
+            await upstream.half.wait()
+
+            def fetching() -> list[int]:  # the replica holding the download's flight
+                return [i for i in range(len(front.procs))
+                        if any((tmp_path / f"r{i}" / "cache" / "flights").glob("*.json"))]
+
+            await eventually(lambda: len(fetching()) == 1)
+            (owner,) = fetching()
+            front.procs[owner].send_signal(signal.SIGKILL)
+            await front.procs[owner].wait()
+            upstream.release.set()
+            head, got = await asyncio.wait_for(client, 60)
+            lines = head.decode("latin-1").split("\r\n")
+            fields = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+            assert lines[0].split()[1] == "200", lines[0]
+            assert fields.get("content-length") == str(len(body)), (lines, len(got))
+            assert got == body
+            assert upstream.asked == 2  # the killed replica's fetch, then the next one's
+    finally:
+        await runner.cleanup()
