@@ -13,6 +13,7 @@ from proxy.config import CacheConfig, FetchConfig, FetchPolicy, SymbolizeConfig
 from tests.elfs import ElfSet
 from tests.faults import SLOW_HOPS, FaultUpstream
 from tests.harness import SymgateFactory, fast_upstream, read_broken
+from tests.processes import debuginfod_find
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -58,6 +59,27 @@ async def test_body_cut_off_mid_stream_breaks_the_response_and_is_not_cached(
                 if p.is_file() and p.suffix != ".lock"]
     status, got, broken = await read_broken(url)
     assert broken and faults.count(mode) == 2
+
+
+@pytest.mark.parametrize("mode", ["reset-mid-body", "truncated"])
+async def test_a_cut_off_download_is_not_a_miss_elfutils_keeps(
+    start_symgate: SymgateFactory, faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, mode: str
+) -> None:
+    """The upstream fails mid-body after the response began: the connection is cut with a
+    reset. Closed with a FIN instead, libcurl reports a partial file, which elfutils' client
+    takes for "not found" and keeps as a miss for 10 minutes (an empty file in its cache),
+    answering every later debuginfod-find from it without asking: a file that exists,
+    missing for ten minutes because one download broke."""
+    sg = await start_symgate([fast_upstream(faults.url_for(mode), retries=0)])
+    cache = tmp_path / "client"
+    for attempt in (1, 2):
+        asked = faults.count(mode)
+        found = await asyncio.to_thread(debuginfod_find, sg.url, cache, "debuginfo",
+                                        elfs.big.build_id)
+        assert found.returncode != 0, found.stdout
+        assert faults.count(mode) > asked, f"attempt {attempt} answered from a kept miss"
+        kept = [p for p in (cache / elfs.big.build_id).glob("*")]
+        assert not kept, f"elfutils kept a miss: {found.stderr}"
 
 
 async def test_small_file_cut_off_breaks_the_response_it_started(

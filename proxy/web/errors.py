@@ -43,6 +43,7 @@ from proxy.errors import (
 )
 from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import ABORTED, Served
+from proxy.web.file_sends import cut_connection
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.otlp import TooManyLocations
@@ -251,7 +252,7 @@ def cut_off(request: web.BaseRequest, reason: str, sent: int | None = None) -> N
     annotate(request, outcome=ABORTED, error=reason,
              **({"sent": sent} if sent is not None else {}))
     if request.transport is not None:
-        request.transport.abort()
+        cut_connection(request.transport)
 
 
 def _cut_off(request: web.Request, error: Exception, seconds: float) -> None:

@@ -40,6 +40,21 @@ def cork(sock: socket.socket | None, on: bool = True) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, int(on))
 
 
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, not FIN
+
+
+def cut_connection(transport: asyncio.Transport) -> None:
+    """Close a connection whose response is cut short with a TCP reset, not a FIN: libcurl
+    takes a FIN before the body's end for CURLE_PARTIAL_FILE, which elfutils' client counts as
+    "not found" and keeps in its cache as a miss for cache_miss_s (10 minutes), while a reset
+    (CURLE_RECV_ERROR) is an error it retries and never caches."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # a socket gone already, or not TCP's
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+    transport.abort()
+
+
 class ShortFile(ConnectionResetError):
     """The cached file holds fewer bytes than its index entry (damaged from outside): the
     response is cut, as for a client gone."""
