@@ -372,14 +372,22 @@ async def test_ctrl_c_drains_a_profile_under_way_without_tracebacks(
     assert not [pid for pid in family if alive(pid)]
 
 
-@pytest.mark.parametrize(("workers", "group"), [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize(("workers", "group", "pid1"),
+                         [(1, True, False), (2, True, False), (2, False, False),
+                          (2, True, True)])
 async def test_what_a_killed_server_leaves_in_the_temporary_directory_goes_at_the_next_start(
-        tmp_path: Path, short_tmp: Path, workers: int, group: bool) -> None:
+        tmp_path: Path, short_tmp: Path, workers: int, group: bool, pid1: bool) -> None:
     # SIGKILL leaves no cleanup to run: the folder of a supervisor's live metrics, and its
     # forkserver's socket in multiprocessing's own pymp-* folder, which only a clean exit
     # removed, stayed in /tmp for good (each kill of a restart loop under a service manager
     # left one more). The next start removes them; the folders of a server that runs are left
-    # alone. Killed alone (`group` False), the supervisor's workers die with it.
+    # alone. Killed alone (`group` False), the supervisor's workers die with it. As PID 1
+    # (`pid1`: a container's, each start in a PID namespace of its own), the folders were
+    # named after a pid that ran again at the next start, and stayed for good.
+    if pid1 and subprocess.run(["unshare", "-pf", "--mount-proc", "true"],
+                               capture_output=True).returncode != 0:
+        pytest.skip("cannot start a process in a PID namespace of its own here")
+    namespace = ["unshare", "-pf", "--mount-proc"] if pid1 else []
     temp = short_tmp
     port = free_port()
     config = tmp_path / "symgate.toml"
@@ -390,7 +398,7 @@ async def test_what_a_killed_server_leaves_in_the_temporary_directory_goes_at_th
     for other in others:
         other.mkdir()
     killed = await asyncio.create_subprocess_exec(
-        *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        *namespace, *_cli("serve", "--config", str(config), "--workers", str(workers)),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env,
         start_new_session=True)
     try:
@@ -413,15 +421,18 @@ async def test_what_a_killed_server_leaves_in_the_temporary_directory_goes_at_th
     if workers > 1:
         assert [f for f in left if f.name.startswith("symgate-metrics-")]
     again = await asyncio.create_subprocess_exec(
-        *_cli("serve", "--config", str(config), "--workers", str(workers)),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+        *namespace, *_cli("serve", "--config", str(config), "--workers", str(workers)),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+        start_new_session=True)
     try:
         await wait_until_serving(f"http://127.0.0.1:{port}", again)
         assert [f.name for f in left if f.exists()] == []
-        assert all(other.exists() for other in others)
+        # Named after this test's pid, which no process has in the namespace of its own.
+        assert pid1 or all(other.exists() for other in others)
     finally:
         if again.returncode is None:
-            again.terminate()
+            # The group: unshare passes no signal on to the server, its namespace's PID 1.
+            os.killpg(again.pid, signal.SIGTERM)
         await again.wait()
 
 

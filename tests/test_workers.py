@@ -86,7 +86,7 @@ async def test_a_scrape_meets_a_metrics_file_a_starting_worker_has_only_created(
     the two (a worker starting), or any scrape after a worker killed between them, read
     an empty file and answered 500."""
     base, proc = await serve(debuginfod.url, workers=2)
-    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}.*-*")
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
         for _ in range(3):
@@ -126,7 +126,7 @@ async def test_a_replaced_workers_counts_stay_and_its_files_go(
     without end. They are folded into one archive: the totals the same, the files the live
     workers' alone."""
     base, proc = await serve(debuginfod.url, workers=2)
-    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}.*-*")
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
         for replaced in range(1, 4):
@@ -523,7 +523,7 @@ async def test_the_cache_gauges_stay_true_when_the_worker_that_read_them_last_di
     if database_url.startswith("sqlite"):
         pytest.skip("a SQLite file in WAL mode cannot be held from a new connection's reads")
     base, proc = await serve(debuginfod.url, workers=2, extra="access_flush_s = 3600\n")
-    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}-*")
+    [folder] = Path(tempfile.gettempdir()).glob(f"symgate-metrics-{proc.pid}.*-*")
     files = (elfs.prog, elfs.other)
     cached = (len(files), sum(elf.debug.stat().st_size for elf in files))
     connector = aiohttp.TCPConnector(force_close=True)

@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import logging
 import multiprocessing
-import os
 import shutil
 import signal
 import tempfile
@@ -26,6 +25,7 @@ from multiprocessing import forkserver, process, resource_tracker, util
 from pathlib import Path
 from typing import Any
 
+from proxy import process_marks
 from proxy.symbols import forked_helpers, worker_process
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def own_temp_folder() -> None:
     config: dict[str, Any] = process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None:
         return
-    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{process_marks.mark()}-")
     config["tempdir"] = folder
     # What multiprocessing.util.get_temp_dir registers for its own folder: run at exit, in
     # this process only (a fork's exit leaves it alone).

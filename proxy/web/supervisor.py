@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from proxy import process_marks
 from proxy.config import Config, parse_listen
 from proxy.web.grace import STOP_SIGNALS
 from proxy.web.startup import CannotStart, make_data_dirs, reason
@@ -75,7 +76,7 @@ def _supervise(config: Config, workers: int, keeper: _Keeper) -> int:
     # A start that fails (the database out of reach, say) or is stopped leaves nothing behind
     # (the finally below): under a restarting service manager, a metrics folder each try
     # would fill /tmp.
-    metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-"))
+    metrics_dir = Path(tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{process_marks.mark()}-"))
     try:
         _multiprocess_metrics(metrics_dir)
         # What every worker runs, imported once here and shared by the forks.
@@ -218,24 +219,13 @@ def sweep_dead_folders() -> None:
     """Remove the metrics folders of supervisors, and multiprocessing's folders of servers
     (proxy.symbols.executors.own_temp_folder), whose process no longer runs (on this host's
     temporary directory: a folder of another host's, on a shared one, names a pid of that
-    host)."""
+    host). Each is named after its process's mark (proxy.process_marks)."""
     from proxy.symbols.executors import TEMP_PREFIX
 
     for prefix in (_METRICS_PREFIX, TEMP_PREFIX):
         for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
-            pid = folder.name[len(prefix):].partition("-")[0]
-            if pid.isdigit() and not _running(int(pid)):
+            if process_marks.gone(folder.name[len(prefix):].partition("-")[0]):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: running
-        return True
-    return True
 
 
 def _multiprocess_metrics(folder: Path) -> None:
