@@ -360,3 +360,59 @@ async def test_a_request_waiting_on_its_upstream_when_the_grace_ends_is_logged(
             (await asked).release()
     assert len(access) == 1, out
     assert access[0]["outcome"] == "aborted", access
+
+
+
+def _stall_after(port: int, path: str, header: str, read: int) -> socket.socket:
+    """A client with a small receive buffer that asks for `path`, reads `read` bytes of the
+    answer and then reads nothing more, its connection left open."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: symgate\r\n{header}\r\n".encode())
+    got = b""
+    while len(got) < read:
+        chunk = sock.recv(read - len(got))
+        assert chunk, got[:200]
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 20"), got[:200]
+    return sock
+
+
+def _ends_in_reset(sock: socket.socket) -> bool:
+    """Reads the rest: whether the connection ended in a reset, not a clean end."""
+    with sock:
+        try:
+            while sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("header", ["", "Accept-Language: en\r\n", "Range: bytes=1000-\r\n",
+                                    "download"])
+async def test_a_response_cut_by_the_end_of_the_grace_ends_in_a_reset(
+    faults: FaultUpstream, elfs: ElfSet, tmp_path: Path, header: str
+) -> None:
+    """A response still going out when the grace ends is cut with a reset (errors.cut_off).
+    aiohttp closed the connection with a FIN before the handler saw its cancellation (no
+    transport left to reset), and a quick send was shut down with one: a body short by a FIN
+    is a partial file to libcurl, which elfutils' client keeps as a miss for ten minutes, so
+    a restart made a cached file missing for every client reading it slowly. A hit on the
+    quick path, aiohttp's whole file, a range; a download whose upstream hangs."""
+    download = header == "download"
+    base, proc = await _start(tmp_path, faults.url_for("hang-mid-body" if download else "ok"),
+                              "workers = 1\nshutdown_grace_s = 0.5\n")
+    path = f"/buildid/{elfs.big.build_id}/debuginfo"
+    size = elfs.big.debug.stat().st_size
+    if not download:
+        for _ in range(2):  # cached, then a hit known to the quick path (web.hot_files)
+            async with aiohttp.ClientSession() as s, s.get(base + path) as r:
+                assert r.status == 200 and len(await r.read()) == size
+    port = int(base.rsplit(":", 1)[1])
+    sock = await asyncio.to_thread(_stall_after, port, path, "" if download else header,
+                                   1 << 12)
+    _, out = await _stopped_access(proc, path)
+    assert await asyncio.to_thread(_ends_in_reset, sock), f"ended with a FIN: {out}"

@@ -49,6 +49,7 @@ from proxy.web import artifacts, logs, ops, upload
 from proxy.web.connections import ConnectionGuard, default_max_connections, raise_fd_limit
 from proxy.web.errors import Handler, error_edge
 from proxy.web.fast_hits import FastHits
+from proxy.web.file_sends import reset_on_close
 from proxy.web.grace import STOP_SIGNALS, unfinished
 from proxy.web.heap import TRIM_EVERY_S, trim_heap
 from proxy.web.jobs import Jobs
@@ -510,6 +511,13 @@ async def _drain(server: web.Server, grace_s: float,
     if not waits:
         return
     late = await unfinished(waits, grace_s, cut)
+    for conn, wait in zip(ours, waits, strict=True):
+        if wait in late and conn.transport is not None:
+            # Its response is cut: aiohttp closes the connection (a FIN) before the handler
+            # sees its cancellation, which finds no transport left to cut_off with a reset,
+            # and a hit's body short by a FIN is a partial file to libcurl, kept by elfutils'
+            # client as a miss for ten minutes.
+            reset_on_close(conn.transport.get_extra_info("socket"))
     for task in late:
         task.cancel()
     await asyncio.gather(*late, return_exceptions=True)

@@ -22,7 +22,7 @@ from typing import IO, Protocol
 from aiohttp.streams import StreamReader
 
 from proxy.metrics import ProxyMetrics
-from proxy.web.file_sends import cork, send_if_room, send_whole
+from proxy.web.file_sends import cork, reset_on_close, send_if_room, send_whole
 from proxy.web.grace import unfinished
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
@@ -411,6 +411,10 @@ class _Counted(asyncio.Protocol):
     def cut_send(self) -> None:
         """End the file being sent: the server stops and its grace is over."""
         sock = self._transport.get_extra_info("socket") if self._transport else None
+        # Closed with a reset, as errors.cut_off cuts: the FIN the shutdown queues behind
+        # the unsent bytes never goes, and libcurl sees a receive error, not a partial file
+        # that elfutils' client keeps as a miss for ten minutes.
+        reset_on_close(sock)
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -48,11 +48,16 @@ def cut_connection(transport: asyncio.Transport) -> None:
     takes a FIN before the body's end for CURLE_PARTIAL_FILE, which elfutils' client counts as
     "not found" and keeps in its cache as a miss for cache_miss_s (10 minutes), while a reset
     (CURLE_RECV_ERROR) is an error it retries and never caches."""
-    sock = transport.get_extra_info("socket")
+    reset_on_close(transport.get_extra_info("socket"))
+    transport.abort()
+
+
+def reset_on_close(sock: socket.socket | None) -> None:
+    """Have the socket's close, whoever makes it (aiohttp's, or the process's exit), send a
+    reset and drop what its buffer still holds: the end of a response cut short."""
     if sock is not None:
         with contextlib.suppress(OSError):  # a socket gone already, or not TCP's
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-    transport.abort()
 
 
 class ShortFile(ConnectionResetError):
