@@ -22,7 +22,7 @@ from typing import IO, Protocol
 from aiohttp.streams import StreamReader
 
 from proxy.metrics import ProxyMetrics
-from proxy.web.file_sends import cork, reset_on_close, send_if_room, send_whole
+from proxy.web.file_sends import cork, cut_connection, reset_on_close, send_if_room, send_whole
 from proxy.web.grace import unfinished
 from proxy.web.send_timeout import SendTimeouts, is_send_timeout, limit_unacknowledged
 
@@ -334,7 +334,7 @@ class _Counted(asyncio.Protocol):
         except OSError as e:  # the client, or a file shorter than its entry (ShortFile)
             self._send_failed(e)
             answer.finish(e)
-            transport.abort()
+            cut_connection(transport)  # a reset, as errors.cut_off cuts
             return
         if sent == answer.size:
             answer.finish()
@@ -376,7 +376,7 @@ class _Counted(asyncio.Protocol):
         finally:
             self._sent(asyncio.current_task(), answer, cut)
             if not sent:
-                transport.abort()
+                cut_connection(transport)  # a reset, as errors.cut_off cuts
         if self._close_after_send:
             if not transport.is_closing():
                 self._end_after_file(transport)

@@ -233,6 +233,11 @@ class CountedWhenSent:
         """Count (and log) the request: `cut` is what ended its body short, if anything."""
         if cut is not None:
             annotate(request, outcome=ABORTED, error=cut_reason(cut))
+            # Cut as cut_off cuts, with a reset: closed by aiohttp, a body cut short (a file
+            # found short on disk, which the next request fetches anew) ended with a FIN, a
+            # partial file that elfutils' client keeps as a miss for ten minutes.
+            if request.transport is not None:
+                cut_connection(request.transport)
         if isinstance(request, web.Request) and (started := request.get(_STARTED)) is not None:
             _count(request, time.perf_counter() - started)
 
