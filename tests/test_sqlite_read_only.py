@@ -122,3 +122,4 @@ async def test_hit_counts_that_cannot_be_written_keep_healthz_degraded(
         return (await sg.get("/healthz"))[2] == b"ok\n"
 
     await eventually(counts_written, timeout=20)
+

@@ -815,6 +815,9 @@ class ArtifactCache:
         await self._sync_rows()
         batch, self._pending_access = self._pending_access, {}
         if not batch:
+            # The counts of a failed write whose files left since (evicted, purged) are not
+            # written ever: none pending, /healthz may say the database well again.
+            self._counts_unwritten = False
             return
         # Not cut by a cancel (a stop), which is raised once the write is over: a write cut
         # after the database took its COMMIT would be put back as failed, and its hits
