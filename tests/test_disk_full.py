@@ -237,10 +237,13 @@ def _no_descriptor_left(free: int = 0) -> Iterator[None]:
     working."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+    # Room past the highest for `free` and a few more: with none to fill past it (a process
+    # with few holes), `free` descriptors could not be given back.
+    limit = highest + 8 + free
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     fillers: list[int] = []
     try:
-        for _ in range(highest + 8):  # bounded: the holes below the limit, then EMFILE
+        for _ in range(limit):  # bounded: the holes below the limit, then EMFILE
             try:
                 fillers.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
             except OSError as e:
