@@ -134,17 +134,7 @@ async def test_access_log_counts_the_bytes_of_a_cut_off_response(
 def _leave_after(port: int, path: str, header: str, read: int) -> None:
     """A client with a small receive buffer that asks for `path`, reads `read` bytes of the
     answer and resets the connection: the server cannot have sent much past them."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.settimeout(30)
-        sock.connect(("127.0.0.1", port))
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: symgate\r\n{header}\r\n".encode())
-        got = b""
-        while len(got) < read:
-            chunk = sock.recv(read - len(got))
-            assert chunk, got[:200]
-            got += chunk
-        assert got.startswith(b"HTTP/1.1 20"), got[:200]
+    with _stall_after(port, path, header, read) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
