@@ -817,12 +817,7 @@ class ArtifactService:
                 # Said to what waits for the file to be kept (a profile's resolution) as the
                 # passing want it is: found not kept, the profile was refused with a 507 that
                 # blamed cache.max_bytes, for a full descriptor table too.
-                if e.errno in _NO_SPACE:
-                    flight.not_kept = self.disk_full(e)
-                elif e.errno == errno.EROFS:
-                    flight.not_kept = self.read_only(e)
-                elif (full := out_of_descriptors(e)) is not None:
-                    flight.not_kept = full
+                flight.not_kept = self._passing_os_failure(e)
                 log.warning("%s was served but could not be cached: %s", key.id, e)
                 return
             self.cache.health.ok(DISK)
@@ -1141,16 +1136,22 @@ class ArtifactService:
             raise
 
     def _raise_os_failure(self, error: OSError) -> None:
-        """A full disk (of bytes or of inodes), a read-only one or a full descriptor table is
-        a passing condition of the server, answered with Retry-After; any other OSError is a
-        real fault and is left to the caller to raise."""
+        """Raise the passing condition `error` is (_passing_os_failure); any other OSError is
+        a real fault and is left to the caller to raise."""
+        if (failure := self._passing_os_failure(error)) is not None:
+            if isinstance(failure, OutOfResources):
+                log.warning("cannot open a cache file: %s", error)
+            raise failure from error
+
+    def _passing_os_failure(self, error: OSError) -> SymgateError | None:
+        """A full disk (of bytes or of inodes), a read-only one or a full descriptor table:
+        a passing condition of the server, answered with Retry-After (the disk's said on
+        /healthz); None for any other OSError."""
         if error.errno in _NO_SPACE:
-            raise self.disk_full(error) from error
+            return self.disk_full(error)
         if error.errno == errno.EROFS:
-            raise self.read_only(error) from error
-        if (full := out_of_descriptors(error)) is not None:
-            log.warning("cannot open a cache file: %s", error)
-            raise full from error
+            return self.read_only(error)
+        return out_of_descriptors(error)
 
     def disk_full(self, error: BaseException) -> InsufficientStorage:
         reason = f"no space left for the cache ({error})"
