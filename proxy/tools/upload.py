@@ -177,11 +177,8 @@ async def _from_symgate(r: aiohttp.ClientResponse, item: Item) -> bool:
 
 
 def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _file_name(name: str) -> dict[str, str]:
