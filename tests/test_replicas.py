@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from sqlalchemy import text
 
 from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
@@ -201,6 +202,18 @@ async def test_purge_and_cleared_misses_reach_every_replica(
     await eventually(b_asks_again, timeout=MEMO_S + 2)
 
 
+async def _row_before_replicas(database_url: str, build_id: str) -> bool:
+    """Whether the code before migration 0005 committed a row for `build_id`."""
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            found = await conn.execute(text("SELECT 1 FROM artifacts WHERE build_id = :b"),
+                                       {"b": build_id})
+            return found.first() is not None
+    finally:
+        await engine.dispose()
+
+
 def _code_before_replicas(into: Path) -> Path | None:
     """This repository's code as of the commit before migration 0005 came, or None when this
     is not a git checkout."""
@@ -241,6 +254,10 @@ async def test_a_node_cached_before_replicas_keeps_its_files_as_hits(
         await wait_until_serving(f"http://127.0.0.1:{port}", proc)
         assert await get(f"http://127.0.0.1:{port}", elfs.prog.build_id) == (
             200, elfs.prog.debug.read_bytes())
+        # The row is written after the last byte is sent: a SIGTERM before it (a loaded CI
+        # machine) leaves a file the old code never committed, which the upgrade rightly
+        # fetches again. The subject is a committed one.
+        await eventually(lambda: _row_before_replicas(database_url, elfs.prog.build_id))
     finally:
         await stop_serve([proc])
     assert old.path_of(elfs.prog).exists()
