@@ -263,10 +263,12 @@ async def test_a_node_cached_before_replicas_keeps_its_files_as_hits(
     assert old.path_of(elfs.prog).exists()
 
     await old.start()  # this code: migrates to 0005 and loads
-    before = await served(old.base)
-    assert await get(old.base, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
-    assert changes(before, await served(old.base)) == {"hit": 1}, "the upgrade cost a file"
-    await stop_serve(old.procs)
+    try:
+        before = await served(old.base)
+        assert await get(old.base, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
+        assert changes(before, await served(old.base)) == {"hit": 1}, "the upgrade cost a file"
+    finally:
+        await stop_serve(old.procs)
     assert await rows_of(database_url, old.id) == {elfs.prog.build_id}
 
 
