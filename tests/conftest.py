@@ -4,13 +4,17 @@ upstream, PostgreSQL databases, and symgate itself on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import Config, UpstreamConfig
+from proxy.symbols import executors
 from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet, build_elf_set
 from tests.faults import FaultUpstream, RawUpstream
@@ -41,6 +46,45 @@ if _FOUND is not None and Path(_FOUND).parent.name == "shims" \
 # Tests talk to loopback only: never let a proxy setting route them elsewhere.
 for _var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
     os.environ.pop(_var, None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _helpers_kept() -> Iterator[None]:
+    """multiprocessing's forkserver and resource tracker, once a test's server started them,
+    kept for the next tests of this process: each server's first build started them anew (a
+    new interpreter importing what the workers run, 0.4 s of CPU), 700 times a run, a sixth of
+    the suite's CPU. Their stop with the last pool is `symgate serve`'s, tested there
+    (tests/test_worker_lifecycle.py)."""
+    with executors.helpers_kept():
+        yield
+        # A child a test left (a fork of this process) holds this process's copy of the
+        # forkserver's liveness pipe, and the forkserver's stop would wait for it for good.
+        if left := _children_but_helpers():
+            warnings.warn(f"tests left child processes, killed now: {left}", stacklevel=1)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+
+
+def _children_but_helpers() -> list[int]:
+    """This process's children other than multiprocessing's forkserver and resource tracker."""
+    helpers = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+               getattr(resource_tracker._resource_tracker, "_pid", None)}
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" \
+                and int(entry.name) not in helpers:
+            children.append(int(entry.name))
+    return children
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

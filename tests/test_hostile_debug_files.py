@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +31,17 @@ from tests.symbolize_helpers import BASES, post, symbolize_config
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
+
+
+@pytest.fixture(autouse=True)
+def _builder_ended() -> Iterator[None]:
+    """The builder child isolated_build forks in this process (a worker's, in a server)
+    ended after each test: left, it held the test process's copy of the forkserver's
+    liveness pipe, and the forkserver could not stop at the suite's end."""
+    yield
+    if isolated_build._child is not None:
+        isolated_build._child.end()
+        isolated_build._child = None
 
 
 def _profile(elfs: ElfSet, name: str) -> bytes:
