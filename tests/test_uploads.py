@@ -355,6 +355,9 @@ async def test_hostile_uploads_get_their_precise_status_and_leave_nothing(
         == 401
     assert (await _put(sg, "zz", "debuginfo", data))[0] == 400
     assert (await _put(sg, bid, "source", data))[0] == 405  # only ELF files are uploaded
+    # The debug file as the executable: gdb would get a program without its code.
+    status, _, body = await _put(sg, bid, "executable", data)
+    assert status == 422 and b"upload it as debuginfo" in body, body
     status, _, body = await _put(sg, bid, "debuginfo", elfs.prog.debug.read_bytes())
     assert status == 422 and elfs.prog.build_id.encode() in body
     assert (await _put(sg, bid, "debuginfo", b"not an ELF file"))[0] == 422

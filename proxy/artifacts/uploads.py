@@ -40,7 +40,7 @@ from proxy.errors import (
 from proxy.health import DISK
 from proxy.keys import ArtifactKey, Kind
 from proxy.store.repository import DATABASE_ERRORS, ArtifactRecord, Repository, is_disk_full
-from symbolize.elf import build_id_of_file
+from symbolize.elf import build_id_of_file, layout_of_file
 
 log = logging.getLogger(__name__)
 UPSTREAM = "upload"  # what the artifact's row names as where it came from
@@ -55,6 +55,14 @@ class Uploaded:
     size: int
     sha256: str
     created: bool  # False: the very same file was uploaded before
+
+
+def _debug_only(path: Path) -> bool:
+    """Whether the file's sections say its code is not in it (a debug file); blocking. A file
+    whose sections cannot tell (none, or no code section: a kernel module's have theirs) is
+    taken as it is."""
+    layout = layout_of_file(path)
+    return layout is not None and layout.holds_code is False
 
 
 class Uploads:
@@ -83,6 +91,12 @@ class Uploads:
                 raise UnprocessableUpload(
                     f"the file's build ID is {found}, not {key.build_id}" if found
                     else "not an ELF file with a GNU build-ID note")
+            if key.kind is Kind.EXECUTABLE and await asyncio.to_thread(_debug_only, temp):
+                # Served as the executable, it would give gdb and eu-stack a program with no
+                # code to disassemble or unwind through, under the build ID they asked for.
+                raise UnprocessableUpload(
+                    "a debug file, not the executable: its code is not in it (as objcopy "
+                    "--only-keep-debug leaves it); upload it as debuginfo")
             async with self._cache.uploads_locked(budgeted=True):
                 return await self._commit(scope, key, temp, fd, size, digest, filename,
                                           ima_signature)
