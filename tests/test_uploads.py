@@ -1175,3 +1175,37 @@ async def test_upload_cli_sends_a_file_the_server_holds_only_as_a_download_or_an
     # The admin's, the same path again: another upload of the key is a conflict, not "there".
     clash = await _cli("upload", str(own), "--server", sg.url)
     assert clash.returncode == 1 and "409" in clash.stdout, clash.stdout
+
+
+async def test_upload_cli_of_a_tenant_sends_the_bytes_the_shared_scope_has_as_its_upload(
+    start_symgate: SymgateFactory, elfs: ElfSet, tmp_path: Path, database_url: str,
+) -> None:
+    """A tenant's HEAD sees the shared scope's upload, and it carried that upload's sha256: the
+    tenant's CLI, uploading the very same bytes, said "already there" and sent nothing. The
+    tenant had no upload of its own, and lost the file when the shared one was deleted. The
+    sha256 is said only to the scope the upload is in."""
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    bid = elfs.prog.build_id
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(elfs.prog.debug, files / "prog.debug")
+    shared = await _cli("upload", str(files), "--server", sg.url)
+    assert " 1 uploaded," in shared.stdout.splitlines()[0], shared.stdout
+    status, headers, _ = await sg.request("HEAD", f"/buildid/{bid}/debuginfo",
+                                          headers=_auth(ACME))
+    assert status == 200 and "X-Symgate-Upload-SHA256" not in headers, headers
+    status, headers, _ = await sg.request("GET", f"/buildid/{bid}/debuginfo",
+                                          headers=_auth(ACME, Range="bytes=0-3"))
+    assert status == 206 and "X-Symgate-Upload-SHA256" not in headers, headers
+    mine = await _cli("upload", str(files), "--server", sg.url, token=ACME)
+    assert " 1 uploaded," in mine.stdout.splitlines()[0], mine.stdout
+    rows = await sg.runner.app[STATE].repo.artifacts_of(bid)
+    assert sorted((r.scope, r.pinned) for r in rows) == [("", True), ("acme", True)]
+    # Its own now: told so, and kept when the shared scope's goes.
+    again = await _cli("upload", str(files), "--server", sg.url, token=ACME)
+    assert " 0 uploaded, 1 already there," in again.stdout.splitlines()[0], again.stdout
+    assert (await sg.request("DELETE", f"/buildid/{bid}/debuginfo",
+                             headers=_auth(ADMIN)))[0] in (200, 204)
+    status, _, body = await sg.get(f"/buildid/{bid}/debuginfo", headers=_auth(ACME))
+    assert status == 200 and body == elfs.prog.debug.read_bytes()
+    assert (await sg.get(f"/buildid/{bid}/debuginfo"))[0] == 404

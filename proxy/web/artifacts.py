@@ -21,9 +21,10 @@ from multidict import CIMultiDict
 
 from proxy.artifacts.flight import FlightFailed
 from proxy.artifacts.index import CachedArtifact
+from proxy.artifacts.scope import RequestScope
 from proxy.artifacts.service import Hit, Streaming
 from proxy.errors import InvalidRequest, OutOfResources, TooLarge, out_of_descriptors
-from proxy.headers import decimal
+from proxy.headers import UPLOAD_SHA256, decimal
 from proxy.keys import ArtifactKey, Kind, is_text, source_path_of
 from proxy.metrics import Served
 from proxy.sources.base import Hop
@@ -141,10 +142,11 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         whole = not any(name in request.headers for name in _CONDITIONAL)
         if hot is not None and whole:
             if request.method == "HEAD":
-                return web.Response(headers=hot.headers)
+                return web.Response(headers=_shown(hot.headers, result.artifact, req))
             if hot.body is not None:
                 state.metrics.served_from_cache.inc(len(hot.body))
-                return web.Response(body=hot.body, headers=hot.headers)
+                return web.Response(body=hot.body,
+                                    headers=_shown(hot.headers, result.artifact, req))
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -177,8 +179,11 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             await state.service.cache.vanished(result.artifact.record)
             continue
         if hot is not None and whole and request.method == "GET":
-            return _SentFile(state, key, result.artifact, fd, hot.headers)
-        return _LeasedFileResponse(state, key, result.artifact, fd)
+            return _SentFile(state, key, result.artifact, fd,
+                             _shown(hot.headers, result.artifact, req))
+        return _LeasedFileResponse(state, key, result.artifact, fd,
+                                   _shown(record_headers(result.artifact.record),
+                                          result.artifact, req))
     else:
         raise OutOfResources("the cached file kept disappearing while being sent; retry")
     try:
@@ -189,6 +194,17 @@ async def buildid(request: web.Request) -> web.StreamResponse:
 
 
 _KINDS = frozenset(str(k) for k in Kind)
+
+
+def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope
+           ) -> dict[str, str]:
+    """A hit's headers as this request may see them: an upload's sha256 (UPLOAD_SHA256) only
+    to the scope it was uploaded to. `symgate upload` skips a file whose sha256 that header
+    gives; a tenant seeing the shared scope's upload of the same bytes was told its own was
+    there, and had none (gone with the shared one's DELETE)."""
+    if UPLOAD_SHA256 not in headers or artifact.scope == req.tenant:
+        return headers
+    return {k: v for k, v in headers.items() if k != UPLOAD_SHA256}
 # Times a hit whose file another process evicts in between is looked up again.
 _VANISHED_RETRIES = 3
 # Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
@@ -276,9 +292,9 @@ class _LeasedFileResponse(CountedWhenSent, web.FileResponse):
     """
 
     def __init__(self, state: AppState, key: ArtifactKey, artifact: CachedArtifact,
-                 fd: int) -> None:
+                 fd: int, headers: dict[str, str]) -> None:
         rec = artifact.record
-        super().__init__(f"/proc/self/fd/{fd}", headers=record_headers(rec))
+        super().__init__(f"/proc/self/fd/{fd}", headers=headers)
         self._path = _HeldPath(self._path)
         self._symgate = state
         self._key = key
