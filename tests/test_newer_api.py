@@ -232,12 +232,17 @@ async def test_metadata_merges_a_modern_upstreams_answer(
     sg = await start_symgate([f"{modern.url}/ok"])
     assert (await sg.get(f"/buildid/{elfs.prog.build_id}/executable"))[0] == 200
     await sg.settled()
+    up = f"{modern.url}/ok"
+    before = await sg.metric("symgate_upstream_requests_total", upstream=up, result="ok")
     status, doc = await _metadata(sg.url, key="glob", value="*")
     assert status == 200 and doc["complete"] is True
     assert sorted((r["buildid"], r["file"]) for r in doc["results"]) == sorted([  # type: ignore[attr-defined]
         (elfs.prog.build_id, elfs.prog.executable.name),
         (elfs.other.build_id, "/usr/bin/other")])
     assert modern.metadata_queries[-1] == {"key": "glob", "value": "*"}
+    # What left the site: the query too, not the file requests alone.
+    assert await sg.metric("symgate_upstream_requests_total", upstream=up,
+                           result="ok") == before + 1
 
 
 async def test_metadata_merges_an_upstreams_answer_of_thousands(
@@ -259,6 +264,9 @@ async def test_metadata_from_a_broken_upstream_is_incomplete_never_an_error(
     assert status == 200 and doc["complete"] is False
     expected = [elfs.other.build_id] if mode == "junk" else []  # only its one good entry
     assert [r["buildid"] for r in doc["results"]] == expected  # type: ignore[attr-defined]
+    if mode == "hang":  # no headers within first_byte_timeout_s
+        assert await sg.metric("symgate_upstream_requests_total",
+                               upstream=f"{modern.url}/{mode}", result="timeout") == 1
 
 
 async def test_an_upstreams_file_names_are_judged_as_a_local_directorys_are(

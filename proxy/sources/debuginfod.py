@@ -269,21 +269,32 @@ class Upstream:
         redirect rules and first-byte limit; the caller reads and releases the response, its
         body cut off (TimeoutError) at total_timeout_s from this call. UpstreamUnavailable
         (or UpstreamTimeout) when none came. Not counted towards the breaker: a server too old
-        to know the path is not an outage; an open one is skipped."""
+        to know the path is not an outage; an open one is skipped. Counted in
+        upstream_requests_total as a file's request is: an operator reading it for what
+        leaves the site saw no /metadata query at all."""
         if self.breaker.state is BreakerState.OPEN:
             raise UpstreamUnavailable(f"{self.name}: circuit breaker open")
+        counted = self.metrics.upstream_requests
         try:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s or None):
-                return await self._follow(URL(self.base + path_qs, encoded=True), hop,
-                                          session=self._sessions.queries)
+                response = await self._follow(URL(self.base + path_qs, encoded=True), hop,
+                                              session=self._sessions.queries)
         except TimeoutError as e:
+            counted.labels(self.label, Outcome.TIMEOUT).inc()
             raise UpstreamTimeout(f"{self.name}: no response in time") from e
         except _Permanent as e:
+            counted.labels(self.label, Outcome.UPSTREAM_ERROR).inc()
             raise e.error from None
         except _Unreachable as e:  # its cause says how (symgate inspect's "unreachable")
+            counted.labels(self.label, e.error.outcome).inc()
             raise e.error from e.__cause__
         except (aiohttp.ClientError, OSError) as e:
+            counted.labels(self.label, Outcome.UPSTREAM_ERROR).inc()
             raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}") from e
+        counted.labels(self.label, Outcome.OK if response.status == 200 else
+                       Outcome.NOT_FOUND if response.status == 404 else
+                       Outcome.UPSTREAM_ERROR).inc()
+        return response
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
         started = time.perf_counter()
