@@ -184,7 +184,8 @@ class ElfLayout:
     elf_type: str  # "ET_EXEC", "ET_DYN", ...
     segments: tuple[LoadSegment, ...]
     # Whether the file holds its code's bytes (its allocated executable sections are not
-    # SHT_NOBITS); None where no section is one (no section table), which cannot tell.
+    # SHT_NOBITS); None where no section of any size is one (no section table, no code),
+    # which cannot tell.
     holds_code: bool | None = None
 
     @property
@@ -209,11 +210,12 @@ class ElfLayout:
 
 def _holds_code(sections: Iterable[tuple[int, int, int]]) -> bool | None:
     """Of (sh_type, sh_flags, sh_size) rows: whether the allocated executable sections have
-    bytes in the file; None where no section is one (no section table, or a stripped or odd
-    one), which cannot tell."""
+    bytes in the file; None where no section of any size is one (no section table, a stripped
+    or odd one, or no code: gold and lld keep a data-only library's empty .text), which cannot
+    tell. A debug file's SHT_NOBITS sections keep their sizes."""
     code = SHF_ALLOC | SHF_EXECINSTR
-    in_file = [kind != SHT_NOBITS and size > 0 for kind, flags, size in sections
-               if flags & code == code]
+    in_file = [kind != SHT_NOBITS for kind, flags, size in sections
+               if flags & code == code and size > 0]
     return any(in_file) if in_file else None
 
 

@@ -26,7 +26,7 @@ from proxy.artifacts.purges import PurgeNotices
 from proxy.config import CacheConfig, Config, TenantConfig, UploadConfig, UpstreamConfig
 from proxy.keys import ArtifactKey
 from proxy.web.state import STATE
-from symbolize.elf import section_extent
+from symbolize.elf import build_id_of_file, section_extent
 from tests.elfs import Elf, ElfSet, build_id_tree, build_program
 from tests.faults import FaultUpstream, _gzip_zeros
 from tests.harness import (
@@ -1209,3 +1209,28 @@ async def test_upload_cli_of_a_tenant_sends_the_bytes_the_shared_scope_has_as_it
     status, _, body = await sg.get(f"/buildid/{bid}/debuginfo", headers=_auth(ACME))
     assert status == 200 and body == elfs.prog.debug.read_bytes()
     assert (await sg.get(f"/buildid/{bid}/debuginfo"))[0] == 404
+
+
+@pytest.mark.one_database  # SQL is not its subject
+@pytest.mark.parametrize("linker", ["gold", "lld"])
+async def test_a_library_of_data_alone_is_taken_as_the_executable(
+    start_symgate: SymgateFactory, tmp_path: Path, database_url: str, linker: str,
+) -> None:
+    """A shared library of data and no code (libicudata is one: built -nostdlib), linked by
+    gold or lld, keeps an empty .text: a PROGBITS section of no bytes, which is not the
+    SHT_NOBITS of a debug file's. The CLI sends it as the executable, as it is; it was a 422,
+    "a debug file, not the executable", and the site could not upload its own library."""
+    if shutil.which(f"ld.{linker}") is None:
+        pytest.skip(f"needs ld.{linker}")
+    src = tmp_path / "data.c"
+    src.write_text("const int table[4] = {1, 2, 3, 4};\n")
+    files = tmp_path / "files"
+    files.mkdir()
+    lib = files / "libdata.so"
+    subprocess.run(["gcc", f"-fuse-ld={linker}", "-Wl,--build-id=sha1", "-shared", "-fPIC",
+                    "-nostdlib", "-o", str(lib), str(src)], check=True)
+    sg = await _start(start_symgate, tmp_path, database_url, [])
+    sent = await _cli("upload", str(files), "--server", sg.url)
+    assert sent.returncode == 0 and " 1 uploaded," in sent.stdout.splitlines()[0], sent.stdout
+    status, headers, _ = await sg.request("HEAD", f"/buildid/{build_id_of_file(lib)}/executable")
+    assert status == 200 and headers["Content-Length"] == str(lib.stat().st_size)
