@@ -211,10 +211,18 @@ async def test_metadata_lists_what_symgate_holds_and_says_an_old_upstream_made_i
     for kind in ("debuginfo", "executable"):
         assert (await sg.get(f"/buildid/{prog.build_id}/{kind}"))[0] == 200
     await sg.settled()
+    errors = await sg.metric("symgate_upstream_requests_total", upstream=debuginfod.url,
+                             result="upstream_error")
     status, doc = await _metadata(sg.url, key="buildid", value=prog.build_id.upper())
     assert status == 200
     # elfutils 0.188 answers /metadata with 503: its part is missing, and the answer says so.
     assert doc["complete"] is False
+    # A server too old to know the path, not one failing: its 503 says "unrecognized". As an
+    # error, every metadata query showed a healthy upstream failing.
+    assert await sg.metric("symgate_upstream_requests_total", upstream=debuginfod.url,
+                           result="not_found") == 1
+    assert await sg.metric("symgate_upstream_requests_total", upstream=debuginfod.url,
+                           result="upstream_error") == errors
     assert sorted((r["type"], r["file"]) for r in doc["results"]) == [  # type: ignore[attr-defined]
         ("debuginfo", "prog.debug"), ("executable", "prog")]
     status, doc = await _metadata(sg.url, key="glob", value="/usr/bin/pro?")

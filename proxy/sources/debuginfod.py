@@ -151,6 +151,28 @@ class Sessions:
     queries: aiohttp.ClientSession
 
 
+# An elfutils debuginfod older than /metadata (0.188) answers a path it does not know with a 503
+# whose body says so: a server too old for the query, not one failing.
+_UNKNOWN_PATH = b"webapi error, unrecognized '"
+
+
+async def _query_result(response: aiohttp.ClientResponse, idle: float | None) -> Outcome:
+    """What Upstream.query's answer counts as. A 503's body is read for _UNKNOWN_PATH (its
+    callers read a 200's alone), within `idle` and total_timeout_s (Upstream._follow): a
+    503 that never sends its body holds the query no longer than a 200 that stalls."""
+    if response.status == 200:
+        return Outcome.OK
+    if response.status in _NOT_FOUND:
+        return Outcome.NOT_FOUND
+    if response.status == 503:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, EOFError):
+            async with asyncio.timeout(idle):
+                said = await response.content.readexactly(len(_UNKNOWN_PATH))
+            if said == _UNKNOWN_PATH:
+                return Outcome.NOT_FOUND
+    return Outcome.UPSTREAM_ERROR
+
+
 class Upstream:
     """A debuginfod server over HTTP(S)."""
 
@@ -291,9 +313,12 @@ class Upstream:
         except (aiohttp.ClientError, OSError) as e:
             counted.labels(self.label, Outcome.UPSTREAM_ERROR).inc()
             raise UpstreamUnavailable(f"{self.name}: {type(e).__name__}: {_told(e)}") from e
-        counted.labels(self.label, Outcome.OK if response.status == 200 else
-                       Outcome.NOT_FOUND if response.status == 404 else
-                       Outcome.UPSTREAM_ERROR).inc()
+        try:
+            result = await _query_result(response, self.cfg.read_timeout_s or None)
+        except BaseException:  # cancelled: the caller never has the response to release
+            response.release()
+            raise
+        counted.labels(self.label, result).inc()
         return response
 
     async def _attempt(self, key: ArtifactKey, hop: Hop) -> UpstreamBody | None:
