@@ -59,13 +59,15 @@ def _helpers_kept() -> Iterator[None]:
         yield
         # A child a test left (a fork of this process) holds this process's copy of the
         # forkserver's liveness pipe, and the forkserver's stop would wait for it for good.
-        if left := _children_but_helpers():
+        # Killed before the warning: where warnings are errors, it raises.
+        left = _children_but_helpers()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if left:
             warnings.warn(f"tests left child processes, killed now: {left}", stacklevel=1)
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
 
 
 def _children_but_helpers() -> list[int]:
