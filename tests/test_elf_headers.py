@@ -95,9 +95,31 @@ def test_broken_files_give_pyelftools_tables_or_none(elfs: ElfSet, tmp_path: Pat
                 continue
             try:
                 want = by_pyelftools(broken)
+                if _names_past_their_table(broken):
+                    # pyelftools reads a name on past the end of the name table, to the
+                    # next NUL anywhere in the file (`\x7fELF...` for a table of no size
+                    # at offset 0); the quick reader keeps to the table: nothing to compare.
+                    continue
             except Exception:  # pyelftools raises a spread of types on bad input
                 continue  # pyelftools cannot read what we read: nothing to compare
             assert tables(headers) == want, data[:8]
+
+
+def _names_past_their_table(path: Path) -> bool:
+    """Whether a section's name, as pyelftools reads it, runs past the section-name table's
+    sh_size (a damaged table, or a damaged sh_name)."""
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        shstrndx = elf["e_shstrndx"]
+        if not isinstance(shstrndx, int) or shstrndx >= elf.num_sections():
+            return False
+        size = elf._get_section_header(shstrndx)["sh_size"]
+        for i in range(elf.num_sections()):
+            at = elf._get_section_header(i)["sh_name"]
+            f.seek(elf._get_section_header(shstrndx)["sh_offset"] + at)
+            if at + len(f.read(size + 1).split(b"\0", 1)[0]) >= size:
+                return True
+    return False
 
 
 
