@@ -1234,3 +1234,36 @@ async def test_a_library_of_data_alone_is_taken_as_the_executable(
     assert sent.returncode == 0 and " 1 uploaded," in sent.stdout.splitlines()[0], sent.stdout
     status, headers, _ = await sg.request("HEAD", f"/buildid/{build_id_of_file(lib)}/executable")
     assert status == 200 and headers["Content-Length"] == str(lib.stat().st_size)
+
+
+async def test_a_tenants_answers_are_private_to_any_http_cache_in_front(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    database_url: str,
+) -> None:
+    """Every artifact answer said `Cache-Control: public` with no Vary: an HTTP cache in front
+    of symgate (a CDN, nginx's proxy_cache) could store a tenant's own upload, even fetched
+    with its bearer token, and give it to anyone asking that URL, or give the tenant the
+    shared file its upload shadows. A tenant's answers are private now, on every path (a
+    miss streamed, a hit from memory, a range), and every answer varies on what tells a
+    tenant."""
+    sg = await _start(start_symgate, tmp_path, database_url, [debuginfod.url])
+    bid = elfs.prog.build_id
+    assert (await _put(sg, bid, "executable", elfs.prog.executable.read_bytes(), ACME))[0] \
+        == 201
+    vary = "Authorization, X-Scope-OrgID"
+    # The tenant's: a miss (streamed), then hits; its own upload, whole and a range of it.
+    for path, extra in ((f"/buildid/{bid}/debuginfo", {}),
+                        (f"/buildid/{bid}/debuginfo", {}),
+                        (f"/buildid/{bid}/executable", {}),
+                        (f"/buildid/{bid}/executable", {"Range": "bytes=0-3"})):
+        for method in ("GET", "HEAD"):
+            status, headers, _ = await sg.request(method, path, headers=_auth(ACME, **extra))
+            assert status in (200, 206), (path, method, status)
+            assert headers["Cache-Control"] == "private" and headers["Vary"] == vary, headers
+    # Anyone else's: the shared file, public, varying all the same (the quick path's too).
+    await sg.settled()
+    for _ in range(2):
+        status, headers, _ = await sg.request("GET", f"/buildid/{bid}/debuginfo")
+        assert status == 200 and headers["Cache-Control"] == "public", headers
+        assert headers["Vary"] == vary, headers
+    assert (await sg.get(f"/buildid/{bid}/executable"))[0] == 200  # the upstream's, not acme's

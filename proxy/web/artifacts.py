@@ -188,7 +188,7 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         raise OutOfResources("the cached file kept disappearing while being sent; retry")
     try:
         annotate(request, outcome=Served.MISS, upstream=result.meta.upstream)
-        return await _send_streaming(request, state, key, result)
+        return await _send_streaming(request, state, key, result, req)
     finally:
         result.reader.close()
 
@@ -198,13 +198,23 @@ _KINDS = frozenset(str(k) for k in Kind)
 
 def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope
            ) -> dict[str, str]:
-    """A hit's headers as this request may see them: an upload's sha256 (UPLOAD_SHA256) only
-    to the scope it was uploaded to. `symgate upload` skips a file whose sha256 that header
-    gives; a tenant seeing the shared scope's upload of the same bytes was told its own was
-    there, and had none (gone with the shared one's DELETE)."""
-    if UPLOAD_SHA256 not in headers or artifact.scope == req.tenant:
+    """A hit's headers as this request may see them (_for_tenant), and an upload's sha256
+    (UPLOAD_SHA256) only to the scope it was uploaded to. `symgate upload` skips a file whose
+    sha256 that header gives; a tenant seeing the shared scope's upload of the same bytes was
+    told its own was there, and had none (gone with the shared one's DELETE)."""
+    if UPLOAD_SHA256 in headers and artifact.scope != req.tenant:
+        headers = {k: v for k, v in headers.items() if k != UPLOAD_SHA256}
+    return _for_tenant(headers, req)
+
+
+def _for_tenant(headers: dict[str, str], req: RequestScope) -> dict[str, str]:
+    """A tenant's answer is its own (its uploads and private sources shadow the shared
+    files): `Cache-Control: private`, where `public` let a shared HTTP cache in front of
+    symgate store it, even for a request with a bearer token, and give it to anyone asking
+    the same URL."""
+    if not req.tenant:
         return headers
-    return {k: v for k, v in headers.items() if k != UPLOAD_SHA256}
+    return {**headers, "Cache-Control": "private"}
 # Times a hit whose file another process evicts in between is looked up again.
 _VANISHED_RETRIES = 3
 # Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
@@ -449,7 +459,8 @@ async def _until_start(request: web.Request, streaming: Streaming,
 
 
 async def _send_streaming(
-    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming
+    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming,
+    req: RequestScope,
 ) -> web.StreamResponse:
     """Once the response can start (_until_start, which the caller awaited)."""
     meta = streaming.meta
@@ -459,8 +470,8 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.received
-    headers = artifact_headers(size, meta.filename or key.default_filename, meta.archive,
-                                meta.ima_signature)
+    headers = _for_tenant(artifact_headers(size, meta.filename or key.default_filename,
+                                           meta.archive, meta.ima_signature), req)
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified
     response = web.StreamResponse(headers=headers)

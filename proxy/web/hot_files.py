@@ -93,8 +93,11 @@ def artifact_headers(
 ) -> dict[str, str]:
     """The debuginfod headers of an artifact's response, a hit's or a download's;
     `upload_sha256`, an upload's (UPLOAD_SHA256)."""
+    # Vary: a tenant's request (its token, or X-Scope-OrgID) may be answered with its own
+    # file where the same URL gives others the shared one; an HTTP cache in front of
+    # symgate must not give one the other's.
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
-               "X-DEBUGINFOD-FILE": filename}
+               "Vary": "Authorization, X-Scope-OrgID", "X-DEBUGINFOD-FILE": filename}
     if size is not None:
         headers["X-DEBUGINFOD-SIZE"] = str(size)
     if archive:
