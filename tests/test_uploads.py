@@ -1267,3 +1267,19 @@ async def test_a_tenants_answers_are_private_to_any_http_cache_in_front(
         assert status == 200 and headers["Cache-Control"] == "public", headers
         assert headers["Vary"] == vary, headers
     assert (await sg.get(f"/buildid/{bid}/executable"))[0] == 200  # the upstream's, not acme's
+    # A token without a tenant's name (an admin's; on a token-only site, the nameless
+    # tenant's) is as much the sender's own: a shared cache must not give it to anyone.
+    status, headers, _ = await sg.request("GET", f"/buildid/{bid}/debuginfo",
+                                          headers=_auth(ADMIN))
+    assert status == 200 and headers["Cache-Control"] == "private", headers
+    # A miss varies too (a 404 is cacheable by default): acme's upload is not hidden behind
+    # the 404 another got for the same URL, nor its misses given to others. Twice: a miss
+    # the upstream answered, then remembered (the quick path's answer, for a request with no
+    # tenant).
+    missing = "/buildid/" + "ab" * 20 + "/executable"
+    for _ in range(2):
+        status, headers, _ = await sg.request("GET", missing)
+        assert status == 404 and headers["Vary"] == vary and "Cache-Control" not in headers
+        status, headers, _ = await sg.request("GET", missing, headers=_auth(ACME))
+        assert status == 404 and headers["Vary"] == vary, headers
+        assert headers["Cache-Control"] == "private", headers

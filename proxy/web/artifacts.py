@@ -30,7 +30,7 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.web.errors import CountedWhenSent, cut_off
 from proxy.web.file_sends import ShortFile, cork, send_file, send_part
-from proxy.web.hot_files import artifact_headers, etag, is_commit, record_headers
+from proxy.web.hot_files import artifact_headers, etag, identified, is_commit, record_headers
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
@@ -142,11 +142,11 @@ async def buildid(request: web.Request) -> web.StreamResponse:
         whole = not any(name in request.headers for name in _CONDITIONAL)
         if hot is not None and whole:
             if request.method == "HEAD":
-                return web.Response(headers=_shown(hot.headers, result.artifact, req))
+                return web.Response(headers=_shown(hot.headers, result.artifact, req, request))
             if hot.body is not None:
                 state.metrics.served_from_cache.inc(len(hot.body))
                 return web.Response(body=hot.body,
-                                    headers=_shown(hot.headers, result.artifact, req))
+                                    headers=_shown(hot.headers, result.artifact, req, request))
         try:
             fd = os.open(result.artifact.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -180,15 +180,15 @@ async def buildid(request: web.Request) -> web.StreamResponse:
             continue
         if hot is not None and whole and request.method == "GET":
             return _SentFile(state, key, result.artifact, fd,
-                             _shown(hot.headers, result.artifact, req))
+                             _shown(hot.headers, result.artifact, req, request))
         return _LeasedFileResponse(state, key, result.artifact, fd,
                                    _shown(record_headers(result.artifact.record),
-                                          result.artifact, req))
+                                          result.artifact, req, request))
     else:
         raise OutOfResources("the cached file kept disappearing while being sent; retry")
     try:
         annotate(request, outcome=Served.MISS, upstream=result.meta.upstream)
-        return await _send_streaming(request, state, key, result, req)
+        return await _send_streaming(request, state, key, result)
     finally:
         result.reader.close()
 
@@ -196,23 +196,23 @@ async def buildid(request: web.Request) -> web.StreamResponse:
 _KINDS = frozenset(str(k) for k in Kind)
 
 
-def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope
-           ) -> dict[str, str]:
-    """A hit's headers as this request may see them (_for_tenant), and an upload's sha256
+def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope,
+           request: web.BaseRequest) -> dict[str, str]:
+    """A hit's headers as this request may see them (_for_asker), and an upload's sha256
     (UPLOAD_SHA256) only to the scope it was uploaded to. `symgate upload` skips a file whose
     sha256 that header gives; a tenant seeing the shared scope's upload of the same bytes was
     told its own was there, and had none (gone with the shared one's DELETE)."""
     if UPLOAD_SHA256 in headers and artifact.scope != req.tenant:
         headers = {k: v for k, v in headers.items() if k != UPLOAD_SHA256}
-    return _for_tenant(headers, req)
+    return _for_asker(headers, request)
 
 
-def _for_tenant(headers: dict[str, str], req: RequestScope) -> dict[str, str]:
-    """A tenant's answer is its own (its uploads and private sources shadow the shared
-    files): `Cache-Control: private`, where `public` let a shared HTTP cache in front of
-    symgate store it, even for a request with a bearer token, and give it to anyone asking
-    the same URL."""
-    if not req.tenant:
+def _for_asker(headers: dict[str, str], request: web.BaseRequest) -> dict[str, str]:
+    """The answer to a request that says who sends it (a token, a tenant's name) is that
+    sender's: `Cache-Control: private`, where `public` let a shared HTTP cache in front of
+    symgate store it, though the request had a bearer token, and give it to anyone asking
+    the same URL (a tenant's own file, or past a site's token wall)."""
+    if not identified(request):
         return headers
     return {**headers, "Cache-Control": "private"}
 # Times a hit whose file another process evicts in between is looked up again.
@@ -459,8 +459,7 @@ async def _until_start(request: web.Request, streaming: Streaming,
 
 
 async def _send_streaming(
-    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming,
-    req: RequestScope,
+    request: web.Request, state: AppState, key: ArtifactKey, streaming: Streaming
 ) -> web.StreamResponse:
     """Once the response can start (_until_start, which the caller awaited)."""
     meta = streaming.meta
@@ -470,8 +469,8 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.received
-    headers = _for_tenant(artifact_headers(size, meta.filename or key.default_filename,
-                                           meta.archive, meta.ima_signature), req)
+    headers = _for_asker(artifact_headers(size, meta.filename or key.default_filename,
+                                          meta.archive, meta.ima_signature), request)
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified
     response = web.StreamResponse(headers=headers)

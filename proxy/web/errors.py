@@ -44,6 +44,7 @@ from proxy.errors import (
 from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import ABORTED, Served
 from proxy.web.file_sends import cut_connection
+from proxy.web.hot_files import ARTIFACT_VARY, identified
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.otlp import TooManyLocations
@@ -136,9 +137,12 @@ def _retry_after(error: SymgateError, default_s: int) -> int:
     return max(default_s, min(math.ceil(asked), MAX_RETRY_AFTER_S))
 
 
-def error_response(error: SymgateError, user_agent: str, retry_after_s: int) -> web.Response:
+def error_response(error: SymgateError, user_agent: str, retry_after_s: int, *,
+                   artifact: bool = False) -> web.Response:
+    """`artifact`: the answer to a /buildid request, which varies on the tenant as a file's
+    does (hot_files.ARTIFACT_VARY): one tenant's miss is not another's."""
     status = status_of(error, user_agent)
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = {"Vary": ARTIFACT_VARY} if artifact else {}
     if status in (429, 502, 503, 504, 507) and not isinstance(error, (NotCached,
                                                                        UploadBudgetFull)):
         headers["Retry-After"] = str(_retry_after(error, retry_after_s))
@@ -205,8 +209,12 @@ def _answer(request: web.Request, error: SymgateError) -> web.Response:
             and not fields.get("tenant")):
         state.recent_misses.add(request.path.lstrip("/").removeprefix("buildid/"), outcome,
                                 error.reason)
-    return error_response(error, request.headers.get("User-Agent", ""),
-                          state.config.server.retry_after_s)
+    buildid = fields.get("endpoint") == "buildid"
+    response = error_response(error, request.headers.get("User-Agent", ""),
+                              state.config.server.retry_after_s, artifact=buildid)
+    if buildid and identified(request):
+        response.headers["Cache-Control"] = "private"
+    return response
 
 
 def refuse_before_handler(request: web.Request, error: SymgateError, started: float

@@ -88,7 +88,7 @@ class FastHits:
         missing = RememberedNotFound()
         self._missing_reason = missing.reason
         # The usual path's answer, made by the same function: its status and header lines.
-        answer = error_response(missing, "", state.config.server.retry_after_s)
+        answer = error_response(missing, "", state.config.server.retry_after_s, artifact=True)
         assert isinstance(answer.body, bytes)
         self._missing = hot_file({**answer.headers, "Content-Length": str(len(answer.body))},
                                  answer.body)

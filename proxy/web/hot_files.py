@@ -21,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 
+from aiohttp import web
+
 from proxy.artifacts.index import CachedArtifact, key_hash
 from proxy.headers import UPLOAD_SHA256
 from proxy.keys import ArtifactKey
@@ -87,17 +89,27 @@ def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime |
                    fetched_at, inode)
 
 
+# What an artifact answer (a file, or a failure: a 404 is cacheable by default) varies on: a
+# tenant's request (its token, or X-Scope-OrgID) may be answered with its own file, or its own
+# miss, where the same URL gives others the shared one; an HTTP cache in front of symgate must
+# not give one the other's.
+ARTIFACT_VARY = "Authorization, X-Scope-OrgID"
+
+
+def identified(request: web.BaseRequest) -> bool:
+    """Whether the request says who sends it (a bearer token, a tenant's name): its answer is
+    that sender's alone (Cache-Control: private)."""
+    return "Authorization" in request.headers or "X-Scope-OrgID" in request.headers
+
+
 def artifact_headers(
     size: int | None, filename: str, archive: str | None, ima_signature: str | None = None,
     upload_sha256: str | None = None,
 ) -> dict[str, str]:
     """The debuginfod headers of an artifact's response, a hit's or a download's;
     `upload_sha256`, an upload's (UPLOAD_SHA256)."""
-    # Vary: a tenant's request (its token, or X-Scope-OrgID) may be answered with its own
-    # file where the same URL gives others the shared one; an HTTP cache in front of
-    # symgate must not give one the other's.
     headers = {"Content-Type": "application/octet-stream", "Cache-Control": "public",
-               "Vary": "Authorization, X-Scope-OrgID", "X-DEBUGINFOD-FILE": filename}
+               "Vary": ARTIFACT_VARY, "X-DEBUGINFOD-FILE": filename}
     if size is not None:
         headers["X-DEBUGINFOD-SIZE"] = str(size)
     if archive:
