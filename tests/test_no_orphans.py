@@ -83,9 +83,12 @@ def test_a_child_a_test_leaves_ends_the_session_even_where_warnings_are_errors(
              "-W", "error:tests left child processes:UserWarning", str(test)],
             cwd=root, env={**os.environ, "PYTHONPATH": str(root), "H_FORK_PID": str(pid_file)},
             capture_output=True, text=True, timeout=60)
-    finally:
+    except subprocess.TimeoutExpired:
+        # The session hung with the fork alive: killed here, and only here (once the session
+        # reaped it, its pid may be another process's).
         if pid_file.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        raise
     assert "1 passed" in done.stdout, done.stdout + done.stderr
     assert "tests left child processes" in done.stdout + done.stderr
