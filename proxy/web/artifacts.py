@@ -194,6 +194,14 @@ async def buildid(request: web.Request) -> web.StreamResponse:
 
 
 _KINDS = frozenset(str(k) for k in Kind)
+# Times a hit whose file another process evicts in between is looked up again.
+_VANISHED_RETRIES = 3
+# Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
+# Looked up in the request's headers, which compare names without regard to case.
+_CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified-Since",
+                "If-Range", "Range")
+# Those _without_foreign_range may change before FileResponse reads them.
+_DATED = ("If-Modified-Since", "If-Unmodified-Since", "Range")
 
 
 def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope,
@@ -215,14 +223,6 @@ def _for_asker(headers: dict[str, str], request: web.BaseRequest) -> dict[str, s
     if not identified(request):
         return headers
     return {**headers, "Cache-Control": "private"}
-# Times a hit whose file another process evicts in between is looked up again.
-_VANISHED_RETRIES = 3
-# Headers that make a response depend on the file's state (304, 206, 412): FileResponse's.
-# Looked up in the request's headers, which compare names without regard to case.
-_CONDITIONAL = ("If-None-Match", "If-Modified-Since", "If-Match", "If-Unmodified-Since",
-                "If-Range", "Range")
-# Those _without_foreign_range may change before FileResponse reads them.
-_DATED = ("If-Modified-Since", "If-Unmodified-Since", "Range")
 
 
 def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:
