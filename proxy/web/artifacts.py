@@ -431,8 +431,11 @@ def _if_range_holds(request: web.BaseRequest, st: os.stat_result) -> bool:
     # FileResponse takes any date at or after the file's, and a file replaced by an older
     # one (a purge and a fetch anew from an upstream that dates it earlier) would have the
     # rest of it spliced onto the first part of the newer. A weak tag or junk never matches.
+    # The file's second either way (Last-Modified rounds up, as FileResponse's; a date told
+    # before rounded down).
     when = None if validator.startswith("W/") else request.if_range
-    return when is not None and math.floor(when.timestamp()) == math.floor(st.st_mtime)
+    return when is not None and when.timestamp() in (math.floor(st.st_mtime),
+                                                     math.ceil(st.st_mtime))
 
 
 async def _until_start(request: web.Request, streaming: Streaming,

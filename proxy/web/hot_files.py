@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import email.utils
 import hashlib
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -137,7 +138,10 @@ def file_headers(artifact: CachedArtifact, st: os.stat_result) -> dict[str, str]
     headers = record_headers(artifact.record)
     headers.update({
         "ETag": etag(st),
-        "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
+        # Rounded up, as FileResponse says it: a file written at 100.5 s (one whose upstream
+        # gave no date, an upload) was 100 s here and 101 s there, and a client resuming with
+        # If-Range and the date a range's answer told it got the whole file again.
+        "Last-Modified": email.utils.formatdate(math.ceil(st.st_mtime), usegmt=True),
         "Accept-Ranges": "bytes",
     })
     return headers
