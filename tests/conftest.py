@@ -29,7 +29,7 @@ from proxy.web.app import body_options, create_app
 from tests.elfs import ElfSet, build_elf_set
 from tests.faults import FaultUpstream, RawUpstream
 from tests.harness import Debuginfod, Symgate, SymgateFactory, free_port, make_config
-from tests.processes import Start, start_serve, stop_serve
+from tests.processes import Start, alive, children, start_serve, stop_serve
 
 PG_ADMIN_DSN = os.environ.get("SYMGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -71,22 +71,11 @@ def _helpers_kept() -> Iterator[None]:
 
 
 def _children_but_helpers() -> list[int]:
-    """This process's children other than multiprocessing's forkserver and resource tracker."""
+    """This process's live children other than multiprocessing's forkserver and resource
+    tracker."""
     helpers = {getattr(forkserver._forkserver, "_forkserver_pid", None),
                getattr(resource_tracker._resource_tracker, "_pid", None)}
-    children = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" \
-                and int(entry.name) not in helpers:
-            children.append(int(entry.name))
-    return children
+    return sorted(pid for pid in children(os.getpid()) if pid not in helpers and alive(pid))
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -114,7 +114,8 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def descendants(root: int) -> set[int]:
+def _parents() -> dict[int, int]:
+    """Every process's parent, by pid."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -123,6 +124,15 @@ def descendants(root: int) -> set[int]:
                     parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (FileNotFoundError, ProcessLookupError):
                 continue
+    return parents
+
+
+def children(root: int) -> set[int]:
+    return {pid for pid, ppid in _parents().items() if ppid == root}
+
+
+def descendants(root: int) -> set[int]:
+    parents = _parents()
     found, frontier = set(), {root}
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
