@@ -95,10 +95,7 @@ def helpers_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        with _lock:
-            _pools -= 1
-            if not _pools:
-                _stop_helpers()
+        _let_go()
 
 
 @contextlib.contextmanager
@@ -156,18 +153,23 @@ def retire(executor: ProcessPoolExecutor, *, cancel: bool = False) -> Future[Non
 
 
 def _retire(held: list[ProcessPoolExecutor], cancel: bool, done: Future[None]) -> None:
-    global _pools
     try:
         held.pop().shutdown(wait=True, cancel_futures=cancel)
-        with _lock:
-            _pools -= 1
-            if not _pools:
-                # The pools' queues hold named semaphores that unregister from the resource
-                # tracker when they are freed, as they were with their pool (by reference
-                # counting, without a collection that would hold the event loop some 50 ms).
-                _stop_helpers()
+        # The pools' queues hold named semaphores that unregister from the resource tracker
+        # when they are freed, as they were with their pool (by reference counting, without
+        # a collection that would hold the event loop some 50 ms): dropped before the stop.
+        _let_go()
     finally:
         done.set_result(None)
+
+
+def _let_go() -> None:
+    """A pool (or a hold) no longer counts: the helpers stop with the last."""
+    global _pools
+    with _lock:
+        _pools -= 1
+        if not _pools:
+            _stop_helpers()
 
 
 def _stop_helpers() -> None:
