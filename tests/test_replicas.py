@@ -266,9 +266,12 @@ async def test_a_node_cached_before_replicas_keeps_its_files_as_hits(
     try:
         before = await served(old.base)
         assert await get(old.base, elfs.prog.build_id) == (200, elfs.prog.debug.read_bytes())
-        assert changes(before, await served(old.base)) == {"hit": 1}, "the upgrade cost a file"
+        moved = changes(before, await served(old.base))
     finally:
         await stop_serve(old.procs)
+    if moved != {"hit": 1}:
+        said = b"".join([await p.stdout.read() for p in old.procs if p.stdout])
+        raise AssertionError(f"the upgrade cost a file ({moved}): {said.decode()[-3000:]}")
     assert await rows_of(database_url, old.id) == {elfs.prog.build_id}
 
 
