@@ -34,7 +34,7 @@ from opentelemetry.proto.profiles.v1development.profiles_pb2 import (
 )
 
 from . import fallback
-from .pprof.codec import ProfileError
+from .pprof.codec import ProfileError, parsed
 from .pprof.profile_pb2 import Profile
 
 BUILD_ID_KEY = "process.executable.build_id.gnu"
@@ -58,7 +58,7 @@ def decode(body: bytes, max_locations: int | None = None) -> Converted:
     if not body:
         raise ProfileError("empty body")
     try:
-        request = ExportProfilesServiceRequest.FromString(body)
+        request = parsed(ExportProfilesServiceRequest, body)
     except DecodeError as e:
         raise ProfileError(f"not an OTLP ExportProfilesServiceRequest: {e}") from e
     d = request.dictionary
@@ -79,7 +79,7 @@ def filled(body: bytes, symbolized: bytes) -> bytes | None:
     as bytes; None where nothing was added (a fallback's names taken away and given again,
     still no debug info): the request as it came stands, not one with the pprof's build-ID
     strings appended."""
-    request = ExportProfilesServiceRequest.FromString(body)
+    request = parsed(ExportProfilesServiceRequest, body)
     if not from_pprof(request, symbolized):
         return None
     return request.SerializeToString()

@@ -66,7 +66,7 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def reset_peak_rss() -> None:
+def reset_peak_rss(pid: int | str = "self") -> None:
     """VmHWM from now on (proc(5): clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")

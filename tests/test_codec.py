@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gzip
 import random
+import resource
 
 import pytest
 
+from symbolize.parse_memory import mapped_bytes, mapping_at_most
 from symbolize.pprof.codec import ProfileError, ProfileTooLarge, decode, encode, inflated
 from symbolize.pprof.profile_pb2 import Function, Line, Location, Profile, Sample, ValueType
 from symbolize.pprof.profile_raw_pb2 import RawProfile
@@ -300,3 +302,21 @@ def test_what_pprofs_reader_refuses_that_the_check_still_takes(damage: str) -> N
     A length a sample read from Python costs 50-80 ns: 15 ms for 300,000 samples, 60-80 for a
     million, most of the check of a million one-frame samples."""
     decode(_taken(damage), 1 << 30)
+
+
+def test_a_parse_bound_is_given_back_after_it_and_a_lower_one_stands() -> None:
+    """The bound of one parse is lifted after it (the worker goes on to rewrite, build and take
+    other jobs), and a lower one already set (a build process's) is not raised by it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with mapping_at_most(1 << 30):
+        inside = resource.getrlimit(resource.RLIMIT_AS)[0]
+        assert mapped_bytes() < inside <= mapped_bytes() + (1 << 30)
+    assert resource.getrlimit(resource.RLIMIT_AS) == (soft, hard)
+    lower = mapped_bytes() + (2 << 30)
+    resource.setrlimit(resource.RLIMIT_AS, (lower, hard))
+    try:
+        with mapping_at_most(8 << 30):
+            assert resource.getrlimit(resource.RLIMIT_AS)[0] == lower
+        assert resource.getrlimit(resource.RLIMIT_AS)[0] == lower
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -20,9 +20,9 @@ from symbolize.pprof.profile_raw_pb2 import RawProfile
 from tests.elfs import ElfSet, build_id_tree
 from tests.faults import FaultUpstream
 from tests.harness import Debuginfod, SymgateFactory
-from tests.processes import run_in_thread
+from tests.processes import descendants, run_in_thread
 from tests.profiles import code_addresses, make_profile, place
-from tests.symbolize_helpers import BASES, parse, post, symbolize_config
+from tests.symbolize_helpers import BASES, parse, peak_rss, post, reset_peak_rss, symbolize_config
 
 pytestmark = pytest.mark.one_database  # SQL is not its subject: tests/conftest.py
 
@@ -293,6 +293,41 @@ async def test_gzip_bomb_and_oversized_bodies_are_413(
     status, _, text = await post(sg, os.urandom(2 * 1024 * 1024))
     assert status == 413 and b"larger than" in text
     assert (await sg.get("/healthz"))[0] == 200
+
+
+@pytest.mark.parametrize("entry", [b"\x1a\x00", b"\x12\x00", b"\x32\x00"],
+                         ids=["mappings", "samples", "strings"])
+async def test_a_profile_of_empty_entries_is_422_before_it_takes_the_memory(
+    start_symgate: SymgateFactory, debuginfod: Debuginfod, elfs: ElfSet, tmp_path: Path,
+    entry: bytes,
+) -> None:
+    """protobuf keeps an object of 43 to 85 bytes for every entry, however small on the wire:
+    64 MiB of empty mappings, a gzip of 64 KiB, took a worker 2.7 GB before their count was
+    held against the limit (11 GB at the default 256 MiB). Its parse is bounded by its size
+    (symbolize.parse_memory) and refused past it, by the server and by the command line; the
+    worker that refused it symbolizes the next profile."""
+    sg = await start_symgate([debuginfod.url], symbolize=symbolize_config())
+    good = make_profile([(place(elfs.prog, BASES["prog"]), code_addresses(elfs.prog)[:5])])
+    assert (await post(sg, good.SerializeToString()))[0] == 200  # the workers are up
+    workers = descendants(os.getpid())
+    for pid in workers:
+        reset_peak_rss(pid)
+    peaks = {pid: peak_rss(pid) for pid in workers}
+    body = entry * (32 << 20)
+    bomb = gzip.compress(body, 1)
+    status, _, text = await post(sg, bomb, **{"Content-Encoding": "gzip"})
+    assert status == 422 and b"too many entries" in text, text
+    # 64 MiB inflated, and the parse's budget of 576 MiB above what the worker mapped.
+    grown = max(peak_rss(pid) - peaks[pid] for pid in workers if pid in descendants(os.getpid()))
+    assert grown < 800 << 20, grown
+    status, _, answer = await post(sg, good.SerializeToString())
+    assert status == 200 and parse(answer).function
+    assert (await sg.get("/healthz"))[0] == 200
+    (tmp_path / "bomb.pb").write_bytes(bomb)
+    run = await run_in_thread(["symgate", "symbolize", str(tmp_path / "bomb.pb"), "-o",
+                               str(tmp_path / "out.pb"), "--debug-dir", str(tmp_path)])
+    assert run.returncode == 1 and "too many entries" in run.stderr, run.stderr
+    assert not (tmp_path / "out.pb").exists()
 
 
 async def test_too_many_build_ids_is_422(

@@ -31,6 +31,7 @@ from typing import Any
 
 from proxy.errors import BuildBoundTooLow, WorkerLost
 from proxy.symbols import worker_process
+from symbolize.parse_memory import mapped_bytes
 from symbolize.symtab import BuildResult, MalformedObject, NoSymbols, build_symbol_table
 
 # The kernel's OOM killer takes the child first, not the worker or the server beside it.
@@ -209,7 +210,7 @@ def _serve(requests: int, answers: int, parent: int,
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "wb") as f:
             f.write(_OOM_FIRST)
         too_low = None
-        if memory_bytes and memory_bytes <= (mapped := _mapped()):
+        if memory_bytes and memory_bytes <= (mapped := mapped_bytes()):
             # A bound this process is past already failed every build's first allocation,
             # and each file was remembered as malformed (for malformed_retry_s, a day, past
             # the operator's fix of the setting): said instead, and no file blamed.
@@ -248,7 +249,7 @@ def _serve(requests: int, answers: int, parent: int,
                 worker_process.trim()
             # Past half its bound, the heap that builds left behind would fail the next
             # build's allocations, not the file's own: made again for it.
-            last = last or bool(memory_bytes and _mapped() > memory_bytes // 2)
+            last = last or bool(memory_bytes and mapped_bytes() > memory_bytes // 2)
             data = pickle.dumps((*answer, last))
             _write_all(answers, _FRAME.pack(len(data)) + data)
             if last:
@@ -265,15 +266,6 @@ def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
     except OSError:
-        return 0
-
-
-def _mapped() -> int:
-    """This process's mapped bytes (what RLIMIT_AS bounds)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
         return 0
 
 

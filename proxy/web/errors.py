@@ -50,7 +50,7 @@ from proxy.web.state import STATE
 from symbolize.otlp import TooManyLocations
 from symbolize.outcome import Outcome
 from symbolize.pipeline import TablesGone, TooManyBuildIds, TooMuchWork
-from symbolize.pprof.codec import ProfileError, ProfileTooLarge
+from symbolize.pprof.codec import ProfileError, ProfileTooLarge, TooManyEntries
 
 log = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499
@@ -95,7 +95,7 @@ def as_symgate_error(error: Exception) -> SymgateError:
         return error
     if isinstance(error, ProfileTooLarge):
         return PayloadTooLarge(str(error))
-    if isinstance(error, (TooManyBuildIds, TooMuchWork, TooManyLocations)):
+    if isinstance(error, (TooManyBuildIds, TooMuchWork, TooManyLocations, TooManyEntries)):
         return OverLimit(str(error))
     if isinstance(error, ProfileError):
         return InvalidRequest(str(error))

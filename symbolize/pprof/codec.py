@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError, Message
 from isal import igzip, isal_zlib
 
+from ..parse_memory import mapping_at_most, parse_budget
 from . import varint
 from .profile_pb2 import LabelSet, Location, Sample
 from .profile_raw_pb2 import (
@@ -50,6 +51,33 @@ class ProfileError(ValueError):
 
 class ProfileTooLarge(ProfileError):
     """The profile decompresses to more than the allowed size (a gzip bomb, or just huge)."""
+
+
+class TooManyEntries(ProfileError):
+    """A body whose entries would take more memory to parse than a body of its size may
+    (symbolize.parse_memory): thousands of empty messages, refused before they can be counted
+    against the limits."""
+
+
+M = TypeVar("M", bound=Message)
+# What protobuf's arena says when an allocation fails (RLIMIT_AS): a DecodeError.
+_ARENA_FAILED = "Arena alloc failed"
+
+
+def parsed(kind: type[M], data: bytes) -> M:
+    """`data` parsed as a `kind`, within the memory parse_memory allows its size;
+    TooManyEntries past it, DecodeError for bytes that are no `kind`."""
+    budget = parse_budget(len(data))
+    try:
+        with mapping_at_most(budget):
+            return kind.FromString(data)
+    except MemoryError:
+        pass
+    except DecodeError as e:
+        if _ARENA_FAILED not in str(e):
+            raise
+    raise TooManyEntries(f"the body's {len(data)} bytes hold too many entries: parsing them "
+                         f"takes more than {budget} bytes of memory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +155,7 @@ def decode(body: Buffer, max_decompressed: int, *, measured: bool = False,
     `checked`, the caller runs `check` itself (after bounds of its own that cost less)."""
     gzipped, raw = inflated(body, max_decompressed, measured=measured)
     try:
-        profile = RawProfile.FromString(as_bytes(raw))
+        profile = parsed(RawProfile, as_bytes(raw))
     except DecodeError as e:
         # protobuf names the message it parsed: symgate's reading of a Profile, not the
         # client's business ("Error parsing message with type 'perftools.profiles.RawProfile'").

@@ -1,0 +1,70 @@
+"""A bound on the memory that parsing a client's protobuf bytes may take.
+
+protobuf keeps an object for every entry of a repeated field, however small the entry is on
+the wire: a profile of empty mappings (`\\x1a\\x00`, two bytes each) maps 85 bytes of memory
+for every two of its own, and one of empty samples or strings 43. A 124 KB gzipped body that
+inflated to 128 MB of empty mappings made a worker map 5 GB before its counts could be held
+against the limits (the default 256 MiB inflated: 11 GB), and two such requests at once could
+have the kernel's OOM killer end what it chose. Real profiles take far less for their size
+(measured with RawProfile: 2.1x for a symbolized profile of a million locations and samples,
+3.0x for two million functions; one-frame samples and bare locations, the densest a real
+profile has, some 5-7x): a parse is allowed PARSE_FLOOR and PARSE_PER_BYTE times its size, and
+refused past it (TooManyEntries, 422) instead of taking the machine's memory.
+
+The bound is the address space (RLIMIT_AS) of the process, lowered around the parse alone and
+given back after it: protobuf's arena then fails its allocation, which it reports as a
+DecodeError, and Python's own as a MemoryError. It binds every thread of the process: made in
+the worker processes, which run one job at a time, and in the command-line tools, which parse
+a profile before they start anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+from collections.abc import Iterator
+
+PARSE_FLOOR = 64 << 20
+PARSE_PER_BYTE = 8
+
+
+def parse_budget(size: int) -> int:
+    """The bytes of memory a parse of `size` bytes of protobuf may take."""
+    return PARSE_FLOOR + PARSE_PER_BYTE * size
+
+
+def mapped_bytes() -> int:
+    """This process's mapped bytes (what RLIMIT_AS bounds); 0 where that cannot be told."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@contextlib.contextmanager
+def mapping_at_most(extra: int) -> Iterator[None]:
+    """Within the block, this process maps at most `extra` bytes more than it does at its
+    start; a lower bound already set (a build process's) stands. Nothing is bounded where the
+    mapped size cannot be read (no /proc) or RLIMIT_AS cannot be set."""
+    mapped = mapped_bytes()
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (AttributeError, OSError, ValueError):
+        mapped = 0  # no RLIMIT_AS here
+    lowered = False
+    if mapped:
+        bound = mapped + extra
+        for limit in (soft, hard):
+            if limit != resource.RLIM_INFINITY:
+                bound = min(bound, limit)
+        if bound != soft:
+            with contextlib.suppress(OSError, ValueError):
+                resource.setrlimit(resource.RLIMIT_AS, (bound, hard))
+                lowered = True
+    try:
+        yield
+    finally:
+        if lowered:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
