@@ -13,9 +13,12 @@ refused past it (TooManyEntries, 422) instead of taking the machine's memory.
 
 The bound is the address space (RLIMIT_AS) of the process, lowered around the parse alone and
 given back after it: protobuf's arena then fails its allocation, which it reports as a
-DecodeError, and Python's own as a MemoryError. It binds every thread of the process: made in
-the worker processes, which run one job at a time, and in the command-line tools, which parse
-a profile before they start anything else.
+DecodeError, and Python's own as a MemoryError. It binds every thread of the process, and
+what another thread maps meanwhile is taken from the parse's share (or fails): made in the
+worker processes, which run one job at a time beside threads that allocate nothing of note
+(worker_process's watcher and trimmer), and in the command-line tools, whose pipeline runs its
+steps one at a time (pipeline.InThread). Its table builds run in threads too, but all are done
+before the rewrite's parse where there is no deadline, as offline there is none.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import threading
 from collections.abc import Iterator
 
 PARSE_FLOOR = 64 << 20
@@ -43,28 +47,38 @@ def mapped_bytes() -> int:
         return 0
 
 
+# One bounded parse at a time in a process: RLIMIT_AS is the process's, and two that overlapped
+# would each give back the limit it found, so the later to end left the other's bound in place
+# for good (the offline pipeline's steps run in threads of one process).
+_one_at_a_time = threading.Lock()
+
+
 @contextlib.contextmanager
 def mapping_at_most(extra: int) -> Iterator[None]:
     """Within the block, this process maps at most `extra` bytes more than it does at its
     start; a lower bound already set (a build process's) stands. Nothing is bounded where the
-    mapped size cannot be read (no /proc) or RLIMIT_AS cannot be set."""
-    mapped = mapped_bytes()
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    except (AttributeError, OSError, ValueError):
-        mapped = 0  # no RLIMIT_AS here
-    lowered = False
-    if mapped:
-        bound = mapped + extra
-        for limit in (soft, hard):
-            if limit != resource.RLIM_INFINITY:
-                bound = min(bound, limit)
-        if bound != soft:
-            with contextlib.suppress(OSError, ValueError):
-                resource.setrlimit(resource.RLIMIT_AS, (bound, hard))
-                lowered = True
-    try:
-        yield
-    finally:
-        if lowered:
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    mapped size cannot be read (no /proc) or RLIMIT_AS cannot be set. Blocks of threads of one
+    process run one at a time; what other threads allocate meanwhile counts against it."""
+    with _one_at_a_time:
+        mapped = mapped_bytes()
+        try:
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        except (AttributeError, OSError, ValueError):
+            mapped = 0  # no RLIMIT_AS here
+        lowered = False
+        try:
+            # In the try: an exception raised between the setrlimit and the block (a
+            # KeyboardInterrupt) gives the limit back too.
+            if mapped:
+                bound = mapped + extra
+                for limit in (soft, hard):
+                    if limit != resource.RLIM_INFINITY:
+                        bound = min(bound, limit)
+                if bound != soft:
+                    with contextlib.suppress(OSError, ValueError):
+                        lowered = True
+                        resource.setrlimit(resource.RLIMIT_AS, (bound, hard))
+            yield
+        finally:
+            if lowered:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import random
 import resource
+import threading
+import time
 
 import pytest
 
@@ -318,5 +320,34 @@ def test_a_parse_bound_is_given_back_after_it_and_a_lower_one_stands() -> None:
         with mapping_at_most(8 << 30):
             assert resource.getrlimit(resource.RLIMIT_AS)[0] == lower
         assert resource.getrlimit(resource.RLIMIT_AS)[0] == lower
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_parse_bounds_of_two_threads_do_not_leave_one_in_place() -> None:
+    """RLIMIT_AS is the process's: where two threads' parses overlapped (the offline
+    pipeline's steps), each gave back the limit it found on entering, and the later to end
+    put back the other's bound, lowered for good."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    first_in, second_tried = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with mapping_at_most(1 << 30):
+            first_in.set()
+            second_tried.wait(0.5)  # the second enters now, where nothing keeps it out
+
+    def second() -> None:
+        first_in.wait()
+        second_tried.set()
+        with mapping_at_most(1 << 29):  # lower than the first's, and ends after it
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert resource.getrlimit(resource.RLIMIT_AS) == (soft, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
