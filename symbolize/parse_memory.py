@@ -31,11 +31,15 @@ from collections.abc import Iterator
 
 PARSE_FLOOR = 64 << 20
 PARSE_PER_BYTE = 8
+# A parse into columns (codec.check_samples' MergedProfile): 8 bytes a value, in arrays that
+# grow by doubling, 6-9 times the size of the densest real samples (10 million of one frame);
+# a sample of a million one-byte location ids 27 times, refused past this.
+COLUMNS_PER_BYTE = 16
 
 
-def parse_budget(size: int) -> int:
+def parse_budget(size: int, per_byte: int = PARSE_PER_BYTE) -> int:
     """The bytes of memory a parse of `size` bytes of protobuf may take."""
-    return PARSE_FLOOR + PARSE_PER_BYTE * size
+    return PARSE_FLOOR + per_byte * size
 
 
 def mapped_bytes() -> int:

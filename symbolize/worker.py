@@ -176,7 +176,7 @@ def check_samples(body: Buffer, limits: Limits) -> None:
                              measured=limits.scanned_size is not None)
     shape = limits.scanned_shape
     if shape is None:
-        shape = shape_of(RawProfile.FromString(as_bytes(raw)))
+        shape = shape_of(codec.parsed(RawProfile, as_bytes(raw)))  # as the scan's
     codec.check_samples(raw, shape)
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from symbolize.pprof import profile_pb2 as symbolize_dot_pprof_dot_profile__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!symbolize/pprof/profile_raw.proto\x12\x12perftools.profiles\x1a\x1dsymbolize/pprof/profile.proto\"\xc4\x03\n\nRawProfile\x12\x32\n\x0bsample_type\x18\x01 \x03(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06sample\x18\x02 \x03(\x0c\x12,\n\x07mapping\x18\x03 \x03(\x0b\x32\x1b.perftools.profiles.Mapping\x12\x10\n\x08location\x18\x04 \x03(\x0c\x12.\n\x08\x66unction\x18\x05 \x03(\x0b\x32\x1c.perftools.profiles.Function\x12\x14\n\x0cstring_table\x18\x06 \x03(\t\x12\x13\n\x0b\x64rop_frames\x18\x07 \x01(\x03\x12\x13\n\x0bkeep_frames\x18\x08 \x01(\x03\x12\x12\n\ntime_nanos\x18\t \x01(\x03\x12\x16\n\x0e\x64uration_nanos\x18\n \x01(\x03\x12\x32\n\x0bperiod_type\x18\x0b \x01(\x0b\x32\x1d.perftools.profiles.ValueType\x12\x0e\n\x06period\x18\x0c \x01(\x03\x12\x0f\n\x07\x63omment\x18\r \x03(\x03\x12\x1b\n\x13\x64\x65\x66\x61ult_sample_type\x18\x0e \x01(\x03\x12\x11\n\ttick_unit\x18\x0f \x01(\x03\x12\x11\n\tlabel_set\x18\x10 \x03(\x0c\" \n\x0cRawLocations\x12\x10\n\x08location\x18\x04 \x03(\x0c\"\x9d\x01\n\x0e\x43heckedAsBytes\x12*\n\x06sample\x18\x02 \x03(\x0b\x32\x1a.perftools.profiles.Sample\x12.\n\x08location\x18\x04 \x03(\x0b\x32\x1c.perftools.profiles.Location\x12/\n\tlabel_set\x18\x10 \x03(\x0b\x32\x1c.perftools.profiles.LabelSet\"\xde\x01\n\rMergedProfile\x12\x30\n\x06sample\x18\x02 \x01(\x0b\x32 .perftools.profiles.MergedSample\x12\x34\n\x08location\x18\x04 \x01(\x0b\x32\".perftools.profiles.MergedLocation\x12\x34\n\x08\x66unction\x18\x05 \x01(\x0b\x32\".perftools.profiles.MergedFunction\x12/\n\tlabel_set\x18\x10 \x03(\x0b\x32\x1c.perftools.profiles.LabelSet\"\x94\x01\n\x0cMergedSample\x12\x13\n\x0blocation_id\x18\x01 \x03(\x04\x12\r\n\x05value\x18\x02 \x03(\x03\x12.\n\x05label\x18\x03 \x01(\x0b\x32\x1f.perftools.profiles.MergedLabel\x12\x30\n\tbreakdown\x18\x04 \x03(\x0b\x32\x1d.perftools.profiles.Breakdown\"F\n\x0bMergedLabel\x12\x0b\n\x03key\x18\x01 \x03(\x03\x12\x0b\n\x03str\x18\x02 \x03(\x03\x12\x0b\n\x03num\x18\x03 \x03(\x03\x12\x10\n\x08num_unit\x18\x04 \x03(\x03\"\x82\x01\n\x0eMergedLocation\x12\n\n\x02id\x18\x01 \x03(\x04\x12\x12\n\nmapping_id\x18\x02 \x03(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x03(\x04\x12,\n\x04line\x18\x04 \x01(\x0b\x32\x1e.perftools.profiles.MergedLine\x12\x11\n\tis_folded\x18\x05 \x03(\x08\"?\n\nMergedLine\x12\x13\n\x0b\x66unction_id\x18\x01 \x03(\x04\x12\x0c\n\x04line\x18\x02 \x03(\x03\x12\x0e\n\x06\x63olumn\x18\x03 \x03(\x03\"e\n\x0eMergedFunction\x12\n\n\x02id\x18\x01 \x03(\x04\x12\x0c\n\x04name\x18\x02 \x03(\x03\x12\x13\n\x0bsystem_name\x18\x03 \x03(\x03\x12\x10\n\x08\x66ilename\x18\x04 \x03(\x03\x12\x12\n\nstart_line\x18\x05 \x03(\x03\"\xe6\x01\n\x11MergedRunsProfile\x12\x34\n\x06sample\x18\x02 \x01(\x0b\x32$.perftools.profiles.MergedRunsSample\x12\x34\n\x08location\x18\x04 \x01(\x0b\x32\".perftools.profiles.MergedLocation\x12\x34\n\x08\x66unction\x18\x05 \x01(\x0b\x32\".perftools.profiles.MergedFunction\x12/\n\tlabel_set\x18\x10 \x03(\x0b\x32\x1c.perftools.profiles.LabelSet\"\x98\x01\n\x10MergedRunsSample\x12\x13\n\x0blocation_id\x18\x01 \x03(\x0c\x12\r\n\x05value\x18\x02 \x03(\x03\x12.\n\x05label\x18\x03 \x01(\x0b\x32\x1f.perftools.profiles.MergedLabel\x12\x30\n\tbreakdown\x18\x04 \x03(\x0b\x32\x1d.perftools.profiles.Breakdownb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!symbolize/pprof/profile_raw.proto\x12\x12perftools.profiles\x1a\x1dsymbolize/pprof/profile.proto\"\xc4\x03\n\nRawProfile\x122\n\x0bsample_type\x18\x01 \x03(\x0b2\x1d.perftools.profiles.ValueType\x12\x0e\n\x06sample\x18\x02 \x03(\x0c\x12,\n\x07mapping\x18\x03 \x03(\x0b2\x1b.perftools.profiles.Mapping\x12\x10\n\x08location\x18\x04 \x03(\x0c\x12.\n\x08function\x18\x05 \x03(\x0b2\x1c.perftools.profiles.Function\x12\x14\n\x0cstring_table\x18\x06 \x03(\t\x12\x13\n\x0bdrop_frames\x18\x07 \x01(\x03\x12\x13\n\x0bkeep_frames\x18\x08 \x01(\x03\x12\x12\n\ntime_nanos\x18\t \x01(\x03\x12\x16\n\x0eduration_nanos\x18\n \x01(\x03\x122\n\x0bperiod_type\x18\x0b \x01(\x0b2\x1d.perftools.profiles.ValueType\x12\x0e\n\x06period\x18\x0c \x01(\x03\x12\x0f\n\x07comment\x18\r \x03(\x03\x12\x1b\n\x13default_sample_type\x18\x0e \x01(\x03\x12\x11\n\ttick_unit\x18\x0f \x01(\x03\x12\x11\n\tlabel_set\x18\x10 \x03(\x0c\" \n\x0cRawLocations\x12\x10\n\x08location\x18\x04 \x03(\x0c\"\x9d\x01\n\x0eCheckedAsBytes\x12*\n\x06sample\x18\x02 \x03(\x0b2\x1a.perftools.profiles.Sample\x12.\n\x08location\x18\x04 \x03(\x0b2\x1c.perftools.profiles.Location\x12/\n\tlabel_set\x18\x10 \x03(\x0b2\x1c.perftools.profiles.LabelSet\"B\n\x10CheckedLocations\x12.\n\x08location\x18\x04 \x03(\x0b2\x1c.perftools.profiles.Location\"\xe4\x01\n\rMergedProfile\x120\n\x06sample\x18\x02 \x01(\x0b2 .perftools.profiles.MergedSample\x124\n\x08location\x18\x04 \x01(\x0b2\".perftools.profiles.MergedLocation\x124\n\x08function\x18\x05 \x01(\x0b2\".perftools.profiles.MergedFunction\x125\n\tlabel_set\x18\x10 \x01(\x0b2\".perftools.profiles.MergedLabelSet\"\x9a\x01\n\x0cMergedSample\x12\x13\n\x0blocation_id\x18\x01 \x03(\x04\x12\r\n\x05value\x18\x02 \x03(\x03\x12.\n\x05label\x18\x03 \x01(\x0b2\x1f.perftools.profiles.MergedLabel\x126\n\tbreakdown\x18\x04 \x01(\x0b2#.perftools.profiles.MergedBreakdown\"F\n\x0bMergedLabel\x12\x0b\n\x03key\x18\x01 \x03(\x03\x12\x0b\n\x03str\x18\x02 \x03(\x03\x12\x0b\n\x03num\x18\x03 \x03(\x03\x12\x10\n\x08num_unit\x18\x04 \x03(\x03\"L\n\x0eMergedLabelSet\x12\n\n\x02id\x18\x01 \x03(\x04\x12.\n\x05label\x18\x02 \x01(\x0b2\x1f.perftools.profiles.MergedLabel\"E\n\x0fMergedBreakdown\x12\r\n\x05ticks\x18\x01 \x03(\x03\x12\r\n\x05value\x18\x02 \x03(\x03\x12\x14\n\x0clabel_set_id\x18\x03 \x03(\x04\"\x82\x01\n\x0eMergedLocation\x12\n\n\x02id\x18\x01 \x03(\x04\x12\x12\n\nmapping_id\x18\x02 \x03(\x04\x12\x0f\n\x07address\x18\x03 \x03(\x04\x12,\n\x04line\x18\x04 \x01(\x0b2\x1e.perftools.profiles.MergedLine\x12\x11\n\tis_folded\x18\x05 \x03(\x08\"?\n\nMergedLine\x12\x13\n\x0bfunction_id\x18\x01 \x03(\x04\x12\x0c\n\x04line\x18\x02 \x03(\x03\x12\x0e\n\x06column\x18\x03 \x03(\x03\"e\n\x0eMergedFunction\x12\n\n\x02id\x18\x01 \x03(\x04\x12\x0c\n\x04name\x18\x02 \x03(\x03\x12\x13\n\x0bsystem_name\x18\x03 \x03(\x03\x12\x10\n\x08filename\x18\x04 \x03(\x03\x12\x12\n\nstart_line\x18\x05 \x03(\x03\"\xec\x01\n\x11MergedRunsProfile\x124\n\x06sample\x18\x02 \x01(\x0b2$.perftools.profiles.MergedRunsSample\x124\n\x08location\x18\x04 \x01(\x0b2\".perftools.profiles.MergedLocation\x124\n\x08function\x18\x05 \x01(\x0b2\".perftools.profiles.MergedFunction\x125\n\tlabel_set\x18\x10 \x01(\x0b2\".perftools.profiles.MergedLabelSet\"\x9e\x01\n\x10MergedRunsSample\x12\x13\n\x0blocation_id\x18\x01 \x03(\x0c\x12\r\n\x05value\x18\x02 \x03(\x03\x12.\n\x05label\x18\x03 \x01(\x0b2\x1f.perftools.profiles.MergedLabel\x126\n\tbreakdown\x18\x04 \x01(\x0b2#.perftools.profiles.MergedBreakdownb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,20 +38,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RAWLOCATIONS']._serialized_end=575
   _globals['_CHECKEDASBYTES']._serialized_start=578
   _globals['_CHECKEDASBYTES']._serialized_end=735
-  _globals['_MERGEDPROFILE']._serialized_start=738
-  _globals['_MERGEDPROFILE']._serialized_end=960
-  _globals['_MERGEDSAMPLE']._serialized_start=963
-  _globals['_MERGEDSAMPLE']._serialized_end=1111
-  _globals['_MERGEDLABEL']._serialized_start=1113
-  _globals['_MERGEDLABEL']._serialized_end=1183
-  _globals['_MERGEDLOCATION']._serialized_start=1186
-  _globals['_MERGEDLOCATION']._serialized_end=1316
-  _globals['_MERGEDLINE']._serialized_start=1318
-  _globals['_MERGEDLINE']._serialized_end=1381
-  _globals['_MERGEDFUNCTION']._serialized_start=1383
-  _globals['_MERGEDFUNCTION']._serialized_end=1484
-  _globals['_MERGEDRUNSPROFILE']._serialized_start=1487
-  _globals['_MERGEDRUNSPROFILE']._serialized_end=1717
-  _globals['_MERGEDRUNSSAMPLE']._serialized_start=1720
-  _globals['_MERGEDRUNSSAMPLE']._serialized_end=1872
+  _globals['_CHECKEDLOCATIONS']._serialized_start=737
+  _globals['_CHECKEDLOCATIONS']._serialized_end=803
+  _globals['_MERGEDPROFILE']._serialized_start=806
+  _globals['_MERGEDPROFILE']._serialized_end=1034
+  _globals['_MERGEDSAMPLE']._serialized_start=1037
+  _globals['_MERGEDSAMPLE']._serialized_end=1191
+  _globals['_MERGEDLABEL']._serialized_start=1193
+  _globals['_MERGEDLABEL']._serialized_end=1263
+  _globals['_MERGEDLABELSET']._serialized_start=1265
+  _globals['_MERGEDLABELSET']._serialized_end=1341
+  _globals['_MERGEDBREAKDOWN']._serialized_start=1343
+  _globals['_MERGEDBREAKDOWN']._serialized_end=1412
+  _globals['_MERGEDLOCATION']._serialized_start=1415
+  _globals['_MERGEDLOCATION']._serialized_end=1545
+  _globals['_MERGEDLINE']._serialized_start=1547
+  _globals['_MERGEDLINE']._serialized_end=1610
+  _globals['_MERGEDFUNCTION']._serialized_start=1612
+  _globals['_MERGEDFUNCTION']._serialized_end=1713
+  _globals['_MERGEDRUNSPROFILE']._serialized_start=1716
+  _globals['_MERGEDRUNSPROFILE']._serialized_end=1952
+  _globals['_MERGEDRUNSSAMPLE']._serialized_start=1955
+  _globals['_MERGEDRUNSSAMPLE']._serialized_end=2113
 # @@protoc_insertion_point(module_scope)

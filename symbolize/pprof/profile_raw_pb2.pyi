@@ -59,6 +59,12 @@ class CheckedAsBytes(_message.Message):
     label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
     def __init__(self, sample: _Optional[_Iterable[_Union[_profile_pb2.Sample, _Mapping]]] = ..., location: _Optional[_Iterable[_Union[_profile_pb2.Location, _Mapping]]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
 
+class CheckedLocations(_message.Message):
+    __slots__ = ("location",)
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    location: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Location]
+    def __init__(self, location: _Optional[_Iterable[_Union[_profile_pb2.Location, _Mapping]]] = ...) -> None: ...
+
 class MergedProfile(_message.Message):
     __slots__ = ("sample", "location", "function", "label_set")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
@@ -68,8 +74,8 @@ class MergedProfile(_message.Message):
     sample: MergedSample
     location: MergedLocation
     function: MergedFunction
-    label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
-    def __init__(self, sample: _Optional[_Union[MergedSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+    label_set: MergedLabelSet
+    def __init__(self, sample: _Optional[_Union[MergedSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Union[MergedLabelSet, _Mapping]] = ...) -> None: ...
 
 class MergedSample(_message.Message):
     __slots__ = ("location_id", "value", "label", "breakdown")
@@ -80,8 +86,8 @@ class MergedSample(_message.Message):
     location_id: _containers.RepeatedScalarFieldContainer[int]
     value: _containers.RepeatedScalarFieldContainer[int]
     label: MergedLabel
-    breakdown: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Breakdown]
-    def __init__(self, location_id: _Optional[_Iterable[int]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Iterable[_Union[_profile_pb2.Breakdown, _Mapping]]] = ...) -> None: ...
+    breakdown: MergedBreakdown
+    def __init__(self, location_id: _Optional[_Iterable[int]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Union[MergedBreakdown, _Mapping]] = ...) -> None: ...
 
 class MergedLabel(_message.Message):
     __slots__ = ("key", "str", "num", "num_unit")
@@ -94,6 +100,24 @@ class MergedLabel(_message.Message):
     num: _containers.RepeatedScalarFieldContainer[int]
     num_unit: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, key: _Optional[_Iterable[int]] = ..., str: _Optional[_Iterable[int]] = ..., num: _Optional[_Iterable[int]] = ..., num_unit: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MergedLabelSet(_message.Message):
+    __slots__ = ("id", "label")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    id: _containers.RepeatedScalarFieldContainer[int]
+    label: MergedLabel
+    def __init__(self, id: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ...) -> None: ...
+
+class MergedBreakdown(_message.Message):
+    __slots__ = ("ticks", "value", "label_set_id")
+    TICKS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    ticks: _containers.RepeatedScalarFieldContainer[int]
+    value: _containers.RepeatedScalarFieldContainer[int]
+    label_set_id: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ticks: _Optional[_Iterable[int]] = ..., value: _Optional[_Iterable[int]] = ..., label_set_id: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MergedLocation(_message.Message):
     __slots__ = ("id", "mapping_id", "address", "line", "is_folded")
@@ -142,8 +166,8 @@ class MergedRunsProfile(_message.Message):
     sample: MergedRunsSample
     location: MergedLocation
     function: MergedFunction
-    label_set: _containers.RepeatedCompositeFieldContainer[_profile_pb2.LabelSet]
-    def __init__(self, sample: _Optional[_Union[MergedRunsSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Iterable[_Union[_profile_pb2.LabelSet, _Mapping]]] = ...) -> None: ...
+    label_set: MergedLabelSet
+    def __init__(self, sample: _Optional[_Union[MergedRunsSample, _Mapping]] = ..., location: _Optional[_Union[MergedLocation, _Mapping]] = ..., function: _Optional[_Union[MergedFunction, _Mapping]] = ..., label_set: _Optional[_Union[MergedLabelSet, _Mapping]] = ...) -> None: ...
 
 class MergedRunsSample(_message.Message):
     __slots__ = ("location_id", "value", "label", "breakdown")
@@ -154,5 +178,5 @@ class MergedRunsSample(_message.Message):
     location_id: _containers.RepeatedScalarFieldContainer[bytes]
     value: _containers.RepeatedScalarFieldContainer[int]
     label: MergedLabel
-    breakdown: _containers.RepeatedCompositeFieldContainer[_profile_pb2.Breakdown]
-    def __init__(self, location_id: _Optional[_Iterable[bytes]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Iterable[_Union[_profile_pb2.Breakdown, _Mapping]]] = ...) -> None: ...
+    breakdown: MergedBreakdown
+    def __init__(self, location_id: _Optional[_Iterable[bytes]] = ..., value: _Optional[_Iterable[int]] = ..., label: _Optional[_Union[MergedLabel, _Mapping]] = ..., breakdown: _Optional[_Union[MergedBreakdown, _Mapping]] = ...) -> None: ...
