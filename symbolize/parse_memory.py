@@ -8,8 +8,12 @@ against the limits (the default 256 MiB inflated: 11 GB), and two such requests 
 have the kernel's OOM killer end what it chose. Real profiles take far less for their size
 (measured with RawProfile: 2.1x for a symbolized profile of a million locations and samples,
 3.0x for two million functions; one-frame samples and bare locations, the densest a real
-profile has, some 5-7x): a parse is allowed PARSE_FLOOR and PARSE_PER_BYTE times its size, and
-refused past it (TooManyEntries, 422) instead of taking the machine's memory.
+profile has, some 5-7x, but 12x mapped for 8.4 million one-frame samples of six bytes: a
+repeated field's array grows by doubling, and the arrays it outgrew stay in protobuf's arena,
+so that just past a power of two an entry maps some 72 bytes): a parse is allowed PARSE_FLOOR
+and PARSE_PER_BYTE times its size, and refused past it (TooManyEntries, 422) instead of taking
+the machine's memory. Empty entries, two bytes each, need 2-3 times what they are allowed,
+and are refused.
 
 The bound is the address space (RLIMIT_AS) of the process, lowered around the parse alone and
 given back after it: protobuf's arena then fails its allocation, which it reports as a
@@ -30,7 +34,7 @@ import threading
 from collections.abc import Iterator
 
 PARSE_FLOOR = 64 << 20
-PARSE_PER_BYTE = 8
+PARSE_PER_BYTE = 12
 # A parse into columns (codec.check_samples' MergedProfile): 8 bytes a value, in arrays that
 # grow by doubling, 6-9 times the size of the densest real samples (10 million of one frame);
 # a sample of a million one-byte location ids 27 times, refused past this.

@@ -418,3 +418,14 @@ def test_a_sample_of_millions_of_one_byte_ids_is_refused_before_it_takes_the_mem
     with pytest.raises(TooManyEntries):
         decode(raw, 1 << 30)
     assert peak_rss(os.getpid()) - before < parse_budget(len(raw), COLUMNS_PER_BYTE)
+
+
+def test_the_densest_real_samples_are_parsed_within_the_bound() -> None:
+    """One-frame samples of one value, six bytes each (a location id and a value below 128),
+    are the densest a real profile has: their arrays grow by doubling and the old ones stay in
+    protobuf's arena, so that just past a power of two (2**23 of them, within the default
+    limit of 10 million) they take 12 times their size, mapped. 2**22 and a few of them,
+    refused with 8 times, are taken."""
+    raw = _HEAD + _ONE_SAMPLE * ((1 << 22) + 1000)
+    samples = len(decode(raw, 1 << 30).profile.sample)
+    assert samples == (1 << 22) + 1000, samples
