@@ -17,12 +17,13 @@ and are refused.
 
 The bound is the address space (RLIMIT_AS) of the process, lowered around the parse alone and
 given back after it: protobuf's arena then fails its allocation, which it reports as a
-DecodeError, and Python's own as a MemoryError. It binds every thread of the process, and
-what another thread maps meanwhile is taken from the parse's share (or fails): made in the
-worker processes, which run one job at a time beside threads that allocate nothing of note
-(worker_process's watcher and trimmer), and in the command-line tools, whose pipeline runs its
-steps one at a time (pipeline.InThread). Its table builds run in threads too, but all are done
-before the rewrite's parse where there is no deadline, as offline there is none.
+DecodeError, and Python's own as a MemoryError. It binds every thread of the process, and what
+another thread maps meanwhile is taken from the parse's share, to fail the one or the other:
+so parses are bounded only in a process that says it runs nothing beside them (bound_parses):
+the server's worker processes, one job at a time beside threads that allocate nothing of note
+(proxy.symbols.worker_process's watcher and trimmer). The command-line tools' are not: their
+table builds run in threads beside the check of the samples (pipeline.InThread), and a build of
+libc's maps more than a small profile's share; their profiles are the user's own files.
 """
 
 from __future__ import annotations
@@ -57,18 +58,27 @@ def mapped_bytes() -> int:
 
 # One bounded parse at a time in a process: RLIMIT_AS is the process's, and two that overlapped
 # would each give back the limit it found, so the later to end left the other's bound in place
-# for good (the offline pipeline's steps run in threads of one process).
+# for good.
 _one_at_a_time = threading.Lock()
+_bounding = False
+
+
+def bound_parses(on: bool = True) -> bool:
+    """Bound this process's parses of clients' bytes from now on (or not); what was set
+    before. For a process that runs nothing beside them (see the module's doc)."""
+    global _bounding
+    before, _bounding = _bounding, on
+    return before
 
 
 @contextlib.contextmanager
 def mapping_at_most(extra: int) -> Iterator[None]:
     """Within the block, this process maps at most `extra` bytes more than it does at its
-    start; a lower bound already set (a build process's) stands. Nothing is bounded where the
-    mapped size cannot be read (no /proc) or RLIMIT_AS cannot be set. Blocks of threads of one
-    process run one at a time; what other threads allocate meanwhile counts against it."""
+    start, where it bounds its parses (bound_parses); a lower bound already set (a build
+    process's) stands. Nothing is bounded where the mapped size cannot be read (no /proc) or
+    RLIMIT_AS cannot be set. Blocks of threads of one process run one at a time."""
     with _one_at_a_time:
-        mapped = mapped_bytes()
+        mapped = mapped_bytes() if _bounding else 0
         try:
             soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         except (AttributeError, OSError, ValueError):

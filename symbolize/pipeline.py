@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -98,34 +97,23 @@ class Work(Protocol):
 
 
 class InThread:
-    """The steps in a thread of this process, with tables it opens itself: for the CLI.
-
-    One step at a time: a step's parse is bounded by the process's address space
-    (parse_memory), which a check of the samples running beside it in another thread would
-    take from, to fail the one or the other (a real profile refused as TooManyEntries, or a
-    MemoryError)."""
+    """The steps in a thread of this process, with tables it opens itself: for the CLI."""
 
     def __init__(self, open_tables: int = 512) -> None:
         self._workspace = Workspace(open_tables)
-        self._one_at_a_time = threading.Lock()
-
-    def _alone(self, fn: Callable[..., T], *args: Any) -> T:
-        with self._one_at_a_time:
-            return fn(*args)
 
     async def scan(self, body: bytes, limits: Limits) -> Scanned:
-        return await asyncio.to_thread(self._alone, scan, body, limits)
+        return await asyncio.to_thread(scan, body, limits)
 
     async def check_samples(self, body: bytes, limits: Limits) -> None:
-        await asyncio.to_thread(self._alone, check_samples, body, limits)
+        await asyncio.to_thread(check_samples, body, limits)
 
     async def finish(self, body: bytes, limits: Limits,
                      answers: dict[str, Answer]) -> Finished:
-        return await asyncio.to_thread(self._alone, self._workspace.finish, body, limits,
-                                       answers)
+        return await asyncio.to_thread(self._workspace.finish, body, limits, answers)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.to_thread(self._alone, fn, *args)
+        return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,17 @@ import random
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from symbolize.parse_memory import COLUMNS_PER_BYTE, mapped_bytes, mapping_at_most, parse_budget
+from symbolize.parse_memory import (
+    COLUMNS_PER_BYTE,
+    bound_parses,
+    mapped_bytes,
+    mapping_at_most,
+    parse_budget,
+)
 from symbolize.pprof.codec import (
     ProfileError,
     ProfileTooLarge,
@@ -316,7 +322,15 @@ def test_what_pprofs_reader_refuses_that_the_check_still_takes(damage: str) -> N
     decode(_taken(damage), 1 << 30)
 
 
-def test_a_parse_bound_is_given_back_after_it_and_a_lower_one_stands() -> None:
+@pytest.fixture
+def bounded() -> Iterator[None]:
+    """This process's parses bounded, as a worker process's are (worker_process.init)."""
+    before = bound_parses(True)
+    yield
+    bound_parses(before)
+
+
+def test_a_parse_bound_is_given_back_after_it_and_a_lower_one_stands(bounded: None) -> None:
     """The bound of one parse is lifted after it (the worker goes on to rewrite, build and take
     other jobs), and a lower one already set (a build process's) is not raised by it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -334,10 +348,10 @@ def test_a_parse_bound_is_given_back_after_it_and_a_lower_one_stands() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def test_parse_bounds_of_two_threads_do_not_leave_one_in_place() -> None:
-    """RLIMIT_AS is the process's: where two threads' parses overlapped (the offline
-    pipeline's steps), each gave back the limit it found on entering, and the later to end
-    put back the other's bound, lowered for good."""
+def test_parse_bounds_of_two_threads_do_not_leave_one_in_place(bounded: None) -> None:
+    """RLIMIT_AS is the process's: where two threads' parses overlapped, each gave back the
+    limit it found on entering, and the later to end put back the other's bound, lowered for
+    good."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     first_in, second_tried = threading.Event(), threading.Event()
 
@@ -408,7 +422,9 @@ def test_an_odd_profiles_location_ids_are_read_without_its_samples() -> None:
     assert peak_rss(os.getpid()) - before < 96 << 20
 
 
-def test_a_sample_of_millions_of_one_byte_ids_is_refused_before_it_takes_the_memory() -> None:
+def test_a_sample_of_millions_of_one_byte_ids_is_refused_before_it_takes_the_memory(
+    bounded: None,
+) -> None:
     """Columns take 8 bytes a value, in arrays that grow by doubling: a sample of 40 MiB of
     location ids of a byte each, among enough one-frame samples for the columns to be read,
     took 27 times its size (1.3 GB), checked unbounded and answered. Bounded, it is refused."""
@@ -420,7 +436,7 @@ def test_a_sample_of_millions_of_one_byte_ids_is_refused_before_it_takes_the_mem
     assert peak_rss(os.getpid()) - before < parse_budget(len(raw), COLUMNS_PER_BYTE)
 
 
-def test_the_densest_real_samples_are_parsed_within_the_bound() -> None:
+def test_the_densest_real_samples_are_parsed_within_the_bound(bounded: None) -> None:
     """One-frame samples of one value, six bytes each (a location id and a value below 128),
     are the densest a real profile has: their arrays grow by doubling and the old ones stay in
     protobuf's arena, so that just past a power of two (2**23 of them, within the default
@@ -429,3 +445,15 @@ def test_the_densest_real_samples_are_parsed_within_the_bound() -> None:
     raw = _HEAD + _ONE_SAMPLE * ((1 << 22) + 1000)
     samples = len(decode(raw, 1 << 30).profile.sample)
     assert samples == (1 << 22) + 1000, samples
+
+
+def test_a_process_that_does_not_bound_its_parses_is_not_bounded() -> None:
+    """Only a process that runs nothing beside its parses bounds them (the server's workers):
+    the command line's builds run in threads beside its check of the samples."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    before = bound_parses(False)
+    try:
+        with mapping_at_most(1 << 20):
+            assert resource.getrlimit(resource.RLIMIT_AS) == (soft, hard)
+    finally:
+        bound_parses(before)

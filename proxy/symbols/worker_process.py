@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from symbolize.parse_memory import bound_parses
+
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -44,6 +46,9 @@ def init(server_pid: int, then: Callable[..., None] | None, args: tuple[Any, ...
     with contextlib.suppress(OSError):
         os.nice(_NICENESS)
     _trimmer.start()
+    # One job at a time, beside threads that map nothing of note: its parses of a client's
+    # bytes can be bounded (a profile of millions of empty entries is a 422, not gigabytes).
+    bound_parses()
     if then is not None:
         then(*args)
 
