@@ -124,8 +124,32 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     when it is not that executable. `supplement`, the supplementary file that dwz gave a debug
     file (supplementary.py), when it is at hand: ignored when it is not the one linked.
     """
+    # Read many times over, by path (its headers, symbolic, libdw, pyelftools): held open from
+    # the first read and read through that descriptor (a link to it beside the table, a
+    # leftover as the table's others), a cached file that another serving process evicts
+    # meanwhile is still the file read, not one gone midway, which symbolic reported as a
+    # malformed file (believed for malformed_retry_s, a day). Gone before the first read:
+    # FileNotFoundError, the caller's to tell.
+    fd = os.open(elf_path, os.O_RDONLY)
+    held = out_path.with_suffix(f".held.{os.getpid()}.tmp")
+    try:
+        reading = elf_path
+        with contextlib.suppress(OSError):  # no /proc, say: read by its path, as before
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            held.unlink(missing_ok=True)
+            held.symlink_to(f"/proc/self/fd/{fd}")
+            reading = held
+        return _build_table(elf_path, reading, out_path, build_id, executable, supplement)
+    finally:
+        os.close(fd)
+        held.unlink(missing_ok=True)
+
+
+def _build_table(elf_path: Path, reading: Path, out_path: Path, build_id: str,
+                 executable: Path | None, supplement: Path | None) -> BuildResult:
+    """build_symbol_table, the file read at `reading` (a link to its open descriptor)."""
     started = time.perf_counter()
-    layout = layout_of_file(elf_path)
+    layout = layout_of_file(reading)
     if layout is None:
         raise MalformedObject(f"{elf_path.name}: not an ELF file")
     if layout.build_id != build_id:
@@ -135,8 +159,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     # whole by symbolic: its functions would be nameless, its lines of the wrong files. With
     # the supplement, libdw reads it for symbolic (supplementary.py); without, it is read for
     # its symbol table alone, as llvm-symbolizer names its code.
-    headers = _headers_of(elf_path)
-    if headers is not None and (lying := _inflation_lie(elf_path)) is not None:
+    headers = _headers_of(reading)
+    if headers is not None and (lying := _inflation_lie(reading)) is not None:
         raise MalformedObject(f"{elf_path.name}: {lying}")
     if headers is not None and headers.sections \
             and not any(s.flags & SHF_EXECINSTR for s in headers.sections):
@@ -145,7 +169,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         raise NoSymbols(f"{elf_path.name}: describes no code (a dwz supplementary file?)")
     supplemented = headers is not None and any(
         s.name in (".gnu_debugaltlink", ".debug_sup") for s in headers.sections)
-    link = supplement_link(elf_path) if supplemented else None
+    link = supplement_link(reading) if supplemented else None
     # A link naming the file's own build ID names no supplement: read as its own, the file's
     # references into it land on its own DIEs, which gives functions other names and files.
     if supplement is not None and (link is None or link.build_id == build_id
@@ -158,7 +182,7 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
     inflated = out_path.with_suffix(f".inf.{os.getpid()}.tmp")
     breakpad = out_path.with_suffix(f".sym.{os.getpid()}.tmp")
     inflated_supplement = out_path.with_suffix(f".sup.{os.getpid()}.tmp")
-    source = elf_path
+    source = reading
     try:
         # eu-strip (Fedora's and RHEL's find-debuginfo) leaves .symtab in a program whose
         # relocations name it (a static one) and makes the debug file's empty: its functions
@@ -166,9 +190,9 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
         # eu-addr2line name them.
         if executable is not None and executable != elf_path and segments is not None \
                 and headers is not None and _symtab_only_in(executable, headers):
-            source = _with_symtab_of(elf_path, executable, copy)
+            source = _with_symtab_of(reading, executable, copy)
         # Fedora's programs stripped to .dynsym name their other functions in .gnu_debugdata.
-        if source == elf_path and headers is not None \
+        if source == reading and headers is not None \
                 and minidebuginfo.has_minidebuginfo(headers):
             source = minidebuginfo.with_minidebuginfo(source, copy)
         if not supplemented:
@@ -179,12 +203,12 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
                 # new_allocator.h); libdw, as llvm-symbolizer and eu-addr2line, reads it right.
                 lines = _zstd_inflated(source, copy)
                 with contextlib.suppress(MalformedObject):  # else as symbolic reads it
-                    return _build(elf_path, lines, out_path, layout, executable, segments,
-                                  read_dwarf=True, supplement=None,
+                    return _build(elf_path, reading, lines, out_path, layout, executable,
+                                  segments, read_dwarf=True, supplement=None,
                                   symbolic_source=_as_breakpad(lines, None, breakpad, layout),
                                   started=started)
                 source = lines
-            return _build(elf_path, source, out_path, layout, executable, segments,
+            return _build(elf_path, reading, source, out_path, layout, executable, segments,
                           read_dwarf=True, supplement=None, symbolic_source=source,
                           started=started)
         if supplement is not None:
@@ -193,8 +217,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
             held = _openable_by_libdw(_zstd_inflated(supplement, inflated_supplement),
                                       inflated_supplement)
             try:
-                return _build(elf_path, lines, out_path, layout, executable, segments,
-                              read_dwarf=True, supplement=held,
+                return _build(elf_path, reading, lines, out_path, layout, executable,
+                              segments, read_dwarf=True, supplement=held,
                               symbolic_source=_as_breakpad(lines, held, breakpad, layout),
                               started=started)
             except MalformedObject:
@@ -202,8 +226,8 @@ def build_symbol_table(elf_path: Path, out_path: Path, build_id: str,
                 # its symbols, as without the supplement, rather than not at all.
                 source = lines
         bare = _without_dwarf(source, copy)
-        return _build(elf_path, bare, out_path, layout, executable, segments, read_dwarf=False,
-                      supplement=None, symbolic_source=bare, started=started)
+        return _build(elf_path, reading, bare, out_path, layout, executable, segments,
+                      read_dwarf=False, supplement=None, symbolic_source=bare, started=started)
     finally:
         copy.unlink(missing_ok=True)
         inflated.unlink(missing_ok=True)
@@ -223,13 +247,13 @@ def _as_breakpad(source: Path, supplement: Path | None, out: Path, layout: elf.E
     return out
 
 
-def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
+def _build(elf_path: Path, reading: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
            executable: Path | None, segments: tuple[LoadSegment, ...] | None, *,
            read_dwarf: bool, supplement: Path | None, symbolic_source: Path,
            started: float) -> BuildResult:
     # symbolic's build releases the GIL: the second reading of the file runs beside it, but for
     # a small file's, made first in this thread (_beside).
-    with _beside(elf_path) as beside:
+    with _beside(reading) as beside:
         # The source: a debug file's own symbol table, or the executable's (_with_symtab_of).
         second = beside.submit(_second_reading, source, executable, segments, read_dwarf,
                                supplement)
@@ -266,7 +290,7 @@ def _build(elf_path: Path, source: Path, out_path: Path, layout: elf.ElfLayout,
         seconds=time.perf_counter() - started,
         size=out_path.stat().st_size,
         file_layout=(layout.segments if layout.has_file_layout
-                     else executable_layout or lld_layout(elf_path)),
+                     else executable_layout or lld_layout(reading)),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
@@ -16,6 +17,8 @@ import pytest
 from proxy.keys import ArtifactKey
 from proxy.store.disk import DiskStore
 from proxy.web.state import STATE
+from symbolize import symtab
+from symbolize.elf import ElfLayout
 from tests.elfs import ElfSet
 from tests.faults import FaultUpstream
 from tests.harness import (
@@ -93,6 +96,30 @@ async def test_when_the_builder_is_killed_holding_the_lock_the_waiter_builds_the
     assert status == 200 and headers["X-Symgate-Mappings-Symbolized"] == "1"
     assert await sg.metric("symgate_symtab_builds_total", result="ok") == 1
     assert not lock.exists()
+
+
+def test_a_source_evicted_after_the_builds_first_read_is_built_all_the_same(
+    elfs: ElfSet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build reads its file many times over by path (headers, symbolic, libdw): a cached
+    file that another process evicted after the first read made symbolic's open fail, and the
+    table was recorded malformed, for malformed_retry_s (a day), the mapping bare meanwhile (a
+    CI run's profile: `malformed=1`). The eviction is made at once after the first read."""
+    source = tmp_path / "cache" / "prog.debug"
+    source.parent.mkdir()
+    shutil.copyfile(elfs.prog.debug, source)
+    first_read = symtab.layout_of_file
+
+    def then_evicted(path: Path) -> ElfLayout | None:
+        layout = first_read(path)
+        source.unlink()
+        return layout
+
+    monkeypatch.setattr(symtab, "layout_of_file", then_evicted)
+    out = tmp_path / "tables" / "prog.symc"
+    built = symtab.build_symbol_table(source, out, elfs.prog.build_id)
+    assert built.has_lines and out.exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["prog.symc"]  # nothing left
 
 
 async def test_a_source_another_process_evicts_before_the_build_reads_it_is_a_503(
