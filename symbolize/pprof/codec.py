@@ -56,7 +56,7 @@ class ProfileTooLarge(ProfileError):
 
 class TooManyEntries(ProfileError):
     """A body whose entries would take more memory to parse than a body of its size may
-    (symbolize.parse_memory): thousands of empty messages, refused before they can be counted
+    (symbolize.parse_memory): millions of empty messages, refused before they can be counted
     against the limits."""
 
 
