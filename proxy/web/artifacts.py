@@ -30,7 +30,13 @@ from proxy.metrics import Served
 from proxy.sources.base import Hop
 from proxy.web.errors import CountedWhenSent, cut_off
 from proxy.web.file_sends import ShortFile, cork, send_file, send_part
-from proxy.web.hot_files import artifact_headers, etag, identified, is_commit, record_headers
+from proxy.web.hot_files import (
+    artifact_headers,
+    etag,
+    is_commit,
+    private_to_asker,
+    record_headers,
+)
 from proxy.web.logs import annotate
 from proxy.web.send_timeout import is_send_timeout
 from proxy.web.state import STATE, AppState
@@ -206,23 +212,16 @@ _DATED = ("If-Modified-Since", "If-Unmodified-Since", "Range")
 
 def _shown(headers: dict[str, str], artifact: CachedArtifact, req: RequestScope,
            request: web.BaseRequest) -> dict[str, str]:
-    """A hit's headers as this request may see them (_for_asker), and an upload's sha256
-    (UPLOAD_SHA256) only to the scope it was uploaded to. `symgate upload` skips a file whose
-    sha256 that header gives; a tenant seeing the shared scope's upload of the same bytes was
-    told its own was there, and had none (gone with the shared one's DELETE)."""
+    """A hit's headers as this request may see them (hot_files.private_to_asker), and an
+    upload's sha256 (UPLOAD_SHA256) only to the scope it was uploaded to. `symgate upload`
+    skips a file whose sha256 that header gives; a tenant seeing the shared scope's upload of
+    the same bytes was told its own was there, and had none (gone with the shared one's
+    DELETE)."""
     if UPLOAD_SHA256 in headers and artifact.scope != req.tenant:
         headers = {k: v for k, v in headers.items() if k != UPLOAD_SHA256}
-    return _for_asker(headers, request)
-
-
-def _for_asker(headers: dict[str, str], request: web.BaseRequest) -> dict[str, str]:
-    """The answer to a request that says who sends it (a token, a tenant's name) is that
-    sender's: `Cache-Control: private`, where `public` let a shared HTTP cache in front of
-    symgate store it, though the request had a bearer token, and give it to anyone asking
-    the same URL (a tenant's own file, or past a site's token wall)."""
-    if not identified(request):
-        return headers
-    return {**headers, "Cache-Control": "private"}
+    # The hit's own headers where nothing is added: no copy on the way of every hit.
+    private = private_to_asker(request)
+    return {**headers, **private} if private else headers
 
 
 def _note_send_timeout(state: AppState, request: web.BaseRequest, error: OSError) -> None:
@@ -472,8 +471,8 @@ async def _send_streaming(
         raise flight.error
     if size is None and flight.succeeded:
         size = flight.received
-    headers = _for_asker(artifact_headers(size, meta.filename or key.default_filename,
-                                          meta.archive, meta.ima_signature), request)
+    headers = {**artifact_headers(size, meta.filename or key.default_filename, meta.archive,
+                                  meta.ima_signature), **private_to_asker(request)}
     if meta.last_modified:
         headers["Last-Modified"] = meta.last_modified
     response = web.StreamResponse(headers=headers)

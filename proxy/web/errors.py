@@ -44,7 +44,7 @@ from proxy.errors import (
 from proxy.headers import MAX_RETRY_AFTER_S
 from proxy.metrics import ABORTED, Served
 from proxy.web.file_sends import cut_connection
-from proxy.web.hot_files import ARTIFACT_VARY, identified
+from proxy.web.hot_files import ARTIFACT_VARY, private_to_asker
 from proxy.web.logs import LOG_FIELDS, annotate
 from proxy.web.state import STATE
 from symbolize.otlp import TooManyLocations
@@ -212,8 +212,8 @@ def _answer(request: web.Request, error: SymgateError) -> web.Response:
     buildid = fields.get("endpoint") == "buildid"
     response = error_response(error, request.headers.get("User-Agent", ""),
                               state.config.server.retry_after_s, artifact=buildid)
-    if buildid and identified(request):
-        response.headers["Cache-Control"] = "private"
+    if buildid:
+        response.headers.update(private_to_asker(request))
     return response
 
 

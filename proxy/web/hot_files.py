@@ -97,10 +97,15 @@ def hot_file(headers: dict[str, str], body: bytes | None, fetched_at: datetime |
 ARTIFACT_VARY = "Authorization, X-Scope-OrgID"
 
 
-def identified(request: web.BaseRequest) -> bool:
-    """Whether the request says who sends it (a bearer token, a tenant's name): its answer is
-    that sender's alone (Cache-Control: private)."""
-    return "Authorization" in request.headers or "X-Scope-OrgID" in request.headers
+def private_to_asker(request: web.BaseRequest) -> dict[str, str]:
+    """The header that makes an artifact answer its asker's alone, where the request says who
+    sends it (a bearer token, a tenant's name): `Cache-Control: private`, where `public` let a
+    shared HTTP cache in front of symgate store it, though the request had a bearer token,
+    and give it to anyone asking the same URL (a tenant's own file, or past a site's token
+    wall). None for an anonymous request."""
+    if "Authorization" in request.headers or "X-Scope-OrgID" in request.headers:
+        return {"Cache-Control": "private"}
+    return {}
 
 
 def artifact_headers(
