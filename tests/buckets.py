@@ -11,14 +11,16 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
-from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
 from proxy.config import StorageConfig
 from tests.harness import free_port
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 BUCKET = "symgate-test"
 # moto takes any credentials; the server reads them from the standard variables.
@@ -37,7 +39,11 @@ class S3Server:
 
     def start(self) -> None:
         """Started again after stop() on the same port, the bucket and its objects are still
-        there: moto keeps them in the test process."""
+        there: moto keeps them in the test process. moto imported here, not with the module:
+        its import (boto3, botocore) cost every test process 2.6 s of CPU as it collected
+        the suite, where only test_bucket's start a server."""
+        from moto.server import ThreadedMotoServer
+
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
 
