@@ -4,6 +4,7 @@ upstream, PostgreSQL databases, and symgate itself on loopback."""
 from __future__ import annotations
 
 import asyncio
+import compileall
 import contextlib
 import os
 import shutil
@@ -76,6 +77,20 @@ def _children_but_helpers() -> list[int]:
     helpers = {getattr(forkserver._forkserver, "_forkserver_pid", None),
                getattr(resource_tracker._resource_tracker, "_pid", None)}
     return sorted(pid for pid in children(os.getpid()) if pid not in helpers and alive(pid))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Our modules compiled to bytecode once, by the controller, before any test starts a
+    process: where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets it), Python reads
+    a .pyc it finds but never writes one, and every `symgate` process the suite starts (servers,
+    their spawned helpers, the CLI's) compiled proxy/, symbolize/ and the
+    migrations from source again, 0.2-0.3 s of CPU each: a server's start-up CPU went from
+    1.32 to 1.12 s (user), its /healthz came 0.12 s sooner."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller did it before starting the workers
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("proxy", "symbolize", "migrations", "tests"):
+        compileall.compile_dir(root / folder, quiet=1, workers=0)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
