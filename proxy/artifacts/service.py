@@ -239,11 +239,13 @@ class ArtifactService:
                 unknown.append(e)  # what the shared scope has may still answer
         if (joined := await self._join_or_remembered(kh, req, key, names, local_has)):
             return joined
-        # Both ask SQL (what another process cached, or found missing): at once, not in turn.
-        stored, known_missing = await asyncio.gather(
-            self.stored(req.visible, key), self.misses.live(scope, key))
-        if stored is not None:
+        # What another process cached, then what it found missing: in turn, not at once. The
+        # first asks SQL only where a file is there (a stat), and a hit needs no second;
+        # gathered, the two reads (on SQLite, done on this thread: local_reads) cost two tasks
+        # and two steps of the loop, 0.5 ms of a cold fetch's first byte, for no overlap.
+        if (stored := await self.stored(req.visible, key)) is not None:
             return Hit(stored)
+        known_missing = await self.misses.live(scope, key)
         if not local_has and known_missing.issuperset(names) \
                 and (names or self.tier is None):
             # No local source has it, and every remote one is remembered as not having it
