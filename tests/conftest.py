@@ -83,9 +83,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Our modules compiled to bytecode once, by the controller, before any test starts a
     process: where PYTHONDONTWRITEBYTECODE is set (this kind of machine sets it), Python reads
     a .pyc it finds but never writes one, and every `symgate` process the suite starts
-    (servers, their spawned helpers, the CLI's: 465 in a run) compiled proxy/, symbolize/ and
-    the migrations from source again: a server's start-up CPU went from 1.32 to 1.12 s
-    (user), and its /healthz came 0.12 s sooner."""
+    (servers and the CLI's: 465 in a run, and the helpers they spawn) compiled proxy/,
+    symbolize/ and the migrations from source again: a server's start-up CPU went from 1.32
+    to 1.12 s (user), and its /healthz came 0.12 s sooner."""
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: the controller did it before starting the workers
     root = Path(__file__).resolve().parent.parent
