@@ -278,6 +278,12 @@ def with_database_timeout(cfg: Config, timeout_s: float) -> Config:
 # Past one database.timeout_s, short of two: what a client that allows for one waits.
 _PAST_ONE = 1.6
 
+# database.timeout_s of the tests whose upload the database takes before the outage they are
+# about: a request's whole budget of SQL time, which a PUT's rows (through the forwarder, in
+# the test process, to PostgreSQL) overran at 1 s on a loaded CI machine, a 503 before the
+# outage had begun.
+_UPLOADS_THEN_OUTAGE_S = 2.5
+
 
 def past_one_timeout(timeout_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=timeout_s * _PAST_ONE)
@@ -702,7 +708,7 @@ async def test_an_upload_s_row_committed_unanswered_while_the_database_stays_awa
     /healthz is degraded until then."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     token = "admin-token-of-this-test"
-    cfg = replace(with_database_timeout(cfg, 1.0),
+    cfg = replace(with_database_timeout(cfg, _UPLOADS_THEN_OUTAGE_S),
                   upstreams=(fast_upstream(faults.url_for("notfound")),),
                   upload=UploadConfig(admin_tokens=(token,)))
     sg = await start_symgate(config=cfg)
@@ -780,7 +786,7 @@ async def test_a_delete_whose_commit_went_unanswered_removes_the_file_it_removed
     asked where the database answers again."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     token = "admin-token-of-this-test"
-    cfg = replace(cfg, database=replace(cfg.database, timeout_s=1.0),
+    cfg = replace(cfg, database=replace(cfg.database, timeout_s=_UPLOADS_THEN_OUTAGE_S),
                   upstreams=(fast_upstream(faults.url_for("notfound")),),
                   upload=UploadConfig(admin_tokens=(token,)))
     sg = await start_symgate(config=cfg)
@@ -807,7 +813,7 @@ async def test_a_delete_committed_unanswered_while_the_database_stays_away_remov
     database asks, and removes it; /healthz is degraded until then."""
     forwarder, cfg = await _behind_forwarder(database_url, tmp_path, faults)
     token = "admin-token-of-this-test"
-    cfg = replace(with_database_timeout(cfg, 1.0),
+    cfg = replace(with_database_timeout(cfg, _UPLOADS_THEN_OUTAGE_S),
                   cache=replace(cfg.cache, purge_poll_s=0.1),
                   upstreams=(fast_upstream(faults.url_for("notfound")),),
                   upload=UploadConfig(admin_tokens=(token,)))
