@@ -173,8 +173,8 @@ def make_config(
 # (tests/faults.py): the test says when it comes. Under 2 s limits, a loaded machine that
 # stalled the test process's loop (the upstream, the server and the clients share it) past
 # them between two steps turned the hold into a retry or a body cut at half, which such a
-# test is not about (two CI failures, test_cold_streaming's and test_bucket's, each then
-# given its own longer limit). A test that wants a hold to time out says so with its own.
+# test is not about (a CI failure of test_bucket's). 15 s: what that test had been given
+# alone. A test that wants a hold to time out says so with its own limit.
 _HELD_MODES = ("/hold", "/hold500", "/hold404", "/hold-wrong", "/held")
 
 
@@ -186,7 +186,7 @@ def fast_upstream(url: str, **kw: Any) -> UpstreamConfig:
                                     retry_backoff_s=0.05, breaker_failures=0,
                                     failed_file_rest_s=0)
     if url.endswith(_HELD_MODES):
-        defaults.update(first_byte_timeout_s=30, read_timeout_s=30)
+        defaults.update(first_byte_timeout_s=15, read_timeout_s=15)
     defaults.update(kw)
     return UpstreamConfig(url=url, **defaults)
 
