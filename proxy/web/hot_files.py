@@ -102,7 +102,7 @@ def private_to_asker(request: web.BaseRequest) -> dict[str, str]:
     sends it (a bearer token, a tenant's name): `Cache-Control: private`, where `public` let a
     shared HTTP cache in front of symgate store it, though the request had a bearer token,
     and give it to anyone asking the same URL (a tenant's own file, or past a site's token
-    wall). None for an anonymous request."""
+    wall). Empty for an anonymous request."""
     if "Authorization" in request.headers or "X-Scope-OrgID" in request.headers:
         return {"Cache-Control": "private"}
     return {}
